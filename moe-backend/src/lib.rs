@@ -1,0 +1,19 @@
+//! # moe-backend
+//!
+//! Mixture-of-Experts compute for Burn, following Megatron-Core's four phases of an MoE layer:
+//!
+//! 1. **route**: [`router::TopKRouter`] scores tokens, picks top-k experts (optionally
+//!    group-limited, with capacity dropping/padding) and attaches load-balancing losses;
+//! 2. **dispatch**: [`ops::permute`] gathers token rows into expert-major order;
+//! 3. **compute**: [`experts::GroupedExperts`] runs every expert's SwiGLU as grouped GEMMs
+//!    ([`ops::grouped_matmul`]);
+//! 4. **combine**: [`ops::unpermute`] scatter-adds the k copies of every token back.
+//!
+//! [`layer::MoeLayer`] strings the four phases together on one rank (plus shared experts).
+//! The kernels are a Burn backend extension, [`ops::MoeOps`], implemented for the Flex CPU
+//! backend with hand-written backward passes for `Autodiff`.
+
+pub mod error;
+pub mod ops;
+
+pub use error::{BackendError, Result};
