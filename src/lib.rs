@@ -1,1 +1,21 @@
+//! # burn-moe
+//!
+//! Megatron-Core-style Mixture-of-Experts training for the [Burn](https://burn.dev) deep-learning
+//! framework. This facade re-exports the three crates of the workspace:
+//!
+//! - [`backend`] (`moe-backend`): the MoE compute core — router, permutation, grouped GEMM,
+//!   experts and the single-rank [`backend::layer::MoeLayer`], as a Burn backend extension;
+//! - [`models`] (`moe-models`): model building blocks and HF configuration parsing;
+//! - [`bridge`] (`moe-bridge`): HuggingFace safetensors I/O.
 
+pub use moe_backend as backend;
+pub use moe_bridge as bridge;
+pub use moe_models as models;
+
+/// Installs a `tracing` subscriber printing structured logs to stderr, filtered by `RUST_LOG`
+/// (default `info`). Safe to call more than once.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

@@ -14,6 +14,11 @@
 //! backend with hand-written backward passes for `Autodiff`.
 
 pub mod error;
+pub mod experts;
+pub mod layer;
 pub mod ops;
+pub mod router;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use error::{BackendError, Result};

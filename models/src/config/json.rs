@@ -52,6 +52,11 @@ impl JsonObject {
         self.map.contains_key(key)
     }
 
+    /// Whether `key` is present and `null`.
+    pub(crate) fn is_null(&self, key: &str) -> bool {
+        matches!(self.map.get(key), Some(Value::Null))
+    }
+
     /// The keys nobody consumed.
     pub(crate) fn into_remaining(self) -> Map<String, Value> {
         self.map
@@ -66,7 +71,10 @@ impl JsonObject {
     }
 
     /// A non-negative integer; `None` if absent or `null`.
-    pub(crate) fn nullable_usize(&mut self, key: &'static str) -> Result<Option<usize>, ModelError> {
+    pub(crate) fn nullable_usize(
+        &mut self,
+        key: &'static str,
+    ) -> Result<Option<usize>, ModelError> {
         match self.take(key) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => self.as_usize(key, &v).map(Some),
@@ -74,7 +82,11 @@ impl JsonObject {
     }
 
     /// A non-negative integer, `default` if absent.
-    pub(crate) fn usize_or(&mut self, key: &'static str, default: usize) -> Result<usize, ModelError> {
+    pub(crate) fn usize_or(
+        &mut self,
+        key: &'static str,
+        default: usize,
+    ) -> Result<usize, ModelError> {
         Ok(self.opt_usize(key)?.unwrap_or(default))
     }
 
@@ -93,7 +105,9 @@ impl JsonObject {
     pub(crate) fn f64_or(&mut self, key: &'static str, default: f64) -> Result<f64, ModelError> {
         match self.take(key) {
             None => Ok(default),
-            Some(v) => v.as_f64().ok_or_else(|| self.wrong_type(key, "a number", &v)),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| self.wrong_type(key, "a number", &v)),
         }
     }
 

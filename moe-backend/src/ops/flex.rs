@@ -10,29 +10,37 @@ use burn::backend::{
 };
 use burn::tensor::{DType, Shape, TensorData};
 use burn_flex::FlexTensor;
+use std::borrow::Cow;
 
 use super::MoeOps;
 use super::kernels::{self, GemmWeightLayout, KernelFloat};
 
-/// Host copy of a float tensor in its computation type.
-enum HostFloat {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
+/// Host view of a float tensor in a computation type: borrowed when the tensor is already a
+/// contiguous f32/f64 buffer, converted otherwise.
+enum HostFloat<'a> {
+    F32(Cow<'a, [f32]>),
+    F64(Cow<'a, [f64]>),
 }
 
 /// The float dtype a kernel result must be returned in.
 #[derive(Clone, Copy)]
 struct OutDType(DType);
 
-fn host_float(t: &FlexTensor, op: &str) -> (HostFloat, OutDType) {
+fn host_float<'a>(t: &'a FlexTensor, op: &str) -> (HostFloat<'a>, OutDType) {
     let dtype = t.dtype();
-    let data = t.clone().into_data();
     let host = match dtype {
-        DType::F64 => HostFloat::F64(expect_vec(data.try_into_vec::<f64>(), op)),
-        DType::F32 => HostFloat::F32(expect_vec(data.try_into_vec::<f32>(), op)),
-        DType::F16 | DType::BF16 => {
-            HostFloat::F32(expect_vec(data.convert::<f32>().try_into_vec::<f32>(), op))
-        }
+        DType::F64 => HostFloat::F64(match t.as_slice::<f64>() {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(expect_vec(t.clone().into_data().try_into_vec::<f64>(), op)),
+        }),
+        DType::F32 => HostFloat::F32(match t.as_slice::<f32>() {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(expect_vec(t.clone().into_data().try_into_vec::<f32>(), op)),
+        }),
+        DType::F16 | DType::BF16 => HostFloat::F32(Cow::Owned(expect_vec(
+            t.clone().into_data().convert::<f32>().try_into_vec::<f32>(),
+            op,
+        ))),
         other => panic!("{op}: unsupported float dtype {other:?} on Flex"),
     };
     (host, OutDType(dtype))
@@ -44,17 +52,17 @@ fn expect_vec<T>(v: Result<Vec<T>, burn::tensor::DataError>, op: &str) -> Vec<T>
 
 /// A kernel compute type that host buffers convert into and results convert out of.
 trait Compute: KernelFloat {
-    /// Converts a host buffer into this compute type (no copy when it already matches).
-    fn from_host(h: HostFloat) -> Vec<Self>;
+    /// Views a host buffer in this compute type (no copy when it already matches).
+    fn from_host(h: HostFloat<'_>) -> Cow<'_, [Self]>;
     /// Wraps a result as a tensor of dtype `out`.
     fn into_tensor(v: Vec<Self>, shape: Shape, out: OutDType) -> FlexTensor;
 }
 
 impl Compute for f32 {
-    fn from_host(h: HostFloat) -> Vec<Self> {
+    fn from_host(h: HostFloat<'_>) -> Cow<'_, [Self]> {
         match h {
             HostFloat::F32(v) => v,
-            HostFloat::F64(v) => v.into_iter().map(|x| x as f32).collect(),
+            HostFloat::F64(v) => Cow::Owned(v.iter().map(|&x| x as f32).collect()),
         }
     }
     fn into_tensor(v: Vec<Self>, shape: Shape, out: OutDType) -> FlexTensor {
@@ -63,10 +71,10 @@ impl Compute for f32 {
 }
 
 impl Compute for f64 {
-    fn from_host(h: HostFloat) -> Vec<Self> {
+    fn from_host(h: HostFloat<'_>) -> Cow<'_, [Self]> {
         match h {
             HostFloat::F64(v) => v,
-            HostFloat::F32(v) => v.into_iter().map(f64::from).collect(),
+            HostFloat::F32(v) => Cow::Owned(v.iter().map(|&x| f64::from(x)).collect()),
         }
     }
     fn into_tensor(v: Vec<Self>, shape: Shape, out: OutDType) -> FlexTensor {
@@ -145,10 +153,10 @@ fn unpermute_impl(
     assert_eq!(idx.len(), n, "{op}: {n} rows but {} indices", idx.len());
     check_bounds(op, &idx, num_tokens);
     let (host, out) = host_float(&rows, op);
-    let probs = probs.map(|p| host_float(&p, op).0);
+    let probs = probs.as_ref().map(|p| host_float(p, op).0);
     with_compute_type!(out, Shape::new([num_tokens, h]), |T| {
-        let rows: Vec<T> = T::from_host(host);
-        let probs: Option<Vec<T>> = probs.map(T::from_host);
+        let rows = T::from_host(host);
+        let probs = probs.map(T::from_host);
         if let Some(p) = &probs {
             assert_eq!(p.len(), n, "{op}: {} probs for {n} rows", p.len());
         }
@@ -192,10 +200,7 @@ impl MoeOps for Flex {
         let [t, e] = dims2(&scores, op);
         assert!(k <= e, "{op}: k = {k} exceeds {e} columns");
         let (host, _) = host_float(&scores, op);
-        let values: Vec<f64> = match host {
-            HostFloat::F32(v) => v.into_iter().map(f64::from).collect(),
-            HostFloat::F64(v) => v,
-        };
+        let values = <f64 as Compute>::from_host(host);
         let mut out = vec![0i32; t * k];
         let mut order: Vec<usize> = Vec::with_capacity(e);
         for (row, dst) in values.chunks_exact(e.max(1)).zip(out.chunks_exact_mut(k.max(1))) {
@@ -281,8 +286,8 @@ impl MoeOps for Flex {
         let (xh, out) = host_float(&x, op);
         let (wh, _) = host_float(&weights, op);
         with_compute_type!(out, Shape::new([n, m]), |T| {
-            let xv: Vec<T> = T::from_host(xh);
-            let wv: Vec<T> = T::from_host(wh);
+            let xv = T::from_host(xh);
+            let wv = T::from_host(wh);
             kernels::grouped_gemm(&xv, k, &wv, m, &sizes, layout)
         })
     }
@@ -302,8 +307,8 @@ impl MoeOps for Flex {
         let (ah, out) = host_float(&lhs, op);
         let (bh, _) = host_float(&rhs, op);
         with_compute_type!(out, Shape::new([sizes.len(), p, q]), |T| {
-            let av: Vec<T> = T::from_host(ah);
-            let bv: Vec<T> = T::from_host(bh);
+            let av = T::from_host(ah);
+            let bv = T::from_host(bh);
             kernels::grouped_gemm_wgrad(&av, p, &bv, q, &sizes)
         })
     }

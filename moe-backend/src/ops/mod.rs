@@ -12,6 +12,8 @@
 mod autodiff;
 mod flex;
 pub mod kernels;
+#[cfg(test)]
+mod tests;
 
 use burn::backend::{
     Backend, Dispatch, backend_extension,
@@ -239,11 +241,17 @@ pub fn permute_with_indices(
             detail: format!("weights have shape {:?}, expected [{t}, {k}]", w.dims()),
         });
     }
-    let max = indices.clone().max().into_scalar_usize_checked();
-    if t > 0 && k > 0 && max >= num_experts {
+    let (min, max) = if t > 0 && k > 0 {
+        let host = indices.clone().into_data().convert::<i64>();
+        let v = host.try_into_vec::<i64>().unwrap_or_default();
+        (v.iter().copied().min().unwrap_or(0), v.iter().copied().max().unwrap_or(0))
+    } else {
+        (0, 0)
+    };
+    if min < 0 || max >= num_experts as i64 {
         return Err(BackendError::Index {
             op: "permute_with_indices",
-            detail: format!("expert index {max} out of range for {num_experts} experts"),
+            detail: format!("expert indices span {min}..={max}, valid is 0..{num_experts}"),
         });
     }
     let map = routing_map_from_indices(indices.clone(), num_experts);
@@ -476,13 +484,3 @@ pub fn usize_to_int_tensor(values: &[usize], device: &burn::tensor::Device) -> R
     Ok(Tensor::from_data(TensorData::new(ints, [values.len()]), device))
 }
 
-/// Small helper trait: read a scalar int tensor as `usize` (negative -> 0).
-trait ScalarUsize {
-    fn into_scalar_usize_checked(self) -> usize;
-}
-
-impl ScalarUsize for Tensor<1, Int> {
-    fn into_scalar_usize_checked(self) -> usize {
-        int_tensor_to_usize(self).first().copied().unwrap_or(0)
-    }
-}

@@ -1,0 +1,333 @@
+use super::*;
+
+/// `config.json` of Qwen/Qwen3-30B-A3B (transformers 4.51 spelling).
+const QWEN3_30B_A3B: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "decoder_sparse_step": 1,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 6144,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 48,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768,
+  "norm_topk_prob": true,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 4,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+}"#;
+
+/// The tiny fixture of models.md §8 as transformers 5.23 writes it.
+const TINY_523: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "dtype": "float32",
+  "head_dim": 32,
+  "hidden_size": 64,
+  "intermediate_size": 128,
+  "max_position_embeddings": 512,
+  "mlp_only_layers": [0],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 32,
+  "norm_topk_prob": true,
+  "num_attention_heads": 4,
+  "num_experts_per_tok": 2,
+  "num_hidden_layers": 3,
+  "num_key_value_heads": 2,
+  "num_local_experts": 8,
+  "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+  "vocab_size": 256
+}"#;
+
+/// `TINY_523` with one top-level key replaced (or added); `value` is raw JSON.
+fn tiny_with(key: &str, value: &str) -> String {
+    let mut v: Value = serde_json::from_str(TINY_523).unwrap();
+    v[key] = serde_json::from_str(value).unwrap();
+    v.to_string()
+}
+
+fn tiny_without(key: &str) -> String {
+    let mut v: Value = serde_json::from_str(TINY_523).unwrap();
+    v.as_object_mut().unwrap().remove(key);
+    v.to_string()
+}
+
+fn invalid_field(result: Result<Qwen3MoeConfig, ModelError>) -> String {
+    match result {
+        Err(ModelError::InvalidValue { field, .. }) => field,
+        other => panic!("expected InvalidValue, got {other:?}"),
+    }
+}
+
+#[test]
+fn parses_qwen3_30b_a3b() {
+    let c = Qwen3MoeConfig::from_json_str(QWEN3_30B_A3B).unwrap();
+    assert_eq!(c.hidden_size, 2048);
+    assert_eq!(c.head_dim, 128);
+    assert_eq!(c.num_experts, 128);
+    assert_eq!(c.num_experts_per_tok, 8);
+    assert!(c.norm_topk_prob);
+    assert_eq!(c.num_hidden_layers, 48);
+    assert_eq!(c.max_position_embeddings, 40960);
+    assert_eq!(c.rope_parameters.rope_theta, 1e6);
+    assert_eq!(c.rope_parameters.scaling, RopeScaling::Default);
+    assert_eq!(c.dtype.as_deref(), Some("bfloat16"));
+    assert_eq!(c.num_moe_layers(), 48);
+    // Keys we do not interpret survive verbatim, interpreted ones do not.
+    assert_eq!(c.extra["bos_token_id"], 151643);
+    assert_eq!(c.extra["sliding_window"], Value::Null);
+    assert_eq!(c.extra["architectures"][0], "Qwen3MoeForCausalLM");
+    for key in [
+        "hidden_size",
+        "torch_dtype",
+        "rope_theta",
+        "model_type",
+        "use_sliding_window",
+    ] {
+        assert!(
+            !c.extra.contains_key(key),
+            "{key} should have been consumed"
+        );
+    }
+}
+
+#[test]
+fn parses_523_spelling_and_layer_types() {
+    let c = Qwen3MoeConfig::from_json_str(TINY_523).unwrap();
+    assert_eq!(c.num_experts, 8);
+    assert_eq!(c.dtype.as_deref(), Some("float32"));
+    assert_eq!(c.rope_parameters.rope_theta, 1e6);
+    assert_eq!(
+        (c.head_dim, c.hidden_size / c.num_attention_heads),
+        (32, 16)
+    );
+    assert_eq!(
+        (0..3).map(|l| c.is_moe_layer(l)).collect::<Vec<_>>(),
+        [false, true, true]
+    );
+    assert_eq!(c.num_moe_layers(), 2);
+}
+
+#[test]
+fn absent_keys_take_hf_defaults() {
+    let c = Qwen3MoeConfig::from_json_str(r#"{"model_type": "qwen3_moe"}"#).unwrap();
+    assert_eq!(c, Qwen3MoeConfig::default());
+    assert_eq!(c.num_key_value_heads, 4);
+    assert_eq!(c.head_dim, 64);
+    let c = Qwen3MoeConfig::from_json_str(&tiny_with("mlp_only_layers", "null")).unwrap();
+    assert!(c.mlp_only_layers.is_empty());
+    let c = Qwen3MoeConfig::from_json_str(&tiny_with("head_dim", "null")).unwrap();
+    assert_eq!(c.head_dim, 16);
+    let c = Qwen3MoeConfig::from_json_str(&tiny_without("num_key_value_heads")).unwrap();
+    assert_eq!(c.num_key_value_heads, 4);
+}
+
+#[test]
+fn both_spellings_must_agree() {
+    let same = tiny_with("num_experts", "8");
+    assert_eq!(Qwen3MoeConfig::from_json_str(&same).unwrap().num_experts, 8);
+    let err = Qwen3MoeConfig::from_json_str(&tiny_with("num_experts", "16")).unwrap_err();
+    assert!(matches!(
+        err,
+        ModelError::ConflictingFields {
+            first: "num_experts",
+            second: "num_local_experts",
+            ..
+        }
+    ));
+    let err = Qwen3MoeConfig::from_json_str(&tiny_with("torch_dtype", "\"bfloat16\"")).unwrap_err();
+    assert!(matches!(
+        err,
+        ModelError::ConflictingFields { first: "dtype", .. }
+    ));
+}
+
+#[test]
+fn cross_field_rules_name_the_field() {
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with("num_experts_per_tok", "9"));
+    assert_eq!(invalid_field(r), "num_experts_per_tok");
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with("num_key_value_heads", "3"));
+    assert_eq!(invalid_field(r), "num_key_value_heads");
+    // hidden 66 is not divisible by 4 heads: fine with head_dim, an error without.
+    let odd = tiny_with("hidden_size", "66");
+    assert_eq!(Qwen3MoeConfig::from_json_str(&odd).unwrap().head_dim, 32);
+    let mut v: Value = serde_json::from_str(&odd).unwrap();
+    v.as_object_mut().unwrap().remove("head_dim");
+    let err = Qwen3MoeConfig::from_json_str(&v.to_string()).unwrap_err();
+    assert!(err.to_string().contains("`hidden_size`"), "{err}");
+    assert_eq!(invalid_field(Err(err)), "hidden_size");
+}
+
+#[test]
+fn zero_sizes_are_rejected() {
+    for field in [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "decoder_sparse_step",
+        "max_position_embeddings",
+        "num_experts_per_tok",
+    ] {
+        let r = Qwen3MoeConfig::from_json_str(&tiny_with(field, "0"));
+        assert_eq!(invalid_field(r), field);
+    }
+    // Zero experts is a dense model, not an error.
+    let dense = tiny_with("num_local_experts", "0");
+    let c = Qwen3MoeConfig::from_json_str(&dense).unwrap();
+    assert_eq!(c.num_moe_layers(), 0);
+}
+
+#[test]
+fn wrong_types_and_nulls() {
+    for (field, value) in [
+        ("hidden_size", "\"64\""),
+        ("hidden_size", "-64"),
+        ("hidden_size", "64.5"),
+        ("hidden_size", "null"),
+        ("rms_norm_eps", "\"1e-6\""),
+        ("norm_topk_prob", "1"),
+        ("mlp_only_layers", "[0, -1]"),
+        ("rope_parameters", "[]"),
+    ] {
+        match Qwen3MoeConfig::from_json_str(&tiny_with(field, value)) {
+            Err(ModelError::WrongType { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{field} = {value}: expected WrongType, got {other:?}"),
+        }
+    }
+    let err = Qwen3MoeConfig::from_json_str(&tiny_with("num_key_value_heads", "null")).unwrap_err();
+    assert!(matches!(
+        err,
+        ModelError::MissingField {
+            field: "num_key_value_heads",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn unsupported_features_are_rejected() {
+    let err = Qwen3MoeConfig::from_json_str(&tiny_with("model_type", "\"qwen3\"")).unwrap_err();
+    assert!(matches!(err, ModelError::WrongModelType { .. }));
+    let err = Qwen3MoeConfig::from_json_str(&tiny_without("model_type")).unwrap_err();
+    assert!(err.to_string().contains("model_type"));
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with("hidden_act", "\"gelu\""));
+    assert_eq!(invalid_field(r), "hidden_act");
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with("use_sliding_window", "true"));
+    assert_eq!(invalid_field(r), "use_sliding_window");
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with("rms_norm_eps", "0"));
+    assert_eq!(invalid_field(r), "rms_norm_eps");
+}
+
+#[test]
+fn invalid_json_is_an_error() {
+    for text in ["", "{", "[1, 2]", "{\"model_type\": \"qwen3_moe\",}"] {
+        let err = Qwen3MoeConfig::from_json_str(text).unwrap_err();
+        assert!(
+            matches!(err, ModelError::InvalidJson { .. }),
+            "{text:?}: {err:?}"
+        );
+    }
+}
+
+#[test]
+fn moe_layer_rule() {
+    let c = Qwen3MoeConfig {
+        num_hidden_layers: 8,
+        decoder_sparse_step: 2,
+        mlp_only_layers: vec![3, 100],
+        ..Qwen3MoeConfig::default()
+    };
+    let moe: Vec<usize> = (0..8).filter(|&l| c.is_moe_layer(l)).collect();
+    assert_eq!(moe, [1, 5, 7]);
+    let broken = Qwen3MoeConfig {
+        decoder_sparse_step: 0,
+        ..c.clone()
+    };
+    assert!(!broken.is_moe_layer(1)); // no division by zero
+    let dense = Qwen3MoeConfig {
+        num_experts: 0,
+        ..c
+    };
+    assert_eq!(dense.num_moe_layers(), 0);
+}
+
+#[test]
+fn legacy_yarn_rope_scaling_gets_hf_defaults() {
+    let mut v: Value = serde_json::from_str(TINY_523).unwrap();
+    let obj = v.as_object_mut().unwrap();
+    obj.remove("rope_parameters");
+    obj.insert("rope_theta".into(), 10000.into());
+    obj.insert("original_max_position_embeddings".into(), 128.into());
+    obj.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"type": "yarn", "factor": null, "beta_fast": 0, "beta_slow": null}),
+    );
+    let c = Qwen3MoeConfig::from_json_str(&v.to_string()).unwrap();
+    assert_eq!(c.rope_parameters.rope_type(), "yarn");
+    let RopeScaling::Yarn(y) = c.rope_parameters.scaling else {
+        panic!("expected yarn");
+    };
+    assert_eq!(y.original_max_position_embeddings, 128);
+    assert_eq!(y.factor, 4.0); // 512 / 128
+    assert_eq!((y.beta_fast, y.beta_slow), (32.0, 1.0));
+    assert!(y.truncate);
+    assert!(!c.extra.contains_key("original_max_position_embeddings"));
+
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with(
+        "rope_parameters",
+        r#"{"rope_type": "linear", "factor": 2.0}"#,
+    ));
+    assert_eq!(invalid_field(r), "rope_parameters.rope_type");
+    let r = Qwen3MoeConfig::from_json_str(&tiny_with(
+        "rope_parameters",
+        r#"{"rope_type": "default", "rope_theta": 0}"#,
+    ));
+    assert_eq!(invalid_field(r), "rope_theta");
+}
+
+#[test]
+fn from_file_names_the_path() {
+    let dir = std::env::temp_dir().join(format!("moe-models-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("missing.json");
+    let err = Qwen3MoeConfig::from_file(&missing).unwrap_err();
+    assert!(matches!(err, ModelError::Io { .. }));
+    assert!(err.to_string().contains("missing.json"));
+
+    let bad = dir.join("config.json");
+    std::fs::write(&bad, tiny_with("num_experts_per_tok", "9")).unwrap();
+    let err = Qwen3MoeConfig::from_file(&bad).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("config.json") && text.contains("num_experts_per_tok"),
+        "{text}"
+    );
+    std::fs::write(&bad, TINY_523).unwrap();
+    assert_eq!(Qwen3MoeConfig::from_file(&bad).unwrap().num_experts, 8);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,7 @@
+//! Building blocks shared by the model families (models.md §1).
+
+pub mod mlp;
+pub mod rms_norm;
+
+pub use mlp::{Mlp, MlpConfig};
+pub use rms_norm::{RmsNorm, RmsNormConfig};

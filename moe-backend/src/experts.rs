@@ -1,0 +1,225 @@
+//! Expert MLPs: [`GroupedExperts`] (all routed experts of a rank as grouped GEMMs) and
+//! [`SharedExperts`] (a dense SwiGLU applied to every token), moe-ops §8 and §10.
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::tensor::activation::{gelu, sigmoid, silu};
+use burn::tensor::{Device, Int, Tensor};
+
+use crate::error::BackendError;
+use crate::ops::{GroupSizes, WeightLayout, grouped_matmul, usize_to_int_tensor};
+
+/// Activation of the expert FFN.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum ExpertActivation {
+    /// Gated SiLU: `fc1` rows are `[gate; up]`, `z = silu(gate) ⊙ up`.
+    SwiGlu,
+    /// Plain SiLU on `fc1`'s output.
+    Silu,
+    /// Plain (erf) GELU on `fc1`'s output.
+    Gelu,
+}
+
+impl ExpertActivation {
+    /// Whether `fc1` produces a gate and an up half.
+    pub fn is_gated(self) -> bool {
+        matches!(self, Self::SwiGlu)
+    }
+}
+
+/// Configuration of [`GroupedExperts`].
+#[derive(Config, Debug)]
+pub struct GroupedExpertsConfig {
+    /// Experts held by this module (`L`, local experts).
+    pub num_experts: usize,
+    /// Hidden size `H`.
+    pub hidden_size: usize,
+    /// Expert FFN width `F` (`moe_ffn_hidden_size`).
+    pub ffn_hidden_size: usize,
+    /// Activation.
+    #[config(default = "ExpertActivation::SwiGlu")]
+    pub activation: ExpertActivation,
+    /// Add per-expert biases to fc1 and fc2 (only valid without expert tensor parallelism).
+    #[config(default = false)]
+    pub bias: bool,
+    /// Standard deviation of the normal weight initialisation.
+    #[config(default = 0.02)]
+    pub init_std: f64,
+}
+
+impl GroupedExpertsConfig {
+    /// Builds the module, validating sizes.
+    pub fn init(&self, device: &Device) -> crate::Result<GroupedExperts> {
+        for (field, v) in [
+            ("num_experts", self.num_experts),
+            ("hidden_size", self.hidden_size),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+        ] {
+            if v == 0 {
+                return Err(BackendError::Config { field, detail: "must be positive".into() });
+            }
+        }
+        let (l, h, f) = (self.num_experts, self.hidden_size, self.ffn_hidden_size);
+        let fc1_out = if self.activation.is_gated() { 2 * f } else { f };
+        let init = Initializer::Normal { mean: 0.0, std: self.init_std };
+        Ok(GroupedExperts {
+            fc1: init.init([l, fc1_out, h], device),
+            fc2: init.init([l, h, f], device),
+            fc1_bias: self.bias.then(|| Initializer::Zeros.init([l, fc1_out], device)),
+            fc2_bias: self.bias.then(|| Initializer::Zeros.init([l, h], device)),
+            activation: self.activation,
+        })
+    }
+}
+
+/// The routed experts of one rank, computed with grouped GEMMs over expert-major rows.
+///
+/// Weights use PyTorch orientation (`[out, in]`), stacked over experts:
+/// `fc1 [L, 2F, H]` with rows `[gate (F); up (F)]` for SwiGLU, `fc2 [L, H, F]`.
+/// Probabilities are applied after the activation and before `fc2` (moe-ops §8 step 4).
+#[derive(Module, Debug)]
+pub struct GroupedExperts {
+    /// `[L, 2F, H]` (gated) or `[L, F, H]`.
+    pub fc1: Param<Tensor<3>>,
+    /// `[L, H, F]`.
+    pub fc2: Param<Tensor<3>>,
+    /// Optional `[L, 2F]` / `[L, F]` fc1 bias.
+    pub fc1_bias: Option<Param<Tensor<2>>>,
+    /// Optional `[L, H]` fc2 bias (scaled by the routing prob, moe-ops §8 step 5).
+    pub fc2_bias: Option<Param<Tensor<2>>>,
+    /// Activation.
+    #[module(skip)]
+    pub activation: ExpertActivation,
+}
+
+impl GroupedExperts {
+    /// Number of experts `L`.
+    pub fn num_experts(&self) -> usize {
+        self.fc1.dims()[0]
+    }
+
+    /// Expert FFN width `F`.
+    pub fn ffn_hidden_size(&self) -> usize {
+        self.fc2.dims()[2]
+    }
+
+    /// Runs every expert on its segment of `rows [N, H]` (expert-major, `tokens_per_expert`
+    /// rows each) with per-row routing weights `probs [N]`; returns `[N, H]`.
+    pub fn forward(&self, rows: Tensor<2>, tokens_per_expert: &[usize], probs: Tensor<1>) -> crate::Result<Tensor<2>> {
+        let [n, h] = rows.dims();
+        let l = self.num_experts();
+        if tokens_per_expert.len() != l {
+            return Err(BackendError::Shape {
+                op: "GroupedExperts::forward",
+                detail: format!("{} token counts for {l} experts", tokens_per_expert.len()),
+            });
+        }
+        if probs.dims() != [n] {
+            return Err(BackendError::Shape {
+                op: "GroupedExperts::forward",
+                detail: format!("probs have shape {:?}, expected [{n}]", probs.dims()),
+            });
+        }
+        if h != self.fc1.dims()[2] {
+            return Err(BackendError::Shape {
+                op: "GroupedExperts::forward",
+                detail: format!("rows have hidden size {h}, experts expect {}", self.fc1.dims()[2]),
+            });
+        }
+        let device = rows.device();
+        let sizes_t = usize_to_int_tensor(tokens_per_expert, &device)?;
+        let sizes = GroupSizes::Host(tokens_per_expert.to_vec());
+        // Group id of every row, for the optional per-expert biases.
+        let row_expert = || -> crate::Result<Tensor<1, Int>> {
+            let ids: Vec<usize> = tokens_per_expert
+                .iter()
+                .enumerate()
+                .flat_map(|(e, &c)| std::iter::repeat_n(e, c))
+                .collect();
+            usize_to_int_tensor(&ids, &device)
+        };
+        let mut hidden = grouped_matmul(rows, self.fc1.val(), &sizes, WeightLayout::OutIn)?;
+        if let Some(b) = &self.fc1_bias {
+            hidden = hidden + b.val().select(0, row_expert()?);
+        }
+        let f = self.ffn_hidden_size();
+        let z = match self.activation {
+            ExpertActivation::SwiGlu => {
+                let gate = hidden.clone().slice([0..n, 0..f]);
+                let up = hidden.slice([0..n, f..2 * f]);
+                silu(gate) * up
+            }
+            ExpertActivation::Silu => silu(hidden),
+            ExpertActivation::Gelu => gelu(hidden),
+        };
+        let p = probs.reshape([n, 1]);
+        let z = z * p.clone();
+        let mut out = grouped_matmul(z, self.fc2.val(), &GroupSizes::Device(sizes_t), WeightLayout::OutIn)?;
+        if let Some(b) = &self.fc2_bias {
+            out = out + b.val().select(0, row_expert()?) * p;
+        }
+        Ok(out)
+    }
+}
+
+/// Configuration of [`SharedExperts`].
+#[derive(Config, Debug)]
+pub struct SharedExpertsConfig {
+    /// Hidden size `H`.
+    pub hidden_size: usize,
+    /// FFN width (`moe_ffn_hidden_size · n_shared_experts`).
+    pub ffn_hidden_size: usize,
+    /// Scale the output by `sigmoid(x · g)` with a learned `g [1, H]` (Qwen2-MoE style).
+    #[config(default = false)]
+    pub gate: bool,
+}
+
+impl SharedExpertsConfig {
+    /// Builds the module.
+    pub fn init(&self, device: &Device) -> crate::Result<SharedExperts> {
+        if self.hidden_size == 0 || self.ffn_hidden_size == 0 {
+            return Err(BackendError::Config {
+                field: "ffn_hidden_size",
+                detail: "shared expert sizes must be positive".into(),
+            });
+        }
+        let (h, f) = (self.hidden_size, self.ffn_hidden_size);
+        let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
+        Ok(SharedExperts {
+            gate_proj: linear(h, f),
+            up_proj: linear(h, f),
+            down_proj: linear(f, h),
+            gate: self.gate.then(|| linear(h, 1)),
+        })
+    }
+}
+
+/// Dense SwiGLU MLP applied to every token and added to the routed output (moe-ops §10):
+/// `y = down(silu(gate(x)) ⊙ up(x))`, optionally `y ⊙= sigmoid(x · g)`.
+#[derive(Module, Debug)]
+pub struct SharedExperts {
+    /// `H -> F` gate projection.
+    pub gate_proj: Linear,
+    /// `H -> F` up projection.
+    pub up_proj: Linear,
+    /// `F -> H` down projection.
+    pub down_proj: Linear,
+    /// Optional `H -> 1` output gate.
+    pub gate: Option<Linear>,
+}
+
+impl SharedExperts {
+    /// `x [T, H] -> [T, H]`.
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let z = silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x.clone());
+        let y = self.down_proj.forward(z);
+        match &self.gate {
+            Some(g) => y * sigmoid(g.forward(x)),
+            None => y,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

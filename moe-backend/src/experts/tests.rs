@@ -1,0 +1,178 @@
+//! Grouped experts against a sequential per-expert reference (Megatron's `SequentialMLP`).
+
+use burn::module::Module;
+use burn::tensor::activation::silu;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+
+use super::*;
+use crate::ops::{PermuteMode, RowIdMap, permute, unpermute};
+use crate::testing::{SplitMix, assert_close, tensor, values};
+
+fn ad() -> Device {
+    Device::flex().autodiff()
+}
+
+/// Sequential reference: one plain matmul chain per expert, probs after the activation.
+fn sequential(e: &GroupedExperts, rows: Tensor<2>, sizes: &[usize], probs: Tensor<1>) -> Tensor<2> {
+    let [_, h] = rows.dims();
+    let f = e.ffn_hidden_size();
+    let mut parts = Vec::new();
+    let mut row = 0;
+    for (i, &s) in sizes.iter().enumerate() {
+        if s == 0 {
+            continue;
+        }
+        let x = rows.clone().slice([row..row + s]);
+        let p = probs.clone().slice([row..row + s]).reshape([s, 1]);
+        let w1 = e.fc1.val().slice([i..i + 1]).reshape([2 * f, h]);
+        let w2 = e.fc2.val().slice([i..i + 1]).reshape([h, f]);
+        let mut hid = x.matmul(w1.transpose());
+        if let Some(b) = &e.fc1_bias {
+            hid = hid + b.val().slice([i..i + 1]);
+        }
+        let z = silu(hid.clone().slice([0..s, 0..f])) * hid.slice([0..s, f..2 * f]) * p.clone();
+        let mut y = z.matmul(w2.transpose());
+        if let Some(b) = &e.fc2_bias {
+            y = y + b.val().slice([i..i + 1]) * p;
+        }
+        parts.push(y);
+        row += s;
+    }
+    Tensor::cat(parts, 0)
+}
+
+fn randomize(e: GroupedExperts, rng: &mut SplitMix) -> GroupedExperts {
+    let device = ad();
+    let rand = |t: Tensor<3>, rng: &mut SplitMix| {
+        let n = t.dims().iter().product();
+        tensor(rng.values(n), t.dims(), &device, DType::F64).require_grad()
+    };
+    let rand2 = |t: Tensor<2>, rng: &mut SplitMix| {
+        let n = t.dims().iter().product();
+        tensor(rng.values(n), t.dims(), &device, DType::F64).require_grad()
+    };
+    GroupedExperts {
+        fc1: Param::from_tensor(rand(e.fc1.val(), rng)),
+        fc2: Param::from_tensor(rand(e.fc2.val(), rng)),
+        fc1_bias: e.fc1_bias.map(|b| Param::from_tensor(rand2(b.val(), rng))),
+        fc2_bias: e.fc2_bias.map(|b| Param::from_tensor(rand2(b.val(), rng))),
+        activation: e.activation,
+    }
+}
+
+#[test]
+fn grouped_matches_sequential_outputs_and_all_gradients() {
+    let mut rng = SplitMix::new(11);
+    let (h, f, sizes) = (16, 8, vec![3usize, 0, 5, 2]);
+    let n: usize = sizes.iter().sum();
+    for bias in [false, true] {
+        let cfg = GroupedExpertsConfig::new(4, h, f).with_bias(bias);
+        let experts = randomize(cfg.init(&ad()).expect("init"), &mut rng);
+        let xv = rng.values(n * h);
+        let pv = rng.values(n);
+        let rv = rng.values(n * h);
+        let run = |seq: bool| {
+            let x = tensor(xv.clone(), [n, h], &ad(), DType::F64).require_grad();
+            let p = tensor(pv.clone(), [n], &ad(), DType::F64).require_grad();
+            let y = if seq {
+                sequential(&experts, x.clone(), &sizes, p.clone())
+            } else {
+                experts.forward(x.clone(), &sizes, p.clone()).expect("forward")
+            };
+            let grads = (y.clone() * tensor(rv.clone(), [n, h], &ad(), DType::F64)).sum().backward();
+            let mut out = vec![values(y), values(x.grad(&grads).expect("dx")), values(p.grad(&grads).expect("dp"))];
+            out.push(values(experts.fc1.grad(&grads).expect("dfc1")));
+            out.push(values(experts.fc2.grad(&grads).expect("dfc2")));
+            if let (Some(b1), Some(b2)) = (&experts.fc1_bias, &experts.fc2_bias) {
+                out.push(values(b1.grad(&grads).expect("db1")));
+                out.push(values(b2.grad(&grads).expect("db2")));
+            }
+            out
+        };
+        let (ours, reference) = (run(false), run(true));
+        let names = ["output", "d input", "d probs", "d fc1", "d fc2", "d fc1 bias", "d fc2 bias"];
+        for ((a, b), name) in ours.iter().zip(&reference).zip(names) {
+            assert_close(a, b, 1e-10, 1e-12, name);
+        }
+        // Expert 1 has no tokens: its weight gradients are exactly zero.
+        let (f2, hf) = (2 * f * h, h * f);
+        assert!(ours[3][f2..2 * f2].iter().all(|&v| v == 0.0));
+        assert!(ours[4][hf..2 * hf].iter().all(|&v| v == 0.0));
+    }
+}
+
+#[test]
+fn parameter_count_matches_spec() {
+    // moe-ops §16 item 20: H = 12, E = 2, GLU, F = 48 -> experts 2·3·12·48 = 3456.
+    let experts = GroupedExpertsConfig::new(2, 12, 48).init(&Device::flex()).expect("init");
+    assert_eq!(experts.num_params(), 3456);
+    assert_eq!(experts.fc1.dims(), [2, 96, 12]);
+    assert_eq!(experts.fc2.dims(), [2, 12, 48]);
+}
+
+#[test]
+fn probs_before_fc2_equal_probs_after_combine() {
+    let mut rng = SplitMix::new(12);
+    let (t, h, e, f) = (9, 8, 4, 6);
+    let experts = randomize(GroupedExpertsConfig::new(e, h, f).init(&ad()).expect("init"), &mut rng);
+    let mut map = vec![false; t * e];
+    for tok in 0..t {
+        for ex in rng.distinct(e, 2) {
+            map[tok * e + ex] = true;
+        }
+    }
+    let map_t = Tensor::from_data(TensorData::new(map, [t, e]), &ad());
+    let x = tensor(rng.values(t * h), [t, h], &ad(), DType::F64);
+    let probs = tensor(rng.values(t * e), [t, e], &ad(), DType::F64);
+    let perm = permute(x, map_t, Some(probs), PermuteMode::Dropless).expect("permute");
+    let sizes = perm.row_id_map.tokens_per_expert_host();
+    let p = perm.probs.clone().expect("probs");
+    let n = p.dims()[0];
+    let inside = experts.forward(perm.rows.clone(), &sizes, p.clone()).expect("forward");
+    let y1 = unpermute(inside, &perm.row_id_map, None).expect("unpermute");
+    let ones = Tensor::<1>::ones([n], (&ad(), DType::F64));
+    let outside = experts.forward(perm.rows, &sizes, ones).expect("forward");
+    let map: &RowIdMap = &perm.row_id_map;
+    let y2 = unpermute(outside, map, Some(p)).expect("unpermute");
+    assert_close(&values(y1), &values(y2), 1e-12, 1e-12, "probs placement");
+}
+
+#[test]
+fn shared_experts_match_naive_swiglu_with_gate() {
+    let device = Device::flex();
+    let shared = SharedExpertsConfig::new(5, 7).with_gate(true).init(&device).expect("init");
+    let mut rng = SplitMix::new(13);
+    let x = rng.values(3 * 5);
+    let y = values(shared.forward(tensor(x.clone(), [3, 5], &device, DType::F32)));
+    // Burn's Linear stores weight [in, out].
+    let w = |l: &Linear| values(l.weight.val());
+    let (wg, wu, wd) = (w(&shared.gate_proj), w(&shared.up_proj), w(&shared.down_proj));
+    let g = w(shared.gate.as_ref().expect("gate"));
+    for t in 0..3 {
+        let xr = &x[t * 5..(t + 1) * 5];
+        let z: Vec<f64> = (0..7)
+            .map(|j| {
+                let a: f64 = (0..5).map(|i| xr[i] * wg[i * 7 + j]).sum();
+                let b: f64 = (0..5).map(|i| xr[i] * wu[i * 7 + j]).sum();
+                a / (1.0 + (-a).exp()) * b
+            })
+            .collect();
+        let gate: f64 = (0..5).map(|i| xr[i] * g[i]).sum();
+        let gate = 1.0 / (1.0 + (-gate).exp());
+        for o in 0..5 {
+            let v: f64 = (0..7).map(|j| z[j] * wd[j * 5 + o]).sum::<f64>() * gate;
+            assert!((y[t * 5 + o] - v).abs() < 1e-5, "token {t} out {o}: {} vs {v}", y[t * 5 + o]);
+        }
+    }
+}
+
+#[test]
+fn bad_expert_inputs_are_errors() {
+    let device = Device::flex();
+    assert!(matches!(GroupedExpertsConfig::new(0, 4, 4).init(&device), Err(BackendError::Config { .. })));
+    let e = GroupedExpertsConfig::new(2, 4, 4).init(&device).expect("init");
+    let x = tensor(vec![0.0; 8], [2, 4], &device, DType::F32);
+    let p = tensor(vec![1.0; 2], [2], &device, DType::F32);
+    assert!(matches!(e.forward(x.clone(), &[2], p.clone()), Err(BackendError::Shape { .. })));
+    assert!(matches!(e.forward(x, &[1, 2], p), Err(BackendError::SizeSum { .. })));
+}

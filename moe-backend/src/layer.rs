@@ -1,0 +1,126 @@
+//! [`MoeLayer`]: route → dispatch (permute) → experts → combine (unpermute), plus shared
+//! experts, on one rank (moe-ops §11).
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+
+use crate::error::BackendError;
+use crate::experts::{ExpertActivation, GroupedExperts, GroupedExpertsConfig, SharedExperts, SharedExpertsConfig};
+use crate::ops::{PermuteMode, permute, unpermute};
+use crate::router::{RouteOptions, RouterOutput, RouterState, TopKRouter, TopKRouterConfig};
+
+/// Configuration of a [`MoeLayer`].
+#[derive(Config, Debug)]
+pub struct MoeLayerConfig {
+    /// Router configuration (also fixes `hidden_size`, `num_experts` and `topk`).
+    pub router: TopKRouterConfig,
+    /// Expert FFN width `F` (`moe_ffn_hidden_size`).
+    pub ffn_hidden_size: usize,
+    /// Expert activation.
+    #[config(default = "ExpertActivation::SwiGlu")]
+    pub activation: ExpertActivation,
+    /// Width of the shared-expert MLP (`moe_ffn_hidden_size · n_shared`), if any.
+    #[config(default = "None")]
+    pub shared_ffn_hidden_size: Option<usize>,
+    /// Gate the shared-expert output with `sigmoid(x · g)`.
+    #[config(default = false)]
+    pub shared_gate: bool,
+    /// Standard deviation of the expert weight initialisation.
+    #[config(default = 0.02)]
+    pub init_std: f64,
+}
+
+impl MoeLayerConfig {
+    /// Builds the layer, validating every sub-configuration.
+    pub fn init(&self, device: &Device) -> crate::Result<MoeLayer> {
+        let router = self.router.init(device)?;
+        let experts = GroupedExpertsConfig::new(
+            self.router.num_experts,
+            self.router.hidden_size,
+            self.ffn_hidden_size,
+        )
+        .with_activation(self.activation)
+        .with_init_std(self.init_std)
+        .init(device)?;
+        let shared_experts = match self.shared_ffn_hidden_size {
+            Some(f) => Some(
+                SharedExpertsConfig::new(self.router.hidden_size, f)
+                    .with_gate(self.shared_gate)
+                    .init(device)?,
+            ),
+            None if self.shared_gate => {
+                return Err(BackendError::Config {
+                    field: "shared_gate",
+                    detail: "a shared-expert gate needs shared_ffn_hidden_size".into(),
+                });
+            }
+            None => None,
+        };
+        Ok(MoeLayer { router, experts, shared_experts })
+    }
+}
+
+/// Output of [`MoeLayer::forward`].
+#[derive(Clone, Debug)]
+pub struct MoeLayerOutput {
+    /// `[T, H]` layer output (routed + shared).
+    pub output: Tensor<2>,
+    /// The router's decisions, logged losses and pending state update.
+    pub routing: RouterOutput,
+}
+
+/// A Mixture-of-Experts layer on one rank: every expert is local (EP = 1).
+///
+/// ```
+/// use burn::tensor::{Device, Tensor, Distribution};
+/// use moe_backend::layer::MoeLayerConfig;
+/// use moe_backend::router::{RouteOptions, TopKRouterConfig};
+///
+/// let device = Device::flex();
+/// // 8 experts, top-2, hidden 16, expert width 32.
+/// let layer = MoeLayerConfig::new(TopKRouterConfig::new(16, 8, 2), 32).init(&device)?;
+/// let x = Tensor::<2>::random([5, 16], Distribution::Normal(0.0, 1.0), &device);
+/// let state = layer.router.init_state();
+/// let out = layer.forward(x, &state, &RouteOptions::default())?;
+/// assert_eq!(out.output.dims(), [5, 16]);
+/// assert_eq!(out.routing.tokens_per_expert.iter().sum::<usize>(), 5 * 2);
+/// # Ok::<(), moe_backend::BackendError>(())
+/// ```
+#[derive(Module, Debug)]
+pub struct MoeLayer {
+    /// Top-k router.
+    pub router: TopKRouter,
+    /// Routed experts.
+    pub experts: GroupedExperts,
+    /// Optional shared experts.
+    pub shared_experts: Option<SharedExperts>,
+}
+
+impl MoeLayer {
+    /// `x [T, H] -> [T, H]`. Reads the router state (replay, global aux counts); apply
+    /// `output.routing.state_update` to it with `RouterState::commit` after the step.
+    pub fn forward(&self, x: Tensor<2>, state: &RouterState, options: &RouteOptions<'_>) -> crate::Result<MoeLayerOutput> {
+        let routing = self.router.forward(x.clone(), state, options)?;
+        // The router already applied capacity (dropping and padding) to the map.
+        let dispatched = permute(
+            x.clone(),
+            routing.routing_map.clone(),
+            Some(routing.probs.clone()),
+            PermuteMode::Dropless,
+        )?;
+        let probs = dispatched.probs.ok_or_else(|| BackendError::Shape {
+            op: "MoeLayer::forward",
+            detail: "permute returned no probs".into(),
+        })?;
+        let expert_out = self.experts.forward(dispatched.rows, &routing.tokens_per_expert, probs)?;
+        let mut output = unpermute(expert_out, &dispatched.row_id_map, None)?;
+        if let Some(shared) = &self.shared_experts {
+            output = output + shared.forward(x);
+        }
+        Ok(MoeLayerOutput { output, routing })
+    }
+}
+
+#[cfg(test)]
+mod tests;
