@@ -34,14 +34,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let opts = RouteOptions::default();
     info!(hidden = HIDDEN, experts = EXPERTS, topk = TOPK, ffn = FFN, tokens = TOKENS, "training student MoE layer");
     let mut first = None;
-    let mut last = 0.0;
+    let mut last = 0.0f64;
     for step in 0..STEPS {
         let x = Tensor::<2>::random([TOKENS, HIDDEN], Distribution::Normal(0.0, 1.0), &device);
         let target = teacher.forward(x.clone(), &teacher.router.init_state(), &opts)?.output.detach();
         let state = student.router.init_state();
         let out = student.forward(x, &state, &opts)?;
         let loss = (out.output - target).powf_scalar(2.0).mean();
-        let value: f64 = loss.clone().into_scalar().to_f64();
+        let value = loss.clone().into_scalar::<f32>() as f64;
         let grads = GradientsParams::from_grads(loss.backward(), &student);
         student = optim.step(3e-3, student, grads);
         let aux = out.routing.losses.first().map(|l| l.value()).transpose()?.unwrap_or(0.0);

@@ -47,14 +47,29 @@ fn f64_layer(cfg: &MoeLayerConfig, rng: &mut SplitMix) -> MoeLayer {
     let router_weight = Param::from_tensor(
         tensor(rng.values(rw.dims().iter().product()), rw.dims(), &ad(), DType::F64).require_grad(),
     );
+    let mut router = layer.router;
+    router.weight = router_weight;
     MoeLayer {
-        router: TopKRouter { weight: router_weight, ..layer.router },
+        router,
         experts: GroupedExperts {
             fc1: rand3(layer.experts.fc1.val(), rng),
             fc2: rand3(layer.experts.fc2.val(), rng),
             ..layer.experts
         },
-        shared_experts: layer.shared_experts,
+        shared_experts: layer.shared_experts.map(|s| {
+            let to_f64 = |l: burn::nn::Linear| burn::nn::Linear {
+                weight: Param::from_tensor(
+                    l.weight.val().cast(burn::tensor::FloatDType::F64).detach().require_grad(),
+                ),
+                bias: None,
+            };
+            SharedExperts {
+                gate_proj: to_f64(s.gate_proj),
+                up_proj: to_f64(s.up_proj),
+                down_proj: to_f64(s.down_proj),
+                gate: s.gate.map(to_f64),
+            }
+        }),
     }
 }
 

@@ -237,7 +237,7 @@ pub fn load_balancing_loss(
         AuxLossType::SeqAux => {
             let b = ctx.batch_size;
             let [t, _] = inputs.scores.dims();
-            if b == 0 || t % b != 0 {
+            if b == 0 || !t.is_multiple_of(b) {
                 return Err(BackendError::Shape {
                     op: "seq_aux_loss",
                     detail: format!("{t} rows do not split into batch_size = {b} sequences"),
@@ -288,12 +288,10 @@ mod tests {
 
     /// Naive switch loss over host rows.
     fn ref_switch(p: &[f64], cols: usize, counts: &[f64], t: f64, e: usize, k: usize) -> f64 {
-        let mut acc = 0.0;
-        for c in 0..cols {
-            let col: f64 = p.iter().skip(c).step_by(cols).sum();
-            acc += col * counts[c];
-        }
-        acc * e as f64 / (k as f64 * t * t)
+        let dot: f64 = (0..cols)
+            .map(|c| p.iter().skip(c).step_by(cols).sum::<f64>() * counts[c])
+            .sum();
+        dot * e as f64 / (k as f64 * t * t)
     }
 
     #[test]
@@ -318,7 +316,9 @@ mod tests {
         let (s, b, e, k) = (5, 3, 4, 2);
         let t = s * b;
         let p_host = lcg_values(t * e, 3);
-        let map_host: Vec<bool> = (0..t * e).map(|i| (i * 7 + i / e) % 3 == 0).collect();
+        let map_host: Vec<bool> = (0..t * e)
+            .map(|i| (i * 7 + i / e).is_multiple_of(3))
+            .collect();
         let inputs = AuxInputs {
             scores: f64_tensor(&p_host, [t, e], &device),
             topk_map: Tensor::<2, Bool>::from_data(

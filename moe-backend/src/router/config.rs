@@ -287,7 +287,7 @@ impl TopKRouterConfig {
 
 fn validate_group_limit(g: &GroupLimitConfig, e: usize, k: usize) -> BackendResult<()> {
     let field = "group_limit";
-    if g.num_groups == 0 || e % g.num_groups != 0 {
+    if g.num_groups == 0 || !e.is_multiple_of(g.num_groups) {
         return Err(config_err(
             field,
             format!(

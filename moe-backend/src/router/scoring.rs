@@ -184,7 +184,8 @@ mod tests {
         let full = softmax_ref(&row);
         assert!((got[0] - full[2]).abs() < 1e-15 && (got[1] - full[3]).abs() < 1e-15);
         // sigmoid / sqrt-softplus: normalised over the selection, then scaled.
-        let pointwise: [(ScoreFunction, fn(f64) -> f64); 2] = [
+        type Reference = fn(f64) -> f64;
+        let pointwise: [(ScoreFunction, Reference); 2] = [
             (ScoreFunction::Sigmoid, |x| 1.0 / (1.0 + (-x).exp())),
             (ScoreFunction::SqrtSoftplus, |x| (1.0 + x.exp()).ln().sqrt()),
         ];

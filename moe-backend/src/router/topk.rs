@@ -19,7 +19,7 @@ pub fn group_limited_topk(
 ) -> Result<Tensor<2, Int>> {
     let [t, e] = selection.dims();
     let g = group.num_groups;
-    if g == 0 || e % g != 0 {
+    if g == 0 || !e.is_multiple_of(g) {
         return Err(BackendError::Config {
             field: "group_limit",
             detail: format!("num_groups = {g} must divide {e} experts"),
