@@ -247,11 +247,11 @@ impl TopKRouterConfig {
         if self.tp_cp_size == 0 {
             return Err(config_err("tp_cp_size", "must be ≥ 1".into()));
         }
-        if self.tp_dp_cp_size < self.tp_cp_size {
+        if !self.tp_dp_cp_size.is_multiple_of(self.tp_cp_size) || self.tp_dp_cp_size == 0 {
             return Err(config_err(
                 "tp_dp_cp_size",
                 format!(
-                    "{} must be ≥ tp_cp_size {}",
+                    "{} must be a non-zero multiple of tp_cp_size {}",
                     self.tp_dp_cp_size, self.tp_cp_size
                 ),
             ));
