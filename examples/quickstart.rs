@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo run --release --example quickstart` (`RUST_LOG=debug` for per-step logs).
 
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_moe::backend::layer::{MoeLayer, MoeLayerConfig};
 use burn_moe::backend::router::{AuxLossSpec, AuxLossType, RouteOptions, TopKRouterConfig};
@@ -20,9 +20,14 @@ const STEPS: usize = 60;
 fn layer_config(aux: bool) -> MoeLayerConfig {
     let mut router = TopKRouterConfig::new(HIDDEN, EXPERTS, TOPK);
     if aux {
-        router = router.with_aux_losses(vec![AuxLossSpec { kind: AuxLossType::Aux, coeff: 1e-2 }]);
+        router = router.with_aux_losses(vec![AuxLossSpec {
+            kind: AuxLossType::Aux,
+            coeff: 1e-2,
+        }]);
     }
-    MoeLayerConfig::new(router, FFN).with_shared_ffn_hidden_size(Some(FFN)).with_init_std(0.1)
+    MoeLayerConfig::new(router, FFN)
+        .with_shared_ffn_hidden_size(Some(FFN))
+        .with_init_std(0.1)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -32,19 +37,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut student: MoeLayer = layer_config(true).init(&device)?;
     let mut optim = AdamConfig::new().init();
     let opts = RouteOptions::default();
-    info!(hidden = HIDDEN, experts = EXPERTS, topk = TOPK, ffn = FFN, tokens = TOKENS, "training student MoE layer");
+    info!(
+        hidden = HIDDEN,
+        experts = EXPERTS,
+        topk = TOPK,
+        ffn = FFN,
+        tokens = TOKENS,
+        "training student MoE layer"
+    );
     let mut first = None;
     let mut last = 0.0f64;
     for step in 0..STEPS {
         let x = Tensor::<2>::random([TOKENS, HIDDEN], Distribution::Normal(0.0, 1.0), &device);
-        let target = teacher.forward(x.clone(), &teacher.router.init_state(), &opts)?.output.detach();
+        let target = teacher
+            .forward(x.clone(), &teacher.router.init_state(), &opts)?
+            .output
+            .detach();
         let state = student.router.init_state();
         let out = student.forward(x, &state, &opts)?;
         let loss = (out.output - target).powf_scalar(2.0).mean();
         let value = loss.clone().into_scalar::<f32>() as f64;
         let grads = GradientsParams::from_grads(loss.backward(), &student);
         student = optim.step(3e-3, student, grads);
-        let aux = out.routing.losses.first().map(|l| l.value()).transpose()?.unwrap_or(0.0);
+        let aux = out
+            .routing
+            .losses
+            .first()
+            .map(|l| l.value())
+            .transpose()?
+            .unwrap_or(0.0);
         debug!(step, loss = value, aux, tokens_per_expert = ?out.routing.tokens_per_expert, "step");
         if step % 10 == 0 || step + 1 == STEPS {
             info!(step, loss = value, aux, tokens_per_expert = ?out.routing.tokens_per_expert, "progress");
@@ -53,6 +74,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         last = value;
     }
     let first = first.unwrap_or(last);
-    info!(first_loss = first, final_loss = last, reduction = first / last.max(f64::MIN_POSITIVE), "done");
+    info!(
+        first_loss = first,
+        final_loss = last,
+        reduction = first / last.max(f64::MIN_POSITIVE),
+        "done"
+    );
     Ok(())
 }

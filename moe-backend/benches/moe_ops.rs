@@ -41,20 +41,30 @@ fn grouped_vs_dense(label: &str, sizes: &[usize], k: usize, m: usize, iters: usi
     let device = Device::flex();
     let n: usize = sizes.iter().sum();
     let x = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.0), &device);
-    let w = Tensor::<3>::random([sizes.len(), m, k], Distribution::Normal(0.0, 0.02), &device);
+    let w = Tensor::<3>::random(
+        [sizes.len(), m, k],
+        Distribution::Normal(0.0, 0.02),
+        &device,
+    );
     let gs = GroupSizes::Host(sizes.to_vec());
     let t = median_secs(iters, || {
         sync(grouped_matmul(x.clone(), w.clone(), &gs, WeightLayout::OutIn).expect("gmm"))
     });
     let gflops = 2.0 * (n * k * m) as f64 / t / 1e9;
-    println!("grouped_gemm_{label}: {t:.4} s, {gflops:.1} GFLOP/s, ratio_vs_dense: {:.3}", dense_s / t);
+    println!(
+        "grouped_gemm_{label}: {t:.4} s, {gflops:.1} GFLOP/s, ratio_vs_dense: {:.3}",
+        dense_s / t
+    );
 }
 
 fn skewed_sizes(experts: usize, rows: usize) -> Vec<usize> {
     // Zipf(1) over experts, remainder to expert 0.
     let weights: Vec<f64> = (0..experts).map(|e| 1.0 / (e + 1) as f64).collect();
     let total: f64 = weights.iter().sum();
-    let mut sizes: Vec<usize> = weights.iter().map(|w| (w / total * rows as f64) as usize).collect();
+    let mut sizes: Vec<usize> = weights
+        .iter()
+        .map(|w| (w / total * rows as f64) as usize)
+        .collect();
     let assigned: usize = sizes.iter().sum();
     sizes[0] += rows - assigned;
     sizes
@@ -71,11 +81,21 @@ fn torch_python() -> Option<PathBuf> {
     }
 }
 
-fn torch_tokens_per_s(python: &PathBuf, threads: usize, tokens: usize, iters: usize) -> Option<f64> {
+fn torch_tokens_per_s(
+    python: &PathBuf,
+    threads: usize,
+    tokens: usize,
+    iters: usize,
+) -> Option<f64> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../benches/torch_moe_block.py");
     let out = Command::new(python)
         .arg(script)
-        .args(["--threads", &threads.to_string(), "--tokens", &tokens.to_string()])
+        .args([
+            "--threads",
+            &threads.to_string(),
+            "--tokens",
+            &tokens.to_string(),
+        ])
         .args(["--iters", &iters.to_string()])
         .output()
         .ok()?;
@@ -92,11 +112,21 @@ fn torch_tokens_per_s(python: &PathBuf, threads: usize, tokens: usize, iters: us
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let iters: usize = std::env::var("MOE_BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let iters: usize = std::env::var("MOE_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     let threads = rayon::current_num_threads();
-    let (experts, k_dim, m_dim, rows) = if quick { (32, 512, 256, 4096) } else { (128, 2048, 768, 16384) };
+    let (experts, k_dim, m_dim, rows) = if quick {
+        (32, 512, 256, 4096)
+    } else {
+        (128, 2048, 768, 16384)
+    };
     println!("threads: {threads}");
-    println!("x86 avx512f: {}", cfg!(target_arch = "x86_64") && std::is_x86_feature_detected!("avx512f"));
+    println!(
+        "x86 avx512f: {}",
+        cfg!(target_arch = "x86_64") && std::is_x86_feature_detected!("avx512f")
+    );
 
     // (a) Dense baseline: one Flex matmul of [rows, K] x [K, M], same engine (gemm) as ours.
     let device = Device::flex();
@@ -104,17 +134,30 @@ fn main() {
     let b = Tensor::<2>::random([k_dim, m_dim], Distribution::Normal(0.0, 0.02), &device);
     let dense_s = median_secs(iters, || sync(a.clone().matmul(b.clone())));
     let dense_gflops = 2.0 * (rows * k_dim * m_dim) as f64 / dense_s / 1e9;
-    println!("dense_gemm [{rows},{k_dim}]x[{k_dim},{m_dim}]: {dense_s:.4} s, {dense_gflops:.1} GFLOP/s");
+    println!(
+        "dense_gemm [{rows},{k_dim}]x[{k_dim},{m_dim}]: {dense_s:.4} s, {dense_gflops:.1} GFLOP/s"
+    );
     drop((a, b));
     let balanced = vec![rows / experts; experts];
     grouped_vs_dense("balanced", &balanced, k_dim, m_dim, iters, dense_s);
-    grouped_vs_dense("skewed_zipf", &skewed_sizes(experts, rows), k_dim, m_dim, iters, dense_s);
+    grouped_vs_dense(
+        "skewed_zipf",
+        &skewed_sizes(experts, rows),
+        k_dim,
+        m_dim,
+        iters,
+        dense_s,
+    );
     let mut hot = vec![0; experts];
     hot.iter_mut().take(8).for_each(|s| *s = rows / 8);
     grouped_vs_dense("hot8_rest_empty", &hot, k_dim, m_dim, iters, dense_s);
 
     // (b) permute + unpermute vs memcpy of the same bytes.
-    let (t, h, e, topk) = if quick { (512, 512, 32, 8) } else { (2048, 2048, 128, 8) };
+    let (t, h, e, topk) = if quick {
+        (512, 512, 32, 8)
+    } else {
+        (2048, 2048, 128, 8)
+    };
     let x = Tensor::<2>::random([t, h], Distribution::Normal(0.0, 1.0), &device);
     let scores = Tensor::<2>::random([t, e], Distribution::Uniform(0.0, 1.0), &device);
     let idx = moe_backend::ops::topk_indices(scores, topk).expect("topk");
@@ -125,7 +168,9 @@ fn main() {
         sync(p.rows);
     });
     let perm = permute(x.clone(), map.clone(), None, PermuteMode::Dropless).expect("permute");
-    let unperm_s = median_secs(iters, || sync(unpermute(perm.rows.clone(), &perm.row_id_map, None).expect("unpermute")));
+    let unperm_s = median_secs(iters, || {
+        sync(unpermute(perm.rows.clone(), &perm.row_id_map, None).expect("unpermute"))
+    });
     let src = vec![1.0f32; n * h];
     let memcpy_s = median_secs(iters, || {
         let mut dst = vec![0.0f32; n * h];
@@ -143,9 +188,15 @@ fn main() {
     );
 
     // (c) MoE layer forward + backward at the Qwen3-30B-A3B layer shape.
-    let (tokens, hidden, n_exp, k, width) = if quick { (512, 512, 32, 8, 256) } else { (2048, 2048, 128, 8, 768) };
+    let (tokens, hidden, n_exp, k, width) = if quick {
+        (512, 512, 32, 8, 256)
+    } else {
+        (2048, 2048, 128, 8, 768)
+    };
     let ad = Device::flex().autodiff();
-    let layer = MoeLayerConfig::new(TopKRouterConfig::new(hidden, n_exp, k), width).init(&ad).expect("layer");
+    let layer = MoeLayerConfig::new(TopKRouterConfig::new(hidden, n_exp, k), width)
+        .init(&ad)
+        .expect("layer");
     let state = layer.router.init_state();
     let x = Tensor::<2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), &ad);
     let gy = Tensor::<2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), &ad);
@@ -167,7 +218,10 @@ fn main() {
         "moe_layer [T={tokens} H={hidden} E={n_exp} k={k} F={width}] fwd+bwd: {fb_s:.3} s, {tps:.1} tokens/s, {eff:.1} GFLOP/s effective, ratio_vs_dense: {:.3}",
         eff / dense_gflops
     );
-    println!("moe_layer fwd: {fwd_s:.3} s, {:.1} tokens/s", tokens as f64 / fwd_s);
+    println!(
+        "moe_layer fwd: {fwd_s:.3} s, {:.1} tokens/s",
+        tokens as f64 / fwd_s
+    );
     if !quick && let Some(py) = torch_python() {
         match torch_tokens_per_s(&py, threads, tokens, iters) {
             Some(torch) => println!("ratio_vs_torch_grouped_mm (tokens/s): {:.2}", tps / torch),

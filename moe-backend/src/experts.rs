@@ -57,16 +57,24 @@ impl GroupedExpertsConfig {
             ("ffn_hidden_size", self.ffn_hidden_size),
         ] {
             if v == 0 {
-                return Err(BackendError::Config { field, detail: "must be positive".into() });
+                return Err(BackendError::Config {
+                    field,
+                    detail: "must be positive".into(),
+                });
             }
         }
         let (l, h, f) = (self.num_experts, self.hidden_size, self.ffn_hidden_size);
         let fc1_out = if self.activation.is_gated() { 2 * f } else { f };
-        let init = Initializer::Normal { mean: 0.0, std: self.init_std };
+        let init = Initializer::Normal {
+            mean: 0.0,
+            std: self.init_std,
+        };
         Ok(GroupedExperts {
             fc1: init.init([l, fc1_out, h], device),
             fc2: init.init([l, h, f], device),
-            fc1_bias: self.bias.then(|| Initializer::Zeros.init([l, fc1_out], device)),
+            fc1_bias: self
+                .bias
+                .then(|| Initializer::Zeros.init([l, fc1_out], device)),
             fc2_bias: self.bias.then(|| Initializer::Zeros.init([l, h], device)),
             activation: self.activation,
         })
@@ -106,7 +114,12 @@ impl GroupedExperts {
 
     /// Runs every expert on its segment of `rows [N, H]` (expert-major, `tokens_per_expert`
     /// rows each) with per-row routing weights `probs [N]`; returns `[N, H]`.
-    pub fn forward(&self, rows: Tensor<2>, tokens_per_expert: &[usize], probs: Tensor<1>) -> crate::Result<Tensor<2>> {
+    pub fn forward(
+        &self,
+        rows: Tensor<2>,
+        tokens_per_expert: &[usize],
+        probs: Tensor<1>,
+    ) -> crate::Result<Tensor<2>> {
         let [n, h] = rows.dims();
         let l = self.num_experts();
         if tokens_per_expert.len() != l {
@@ -124,7 +137,10 @@ impl GroupedExperts {
         if h != self.fc1.dims()[2] {
             return Err(BackendError::Shape {
                 op: "GroupedExperts::forward",
-                detail: format!("rows have hidden size {h}, experts expect {}", self.fc1.dims()[2]),
+                detail: format!(
+                    "rows have hidden size {h}, experts expect {}",
+                    self.fc1.dims()[2]
+                ),
             });
         }
         let device = rows.device();
@@ -155,7 +171,12 @@ impl GroupedExperts {
         };
         let p = probs.reshape([n, 1]);
         let z = z * p.clone();
-        let mut out = grouped_matmul(z, self.fc2.val(), &GroupSizes::Device(sizes_t), WeightLayout::OutIn)?;
+        let mut out = grouped_matmul(
+            z,
+            self.fc2.val(),
+            &GroupSizes::Device(Box::new(sizes_t)),
+            WeightLayout::OutIn,
+        )?;
         if let Some(b) = &self.fc2_bias {
             out = out + b.val().select(0, row_expert()?) * p;
         }

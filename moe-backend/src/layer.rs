@@ -6,7 +6,9 @@ use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 
 use crate::error::BackendError;
-use crate::experts::{ExpertActivation, GroupedExperts, GroupedExpertsConfig, SharedExperts, SharedExpertsConfig};
+use crate::experts::{
+    ExpertActivation, GroupedExperts, GroupedExpertsConfig, SharedExperts, SharedExpertsConfig,
+};
 use crate::ops::{PermuteMode, permute, unpermute};
 use crate::router::{RouteOptions, RouterOutput, RouterState, TopKRouter, TopKRouterConfig};
 
@@ -57,7 +59,11 @@ impl MoeLayerConfig {
             }
             None => None,
         };
-        Ok(MoeLayer { router, experts, shared_experts })
+        Ok(MoeLayer {
+            router,
+            experts,
+            shared_experts,
+        })
     }
 }
 
@@ -100,7 +106,12 @@ pub struct MoeLayer {
 impl MoeLayer {
     /// `x [T, H] -> [T, H]`. Reads the router state (replay, global aux counts); apply
     /// `output.routing.state_update` to it with `RouterState::commit` after the step.
-    pub fn forward(&self, x: Tensor<2>, state: &RouterState, options: &RouteOptions<'_>) -> crate::Result<MoeLayerOutput> {
+    pub fn forward(
+        &self,
+        x: Tensor<2>,
+        state: &RouterState,
+        options: &RouteOptions<'_>,
+    ) -> crate::Result<MoeLayerOutput> {
         let routing = self.router.forward(x.clone(), state, options)?;
         // The router already applied capacity (dropping and padding) to the map.
         let dispatched = permute(
@@ -113,7 +124,9 @@ impl MoeLayer {
             op: "MoeLayer::forward",
             detail: "permute returned no probs".into(),
         })?;
-        let expert_out = self.experts.forward(dispatched.rows, &routing.tokens_per_expert, probs)?;
+        let expert_out =
+            self.experts
+                .forward(dispatched.rows, &routing.tokens_per_expert, probs)?;
         let mut output = unpermute(expert_out, &dispatched.row_id_map, None)?;
         if let Some(shared) = &self.shared_experts {
             output = output + shared.forward(x);

@@ -53,12 +53,21 @@ impl SplitMix {
 }
 
 /// A float tensor of `dtype` from f64 values.
-pub fn tensor<const D: usize>(values: Vec<f64>, shape: [usize; D], device: &Device, dtype: DType) -> Tensor<D> {
+pub fn tensor<const D: usize>(
+    values: Vec<f64>,
+    shape: [usize; D],
+    device: &Device,
+    dtype: DType,
+) -> Tensor<D> {
     Tensor::from_data(TensorData::new(values, shape), (device, dtype))
 }
 
 /// An `i32` int tensor from host values.
-pub fn int_tensor<const D: usize>(values: Vec<i64>, shape: [usize; D], device: &Device) -> Tensor<D, Int> {
+pub fn int_tensor<const D: usize>(
+    values: Vec<i64>,
+    shape: [usize; D],
+    device: &Device,
+) -> Tensor<D, Int> {
     let v: Vec<i32> = values.into_iter().map(|x| x as i32).collect();
     Tensor::from_data(TensorData::new(v, shape), device)
 }
@@ -73,7 +82,13 @@ pub fn values<const D: usize>(t: Tensor<D>) -> Vec<f64> {
 
 /// Asserts `|a - b| <= atol + rtol·|b|` elementwise, naming `what` and the first bad index.
 pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, atol: f64, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: length {} vs {}", a.len(), b.len());
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "{what}: length {} vs {}",
+        a.len(),
+        b.len()
+    );
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         let tol = atol + rtol * y.abs();
         assert!(
@@ -85,17 +100,27 @@ pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, atol: f64, what: &str) {
 
 /// Reference permute: rows expert-major, ascending token index within each expert, built with
 /// one `select` per expert. Returns the rows and the token index of every row.
-pub fn reference_permute(tokens: Tensor<2>, routing_map: &[bool], num_experts: usize) -> (Tensor<2>, Vec<usize>) {
+pub fn reference_permute(
+    tokens: Tensor<2>,
+    routing_map: &[bool],
+    num_experts: usize,
+) -> (Tensor<2>, Vec<usize>) {
     let [t, h] = tokens.dims();
     let device = tokens.device();
     let mut parts = Vec::new();
     let mut sorted = Vec::new();
     for e in 0..num_experts {
-        let idx: Vec<usize> = (0..t).filter(|&tok| routing_map[tok * num_experts + e]).collect();
+        let idx: Vec<usize> = (0..t)
+            .filter(|&tok| routing_map[tok * num_experts + e])
+            .collect();
         if idx.is_empty() {
             continue;
         }
-        let it = int_tensor(idx.iter().map(|&i| i as i64).collect(), [idx.len()], &device);
+        let it = int_tensor(
+            idx.iter().map(|&i| i as i64).collect(),
+            [idx.len()],
+            &device,
+        );
         parts.push(tokens.clone().select(0, it));
         sorted.extend(idx);
     }
@@ -108,14 +133,19 @@ pub fn reference_permute(tokens: Tensor<2>, routing_map: &[bool], num_experts: u
 }
 
 /// Reference unpermute: `out[t] = Σ_{r: idx[r] = t} rows[r] · p_r`, one `slice` + add per row.
-pub fn reference_unpermute(rows: Tensor<2>, sorted_indices: &[usize], probs: Option<Tensor<1>>, num_tokens: usize) -> Tensor<2> {
+pub fn reference_unpermute(
+    rows: Tensor<2>,
+    sorted_indices: &[usize],
+    probs: Option<Tensor<1>>,
+    num_tokens: usize,
+) -> Tensor<2> {
     let [n, h] = rows.dims();
     let device = rows.device();
     let mut out = Tensor::<2>::zeros([num_tokens, h], (&device, rows.dtype()));
     for (r, &tok) in sorted_indices.iter().enumerate().take(n) {
         let mut row = rows.clone().slice([r..r + 1, 0..h]);
         if let Some(p) = &probs {
-            row = row * p.clone().slice([r..r + 1]).reshape([1, 1]);
+            row = row * p.clone().slice(r..r + 1).reshape([1, 1]);
         }
         let cur = out.clone().slice([tok..tok + 1, 0..h]);
         out = out.slice_assign([tok..tok + 1, 0..h], cur + row);
@@ -125,7 +155,12 @@ pub fn reference_unpermute(rows: Tensor<2>, sorted_indices: &[usize], probs: Opt
 
 /// Reference grouped GEMM: one `matmul` per non-empty group, concatenated.
 /// `out_in = true`: `w [G, M, K]`, `Y_g = X_g W_gᵀ`; else `w [G, K, M]`, `Y_g = X_g W_g`.
-pub fn reference_grouped_matmul(x: Tensor<2>, w: Tensor<3>, sizes: &[usize], out_in: bool) -> Tensor<2> {
+pub fn reference_grouped_matmul(
+    x: Tensor<2>,
+    w: Tensor<3>,
+    sizes: &[usize],
+    out_in: bool,
+) -> Tensor<2> {
     let [g, a, b] = w.dims();
     let m = if out_in { a } else { b };
     let device = x.device();
@@ -135,8 +170,8 @@ pub fn reference_grouped_matmul(x: Tensor<2>, w: Tensor<3>, sizes: &[usize], out
         if s == 0 {
             continue;
         }
-        let xg = x.clone().slice([row..row + s]);
-        let wg = w.clone().slice([group..group + 1]).reshape([a, b]);
+        let xg = x.clone().slice(row..row + s);
+        let wg = w.clone().slice(group..group + 1).reshape([a, b]);
         let wg = if out_in { wg.transpose() } else { wg };
         parts.push(xg.matmul(wg));
         row += s;

@@ -22,18 +22,18 @@ fn sequential(e: &GroupedExperts, rows: Tensor<2>, sizes: &[usize], probs: Tenso
         if s == 0 {
             continue;
         }
-        let x = rows.clone().slice([row..row + s]);
-        let p = probs.clone().slice([row..row + s]).reshape([s, 1]);
-        let w1 = e.fc1.val().slice([i..i + 1]).reshape([2 * f, h]);
-        let w2 = e.fc2.val().slice([i..i + 1]).reshape([h, f]);
+        let x = rows.clone().slice(row..row + s);
+        let p = probs.clone().slice(row..row + s).reshape([s, 1]);
+        let w1 = e.fc1.val().slice(i..i + 1).reshape([2 * f, h]);
+        let w2 = e.fc2.val().slice(i..i + 1).reshape([h, f]);
         let mut hid = x.matmul(w1.transpose());
         if let Some(b) = &e.fc1_bias {
-            hid = hid + b.val().slice([i..i + 1]);
+            hid = hid + b.val().slice(i..i + 1);
         }
         let z = silu(hid.clone().slice([0..s, 0..f])) * hid.slice([0..s, f..2 * f]) * p.clone();
         let mut y = z.matmul(w2.transpose());
         if let Some(b) = &e.fc2_bias {
-            y = y + b.val().slice([i..i + 1]) * p;
+            y = y + b.val().slice(i..i + 1) * p;
         }
         parts.push(y);
         row += s;
@@ -77,10 +77,18 @@ fn grouped_matches_sequential_outputs_and_all_gradients() {
             let y = if seq {
                 sequential(&experts, x.clone(), &sizes, p.clone())
             } else {
-                experts.forward(x.clone(), &sizes, p.clone()).expect("forward")
+                experts
+                    .forward(x.clone(), &sizes, p.clone())
+                    .expect("forward")
             };
-            let grads = (y.clone() * tensor(rv.clone(), [n, h], &ad(), DType::F64)).sum().backward();
-            let mut out = vec![values(y), values(x.grad(&grads).expect("dx")), values(p.grad(&grads).expect("dp"))];
+            let grads = (y.clone() * tensor(rv.clone(), [n, h], &ad(), DType::F64))
+                .sum()
+                .backward();
+            let mut out = vec![
+                values(y),
+                values(x.grad(&grads).expect("dx")),
+                values(p.grad(&grads).expect("dp")),
+            ];
             out.push(values(experts.fc1.grad(&grads).expect("dfc1")));
             out.push(values(experts.fc2.grad(&grads).expect("dfc2")));
             if let (Some(b1), Some(b2)) = (&experts.fc1_bias, &experts.fc2_bias) {
@@ -90,7 +98,15 @@ fn grouped_matches_sequential_outputs_and_all_gradients() {
             out
         };
         let (ours, reference) = (run(false), run(true));
-        let names = ["output", "d input", "d probs", "d fc1", "d fc2", "d fc1 bias", "d fc2 bias"];
+        let names = [
+            "output",
+            "d input",
+            "d probs",
+            "d fc1",
+            "d fc2",
+            "d fc1 bias",
+            "d fc2 bias",
+        ];
         for ((a, b), name) in ours.iter().zip(&reference).zip(names) {
             assert_close(a, b, 1e-10, 1e-12, name);
         }
@@ -104,7 +120,9 @@ fn grouped_matches_sequential_outputs_and_all_gradients() {
 #[test]
 fn parameter_count_matches_spec() {
     // moe-ops §16 item 20: H = 12, E = 2, GLU, F = 48 -> experts 2·3·12·48 = 3456.
-    let experts = GroupedExpertsConfig::new(2, 12, 48).init(&Device::flex()).expect("init");
+    let experts = GroupedExpertsConfig::new(2, 12, 48)
+        .init(&Device::flex())
+        .expect("init");
     assert_eq!(experts.num_params(), 3456);
     assert_eq!(experts.fc1.dims(), [2, 96, 12]);
     assert_eq!(experts.fc2.dims(), [2, 12, 48]);
@@ -114,7 +132,12 @@ fn parameter_count_matches_spec() {
 fn probs_before_fc2_equal_probs_after_combine() {
     let mut rng = SplitMix::new(12);
     let (t, h, e, f) = (9, 8, 4, 6);
-    let experts = randomize(GroupedExpertsConfig::new(e, h, f).init(&ad()).expect("init"), &mut rng);
+    let experts = randomize(
+        GroupedExpertsConfig::new(e, h, f)
+            .init(&ad())
+            .expect("init"),
+        &mut rng,
+    );
     let mut map = vec![false; t * e];
     for tok in 0..t {
         for ex in rng.distinct(e, 2) {
@@ -128,7 +151,9 @@ fn probs_before_fc2_equal_probs_after_combine() {
     let sizes = perm.row_id_map.tokens_per_expert_host();
     let p = perm.probs.clone().expect("probs");
     let n = p.dims()[0];
-    let inside = experts.forward(perm.rows.clone(), &sizes, p.clone()).expect("forward");
+    let inside = experts
+        .forward(perm.rows.clone(), &sizes, p.clone())
+        .expect("forward");
     let y1 = unpermute(inside, &perm.row_id_map, None).expect("unpermute");
     let ones = Tensor::<1>::ones([n], (&ad(), DType::F64));
     let outside = experts.forward(perm.rows, &sizes, ones).expect("forward");
@@ -140,13 +165,20 @@ fn probs_before_fc2_equal_probs_after_combine() {
 #[test]
 fn shared_experts_match_naive_swiglu_with_gate() {
     let device = Device::flex();
-    let shared = SharedExpertsConfig::new(5, 7).with_gate(true).init(&device).expect("init");
+    let shared = SharedExpertsConfig::new(5, 7)
+        .with_gate(true)
+        .init(&device)
+        .expect("init");
     let mut rng = SplitMix::new(13);
     let x = rng.values(3 * 5);
     let y = values(shared.forward(tensor(x.clone(), [3, 5], &device, DType::F32)));
     // Burn's Linear stores weight [in, out].
     let w = |l: &Linear| values(l.weight.val());
-    let (wg, wu, wd) = (w(&shared.gate_proj), w(&shared.up_proj), w(&shared.down_proj));
+    let (wg, wu, wd) = (
+        w(&shared.gate_proj),
+        w(&shared.up_proj),
+        w(&shared.down_proj),
+    );
     let g = w(shared.gate.as_ref().expect("gate"));
     for t in 0..3 {
         let xr = &x[t * 5..(t + 1) * 5];
@@ -161,7 +193,11 @@ fn shared_experts_match_naive_swiglu_with_gate() {
         let gate = 1.0 / (1.0 + (-gate).exp());
         for o in 0..5 {
             let v: f64 = (0..7).map(|j| z[j] * wd[j * 5 + o]).sum::<f64>() * gate;
-            assert!((y[t * 5 + o] - v).abs() < 1e-5, "token {t} out {o}: {} vs {v}", y[t * 5 + o]);
+            assert!(
+                (y[t * 5 + o] - v).abs() < 1e-5,
+                "token {t} out {o}: {} vs {v}",
+                y[t * 5 + o]
+            );
         }
     }
 }
@@ -169,10 +205,21 @@ fn shared_experts_match_naive_swiglu_with_gate() {
 #[test]
 fn bad_expert_inputs_are_errors() {
     let device = Device::flex();
-    assert!(matches!(GroupedExpertsConfig::new(0, 4, 4).init(&device), Err(BackendError::Config { .. })));
-    let e = GroupedExpertsConfig::new(2, 4, 4).init(&device).expect("init");
+    assert!(matches!(
+        GroupedExpertsConfig::new(0, 4, 4).init(&device),
+        Err(BackendError::Config { .. })
+    ));
+    let e = GroupedExpertsConfig::new(2, 4, 4)
+        .init(&device)
+        .expect("init");
     let x = tensor(vec![0.0; 8], [2, 4], &device, DType::F32);
     let p = tensor(vec![1.0; 2], [2], &device, DType::F32);
-    assert!(matches!(e.forward(x.clone(), &[2], p.clone()), Err(BackendError::Shape { .. })));
-    assert!(matches!(e.forward(x, &[1, 2], p), Err(BackendError::SizeSum { .. })));
+    assert!(matches!(
+        e.forward(x.clone(), &[2], p.clone()),
+        Err(BackendError::Shape { .. })
+    ));
+    assert!(matches!(
+        e.forward(x, &[1, 2], p),
+        Err(BackendError::SizeSum { .. })
+    ));
 }

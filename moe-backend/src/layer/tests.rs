@@ -17,18 +17,36 @@ fn reference_routed(layer: &MoeLayer, x: Tensor<2>, routing: &RouterOutput) -> T
     let [t, h] = x.dims();
     let e = layer.experts.num_experts();
     let f = layer.experts.ffn_hidden_size();
-    let map = routing.routing_map.clone().into_data().convert::<u8>().try_to_vec::<u8>().expect("map");
+    let map = routing
+        .routing_map
+        .clone()
+        .into_data()
+        .convert::<u8>()
+        .try_to_vec::<u8>()
+        .expect("map");
     let mut out = Tensor::<2>::zeros([t, h], (&x.device(), x.dtype()));
     for ex in 0..e {
-        let toks: Vec<i64> = (0..t).filter(|&tok| map[tok * e + ex] != 0).map(|v| v as i64).collect();
+        let toks: Vec<i64> = (0..t)
+            .filter(|&tok| map[tok * e + ex] != 0)
+            .map(|v| v as i64)
+            .collect();
         if toks.is_empty() {
             continue;
         }
         let idx = int_tensor(toks.clone(), [toks.len()], &x.device());
         let xe = x.clone().select(0, idx.clone());
-        let pe = routing.probs.clone().slice([0..t, ex..ex + 1]).select(0, idx.clone());
-        let w1 = layer.experts.fc1.val().slice([ex..ex + 1]).reshape([2 * f, h]);
-        let w2 = layer.experts.fc2.val().slice([ex..ex + 1]).reshape([h, f]);
+        let pe = routing
+            .probs
+            .clone()
+            .slice([0..t, ex..ex + 1])
+            .select(0, idx.clone());
+        let w1 = layer
+            .experts
+            .fc1
+            .val()
+            .slice(ex..ex + 1)
+            .reshape([2 * f, h]);
+        let w2 = layer.experts.fc2.val().slice(ex..ex + 1).reshape([h, f]);
         let hid = xe.matmul(w1.transpose());
         let n = toks.len();
         let z = silu(hid.clone().slice([0..n, 0..f])) * hid.slice([0..n, f..2 * f]);
@@ -41,11 +59,25 @@ fn reference_routed(layer: &MoeLayer, x: Tensor<2>, routing: &RouterOutput) -> T
 fn f64_layer(cfg: &MoeLayerConfig, rng: &mut SplitMix) -> MoeLayer {
     let layer = cfg.init(&ad()).expect("init");
     let rand3 = |t: Tensor<3>, rng: &mut SplitMix| {
-        Param::from_tensor(tensor(rng.values(t.dims().iter().product()), t.dims(), &ad(), DType::F64).require_grad())
+        Param::from_tensor(
+            tensor(
+                rng.values(t.dims().iter().product()),
+                t.dims(),
+                &ad(),
+                DType::F64,
+            )
+            .require_grad(),
+        )
     };
     let rw = layer.router.weight.val();
     let router_weight = Param::from_tensor(
-        tensor(rng.values(rw.dims().iter().product()), rw.dims(), &ad(), DType::F64).require_grad(),
+        tensor(
+            rng.values(rw.dims().iter().product()),
+            rw.dims(),
+            &ad(),
+            DType::F64,
+        )
+        .require_grad(),
     );
     let mut router = layer.router;
     router.weight = router_weight;
@@ -59,7 +91,11 @@ fn f64_layer(cfg: &MoeLayerConfig, rng: &mut SplitMix) -> MoeLayer {
         shared_experts: layer.shared_experts.map(|s| {
             let to_f64 = |l: burn::nn::Linear| burn::nn::Linear {
                 weight: Param::from_tensor(
-                    l.weight.val().cast(burn::tensor::FloatDType::F64).detach().require_grad(),
+                    l.weight
+                        .val()
+                        .cast(burn::tensor::FloatDType::F64)
+                        .detach()
+                        .require_grad(),
                 ),
                 bias: None,
             };
@@ -87,16 +123,24 @@ fn layer_matches_per_expert_reference_forward_and_backward() {
         let run = |reference: bool| {
             let x = tensor(xv.clone(), [t, h], &ad(), DType::F64).require_grad();
             let y = if reference {
-                let routing = layer.router.forward(x.clone(), &state, &RouteOptions::default()).expect("route");
+                let routing = layer
+                    .router
+                    .forward(x.clone(), &state, &RouteOptions::default())
+                    .expect("route");
                 let mut y = reference_routed(&layer, x.clone(), &routing);
                 if let Some(s) = &layer.shared_experts {
                     y = y + s.forward(x.clone());
                 }
                 y
             } else {
-                layer.forward(x.clone(), &state, &RouteOptions::default()).expect("forward").output
+                layer
+                    .forward(x.clone(), &state, &RouteOptions::default())
+                    .expect("forward")
+                    .output
             };
-            let grads = (y.clone() * tensor(rv.clone(), [t, h], &ad(), DType::F64)).sum().backward();
+            let grads = (y.clone() * tensor(rv.clone(), [t, h], &ad(), DType::F64))
+                .sum()
+                .backward();
             vec![
                 values(y),
                 values(x.grad(&grads).expect("dx")),
@@ -106,7 +150,11 @@ fn layer_matches_per_expert_reference_forward_and_backward() {
             ]
         };
         let (ours, reference) = (run(false), run(true));
-        for ((a, b), name) in ours.iter().zip(&reference).zip(["output", "dx", "d router", "d fc1", "d fc2"]) {
+        for ((a, b), name) in ours
+            .iter()
+            .zip(&reference)
+            .zip(["output", "dx", "d router", "d fc1", "d fc2"])
+        {
             assert_close(a, b, 1e-10, 1e-12, name);
         }
     }
@@ -126,13 +174,22 @@ fn router_grad_is_zero_without_losses_when_output_is_zeroed_and_non_zero_with_au
     let mut rng = SplitMix::new(22);
     let xv = rng.values(t * h);
     for coeff in [0.0, 1.0] {
-        let router = TopKRouterConfig::new(h, e, k)
-            .with_aux_losses(vec![AuxLossSpec { kind: AuxLossType::Aux, coeff }]);
+        let router = TopKRouterConfig::new(h, e, k).with_aux_losses(vec![AuxLossSpec {
+            kind: AuxLossType::Aux,
+            coeff,
+        }]);
         let layer = MoeLayerConfig::new(router, 16).init(&ad()).expect("init");
         let x = tensor(xv.clone(), [t, h], &ad(), DType::F32).require_grad();
-        let out = layer.forward(x, &layer.router.init_state(), &RouteOptions::default()).expect("forward");
+        let out = layer
+            .forward(x, &layer.router.init_state(), &RouteOptions::default())
+            .expect("forward");
         let grads = (out.output * 0.0).sum().backward();
-        let g = layer.router.weight.grad(&grads).map(values).unwrap_or_else(|| vec![0.0; e * h]);
+        let g = layer
+            .router
+            .weight
+            .grad(&grads)
+            .map(values)
+            .unwrap_or_else(|| vec![0.0; e * h]);
         let norm: f64 = g.iter().map(|v| v.abs()).sum();
         if coeff == 0.0 {
             assert_eq!(norm, 0.0);
@@ -145,7 +202,16 @@ fn router_grad_is_zero_without_losses_when_output_is_zeroed_and_non_zero_with_au
 #[test]
 fn invalid_layer_config_is_an_error() {
     let cfg = MoeLayerConfig::new(TopKRouterConfig::new(12, 4, 2), 8).with_shared_gate(true);
-    assert!(matches!(cfg.init(&Device::flex()), Err(BackendError::Config { field: "shared_gate", .. })));
+    assert!(matches!(
+        cfg.init(&Device::flex()),
+        Err(BackendError::Config {
+            field: "shared_gate",
+            ..
+        })
+    ));
     let cfg = MoeLayerConfig::new(TopKRouterConfig::new(12, 4, 5), 8);
-    assert!(matches!(cfg.init(&Device::flex()), Err(BackendError::Config { .. })));
+    assert!(matches!(
+        cfg.init(&Device::flex()),
+        Err(BackendError::Config { .. })
+    ));
 }

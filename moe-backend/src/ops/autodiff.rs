@@ -43,14 +43,22 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
         B::moe_topk_indices(scores.into_primitive(), k)
     }
 
-    fn moe_permute(tokens: FloatTensor<Self>, sorted_indices: IntTensor<Self>) -> FloatTensor<Self> {
+    fn moe_permute(
+        tokens: FloatTensor<Self>,
+        sorted_indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct PermuteBackward;
 
         impl<B: MoeOps> Backward<B, 1> for PermuteBackward {
             type State = (IntTensor<B>, usize);
 
-            fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 let (idx, num_tokens) = ops.state;
@@ -60,7 +68,11 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             }
         }
 
-        match PermuteBackward.prepare::<C>([tokens.node()]).compute_bound().stateful() {
+        match PermuteBackward
+            .prepare::<C>([tokens.node()])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let num_tokens = tokens.primitive().shape()[0];
                 let out = B::moe_permute(tokens.into_primitive(), sorted_indices.clone());
@@ -83,7 +95,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
         impl<B: MoeOps> Backward<B, 1> for UnpermuteBackward {
             type State = IntTensor<B>;
 
-            fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 if let Some(node) = parent {
@@ -92,14 +109,21 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             }
         }
 
-        match UnpermuteBackward.prepare::<C>([rows.node()]).compute_bound().stateful() {
+        match UnpermuteBackward
+            .prepare::<C>([rows.node()])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
-                let out = B::moe_unpermute(rows.into_primitive(), sorted_indices.clone(), num_tokens);
+                let out =
+                    B::moe_unpermute(rows.into_primitive(), sorted_indices.clone(), num_tokens);
                 prep.finish(sorted_indices, out)
             }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::moe_unpermute(rows.into_primitive(), sorted_indices, num_tokens))
-            }
+            OpsKind::UnTracked(prep) => prep.finish(B::moe_unpermute(
+                rows.into_primitive(),
+                sorted_indices,
+                num_tokens,
+            )),
         }
     }
 
@@ -116,7 +140,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             /// `(sorted_indices, rows, probs)`.
             type State = (IntTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
-            fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [rows_parent, probs_parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 let (idx, rows, probs) = ops.state;
@@ -171,7 +200,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             /// `(x, weights, group_sizes, transpose_weights)`.
             type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, bool);
 
-            fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [x_parent, w_parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 let (x, w, sizes, trans) = ops.state;
@@ -197,8 +231,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             OpsKind::Tracked(prep) => {
                 let xp = x.into_primitive();
                 let wp = weights.into_primitive();
-                let out =
-                    B::moe_grouped_matmul(xp.clone(), wp.clone(), group_sizes.clone(), transpose_weights);
+                let out = B::moe_grouped_matmul(
+                    xp.clone(),
+                    wp.clone(),
+                    group_sizes.clone(),
+                    transpose_weights,
+                );
                 prep.finish((xp, wp, group_sizes, transpose_weights), out)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::moe_grouped_matmul(
@@ -222,7 +260,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             /// `(lhs [N, P], rhs [N, Q], group_sizes)`.
             type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>);
 
-            fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [lhs_parent, rhs_parent] = ops.parents;
                 // dOut [G, P, Q]; out_g = a_gᵀ b_g.
                 let grad = grads.consume::<B>(&ops.node);
@@ -270,7 +313,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             /// `(split_sizes, sorted_idxs)` of the forward.
             type State = (Vec<usize>, Vec<usize>);
 
-            fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 let (sizes, order) = ops.state;
@@ -286,14 +334,24 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             }
         }
 
-        match SortChunksBackward.prepare::<C>([x.node()]).compute_bound().stateful() {
+        match SortChunksBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
-                let out = B::moe_sort_chunks(x.into_primitive(), split_sizes.clone(), sorted_idxs.clone());
+                let out = B::moe_sort_chunks(
+                    x.into_primitive(),
+                    split_sizes.clone(),
+                    sorted_idxs.clone(),
+                );
                 prep.finish((split_sizes, sorted_idxs), out)
             }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::moe_sort_chunks(x.into_primitive(), split_sizes, sorted_idxs))
-            }
+            OpsKind::UnTracked(prep) => prep.finish(B::moe_sort_chunks(
+                x.into_primitive(),
+                split_sizes,
+                sorted_idxs,
+            )),
         }
     }
 
@@ -309,7 +367,12 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
             /// `(loss shape, loss dtype, grad_scale)`.
             type State = (Shape, FloatDType, f64);
 
-            fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
                 let [x_parent, loss_parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 let (shape, dtype, scale) = ops.state;

@@ -133,7 +133,10 @@ fn int_tensor(values: Vec<i32>) -> FlexTensor {
 
 fn dims2(t: &FlexTensor, op: &str) -> [usize; 2] {
     let s = t.layout().shape();
-    assert!(s.num_dims() == 2, "{op}: expected a 2-D tensor, got shape {s:?}");
+    assert!(
+        s.num_dims() == 2,
+        "{op}: expected a 2-D tensor, got shape {s:?}"
+    );
     [s[0], s[1]]
 }
 
@@ -192,7 +195,11 @@ impl MoeOps for Flex {
             per_expert.push(to_i32(sorted.len() - before));
         }
         let sorted: Vec<i32> = sorted.into_iter().map(to_i32).collect();
-        (int_tensor(sorted), int_tensor(probs_index), int_tensor(per_expert))
+        (
+            int_tensor(sorted),
+            int_tensor(probs_index),
+            int_tensor(per_expert),
+        )
     }
 
     fn moe_topk_indices(scores: FloatTensor<Self>, k: usize) -> IntTensor<Self> {
@@ -203,7 +210,10 @@ impl MoeOps for Flex {
         let values = <f64 as Compute>::from_host(host);
         let mut out = vec![0i32; t * k];
         let mut order: Vec<usize> = Vec::with_capacity(e);
-        for (row, dst) in values.chunks_exact(e.max(1)).zip(out.chunks_exact_mut(k.max(1))) {
+        for (row, dst) in values
+            .chunks_exact(e.max(1))
+            .zip(out.chunks_exact_mut(k.max(1)))
+        {
             order.clear();
             order.extend(0..e);
             // Descending value, ascending index among ties; NaN sorts last.
@@ -221,7 +231,10 @@ impl MoeOps for Flex {
         FlexTensor::from_data(TensorData::new(out, [t, k]))
     }
 
-    fn moe_permute(tokens: FloatTensor<Self>, sorted_indices: IntTensor<Self>) -> FloatTensor<Self> {
+    fn moe_permute(
+        tokens: FloatTensor<Self>,
+        sorted_indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
         let op = "moe_permute";
         let [t, h] = dims2(&tokens, op);
         let idx = host_indices(&sorted_indices, op);
@@ -278,9 +291,17 @@ impl MoeOps for Flex {
             (GemmWeightLayout::InOut, b)
         };
         let in_dim = if transpose_weights { b } else { a };
-        assert_eq!(in_dim, k, "{op}: x has {k} columns, weights expect {in_dim}");
+        assert_eq!(
+            in_dim, k,
+            "{op}: x has {k} columns, weights expect {in_dim}"
+        );
         let sizes = host_indices(&group_sizes, op);
-        assert_eq!(sizes.len(), g, "{op}: {} group sizes for {g} groups", sizes.len());
+        assert_eq!(
+            sizes.len(),
+            g,
+            "{op}: {} group sizes for {g} groups",
+            sizes.len()
+        );
         let sum: usize = sizes.iter().sum();
         assert_eq!(sum, n, "{op}: group sizes sum to {sum} but x has {n} rows");
         let (xh, out) = host_float(&x, op);
@@ -303,7 +324,10 @@ impl MoeOps for Flex {
         assert_eq!(n, n2, "{op}: lhs has {n} rows, rhs {n2}");
         let sizes = host_indices(&group_sizes, op);
         let sum: usize = sizes.iter().sum();
-        assert_eq!(sum, n, "{op}: group sizes sum to {sum} but inputs have {n} rows");
+        assert_eq!(
+            sum, n,
+            "{op}: group sizes sum to {sum} but inputs have {n} rows"
+        );
         let (ah, out) = host_float(&lhs, op);
         let (bh, _) = host_float(&rhs, op);
         with_compute_type!(out, Shape::new([sizes.len(), p, q]), |T| {

@@ -73,7 +73,11 @@ pub fn offsets_of(sizes: &[usize]) -> Vec<usize> {
 /// Gathers rows: `out[r] = x[idx[r]]` for `x [rows, width]`.
 ///
 /// Callers guarantee `idx[r] < rows(x)`.
-pub fn gather_rows<T: Copy + Send + Sync + Default>(x: &[T], width: usize, idx: &[usize]) -> Vec<T> {
+pub fn gather_rows<T: Copy + Send + Sync + Default>(
+    x: &[T],
+    width: usize,
+    idx: &[usize],
+) -> Vec<T> {
     let mut out = vec![T::default(); idx.len() * width];
     if width == 0 {
         return out;
@@ -374,10 +378,14 @@ mod tests {
     }
 
     fn pseudo(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 11) as f64 / (1u64 << 53) as f64) - 0.5
             })
             .collect()

@@ -46,7 +46,8 @@ pub trait MoeOps: Backend {
     fn moe_topk_indices(scores: FloatTensor<Self>, k: usize) -> IntTensor<Self>;
 
     /// Gathers token rows: `out[r] = tokens[sorted_indices[r]]` (`[T, H] -> [N, H]`).
-    fn moe_permute(tokens: FloatTensor<Self>, sorted_indices: IntTensor<Self>) -> FloatTensor<Self>;
+    fn moe_permute(tokens: FloatTensor<Self>, sorted_indices: IntTensor<Self>)
+    -> FloatTensor<Self>;
 
     /// Scatter-adds rows back to tokens: `out[t] = Σ_{r: idx[r] = t} rows[r]`,
     /// accumulated in f32 (f64 for f64 inputs); `[N, H] -> [num_tokens, H]`.
@@ -244,7 +245,10 @@ pub fn permute_with_indices(
     let (min, max) = if t > 0 && k > 0 {
         let host = indices.clone().into_data().convert::<i64>();
         let v = host.try_into_vec::<i64>().unwrap_or_default();
-        (v.iter().copied().min().unwrap_or(0), v.iter().copied().max().unwrap_or(0))
+        (
+            v.iter().copied().min().unwrap_or(0),
+            v.iter().copied().max().unwrap_or(0),
+        )
     } else {
         (0, 0)
     };
@@ -268,7 +272,11 @@ pub fn permute_with_indices(
 
 /// Restores `[T, H]` from permuted rows `[N, H]`: each token gets the sum of its copies,
 /// optionally weighted by `probs [N]` (moe-ops §6). Unrouted tokens get zeros.
-pub fn unpermute(rows: Tensor<2>, row_id_map: &RowIdMap, probs: Option<Tensor<1>>) -> Result<Tensor<2>> {
+pub fn unpermute(
+    rows: Tensor<2>,
+    row_id_map: &RowIdMap,
+    probs: Option<Tensor<1>>,
+) -> Result<Tensor<2>> {
     let [n, _] = rows.dims();
     if n != row_id_map.num_rows() {
         return Err(BackendError::Shape {
@@ -288,7 +296,9 @@ pub fn unpermute(rows: Tensor<2>, row_id_map: &RowIdMap, probs: Option<Tensor<1>
     let t = row_id_map.num_tokens;
     Ok(Tensor::from_dispatch(match probs {
         None => Dispatch::moe_unpermute(rows.into_dispatch(), idx, t),
-        Some(p) => Dispatch::moe_unpermute_weighted(rows.into_dispatch(), idx, p.into_dispatch(), t),
+        Some(p) => {
+            Dispatch::moe_unpermute_weighted(rows.into_dispatch(), idx, p.into_dispatch(), t)
+        }
     }))
 }
 
@@ -298,7 +308,7 @@ pub enum GroupSizes {
     /// Host sizes; validated against the row count.
     Host(Vec<usize>),
     /// Device int tensor `[G]`; trusted to sum to the row count (checked by the kernel).
-    Device(Tensor<1, Int>),
+    Device(Box<Tensor<1, Int>>),
 }
 
 /// Orientation of grouped-GEMM weights.
@@ -343,7 +353,11 @@ pub fn grouped_matmul(
 }
 
 /// Grouped weight gradient `out_g = lhs[seg_g]ᵀ · rhs[seg_g]` (`[N,P] x [N,Q] -> [G,P,Q]`).
-pub fn grouped_matmul_wgrad(lhs: Tensor<2>, rhs: Tensor<2>, sizes: &GroupSizes) -> Result<Tensor<3>> {
+pub fn grouped_matmul_wgrad(
+    lhs: Tensor<2>,
+    rhs: Tensor<2>,
+    sizes: &GroupSizes,
+) -> Result<Tensor<3>> {
     let [n, _] = lhs.dims();
     let [n2, _] = rhs.dims();
     if n != n2 {
@@ -392,7 +406,7 @@ fn group_sizes_tensor(
                     detail: format!("{} group sizes for {groups} weight groups", t.dims()[0]),
                 });
             }
-            Ok(t.clone())
+            Ok(t.as_ref().clone())
         }
     }
 }
@@ -448,7 +462,10 @@ pub fn topk_indices(scores: Tensor<2>, k: usize) -> Result<Tensor<2, Int>> {
             detail: format!("k = {k} must be in 1..={e}"),
         });
     }
-    Ok(Tensor::from_dispatch(Dispatch::moe_topk_indices(scores.into_dispatch(), k)))
+    Ok(Tensor::from_dispatch(Dispatch::moe_topk_indices(
+        scores.into_dispatch(),
+        k,
+    )))
 }
 
 /// Returns `x` unchanged; in the backward pass `loss` receives the constant gradient
@@ -471,7 +488,10 @@ pub fn int_tensor_to_usize<const D: usize>(t: Tensor<D, Int>) -> Vec<usize> {
 }
 
 /// Creates an `i32` int tensor from host values.
-pub fn usize_to_int_tensor(values: &[usize], device: &burn::tensor::Device) -> Result<Tensor<1, Int>> {
+pub fn usize_to_int_tensor(
+    values: &[usize],
+    device: &burn::tensor::Device,
+) -> Result<Tensor<1, Int>> {
     let ints = values
         .iter()
         .map(|&v| {
@@ -481,6 +501,8 @@ pub fn usize_to_int_tensor(values: &[usize], device: &burn::tensor::Device) -> R
             })
         })
         .collect::<Result<Vec<i32>>>()?;
-    Ok(Tensor::from_data(TensorData::new(ints, [values.len()]), device))
+    Ok(Tensor::from_data(
+        TensorData::new(ints, [values.len()]),
+        device,
+    ))
 }
-
