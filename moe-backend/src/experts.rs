@@ -8,7 +8,9 @@ use burn::tensor::activation::{gelu, sigmoid, silu};
 use burn::tensor::{Device, Int, Tensor};
 
 use crate::error::BackendError;
-use crate::ops::{GroupSizes, WeightLayout, grouped_matmul, usize_to_int_tensor};
+use crate::ops::{
+    GroupSizes, WeightLayout, grouped_matmul, swiglu_with_probs, usize_to_int_tensor,
+};
 
 /// Activation of the expert FFN.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -159,18 +161,13 @@ impl GroupedExperts {
         if let Some(b) = &self.fc1_bias {
             hidden = hidden + b.val().select(0, row_expert()?);
         }
-        let f = self.ffn_hidden_size();
+        let p = probs.clone().reshape([n, 1]);
+        // Probs are applied after the activation and before fc2 (moe-ops §8 step 4).
         let z = match self.activation {
-            ExpertActivation::SwiGlu => {
-                let gate = hidden.clone().slice([0..n, 0..f]);
-                let up = hidden.slice([0..n, f..2 * f]);
-                silu(gate) * up
-            }
-            ExpertActivation::Silu => silu(hidden),
-            ExpertActivation::Gelu => gelu(hidden),
+            ExpertActivation::SwiGlu => swiglu_with_probs(hidden, probs)?,
+            ExpertActivation::Silu => silu(hidden) * p.clone(),
+            ExpertActivation::Gelu => gelu(hidden) * p.clone(),
         };
-        let p = probs.reshape([n, 1]);
-        let z = z * p.clone();
         let mut out = grouped_matmul(
             z,
             self.fc2.val(),

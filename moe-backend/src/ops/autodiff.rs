@@ -9,10 +9,11 @@
 //! | `gmm(x, W)` InOut | `dx = gmm(dy, W)` OutIn, `dW = wgrad(x, dy)` |
 //! | `wgrad(a, b)` | `da = gmm(b, dOut)` OutIn, `db = gmm(a, dOut)` InOut |
 //! | `sort_chunks(x, s, o)` | the inverse reorder |
+//! | `swiglu(h, p)` | fused: `d_gate`, `d_up`, `d_p` in one pass |
 //! | `attach_loss(x, L, c)` | `dx = dy`, `dL = c` |
 
 use burn::backend::{
-    TensorMetadata,
+    AutodiffBackend, TensorMetadata,
     autodiff::{
         Autodiff,
         checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -353,6 +354,64 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
                 sorted_idxs,
             )),
         }
+    }
+
+    fn moe_swiglu(hidden: FloatTensor<Self>, probs: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct SwigluBackward;
+
+        impl<B: MoeOps> Backward<B, 2> for SwigluBackward {
+            /// `(hidden, probs)`.
+            type State = (FloatTensor<B>, FloatTensor<B>);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let [hidden_parent, probs_parent] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                let (hidden, probs) = ops.state;
+                let (dh, dp) = B::moe_swiglu_backward(hidden, probs, grad);
+                if let Some(node) = hidden_parent {
+                    grads.register::<B>(node.id, dh);
+                }
+                if let Some(node) = probs_parent {
+                    grads.register::<B>(node.id, dp);
+                }
+            }
+        }
+
+        match SwigluBackward
+            .prepare::<C>([hidden.node(), probs.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let h = hidden.into_primitive();
+                let p = probs.into_primitive();
+                let out = B::moe_swiglu(h.clone(), p.clone());
+                prep.finish((h, p), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::moe_swiglu(
+                hidden.into_primitive(),
+                probs.into_primitive(),
+            )),
+        }
+    }
+
+    fn moe_swiglu_backward(
+        hidden: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (dh, dp) = B::moe_swiglu_backward(
+            hidden.into_primitive(),
+            probs.into_primitive(),
+            grad.into_primitive(),
+        );
+        (Self::from_inner(dh), Self::from_inner(dp))
     }
 
     fn moe_attach_loss(

@@ -356,6 +356,55 @@ impl MoeOps for Flex {
         Self::moe_permute(x, int_tensor(index))
     }
 
+    fn moe_swiglu(hidden: FloatTensor<Self>, probs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let op = "moe_swiglu";
+        let [n, two_f] = dims2(&hidden, op);
+        let f = two_f / 2;
+        assert_eq!(
+            probs.layout().shape().num_elements(),
+            n,
+            "{op}: probs must have {n} rows"
+        );
+        let (hh, out) = host_float(&hidden, op);
+        let (ph, _) = host_float(&probs, op);
+        with_compute_type!(out, Shape::new([n, f]), |T| {
+            kernels::swiglu_probs(&T::from_host(hh), f, &T::from_host(ph))
+        })
+    }
+
+    fn moe_swiglu_backward(
+        hidden: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let op = "moe_swiglu_backward";
+        let [n, two_f] = dims2(&hidden, op);
+        let f = two_f / 2;
+        assert_eq!(dims2(&grad, op), [n, f], "{op}: grad must be [{n}, {f}]");
+        let (hh, out) = host_float(&hidden, op);
+        let (ph, _) = host_float(&probs, op);
+        let (gh, _) = host_float(&grad, op);
+        macro_rules! run {
+            ($t:ty) => {{
+                let (dh, dp) = kernels::swiglu_probs_backward(
+                    &<$t as Compute>::from_host(hh),
+                    f,
+                    &<$t as Compute>::from_host(ph),
+                    &<$t as Compute>::from_host(gh),
+                );
+                (
+                    <$t as Compute>::into_tensor(dh, Shape::new([n, two_f]), out),
+                    <$t as Compute>::into_tensor(dp, Shape::new([n]), out),
+                )
+            }};
+        }
+        if matches!(out.0, DType::F64) {
+            run!(f64)
+        } else {
+            run!(f32)
+        }
+    }
+
     fn moe_attach_loss(
         x: FloatTensor<Self>,
         _loss: FloatTensor<Self>,

@@ -358,6 +358,90 @@ pub fn grouped_gemm_wgrad<T: KernelFloat>(
     out
 }
 
+/// Float types with the transcendental functions the activation kernels need.
+pub trait ActivationFloat:
+    KernelFloat + core::ops::Sub<Output = Self> + core::ops::Neg<Output = Self>
+{
+    /// `1 / (1 + e^{-x})`.
+    fn sigmoid(self) -> Self;
+}
+
+impl ActivationFloat for f32 {
+    fn sigmoid(self) -> Self {
+        1.0 / (1.0 + (-self).exp())
+    }
+}
+
+impl ActivationFloat for f64 {
+    fn sigmoid(self) -> Self {
+        1.0 / (1.0 + (-self).exp())
+    }
+}
+
+/// Fused SwiGLU with routing weights (moe-ops §8 steps 3–4): for `hidden [N, 2F]` with rows
+/// `[gate; up]`, `z[r] = silu(gate[r]) ⊙ up[r] · p_r`. Output `[N, F]`.
+pub fn swiglu_probs<T: ActivationFloat>(hidden: &[T], f: usize, probs: &[T]) -> Vec<T> {
+    let n = probs.len();
+    let mut out = vec![T::ZERO; n * f];
+    if f == 0 {
+        return out;
+    }
+    let chunk = rows_per_task(2 * f, core::mem::size_of::<T>());
+    out.par_chunks_mut(chunk * f)
+        .enumerate()
+        .for_each(|(c, dst)| {
+            for (i, z) in dst.chunks_exact_mut(f).enumerate() {
+                let r = c * chunk + i;
+                let (gate, up) = hidden[r * 2 * f..(r + 1) * 2 * f].split_at(f);
+                let p = probs[r];
+                for ((z, &g), &u) in z.iter_mut().zip(gate).zip(up) {
+                    *z = g * g.sigmoid() * u * p;
+                }
+            }
+        });
+    out
+}
+
+/// Backward of [`swiglu_probs`]: given `dz [N, F]`, returns `d_hidden [N, 2F]` and `d_probs [N]`:
+/// `d_gate = dz·p·up·σ(g)(1 + g(1 − σ(g)))`, `d_up = dz·p·silu(g)`, `d_p = Σ dz·silu(g)·up`.
+pub fn swiglu_probs_backward<T: ActivationFloat>(
+    hidden: &[T],
+    f: usize,
+    probs: &[T],
+    dz: &[T],
+) -> (Vec<T>, Vec<T>) {
+    let n = probs.len();
+    let mut dh = vec![T::ZERO; n * 2 * f];
+    let mut dp = vec![T::ZERO; n];
+    if f == 0 {
+        return (dh, dp);
+    }
+    let chunk = rows_per_task(2 * f, core::mem::size_of::<T>());
+    dh.par_chunks_mut(chunk * 2 * f)
+        .zip(dp.par_chunks_mut(chunk))
+        .enumerate()
+        .for_each(|(c, (dh_rows, dp_rows))| {
+            for (i, (dhr, dpr)) in dh_rows.chunks_exact_mut(2 * f).zip(dp_rows).enumerate() {
+                let r = c * chunk + i;
+                let (gate, up) = hidden[r * 2 * f..(r + 1) * 2 * f].split_at(f);
+                let dzr = &dz[r * f..(r + 1) * f];
+                let p = probs[r];
+                let (dg, du) = dhr.split_at_mut(f);
+                let mut acc = T::ZERO;
+                for j in 0..f {
+                    let (g, u, d) = (gate[j], up[j], dzr[j]);
+                    let s = g.sigmoid();
+                    let silu = g * s;
+                    acc += d * silu * u;
+                    du[j] = d * p * silu;
+                    dg[j] = d * p * u * s * (T::ONE + g * (T::ONE - s));
+                }
+                *dpr = acc;
+            }
+        });
+    (dh, dp)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

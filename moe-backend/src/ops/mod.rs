@@ -92,6 +92,18 @@ pub trait MoeOps: Backend {
         sorted_idxs: Vec<usize>,
     ) -> FloatTensor<Self>;
 
+    /// Fused SwiGLU with routing weights (moe-ops §8 steps 3–4): `hidden [N, 2F]` with rows
+    /// `[gate; up]`, `probs [N]`; returns `z = silu(gate) ⊙ up · p` as `[N, F]`.
+    fn moe_swiglu(hidden: FloatTensor<Self>, probs: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Backward of [`moe_swiglu`](MoeOps::moe_swiglu): `(d_hidden [N, 2F], d_probs [N])` for the
+    /// upstream gradient `grad [N, F]`. Not itself differentiable.
+    fn moe_swiglu_backward(
+        hidden: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
     /// Identity on `x` whose backward also sends the constant gradient `grad_scale` to `loss`
     /// (Megatron's `MoEAuxLossAutoScaler`, moe-ops §4): attaches an auxiliary loss to the graph
     /// without adding it to the main loss.
@@ -465,6 +477,26 @@ pub fn topk_indices(scores: Tensor<2>, k: usize) -> Result<Tensor<2, Int>> {
     Ok(Tensor::from_dispatch(Dispatch::moe_topk_indices(
         scores.into_dispatch(),
         k,
+    )))
+}
+
+/// Fused SwiGLU with routing weights: `hidden [N, 2F]` (rows `[gate; up]`), `probs [N]` ->
+/// `silu(gate) ⊙ up · p` `[N, F]` (moe-ops §8 steps 3–4). Differentiable in both inputs.
+pub fn swiglu_with_probs(hidden: Tensor<2>, probs: Tensor<1>) -> Result<Tensor<2>> {
+    let [n, two_f] = hidden.dims();
+    if two_f % 2 != 0 || probs.dims() != [n] {
+        return Err(BackendError::Shape {
+            op: "swiglu_with_probs",
+            detail: format!(
+                "hidden {:?} must be [N, 2F] and probs {:?} must be [{n}]",
+                [n, two_f],
+                probs.dims()
+            ),
+        });
+    }
+    Ok(Tensor::from_dispatch(Dispatch::moe_swiglu(
+        hidden.into_dispatch(),
+        probs.into_dispatch(),
     )))
 }
 

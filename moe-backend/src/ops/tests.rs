@@ -580,3 +580,48 @@ fn bad_inputs_return_typed_errors() {
         Err(BackendError::Config { .. })
     ));
 }
+
+#[test]
+fn fused_swiglu_matches_burn_ops_and_finite_differences() {
+    let mut rng = SplitMix::new(9);
+    let (n, f) = (5, 3);
+    let (hv, pv, rv) = (rng.values(n * 2 * f), rng.values(n), rng.values(n * f));
+    let run = |fused: bool| {
+        let h = tensor(hv.clone(), [n, 2 * f], &ad(), DType::F64).require_grad();
+        let p = tensor(pv.clone(), [n], &ad(), DType::F64).require_grad();
+        let z = if fused {
+            swiglu_with_probs(h.clone(), p.clone()).expect("swiglu")
+        } else {
+            let gate = h.clone().slice([0..n, 0..f]);
+            burn::tensor::activation::silu(gate)
+                * h.clone().slice([0..n, f..2 * f])
+                * p.clone().reshape([n, 1])
+        };
+        let r = tensor(rv.clone(), [n, f], &ad(), DType::F64);
+        let grads = (z.clone() * r).sum().backward();
+        let gh = values(h.grad(&grads).expect("dh"));
+        let gp = values(p.grad(&grads).expect("dp"));
+        (values(z), gh, gp)
+    };
+    let (ours, reference) = (run(true), run(false));
+    assert_close(&ours.0, &reference.0, 1e-14, 1e-14, "swiglu forward");
+    assert_close(&ours.1, &reference.1, 1e-12, 1e-14, "swiglu d hidden");
+    assert_close(&ours.2, &reference.2, 1e-12, 1e-14, "swiglu d probs");
+    let loss = |h: &[f64], p: &[f64]| -> f64 {
+        let z = swiglu_with_probs(
+            tensor(h.to_vec(), [n, 2 * f], &dev(), DType::F64),
+            tensor(p.to_vec(), [n], &dev(), DType::F64),
+        )
+        .expect("swiglu");
+        values(z).iter().zip(&rv).map(|(a, b)| a * b).sum()
+    };
+    let fd_h = finite_difference(|v| loss(v, &pv), &hv, 1e-6);
+    let fd_p = finite_difference(|v| loss(&hv, v), &pv, 1e-6);
+    assert_close(&ours.1, &fd_h, 1e-6, 1e-8, "swiglu d hidden (fd)");
+    assert_close(&ours.2, &fd_p, 1e-6, 1e-8, "swiglu d probs (fd)");
+    let bad = swiglu_with_probs(
+        tensor(vec![0.0; 6], [2, 3], &dev(), DType::F32),
+        tensor(vec![1.0; 2], [2], &dev(), DType::F32),
+    );
+    assert!(matches!(bad, Err(BackendError::Shape { .. })));
+}
