@@ -173,7 +173,8 @@ fn main() {
     });
     let src = vec![1.0f32; n * h];
     let memcpy_s = median_secs(iters, || {
-        let mut dst = vec![0.0f32; n * h];
+        // Same allocation path as the kernels' outputs (huge-page advice included).
+        let mut dst = moe_backend::ops::kernels::zeroed::<f32>(n * h);
         dst.copy_from_slice(&src);
         std::hint::black_box(&dst);
     });

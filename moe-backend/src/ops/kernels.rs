@@ -52,6 +52,39 @@ impl<T> SendPtr<T> {
     }
 }
 
+/// A zero-filled buffer of `len` elements for a kernel output.
+///
+/// Large outputs (MoE activations and expert weight gradients reach gigabytes) are asked to be
+/// backed by transparent huge pages before their first touch, which cuts page-fault cost on
+/// Linux systems where THP is in `madvise` mode. The advice is best-effort and never changes
+/// results.
+pub fn zeroed<T: Copy + Default>(len: usize) -> Vec<T> {
+    let v = vec![T::default(); len];
+    advise_huge_pages(&v);
+    v
+}
+
+#[cfg(target_os = "linux")]
+fn advise_huge_pages<T>(v: &[T]) {
+    const HUGE: usize = 2 << 20;
+    let bytes = core::mem::size_of_val(v);
+    if bytes < 4 * HUGE {
+        return;
+    }
+    let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
+    let end = (v.as_ptr() as usize + bytes) / HUGE * HUGE;
+    if end > start {
+        // SAFETY: [start, end) lies inside the allocation of `v`; MADV_HUGEPAGE only changes
+        // how the kernel backs those pages, not their contents, and failure is harmless.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages<T>(_v: &[T]) {}
+
 /// Rows per parallel task for row-copy kernels: at least ~32 KiB of payload per task.
 fn rows_per_task(width: usize, elem_bytes: usize) -> usize {
     let row_bytes = (width * elem_bytes).max(1);
@@ -78,7 +111,7 @@ pub fn gather_rows<T: Copy + Send + Sync + Default>(
     width: usize,
     idx: &[usize],
 ) -> Vec<T> {
-    let mut out = vec![T::default(); idx.len() * width];
+    let mut out = zeroed::<T>(idx.len() * width);
     if width == 0 {
         return out;
     }
@@ -135,7 +168,7 @@ pub fn scatter_add_rows<T: KernelFloat>(
     weights: Option<&[T]>,
     num_tokens: usize,
 ) -> Vec<T> {
-    let mut out = vec![T::ZERO; num_tokens * width];
+    let mut out = zeroed::<T>(num_tokens * width);
     if width == 0 || num_tokens == 0 {
         return out;
     }
@@ -275,7 +308,7 @@ pub fn grouped_gemm<T: KernelFloat>(
     layout: GemmWeightLayout,
 ) -> Vec<T> {
     let n_rows: usize = sizes.iter().sum();
-    let mut out = vec![T::ZERO; n_rows * m];
+    let mut out = zeroed::<T>(n_rows * m);
     if m == 0 || n_rows == 0 {
         return out;
     }
@@ -324,7 +357,7 @@ pub fn grouped_gemm_wgrad<T: KernelFloat>(
     sizes: &[usize],
 ) -> Vec<T> {
     let groups = sizes.len();
-    let mut out = vec![T::ZERO; groups * p * q];
+    let mut out = zeroed::<T>(groups * p * q);
     if p == 0 || q == 0 {
         return out;
     }
@@ -382,7 +415,7 @@ impl ActivationFloat for f64 {
 /// `[gate; up]`, `z[r] = silu(gate[r]) ⊙ up[r] · p_r`. Output `[N, F]`.
 pub fn swiglu_probs<T: ActivationFloat>(hidden: &[T], f: usize, probs: &[T]) -> Vec<T> {
     let n = probs.len();
-    let mut out = vec![T::ZERO; n * f];
+    let mut out = zeroed::<T>(n * f);
     if f == 0 {
         return out;
     }
@@ -411,7 +444,7 @@ pub fn swiglu_probs_backward<T: ActivationFloat>(
     dz: &[T],
 ) -> (Vec<T>, Vec<T>) {
     let n = probs.len();
-    let mut dh = vec![T::ZERO; n * 2 * f];
+    let mut dh = zeroed::<T>(n * 2 * f);
     let mut dp = vec![T::ZERO; n];
     if f == 0 {
         return (dh, dp);
