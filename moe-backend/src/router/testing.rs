@@ -27,18 +27,12 @@ pub fn host_bool<const D: usize>(t: Tensor<D, Bool>) -> Vec<bool> {
     host_usize(t.int()).into_iter().map(|v| v != 0).collect()
 }
 
-/// Deterministic pseudo-random values in `[-2, 2)` (64-bit LCG).
+/// Deterministic pseudo-random values in `[-2, 2)`.
 pub fn lcg_values(n: usize, seed: u64) -> Vec<f64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
-        })
+    crate::testing::SplitMix::new(seed)
+        .values(n)
+        .into_iter()
+        .map(|v| 2.0 * v)
         .collect()
 }
 
