@@ -255,8 +255,15 @@ pub fn permute_with_indices(
         });
     }
     let (min, max) = if t > 0 && k > 0 {
-        let host = indices.clone().into_data().convert::<i64>();
-        let v = host.try_into_vec::<i64>().unwrap_or_default();
+        let v = indices
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| BackendError::Index {
+                op: "permute_with_indices",
+                detail: format!("cannot read indices: {e:?}"),
+            })?;
         (
             v.iter().copied().min().unwrap_or(0),
             v.iter().copied().max().unwrap_or(0),

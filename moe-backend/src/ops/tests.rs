@@ -74,8 +74,7 @@ fn permute_matches_per_expert_reference_and_orders_expert_major() {
         // Permuted probs are probs[token, expert] in the same order.
         let pv = values(p);
         let mut expect_p = Vec::new();
-        for (ex, &c) in counts.iter().enumerate() {
-            let _ = c;
+        for ex in 0..e {
             for tok in 0..t {
                 if map[tok * e + ex] {
                     expect_p.push(pv[tok * e + ex]);
