@@ -44,6 +44,61 @@ pub enum BackendError {
     /// Router replay was asked for decisions that were not recorded.
     #[error("router replay: {0}")]
     Replay(String),
+    /// An impossible parallel layout or group request.
+    #[error("invalid parallel layout (`{field}`): {detail}")]
+    Layout {
+        /// Layout field or argument at fault (`tp`, `world`, `order`, ...).
+        field: &'static str,
+        /// Why it is rejected.
+        detail: String,
+    },
+    /// A collective was called with arguments that are invalid or disagree across ranks
+    /// (order, op, dtype, shapes, splits).
+    #[error("{op} on group {group}: {detail}")]
+    Collective {
+        /// Collective name.
+        op: &'static str,
+        /// Global ranks of the group.
+        group: String,
+        /// What disagrees, naming ranks and call sites.
+        detail: String,
+    },
+    /// Another rank failed, so the collective was abandoned.
+    #[error("{op} on group {group} abandoned: rank {rank} failed: {reason}")]
+    Aborted {
+        /// Collective that was pending or being started.
+        op: &'static str,
+        /// Global ranks of the group.
+        group: String,
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error or panic message.
+        reason: String,
+    },
+    /// A collective did not complete within the world's timeout.
+    #[error(
+        "{op} on group {group} timed out after {seconds:.1} s waiting for ranks {waiting:?} (called at {site})"
+    )]
+    Timeout {
+        /// Collective name.
+        op: &'static str,
+        /// Global ranks of the group.
+        group: String,
+        /// Ranks that never joined.
+        waiting: Vec<usize>,
+        /// Timeout in seconds.
+        seconds: f64,
+        /// Call site of the waiting rank.
+        site: String,
+    },
+    /// A rank's closure panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// Panic payload, when it was a string.
+        message: String,
+    },
 }
 
 /// Shorthand result type of this crate.

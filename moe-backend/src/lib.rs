@@ -13,10 +13,12 @@
 //! The kernels are a Burn backend extension, [`ops::MoeOps`], implemented for the Flex CPU
 //! backend with hand-written backward passes for `Autodiff`.
 
+pub mod comm;
 pub mod error;
 pub mod experts;
 pub mod layer;
 pub mod ops;
+pub mod parallel;
 pub mod router;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -1,0 +1,487 @@
+//! Differentiable collectives and Megatron's model-parallel region ops.
+//!
+//! A collective's forward runs on host data through [`Comm`]; its output is then attached to
+//! the input's autodiff graph by the [`CollectiveOps::collective_link`] backend op, whose
+//! backward runs the transposed collective ([`GradCollective`]). On backends without autodiff
+//! the link is free.
+//!
+//! | forward | backward |
+//! |---|---|
+//! | `all_to_all_v(send, recv)` | `all_to_all_v(recv, send)` |
+//! | `all_gather(_v)` along dim 0 | `reduce_scatter` (sum) with the gathered sizes |
+//! | `reduce_scatter` (sum) | `all_gather` |
+//! | `all_reduce` (sum) | identity |
+//! | [`copy_to_tensor_parallel_region`] (identity) | `all_reduce` (sum) |
+//! | [`reduce_from_tensor_parallel_region`] (`all_reduce`) | identity |
+//! | [`scatter_to_tensor_parallel_region`] (own last-dim chunk) | all-gather along the last dim |
+//! | [`gather_from_tensor_parallel_region`] (all-gather, last dim) | own last-dim chunk |
+//! | [`scatter_to_sequence_parallel_region`] (own dim-0 chunk) | all-gather along dim 0 |
+//! | [`gather_from_sequence_parallel_region`] (all-gather, dim 0) | reduce-scatter, or own chunk |
+//! | [`reduce_scatter_to_sequence_parallel_region`] | all-gather along dim 0 |
+//!
+//! Collectives inside a backward pass must succeed: Burn's `backward()` cannot return an error,
+//! so a failure there panics with the collective's error message (the in-process
+//! [`World`](super::World) reports it as that rank's error and aborts the others).
+//!
+//! Ranks must not share autodiff tensors (each rank builds its own parameters): Burn merges the
+//! graphs of connected tensors, and one rank's backward would then wait on another's.
+
+use std::panic::Location;
+
+use burn::backend::{
+    Backend, Dispatch, Flex, TensorMetadata,
+    autodiff::{
+        Autodiff,
+        checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+        grads::Gradients,
+        ops::{Backward, Ops, OpsKind},
+    },
+    backend_extension,
+    tensor::FloatTensor,
+};
+use burn::tensor::{Tensor, TensorData};
+
+use super::data::{rows_and_row_bytes, split_rows, trailing};
+use super::{CallSite, Comm, ReduceOp};
+use crate::error::{BackendError, Result};
+
+/// The collective a backward pass runs on the output gradient.
+#[derive(Clone, Debug)]
+pub enum GradCollective {
+    /// Gradient passes through.
+    Identity,
+    /// Gradient scaled by a constant.
+    Scale(f64),
+    /// The forward op has no gradient (e.g. `max` reductions).
+    NotDifferentiable(&'static str),
+    /// Sum-all-reduce of the gradient.
+    AllReduce {
+        /// Group.
+        comm: Comm,
+        /// Forward call site.
+        site: CallSite,
+    },
+    /// Sum-reduce-scatter of the gradient with the given dim-0 blocks.
+    ReduceScatter {
+        /// Group.
+        comm: Comm,
+        /// Block sizes (the forward all-gather's per-member rows).
+        splits: Vec<usize>,
+        /// Forward call site.
+        site: CallSite,
+    },
+    /// All-gather of the gradient along dim 0, times `scale`.
+    AllGather {
+        /// Group.
+        comm: Comm,
+        /// Factor applied after gathering.
+        scale: f64,
+        /// Forward call site.
+        site: CallSite,
+    },
+    /// All-to-all of the gradient (splits already swapped).
+    AllToAll {
+        /// Group.
+        comm: Comm,
+        /// Rows to send to each member.
+        send_splits: Vec<usize>,
+        /// Rows to receive from each member.
+        recv_splits: Vec<usize>,
+        /// Forward call site.
+        site: CallSite,
+    },
+    /// Sum of all members' gradients on `root`, zero elsewhere.
+    ReduceToRoot {
+        /// Group.
+        comm: Comm,
+        /// Root member.
+        root: usize,
+        /// Forward call site.
+        site: CallSite,
+    },
+    /// This member's dim-0 block of the gradient.
+    SplitRows {
+        /// Group (for the member index).
+        comm: Comm,
+        /// Block sizes.
+        splits: Vec<usize>,
+    },
+    /// All-gather of the gradient along its last dim.
+    GatherLastDim {
+        /// Group.
+        comm: Comm,
+        /// Forward call site.
+        site: CallSite,
+    },
+    /// This member's chunk of the gradient's last dim.
+    SplitLastDim {
+        /// Group (for the member index and size).
+        comm: Comm,
+    },
+}
+
+fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
+    match burn::tensor::try_read_sync(B::float_into_data(t)) {
+        Some(Ok(data)) => data,
+        Some(Err(e)) => panic!("collective backward: reading the gradient failed: {e:?}"),
+        None => panic!("collective backward: the backend cannot read tensors synchronously"),
+    }
+}
+
+fn ok_or_panic<T>(result: Result<T>) -> T {
+    result.unwrap_or_else(|e| panic!("collective backward failed: {e}"))
+}
+
+impl GradCollective {
+    /// Runs the backward collective on `grad` (panics on a communication failure; see the
+    /// module docs).
+    fn apply<B: Backend>(&self, grad: FloatTensor<B>) -> FloatTensor<B> {
+        let device = grad.device();
+        let data = match self {
+            GradCollective::Identity => return grad,
+            GradCollective::Scale(s) => return B::float_mul_scalar(grad, (*s).into()),
+            GradCollective::NotDifferentiable(op) => {
+                panic!("{op} is not differentiable")
+            }
+            GradCollective::AllReduce { comm, site } => {
+                ok_or_panic(comm.inner.all_reduce(read::<B>(grad), ReduceOp::Sum, site))
+            }
+            GradCollective::ReduceScatter { comm, splits, site } => ok_or_panic(
+                comm.inner
+                    .reduce_scatter_v(read::<B>(grad), splits, ReduceOp::Sum, site),
+            ),
+            GradCollective::AllGather { comm, scale, site } => {
+                let (data, _) = ok_or_panic(comm.inner.all_gather_v(read::<B>(grad), site));
+                let out = B::float_from_data(data, &device);
+                return if *scale == 1.0 {
+                    out
+                } else {
+                    B::float_mul_scalar(out, (*scale).into())
+                };
+            }
+            GradCollective::AllToAll {
+                comm,
+                send_splits,
+                recv_splits,
+                site,
+            } => ok_or_panic(comm.inner.all_to_all_v(
+                read::<B>(grad),
+                send_splits,
+                recv_splits,
+                site,
+            )),
+            GradCollective::ReduceToRoot { comm, root, site } => {
+                let sum = ok_or_panic(comm.inner.all_reduce(read::<B>(grad), ReduceOp::Sum, site));
+                let out = B::float_from_data(sum, &device);
+                return if comm.rank() == *root {
+                    out
+                } else {
+                    B::float_mul_scalar(out, 0.0.into())
+                };
+            }
+            GradCollective::SplitRows { comm, splits } => {
+                ok_or_panic(own_rows(&read::<B>(grad), splits, comm.rank()))
+            }
+            GradCollective::GatherLastDim { comm, site } => {
+                ok_or_panic(gather_last_dim(comm, read::<B>(grad), site))
+            }
+            GradCollective::SplitLastDim { comm } => {
+                ok_or_panic(split_last_dim(comm, &read::<B>(grad), Location::caller()))
+            }
+        };
+        B::float_from_data(data, &device)
+    }
+}
+
+/// Backend op attaching a collective's output to the autodiff graph of its input.
+#[backend_extension(Flex, Autodiff)]
+pub trait CollectiveOps: Backend {
+    /// Returns `output`; under autodiff its gradient flows to `input` through `grad`.
+    fn collective_link(
+        input: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        grad: GradCollective,
+    ) -> FloatTensor<Self>;
+}
+
+impl CollectiveOps for Flex {
+    fn collective_link(
+        _input: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        _grad: GradCollective,
+    ) -> FloatTensor<Self> {
+        output
+    }
+}
+
+impl<B: CollectiveOps, C: CheckpointStrategy> CollectiveOps for Autodiff<B, C> {
+    fn collective_link(
+        input: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        grad: GradCollective,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct LinkBackward;
+
+        impl<B: Backend> Backward<B, 1> for LinkBackward {
+            type State = GradCollective;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _: &mut Checkpointer,
+            ) {
+                let [parent] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                let dx = ops.state.apply::<B>(grad);
+                if let Some(node) = parent {
+                    grads.register::<B>(node.id, dx);
+                }
+            }
+        }
+
+        match LinkBackward
+            .prepare::<C>([input.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(grad, output.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(output.into_primitive()),
+        }
+    }
+}
+
+/// Attaches `output` to `input`'s graph (see [`CollectiveOps::collective_link`]).
+pub(crate) fn link<const D: usize>(
+    input: Tensor<D>,
+    output: Tensor<D>,
+    grad: GradCollective,
+) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::collective_link(
+        input.into_dispatch(),
+        output.into_dispatch(),
+        grad,
+    ))
+}
+
+/// This member's block of dim 0.
+fn own_rows(data: &TensorData, splits: &[usize], index: usize) -> Result<TensorData> {
+    let (rows, _) = rows_and_row_bytes(data);
+    if splits.iter().sum::<usize>() != rows || index >= splits.len() {
+        return Err(BackendError::SizeSum {
+            op: "split_rows",
+            sum: splits.iter().sum(),
+            rows,
+        });
+    }
+    let block = split_rows(data, splits)[index];
+    let mut shape = vec![splits[index]];
+    shape.extend(trailing(data));
+    Ok(TensorData::from_bytes_vec(
+        block.to_vec(),
+        shape,
+        data.dtype(),
+    ))
+}
+
+/// `(rows, cols)` of the `[Π leading dims, last dim]` view.
+fn last_dim_view(data: &TensorData) -> (usize, usize) {
+    let dims = data.shape().as_slice();
+    let cols = dims.last().copied().unwrap_or(1);
+    let rows = dims.iter().rev().skip(1).product::<usize>();
+    (rows, cols)
+}
+
+/// Every member's tensor concatenated along the last dim (all members pass the same shape).
+fn gather_last_dim(comm: &Comm, data: TensorData, site: CallSite) -> Result<TensorData> {
+    let n = comm.size();
+    let dims = data.shape().to_vec();
+    let dtype = data.dtype();
+    let (rows, cols) = last_dim_view(&data);
+    let flat = TensorData::from_bytes_vec(data.into_bytes().to_vec(), [rows * cols], dtype);
+    let (gathered, sizes) = comm.inner.all_gather_v(flat, site)?;
+    if sizes.iter().any(|&s| s != rows * cols) {
+        return Err(BackendError::Collective {
+            op: "gather_last_dim",
+            group: comm.group_name(),
+            detail: format!("members passed different shapes (element counts {sizes:?}) at {site}"),
+        });
+    }
+    let elem = dtype.size();
+    let src = gathered.as_bytes();
+    let row = cols * elem;
+    let mut out = Vec::with_capacity(src.len());
+    for r in 0..rows {
+        for m in 0..n {
+            let start = (m * rows + r) * row;
+            out.extend_from_slice(&src[start..start + row]);
+        }
+    }
+    let mut shape = dims;
+    if let Some(last) = shape.last_mut() {
+        *last = cols * n;
+    }
+    Ok(TensorData::from_bytes_vec(out, shape, dtype))
+}
+
+/// This member's chunk of the last dim (which must divide by the group size).
+fn split_last_dim(comm: &Comm, data: &TensorData, site: CallSite) -> Result<TensorData> {
+    let n = comm.size();
+    let (rows, cols) = last_dim_view(data);
+    if cols % n != 0 {
+        return Err(BackendError::Collective {
+            op: "split_last_dim",
+            group: comm.group_name(),
+            detail: format!("last dim {cols} does not divide over {n} members (at {site})"),
+        });
+    }
+    let chunk = cols / n;
+    let elem = data.dtype().size();
+    let src = data.as_bytes();
+    let mut out = Vec::with_capacity(rows * chunk * elem);
+    for r in 0..rows {
+        let start = (r * cols + comm.rank() * chunk) * elem;
+        out.extend_from_slice(&src[start..start + chunk * elem]);
+    }
+    let mut shape = data.shape().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = chunk;
+    }
+    Ok(TensorData::from_bytes_vec(out, shape, data.dtype()))
+}
+
+fn detached_from<const D: usize>(data: TensorData, like: &Tensor<D>) -> Tensor<D> {
+    let dtype = data.dtype();
+    Tensor::from_data(data, (&like.device(), dtype))
+}
+
+/// Megatron `copy_to_tensor_model_parallel_region`: identity forward, sum-all-reduce backward
+/// (input of a column-parallel linear).
+#[track_caller]
+pub fn copy_to_tensor_parallel_region<const D: usize>(comm: &Comm, x: Tensor<D>) -> Tensor<D> {
+    let site = Location::caller();
+    let out = x.clone().detach();
+    link(
+        x,
+        out,
+        GradCollective::AllReduce {
+            comm: comm.clone(),
+            site,
+        },
+    )
+}
+
+/// Megatron `reduce_from_tensor_model_parallel_region`: sum-all-reduce forward, identity
+/// backward (output of a row-parallel linear).
+#[track_caller]
+pub fn reduce_from_tensor_parallel_region<const D: usize>(
+    comm: &Comm,
+    x: Tensor<D>,
+) -> Result<Tensor<D>> {
+    comm.all_reduce(x, ReduceOp::Sum)
+}
+
+/// Megatron `scatter_to_tensor_model_parallel_region`: this member's chunk of the last dim
+/// forward, all-gather along the last dim backward.
+#[track_caller]
+pub fn scatter_to_tensor_parallel_region<const D: usize>(
+    comm: &Comm,
+    x: Tensor<D>,
+) -> Result<Tensor<D>> {
+    let site = Location::caller();
+    let data = split_last_dim(comm, &x.to_data(), site)?;
+    let out = detached_from(data, &x);
+    Ok(link(
+        x,
+        out,
+        GradCollective::GatherLastDim {
+            comm: comm.clone(),
+            site,
+        },
+    ))
+}
+
+/// Megatron `gather_from_tensor_model_parallel_region`: all-gather along the last dim
+/// forward, this member's chunk backward.
+#[track_caller]
+pub fn gather_from_tensor_parallel_region<const D: usize>(
+    comm: &Comm,
+    x: Tensor<D>,
+) -> Result<Tensor<D>> {
+    let site = Location::caller();
+    let data = gather_last_dim(comm, x.to_data(), site)?;
+    let out = detached_from(data, &x);
+    Ok(link(
+        x,
+        out,
+        GradCollective::SplitLastDim { comm: comm.clone() },
+    ))
+}
+
+/// Megatron `scatter_to_sequence_parallel_region`: this member's equal block of dim 0
+/// forward, all-gather along dim 0 backward.
+#[track_caller]
+pub fn scatter_to_sequence_parallel_region<const D: usize>(
+    comm: &Comm,
+    x: Tensor<D>,
+) -> Result<Tensor<D>> {
+    let site = Location::caller();
+    let n = comm.size();
+    let rows = x.dims().first().copied().unwrap_or(1);
+    if rows % n != 0 {
+        return Err(BackendError::Collective {
+            op: "scatter_to_sequence_parallel_region",
+            group: comm.group_name(),
+            detail: format!("{rows} rows do not divide over {n} members (at {site})"),
+        });
+    }
+    let data = own_rows(&x.to_data(), &vec![rows / n; n], comm.rank())?;
+    let out = detached_from(data, &x);
+    Ok(link(
+        x,
+        out,
+        GradCollective::AllGather {
+            comm: comm.clone(),
+            scale: 1.0,
+            site,
+        },
+    ))
+}
+
+/// Megatron `gather_from_sequence_parallel_region`: all-gather along dim 0 forward; backward
+/// reduce-scatter when the consumer is tensor-parallel (`tensor_parallel_output_grad`, each
+/// rank holds a partial gradient), else this member's block of the (replicated) gradient.
+#[track_caller]
+pub fn gather_from_sequence_parallel_region<const D: usize>(
+    comm: &Comm,
+    x: Tensor<D>,
+    tensor_parallel_output_grad: bool,
+) -> Result<Tensor<D>> {
+    let site = Location::caller();
+    let (data, sizes) = comm.inner.all_gather_v(x.to_data(), site)?;
+    let out = detached_from(data, &x);
+    let grad = if tensor_parallel_output_grad {
+        GradCollective::ReduceScatter {
+            comm: comm.clone(),
+            splits: sizes,
+            site,
+        }
+    } else {
+        GradCollective::SplitRows {
+            comm: comm.clone(),
+            splits: sizes,
+        }
+    };
+    Ok(link(x, out, grad))
+}
+
+/// Megatron `reduce_scatter_to_sequence_parallel_region`: sum-reduce-scatter along dim 0
+/// forward, all-gather backward.
+#[track_caller]
+pub fn reduce_scatter_to_sequence_parallel_region<const D: usize>(
+    comm: &Comm,
+    x: Tensor<D>,
+) -> Result<Tensor<D>> {
+    comm.reduce_scatter(x, ReduceOp::Sum)
+}

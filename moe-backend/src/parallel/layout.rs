@@ -1,0 +1,465 @@
+//! [`ParallelLayout`]: the dense (`TP × CP × DP × PP`) and expert (`ETP × EP × EDP × PP`) grids
+//! folded over the same world (parallelism.md §1), with parsing and validation.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{BackendError, Result};
+
+/// The default rank order: the first token varies fastest (parallelism.md §2).
+pub const DEFAULT_ORDER: &str = "tp-cp-ep-dp-pp";
+
+/// Parallel degrees of one training job.
+///
+/// `dp` and `edp` are derived: `dp = world / (tp·cp·pp)`, `edp = world / (etp·ep·pp)`. EP is not a
+/// sub-dimension of DP: it may fold over `TP × CP × DP` (parallel folding).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParallelLayout {
+    /// Number of ranks.
+    pub world: usize,
+    /// Dense tensor parallelism.
+    pub tp: usize,
+    /// Context parallelism (dense grid only).
+    pub cp: usize,
+    /// Pipeline parallelism (shared by both grids).
+    pub pp: usize,
+    /// Expert parallelism.
+    pub ep: usize,
+    /// Expert tensor parallelism (defaults to `tp`).
+    pub etp: usize,
+    /// Dense data parallelism (derived).
+    pub dp: usize,
+    /// Expert data parallelism (derived).
+    pub edp: usize,
+    /// Rank order, hyphen-separated tokens from `tp, cp, ep, dp, pp`; first token has stride 1.
+    pub order: String,
+}
+
+/// Degrees given by the user; `None` means "default" (1, or `tp` for `etp`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayoutSpec {
+    /// Dense tensor parallelism.
+    pub tp: Option<usize>,
+    /// Context parallelism.
+    pub cp: Option<usize>,
+    /// Pipeline parallelism.
+    pub pp: Option<usize>,
+    /// Expert parallelism.
+    pub ep: Option<usize>,
+    /// Expert tensor parallelism.
+    pub etp: Option<usize>,
+    /// Dense data parallelism; checked against the derived value when given.
+    pub dp: Option<usize>,
+    /// Expert data parallelism; checked against the derived value when given.
+    pub edp: Option<usize>,
+    /// Rank order (defaults to [`DEFAULT_ORDER`]).
+    pub order: Option<String>,
+}
+
+impl FromStr for LayoutSpec {
+    type Err = BackendError;
+
+    /// Parses `tp=2,ep=4,pp=1,order=tp-cp-ep-dp-pp` (any subset, any order; spaces allowed).
+    fn from_str(s: &str) -> Result<Self> {
+        let mut spec = LayoutSpec::default();
+        for item in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            let (key, value) = item.split_once('=').ok_or_else(|| BackendError::Layout {
+                field: "layout",
+                detail: format!("`{item}` is not of the form key=value"),
+            })?;
+            let (key, value) = (key.trim(), value.trim());
+            if key == "order" {
+                spec.order = Some(value.to_string());
+                continue;
+            }
+            let slot = match key {
+                "tp" => &mut spec.tp,
+                "cp" => &mut spec.cp,
+                "pp" => &mut spec.pp,
+                "ep" => &mut spec.ep,
+                "etp" => &mut spec.etp,
+                "dp" => &mut spec.dp,
+                "edp" => &mut spec.edp,
+                _ => {
+                    return Err(BackendError::Layout {
+                        field: "layout",
+                        detail: format!(
+                            "unknown key `{key}` (expected tp, cp, pp, ep, etp, dp, edp, order)"
+                        ),
+                    });
+                }
+            };
+            let n: usize = value.parse().map_err(|_| BackendError::Layout {
+                field: "layout",
+                detail: format!("`{key}={value}` is not a positive integer"),
+            })?;
+            if slot.replace(n).is_some() {
+                return Err(BackendError::Layout {
+                    field: "layout",
+                    detail: format!("`{key}` given twice"),
+                });
+            }
+        }
+        Ok(spec)
+    }
+}
+
+fn positive(field: &'static str, value: usize) -> Result<usize> {
+    if value == 0 {
+        return Err(BackendError::Layout {
+            field,
+            detail: "must be at least 1".into(),
+        });
+    }
+    Ok(value)
+}
+
+impl ParallelLayout {
+    /// Builds and validates a layout of `world` ranks from `spec`.
+    pub fn new(world: usize, spec: &LayoutSpec) -> Result<Self> {
+        let world = positive("world", world)?;
+        let tp = positive("tp", spec.tp.unwrap_or(1))?;
+        let cp = positive("cp", spec.cp.unwrap_or(1))?;
+        let pp = positive("pp", spec.pp.unwrap_or(1))?;
+        let ep = positive("ep", spec.ep.unwrap_or(1))?;
+        let etp = positive("etp", spec.etp.unwrap_or(tp))?;
+        let dense = tp * cp * pp;
+        if world % dense != 0 {
+            return Err(BackendError::Layout {
+                field: "world",
+                detail: format!(
+                    "world {world} is not divisible by tp·cp·pp = {tp}·{cp}·{pp} = {dense}"
+                ),
+            });
+        }
+        let expert = etp * ep * pp;
+        if world % expert != 0 {
+            return Err(BackendError::Layout {
+                field: "world",
+                detail: format!(
+                    "world {world} is not divisible by etp·ep·pp = {etp}·{ep}·{pp} = {expert}"
+                ),
+            });
+        }
+        let dp = world / dense;
+        let edp = world / expert;
+        for (field, given, derived) in [("dp", spec.dp, dp), ("edp", spec.edp, edp)] {
+            if let Some(given) = given
+                && given != derived
+            {
+                return Err(BackendError::Layout {
+                    field,
+                    detail: format!(
+                        "given {given} but world and the other degrees imply {derived}"
+                    ),
+                });
+            }
+        }
+        let order = normalize_order(spec.order.as_deref().unwrap_or(DEFAULT_ORDER))?;
+        if !(order.ends_with("pp") || pp == 1 || edp == dp) {
+            return Err(BackendError::Layout {
+                field: "order",
+                detail: format!(
+                    "order `{order}` must end with `pp` when pp = {pp} > 1 and edp ({edp}) != dp ({dp})"
+                ),
+            });
+        }
+        let layout = Self {
+            world,
+            tp,
+            cp,
+            pp,
+            ep,
+            etp,
+            dp,
+            edp,
+            order,
+        };
+        let dense_pp = layout.dense_generator()?.get_ranks("pp")?;
+        let expert_pp = layout.expert_generator()?.get_ranks("pp")?;
+        if dense_pp != expert_pp {
+            return Err(BackendError::Layout {
+                field: "order",
+                detail: format!(
+                    "dense and expert pipeline groups differ under order `{}` (dense {:?}, expert {:?})",
+                    layout.order,
+                    dense_pp.first(),
+                    expert_pp.first()
+                ),
+            });
+        }
+        Ok(layout)
+    }
+
+    /// Parses `spec` (see [`LayoutSpec::from_str`]) and validates it for `world` ranks.
+    pub fn parse(world: usize, spec: &str) -> Result<Self> {
+        Self::new(world, &spec.parse()?)
+    }
+
+    /// The one-rank layout.
+    pub fn single() -> Self {
+        Self {
+            world: 1,
+            tp: 1,
+            cp: 1,
+            pp: 1,
+            ep: 1,
+            etp: 1,
+            dp: 1,
+            edp: 1,
+            order: DEFAULT_ORDER.into(),
+        }
+    }
+
+    /// Generator of the dense grid: `RankGenerator(tp, ep=1, dp, pp, cp)`.
+    pub fn dense_generator(&self) -> Result<RankGenerator> {
+        RankGenerator::new(self.tp, 1, self.dp, self.pp, self.cp, &self.order, 0)
+    }
+
+    /// Generator of the expert grid: `RankGenerator(tp=etp, ep, dp=edp, pp, cp=1)`.
+    pub fn expert_generator(&self) -> Result<RankGenerator> {
+        RankGenerator::new(self.etp, self.ep, self.edp, self.pp, 1, &self.order, 0)
+    }
+}
+
+impl fmt::Display for ParallelLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "world={} tp={} cp={} pp={} dp={} | etp={} ep={} edp={} | order={}",
+            self.world, self.tp, self.cp, self.pp, self.dp, self.etp, self.ep, self.edp, self.order
+        )
+    }
+}
+
+const TOKENS: [&str; 5] = ["tp", "cp", "ep", "dp", "pp"];
+
+/// Checks the tokens of an order string (known, unique); returns it unchanged otherwise.
+fn normalize_order(order: &str) -> Result<String> {
+    let mut seen = Vec::new();
+    for token in order.split('-') {
+        if !TOKENS.contains(&token) {
+            return Err(BackendError::Layout {
+                field: "order",
+                detail: format!(
+                    "unknown token `{token}` in `{order}` (expected tp, cp, ep, dp, pp)"
+                ),
+            });
+        }
+        if seen.contains(&token) {
+            return Err(BackendError::Layout {
+                field: "order",
+                detail: format!("token `{token}` repeated in `{order}`"),
+            });
+        }
+        seen.push(token);
+    }
+    Ok(order.to_string())
+}
+
+/// Megatron's `RankGenerator`: enumerates the rank groups of one grid (parallelism.md §2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankGenerator {
+    tokens: Vec<&'static str>,
+    sizes: Vec<usize>,
+    world: usize,
+    rank_offset: usize,
+}
+
+impl RankGenerator {
+    /// A generator for the given degrees; tokens missing from `order` are appended (their size
+    /// must be 1). Requires `ep == 1 || cp == 1`.
+    pub fn new(
+        tp: usize,
+        ep: usize,
+        dp: usize,
+        pp: usize,
+        cp: usize,
+        order: &str,
+        rank_offset: usize,
+    ) -> Result<Self> {
+        if ep != 1 && cp != 1 {
+            return Err(BackendError::Layout {
+                field: "cp",
+                detail: format!(
+                    "a rank generator cannot have both ep ({ep}) and cp ({cp}) above 1"
+                ),
+            });
+        }
+        let size_of = |token: &str| match token {
+            "tp" => tp,
+            "cp" => cp,
+            "ep" => ep,
+            "dp" => dp,
+            _ => pp,
+        };
+        normalize_order(order)?;
+        let mut tokens: Vec<&'static str> = Vec::new();
+        for token in order.split('-') {
+            if let Some(known) = TOKENS.iter().find(|t| **t == token) {
+                tokens.push(known);
+            }
+        }
+        for token in TOKENS {
+            if !tokens.contains(&token) {
+                if size_of(token) != 1 {
+                    return Err(BackendError::Layout {
+                        field: "order",
+                        detail: format!(
+                            "`{order}` omits `{token}` whose size is {} (only size-1 tokens may be omitted)",
+                            size_of(token)
+                        ),
+                    });
+                }
+                tokens.push(token);
+            }
+        }
+        let sizes: Vec<usize> = tokens.iter().map(|t| size_of(t)).collect();
+        Ok(Self {
+            world: sizes.iter().product(),
+            tokens,
+            sizes,
+            rank_offset,
+        })
+    }
+
+    /// Number of ranks this generator spans.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The groups varying along the hyphenated `tokens` (e.g. `"tp-ep"`), in normative order.
+    pub fn get_ranks(&self, tokens: &str) -> Result<Vec<Vec<usize>>> {
+        let wanted: Vec<&str> = tokens.split('-').collect();
+        for token in &wanted {
+            if !TOKENS.contains(token) {
+                return Err(BackendError::Layout {
+                    field: "order",
+                    detail: format!("unknown token `{token}` in group spec `{tokens}`"),
+                });
+            }
+        }
+        let mask: Vec<bool> = self.tokens.iter().map(|t| wanted.contains(t)).collect();
+        let mut groups = generate_masked_orthogonal_rank_groups(self.world, &self.sizes, &mask);
+        for group in &mut groups {
+            for rank in group.iter_mut() {
+                *rank += self.rank_offset;
+            }
+        }
+        Ok(groups)
+    }
+}
+
+fn prefix_product(sizes: &[usize]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(sizes.len() + 1);
+    let mut acc = 1;
+    out.push(acc);
+    for s in sizes {
+        acc *= s;
+        out.push(acc);
+    }
+    out
+}
+
+fn decompose(index: usize, shape: &[usize]) -> Vec<usize> {
+    let stride = prefix_product(shape);
+    shape
+        .iter()
+        .zip(&stride)
+        .map(|(&s, &st)| (index / st) % s)
+        .collect()
+}
+
+fn dot(a: &[usize], b: &[usize]) -> usize {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The masked orthogonal rank-group algorithm of parallelism.md §2 (group order and member order
+/// are normative).
+pub fn generate_masked_orthogonal_rank_groups(
+    world: usize,
+    sizes: &[usize],
+    mask: &[bool],
+) -> Vec<Vec<usize>> {
+    let stride = prefix_product(sizes);
+    let pick = |want: bool| -> (Vec<usize>, Vec<usize>) {
+        sizes
+            .iter()
+            .zip(&stride)
+            .zip(mask)
+            .filter(|(_, m)| **m == want)
+            .map(|((s, st), _)| (*s, *st))
+            .unzip()
+    };
+    let (masked_shape, masked_stride) = pick(true);
+    let (unmasked_shape, unmasked_stride) = pick(false);
+    let group_size: usize = masked_shape.iter().product();
+    let num_groups = world / group_size.max(1);
+    (0..num_groups)
+        .map(|gidx| {
+            let gi = decompose(gidx, &unmasked_shape);
+            let base = dot(&gi, &unmasked_stride);
+            (0..group_size)
+                .map(|r| dot(&decompose(r, &masked_shape), &masked_stride) + base)
+                .collect()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_derives_degrees() {
+        let layout = ParallelLayout::parse(8, "tp=2, ep=4").unwrap();
+        assert_eq!((layout.dp, layout.etp, layout.edp), (4, 2, 1));
+        let layout = ParallelLayout::parse(16, "tp=2,cp=2,pp=2,ep=4,etp=1").unwrap();
+        assert_eq!((layout.dp, layout.edp), (2, 2));
+    }
+
+    #[test]
+    fn rejects_bad_layouts_naming_the_field() {
+        let cases = [
+            (8, "tp=3", "world"),
+            (8, "ep=16", "world"),
+            (8, "tp=0", "tp"),
+            (8, "dp=2", "dp"),
+            (8, "tp=2,tp=2", "layout"),
+            (8, "xx=2", "layout"),
+            (8, "tp=two", "layout"),
+            (8, "order=tp-cp-ep-dp-qq", "order"),
+            (8, "order=tp-tp-ep-dp-pp", "order"),
+            (8, "pp=2,order=tp-cp-dp", "order"),
+        ];
+        for (world, spec, field) in cases {
+            match ParallelLayout::parse(world, spec) {
+                Err(BackendError::Layout { field: f, .. }) => assert_eq!(f, field, "{spec}"),
+                other => panic!("{spec}: expected a layout error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn order_not_ending_in_pp_needs_equal_dp() {
+        // pp first: dense dp 2, expert edp 1 -> rejected.
+        let err = ParallelLayout::parse(8, "pp=2,ep=4,order=pp-tp-cp-ep-dp").unwrap_err();
+        assert!(err.to_string().contains("must end with `pp`"), "{err}");
+        // With edp == dp the order is fine.
+        ParallelLayout::parse(8, "pp=2,ep=1,order=tp-cp-pp-ep-dp").unwrap();
+    }
+
+    #[test]
+    fn generator_rejects_ep_with_cp() {
+        assert!(RankGenerator::new(1, 2, 1, 1, 2, DEFAULT_ORDER, 0).is_err());
+    }
+
+    #[test]
+    fn masked_groups_follow_the_spec_formula() {
+        // sizes tp=2, dp=3: tp groups are consecutive pairs, dp groups stride 2.
+        let tp = generate_masked_orthogonal_rank_groups(6, &[2, 3], &[true, false]);
+        assert_eq!(tp, vec![vec![0, 1], vec![2, 3], vec![4, 5]]);
+        let dp = generate_masked_orthogonal_rank_groups(6, &[2, 3], &[false, true]);
+        assert_eq!(dp, vec![vec![0, 2, 4], vec![1, 3, 5]]);
+    }
+}
