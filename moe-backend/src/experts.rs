@@ -239,5 +239,7 @@ impl SharedExperts {
     }
 }
 
+mod shard;
+
 #[cfg(test)]
 mod tests;

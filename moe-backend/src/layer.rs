@@ -5,11 +5,11 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 
+use crate::dispatch::{LocalDispatcher, TokenDispatcher};
 use crate::error::BackendError;
 use crate::experts::{
     ExpertActivation, GroupedExperts, GroupedExpertsConfig, SharedExperts, SharedExpertsConfig,
 };
-use crate::ops::{PermuteMode, permute, unpermute};
 use crate::router::{RouteOptions, RouterOutput, RouterState, TopKRouter, TopKRouterConfig};
 
 /// Configuration of a [`MoeLayer`].
@@ -112,22 +112,44 @@ impl MoeLayer {
         state: &RouterState,
         options: &RouteOptions<'_>,
     ) -> crate::Result<MoeLayerOutput> {
+        let dispatcher = LocalDispatcher::new(self.router.config().num_experts);
+        self.forward_with(x, state, options, &dispatcher)
+    }
+
+    /// [`forward`](MoeLayer::forward) with expert parallelism: `dispatcher` moves the routed
+    /// tokens to the ranks owning their experts, and `self.experts` holds this rank's local
+    /// experts ([`GroupedExperts::shard`]). The router is replicated on every rank.
+    pub fn forward_with(
+        &self,
+        x: Tensor<2>,
+        state: &RouterState,
+        options: &RouteOptions<'_>,
+        dispatcher: &dyn TokenDispatcher,
+    ) -> crate::Result<MoeLayerOutput> {
+        let local = dispatcher.local_experts();
+        if local.len() != self.experts.num_experts() {
+            return Err(BackendError::Config {
+                field: "experts",
+                detail: format!(
+                    "the dispatcher routes to {} local experts ({local:?}) but the layer holds {}",
+                    local.len(),
+                    self.experts.num_experts()
+                ),
+            });
+        }
         let routing = self.router.forward(x.clone(), state, options)?;
         // The router already applied capacity (dropping and padding) to the map.
-        let dispatched = permute(
+        let dispatched = dispatcher.dispatch(
             x.clone(),
+            routing.probs.clone(),
             routing.routing_map.clone(),
-            Some(routing.probs.clone()),
-            PermuteMode::Dropless,
         )?;
-        let probs = dispatched.probs.ok_or_else(|| BackendError::Shape {
-            op: "MoeLayer::forward",
-            detail: "permute returned no probs".into(),
-        })?;
-        let expert_out =
-            self.experts
-                .forward(dispatched.rows, &routing.tokens_per_expert, probs)?;
-        let mut output = unpermute(expert_out, &dispatched.row_id_map, None)?;
+        let expert_out = self.experts.forward(
+            dispatched.rows,
+            &dispatched.tokens_per_local_expert,
+            dispatched.probs,
+        )?;
+        let mut output = dispatcher.combine(expert_out, dispatched.state)?;
         if let Some(shared) = &self.shared_experts {
             output = output + shared.forward(x);
         }

@@ -14,6 +14,7 @@
 //! backend with hand-written backward passes for `Autodiff`.
 
 pub mod comm;
+pub mod dispatch;
 pub mod error;
 pub mod experts;
 pub mod layer;

@@ -8,9 +8,11 @@
 
 mod groups;
 mod layout;
+mod replicate;
 
 pub use groups::{Grid, GroupFamily, GroupTable, Membership, ProcessGroups, local_expert_range};
 pub use layout::{
     DEFAULT_ORDER, LayoutSpec, ParallelLayout, RankGenerator,
     generate_masked_orthogonal_rank_groups,
 };
+pub use replicate::replicate;

@@ -1,0 +1,274 @@
+//! Parallel equivalence: an MoE layer with experts spread over EP/ETP ranks (threads) gives the
+//! single-rank outputs and, after the data-parallel reductions, the single-rank gradients.
+
+use std::ops::Range;
+
+use burn::tensor::{DType, Device, Tensor};
+
+use super::*;
+use crate::comm::World;
+use crate::layer::{MoeLayer, MoeLayerConfig};
+use crate::parallel::{GroupFamily, GroupTable, ParallelLayout, replicate};
+use crate::router::{RouteOptions, TopKRouterConfig};
+use crate::testing::{SplitMix, assert_close, tensor, values};
+
+const H: usize = 8;
+const E: usize = 8;
+const K: usize = 2;
+const F: usize = 8;
+
+fn ad() -> Device {
+    Device::flex().autodiff()
+}
+
+fn tokens_of(rank: usize) -> usize {
+    3 + rank % 3
+}
+
+fn data(tag: u64, rank: usize, len: usize) -> Vec<f64> {
+    let mut rng = SplitMix::new(tag * 7919 + rank as u64);
+    (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
+}
+
+fn reference_layer() -> MoeLayer {
+    let router = TopKRouterConfig::new(H, E, K).with_init_std(0.5);
+    let layer = MoeLayerConfig::new(router, F)
+        .with_init_std(0.3)
+        .with_shared_ffn_hidden_size(Some(4))
+        .init(&ad())
+        .unwrap();
+    replicate(&layer)
+}
+
+#[derive(Debug)]
+struct Grads {
+    out: Vec<f64>,
+    x: Vec<f64>,
+    router: Vec<f64>,
+    fc1: Vec<f64>,
+    fc2: Vec<f64>,
+    shared_down: Vec<f64>,
+}
+
+fn run_layer(layer: &MoeLayer, x: Tensor<2>, w: Tensor<2>, d: &dyn TokenDispatcher) -> Grads {
+    let state = layer.router.init_state();
+    let out = layer
+        .forward_with(x.clone(), &state, &RouteOptions::default(), d)
+        .unwrap()
+        .output;
+    let grads = (out.clone() * w).sum().backward();
+    let g = |t: Option<Tensor<3>>| values(t.expect("grad").reshape([-1]));
+    let shared = layer.shared_experts.as_ref().expect("shared experts");
+    Grads {
+        out: values(out),
+        x: values(x.grad(&grads).expect("x grad")),
+        router: values(layer.router.weight.val().grad(&grads).expect("router grad")),
+        fc1: g(layer.experts.fc1.val().grad(&grads)),
+        fc2: g(layer.experts.fc2.val().grad(&grads)),
+        shared_down: values(
+            shared
+                .down_proj
+                .weight
+                .val()
+                .grad(&grads)
+                .expect("shared grad"),
+        ),
+    }
+}
+
+/// Rows `[start, start+rows)` of a row-major `[_, cols]` buffer.
+fn rows(v: &[f64], start: usize, count: usize, cols: usize) -> Vec<f64> {
+    v[start * cols..(start + count) * cols].to_vec()
+}
+
+/// Reference expert-grad shard for `experts` and ETP block `t` of `etp` (independent of
+/// `GroupedExperts::shard`): fc1 `[E,2F,H]` gate/up rows, fc2 `[E,H,F]` columns.
+fn shard_ref(
+    fc1: &[f64],
+    fc2: &[f64],
+    experts: Range<usize>,
+    t: usize,
+    etp: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let b = F / etp;
+    let mut a = Vec::new();
+    let mut c = Vec::new();
+    for e in experts {
+        for half in 0..2 {
+            for r in half * F + t * b..half * F + (t + 1) * b {
+                a.extend_from_slice(&fc1[(e * 2 * F + r) * H..(e * 2 * F + r + 1) * H]);
+            }
+        }
+        for h in 0..H {
+            c.extend_from_slice(&fc2[(e * H + h) * F + t * b..(e * H + h) * F + (t + 1) * b]);
+        }
+    }
+    (a, c)
+}
+
+fn sum_into(acc: &mut Vec<f64>, v: &[f64]) {
+    if acc.is_empty() {
+        acc.resize(v.len(), 0.0);
+    }
+    for (a, b) in acc.iter_mut().zip(v) {
+        *a += b;
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    AllGather,
+    AllToAll,
+}
+
+fn check_equivalence(world: usize, spec: &str, kind: Kind) {
+    let layout = ParallelLayout::parse(world, spec).unwrap();
+    let table = GroupTable::new(&layout).unwrap();
+    let reference = reference_layer();
+    let counts: Vec<usize> = (0..world).map(tokens_of).collect();
+    let total: usize = counts.iter().sum();
+    let xs: Vec<Vec<f64>> = (0..world).map(|r| data(1, r, counts[r] * H)).collect();
+    let ws: Vec<Vec<f64>> = (0..world).map(|r| data(2, r, counts[r] * H)).collect();
+    let x_all = tensor(xs.concat(), [total, H], &ad(), DType::F32).require_grad();
+    let w_all = tensor(ws.concat(), [total, H], &ad(), DType::F32);
+    let expected = run_layer(&reference, x_all, w_all, &LocalDispatcher::new(E));
+
+    let (layout_ref, reference_ref, xs_ref, ws_ref) = (&layout, &reference, &xs, &ws);
+    let got = World::run(world, |ctx| {
+        let pg = ctx.process_groups(layout_ref)?;
+        let comm = |f| pg.comm(f).clone();
+        let dispatcher: Box<dyn TokenDispatcher> = match kind {
+            Kind::AllGather => Box::new(AllGatherDispatcher::new(
+                comm(GroupFamily::TpEp),
+                E,
+                layout_ref.ep,
+                layout_ref.etp,
+            )?),
+            Kind::AllToAll => Box::new(AllToAllDispatcher::new(
+                comm(GroupFamily::Ep),
+                comm(GroupFamily::ExptTp),
+                comm(GroupFamily::TpEp),
+                E,
+            )?),
+        };
+        let local = dispatcher.local_experts();
+        assert_eq!(local, pg.groups.local_expert_ids(E)?);
+        let layer = MoeLayer {
+            router: replicate(&reference_ref.router),
+            experts: reference_ref.experts.shard(
+                local.clone(),
+                pg.groups.get(GroupFamily::ExptTp).index,
+                layout_ref.etp,
+            )?,
+            shared_experts: reference_ref.shared_experts.as_ref().map(replicate),
+        };
+        let r = ctx.rank();
+        let x = tensor(xs_ref[r].clone(), [tokens_of(r), H], &ad(), DType::F32).require_grad();
+        let w = tensor(ws_ref[r].clone(), [tokens_of(r), H], &ad(), DType::F32);
+        Ok(run_layer(&layer, x, w, dispatcher.as_ref()))
+    });
+    let got: Vec<Grads> = got
+        .into_iter()
+        .enumerate()
+        .map(|(r, g)| g.unwrap_or_else(|e| panic!("{spec} rank {r}: {e}")))
+        .collect();
+
+    let what = |s: &str| format!("{spec} {kind:?}: {s}");
+    let mut start = 0;
+    let (mut router, mut shared) = (Vec::new(), Vec::new());
+    for (r, g) in got.iter().enumerate() {
+        let n = counts[r];
+        assert_close(
+            &g.out,
+            &rows(&expected.out, start, n, H),
+            1e-4,
+            1e-6,
+            &what(&format!("output rank {r}")),
+        );
+        assert_close(
+            &g.x,
+            &rows(&expected.x, start, n, H),
+            1e-4,
+            1e-6,
+            &what(&format!("dx rank {r}")),
+        );
+        sum_into(&mut router, &g.router);
+        sum_into(&mut shared, &g.shared_down);
+        start += n;
+    }
+    // Replicated params: the sum over every rank (the DP reduction) is the one-rank grad.
+    assert_close(&router, &expected.router, 1e-4, 1e-6, &what("router grad"));
+    assert_close(
+        &shared,
+        &expected.shared_down,
+        1e-4,
+        1e-6,
+        &what("shared-expert grad"),
+    );
+    // Experts: summed over expt_dp equals the reference shard of (ep rank, etp rank).
+    for group in table.groups(GroupFamily::ExptDp) {
+        let (mut fc1, mut fc2) = (Vec::new(), Vec::new());
+        for &r in group {
+            sum_into(&mut fc1, &got[r].fc1);
+            sum_into(&mut fc2, &got[r].fc2);
+        }
+        let pg = table.for_rank(group[0]).unwrap();
+        let local = pg.local_expert_ids(E).unwrap();
+        let t = pg.get(GroupFamily::ExptTp).index;
+        let (a, c) = shard_ref(&expected.fc1, &expected.fc2, local, t, layout.etp);
+        assert_close(
+            &fc1,
+            &a,
+            1e-4,
+            1e-6,
+            &what(&format!("fc1 grad of expt_dp {group:?}")),
+        );
+        assert_close(
+            &fc2,
+            &c,
+            1e-4,
+            1e-6,
+            &what(&format!("fc2 grad of expt_dp {group:?}")),
+        );
+    }
+}
+
+const LAYOUTS: [(usize, &str); 7] = [
+    (1, ""),
+    (2, "ep=2"),
+    (4, "ep=4"),
+    (4, "ep=2"),
+    (4, "ep=2,etp=2"),
+    (8, "ep=2,etp=2"),
+    (8, "ep=4,etp=2,tp=2"),
+];
+
+#[test]
+fn alltoall_dispatcher_matches_one_rank() {
+    for (world, spec) in LAYOUTS {
+        check_equivalence(world, spec, Kind::AllToAll);
+    }
+}
+
+#[test]
+fn allgather_dispatcher_matches_one_rank() {
+    for (world, spec) in LAYOUTS {
+        check_equivalence(world, spec, Kind::AllGather);
+    }
+}
+
+#[test]
+fn dispatchers_reject_inconsistent_groups() {
+    let out = World::run(2, |ctx| {
+        let world = ctx.world()?;
+        // 8 experts over a 2-rank tp_ep group claimed to be ep = 4.
+        assert!(AllGatherDispatcher::new(world.clone(), E, 4, 1).is_err());
+        // 3 experts cannot be split over 2 EP ranks.
+        let solo = ctx.group("solo", &[ctx.rank()])?;
+        assert!(AllToAllDispatcher::new(world.clone(), solo.clone(), world, 3).is_err());
+        Ok(())
+    });
+    for r in out {
+        r.unwrap();
+    }
+}

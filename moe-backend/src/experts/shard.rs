@@ -1,0 +1,89 @@
+//! Expert-parallel shards of [`GroupedExperts`]: a contiguous range of experts (EP) and one
+//! column block of every expert's FFN (ETP), as fresh parameters.
+
+use std::ops::Range;
+
+use burn::module::Param;
+use burn::tensor::Tensor;
+
+use super::GroupedExperts;
+use crate::error::{BackendError, Result};
+
+/// A fresh leaf with the values of `t` (tracked iff `requires_grad`).
+fn fresh<const D: usize>(t: Tensor<D>, requires_grad: bool) -> Param<Tensor<D>> {
+    let dtype = t.dtype();
+    let device = t.device();
+    let leaf = Tensor::from_data(t.into_data(), (&device, dtype));
+    Param::from_tensor(if requires_grad {
+        leaf.require_grad()
+    } else {
+        leaf
+    })
+}
+
+impl GroupedExperts {
+    /// Experts `experts` (global ids into this module's stacked weights) with FFN block
+    /// `etp_rank` of `etp`: for SwiGLU, gate rows `[r·F/etp, (r+1)·F/etp)` and the same up
+    /// rows (fc1 stays `[gate; up]`), fc2 columns likewise. The shard's parameters are new
+    /// leaves, so ranks of an in-process world never share autodiff nodes.
+    pub fn shard(&self, experts: Range<usize>, etp_rank: usize, etp: usize) -> Result<Self> {
+        let op = "GroupedExperts::shard";
+        let e = self.num_experts();
+        let f = self.ffn_hidden_size();
+        if experts.start >= experts.end || experts.end > e {
+            return Err(BackendError::Index {
+                op,
+                detail: format!("experts {experts:?} out of 0..{e}"),
+            });
+        }
+        if etp == 0 || f % etp != 0 || etp_rank >= etp {
+            return Err(BackendError::Config {
+                field: "etp",
+                detail: format!("FFN width {f} cannot be split into block {etp_rank} of {etp}"),
+            });
+        }
+        if etp > 1 && self.fc2_bias.is_some() {
+            return Err(BackendError::Config {
+                field: "etp",
+                detail: "an fc2 bias would be added once per ETP rank; shard it with etp = 1"
+                    .into(),
+            });
+        }
+        let block = f / etp;
+        let cols = etp_rank * block..(etp_rank + 1) * block;
+        let gated = self.activation.is_gated();
+        let grad = self.fc1.val().is_require_grad();
+        let fc1 = self.fc1.val().slice([experts.clone()]);
+        let [l, _, h] = fc1.dims();
+        let fc1 = if gated {
+            let gate = fc1.clone().slice([0..l, cols.clone(), 0..h]);
+            let up = fc1.slice([0..l, f + cols.start..f + cols.end, 0..h]);
+            Tensor::cat(vec![gate, up], 1)
+        } else {
+            fc1.slice([0..l, cols.clone(), 0..h])
+        };
+        let fc2 = self.fc2.val().slice([experts.clone(), 0..h, cols.clone()]);
+        let fc1_bias = self.fc1_bias.as_ref().map(|b| {
+            let b = b.val().slice([experts.clone()]);
+            let b = if gated {
+                let gate = b.clone().slice([0..l, cols.clone()]);
+                let up = b.slice([0..l, f + cols.start..f + cols.end]);
+                Tensor::cat(vec![gate, up], 1)
+            } else {
+                b.slice([0..l, cols.clone()])
+            };
+            fresh(b, grad)
+        });
+        let fc2_bias = self
+            .fc2_bias
+            .as_ref()
+            .map(|b| fresh(b.val().slice([experts.clone()]), grad));
+        Ok(GroupedExperts {
+            fc1: fresh(fc1, grad),
+            fc2: fresh(fc2, grad),
+            fc1_bias,
+            fc2_bias,
+            activation: self.activation,
+        })
+    }
+}
