@@ -72,15 +72,15 @@ impl AllToAllDispatcher {
         let mut output_splits_tp = vec![0; tpn];
         let mut output_splits = vec![0; epn];
         let mut per_expert = vec![0; l];
-        for t in 0..tpn {
-            for s in 0..epn {
+        for (t, tp_total) in output_splits_tp.iter_mut().enumerate() {
+            for (s, ep_total) in output_splits.iter_mut().enumerate() {
                 for (j, total) in per_expert.iter_mut().enumerate() {
                     let c = at(t, s, j);
                     chunks.push(c);
-                    output_splits_tp[t] += c;
+                    *tp_total += c;
                     *total += c;
                     if t == self.expt_tp.rank() {
-                        output_splits[s] += c;
+                        *ep_total += c;
                     }
                 }
             }

@@ -36,7 +36,7 @@ impl GroupedExperts {
                 detail: format!("experts {experts:?} out of 0..{e}"),
             });
         }
-        if etp == 0 || f % etp != 0 || etp_rank >= etp {
+        if etp == 0 || !f.is_multiple_of(etp) || etp_rank >= etp {
             return Err(BackendError::Config {
                 field: "etp",
                 detail: format!("FFN width {f} cannot be split into block {etp_rank} of {etp}"),

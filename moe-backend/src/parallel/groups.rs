@@ -301,7 +301,7 @@ impl ProcessGroups {
 
 /// Experts owned by EP rank `ep_rank` of `ep`: `ep_rank·L .. (ep_rank+1)·L` with `L = E/ep`.
 pub fn local_expert_range(num_experts: usize, ep: usize, ep_rank: usize) -> Result<Range<usize>> {
-    if ep == 0 || num_experts % ep != 0 {
+    if ep == 0 || !num_experts.is_multiple_of(ep) {
         return Err(BackendError::Layout {
             field: "ep",
             detail: format!("{num_experts} experts cannot be split evenly over ep = {ep}"),

@@ -119,7 +119,7 @@ fn uneven_experts_are_rejected() {
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 /// Random valid layouts up to world 64.
