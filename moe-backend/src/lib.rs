@@ -19,6 +19,7 @@ pub mod error;
 pub mod experts;
 pub mod layer;
 pub mod ops;
+pub mod optim;
 pub mod parallel;
 pub mod router;
 #[cfg(any(test, feature = "testing"))]

@@ -1,0 +1,359 @@
+//! AdamW as a distributed optimizer (ZeRO-1, parallelism.md §5–§6).
+//!
+//! Per class (dense over `dp_cp`, experts over `expt_dp`) the flat gradient buffer is padded
+//! to a multiple of the group size and reduce-scattered (sum, pre-factor `1/|dp_cp|` for both
+//! classes); each rank updates the f32 master shard of its range with AdamW (moments in f32
+//! or bf16, computed in f32), then the parameter buffer is all-gathered and written back.
+//! Before the reduction, sequence-parallel replicated gradients are summed over `tp`; the
+//! global gradient norm counts every unique element once (TP-replicated shards on TP rank 0
+//! only) and is all-reduced over the world, so it is the same for every layout.
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor, TensorData, bf16};
+
+use super::params::{ParamClass, ParamTable, default_classify};
+use crate::comm::{Comm, GroupComms, ReduceOp};
+use crate::error::{BackendError, Result};
+use crate::parallel::GroupFamily;
+
+/// Storage precision of the Adam moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MomentDtype {
+    /// f32 moments.
+    #[default]
+    F32,
+    /// bf16 moments (updated in f32, rounded once per step).
+    Bf16,
+}
+
+/// Hyper-parameters of [`DistributedAdamW`].
+#[derive(Debug, Clone)]
+pub struct DistributedAdamWConfig {
+    /// β₁.
+    pub beta_1: f32,
+    /// β₂.
+    pub beta_2: f32,
+    /// ε.
+    pub epsilon: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// Global gradient-norm clipping threshold.
+    pub max_grad_norm: Option<f64>,
+    /// Moment storage precision.
+    pub moment_dtype: MomentDtype,
+}
+
+impl Default for DistributedAdamWConfig {
+    fn default() -> Self {
+        Self {
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: None,
+            moment_dtype: MomentDtype::F32,
+        }
+    }
+}
+
+/// Moments of one shard.
+#[derive(Debug, Clone)]
+enum Moments {
+    F32(Vec<f32>, Vec<f32>),
+    Bf16(Vec<bf16>, Vec<bf16>),
+}
+
+/// The shard of one class's flat buffer owned by this rank.
+#[derive(Debug, Clone)]
+struct Shard {
+    comm: Comm,
+    /// Unpadded buffer length.
+    len: usize,
+    /// Shard length (padded buffer / group size).
+    size: usize,
+    master: Vec<f32>,
+    moments: Moments,
+}
+
+impl Shard {
+    fn new(comm: Comm, full: &[f32], dtype: MomentDtype) -> Self {
+        let n = comm.size();
+        let size = full.len().div_ceil(n);
+        let start = comm.rank() * size;
+        let mut master = vec![0.0; size];
+        for (i, m) in master.iter_mut().enumerate() {
+            if let Some(v) = full.get(start + i) {
+                *m = *v;
+            }
+        }
+        let moments = match dtype {
+            MomentDtype::F32 => Moments::F32(vec![0.0; size], vec![0.0; size]),
+            MomentDtype::Bf16 => Moments::Bf16(vec![bf16::ZERO; size], vec![bf16::ZERO; size]),
+        };
+        Self {
+            comm,
+            len: full.len(),
+            size,
+            master,
+            moments,
+        }
+    }
+
+    /// Reduce-scatter (sum) of the padded gradient buffer; returns this rank's shard.
+    fn reduce_scatter(&self, mut grad: Vec<f32>, scale: f32) -> Result<Vec<f32>> {
+        let n = self.comm.size();
+        grad.resize(self.size * n, 0.0);
+        let t = Tensor::<1>::from_data(TensorData::new(grad, [self.size * n]), &Device::flex());
+        let shard = self.comm.reduce_scatter(t, ReduceOp::Sum)?;
+        let mut v = shard
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: format!("gradient shard unreadable: {e:?}"),
+            })?;
+        for x in &mut v {
+            *x *= scale;
+        }
+        Ok(v)
+    }
+
+    /// All-gather of the master shards; the unpadded full buffer.
+    fn all_gather(&self) -> Result<Vec<f32>> {
+        let t = Tensor::<1>::from_data(
+            TensorData::new(self.master.clone(), [self.size]),
+            &Device::flex(),
+        );
+        let mut full = self
+            .comm
+            .all_gather(t)?
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: format!("gathered parameters unreadable: {e:?}"),
+            })?;
+        full.truncate(self.len);
+        Ok(full)
+    }
+
+    /// AdamW on the master shard (bias-corrected, decoupled decay), computed in f32.
+    fn adamw(&mut self, grad: &[f32], lr: f64, step: i32, c: &DistributedAdamWConfig) {
+        let lr = lr as f32;
+        let bc1 = 1.0 - c.beta_1.powi(step);
+        let bc2 = 1.0 - c.beta_2.powi(step);
+        let decay = 1.0 - lr * c.weight_decay;
+        let mut update = |i: usize, m: &mut f32, v: &mut f32| {
+            let g = grad[i];
+            *m = *m * c.beta_1 + g * (1.0 - c.beta_1);
+            *v = *v * c.beta_2 + g * g * (1.0 - c.beta_2);
+            let m_hat = *m / bc1;
+            let v_hat = *v / bc2;
+            let p = &mut self.master[i];
+            *p = *p * decay - lr * (m_hat / (v_hat.sqrt() + c.epsilon));
+        };
+        match &mut self.moments {
+            Moments::F32(m1, m2) => {
+                for i in 0..grad.len() {
+                    update(i, &mut m1[i], &mut m2[i]);
+                }
+            }
+            Moments::Bf16(m1, m2) => {
+                for i in 0..grad.len() {
+                    let (mut a, mut b) = (m1[i].to_f32(), m2[i].to_f32());
+                    update(i, &mut a, &mut b);
+                    m1[i] = bf16::from_f32(a);
+                    m2[i] = bf16::from_f32(b);
+                }
+            }
+        }
+    }
+}
+
+/// What one optimizer step measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Factor the gradients were multiplied by (1 without clipping).
+    pub clip_coeff: f64,
+}
+
+/// ZeRO-1 AdamW over the dense (`dp_cp`) and expert (`expt_dp`) groups.
+#[derive(Debug, Clone)]
+pub struct DistributedAdamW {
+    config: DistributedAdamWConfig,
+    table: ParamTable,
+    tp: Comm,
+    world: Comm,
+    dense: Shard,
+    expert: Shard,
+    /// `1/|dp_cp|`, the gradient pre-factor of both classes.
+    scale: f32,
+    step: i32,
+}
+
+impl DistributedAdamW {
+    /// Builds the optimizer for `module` (parameters classified by
+    /// [`default_classify`]) on this rank's groups; `world` is the communicator of all ranks.
+    pub fn new<M: Module>(
+        module: &M,
+        groups: &GroupComms,
+        world: Comm,
+        config: DistributedAdamWConfig,
+    ) -> Result<Self> {
+        Self::with_classes(module, groups, world, config, &default_classify)
+    }
+
+    /// [`DistributedAdamW::new`] with a custom classification.
+    pub fn with_classes<M: Module, F: Fn(&str, bool) -> ParamClass>(
+        module: &M,
+        groups: &GroupComms,
+        world: Comm,
+        config: DistributedAdamWConfig,
+        classify: &F,
+    ) -> Result<Self> {
+        let table = ParamTable::new(module, classify);
+        let (dense, expert) = table.flatten_values(module)?;
+        let dp_cp = groups.comm(GroupFamily::DpCp).clone();
+        let scale = 1.0 / dp_cp.size() as f32;
+        Ok(Self {
+            dense: Shard::new(dp_cp, &dense, config.moment_dtype),
+            expert: Shard::new(
+                groups.comm(GroupFamily::ExptDp).clone(),
+                &expert,
+                config.moment_dtype,
+            ),
+            tp: groups.comm(GroupFamily::Tp).clone(),
+            world,
+            config,
+            table,
+            scale,
+            step: 0,
+        })
+    }
+
+    /// The parameter table (classes and flat offsets).
+    pub fn table(&self) -> &ParamTable {
+        &self.table
+    }
+
+    /// One step: reduces this rank's local gradients, clips by the global norm, updates the
+    /// local shards and returns `module` with the all-gathered new parameters.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<(M, StepReport)> {
+        let (mut dense, expert) = self.table.flatten_grads(&module, &mut grads)?;
+        self.sum_sequence_parallel_over_tp(&mut dense)?;
+        let dense_shard = self.dense.reduce_scatter(dense, self.scale)?;
+        let expert_shard = self.expert.reduce_scatter(expert, self.scale)?;
+        let grad_norm = self.global_norm(&dense_shard, &expert_shard)?;
+        let clip_coeff = match self.config.max_grad_norm {
+            Some(max) if grad_norm > max => max / (grad_norm + 1e-6),
+            _ => 1.0,
+        };
+        let clip = |mut v: Vec<f32>| {
+            if clip_coeff != 1.0 {
+                for x in &mut v {
+                    *x = (*x as f64 * clip_coeff) as f32;
+                }
+            }
+            v
+        };
+        let (dense_shard, expert_shard) = (clip(dense_shard), clip(expert_shard));
+        self.step += 1;
+        self.dense.adamw(&dense_shard, lr, self.step, &self.config);
+        self.expert
+            .adamw(&expert_shard, lr, self.step, &self.config);
+        let dense = self.dense.all_gather()?;
+        let expert = self.expert.all_gather()?;
+        let module = self.table.write_values(module, &dense, &expert)?;
+        Ok((
+            module,
+            StepReport {
+                grad_norm,
+                clip_coeff,
+            },
+        ))
+    }
+
+    /// Sums the gradients of sequence-parallel replicated parameters over `tp` (§5 step 2).
+    fn sum_sequence_parallel_over_tp(&self, dense: &mut [f32]) -> Result<()> {
+        if self.tp.size() == 1 {
+            return Ok(());
+        }
+        let sp: Vec<_> = self
+            .table
+            .params
+            .iter()
+            .filter(|p| p.class == ParamClass::DenseSequenceParallel)
+            .collect();
+        let packed: Vec<f32> = sp
+            .iter()
+            .flat_map(|p| dense[p.offset..p.offset + p.numel()].to_vec())
+            .collect();
+        if packed.is_empty() {
+            return Ok(());
+        }
+        let n = packed.len();
+        let t = Tensor::<1>::from_data(TensorData::new(packed, [n]), &Device::flex());
+        let summed = self
+            .tp
+            .all_reduce(t, ReduceOp::Sum)?
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: format!("tp-summed gradients unreadable: {e:?}"),
+            })?;
+        let mut at = 0;
+        for p in sp {
+            dense[p.offset..p.offset + p.numel()].copy_from_slice(&summed[at..at + p.numel()]);
+            at += p.numel();
+        }
+        Ok(())
+    }
+
+    /// √(Σ g²) over unique elements: every rank's expert shard, dense shards on TP rank 0 for
+    /// TP-replicated parameters and on every TP rank for TP-sharded ones.
+    fn global_norm(&self, dense_shard: &[f32], expert_shard: &[f32]) -> Result<f64> {
+        let start = self.dense.comm.rank() * self.dense.size;
+        let mut sq = 0.0f64;
+        for p in &self.table.params {
+            if p.class.is_expert() || (p.class.tp_replicated() && self.tp.rank() != 0) {
+                continue;
+            }
+            // Intersection of the parameter's range with this rank's dense shard.
+            let lo = p.offset.max(start);
+            let hi = (p.offset + p.numel()).min(start + self.dense.size);
+            for &g in dense_shard
+                .get(lo.saturating_sub(start)..hi.saturating_sub(start))
+                .unwrap_or(&[])
+            {
+                sq += (g as f64) * (g as f64);
+            }
+        }
+        sq += expert_shard
+            .iter()
+            .map(|&g| (g as f64) * (g as f64))
+            .sum::<f64>();
+        let t = Tensor::<1>::from_data(
+            TensorData::new(vec![sq], [1]),
+            (&Device::flex(), burn::tensor::DType::F64),
+        );
+        let total = self
+            .world
+            .all_reduce(t, ReduceOp::Sum)?
+            .into_data()
+            .try_into_vec::<f64>()
+            .map_err(|e| BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: format!("norm unreadable: {e:?}"),
+            })?;
+        Ok(total.first().copied().unwrap_or(0.0).sqrt())
+    }
+}
