@@ -56,13 +56,16 @@ fn config(max_grad_norm: Option<f64>, moment_dtype: MomentDtype) -> DistributedA
     }
 }
 
+/// Flat `(dense, expert)` parameters after one step.
+type Snapshot = (Vec<f32>, Vec<f32>);
+
 /// One-rank reference with Burn's AdamW; returns the flat parameters after every step and the
 /// grad norms.
 fn reference_run(
     start: &MoeLayer,
     world: usize,
     max_grad_norm: Option<f64>,
-) -> (Vec<(Vec<f32>, Vec<f32>)>, Vec<f64>) {
+) -> (Vec<Snapshot>, Vec<f64>) {
     let mut layer = replicate(start);
     let table = ParamTable::new(&layer, &default_classify);
     let mut optim = AdamWConfig::new()
