@@ -18,7 +18,7 @@ use burn::tensor::{DType, TensorData};
 use super::data::{
     concat_rows, reduce_blocks, rows_and_row_bytes, rows_to_data, split_rows, trailing,
 };
-use super::{CallSite, Comm, Communicator, ReduceOp};
+use super::{CallSite, Comm, Communicator, ReduceOp, Traffic};
 use crate::error::{BackendError, Result};
 use crate::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGroups};
 
@@ -276,6 +276,8 @@ impl RankCtx {
                 ranks: ranks.to_vec(),
                 index,
                 seq: AtomicU64::new(0),
+                calls: AtomicU64::new(0),
+                bytes_sent: AtomicU64::new(0),
             }))
         });
         Ok(comm.clone())
@@ -328,6 +330,8 @@ struct LocalComm {
     ranks: Vec<usize>,
     index: usize,
     seq: AtomicU64,
+    calls: AtomicU64,
+    bytes_sent: AtomicU64,
 }
 
 impl fmt::Debug for LocalComm {
@@ -344,6 +348,11 @@ fn describe(sig: &Signature) -> String {
 }
 
 impl LocalComm {
+    fn count(&self, bytes: usize) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
     fn group(&self) -> String {
         format!("{:?}", self.ranks)
     }
@@ -379,6 +388,13 @@ impl LocalComm {
         let n = self.ranks.len();
         let op = sig.op;
         let site = sig.site;
+        let bytes: usize = outgoing
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != self.index)
+            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes().len()))
+            .sum();
+        self.count(bytes);
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let key = (Arc::clone(&self.key), seq);
         let deadline = Instant::now() + self.shared.config.timeout;
@@ -790,6 +806,9 @@ impl Communicator for LocalComm {
             return Err(self.error(OP, format!("destination {dst} out of range (at {site})")));
         };
         let sig = self.sig(OP, &data, site);
+        if to != self.me() {
+            self.count(data.as_bytes().len());
+        }
         let mut st = self.shared.lock();
         if let Some(failure) = &st.failure {
             return Err(self.aborted(OP, failure));
@@ -869,6 +888,13 @@ impl Communicator for LocalComm {
             ));
         }
         Ok(mail.data)
+    }
+
+    fn traffic(&self) -> Traffic {
+        Traffic {
+            calls: self.calls.load(Ordering::Relaxed),
+            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
+        }
     }
 
     fn barrier(&self, site: CallSite) -> Result<()> {

@@ -69,6 +69,16 @@ pub enum ReduceOp {
     Max,
 }
 
+/// Bytes a member has addressed to the other members of its group (payload only: a ring or
+/// tree algorithm may move more on the wire).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Collectives and sends issued.
+    pub calls: u64,
+    /// Payload bytes addressed to other members.
+    pub bytes_sent: u64,
+}
+
 /// Transport of one process group: collectives on host tensor data.
 ///
 /// `rank()` is this member's index in [`ranks`](Communicator::ranks) (global ranks in group
@@ -117,6 +127,10 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     -> Result<TensorData>;
     /// Returns once every member has entered the barrier.
     fn barrier(&self, site: CallSite) -> Result<()>;
+    /// Traffic issued by this member so far (transports that do not count report zeros).
+    fn traffic(&self) -> Traffic {
+        Traffic::default()
+    }
 }
 
 /// Tensor kinds the collectives accept; float collectives are differentiable.
@@ -426,6 +440,11 @@ impl Comm {
     ) -> Result<Tensor<D, K>> {
         let data = self.inner.recv(&shape, dtype, src, Location::caller())?;
         Ok(to_tensor(data, device))
+    }
+
+    /// Payload traffic this member has issued on the group so far.
+    pub fn traffic(&self) -> Traffic {
+        self.inner.traffic()
     }
 
     /// Returns once every member has reached the barrier.

@@ -710,3 +710,25 @@ fn process_group_communicators_follow_the_layout() {
 }
 
 use crate::parallel::{GroupFamily, ParallelLayout};
+
+#[test]
+fn traffic_counts_bytes_addressed_to_other_members() {
+    let out = ok(World::run(3, |ctx| {
+        let world = ctx.world()?;
+        let r = ctx.rank();
+        // Rank r sends r+1 rows of 2 f32 to each member (its own block is not traffic).
+        let rows = 3 * (r + 1);
+        let x = tensor(vec![0.0; rows * 2], [rows, 2], &dev(), DType::F32);
+        world.all_to_all_v(x, &[r + 1; 3], &[1, 2, 3])?;
+        world.all_reduce(tensor(vec![0.0; 4], [4], &dev(), DType::F32), ReduceOp::Sum)?;
+        Ok(world.traffic())
+    }));
+    for (r, t) in out.iter().enumerate() {
+        assert_eq!(t.calls, 2);
+        assert_eq!(
+            t.bytes_sent,
+            (2 * (r as u64 + 1) * 2 * 4) + 2 * 16,
+            "rank {r}"
+        );
+    }
+}

@@ -75,6 +75,7 @@ impl TokenDispatcher for AllGatherDispatcher {
             tokens_per_local_expert: row_id_map.tokens_per_expert_host(),
             state: CombineState {
                 row_id_map,
+                sender_map: None,
                 plan: SplitPlan {
                     input_splits,
                     ..SplitPlan::default()

@@ -147,7 +147,11 @@ impl TokenDispatcher for AllToAllDispatcher {
             rows: x,
             probs: p,
             tokens_per_local_expert,
-            state: CombineState { row_id_map, plan },
+            state: CombineState {
+                row_id_map,
+                sender_map: None,
+                plan,
+            },
         })
     }
 

@@ -13,9 +13,13 @@
 //!   share, reduce-scatter back (buffer `[|tp_ep|·T, H]`, independent of k).
 //! - [`AllToAllDispatcher`]: permute, all-to-all over `ep`, all-gather over `expt_tp`, sort
 //!   chunks by local expert; combine is the exact inverse (receive `≈ k·T` rows).
+//! - [`FlexDispatcher`]: each token crosses to a destination rank of `tp_ep` once, however many
+//!   of that rank's experts it chose, with its local-expert multihot and probs; the receiver
+//!   permutes locally and reduces a token's local experts before sending the result back.
 
 mod all_gather;
 mod all_to_all;
+mod flex;
 #[cfg(test)]
 mod tests;
 
@@ -29,6 +33,7 @@ use crate::ops::{PermuteMode, RowIdMap, permute, unpermute};
 
 pub use all_gather::AllGatherDispatcher;
 pub use all_to_all::AllToAllDispatcher;
+pub use flex::FlexDispatcher;
 
 /// Rows for this rank's experts, produced by [`TokenDispatcher::dispatch`].
 #[derive(Debug, Clone)]
@@ -47,6 +52,8 @@ pub struct Dispatched {
 #[derive(Debug, Clone)]
 pub struct CombineState {
     pub(crate) row_id_map: RowIdMap,
+    /// Flex: the sender-side token -> destination-rank permutation.
+    pub(crate) sender_map: Option<RowIdMap>,
     /// Dispatcher-specific split sizes (empty for the local dispatcher).
     pub(crate) plan: SplitPlan,
 }
@@ -152,6 +159,7 @@ impl TokenDispatcher for LocalDispatcher {
             tokens_per_local_expert: row_id_map.tokens_per_expert_host(),
             state: CombineState {
                 row_id_map,
+                sender_map: None,
                 plan: SplitPlan::default(),
             },
         })

@@ -119,6 +119,7 @@ fn sum_into(acc: &mut Vec<f64>, v: &[f64]) {
 enum Kind {
     AllGather,
     AllToAll,
+    Flex,
 }
 
 fn check_equivalence(world: usize, spec: &str, kind: Kind) {
@@ -139,6 +140,12 @@ fn check_equivalence(world: usize, spec: &str, kind: Kind) {
         let comm = |f| pg.comm(f).clone();
         let dispatcher: Box<dyn TokenDispatcher> = match kind {
             Kind::AllGather => Box::new(AllGatherDispatcher::new(
+                comm(GroupFamily::TpEp),
+                E,
+                layout_ref.ep,
+                layout_ref.etp,
+            )?),
+            Kind::Flex => Box::new(FlexDispatcher::new(
                 comm(GroupFamily::TpEp),
                 E,
                 layout_ref.ep,
@@ -258,6 +265,13 @@ fn allgather_dispatcher_matches_one_rank() {
 }
 
 #[test]
+fn flex_dispatcher_matches_one_rank() {
+    for (world, spec) in LAYOUTS {
+        check_equivalence(world, spec, Kind::Flex);
+    }
+}
+
+#[test]
 fn dispatchers_reject_inconsistent_groups() {
     let out = World::run(2, |ctx| {
         let world = ctx.world()?;
@@ -270,5 +284,88 @@ fn dispatchers_reject_inconsistent_groups() {
     });
     for r in out {
         r.unwrap();
+    }
+}
+
+/// Bytes each rank addresses to other ranks during one dispatch (all groups together).
+fn dispatch_traffic(kind: Kind, world: usize, t: usize, h: usize, e: usize, k: usize) -> Vec<u64> {
+    let layout = ParallelLayout::parse(world, &format!("ep={world}")).unwrap();
+    let layout_ref = &layout;
+    let out = World::run(world, |ctx| {
+        let pg = ctx.process_groups(layout_ref)?;
+        let families = [GroupFamily::Ep, GroupFamily::ExptTp, GroupFamily::TpEp];
+        let d: Box<dyn TokenDispatcher> = match kind {
+            Kind::AllGather => Box::new(AllGatherDispatcher::new(
+                pg.comm(GroupFamily::TpEp).clone(),
+                e,
+                world,
+                1,
+            )?),
+            Kind::AllToAll => Box::new(AllToAllDispatcher::new(
+                pg.comm(GroupFamily::Ep).clone(),
+                pg.comm(GroupFamily::ExptTp).clone(),
+                pg.comm(GroupFamily::TpEp).clone(),
+                e,
+            )?),
+            Kind::Flex => Box::new(FlexDispatcher::new(
+                pg.comm(GroupFamily::TpEp).clone(),
+                e,
+                world,
+                1,
+            )?),
+        };
+        // Uniform routing: k distinct experts per token, equal probs.
+        let mut rng = SplitMix::new(99 + ctx.rank() as u64);
+        let mut probs = vec![0.0; t * e];
+        for row in probs.chunks_mut(e) {
+            for j in rng.distinct(e, k) {
+                row[j] = 1.0 / k as f64;
+            }
+        }
+        let dev = Device::flex();
+        let p = tensor(probs, [t, e], &dev, DType::F32);
+        let map = p.clone().greater_elem(0.0);
+        let x = tensor(data(5, ctx.rank(), t * h), [t, h], &dev, DType::F32);
+        let before: u64 = families
+            .iter()
+            .map(|f| pg.comm(*f).traffic().bytes_sent)
+            .sum();
+        let dispatched = d.dispatch(x, p, map)?;
+        let after: u64 = families
+            .iter()
+            .map(|f| pg.comm(*f).traffic().bytes_sent)
+            .sum();
+        d.combine(dispatched.rows, dispatched.state)?;
+        Ok(after - before)
+    });
+    out.into_iter().map(|r| r.unwrap()).collect()
+}
+
+#[test]
+fn dispatch_traffic_matches_the_all_to_all_formula_and_flex_sends_less() {
+    let (world, t, h, e, k) = (4, 256, 256, 16, 4);
+    let formula = (t * k * h * 4) as f64 * (world - 1) as f64 / world as f64;
+    let a2a = dispatch_traffic(Kind::AllToAll, world, t, h, e, k);
+    let flex = dispatch_traffic(Kind::Flex, world, t, h, e, k);
+    let ag = dispatch_traffic(Kind::AllGather, world, t, h, e, k);
+    for r in 0..world {
+        let rel = (a2a[r] as f64 - formula).abs() / formula;
+        assert!(
+            rel < 0.05,
+            "rank {r}: AlltoAll sent {} bytes, formula {formula} ({rel:.3})",
+            a2a[r]
+        );
+        assert!(
+            flex[r] < a2a[r],
+            "rank {r}: Flex {} vs AlltoAll {}",
+            flex[r],
+            a2a[r]
+        );
+        // AllGather sends every token (plus probs and map) to every other member.
+        assert!(
+            ag[r] as f64 >= (t * h * 4 * (world - 1)) as f64,
+            "rank {r}: AllGather {}",
+            ag[r]
+        );
     }
 }
