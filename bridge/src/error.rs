@@ -164,4 +164,177 @@ pub enum BridgeError {
         /// The tensor after the gap, or "the end of the file".
         next: String,
     },
+
+    /// A tensor name is not present in the file or checkpoint.
+    #[error("{path}: no tensor named `{tensor}`")]
+    TensorNotFound {
+        /// The file or checkpoint directory searched.
+        path: PathBuf,
+        /// The tensor asked for.
+        tensor: String,
+    },
+    /// A tensor's dtype differs from the one the caller expects.
+    #[error("{path}: tensor `{tensor}`: expected dtype {expected}, found {actual}")]
+    DtypeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The dtype expected.
+        expected: String,
+        /// The dtype found.
+        actual: String,
+    },
+    /// A tensor's shape differs from the one the caller expects.
+    #[error("{path}: tensor `{tensor}`: expected shape {expected:?}, found {actual:?}")]
+    ShapeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The shape expected.
+        expected: Vec<usize>,
+        /// The shape found.
+        actual: Vec<usize>,
+    },
+    /// A tensor's data cannot be converted as asked (e.g. `BOOL` to f32, or a bool byte other
+    /// than 0 or 1).
+    #[error("{path}: tensor `{tensor}`: cannot convert {dtype} data: {reason}")]
+    Conversion {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The tensor's dtype.
+        dtype: String,
+        /// Why not.
+        reason: String,
+    },
+    /// A directory holds neither `model.safetensors` nor `model.safetensors.index.json`.
+    #[error("{dir}: no model.safetensors or model.safetensors.index.json")]
+    NoCheckpoint {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// `model.safetensors.index.json` is malformed.
+    #[error("{path}: invalid safetensors index: {reason}")]
+    InvalidIndex {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A shard named by the index does not exist.
+    #[error("{index}: shard {shard} (holding `{tensor}`) does not exist at {path}")]
+    MissingShard {
+        /// The index file.
+        index: PathBuf,
+        /// The shard's file name as written in the index.
+        shard: String,
+        /// One tensor the index places in it.
+        tensor: String,
+        /// Where the shard was looked for.
+        path: PathBuf,
+    },
+    /// A JSON file (config.json, generation_config.json) is not valid JSON.
+    #[error("{path}: invalid JSON: {reason}")]
+    InvalidJson {
+        /// The file.
+        path: PathBuf,
+        /// What the parser reported.
+        reason: String,
+    },
+    /// A config field has an unusable value.
+    #[error("{path}: `{field}`: {reason}")]
+    InvalidConfig {
+        /// The config file.
+        path: PathBuf,
+        /// The field, dotted (e.g. `quantization_config.weight_block_size`).
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A model id or path resolves to no local directory (downloading is not implemented).
+    #[error(
+        "model `{id}` not found locally; looked in: {searched:?} (downloading is not implemented)"
+    )]
+    ModelNotFound {
+        /// The id or path given.
+        id: String,
+        /// The places looked at.
+        searched: Vec<PathBuf>,
+    },
+    /// A tensor cannot be dequantised with its scale (rank, scale shape or block size).
+    #[error("{path}: tensor `{tensor}`: FP8 dequantisation: {reason}")]
+    Dequantize {
+        /// The file.
+        path: PathBuf,
+        /// The quantised tensor.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Tensors handed to a writer are inconsistent (byte length, duplicate or unplanned name).
+    #[error("{path}: tensor `{tensor}`: cannot write: {reason}")]
+    InvalidWrite {
+        /// The file or directory being written.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The output path exists and overwriting was not requested.
+    #[error("{path}: already exists (pass overwrite to replace it)")]
+    TargetExists {
+        /// The output path.
+        path: PathBuf,
+    },
+    /// A writer was finished before every planned shard was written.
+    #[error("{path}: shard {shard} was never written")]
+    ShardNotWritten {
+        /// The output directory.
+        path: PathBuf,
+        /// The shard's file name.
+        shard: String,
+    },
+
+    /// A mapping rule's two sides do not capture the same wildcards.
+    #[error("mapping registry `{registry}`: rule {rule}: {reason}")]
+    InvalidRule {
+        /// The registry.
+        registry: String,
+        /// The rule's index.
+        rule: usize,
+        /// What is inconsistent.
+        reason: String,
+    },
+    /// A checkpoint stores some routed experts per expert and others stacked.
+    #[error("{path}: mixes per-expert (`{per_expert}`) and stacked (`{stacked}`) expert tensors")]
+    MixedExpertLayout {
+        /// The checkpoint.
+        path: PathBuf,
+        /// One per-expert tensor.
+        per_expert: String,
+        /// One stacked tensor.
+        stacked: String,
+    },
+    /// `config.json` names a `model_type` that has no mapping table.
+    #[error("{path}: unknown model_type \"{model_type}\" (known: {known})")]
+    UnknownModelType {
+        /// The config file.
+        path: PathBuf,
+        /// The model type found.
+        model_type: String,
+        /// The supported types, comma-separated.
+        known: String,
+    },
+    /// A strict load found missing, unexpected, mismatched or duplicate tensors.
+    #[error("{path}: checkpoint does not match the model: {summary}")]
+    IncompleteCheckpoint {
+        /// The checkpoint.
+        path: PathBuf,
+        /// The loading report, summarised.
+        summary: String,
+    },
 }

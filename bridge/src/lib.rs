@@ -1,12 +1,29 @@
-//! Checkpoint I/O for burn-moe: HuggingFace safetensors checkpoints in and out, and (later) the
-//! distributed checkpoint format of checkpoints.md §6.
+//! Checkpoint I/O for burn-moe: HuggingFace safetensors checkpoints in and out
+//! (checkpoints.md §1–§5); the distributed checkpoint format of §6 comes later.
 //!
-//! - [`safetensors`]: header parsing and validation that never panics on bad input and accepts
-//!   the FP8 dtypes of release checkpoints.
+//! - [`safetensors`]: header validation that never panics on bad input and accepts the FP8
+//!   dtypes of release checkpoints; a memory-mapped reader ([`safetensors::SafetensorsFile`])
+//!   with zero-copy [`safetensors::TensorView`]s and conversions to f32 and Burn `TensorData`;
+//!   writers for single files and atomically written, sharded HF directories
+//!   ([`safetensors::HfDirWriter`], [`safetensors::write_hf_checkpoint`]).
+//! - [`hf`]: HF checkpoint directories ([`hf::HfCheckpoint`]: single file or sharded index,
+//!   shards mapped lazily, `config.json` / `generation_config.json`) and model resolution from a
+//!   path or the hub cache ([`hf::resolve_model_dir`]; downloading is not implemented).
+//! - [`fp8`]: blockwise FP8 dequantisation (and the release quantisation recipe).
+//! - [`export`]: HF → HF export (FP8 → BF16, stacked → per-expert names, re-sharding) with
+//!   configs and tokenizer files, written atomically.
+//! - [`mapping`]: the HF ↔ canonical name-mapping registry, per-model tables and the
+//!   completeness report.
 //!
 //! Errors are one [`BridgeError`] enum whose messages name the file and tensor involved.
 
 mod error;
+pub mod export;
+pub mod fp8;
+pub mod hf;
+pub mod mapping;
 pub mod safetensors;
+#[cfg(test)]
+mod test_util;
 
 pub use error::BridgeError;
