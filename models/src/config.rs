@@ -4,14 +4,18 @@
 //! keys, both accepted spellings of renamed keys, and the keys we do not interpret kept verbatim
 //! in `extra` so that an export can write them back.
 
+mod deepseek_v3;
 mod json;
+mod qwen3;
 mod rope;
 
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
+pub use self::deepseek_v3::DeepseekV3Config;
 use self::json::JsonObject;
+pub use self::qwen3::Qwen3Config;
 pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParameters};
 use crate::ModelError;
 

@@ -76,6 +76,54 @@ pub enum ModelError {
         /// The value under `second`.
         b: String,
     },
+    /// A tensor the model needs is absent from the weight source.
+    #[error("tensor `{name}` is missing from the checkpoint")]
+    MissingTensor {
+        /// The HF tensor name.
+        name: String,
+    },
+    /// A checkpoint tensor has the wrong shape.
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    TensorShape {
+        /// The HF tensor name.
+        name: String,
+        /// The shape the model needs.
+        expected: Vec<usize>,
+        /// The shape found in the checkpoint.
+        found: Vec<usize>,
+    },
+    /// The weight source failed to produce a tensor (I/O, dtype, corrupt data).
+    #[error("cannot read tensor `{name}`: {reason}")]
+    TensorRead {
+        /// The HF tensor name.
+        name: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Routed experts are stored both stacked and per expert in one checkpoint (models.md §6).
+    #[error(
+        "experts under `{prefix}` mix the stacked layout (`{stacked}`) with per-expert tensors \
+         (`{per_expert}`); a checkpoint must use one layout"
+    )]
+    MixedExpertLayout {
+        /// The `...mlp.experts` prefix.
+        prefix: String,
+        /// A stacked tensor that is present.
+        stacked: String,
+        /// A per-expert tensor that is present.
+        per_expert: String,
+    },
+    /// A caller-provided input (token ids, labels, generation settings) is unusable.
+    #[error("invalid input `{what}`: {reason}")]
+    InvalidInput {
+        /// Which input.
+        what: &'static str,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// An MoE layer of `moe-backend` reported an error.
+    #[error("MoE layer: {0}")]
+    Backend(#[from] moe_backend::BackendError),
 }
 
 impl ModelError {

@@ -1,20 +1,37 @@
-//! Model definitions for burn-moe: Qwen3-MoE (and later DeepSeek-V3 and dense Qwen3) written
-//! against Burn 0.22.1, readable beside their HF transformers 5.23 twins.
+//! Model definitions for burn-moe: dense Qwen3, Qwen3-MoE and DeepSeek-V3 written
+//! against Burn 0.22.1, each readable beside its HF transformers 5.23 twin.
 //!
 //! - [`config`]: HF `config.json` parsing with HF defaults, both accepted spellings of renamed
 //!   keys, unknown keys preserved for export, and validation errors that name the field.
-//! - [`layers`]: building blocks shared by the model families — [`layers::RmsNorm`] and the dense
-//!   SwiGLU [`layers::Mlp`] — with HF parameter names.
+//! - [`layers`]: building blocks shared by the model families — [`layers::RmsNorm`], the dense
+//!   SwiGLU [`layers::Mlp`], RoPE/YaRN ([`layers::rope`]), GQA attention with QK-norm
+//!   ([`layers::Attention`]) and the KV cache.
+//! - [`qwen3`], [`qwen3_moe`], [`deepseek_v3`]: the models, with HF module/tensor names
+//!   (MLA in [`layers::mla`]).
+//! - [`causal_lm`]: loss, HF load-balancing loss, generation, parameter counting.
+//! - [`weights`]: the [`WeightSource`] trait through which checkpoints are loaded.
 //! - `testing` (feature `testing`): naive loop-based references used by the tests.
 //!
 //! Tensors are `Tensor<D>` on a runtime [`burn::tensor::Device`] (e.g. `Device::flex()`); wrap
-//! the device with `.autodiff()` for training.
+//! the device with `.autodiff()` for training. Compute is f32 by default; bf16 checkpoints are
+//! upcast on load (models.md §7 arithmetic policy).
 
+pub mod causal_lm;
 pub mod config;
+pub mod deepseek_v3;
 mod error;
 pub mod layers;
+pub mod mtp;
+pub mod qwen3;
+pub mod qwen3_moe;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod weights;
 
-pub use config::Qwen3MoeConfig;
+pub use causal_lm::{CausalLm, GenerationConfig, ParamCount, Sampling, generate};
+pub use config::{DeepseekV3Config, Qwen3Config, Qwen3MoeConfig};
+pub use deepseek_v3::DeepseekV3ForCausalLM;
 pub use error::ModelError;
+pub use qwen3::Qwen3ForCausalLM;
+pub use qwen3_moe::Qwen3MoeForCausalLM;
+pub use weights::{WeightLoader, WeightSource};

@@ -1,7 +1,17 @@
-//! Building blocks shared by the model families (models.md §1).
+//! Building blocks shared by the model families (models.md §1, §3.3, §4).
 
+pub mod attention;
+pub mod kv_cache;
+pub mod mla;
 pub mod mlp;
 pub mod rms_norm;
+pub mod rope;
 
+pub use attention::{Attention, AttentionConfig, causal_attention, repeat_kv};
+pub use kv_cache::{KvCache, LayerCache};
+pub use mla::{Mla, MlaConfig, mla_softmax_scale};
 pub use mlp::{Mlp, MlpConfig};
 pub use rms_norm::{RmsNorm, RmsNormConfig};
+pub use rope::{
+    RopeTables, RotaryEmbedding, apply_rotary, apply_rotary_interleaved, yarn_get_mscale,
+};

@@ -1,0 +1,576 @@
+//! DeepSeek-V3, read beside HF transformers 5.23 `models/deepseek_v3/modeling_deepseek_v3.py`
+//! (models.md §3).
+//!
+//! `embed_tokens → [input_layernorm → MLA → residual → post_attention_layernorm → MLP or MoE →
+//! residual] × N → norm → lm_head`. Layers `0..first_k_dense_replace` use a dense SwiGLU MLP;
+//! the others the MoE block: moe-backend's [`MoeLayer`] with a sigmoid router, group-limited
+//! top-k (group score = sum of the top 2, `topk_group` groups kept, −inf elsewhere),
+//! `e_score_correction_bias` for the selection only, weights renormalised
+//! (`norm_topk_prob`) and scaled by `routed_scaling_factor`, plus the shared experts.
+//! The MTP modules (`model.layers.{N+j}`, [`crate::mtp`]) are loaded when
+//! `num_nextn_predict_layers > 0` but are not part of the main forward (models.md §3.6).
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{DType, Device, Int, Tensor};
+use moe_backend::experts::SharedExperts;
+use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use moe_backend::router::{GroupLimitConfig, RouteOptions, ScoreFunction, TopKRouterConfig};
+
+use crate::ModelError;
+use crate::causal_lm::{CausalLm, ParamCount, lm_logits};
+use crate::config::DeepseekV3Config;
+use crate::layers::kv_cache::{KvCache, LayerCache};
+use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
+use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::layers::{Mlp, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::mtp::MtpModule;
+use crate::weights::{WeightLoader, WeightSource};
+
+impl DeepseekV3Config {
+    /// The MLA block of every layer (softmax scale per models.md §3.2).
+    pub fn mla_config(&self) -> MlaConfig {
+        MlaConfig::new(
+            self.hidden_size,
+            self.num_attention_heads,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            mla_softmax_scale(self.qk_head_dim(), &self.rope_parameters),
+        )
+        .with_q_lora_rank(self.q_lora_rank)
+        .with_attention_bias(self.attention_bias)
+        .with_rope_interleave(self.rope_interleave)
+    }
+
+    /// The moe-backend layer of an MoE block (models.md §3.4, §3.5): sigmoid scores,
+    /// `group_score_topk = 2`, expert bias for selection, normalisation and scaling, shared
+    /// experts of width `Im · n_shared_experts`.
+    pub fn moe_layer_config(&self) -> Result<MoeLayerConfig, ModelError> {
+        if self.norm_topk_prob && self.num_experts_per_tok == 1 {
+            // HF renormalises a single weight to 1; moe-backend normalises only for k > 1.
+            return Err(ModelError::invalid(
+                "norm_topk_prob",
+                "renormalising a single routed expert (num_experts_per_tok = 1) is not supported",
+            ));
+        }
+        let router = TopKRouterConfig::new(
+            self.hidden_size,
+            self.n_routed_experts,
+            self.num_experts_per_tok,
+        )
+        .with_score_function(ScoreFunction::Sigmoid)
+        .with_normalize(self.norm_topk_prob)
+        .with_topk_scaling_factor(Some(self.routed_scaling_factor))
+        .with_group_limit(Some(GroupLimitConfig::new(
+            self.n_group,
+            self.topk_group,
+            2,
+        )))
+        .with_enable_expert_bias(true);
+        let shared = (self.n_shared_experts > 0)
+            .then_some(self.moe_intermediate_size * self.n_shared_experts);
+        Ok(MoeLayerConfig::new(router, self.moe_intermediate_size)
+            .with_shared_ffn_hidden_size(shared))
+    }
+
+    /// A randomly initialised model (Burn's default initialisers, norms at one, zero bias).
+    pub fn init(&self, device: &Device) -> Result<DeepseekV3ForCausalLM, ModelError> {
+        self.validate()?;
+        let (h, eps) = (self.hidden_size, self.rms_norm_eps);
+        let norm = || RmsNormConfig::new(h).with_epsilon(eps).init(device);
+        let layers = (0..self.num_hidden_layers)
+            .map(|i| self.init_layer(self.is_moe_layer(i), device))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(DeepseekV3ForCausalLM {
+            model: DeepseekV3Model {
+                embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
+                layers,
+                norm: norm(),
+            },
+            lm_head: (!self.tie_word_embeddings).then(|| {
+                LinearConfig::new(h, self.vocab_size)
+                    .with_bias(false)
+                    .init(device)
+            }),
+            mtp: (0..self.num_nextn_predict_layers)
+                .map(|_| MtpModule::init(self, device))
+                .collect::<Result<Vec<_>, ModelError>>()?,
+            rope: RotaryEmbedding::new(&self.rope_parameters, self.qk_rope_head_dim)?,
+            config: self.clone(),
+        })
+    }
+
+    /// A randomly initialised decoder layer with an MoE block or a dense MLP.
+    pub fn init_layer(
+        &self,
+        moe: bool,
+        device: &Device,
+    ) -> Result<DeepseekV3DecoderLayer, ModelError> {
+        let norm = || {
+            RmsNormConfig::new(self.hidden_size)
+                .with_epsilon(self.rms_norm_eps)
+                .init(device)
+        };
+        let mlp = if moe {
+            DeepseekV3FeedForward::Moe(DeepseekV3Moe {
+                moe: self.moe_layer_config()?.init(device)?,
+            })
+        } else {
+            DeepseekV3FeedForward::Dense(
+                MlpConfig::new(self.hidden_size, self.intermediate_size).init(device),
+            )
+        };
+        Ok(DeepseekV3DecoderLayer {
+            input_layernorm: norm(),
+            self_attn: self.mla_config().init(device),
+            post_attention_layernorm: norm(),
+            mlp,
+        })
+    }
+
+    /// Parameter counts from the shapes alone. `total`/`active` cover the main model; `mtp`
+    /// the MTP modules as stored (incl. their `embed_tokens` / `shared_head.head` copies).
+    /// The official config gives ≈ 671 B main, 685 B with MTP, 37 B active.
+    pub fn param_count(&self) -> ParamCount {
+        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
+        let (nh, nope, rot, dv) = (
+            self.num_attention_heads as u64,
+            self.qk_nope_head_dim as u64,
+            self.qk_rope_head_dim as u64,
+            self.v_head_dim as u64,
+        );
+        let kvl = self.kv_lora_rank as u64;
+        let q = match self.q_lora_rank {
+            Some(r) => h * r as u64 + r as u64 + r as u64 * nh * (nope + rot),
+            None => h * nh * (nope + rot),
+        };
+        let bias = if self.attention_bias {
+            self.q_lora_rank.unwrap_or(0) as u64 + kvl + rot + h
+        } else {
+            0
+        };
+        let attn = q + h * (kvl + rot) + kvl + kvl * nh * (nope + dv) + nh * dv * h + bias;
+        let (e, k, im) = (
+            self.n_routed_experts as u64,
+            self.num_experts_per_tok as u64,
+            self.moe_intermediate_size as u64,
+        );
+        let shared = 3 * h * im * self.n_shared_experts as u64;
+        let router = e * h + e;
+        let moe_total = router + e * 3 * h * im + shared;
+        let moe_active = router + k * 3 * h * im + shared;
+        let dense = 3 * h * self.intermediate_size as u64;
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        let mut count = ParamCount {
+            total: v * h + head + h,
+            active: v * h + head + h,
+            mtp: 0,
+        };
+        for layer in 0..self.num_hidden_layers {
+            let (t, a) = if self.is_moe_layer(layer) {
+                (moe_total, moe_active)
+            } else {
+                (dense, dense)
+            };
+            count.total += attn + 2 * h + t;
+            count.active += attn + 2 * h + a;
+        }
+        let mtp_module = 2 * h + 2 * h * h + attn + 2 * h + moe_total + h + 2 * v * h;
+        count.mtp = self.num_nextn_predict_layers as u64 * mtp_module;
+        count
+    }
+}
+
+/// Routing decisions of one MoE layer (HF `DeepseekV3TopkRouter` outputs).
+#[derive(Debug, Clone)]
+pub struct DeepseekV3Routing {
+    /// `[T, E]` f32 router logits.
+    pub router_logits: Tensor<2>,
+    /// `[T, k]` selected experts (descending selection score).
+    pub topk_indices: Tensor<2, Int>,
+    /// `[T, k]` routing weights of `topk_indices` (normalised, scaled).
+    pub topk_weights: Tensor<2>,
+}
+
+/// HF `DeepseekV3MoE`: router `gate`, routed `experts`, `shared_experts`.
+#[derive(Module, Debug)]
+pub struct DeepseekV3Moe {
+    /// Router (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`), experts
+    /// (`mlp.experts.*`) and shared experts (`mlp.shared_experts.*`).
+    pub moe: MoeLayer,
+}
+
+impl DeepseekV3Moe {
+    /// `x [B, S, H] → ([B, S, H], routing)`.
+    pub fn forward(&self, x: Tensor<3>) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
+        let [b, s, h] = x.dims();
+        let state = self.moe.router.init_state();
+        let out = self
+            .moe
+            .forward(x.reshape([b * s, h]), &state, &RouteOptions::default())?;
+        let r = out.routing;
+        let topk_weights = r.probs.gather(1, r.topk_indices.clone());
+        Ok((
+            out.output.reshape([b, s, h]),
+            DeepseekV3Routing {
+                router_logits: r.logits,
+                topk_indices: r.topk_indices,
+                topk_weights,
+            },
+        ))
+    }
+}
+
+/// The feed-forward part of a decoder layer.
+// One value per layer: the size difference between variants is immaterial, and boxing would
+// hide the module from Burn's derive.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum DeepseekV3FeedForward {
+    /// Dense SwiGLU MLP (`layer < first_k_dense_replace`).
+    Dense(Mlp),
+    /// MoE block.
+    Moe(DeepseekV3Moe),
+}
+
+/// One pre-norm decoder layer (HF `DeepseekV3DecoderLayer`).
+#[derive(Module, Debug)]
+pub struct DeepseekV3DecoderLayer {
+    /// Norm before attention `[H]`.
+    pub input_layernorm: RmsNorm,
+    /// Multi-head latent attention.
+    pub self_attn: Mla,
+    /// Norm before the feed-forward block `[H]`.
+    pub post_attention_layernorm: RmsNorm,
+    /// Dense MLP or MoE block.
+    pub mlp: DeepseekV3FeedForward,
+}
+
+impl DeepseekV3DecoderLayer {
+    /// `x [B, S, H] → ([B, S, H], routing of an MoE layer)`.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        cache: Option<&mut LayerCache>,
+    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), rope, cache);
+        let normed = self.post_attention_layernorm.forward(h.clone());
+        let (y, routing) = match &self.mlp {
+            DeepseekV3FeedForward::Dense(mlp) => (mlp.forward(normed), None),
+            DeepseekV3FeedForward::Moe(moe) => {
+                let (y, r) = moe.forward(normed)?;
+                (y, Some(r))
+            }
+        };
+        Ok((h + y, routing))
+    }
+}
+
+/// The decoder stack (HF `DeepseekV3Model`).
+#[derive(Module, Debug)]
+pub struct DeepseekV3Model {
+    /// Token embedding `[V, H]`.
+    pub embed_tokens: Embedding,
+    /// Decoder layers.
+    pub layers: Vec<DeepseekV3DecoderLayer>,
+    /// Final norm `[H]`.
+    pub norm: RmsNorm,
+}
+
+/// Output of [`DeepseekV3ForCausalLM::forward`].
+#[derive(Debug, Clone)]
+pub struct DeepseekV3Output {
+    /// `[B, S, V]` logits.
+    pub logits: Tensor<3>,
+    /// `[B, S, H]` final-normed hidden states (HF `last_hidden_state`; `h⁰` of the MTP).
+    pub hidden: Tensor<3>,
+    /// Routing of every MoE layer, in layer order (rows `b·S + s`).
+    pub routing: Vec<DeepseekV3Routing>,
+}
+
+/// DeepSeek-V3 causal language model (HF `DeepseekV3ForCausalLM`).
+#[derive(Module, Debug)]
+pub struct DeepseekV3ForCausalLM {
+    /// The decoder stack.
+    pub model: DeepseekV3Model,
+    /// Output projection `H → V`; `None` when tied.
+    pub lm_head: Option<Linear>,
+    /// Multi-token-prediction modules (`num_nextn_predict_layers`, stored as layers `N + j`);
+    /// not used by [`Self::forward`], see [`Self::forward_mtp`].
+    pub mtp: Vec<MtpModule>,
+    #[module(skip)]
+    rope: RotaryEmbedding,
+    #[module(skip)]
+    config: DeepseekV3Config,
+}
+
+impl DeepseekV3ForCausalLM {
+    /// Loads every main-model tensor by its HF name (models.md §6); experts per expert or
+    /// stacked, not mixed; `e_score_correction_bias` is kept in f32 and never trained.
+    pub fn from_weights(
+        config: &DeepseekV3Config,
+        source: &dyn WeightSource,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let w = WeightLoader::new(source, device);
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| {
+                load_layer(
+                    config,
+                    &w,
+                    &format!("model.layers.{i}"),
+                    config.is_moe_layer(i),
+                )
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let mtp = (0..config.num_nextn_predict_layers)
+            .map(|j| MtpModule::load(config, &w, config.num_hidden_layers + j))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Self {
+            model: DeepseekV3Model {
+                embed_tokens: w.embedding("model.embed_tokens.weight", config.vocab_size, h)?,
+                layers,
+                norm: w.rms_norm("model.norm", h, eps)?,
+            },
+            lm_head: if config.tie_word_embeddings {
+                None
+            } else {
+                Some(w.linear("lm_head", h, config.vocab_size, false)?)
+            },
+            mtp,
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?,
+            config: config.clone(),
+        })
+    }
+
+    /// The configuration the model was built from.
+    pub fn config(&self) -> &DeepseekV3Config {
+        &self.config
+    }
+
+    /// Logits and per-MoE-layer routing of `input_ids [B, S]` (positions `0..S`, no cache).
+    pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<DeepseekV3Output, ModelError> {
+        self.run(input_ids, None)
+    }
+
+    /// MTP logits of every depth `j < D` (models.md §3.6): `[B, S − 1 − j, V]`, position `i`
+    /// predicting token `i + j + 2`, from `input_ids [B, S]` and the main forward's
+    /// final-normed `hidden` ([`DeepseekV3Output::hidden`]).
+    pub fn forward_mtp(
+        &self,
+        input_ids: Tensor<2, Int>,
+        hidden: Tensor<3>,
+    ) -> Result<Vec<Tensor<3>>, ModelError> {
+        let [_, s] = input_ids.dims();
+        let device = input_ids.device();
+        let mut h = hidden;
+        let mut logits = Vec::with_capacity(self.mtp.len());
+        for (j, module) in self.mtp.iter().enumerate() {
+            let len = s.checked_sub(j + 1).filter(|&l| l > 0).ok_or_else(|| {
+                ModelError::InvalidInput {
+                    what: "input_ids",
+                    reason: format!("{s} tokens are too few for MTP depth {}", j + 1),
+                }
+            })?;
+            let embeds = self
+                .model
+                .embed_tokens
+                .forward(input_ids.clone().narrow(1, j + 1, len));
+            // Positions of the shifted tokens (HF's drafter); RoPE only sees differences.
+            let rope = self.rope.tables(j + 1, len, &device);
+            h = module.forward(embeds, h.narrow(1, 0, len), &rope)?;
+            logits.push(lm_logits(
+                h.clone(),
+                self.lm_head.as_ref(),
+                &self.model.embed_tokens,
+            ));
+        }
+        Ok(logits)
+    }
+
+    fn run(
+        &self,
+        input_ids: Tensor<2, Int>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<DeepseekV3Output, ModelError> {
+        let [_, s] = input_ids.dims();
+        let offset = cache.as_ref().map_or(0, |c| c.seq_len());
+        let rope = self.rope.tables(offset, s, &input_ids.device());
+        let mut x = self.model.embed_tokens.forward(input_ids);
+        let mut routing = Vec::new();
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
+            let (y, r) = layer.forward(x, &rope, layer_cache)?;
+            x = y;
+            routing.extend(r);
+        }
+        let hidden = self.model.norm.forward(x);
+        let logits = lm_logits(
+            hidden.clone(),
+            self.lm_head.as_ref(),
+            &self.model.embed_tokens,
+        );
+        Ok(DeepseekV3Output {
+            logits,
+            hidden,
+            routing,
+        })
+    }
+}
+
+/// Loads one decoder layer under `prefix` (`model.layers.{i}`), with an MoE block or a dense
+/// MLP.
+pub(crate) fn load_layer(
+    config: &DeepseekV3Config,
+    w: &WeightLoader<'_>,
+    prefix: &str,
+    moe: bool,
+) -> Result<DeepseekV3DecoderLayer, ModelError> {
+    let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+    let mlp = if moe {
+        DeepseekV3FeedForward::Moe(DeepseekV3Moe {
+            moe: load_moe(config, w, &format!("{prefix}.mlp"))?,
+        })
+    } else {
+        DeepseekV3FeedForward::Dense(w.mlp(
+            &format!("{prefix}.mlp"),
+            h,
+            config.intermediate_size,
+        )?)
+    };
+    Ok(DeepseekV3DecoderLayer {
+        input_layernorm: w.rms_norm(&format!("{prefix}.input_layernorm"), h, eps)?,
+        self_attn: config
+            .mla_config()
+            .load(w, &format!("{prefix}.self_attn"))?,
+        post_attention_layernorm: w.rms_norm(
+            &format!("{prefix}.post_attention_layernorm"),
+            h,
+            eps,
+        )?,
+        mlp,
+    })
+}
+
+/// Loads one MoE block under `prefix` (`model.layers.{i}.mlp`).
+fn load_moe(
+    config: &DeepseekV3Config,
+    w: &WeightLoader<'_>,
+    prefix: &str,
+) -> Result<MoeLayer, ModelError> {
+    let (h, e, im) = (
+        config.hidden_size,
+        config.n_routed_experts,
+        config.moe_intermediate_size,
+    );
+    let mut moe = config.moe_layer_config()?.init(w.device())?;
+    moe.router.weight = Param::from_tensor(w.tensor(&format!("{prefix}.gate.weight"), [e, h])?);
+    let bias = w
+        .tensor(&format!("{prefix}.gate.e_score_correction_bias"), [e])?
+        .cast(DType::F32);
+    moe.router.expert_bias = Some(Param::from_tensor(bias).set_require_grad(false));
+    let (fc1, fc2) = w.experts(&format!("{prefix}.experts"), e, im, h)?;
+    moe.experts.fc1 = Param::from_tensor(fc1);
+    moe.experts.fc2 = Param::from_tensor(fc2);
+    if config.n_shared_experts > 0 {
+        let shared = w.mlp(
+            &format!("{prefix}.shared_experts"),
+            h,
+            im * config.n_shared_experts,
+        )?;
+        moe.shared_experts = Some(SharedExperts {
+            gate_proj: shared.gate_proj,
+            up_proj: shared.up_proj,
+            down_proj: shared.down_proj,
+            gate: None,
+        });
+    }
+    Ok(moe)
+}
+
+impl CausalLm for DeepseekV3ForCausalLM {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers)
+    }
+
+    fn forward_cached(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, ModelError> {
+        Ok(self.run(input_ids, Some(cache))?.logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn official_config_parameter_counts() {
+        let cfg = DeepseekV3Config::from_json_str(
+            r#"{"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}"#,
+        )
+        .unwrap();
+        let c = cfg.param_count();
+        let b = |x: u64| x as f64 / 1e9;
+        assert!((669.0..673.0).contains(&b(c.total)), "{c:?}");
+        assert!((683.0..687.0).contains(&b(c.total + c.mtp)), "{c:?}");
+        assert!((36.5..38.0).contains(&b(c.active)), "{c:?}");
+    }
+
+    #[test]
+    fn tiny_random_model_runs_and_routes_within_kept_groups() {
+        let device = Device::flex();
+        let cfg = DeepseekV3Config {
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 24,
+            moe_intermediate_size: 8,
+            num_hidden_layers: 2,
+            first_k_dense_replace: 1,
+            num_attention_heads: 2,
+            n_routed_experts: 8,
+            num_experts_per_tok: 2,
+            n_group: 4,
+            topk_group: 1,
+            q_lora_rank: None,
+            kv_lora_rank: 8,
+            qk_nope_head_dim: 4,
+            qk_rope_head_dim: 4,
+            v_head_dim: 4,
+            ..DeepseekV3Config::default()
+        };
+        let model = cfg.init(&device).unwrap();
+        let ids = Tensor::<2, Int>::from_data([[1, 2, 3, 4]], &device);
+        let out = model.forward(ids).unwrap();
+        assert_eq!(out.logits.dims(), [1, 4, 32]);
+        assert_eq!(out.routing.len(), 1);
+        let idx = out.routing[0]
+            .topk_indices
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .unwrap();
+        for row in idx.chunks(2) {
+            assert_eq!(
+                row[0] / 2,
+                row[1] / 2,
+                "one kept group of 2 experts: {row:?}"
+            );
+        }
+    }
+}

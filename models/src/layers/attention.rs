@@ -1,0 +1,285 @@
+//! Grouped-query attention with per-head QK RMSNorm (Qwen3 / Qwen3-MoE, models.md §4) and the
+//! shared causal attention core (models.md §1).
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, DType, Device, Tensor};
+
+use super::kv_cache::LayerCache;
+use super::rms_norm::{RmsNorm, RmsNormConfig};
+use super::rope::{RopeTables, apply_rotary};
+use crate::ModelError;
+use crate::weights::WeightLoader;
+
+/// Configuration of an [`Attention`] block.
+#[derive(Config, Debug)]
+pub struct AttentionConfig {
+    /// Model width `H`.
+    pub hidden_size: usize,
+    /// Query heads `nh`.
+    pub num_attention_heads: usize,
+    /// Key/value heads `nkv` (divides `nh`).
+    pub num_key_value_heads: usize,
+    /// Per-head size `hd` (may differ from `H / nh`).
+    pub head_dim: usize,
+    /// Epsilon of the QK norms.
+    #[config(default = 1e-6)]
+    pub rms_norm_eps: f64,
+    /// Biases on q/k/v/o projections.
+    #[config(default = false)]
+    pub attention_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    #[config(default = true)]
+    pub qk_norm: bool,
+}
+
+impl AttentionConfig {
+    fn check(&self) -> Result<(), ModelError> {
+        if self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
+        {
+            return Err(ModelError::invalid(
+                "num_key_value_heads",
+                format!(
+                    "{} must divide num_attention_heads = {}",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Creates the block with Burn's default initialisation (norm weights at one).
+    pub fn init(&self, device: &Device) -> Result<Attention, ModelError> {
+        self.check()?;
+        let (h, q, kv) = self.widths();
+        let linear = |i, o| {
+            LinearConfig::new(i, o)
+                .with_bias(self.attention_bias)
+                .init(device)
+        };
+        let norm = || {
+            self.qk_norm.then(|| {
+                RmsNormConfig::new(self.head_dim)
+                    .with_epsilon(self.rms_norm_eps)
+                    .init(device)
+            })
+        };
+        Ok(self.assemble(
+            [linear(h, q), linear(h, kv), linear(h, kv), linear(q, h)],
+            norm(),
+            norm(),
+        ))
+    }
+
+    /// Loads `{prefix}.{q,k,v,o}_proj` and `{prefix}.{q,k}_norm` (models.md §6).
+    pub fn load(&self, loader: &WeightLoader<'_>, prefix: &str) -> Result<Attention, ModelError> {
+        self.check()?;
+        let (h, q, kv) = self.widths();
+        let b = self.attention_bias;
+        let norm = |name: &str| -> Result<Option<RmsNorm>, ModelError> {
+            self.qk_norm
+                .then(|| {
+                    loader.rms_norm(
+                        &format!("{prefix}.{name}"),
+                        self.head_dim,
+                        self.rms_norm_eps,
+                    )
+                })
+                .transpose()
+        };
+        Ok(self.assemble(
+            [
+                loader.linear(&format!("{prefix}.q_proj"), h, q, b)?,
+                loader.linear(&format!("{prefix}.k_proj"), h, kv, b)?,
+                loader.linear(&format!("{prefix}.v_proj"), h, kv, b)?,
+                loader.linear(&format!("{prefix}.o_proj"), q, h, b)?,
+            ],
+            norm("q_norm")?,
+            norm("k_norm")?,
+        ))
+    }
+
+    fn widths(&self) -> (usize, usize, usize) {
+        (
+            self.hidden_size,
+            self.num_attention_heads * self.head_dim,
+            self.num_key_value_heads * self.head_dim,
+        )
+    }
+
+    fn assemble(
+        &self,
+        [q_proj, k_proj, v_proj, o_proj]: [Linear; 4],
+        q_norm: Option<RmsNorm>,
+        k_norm: Option<RmsNorm>,
+    ) -> Attention {
+        Attention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+            num_heads: self.num_attention_heads,
+            num_kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+/// GQA self-attention, HF `Qwen3Attention` (models.md §4): `q = q_norm(q_proj(x))`,
+/// `k = k_norm(k_proj(x))` per head, RoPE on q and k, causal softmax with `scale = hd^-0.5`.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// `H → nh·hd`.
+    pub q_proj: Linear,
+    /// `H → nkv·hd`.
+    pub k_proj: Linear,
+    /// `H → nkv·hd`.
+    pub v_proj: Linear,
+    /// `nh·hd → H`.
+    pub o_proj: Linear,
+    /// Per-head query norm `[hd]` (Qwen3).
+    pub q_norm: Option<RmsNorm>,
+    /// Per-head key norm `[hd]` (Qwen3).
+    pub k_norm: Option<RmsNorm>,
+    /// `nh`.
+    pub num_heads: usize,
+    /// `nkv`.
+    pub num_kv_heads: usize,
+    /// `hd`.
+    pub head_dim: usize,
+}
+
+impl Attention {
+    /// `x [B, S, H] → [B, S, H]` for positions `cache.seq_len()..` (0 without a cache);
+    /// `rope` holds the tables of exactly those `S` positions. New keys/values are appended to
+    /// `cache`.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        let [b, s, _] = x.dims();
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
+            let t = t.reshape([b, s, n, hd]);
+            let t = match norm {
+                Some(norm) => norm.forward(t),
+                None => t,
+            };
+            t.swap_dims(1, 2)
+        };
+        let q = heads(self.q_proj.forward(x.clone()), nh, &self.q_norm);
+        let k = heads(self.k_proj.forward(x.clone()), nkv, &self.k_norm);
+        let v = heads(self.v_proj.forward(x), nkv, &None);
+        let q = apply_rotary(q, rope);
+        let k = apply_rotary(k, rope);
+        let (offset, k, v) = match cache {
+            Some(cache) => {
+                let offset = cache.seq_len();
+                let (k, v) = cache.append(k, v);
+                (offset, k, v)
+            }
+            None => (0, k, v),
+        };
+        let out = causal_attention(q, k, v, (hd as f64).powf(-0.5), offset);
+        self.o_proj
+            .forward(out.swap_dims(1, 2).reshape([b, s, nh * hd]))
+    }
+}
+
+/// `[B, nkv, S, d] → [B, nkv·rep, S, d]`, kv head `j` serving query heads `j·rep..(j+1)·rep`.
+pub fn repeat_kv(x: Tensor<4>, rep: usize) -> Tensor<4> {
+    if rep == 1 {
+        return x;
+    }
+    let [b, n, s, d] = x.dims();
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, n, rep, s, d])
+        .reshape([b, n * rep, s, d])
+}
+
+/// Causal attention core (models.md §1): `softmax(q·kᵀ·scale + mask)` in f32, cast to q's
+/// dtype, `· v`.
+///
+/// `q [B, nh, S, d]`, `k [B, nkv, Sk, d]`, `v [B, nkv, Sk, dv]` with `nkv | nh` (GQA); query `i`
+/// sits at absolute position `offset + i` and sees keys `0..=offset + i`. Returns
+/// `[B, nh, S, dv]`.
+pub fn causal_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    scale: f64,
+    offset: usize,
+) -> Tensor<4> {
+    let [b, nh, s, _] = q.dims();
+    let [_, nkv, sk, _] = k.dims();
+    let rep = nh / nkv;
+    let k = repeat_kv(k, rep);
+    let v = repeat_kv(v, rep);
+    let dtype = q.dtype();
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    let mask = Tensor::<2, Bool>::tril_mask([s, sk], offset as i64, &scores.device())
+        .unsqueeze::<4>()
+        .expand([b, nh, s, sk]);
+    let scores = scores.cast(DType::F32).mask_fill(mask, f32::NEG_INFINITY);
+    softmax(scores, 3).cast(dtype).matmul(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Distribution, Tolerance};
+
+    use super::*;
+    use crate::config::RopeParameters;
+    use crate::layers::kv_cache::LayerCache;
+    use crate::layers::rope::RotaryEmbedding;
+
+    #[test]
+    fn incremental_decoding_with_a_cache_matches_the_full_forward() {
+        let device = Device::flex();
+        let attn = AttentionConfig::new(16, 4, 2, 8).init(&device).unwrap();
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let x = Tensor::<3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let full = attn.forward(x.clone(), &rope.tables(0, 5, &device), None);
+
+        let mut cache = LayerCache::default();
+        let head = attn.forward(
+            x.clone().narrow(1, 0, 3),
+            &rope.tables(0, 3, &device),
+            Some(&mut cache),
+        );
+        let mut parts = vec![head];
+        for pos in 3..5 {
+            parts.push(attn.forward(
+                x.clone().narrow(1, pos, 1),
+                &rope.tables(pos, 1, &device),
+                Some(&mut cache),
+            ));
+        }
+        Tensor::cat(parts, 1)
+            .into_data()
+            .assert_approx_eq::<f32>(&full.into_data(), Tolerance::rel_abs(1e-5, 1e-5));
+    }
+
+    #[test]
+    fn first_position_attends_only_to_itself() {
+        // With one key visible, the output of position 0 is v_0 (softmax of one score is 1).
+        let device = Device::flex();
+        let q = Tensor::<4>::random([1, 2, 3, 4], Distribution::Default, &device);
+        let k = Tensor::<4>::random([1, 1, 3, 4], Distribution::Default, &device);
+        let v = Tensor::<4>::random([1, 1, 3, 4], Distribution::Default, &device);
+        let out = causal_attention(q, k, v.clone(), 0.5, 0);
+        let first = out.narrow(2, 0, 1).narrow(1, 1, 1);
+        first
+            .into_data()
+            .assert_approx_eq::<f32>(&v.narrow(2, 0, 1).into_data(), Tolerance::default());
+    }
+}

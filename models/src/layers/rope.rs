@@ -1,0 +1,249 @@
+//! Rotary position embeddings: default and YaRN frequencies, rotate-half and interleaved layouts
+//! (models.md §3.3, §4).
+
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::ModelError;
+use crate::config::{RopeParameters, RopeScaling, YarnParameters};
+
+/// `get_mscale(s, m) = 1` if `s ≤ 1`, else `0.1·m·ln s + 1` (HF `yarn_get_mscale`).
+pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+/// Inverse frequencies and attention factor of one RoPE configuration (HF's
+/// `*RotaryEmbedding` buffers). Holds no parameters; the cos/sin tables are built per call.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    /// `[dim / 2]` inverse frequencies, computed in f32 as HF does.
+    inv_freq: Vec<f32>,
+    /// Multiplies cos and sin (1 for default RoPE; YaRN's `attention_factor`).
+    attention_factor: f64,
+}
+
+impl RotaryEmbedding {
+    /// Frequencies for rotary dimension `dim` (even) under `params`.
+    pub fn new(params: &RopeParameters, dim: usize) -> Result<Self, ModelError> {
+        if dim == 0 || !dim.is_multiple_of(2) {
+            return Err(ModelError::invalid(
+                "head_dim",
+                format!("the rotary dimension must be even and positive, got {dim}"),
+            ));
+        }
+        let theta = params.rope_theta;
+        // HF: `base ** (arange(0, dim, 2).float() / dim)` in f32.
+        let pos_freqs: Vec<f32> = (0..dim / 2)
+            .map(|j| (theta as f32).powf((2 * j) as f32 / dim as f32))
+            .collect();
+        match &params.scaling {
+            RopeScaling::Default => Ok(Self {
+                inv_freq: pos_freqs.iter().map(|p| 1.0 / p).collect(),
+                attention_factor: 1.0,
+            }),
+            RopeScaling::Yarn(y) => Ok(Self::yarn(y, theta, dim, &pos_freqs)),
+        }
+    }
+
+    /// HF `_compute_yarn_parameters` (models.md §3.3).
+    fn yarn(y: &YarnParameters, theta: f64, dim: usize, pos_freqs: &[f32]) -> Self {
+        let factor = y.factor;
+        let corr = |rotations: f64| {
+            dim as f64
+                * (y.original_max_position_embeddings as f64
+                    / (rotations * 2.0 * std::f64::consts::PI))
+                    .ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (corr(y.beta_fast), corr(y.beta_slow));
+        if y.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let low = low.max(0.0);
+        let mut high = high.min((dim - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let inv_freq = pos_freqs
+            .iter()
+            .enumerate()
+            .map(|(j, &p)| {
+                let extra = 1.0 / p;
+                let inter = 1.0 / (factor as f32 * p);
+                let ramp = ((j as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                let extra_factor = 1.0 - ramp;
+                inter * (1.0 - extra_factor) + extra * extra_factor
+            })
+            .collect();
+        let attention_factor =
+            y.attention_factor
+                .unwrap_or_else(|| match (y.mscale, y.mscale_all_dim) {
+                    (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                        yarn_get_mscale(factor, m) / yarn_get_mscale(factor, a)
+                    }
+                    _ => yarn_get_mscale(factor, 1.0),
+                });
+        Self {
+            inv_freq,
+            attention_factor,
+        }
+    }
+
+    /// The `[dim / 2]` inverse frequencies.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// The factor applied to cos and sin.
+    pub fn attention_factor(&self) -> f64 {
+        self.attention_factor
+    }
+
+    /// cos/sin tables `[len, dim]` (`cat(freqs, freqs)`) for positions `offset..offset + len`.
+    pub fn tables(&self, offset: usize, len: usize, device: &Device) -> RopeTables {
+        let half = self.inv_freq.len();
+        let dim = 2 * half;
+        let scale = self.attention_factor as f32;
+        let mut cos = Vec::with_capacity(len * dim);
+        let mut sin = Vec::with_capacity(len * dim);
+        for pos in offset..offset + len {
+            let angles: Vec<f32> = self.inv_freq.iter().map(|f| pos as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| a.cos() * scale));
+                sin.extend(angles.iter().map(|a| a.sin() * scale));
+            }
+        }
+        RopeTables {
+            cos: Tensor::from_data(TensorData::new(cos, [len, dim]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [len, dim]), device),
+        }
+    }
+}
+
+/// cos and sin tables for a run of positions, each `[S, dim]`.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    /// `cos(cat(freqs, freqs)) · attention_factor`.
+    pub cos: Tensor<2>,
+    /// `sin(cat(freqs, freqs)) · attention_factor`.
+    pub sin: Tensor<2>,
+}
+
+/// `cat(−x[..., d/2:], x[..., :d/2])` on the last dimension.
+fn rotate_half(x: Tensor<4>) -> Tensor<4> {
+    let d = x.dims()[3];
+    let x1 = x.clone().narrow(3, 0, d / 2);
+    let x2 = x.narrow(3, d / 2, d / 2);
+    Tensor::cat(vec![x2.neg(), x1], 3)
+}
+
+/// Rotate-half RoPE of `x [B, heads, S, dim]`: `x·cos + rotate_half(x)·sin`.
+pub fn apply_rotary(x: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
+    let dtype = x.dtype();
+    let cos = tables.cos.clone().cast(dtype).unsqueeze::<4>();
+    let sin = tables.sin.clone().cast(dtype).unsqueeze::<4>();
+    x.clone() * cos + rotate_half(x) * sin
+}
+
+/// RoPE for checkpoints that store rotary dims as interleaved pairs (`rope_interleave`,
+/// models.md §3.3): de-interleave `[x0, x1, x2, …] → [x0, x2, …, x1, x3, …]`, then
+/// [`apply_rotary`]. The output stays de-interleaved; q and k must both go through it.
+pub fn apply_rotary_interleaved(x: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
+    let [b, h, s, d] = x.dims();
+    let deinterleaved = x
+        .reshape([b, h, s, d / 2, 2])
+        .swap_dims(3, 4)
+        .reshape([b, h, s, d]);
+    apply_rotary(deinterleaved, tables)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{RopeParameters, RopeScaling, YarnParameters};
+
+    fn yarn(dim: usize, factor: f64, orig: usize) -> RotaryEmbedding {
+        let params = RopeParameters {
+            rope_theta: 10000.0,
+            scaling: RopeScaling::Yarn(YarnParameters {
+                factor,
+                original_max_position_embeddings: orig,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: Some(1.0),
+                mscale_all_dim: Some(1.0),
+                attention_factor: None,
+                truncate: true,
+            }),
+        };
+        RotaryEmbedding::new(&params, dim).unwrap()
+    }
+
+    #[test]
+    fn yarn_matches_the_spec_goldens() {
+        // models.md §3.3: official DeepSeek-V3 (dim 64, factor 40, orig 4096).
+        let r = yarn(64, 40.0, 4096);
+        let f = r.inv_freq();
+        for (got, want) in f[..3].iter().zip([1.0, 0.7498942, 0.5623413]) {
+            assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        }
+        assert!(
+            (f[31] - 3.3338036e-6).abs() / 3.3338036e-6 < 1e-5,
+            "{}",
+            f[31]
+        );
+        assert_eq!(r.attention_factor(), 1.0);
+        // Tiny fixture (dim 8, factor 4, orig 128).
+        let r = yarn(8, 4.0, 128);
+        for (got, want) in r.inv_freq().iter().zip([1.0, 0.0625, 0.0025, 0.00025]) {
+            assert!((got - want).abs() / want < 1e-6, "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn interleaved_and_rotate_half_give_equal_dot_products() {
+        // models.md §7.4: q·k is layout independent when q and k use the same layout.
+        let device = Device::flex();
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let tables = rope.tables(3, 4, &device);
+        let q = Tensor::<4>::random([1, 1, 4, 8], burn::tensor::Distribution::Default, &device);
+        let k = Tensor::<4>::random([1, 1, 4, 8], burn::tensor::Distribution::Default, &device);
+        let dots = |q: Tensor<4>, k: Tensor<4>| q.matmul(k.swap_dims(2, 3));
+        let interleaved = dots(
+            apply_rotary_interleaved(q.clone(), &tables),
+            apply_rotary_interleaved(k.clone(), &tables),
+        );
+        // The same vectors stored de-interleaved, rotated with rotate_half.
+        let perm = |x: Tensor<4>| {
+            x.reshape([1, 1, 4, 4, 2])
+                .swap_dims(3, 4)
+                .reshape([1, 1, 4, 8])
+        };
+        let plain = dots(
+            apply_rotary(perm(q), &tables),
+            apply_rotary(perm(k), &tables),
+        );
+        interleaved
+            .into_data()
+            .assert_approx_eq::<f32>(&plain.into_data(), burn::tensor::Tolerance::default());
+    }
+
+    #[test]
+    fn relative_positions_only() {
+        // RoPE dot products depend on the position difference only.
+        let device = Device::flex();
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 16).unwrap();
+        let q = Tensor::<4>::random([1, 1, 1, 16], burn::tensor::Distribution::Default, &device);
+        let k = Tensor::<4>::random([1, 1, 1, 16], burn::tensor::Distribution::Default, &device);
+        let dot = |pq: usize, pk: usize| {
+            let q = apply_rotary(q.clone(), &rope.tables(pq, 1, &device));
+            let k = apply_rotary(k.clone(), &rope.tables(pk, 1, &device));
+            (q * k).sum().into_scalar::<f32>()
+        };
+        assert!((dot(5, 2) - dot(13, 10)).abs() < 1e-4);
+    }
+}

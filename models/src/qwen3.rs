@@ -1,0 +1,286 @@
+//! Dense Qwen3, read beside HF transformers 5.23 `models/qwen3/modeling_qwen3.py`
+//! (models.md §1, §4).
+//!
+//! `embed_tokens → [input_layernorm → Attention (QK-norm, RoPE, GQA) → residual →
+//! post_attention_layernorm → SwiGLU MLP → residual] × L → norm → lm_head` (tied to
+//! `embed_tokens` when `tie_word_embeddings`). Module paths mirror the HF tensor names
+//! (`model.layers.{i}.self_attn.q_proj`, …).
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor};
+
+use crate::ModelError;
+use crate::causal_lm::{CausalLm, lm_logits};
+use crate::config::Qwen3Config;
+use crate::layers::kv_cache::{KvCache, LayerCache};
+use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::weights::{WeightLoader, WeightSource};
+
+impl Qwen3Config {
+    /// The attention block of every layer.
+    pub fn attention_config(&self) -> AttentionConfig {
+        AttentionConfig::new(
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        )
+        .with_rms_norm_eps(self.rms_norm_eps)
+        .with_attention_bias(self.attention_bias)
+        .with_qk_norm(true)
+    }
+
+    /// A randomly initialised model (Burn's default initialisers, norms at one).
+    pub fn init(&self, device: &Device) -> Result<Qwen3ForCausalLM, ModelError> {
+        self.validate()?;
+        let (h, eps) = (self.hidden_size, self.rms_norm_eps);
+        let norm = || RmsNormConfig::new(h).with_epsilon(eps).init(device);
+        let layers = (0..self.num_hidden_layers)
+            .map(|_| {
+                Ok(Qwen3DecoderLayer {
+                    input_layernorm: norm(),
+                    self_attn: self.attention_config().init(device)?,
+                    post_attention_layernorm: norm(),
+                    mlp: MlpConfig::new(h, self.intermediate_size).init(device),
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Qwen3ForCausalLM {
+            model: Qwen3Model {
+                embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
+                layers,
+                norm: norm(),
+            },
+            lm_head: (!self.tie_word_embeddings).then(|| {
+                LinearConfig::new(h, self.vocab_size)
+                    .with_bias(false)
+                    .init(device)
+            }),
+            rope: RotaryEmbedding::new(&self.rope_parameters, self.head_dim)?,
+            config: self.clone(),
+        })
+    }
+}
+
+/// One pre-norm decoder layer (HF `Qwen3DecoderLayer`).
+#[derive(Module, Debug)]
+pub struct Qwen3DecoderLayer {
+    /// Norm before attention `[H]`.
+    pub input_layernorm: RmsNorm,
+    /// Self-attention.
+    pub self_attn: Attention,
+    /// Norm before the MLP `[H]`.
+    pub post_attention_layernorm: RmsNorm,
+    /// SwiGLU MLP of width `intermediate_size`.
+    pub mlp: Mlp,
+}
+
+impl Qwen3DecoderLayer {
+    /// `h = x + Attn(norm(x))`; `out = h + MLP(norm(h))`, `x [B, S, H]`.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), rope, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    }
+}
+
+/// The decoder stack (HF `Qwen3Model`).
+#[derive(Module, Debug)]
+pub struct Qwen3Model {
+    /// Token embedding `[V, H]`.
+    pub embed_tokens: Embedding,
+    /// Decoder layers.
+    pub layers: Vec<Qwen3DecoderLayer>,
+    /// Final norm `[H]`.
+    pub norm: RmsNorm,
+}
+
+/// Dense Qwen3 causal language model (HF `Qwen3ForCausalLM`).
+#[derive(Module, Debug)]
+pub struct Qwen3ForCausalLM {
+    /// The decoder stack.
+    pub model: Qwen3Model,
+    /// Output projection `H → V`; `None` when tied to `model.embed_tokens`.
+    pub lm_head: Option<Linear>,
+    #[module(skip)]
+    rope: RotaryEmbedding,
+    #[module(skip)]
+    config: Qwen3Config,
+}
+
+impl Qwen3ForCausalLM {
+    /// Loads every tensor by its HF name (models.md §6) from `source`; shapes are checked and
+    /// errors name the tensor. `lm_head.weight` is read only when embeddings are untied.
+    pub fn from_weights(
+        config: &Qwen3Config,
+        source: &dyn WeightSource,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let w = WeightLoader::new(source, device);
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                Ok(Qwen3DecoderLayer {
+                    input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
+                    self_attn: config
+                        .attention_config()
+                        .load(&w, &format!("{p}.self_attn"))?,
+                    post_attention_layernorm: w.rms_norm(
+                        &format!("{p}.post_attention_layernorm"),
+                        h,
+                        eps,
+                    )?,
+                    mlp: w.mlp(&format!("{p}.mlp"), h, config.intermediate_size)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Self {
+            model: Qwen3Model {
+                embed_tokens: w.embedding("model.embed_tokens.weight", config.vocab_size, h)?,
+                layers,
+                norm: w.rms_norm("model.norm", h, eps)?,
+            },
+            lm_head: if config.tie_word_embeddings {
+                None
+            } else {
+                Some(w.linear("lm_head", h, config.vocab_size, false)?)
+            },
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
+            config: config.clone(),
+        })
+    }
+
+    /// The configuration the model was built from.
+    pub fn config(&self) -> &Qwen3Config {
+        &self.config
+    }
+
+    /// Logits `[B, S, V]` of `input_ids [B, S]` (positions `0..S`, no cache).
+    pub fn forward(&self, input_ids: Tensor<2, Int>) -> Tensor<3> {
+        self.run(input_ids, None)
+    }
+
+    fn run(&self, input_ids: Tensor<2, Int>, mut cache: Option<&mut KvCache>) -> Tensor<3> {
+        let [_, s] = input_ids.dims();
+        let offset = cache.as_ref().map_or(0, |c| c.seq_len());
+        let rope = self.rope.tables(offset, s, &input_ids.device());
+        let mut x = self.model.embed_tokens.forward(input_ids);
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
+            x = layer.forward(x, &rope, layer_cache);
+        }
+        lm_logits(
+            self.model.norm.forward(x),
+            self.lm_head.as_ref(),
+            &self.model.embed_tokens,
+        )
+    }
+}
+
+impl CausalLm for Qwen3ForCausalLM {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers)
+    }
+
+    fn forward_cached(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, ModelError> {
+        Ok(self.run(input_ids, Some(cache)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Tolerance;
+
+    use super::*;
+
+    fn tiny() -> Qwen3Config {
+        Qwen3Config {
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            tie_word_embeddings: true,
+            ..Qwen3Config::default()
+        }
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_greedy_matches_argmax() {
+        use crate::causal_lm::{GenerationConfig, Sampling, generate};
+        let device = Device::flex();
+        let model = tiny().init(&device).unwrap();
+        let sampled = |seed| {
+            let cfg = GenerationConfig {
+                max_new_tokens: 6,
+                sampling: Sampling::Sample {
+                    temperature: 2.0,
+                    top_k: Some(10),
+                    seed,
+                },
+                eos_token_ids: Vec::new(),
+            };
+            generate(&model, &[3, 1, 4], &cfg, &device).unwrap()
+        };
+        assert_eq!(sampled(11), sampled(11));
+        assert_eq!(sampled(11).len(), 6);
+        // The first greedy token is the argmax of the full forward's last position.
+        let greedy = generate(&model, &[3, 1, 4], &GenerationConfig::greedy(1), &device).unwrap();
+        let logits = model.forward(Tensor::<2, Int>::from_data([[3, 1, 4]], &device));
+        let last = logits
+            .narrow(1, 2, 1)
+            .reshape([32])
+            .argmax(0)
+            .into_scalar::<i64>();
+        assert_eq!(greedy, [last as usize]);
+        // An end-of-sequence token stops generation (and is returned).
+        let cfg = GenerationConfig {
+            eos_token_ids: greedy.clone(),
+            ..GenerationConfig::greedy(5)
+        };
+        assert_eq!(generate(&model, &[3, 1, 4], &cfg, &device).unwrap(), greedy);
+        assert!(generate(&model, &[], &GenerationConfig::greedy(1), &device).is_err());
+        assert!(generate(&model, &[99], &GenerationConfig::greedy(1), &device).is_err());
+    }
+
+    #[test]
+    fn tied_head_and_cached_decoding_match_the_full_forward() {
+        let device = Device::flex();
+        let model = tiny().init(&device).unwrap();
+        assert!(model.lm_head.is_none());
+        let ids = Tensor::<2, Int>::from_data([[1, 5, 7, 2, 9]], &device);
+        let full = model.forward(ids.clone());
+        assert_eq!(full.dims(), [1, 5, 32]);
+        let mut cache = model.new_cache();
+        let a = model
+            .forward_cached(ids.clone().narrow(1, 0, 3), &mut cache)
+            .unwrap();
+        let b = model
+            .forward_cached(ids.narrow(1, 3, 2), &mut cache)
+            .unwrap();
+        Tensor::cat(vec![a, b], 1)
+            .into_data()
+            .assert_approx_eq::<f32>(&full.into_data(), Tolerance::rel_abs(1e-4, 1e-5));
+    }
+}

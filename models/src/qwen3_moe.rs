@@ -1,0 +1,430 @@
+//! Qwen3-MoE, read beside HF transformers 5.23 `models/qwen3_moe/modeling_qwen3_moe.py`
+//! (models.md §4, §5).
+//!
+//! The decoder is Qwen3's (QK-norm GQA attention, pre-norm residuals); layer `i` uses the
+//! sparse MoE block iff `i ∉ mlp_only_layers ∧ E > 0 ∧ (i+1) % decoder_sparse_step == 0`,
+//! otherwise a dense SwiGLU MLP of `intermediate_size`. The MoE block is moe-backend's
+//! [`MoeLayer`]: softmax router over all experts, top-k, renormalised when `norm_topk_prob`
+//! (post-softmax routing, equal to HF's softmax → top-k → divide up to rounding), no shared
+//! expert, no scaling factor.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor};
+use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use moe_backend::router::{RouteOptions, ScoreFunction, TopKRouterConfig};
+
+use crate::ModelError;
+use crate::causal_lm::{CausalLm, hf_load_balancing_loss, lm_logits};
+use crate::config::Qwen3MoeConfig;
+use crate::layers::kv_cache::{KvCache, LayerCache};
+use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::weights::{WeightLoader, WeightSource};
+
+impl Qwen3MoeConfig {
+    /// The attention block of every layer.
+    pub fn attention_config(&self) -> AttentionConfig {
+        AttentionConfig::new(
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        )
+        .with_rms_norm_eps(self.rms_norm_eps)
+        .with_attention_bias(self.attention_bias)
+        .with_qk_norm(true)
+    }
+
+    /// The moe-backend layer of a sparse block (models.md §5.2): softmax scores, pre-softmax
+    /// (plain top-k of the probabilities) without `norm_topk_prob`, post-softmax (top-k then
+    /// softmax over the k, i.e. renormalised) with it; f32 router.
+    pub fn moe_layer_config(&self) -> Result<MoeLayerConfig, ModelError> {
+        if self.norm_topk_prob && self.num_experts_per_tok == 1 {
+            return Err(ModelError::invalid(
+                "norm_topk_prob",
+                "renormalising a single routed expert (num_experts_per_tok = 1) gives a \
+                 constant weight of 1 and is not supported",
+            ));
+        }
+        let router =
+            TopKRouterConfig::new(self.hidden_size, self.num_experts, self.num_experts_per_tok)
+                .with_score_function(ScoreFunction::Softmax)
+                .with_pre_softmax(!self.norm_topk_prob);
+        Ok(MoeLayerConfig::new(router, self.moe_intermediate_size))
+    }
+
+    /// A randomly initialised model (Burn's default initialisers, norms at one).
+    pub fn init(&self, device: &Device) -> Result<Qwen3MoeForCausalLM, ModelError> {
+        self.validate()?;
+        let (h, eps) = (self.hidden_size, self.rms_norm_eps);
+        let norm = || RmsNormConfig::new(h).with_epsilon(eps).init(device);
+        let layers = (0..self.num_hidden_layers)
+            .map(|i| {
+                let mlp = if self.is_moe_layer(i) {
+                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
+                        moe: self.moe_layer_config()?.init(device)?,
+                    })
+                } else {
+                    Qwen3MoeFeedForward::Dense(
+                        MlpConfig::new(h, self.intermediate_size).init(device),
+                    )
+                };
+                Ok(Qwen3MoeDecoderLayer {
+                    input_layernorm: norm(),
+                    self_attn: self.attention_config().init(device)?,
+                    post_attention_layernorm: norm(),
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Qwen3MoeForCausalLM {
+            model: Qwen3MoeModel {
+                embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
+                layers,
+                norm: norm(),
+            },
+            lm_head: (!self.tie_word_embeddings).then(|| {
+                LinearConfig::new(h, self.vocab_size)
+                    .with_bias(false)
+                    .init(device)
+            }),
+            rope: RotaryEmbedding::new(&self.rope_parameters, self.head_dim)?,
+            config: self.clone(),
+        })
+    }
+}
+
+/// HF `Qwen3MoeSparseMoeBlock`: `gate` (router `[E, H]`) + `experts` (stacked SwiGLU).
+#[derive(Module, Debug)]
+pub struct Qwen3MoeSparseMoeBlock {
+    /// Router (`mlp.gate.weight`) and experts (`mlp.experts.*`, `fc1 = gate_up_proj`,
+    /// `fc2 = down_proj`).
+    pub moe: MoeLayer,
+}
+
+impl Qwen3MoeSparseMoeBlock {
+    /// `x [B, S, H] → ([B, S, H], router logits [B·S, E])`.
+    pub fn forward(&self, x: Tensor<3>) -> Result<(Tensor<3>, Tensor<2>), ModelError> {
+        let [b, s, h] = x.dims();
+        let state = self.moe.router.init_state();
+        let out = self
+            .moe
+            .forward(x.reshape([b * s, h]), &state, &RouteOptions::default())?;
+        Ok((out.output.reshape([b, s, h]), out.routing.logits))
+    }
+}
+
+/// The feed-forward part of a decoder layer.
+// One value per layer: the size difference between variants is immaterial, and boxing would
+// hide the module from Burn's derive.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Qwen3MoeFeedForward {
+    /// Dense SwiGLU MLP (`mlp_only_layers`, or off the sparse step).
+    Dense(Mlp),
+    /// Sparse MoE block.
+    Sparse(Qwen3MoeSparseMoeBlock),
+}
+
+/// One pre-norm decoder layer (HF `Qwen3MoeDecoderLayer`).
+#[derive(Module, Debug)]
+pub struct Qwen3MoeDecoderLayer {
+    /// Norm before attention `[H]`.
+    pub input_layernorm: RmsNorm,
+    /// Self-attention.
+    pub self_attn: Attention,
+    /// Norm before the feed-forward block `[H]`.
+    pub post_attention_layernorm: RmsNorm,
+    /// Dense MLP or sparse MoE block.
+    pub mlp: Qwen3MoeFeedForward,
+}
+
+impl Qwen3MoeDecoderLayer {
+    /// `x [B, S, H] → ([B, S, H], router logits of a sparse layer)`.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        cache: Option<&mut LayerCache>,
+    ) -> Result<(Tensor<3>, Option<Tensor<2>>), ModelError> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), rope, cache);
+        let normed = self.post_attention_layernorm.forward(h.clone());
+        let (y, logits) = match &self.mlp {
+            Qwen3MoeFeedForward::Dense(mlp) => (mlp.forward(normed), None),
+            Qwen3MoeFeedForward::Sparse(block) => {
+                let (y, logits) = block.forward(normed)?;
+                (y, Some(logits))
+            }
+        };
+        Ok((h + y, logits))
+    }
+}
+
+/// The decoder stack (HF `Qwen3MoeModel`).
+#[derive(Module, Debug)]
+pub struct Qwen3MoeModel {
+    /// Token embedding `[V, H]`.
+    pub embed_tokens: Embedding,
+    /// Decoder layers.
+    pub layers: Vec<Qwen3MoeDecoderLayer>,
+    /// Final norm `[H]`.
+    pub norm: RmsNorm,
+}
+
+/// Output of [`Qwen3MoeForCausalLM::forward`].
+#[derive(Debug, Clone)]
+pub struct Qwen3MoeOutput {
+    /// `[B, S, V]` logits.
+    pub logits: Tensor<3>,
+    /// Router logits `[B·S, E]` of every sparse layer, in layer order (rows `b·S + s`).
+    pub router_logits: Vec<Tensor<2>>,
+}
+
+/// Losses of a labelled forward (models.md §5.3).
+#[derive(Debug, Clone)]
+pub struct Qwen3MoeLoss {
+    /// `ce + router_aux_loss_coef · aux_loss`, `[1]`.
+    pub loss: Tensor<1>,
+    /// Causal-LM cross-entropy, `[1]`.
+    pub ce_loss: Tensor<1>,
+    /// HF `load_balancing_loss_func` over all sparse layers, `[1]`.
+    pub aux_loss: Tensor<1>,
+}
+
+/// Qwen3-MoE causal language model (HF `Qwen3MoeForCausalLM`).
+#[derive(Module, Debug)]
+pub struct Qwen3MoeForCausalLM {
+    /// The decoder stack.
+    pub model: Qwen3MoeModel,
+    /// Output projection `H → V`; `None` when tied to `model.embed_tokens`.
+    pub lm_head: Option<Linear>,
+    #[module(skip)]
+    rope: RotaryEmbedding,
+    #[module(skip)]
+    config: Qwen3MoeConfig,
+}
+
+impl Qwen3MoeForCausalLM {
+    /// Loads every tensor by its HF name (models.md §6). Experts may be stored per expert or
+    /// stacked (`mlp.experts.gate_up_proj` / `down_proj`), not mixed; shapes are checked and
+    /// errors name the tensor.
+    pub fn from_weights(
+        config: &Qwen3MoeConfig,
+        source: &dyn WeightSource,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let w = WeightLoader::new(source, device);
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let mlp = if config.is_moe_layer(i) {
+                    let mut moe = config.moe_layer_config()?.init(device)?;
+                    moe.router.weight = Param::from_tensor(
+                        w.tensor(&format!("{p}.mlp.gate.weight"), [config.num_experts, h])?,
+                    );
+                    let (fc1, fc2) = w.experts(
+                        &format!("{p}.mlp.experts"),
+                        config.num_experts,
+                        config.moe_intermediate_size,
+                        h,
+                    )?;
+                    moe.experts.fc1 = Param::from_tensor(fc1);
+                    moe.experts.fc2 = Param::from_tensor(fc2);
+                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock { moe })
+                } else {
+                    Qwen3MoeFeedForward::Dense(w.mlp(
+                        &format!("{p}.mlp"),
+                        h,
+                        config.intermediate_size,
+                    )?)
+                };
+                Ok(Qwen3MoeDecoderLayer {
+                    input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
+                    self_attn: config
+                        .attention_config()
+                        .load(&w, &format!("{p}.self_attn"))?,
+                    post_attention_layernorm: w.rms_norm(
+                        &format!("{p}.post_attention_layernorm"),
+                        h,
+                        eps,
+                    )?,
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(Self {
+            model: Qwen3MoeModel {
+                embed_tokens: w.embedding("model.embed_tokens.weight", config.vocab_size, h)?,
+                layers,
+                norm: w.rms_norm("model.norm", h, eps)?,
+            },
+            lm_head: if config.tie_word_embeddings {
+                None
+            } else {
+                Some(w.linear("lm_head", h, config.vocab_size, false)?)
+            },
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
+            config: config.clone(),
+        })
+    }
+
+    /// The configuration the model was built from.
+    pub fn config(&self) -> &Qwen3MoeConfig {
+        &self.config
+    }
+
+    /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).
+    pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<Qwen3MoeOutput, ModelError> {
+        self.run(input_ids, None)
+    }
+
+    /// HF's labelled forward with `output_router_logits=True`: cross-entropy of `labels`
+    /// (`[B, S]` host values, −100 ignored) plus `router_aux_loss_coef` × the load-balancing
+    /// loss, with `attention_mask` (`[B, S]` host values, 1 = token) applied to the aux loss
+    /// only (models.md §5.3).
+    pub fn loss(
+        &self,
+        output: &Qwen3MoeOutput,
+        labels: &[i64],
+        attention_mask: Option<&[f32]>,
+    ) -> Result<Qwen3MoeLoss, ModelError> {
+        let ce_loss = crate::causal_lm::causal_lm_loss(output.logits.clone(), labels)?;
+        let aux_loss = hf_load_balancing_loss(
+            &output.router_logits,
+            self.config.num_experts_per_tok,
+            attention_mask,
+        )?;
+        let loss = ce_loss.clone()
+            + aux_loss
+                .clone()
+                .mul_scalar(self.config.router_aux_loss_coef);
+        Ok(Qwen3MoeLoss {
+            loss,
+            ce_loss,
+            aux_loss,
+        })
+    }
+
+    fn run(
+        &self,
+        input_ids: Tensor<2, Int>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Qwen3MoeOutput, ModelError> {
+        let [_, s] = input_ids.dims();
+        let offset = cache.as_ref().map_or(0, |c| c.seq_len());
+        let rope = self.rope.tables(offset, s, &input_ids.device());
+        let mut x = self.model.embed_tokens.forward(input_ids);
+        let mut router_logits = Vec::new();
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
+            let (y, logits) = layer.forward(x, &rope, layer_cache)?;
+            x = y;
+            router_logits.extend(logits);
+        }
+        let logits = lm_logits(
+            self.model.norm.forward(x),
+            self.lm_head.as_ref(),
+            &self.model.embed_tokens,
+        );
+        Ok(Qwen3MoeOutput {
+            logits,
+            router_logits,
+        })
+    }
+}
+
+impl CausalLm for Qwen3MoeForCausalLM {
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers)
+    }
+
+    fn forward_cached(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, ModelError> {
+        Ok(self.run(input_ids, Some(cache))?.logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Qwen3MoeConfig {
+        Qwen3MoeConfig {
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 24,
+            moe_intermediate_size: 8,
+            num_hidden_layers: 3,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            norm_topk_prob: true,
+            mlp_only_layers: vec![0],
+            ..Qwen3MoeConfig::default()
+        }
+    }
+
+    #[test]
+    fn layer_types_follow_the_config_and_router_logits_are_returned() {
+        let device = Device::flex();
+        let model = tiny().init(&device).unwrap();
+        let kinds: Vec<bool> = model
+            .model
+            .layers
+            .iter()
+            .map(|l| matches!(l.mlp, Qwen3MoeFeedForward::Sparse(_)))
+            .collect();
+        assert_eq!(kinds, [false, true, true]);
+        let ids = Tensor::<2, Int>::from_data([[1, 2, 3], [4, 5, 6]], &device);
+        let out = model.forward(ids).unwrap();
+        assert_eq!(out.logits.dims(), [2, 3, 32]);
+        assert_eq!(out.router_logits.len(), 2);
+        assert_eq!(out.router_logits[0].dims(), [6, 4]);
+        let losses = model.loss(&out, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        assert!(losses.loss.into_scalar::<f32>().is_finite());
+    }
+
+    #[test]
+    fn loss_gradients_reach_router_experts_and_embeddings() {
+        let device = Device::flex().autodiff();
+        let model = tiny().init(&device).unwrap();
+        let ids = Tensor::<2, Int>::from_data([[1, 2, 3, 4], [5, 6, 7, 8]], &device);
+        let out = model.forward(ids).unwrap();
+        let losses = model.loss(&out, &[1, 2, 3, 4, 5, 6, 7, 8], None).unwrap();
+        let grads = losses.loss.backward();
+        let Qwen3MoeFeedForward::Sparse(block) = &model.model.layers[1].mlp else {
+            panic!("layer 1 is sparse");
+        };
+        assert!(block.moe.router.weight.grad(&grads).is_some(), "router");
+        assert!(block.moe.experts.fc1.grad(&grads).is_some(), "experts fc1");
+        assert!(
+            model.model.embed_tokens.weight.grad(&grads).is_some(),
+            "embedding"
+        );
+    }
+
+    #[test]
+    fn single_expert_renormalisation_is_rejected() {
+        let cfg = Qwen3MoeConfig {
+            num_experts_per_tok: 1,
+            ..tiny()
+        };
+        let err = cfg.init(&Device::flex()).unwrap_err().to_string();
+        assert!(err.contains("norm_topk_prob"), "{err}");
+    }
+}
