@@ -25,7 +25,9 @@ pub struct ParallelLayout {
     pub pp: usize,
     /// Expert parallelism.
     pub ep: usize,
-    /// Expert tensor parallelism (defaults to `tp`).
+    /// Expert tensor parallelism (defaults to 1, as every omitted size; checkpoints.md §10's
+    /// `world=4,tp=2,ep=4` = experts EP4 × EDP1 needs that, although parallelism.md §1 says
+    /// Megatron defaults it to `tp`).
     pub etp: usize,
     /// Dense data parallelism (derived).
     pub dp: usize,
@@ -35,9 +37,11 @@ pub struct ParallelLayout {
     pub order: String,
 }
 
-/// Degrees given by the user; `None` means "default" (1, or `tp` for `etp`).
+/// Degrees given by the user; `None` means "default" (1).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LayoutSpec {
+    /// Number of ranks (`None`: the smallest world both grids tile, see [`ParallelLayout::from_spec`]).
+    pub world: Option<usize>,
     /// Dense tensor parallelism.
     pub tp: Option<usize>,
     /// Context parallelism.
@@ -59,7 +63,8 @@ pub struct LayoutSpec {
 impl FromStr for LayoutSpec {
     type Err = BackendError;
 
-    /// Parses `tp=2,ep=4,pp=1,order=tp-cp-ep-dp-pp` (any subset, any order; spaces allowed).
+    /// Parses `world=4,tp=2,ep=4,order=tp-cp-ep-dp-pp` (any subset, any order; spaces allowed;
+    /// omitted sizes are 1, `etp` defaults to `tp`).
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = LayoutSpec::default();
         for item in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
@@ -73,6 +78,7 @@ impl FromStr for LayoutSpec {
                 continue;
             }
             let slot = match key {
+                "world" => &mut spec.world,
                 "tp" => &mut spec.tp,
                 "cp" => &mut spec.cp,
                 "pp" => &mut spec.pp,
@@ -84,7 +90,7 @@ impl FromStr for LayoutSpec {
                     return Err(BackendError::Layout {
                         field: "layout",
                         detail: format!(
-                            "unknown key `{key}` (expected tp, cp, pp, ep, etp, dp, edp, order)"
+                            "unknown key `{key}` (expected world, tp, cp, pp, ep, etp, dp, edp, order)"
                         ),
                     });
                 }
@@ -115,14 +121,45 @@ fn positive(field: &'static str, value: usize) -> Result<usize> {
 }
 
 impl ParallelLayout {
-    /// Builds and validates a layout of `world` ranks from `spec`.
+    /// Builds a layout from a spec alone: `world` as given, else the smallest world both grids
+    /// tile, `lcm(tp·cp·pp, etp·ep·pp)` times `dp` or `edp` when those are given.
+    pub fn from_spec(spec: &LayoutSpec) -> Result<Self> {
+        let world = match spec.world {
+            Some(w) => w,
+            None => {
+                let tp = spec.tp.unwrap_or(1);
+                let pp = spec.pp.unwrap_or(1);
+                let dense = tp * spec.cp.unwrap_or(1) * pp * spec.dp.unwrap_or(1);
+                let expert =
+                    spec.etp.unwrap_or(1) * spec.ep.unwrap_or(1) * pp * spec.edp.unwrap_or(1);
+                lcm(dense.max(1), expert.max(1))
+            }
+        };
+        Self::new(world, spec)
+    }
+
+    /// Parses a full layout string (`world=4,tp=2,ep=4`; see [`ParallelLayout::from_spec`]).
+    pub fn parse_spec(spec: &str) -> Result<Self> {
+        Self::from_spec(&spec.parse()?)
+    }
+
+    /// Builds and validates a layout of `world` ranks from `spec` (a `world` in `spec` must
+    /// agree).
     pub fn new(world: usize, spec: &LayoutSpec) -> Result<Self> {
+        if let Some(w) = spec.world
+            && w != world
+        {
+            return Err(BackendError::Layout {
+                field: "world",
+                detail: format!("layout says world={w} but {world} ranks are running"),
+            });
+        }
         let world = positive("world", world)?;
         let tp = positive("tp", spec.tp.unwrap_or(1))?;
         let cp = positive("cp", spec.cp.unwrap_or(1))?;
         let pp = positive("pp", spec.pp.unwrap_or(1))?;
         let ep = positive("ep", spec.ep.unwrap_or(1))?;
-        let etp = positive("etp", spec.etp.unwrap_or(tp))?;
+        let etp = positive("etp", spec.etp.unwrap_or(1))?;
         let dense = tp * cp * pp;
         if world % dense != 0 {
             return Err(BackendError::Layout {
@@ -230,6 +267,14 @@ impl fmt::Display for ParallelLayout {
             self.world, self.tp, self.cp, self.pp, self.dp, self.etp, self.ep, self.edp, self.order
         )
     }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    a / gcd(a, b) * b
 }
 
 const TOKENS: [&str; 5] = ["tp", "cp", "ep", "dp", "pp"];
@@ -413,7 +458,7 @@ mod tests {
     #[test]
     fn parses_and_derives_degrees() {
         let layout = ParallelLayout::parse(8, "tp=2, ep=4").unwrap();
-        assert_eq!((layout.dp, layout.etp, layout.edp), (4, 2, 1));
+        assert_eq!((layout.dp, layout.etp, layout.edp), (4, 1, 2));
         let layout = ParallelLayout::parse(16, "tp=2,cp=2,pp=2,ep=4,etp=1").unwrap();
         assert_eq!((layout.dp, layout.edp), (2, 2));
     }
@@ -447,6 +492,18 @@ mod tests {
         assert!(err.to_string().contains("must end with `pp`"), "{err}");
         // With edp == dp the order is fine.
         ParallelLayout::parse(8, "pp=2,ep=1,order=tp-cp-pp-ep-dp").unwrap();
+    }
+
+    #[test]
+    fn world_defaults_to_the_smallest_common_tiling() {
+        // checkpoints.md §10: attention TP2 × DP2, experts EP4 × EDP1.
+        let l = ParallelLayout::parse_spec("tp=2,ep=4").unwrap();
+        assert_eq!((l.world, l.dp, l.etp, l.edp), (4, 2, 1, 1));
+        let l = ParallelLayout::parse_spec("world=8,tp=2,ep=4").unwrap();
+        assert_eq!((l.world, l.dp, l.edp), (8, 4, 2));
+        let l = ParallelLayout::parse_spec("tp=3,ep=2").unwrap();
+        assert_eq!(l.world, 6);
+        assert!(ParallelLayout::parse(4, "world=8,tp=2").is_err());
     }
 
     #[test]
