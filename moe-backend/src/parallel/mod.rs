@@ -9,6 +9,7 @@
 mod groups;
 mod layout;
 mod replicate;
+pub mod tensor_parallel;
 
 pub use groups::{Grid, GroupFamily, GroupTable, Membership, ProcessGroups, local_expert_range};
 pub use layout::{
