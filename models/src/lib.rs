@@ -19,6 +19,7 @@
 pub mod causal_lm;
 pub mod config;
 pub mod deepseek_v3;
+pub mod distributed;
 mod error;
 pub mod layers;
 pub mod mtp;

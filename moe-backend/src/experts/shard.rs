@@ -3,22 +3,25 @@
 
 use std::ops::Range;
 
-use burn::module::Param;
+use burn::module::{Param, ParamId};
 use burn::tensor::Tensor;
 
 use super::GroupedExperts;
 use crate::error::{BackendError, Result};
 
-/// A fresh leaf with the values of `t` (tracked iff `requires_grad`).
-fn fresh<const D: usize>(t: Tensor<D>, requires_grad: bool) -> Param<Tensor<D>> {
+/// A fresh leaf with the values of `t` (tracked iff `requires_grad`) under parameter `id`.
+fn fresh<const D: usize>(id: ParamId, t: Tensor<D>, requires_grad: bool) -> Param<Tensor<D>> {
     let dtype = t.dtype();
     let device = t.device();
     let leaf = Tensor::from_data(t.into_data(), (&device, dtype));
-    Param::from_tensor(if requires_grad {
-        leaf.require_grad()
-    } else {
-        leaf
-    })
+    Param::initialized(
+        id,
+        if requires_grad {
+            leaf.require_grad()
+        } else {
+            leaf
+        },
+    )
 }
 
 impl GroupedExperts {
@@ -63,8 +66,8 @@ impl GroupedExperts {
             fc1.slice([0..l, cols.clone(), 0..h])
         };
         let fc2 = self.fc2.val().slice([experts.clone(), 0..h, cols.clone()]);
-        let fc1_bias = self.fc1_bias.as_ref().map(|b| {
-            let b = b.val().slice([experts.clone()]);
+        let fc1_bias = self.fc1_bias.as_ref().map(|param| {
+            let b = param.val().slice([experts.clone()]);
             let b = if gated {
                 let gate = b.clone().slice([0..l, cols.clone()]);
                 let up = b.slice([0..l, f + cols.start..f + cols.end]);
@@ -72,15 +75,15 @@ impl GroupedExperts {
             } else {
                 b.slice([0..l, cols.clone()])
             };
-            fresh(b, grad)
+            fresh(param.id, b, grad)
         });
         let fc2_bias = self
             .fc2_bias
             .as_ref()
-            .map(|b| fresh(b.val().slice([experts.clone()]), grad));
+            .map(|b| fresh(b.id, b.val().slice([experts.clone()]), grad));
         Ok(GroupedExperts {
-            fc1: fresh(fc1, grad),
-            fc2: fresh(fc2, grad),
+            fc1: fresh(self.fc1.id, fc1, grad),
+            fc2: fresh(self.fc2.id, fc2, grad),
             fc1_bias,
             fc2_bias,
             activation: self.activation,

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use burn::module::Param;
+use burn::module::{Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor, TensorData};
 
@@ -19,14 +19,17 @@ use crate::comm::autograd::{
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{BackendError, Result};
 
-fn fresh<const D: usize>(t: Tensor<D>, requires_grad: bool) -> Param<Tensor<D>> {
+fn fresh<const D: usize>(id: ParamId, t: Tensor<D>, requires_grad: bool) -> Param<Tensor<D>> {
     let (dtype, device) = (t.dtype(), t.device());
     let leaf = Tensor::from_data(t.into_data(), (&device, dtype));
-    Param::from_tensor(if requires_grad {
-        leaf.require_grad()
-    } else {
-        leaf
-    })
+    Param::initialized(
+        id,
+        if requires_grad {
+            leaf.require_grad()
+        } else {
+            leaf
+        },
+    )
 }
 
 /// `[r·n/tp, (r+1)·n/tp)`, or an error naming `what` when `tp ∤ n`.
@@ -48,11 +51,11 @@ pub fn column_parallel_linear(linear: &Linear, rank: usize, tp: usize) -> Result
     let [inp, out] = w.dims();
     let cols = shard_range("column-parallel output", out, rank, tp)?;
     Ok(Linear {
-        weight: fresh(w.slice([0..inp, cols.clone()]), grad),
+        weight: fresh(linear.weight.id, w.slice([0..inp, cols.clone()]), grad),
         bias: linear
             .bias
             .as_ref()
-            .map(|b| fresh(b.val().slice([cols.clone()]), grad)),
+            .map(|b| fresh(b.id, b.val().slice([cols.clone()]), grad)),
     })
 }
 
@@ -70,8 +73,8 @@ pub fn row_parallel_linear(linear: &Linear, rank: usize, tp: usize) -> Result<Li
     let [inp, out] = w.dims();
     let rows = shard_range("row-parallel input", inp, rank, tp)?;
     Ok(Linear {
-        weight: fresh(w.slice([rows, 0..out]), grad),
-        bias: linear.bias.as_ref().map(|b| fresh(b.val(), grad)),
+        weight: fresh(linear.weight.id, w.slice([rows, 0..out]), grad),
+        bias: linear.bias.as_ref().map(|b| fresh(b.id, b.val(), grad)),
     })
 }
 
@@ -87,7 +90,7 @@ pub fn vocab_parallel_embedding(
     let rows = shard_range("vocabulary", v, rank, tp)?;
     Ok((
         Embedding {
-            weight: fresh(w.slice([rows.clone(), 0..h]), grad),
+            weight: fresh(embedding.weight.id, w.slice([rows.clone(), 0..h]), grad),
         },
         rows,
     ))

@@ -1,0 +1,286 @@
+//! Qwen3-MoE under any [`ParallelLayout`] on the ranks of a moe-backend world: attention and
+//! dense MLPs tensor-parallel with sequence parallelism, vocab-parallel embedding, LM head and
+//! cross-entropy, routed experts expert-parallel (EP × ETP) behind a token dispatcher, data
+//! parallelism over the remaining ranks (parallelism.md §1–§5, moe-ops §11–§14).
+//!
+//! Activations between blocks are sequence-parallel: the `B·S` tokens of a replica's batch
+//! (rows `b·S + s`) are split into `tp` equal blocks. Attention and dense MLPs all-gather them,
+//! compute their head/column shard and reduce-scatter back; the MoE block routes this rank's
+//! tokens directly. Pipeline and context parallelism are not implemented (`pp = cp = 1`).
+//!
+//! Build one [`ParallelQwen3Moe`] per rank from the same full model with
+//! [`ParallelQwen3Moe::shard`]; train it with
+//! [`moe_backend::optim::DistributedAdamW::with_classes`] and [`param_class`].
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::{Device, Tensor};
+use moe_backend::comm::autograd::{
+    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+};
+use moe_backend::comm::{Comm, GroupComms};
+use moe_backend::dispatch::{
+    AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, TokenDispatcher,
+};
+use moe_backend::optim::ParamClass;
+use moe_backend::parallel::tensor_parallel::{
+    column_parallel_linear, embed_vocab_parallel, row_parallel_linear,
+    vocab_parallel_cross_entropy, vocab_parallel_embedding,
+};
+use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
+use moe_backend::router::RouteOptions;
+
+use crate::ModelError;
+use crate::causal_lm::IGNORE_INDEX;
+use crate::layers::Mlp;
+use crate::layers::rope::RotaryEmbedding;
+use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
+
+/// Which token dispatcher the MoE blocks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DispatcherKind {
+    /// All-gather over `tp_ep`, reduce-scatter back.
+    AllGather,
+    /// All-to-all over `ep` (+ ETP all-gather / reduce-scatter).
+    #[default]
+    AllToAll,
+    /// One copy per destination rank.
+    Flex,
+}
+
+/// Parameter classes of a sharded Qwen3-MoE: experts; norms, QK-norms and routers are
+/// sequence-parallel replicated (gradients summed over TP); everything else is TP-sharded.
+pub fn param_class(path: &str, in_experts: bool) -> ParamClass {
+    if in_experts {
+        ParamClass::Expert
+    } else if path.contains("norm") || path.contains("router") {
+        ParamClass::DenseSequenceParallel
+    } else {
+        ParamClass::DenseTpSharded
+    }
+}
+
+/// One rank's Qwen3-MoE: sharded parameters plus the groups and dispatcher to run them.
+#[derive(Debug, Clone)]
+pub struct ParallelQwen3Moe {
+    /// This rank's shard of the model (a regular module: hand it to the optimizer).
+    pub model: Qwen3MoeForCausalLM,
+    tp: Comm,
+    dispatcher: Arc<dyn TokenDispatcher>,
+    vocab: Range<usize>,
+    rope: RotaryEmbedding,
+    /// This rank's data-parallel replica (index in `dp_cp`).
+    pub replica: usize,
+    /// Number of data-parallel replicas (`|dp_cp|`).
+    pub replicas: usize,
+}
+
+/// Output of [`ParallelQwen3Moe::forward_loss`].
+#[derive(Debug, Clone)]
+pub struct ParallelOutput {
+    /// Mean cross-entropy of this replica's batch (identical on its TP ranks), `[1]`.
+    pub loss: Tensor<1>,
+    /// `[B·S, V/tp]` logits of this rank's vocabulary columns.
+    pub logits: Tensor<2>,
+    /// This rank's vocabulary columns.
+    pub vocab: Range<usize>,
+}
+
+fn err(e: moe_backend::BackendError) -> ModelError {
+    ModelError::from(e)
+}
+
+fn shard_mlp(mlp: &Mlp, rank: usize, tp: usize) -> Result<Mlp, ModelError> {
+    Ok(Mlp {
+        gate_proj: column_parallel_linear(&mlp.gate_proj, rank, tp).map_err(err)?,
+        up_proj: column_parallel_linear(&mlp.up_proj, rank, tp).map_err(err)?,
+        down_proj: row_parallel_linear(&mlp.down_proj, rank, tp).map_err(err)?,
+    })
+}
+
+impl ParallelQwen3Moe {
+    /// This rank's shard of `full` under the layout of `groups` (requires `pp = cp = 1`,
+    /// heads, KV heads, vocabulary and FFN widths divisible by `tp`, experts by `ep`, expert
+    /// width by `etp`).
+    pub fn shard(
+        full: &Qwen3MoeForCausalLM,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<Self, ModelError> {
+        let layout: &ParallelLayout = &groups.groups.layout;
+        if layout.pp != 1 || layout.cp != 1 {
+            return Err(ModelError::invalid(
+                "layout",
+                "pipeline and context parallelism are not implemented (pp = cp = 1)",
+            ));
+        }
+        let config = full.config().clone();
+        let tp_comm = groups.comm(GroupFamily::Tp).clone();
+        let (rank, tp) = (tp_comm.rank(), tp_comm.size());
+        let tp_ep = groups.comm(GroupFamily::TpEp).clone();
+        let e = config.num_experts;
+        let dispatcher: Arc<dyn TokenDispatcher> = match kind {
+            DispatcherKind::AllGather => {
+                Arc::new(AllGatherDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
+            }
+            DispatcherKind::AllToAll => Arc::new(
+                AllToAllDispatcher::new(
+                    groups.comm(GroupFamily::Ep).clone(),
+                    groups.comm(GroupFamily::ExptTp).clone(),
+                    tp_ep,
+                    e,
+                )
+                .map_err(err)?,
+            ),
+            DispatcherKind::Flex => {
+                Arc::new(FlexDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
+            }
+        };
+        let etp_rank = groups.groups.get(GroupFamily::ExptTp).index;
+        let mut model = replicate(full);
+        let (embed, vocab) =
+            vocab_parallel_embedding(&full.model.embed_tokens, rank, tp).map_err(err)?;
+        model.model.embed_tokens = embed;
+        if let Some(head) = &full.lm_head {
+            model.lm_head = Some(column_parallel_linear(head, rank, tp).map_err(err)?);
+        }
+        for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
+            let attn = &src.self_attn;
+            if attn.num_heads % tp != 0 || attn.num_kv_heads % tp != 0 {
+                return Err(ModelError::invalid(
+                    "tp",
+                    format!(
+                        "{} query / {} KV heads cannot be split over tp = {tp}",
+                        attn.num_heads, attn.num_kv_heads
+                    ),
+                ));
+            }
+            let a = &mut dst.self_attn;
+            a.q_proj = column_parallel_linear(&attn.q_proj, rank, tp).map_err(err)?;
+            a.k_proj = column_parallel_linear(&attn.k_proj, rank, tp).map_err(err)?;
+            a.v_proj = column_parallel_linear(&attn.v_proj, rank, tp).map_err(err)?;
+            a.o_proj = row_parallel_linear(&attn.o_proj, rank, tp).map_err(err)?;
+            a.num_heads = attn.num_heads / tp;
+            a.num_kv_heads = attn.num_kv_heads / tp;
+            dst.mlp = match &src.mlp {
+                Qwen3MoeFeedForward::Dense(mlp) => {
+                    Qwen3MoeFeedForward::Dense(shard_mlp(mlp, rank, tp)?)
+                }
+                Qwen3MoeFeedForward::Sparse(block) => {
+                    let mut block = block.clone();
+                    block.moe.router = replicate(&block.moe.router);
+                    block.moe.experts = block
+                        .moe
+                        .experts
+                        .shard(dispatcher.local_experts(), etp_rank, layout.etp)
+                        .map_err(err)?;
+                    block.moe.shared_experts = None;
+                    Qwen3MoeFeedForward::Sparse(block)
+                }
+            };
+        }
+        let dp_cp = groups.groups.get(GroupFamily::DpCp);
+        Ok(Self {
+            model,
+            tp: tp_comm,
+            dispatcher,
+            vocab,
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
+            replica: dp_cp.index,
+            replicas: dp_cp.size(),
+        })
+    }
+
+    /// Forward and causal-LM loss of this replica's batch `input_ids [batch, S]` (row-major
+    /// host ids, identical on every TP rank of the replica); `labels` as in HF (−100 ignored,
+    /// shifted inside). Router auxiliary losses are not added.
+    pub fn forward_loss(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+    ) -> Result<ParallelOutput, ModelError> {
+        let n = input_ids.len();
+        let tp = self.tp.size();
+        if batch == 0 || !n.is_multiple_of(batch) || labels.len() != n || !n.is_multiple_of(tp) {
+            return Err(ModelError::invalid(
+                "input_ids",
+                format!(
+                    "{n} ids / {} labels must form {batch} sequences whose B·S divides by tp = {tp}",
+                    labels.len()
+                ),
+            ));
+        }
+        let s = n / batch;
+        let model = &self.model;
+        let h = model.config().hidden_size;
+        let rope = self.rope.tables(0, s, device);
+        let gather = |x: Tensor<2>| gather_from_sequence_parallel_region(&self.tp, x, true);
+        let scatter = |x: Tensor<2>| reduce_scatter_to_sequence_parallel_region(&self.tp, x);
+        let mut x = embed_vocab_parallel(
+            &model.model.embed_tokens,
+            input_ids,
+            batch,
+            self.vocab.clone(),
+            &self.tp,
+            true,
+        )
+        .map_err(err)?;
+        for layer in &model.model.layers {
+            let full = gather(layer.input_layernorm.forward(x.clone())).map_err(err)?;
+            let attn = layer
+                .self_attn
+                .forward(full.reshape([batch, s, h]), &rope, None);
+            let h_sp = x + scatter(attn.reshape([n, h])).map_err(err)?;
+            let normed = layer.post_attention_layernorm.forward(h_sp.clone());
+            let y = match &layer.mlp {
+                Qwen3MoeFeedForward::Dense(mlp) => {
+                    scatter(mlp.forward(gather(normed).map_err(err)?)).map_err(err)?
+                }
+                Qwen3MoeFeedForward::Sparse(block) => {
+                    let state = block.moe.router.init_state();
+                    block
+                        .moe
+                        .forward_with(
+                            normed,
+                            &state,
+                            &RouteOptions::default(),
+                            self.dispatcher.as_ref(),
+                        )
+                        .map_err(err)?
+                        .output
+                }
+            };
+            x = h_sp + y;
+        }
+        let full = gather(model.model.norm.forward(x)).map_err(err)?;
+        let logits = match &model.lm_head {
+            Some(head) => head.forward(full),
+            None => full.matmul(model.model.embed_tokens.weight.val().transpose()),
+        };
+        let targets: Vec<i64> = (0..n)
+            .map(|i| {
+                if (i + 1) % s == 0 {
+                    IGNORE_INDEX
+                } else {
+                    labels[i + 1]
+                }
+            })
+            .collect();
+        let loss = vocab_parallel_cross_entropy(
+            logits.clone(),
+            &targets,
+            IGNORE_INDEX,
+            self.vocab.clone(),
+            &self.tp,
+        )
+        .map_err(err)?;
+        Ok(ParallelOutput {
+            loss,
+            logits,
+            vocab: self.vocab.clone(),
+        })
+    }
+}
