@@ -85,6 +85,9 @@ pub struct ParallelOutput {
     pub logits: Tensor<2>,
     /// This rank's vocabulary columns.
     pub vocab: Range<usize>,
+    /// Router logits `[T_local, E]` of every sparse layer for this rank's sequence-parallel
+    /// tokens, in layer order.
+    pub router_logits: Vec<Tensor<2>>,
 }
 
 fn err(e: moe_backend::BackendError) -> ModelError {
@@ -219,6 +222,7 @@ impl ParallelQwen3Moe {
         let rope = self.rope.tables(0, s, device);
         let gather = |x: Tensor<2>| gather_from_sequence_parallel_region(&self.tp, x, true);
         let scatter = |x: Tensor<2>| reduce_scatter_to_sequence_parallel_region(&self.tp, x);
+        let mut router_logits = Vec::new();
         let mut x = embed_vocab_parallel(
             &model.model.embed_tokens,
             input_ids,
@@ -241,7 +245,7 @@ impl ParallelQwen3Moe {
                 }
                 Qwen3MoeFeedForward::Sparse(block) => {
                     let state = block.moe.router.init_state();
-                    block
+                    let out = block
                         .moe
                         .forward_with(
                             normed,
@@ -249,8 +253,9 @@ impl ParallelQwen3Moe {
                             &RouteOptions::default(),
                             self.dispatcher.as_ref(),
                         )
-                        .map_err(err)?
-                        .output
+                        .map_err(err)?;
+                    router_logits.push(out.routing.logits);
+                    out.output
                 }
             };
             x = h_sp + y;
@@ -281,6 +286,7 @@ impl ParallelQwen3Moe {
             loss,
             logits,
             vocab: self.vocab.clone(),
+            router_logits,
         })
     }
 }

@@ -27,6 +27,7 @@ pub mod qwen3;
 pub mod qwen3_moe;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod train;
 pub mod weights;
 
 pub use causal_lm::{CausalLm, GenerationConfig, ParamCount, Sampling, generate};

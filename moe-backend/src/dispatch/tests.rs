@@ -30,8 +30,11 @@ fn data(tag: u64, rank: usize, len: usize) -> Vec<f64> {
     (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
 }
 
-fn reference_layer() -> MoeLayer {
-    let router = TopKRouterConfig::new(H, E, K).with_init_std(0.5);
+fn reference_layer(capacity_factor: Option<f64>) -> MoeLayer {
+    let router = TopKRouterConfig::new(H, E, K)
+        .with_init_std(0.5)
+        .with_capacity_factor(capacity_factor)
+        .with_pad_to_capacity(capacity_factor.is_some());
     let layer = MoeLayerConfig::new(router, F)
         .with_init_std(0.3)
         .with_shared_ffn_hidden_size(Some(4))
@@ -51,17 +54,43 @@ struct Grads {
 }
 
 fn run_layer(layer: &MoeLayer, x: Tensor<2>, w: Tensor<2>, d: &dyn TokenDispatcher) -> Grads {
+    run_batches(layer, vec![x], vec![w], d)
+}
+
+/// Runs every batch separately (capacity is per batch), one backward of the summed losses.
+fn run_batches(
+    layer: &MoeLayer,
+    xs: Vec<Tensor<2>>,
+    ws: Vec<Tensor<2>>,
+    d: &dyn TokenDispatcher,
+) -> Grads {
     let state = layer.router.init_state();
-    let out = layer
-        .forward_with(x.clone(), &state, &RouteOptions::default(), d)
-        .unwrap()
-        .output;
-    let grads = (out.clone() * w).sum().backward();
+    let outs: Vec<Tensor<2>> = xs
+        .iter()
+        .map(|x| {
+            layer
+                .forward_with(x.clone(), &state, &RouteOptions::default(), d)
+                .unwrap()
+                .output
+        })
+        .collect();
+    let loss = outs
+        .iter()
+        .zip(ws)
+        .map(|(o, w)| (o.clone() * w).sum())
+        .reduce(|a, b| a + b)
+        .expect("batches");
+    let grads = loss.backward();
+    let out = Tensor::cat(outs, 0);
+    let x = Tensor::cat(
+        xs.iter().map(|x| x.grad(&grads).expect("x grad")).collect(),
+        0,
+    );
     let g = |t: Option<Tensor<3>>| values(t.expect("grad").reshape([-1]));
     let shared = layer.shared_experts.as_ref().expect("shared experts");
     Grads {
         out: values(out),
-        x: values(x.grad(&grads).expect("x grad")),
+        x: values(x),
         router: values(layer.router.weight.val().grad(&grads).expect("router grad")),
         fc1: g(layer.experts.fc1.val().grad(&grads)),
         fc2: g(layer.experts.fc2.val().grad(&grads)),
@@ -123,16 +152,33 @@ enum Kind {
 }
 
 fn check_equivalence(world: usize, spec: &str, kind: Kind) {
+    check_with_capacity(world, spec, kind, None);
+}
+
+/// With `capacity_factor`, experts drop and pad to a capacity computed from each rank's own
+/// tokens (as in Megatron), so the reference runs every rank's batch separately.
+fn check_with_capacity(world: usize, spec: &str, kind: Kind, capacity_factor: Option<f64>) {
     let layout = ParallelLayout::parse(world, spec).unwrap();
     let table = GroupTable::new(&layout).unwrap();
-    let reference = reference_layer();
+    let reference = reference_layer(capacity_factor);
     let counts: Vec<usize> = (0..world).map(tokens_of).collect();
     let total: usize = counts.iter().sum();
     let xs: Vec<Vec<f64>> = (0..world).map(|r| data(1, r, counts[r] * H)).collect();
     let ws: Vec<Vec<f64>> = (0..world).map(|r| data(2, r, counts[r] * H)).collect();
-    let x_all = tensor(xs.concat(), [total, H], &ad(), DType::F32).require_grad();
-    let w_all = tensor(ws.concat(), [total, H], &ad(), DType::F32);
-    let expected = run_layer(&reference, x_all, w_all, &LocalDispatcher::new(E));
+    let expected = if capacity_factor.is_some() {
+        let leaf =
+            |r: usize, v: &[Vec<f64>]| tensor(v[r].clone(), [counts[r], H], &ad(), DType::F32);
+        run_batches(
+            &reference,
+            (0..world).map(|r| leaf(r, &xs).require_grad()).collect(),
+            (0..world).map(|r| leaf(r, &ws)).collect(),
+            &LocalDispatcher::new(E),
+        )
+    } else {
+        let x_all = tensor(xs.concat(), [total, H], &ad(), DType::F32).require_grad();
+        let w_all = tensor(ws.concat(), [total, H], &ad(), DType::F32);
+        run_layer(&reference, x_all, w_all, &LocalDispatcher::new(E))
+    };
 
     let (layout_ref, reference_ref, xs_ref, ws_ref) = (&layout, &reference, &xs, &ws);
     let got = World::run(world, |ctx| {
@@ -268,6 +314,15 @@ fn allgather_dispatcher_matches_one_rank() {
 fn flex_dispatcher_matches_one_rank() {
     for (world, spec) in LAYOUTS {
         check_equivalence(world, spec, Kind::Flex);
+    }
+}
+
+#[test]
+fn drop_and_pad_capacity_matches_per_batch_reference() {
+    for kind in [Kind::AllToAll, Kind::AllGather, Kind::Flex] {
+        for (world, spec) in [(2, "ep=2"), (4, "ep=2,etp=2"), (4, "ep=4")] {
+            check_with_capacity(world, spec, kind, Some(1.0));
+        }
     }
 }
 
