@@ -9,6 +9,7 @@
 mod groups;
 mod layout;
 mod replicate;
+mod router_sync;
 pub mod tensor_parallel;
 
 pub use groups::{Grid, GroupFamily, GroupTable, Membership, ProcessGroups, local_expert_range};
@@ -17,3 +18,4 @@ pub use layout::{
     generate_masked_orthogonal_rank_groups,
 };
 pub use replicate::replicate;
+pub use router_sync::{GroupCountReducer, update_expert_bias_distributed};
