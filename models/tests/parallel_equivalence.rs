@@ -3,15 +3,107 @@
 //! losses, gradient norms and parameters (f32). The single-rank side uses the plain model and
 //! Burn's own AdamW on the concatenated batch.
 
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use moe_backend::comm::GroupComms;
 use moe_backend::comm::World;
 use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig, ParamTable, default_classify};
 use moe_backend::parallel::{ParallelLayout, replicate};
-use moe_models::Qwen3MoeConfig;
-use moe_models::Qwen3MoeForCausalLM;
 use moe_models::causal_lm::causal_lm_loss;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe, param_class};
+use moe_models::distributed::{
+    DispatcherKind, ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, param_class,
+};
+use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, Qwen3MoeConfig};
+use moe_models::{Qwen3MoeForCausalLM, causal_lm::CausalLm};
+
+/// What the test needs from a model family.
+trait Arch {
+    /// The single-rank model (also the type of one rank's shard).
+    type Model: Module + Clone + Send + Sync + CausalLm + 'static;
+    /// One rank's sharded model.
+    type Par: Send;
+    fn init(device: &Device) -> Self::Model;
+    fn logits(model: &Self::Model, ids: Tensor<2, Int>) -> Tensor<3>;
+    fn shard(
+        full: &Self::Model,
+        pg: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<Self::Par, ModelError>;
+    fn forward_loss(par: &Self::Par, ids: &[i64]) -> Result<ParallelOutput, ModelError>;
+    fn module(par: &mut Self::Par) -> &mut Self::Model;
+    fn replica(par: &Self::Par) -> usize;
+}
+
+struct Qwen;
+impl Arch for Qwen {
+    type Model = Qwen3MoeForCausalLM;
+    type Par = ParallelQwen3Moe;
+    fn init(device: &Device) -> Self::Model {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/qwen3_moe/config.json"
+        );
+        Qwen3MoeConfig::from_file(path)
+            .expect("config")
+            .init(device)
+            .expect("init")
+    }
+    fn logits(model: &Self::Model, ids: Tensor<2, Int>) -> Tensor<3> {
+        model.forward(ids).expect("forward").logits
+    }
+    fn shard(
+        full: &Self::Model,
+        pg: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<Self::Par, ModelError> {
+        ParallelQwen3Moe::shard(full, pg, kind)
+    }
+    fn forward_loss(par: &Self::Par, ids: &[i64]) -> Result<ParallelOutput, ModelError> {
+        par.forward_loss(ids, ids, B, &ad())
+    }
+    fn module(par: &mut Self::Par) -> &mut Self::Model {
+        &mut par.model
+    }
+    fn replica(par: &Self::Par) -> usize {
+        par.replica
+    }
+}
+
+struct DeepSeek;
+impl Arch for DeepSeek {
+    type Model = DeepseekV3ForCausalLM;
+    type Par = ParallelDeepseekV3;
+    fn init(device: &Device) -> Self::Model {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/deepseek_v3/config.json"
+        );
+        let mut config = DeepseekV3Config::from_file(path).expect("config");
+        // MTP modules are not trained by the parallel forward.
+        config.num_nextn_predict_layers = 0;
+        config.init(device).expect("init")
+    }
+    fn logits(model: &Self::Model, ids: Tensor<2, Int>) -> Tensor<3> {
+        model.forward(ids).expect("forward").logits
+    }
+    fn shard(
+        full: &Self::Model,
+        pg: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<Self::Par, ModelError> {
+        ParallelDeepseekV3::shard(full, pg, kind)
+    }
+    fn forward_loss(par: &Self::Par, ids: &[i64]) -> Result<ParallelOutput, ModelError> {
+        par.forward_loss(ids, ids, B, &ad())
+    }
+    fn module(par: &mut Self::Par) -> &mut Self::Model {
+        &mut par.model
+    }
+    fn replica(par: &Self::Par) -> usize {
+        par.replica
+    }
+}
 
 const B: usize = 2;
 const S: usize = 8;
@@ -24,14 +116,6 @@ const EPS: f32 = 1e-3;
 
 fn ad() -> Device {
     Device::flex().autodiff()
-}
-
-fn config() -> Qwen3MoeConfig {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/qwen3_moe/config.json"
-    );
-    Qwen3MoeConfig::from_file(path).expect("fixture config")
 }
 
 /// Deterministic token ids of replica `r` at `step`.
@@ -65,15 +149,15 @@ fn close(a: &[f32], b: &[f32], what: &str) {
     }
 }
 
-struct Reference {
+struct Reference<M> {
     losses: Vec<f32>,
     norms: Vec<f64>,
     logits: Vec<f32>,
-    final_model: Qwen3MoeForCausalLM,
+    final_model: M,
 }
 
-fn reference(start: &Qwen3MoeForCausalLM, replicas: usize) -> Reference {
-    let v = start.config().vocab_size;
+fn reference<A: Arch>(start: &A::Model, replicas: usize) -> Reference<A::Model> {
+    let v = start.vocab_size();
     let mut model = replicate(start);
     let table = ParamTable::new(&model, &default_classify);
     let mut optim = AdamWConfig::new()
@@ -90,7 +174,7 @@ fn reference(start: &Qwen3MoeForCausalLM, replicas: usize) -> Reference {
             ),
             &ad(),
         );
-        let logits = model.forward(t).expect("forward").logits;
+        let logits = A::logits(&model, t);
         if step == 0 {
             logits0 = values(logits.clone());
         }
@@ -113,8 +197,7 @@ fn reference(start: &Qwen3MoeForCausalLM, replicas: usize) -> Reference {
             ),
             &ad(),
         );
-        let loss =
-            causal_lm_loss(model.forward(ids_t).expect("forward").logits, &ids).expect("loss");
+        let loss = causal_lm_loss(A::logits(&model, ids_t), &ids).expect("loss");
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads);
     }
@@ -126,24 +209,24 @@ fn reference(start: &Qwen3MoeForCausalLM, replicas: usize) -> Reference {
     }
 }
 
-fn check(world: usize, spec: &str, kind: DispatcherKind) {
+fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
     let layout = ParallelLayout::parse(world, spec).expect("layout");
     let device = ad();
-    let start = replicate(&config().init(&device).expect("init"));
-    let v = start.config().vocab_size;
+    let start = replicate(&A::init(&device));
+    let v = start.vocab_size();
     let replicas = layout.dp * layout.cp;
-    let expected = reference(&start, replicas);
+    let expected = reference::<A>(&start, replicas);
     let (layout_ref, start_ref, final_ref) = (&layout, &start, &expected.final_model);
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let mut rank_model = ParallelQwen3Moe::shard(start_ref, &pg, kind).map_err(to_backend)?;
+        let mut par = A::shard(start_ref, &pg, kind).map_err(to_backend)?;
         let config = DistributedAdamWConfig {
             weight_decay: 0.1,
             epsilon: EPS,
             ..DistributedAdamWConfig::default()
         };
         let mut optim = DistributedAdamW::with_classes(
-            &rank_model.model,
+            A::module(&mut par),
             &pg,
             ctx.world()?,
             config,
@@ -151,25 +234,24 @@ fn check(world: usize, spec: &str, kind: DispatcherKind) {
         )?;
         let (mut losses, mut norms, mut logits0) = (Vec::new(), Vec::new(), Vec::new());
         for step in 0..STEPS {
-            let ids = batch(step, rank_model.replica, v);
-            let out = rank_model
-                .forward_loss(&ids, &ids, B, &ad())
-                .map_err(to_backend)?;
+            let ids = batch(step, A::replica(&par), v);
+            let out = A::forward_loss(&par, &ids).map_err(to_backend)?;
             if step == 0 {
                 logits0 = values(out.logits.clone());
             }
             losses.push(values(out.loss.clone())[0]);
-            let grads = GradientsParams::from_grads(out.loss.backward(), &rank_model.model);
-            let (next, report) = optim.step(LR, rank_model.model, grads)?;
-            rank_model.model = next;
+            let module = A::module(&mut par);
+            let grads = GradientsParams::from_grads(out.loss.backward(), module);
+            let (next, report) = optim.step(LR, module.clone(), grads)?;
+            *module = next;
             norms.push(report.grad_norm);
         }
-        let mine = optim.table().flatten_values(&rank_model.model)?;
-        let want = ParallelQwen3Moe::shard(final_ref, &pg, kind).map_err(to_backend)?;
-        let want = optim.table().flatten_values(&want.model)?;
+        let mine = optim.table().flatten_values(A::module(&mut par))?;
+        let mut want = A::shard(final_ref, &pg, kind).map_err(to_backend)?;
+        let want = optim.table().flatten_values(A::module(&mut want))?;
         Ok((
-            rank_model.replica,
-            rank_model.model.config().vocab_size / pg.groups.layout.tp,
+            A::replica(&par),
+            v / pg.groups.layout.tp,
             pg.groups.tp_rank(),
             losses,
             norms,
@@ -230,7 +312,14 @@ fn expert_parallel_layouts_match_one_rank() {
         (4, "ep=2"),
         (4, "ep=2,etp=2"),
     ] {
-        check(world, spec, DispatcherKind::AllToAll);
+        check::<Qwen>(world, spec, DispatcherKind::AllToAll);
+    }
+}
+
+#[test]
+fn deepseek_v3_mla_under_folded_layouts_matches_one_rank() {
+    for (world, spec) in [(2, "ep=2"), (4, "tp=2,ep=4"), (4, "tp=2,ep=2,etp=2")] {
+        check::<DeepSeek>(world, spec, DispatcherKind::AllToAll);
     }
 }
 
@@ -238,13 +327,13 @@ fn expert_parallel_layouts_match_one_rank() {
 fn tensor_parallel_with_folded_experts_matches_one_rank() {
     // TP2 with EP4 folded (world 4); TP2 × DP2 with EP2 × EDP2.
     for (world, spec) in [(4, "tp=2,ep=4"), (4, "tp=2,ep=2")] {
-        check(world, spec, DispatcherKind::AllToAll);
+        check::<Qwen>(world, spec, DispatcherKind::AllToAll);
     }
 }
 
 #[test]
 fn every_dispatcher_gives_the_same_training_run() {
     for kind in [DispatcherKind::AllGather, DispatcherKind::Flex] {
-        check(4, "tp=2,ep=2,etp=2", kind);
+        check::<Qwen>(4, "tp=2,ep=2,etp=2", kind);
     }
 }

@@ -69,7 +69,8 @@ impl ParamInfo {
     }
 }
 
-/// Every float parameter of a module in visiting order, with per-class flat offsets.
+/// Every trainable float parameter of a module (tensors that require grad) in visiting order,
+/// with per-class flat offsets.
 #[derive(Debug, Clone, Default)]
 pub struct ParamTable {
     /// Parameters in visiting order.
@@ -101,6 +102,9 @@ impl<F: Fn(&str, bool) -> ParamClass> ModuleVisitor for TableBuilder<'_, F> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !param.val().is_require_grad() {
+            return; // buffers such as the expert bias are not optimised
+        }
         let path = self.path.join(".");
         let class = (self.classify)(&path, self.expert_depth > 0);
         let shape = param.shape().to_vec();
@@ -205,10 +209,19 @@ struct Flattener<'a> {
 
 impl Flattener<'_> {
     fn finish(self) -> Result<(Vec<f32>, Vec<f32>)> {
-        match self.error {
-            Some(e) => Err(e),
-            None => Ok((self.dense, self.expert)),
+        if let Some(e) = self.error {
+            return Err(e);
         }
+        if let Some(missing) = self.table.params.get(self.index) {
+            return Err(BackendError::Shape {
+                op: "ParamTable",
+                detail: format!(
+                    "parameter `{}` of the table was not found in the module (different model?)",
+                    missing.path
+                ),
+            });
+        }
+        Ok((self.dense, self.expert))
     }
 }
 
@@ -224,23 +237,12 @@ fn to_f32(data: TensorData, path: &str) -> Result<Vec<f32>> {
 impl ModuleVisitor for Flattener<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let Some(info) = self.table.params.get(self.index) else {
-            self.error = Some(BackendError::Shape {
-                op: "ParamTable",
-                detail: "module has more parameters than its table".into(),
-            });
-            return;
+            return; // a trailing non-trainable parameter
         };
-        self.index += 1;
         if info.id != param.id {
-            self.error = Some(BackendError::Shape {
-                op: "ParamTable",
-                detail: format!(
-                    "parameter `{}` is not where the table expects it",
-                    info.path
-                ),
-            });
-            return;
+            return; // not in the table (non-trainable)
         }
+        self.index += 1;
         let value = match self.grads.as_deref_mut() {
             Some(grads) => grads.remove::<D>(param.id),
             None => Some(param.val()),
@@ -285,6 +287,9 @@ impl ModuleMapper for Writer<'_> {
         let Some(info) = self.table.params.get(self.index) else {
             return param;
         };
+        if info.id != param.id {
+            return param; // non-trainable, not in the table
+        }
         self.index += 1;
         let buf = if info.class.is_expert() {
             self.expert

@@ -37,6 +37,10 @@ use crate::layers::Mlp;
 use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 
+mod deepseek_v3;
+
+pub use deepseek_v3::ParallelDeepseekV3;
+
 /// Which token dispatcher the MoE blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DispatcherKind {
@@ -49,12 +53,19 @@ pub enum DispatcherKind {
     Flex,
 }
 
-/// Parameter classes of a sharded Qwen3-MoE: experts; norms, QK-norms and routers are
-/// sequence-parallel replicated (gradients summed over TP); everything else is TP-sharded.
+/// Parameter classes of a sharded model: routed experts; norms, QK-norms, routers, shared
+/// experts and MLA's down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) are replicated on the
+/// TP ranks with different gradients (sequence-parallel inputs or head-split consumers), so
+/// they are summed over TP; everything else is TP-sharded.
 pub fn param_class(path: &str, in_experts: bool) -> ParamClass {
     if in_experts {
         ParamClass::Expert
-    } else if path.contains("norm") || path.contains("router") {
+    } else if path.contains("norm")
+        || path.contains("router")
+        || path.contains("shared_experts")
+        || path.contains("q_a_proj")
+        || path.contains("kv_a_proj")
+    {
         ParamClass::DenseSequenceParallel
     } else {
         ParamClass::DenseTpSharded
@@ -90,16 +101,84 @@ pub struct ParallelOutput {
     pub router_logits: Vec<Tensor<2>>,
 }
 
-fn err(e: moe_backend::BackendError) -> ModelError {
+pub(crate) fn err(e: moe_backend::BackendError) -> ModelError {
     ModelError::from(e)
 }
 
-fn shard_mlp(mlp: &Mlp, rank: usize, tp: usize) -> Result<Mlp, ModelError> {
+pub(crate) fn shard_mlp(mlp: &Mlp, rank: usize, tp: usize) -> Result<Mlp, ModelError> {
     Ok(Mlp {
         gate_proj: column_parallel_linear(&mlp.gate_proj, rank, tp).map_err(err)?,
         up_proj: column_parallel_linear(&mlp.up_proj, rank, tp).map_err(err)?,
         down_proj: row_parallel_linear(&mlp.down_proj, rank, tp).map_err(err)?,
     })
+}
+
+/// Checks `pp = cp = 1` and builds the dispatcher of `kind` for `num_experts` experts.
+pub(crate) fn make_dispatcher(
+    groups: &GroupComms,
+    kind: DispatcherKind,
+    num_experts: usize,
+) -> Result<Arc<dyn TokenDispatcher>, ModelError> {
+    let layout: &ParallelLayout = &groups.groups.layout;
+    if layout.pp != 1 || layout.cp != 1 {
+        return Err(ModelError::invalid(
+            "layout",
+            "pipeline and context parallelism are not implemented (pp = cp = 1)",
+        ));
+    }
+    let tp_ep = groups.comm(GroupFamily::TpEp).clone();
+    let e = num_experts;
+    Ok(match kind {
+        DispatcherKind::AllGather => {
+            Arc::new(AllGatherDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
+        }
+        DispatcherKind::AllToAll => Arc::new(
+            AllToAllDispatcher::new(
+                groups.comm(GroupFamily::Ep).clone(),
+                groups.comm(GroupFamily::ExptTp).clone(),
+                tp_ep,
+                e,
+            )
+            .map_err(err)?,
+        ),
+        DispatcherKind::Flex => {
+            Arc::new(FlexDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
+        }
+    })
+}
+
+/// HF causal-LM targets of row-major `labels [B, S]`: position `i` predicts `labels[i+1]`;
+/// the last position of every row is ignored.
+pub(crate) fn shifted_targets(labels: &[i64], s: usize) -> Vec<i64> {
+    (0..labels.len())
+        .map(|i| {
+            if (i + 1) % s == 0 {
+                IGNORE_INDEX
+            } else {
+                labels[i + 1]
+            }
+        })
+        .collect()
+}
+
+/// Checks a replica batch: `n` ids and labels forming `batch` rows, `B·S` divisible by `tp`.
+pub(crate) fn check_batch(
+    ids: &[i64],
+    labels: &[i64],
+    batch: usize,
+    tp: usize,
+) -> Result<usize, ModelError> {
+    let n = ids.len();
+    if batch == 0 || !n.is_multiple_of(batch) || labels.len() != n || !n.is_multiple_of(tp) {
+        return Err(ModelError::invalid(
+            "input_ids",
+            format!(
+                "{n} ids / {} labels must form {batch} sequences whose B·S divides by tp = {tp}",
+                labels.len()
+            ),
+        ));
+    }
+    Ok(n / batch)
 }
 
 impl ParallelQwen3Moe {
@@ -112,34 +191,10 @@ impl ParallelQwen3Moe {
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
         let layout: &ParallelLayout = &groups.groups.layout;
-        if layout.pp != 1 || layout.cp != 1 {
-            return Err(ModelError::invalid(
-                "layout",
-                "pipeline and context parallelism are not implemented (pp = cp = 1)",
-            ));
-        }
         let config = full.config().clone();
         let tp_comm = groups.comm(GroupFamily::Tp).clone();
         let (rank, tp) = (tp_comm.rank(), tp_comm.size());
-        let tp_ep = groups.comm(GroupFamily::TpEp).clone();
-        let e = config.num_experts;
-        let dispatcher: Arc<dyn TokenDispatcher> = match kind {
-            DispatcherKind::AllGather => {
-                Arc::new(AllGatherDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
-            }
-            DispatcherKind::AllToAll => Arc::new(
-                AllToAllDispatcher::new(
-                    groups.comm(GroupFamily::Ep).clone(),
-                    groups.comm(GroupFamily::ExptTp).clone(),
-                    tp_ep,
-                    e,
-                )
-                .map_err(err)?,
-            ),
-            DispatcherKind::Flex => {
-                Arc::new(FlexDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
-            }
-        };
+        let dispatcher = make_dispatcher(groups, kind, config.num_experts)?;
         let etp_rank = groups.groups.get(GroupFamily::ExptTp).index;
         let mut model = replicate(full);
         let (embed, vocab) =
@@ -206,17 +261,7 @@ impl ParallelQwen3Moe {
         device: &Device,
     ) -> Result<ParallelOutput, ModelError> {
         let n = input_ids.len();
-        let tp = self.tp.size();
-        if batch == 0 || !n.is_multiple_of(batch) || labels.len() != n || !n.is_multiple_of(tp) {
-            return Err(ModelError::invalid(
-                "input_ids",
-                format!(
-                    "{n} ids / {} labels must form {batch} sequences whose B·S divides by tp = {tp}",
-                    labels.len()
-                ),
-            ));
-        }
-        let s = n / batch;
+        let s = check_batch(input_ids, labels, batch, self.tp.size())?;
         let model = &self.model;
         let h = model.config().hidden_size;
         let rope = self.rope.tables(0, s, device);
@@ -265,15 +310,7 @@ impl ParallelQwen3Moe {
             Some(head) => head.forward(full),
             None => full.matmul(model.model.embed_tokens.weight.val().transpose()),
         };
-        let targets: Vec<i64> = (0..n)
-            .map(|i| {
-                if (i + 1) % s == 0 {
-                    IGNORE_INDEX
-                } else {
-                    labels[i + 1]
-                }
-            })
-            .collect();
+        let targets = shifted_targets(labels, s);
         let loss = vocab_parallel_cross_entropy(
             logits.clone(),
             &targets,
