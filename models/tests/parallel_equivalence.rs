@@ -260,7 +260,7 @@ fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
             want,
         ))
     });
-    let mut mean_loss = vec![0f32; STEPS];
+    let mut mean_loss = [0f32; STEPS];
     for (r, res) in results.into_iter().enumerate() {
         let (replica, vl, tp_rank, losses, norms, logits, mine, want) =
             res.unwrap_or_else(|e| panic!("{spec} {kind:?} rank {r}: {e}"));
