@@ -7,6 +7,11 @@
 //!   experts and the single-rank [`backend::layer::MoeLayer`], as a Burn backend extension;
 //! - [`models`] (`moe-models`): model building blocks and HF configuration parsing;
 //! - [`bridge`] (`moe-bridge`): HuggingFace safetensors I/O.
+//!
+//! [`finetune`] is the library side of `examples/finetune.rs`: a Qwen3-MoE fine-tuning job on
+//! in-process ranks under any parallel layout.
+
+pub mod finetune;
 
 pub use moe_backend as backend;
 pub use moe_bridge as bridge;
@@ -20,5 +25,6 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }

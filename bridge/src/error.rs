@@ -337,4 +337,59 @@ pub enum BridgeError {
         /// The loading report, summarised.
         summary: String,
     },
+
+    /// A directory is not a loadable distributed checkpoint (a `.tmp-*` save in progress or
+    /// aborted, no `.complete` marker, no index, or a `latest` naming nothing).
+    #[error("{path}: not a loadable distributed checkpoint: {reason}")]
+    NotACheckpoint {
+        /// The directory (or `latest` file).
+        path: PathBuf,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// `moe_dcp.index.json` or a chunk file's DCP metadata is malformed or inconsistent.
+    #[error("{path}: invalid distributed checkpoint index: {reason}")]
+    InvalidDistIndex {
+        /// The index or chunk file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The chunks of a tensor do not cover its global shape exactly once, or a requested box is
+    /// not covered (checkpoints.md §7, §8).
+    #[error("{path}: tensor `{tensor}`: coverage error: {reason}")]
+    Coverage {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The tensor (fqn).
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A chunk file disagrees with the index (shape, dtype, offsets or a missing tensor).
+    #[error("{path}: tensor `{tensor}`: chunk file disagrees with the index: {reason}")]
+    CorruptChunk {
+        /// The chunk file.
+        path: PathBuf,
+        /// The tensor (fqn).
+        tensor: String,
+        /// What differs.
+        reason: String,
+    },
+    /// A tensor cannot be sharded under a layout (dimension not divisible, bad box).
+    #[error("tensor `{tensor}`: cannot shard: {reason}")]
+    Sharding {
+        /// The tensor (fqn).
+        tensor: String,
+        /// Why not.
+        reason: String,
+    },
+    /// A distributed save was aborted; the previous checkpoint is untouched.
+    #[error("{path}: distributed save aborted: {reason}")]
+    SaveAborted {
+        /// The temporary checkpoint directory.
+        path: PathBuf,
+        /// The first failure reported by any rank.
+        reason: String,
+    },
 }

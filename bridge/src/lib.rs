@@ -21,9 +21,13 @@ mod error;
 pub mod export;
 pub mod fp8;
 pub mod hf;
+pub mod live_export;
 pub mod mapping;
 pub mod safetensors;
 #[cfg(test)]
 mod test_util;
+pub mod upcycle;
+pub mod weights;
 
 pub use error::BridgeError;
+pub use weights::{AnyCausalLm, ModelConfig, load_causal_lm};

@@ -15,6 +15,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{DType, Device, Int, Tensor};
 use moe_backend::experts::SharedExperts;
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use moe_backend::router::RouterState;
 use moe_backend::router::{GroupLimitConfig, RouteOptions, ScoreFunction, TopKRouterConfig};
 
 use crate::ModelError;
@@ -205,11 +206,19 @@ pub struct DeepseekV3Moe {
 impl DeepseekV3Moe {
     /// `x [B, S, H] → ([B, S, H], routing)`.
     pub fn forward(&self, x: Tensor<3>) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
+        self.forward_with_state(x, &self.moe.router.init_state())
+    }
+
+    /// [`forward`](Self::forward) reading the router `state` (router replay, moe-ops §10).
+    pub fn forward_with_state(
+        &self,
+        x: Tensor<3>,
+        state: &RouterState,
+    ) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
         let [b, s, h] = x.dims();
-        let state = self.moe.router.init_state();
         let out = self
             .moe
-            .forward(x.reshape([b * s, h]), &state, &RouteOptions::default())?;
+            .forward(x.reshape([b * s, h]), state, &RouteOptions::default())?;
         let r = out.routing;
         let topk_weights = r.probs.gather(1, r.topk_indices.clone());
         Ok((
@@ -256,6 +265,17 @@ impl DeepseekV3DecoderLayer {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
+        self.forward_with_state(x, rope, cache, None)
+    }
+
+    /// [`forward`](Self::forward) with a router `state` for an MoE layer (fresh when `None`).
+    pub fn forward_with_state(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        cache: Option<&mut LayerCache>,
+        state: Option<&RouterState>,
+    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
         let h = x.clone()
             + self
                 .self_attn
@@ -264,7 +284,8 @@ impl DeepseekV3DecoderLayer {
         let (y, routing) = match &self.mlp {
             DeepseekV3FeedForward::Dense(mlp) => (mlp.forward(normed), None),
             DeepseekV3FeedForward::Moe(moe) => {
-                let (y, r) = moe.forward(normed)?;
+                let fresh = moe.moe.router.init_state();
+                let (y, r) = moe.forward_with_state(normed, state.unwrap_or(&fresh))?;
                 (y, Some(r))
             }
         };
@@ -358,7 +379,7 @@ impl DeepseekV3ForCausalLM {
 
     /// Logits and per-MoE-layer routing of `input_ids [B, S]` (positions `0..S`, no cache).
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<DeepseekV3Output, ModelError> {
-        self.run(input_ids, None)
+        self.run(input_ids, None, None)
     }
 
     /// MTP logits of every depth `j < D` (models.md §3.6): `[B, S − 1 − j, V]`, position `i`
@@ -396,10 +417,12 @@ impl DeepseekV3ForCausalLM {
         Ok(logits)
     }
 
-    fn run(
+    /// The forward; `states`: router states by decoder-layer index ([`crate::replay`]).
+    pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
         mut cache: Option<&mut KvCache>,
+        states: Option<&std::collections::BTreeMap<usize, RouterState>>,
     ) -> Result<DeepseekV3Output, ModelError> {
         let [_, s] = input_ids.dims();
         let offset = cache.as_ref().map_or(0, |c| c.seq_len());
@@ -408,7 +431,8 @@ impl DeepseekV3ForCausalLM {
         let mut routing = Vec::new();
         for (i, layer) in self.model.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-            let (y, r) = layer.forward(x, &rope, layer_cache)?;
+            let state = states.and_then(|m| m.get(&i));
+            let (y, r) = layer.forward_with_state(x, &rope, layer_cache, state)?;
             x = y;
             routing.extend(r);
         }
@@ -510,7 +534,7 @@ impl CausalLm for DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        Ok(self.run(input_ids, Some(cache))?.logits)
+        Ok(self.run(input_ids, Some(cache), None)?.logits)
     }
 }
 

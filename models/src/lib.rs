@@ -21,10 +21,13 @@ pub mod config;
 pub mod deepseek_v3;
 pub mod distributed;
 mod error;
+pub mod export;
 pub mod layers;
 pub mod mtp;
+pub mod plan;
 pub mod qwen3;
 pub mod qwen3_moe;
+pub mod replay;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;

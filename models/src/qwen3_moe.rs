@@ -8,11 +8,13 @@
 //! (post-softmax routing, equal to HF's softmax → top-k → divide up to rounding), no shared
 //! expert, no scaling factor.
 
+use std::collections::BTreeMap;
+
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::{RouteOptions, ScoreFunction, TopKRouterConfig};
+use moe_backend::router::{RouteOptions, RouterState, ScoreFunction, TopKRouterConfig};
 
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, hf_load_balancing_loss, lm_logits};
@@ -106,13 +108,38 @@ pub struct Qwen3MoeSparseMoeBlock {
 impl Qwen3MoeSparseMoeBlock {
     /// `x [B, S, H] → ([B, S, H], router logits [B·S, E])`.
     pub fn forward(&self, x: Tensor<3>) -> Result<(Tensor<3>, Tensor<2>), ModelError> {
+        let (y, routing) = self.forward_with_state(x, &self.moe.router.init_state())?;
+        Ok((y, routing.router_logits))
+    }
+
+    /// [`forward`](Self::forward) reading the router `state` (e.g. router replay, moe-ops
+    /// §10); also returns the selected experts `[B·S, k]`.
+    pub fn forward_with_state(
+        &self,
+        x: Tensor<3>,
+        state: &RouterState,
+    ) -> Result<(Tensor<3>, Qwen3MoeRouting), ModelError> {
         let [b, s, h] = x.dims();
-        let state = self.moe.router.init_state();
         let out = self
             .moe
-            .forward(x.reshape([b * s, h]), &state, &RouteOptions::default())?;
-        Ok((out.output.reshape([b, s, h]), out.routing.logits))
+            .forward(x.reshape([b * s, h]), state, &RouteOptions::default())?;
+        Ok((
+            out.output.reshape([b, s, h]),
+            Qwen3MoeRouting {
+                router_logits: out.routing.logits,
+                topk_indices: out.routing.topk_indices,
+            },
+        ))
     }
+}
+
+/// Routing decisions of one sparse layer.
+#[derive(Debug, Clone)]
+pub struct Qwen3MoeRouting {
+    /// `[B·S, E]` router logits (rows `b·S + s`).
+    pub router_logits: Tensor<2>,
+    /// `[B·S, k]` selected experts (descending score, or as replayed).
+    pub topk_indices: Tensor<2, Int>,
 }
 
 /// The feed-forward part of a decoder layer.
@@ -148,19 +175,33 @@ impl Qwen3MoeDecoderLayer {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Result<(Tensor<3>, Option<Tensor<2>>), ModelError> {
+        let (y, routing) = self.forward_with_state(x, rope, cache, None)?;
+        Ok((y, routing.map(|r| r.router_logits)))
+    }
+
+    /// [`forward`](Self::forward) with an optional router `state` for a sparse layer (a fresh
+    /// one when `None`), returning the full routing.
+    pub fn forward_with_state(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        cache: Option<&mut LayerCache>,
+        state: Option<&RouterState>,
+    ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
         let h = x.clone()
             + self
                 .self_attn
                 .forward(self.input_layernorm.forward(x), rope, cache);
         let normed = self.post_attention_layernorm.forward(h.clone());
-        let (y, logits) = match &self.mlp {
+        let (y, routing) = match &self.mlp {
             Qwen3MoeFeedForward::Dense(mlp) => (mlp.forward(normed), None),
             Qwen3MoeFeedForward::Sparse(block) => {
-                let (y, logits) = block.forward(normed)?;
-                (y, Some(logits))
+                let fresh = block.moe.router.init_state();
+                let (y, routing) = block.forward_with_state(normed, state.unwrap_or(&fresh))?;
+                (y, Some(routing))
             }
         };
-        Ok((h + y, logits))
+        Ok((h + y, routing))
     }
 }
 
@@ -182,6 +223,8 @@ pub struct Qwen3MoeOutput {
     pub logits: Tensor<3>,
     /// Router logits `[B·S, E]` of every sparse layer, in layer order (rows `b·S + s`).
     pub router_logits: Vec<Tensor<2>>,
+    /// Selected experts `[B·S, k]` of every sparse layer, in layer order (rows `b·S + s`).
+    pub topk_indices: Vec<Tensor<2, Int>>,
 }
 
 /// Losses of a labelled forward (models.md §5.3).
@@ -281,7 +324,7 @@ impl Qwen3MoeForCausalLM {
 
     /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<Qwen3MoeOutput, ModelError> {
-        self.run(input_ids, None)
+        self.run(input_ids, None, None)
     }
 
     /// HF's labelled forward with `output_router_logits=True`: cross-entropy of `labels`
@@ -311,21 +354,28 @@ impl Qwen3MoeForCausalLM {
         })
     }
 
-    fn run(
+    /// The forward pass; `states` are per-MoE-layer router states by decoder-layer index
+    /// (router replay, [`crate::replay`]).
+    pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
         mut cache: Option<&mut KvCache>,
+        states: Option<&BTreeMap<usize, RouterState>>,
     ) -> Result<Qwen3MoeOutput, ModelError> {
         let [_, s] = input_ids.dims();
         let offset = cache.as_ref().map_or(0, |c| c.seq_len());
         let rope = self.rope.tables(offset, s, &input_ids.device());
         let mut x = self.model.embed_tokens.forward(input_ids);
-        let mut router_logits = Vec::new();
+        let (mut router_logits, mut topk_indices) = (Vec::new(), Vec::new());
         for (i, layer) in self.model.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-            let (y, logits) = layer.forward(x, &rope, layer_cache)?;
+            let state = states.and_then(|m| m.get(&i));
+            let (y, routing) = layer.forward_with_state(x, &rope, layer_cache, state)?;
             x = y;
-            router_logits.extend(logits);
+            if let Some(r) = routing {
+                router_logits.push(r.router_logits);
+                topk_indices.push(r.topk_indices);
+            }
         }
         let logits = lm_logits(
             self.model.norm.forward(x),
@@ -335,6 +385,7 @@ impl Qwen3MoeForCausalLM {
         Ok(Qwen3MoeOutput {
             logits,
             router_logits,
+            topk_indices,
         })
     }
 }
@@ -353,7 +404,7 @@ impl CausalLm for Qwen3MoeForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        Ok(self.run(input_ids, Some(cache))?.logits)
+        Ok(self.run(input_ids, Some(cache), None)?.logits)
     }
 }
 

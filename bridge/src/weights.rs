@@ -1,0 +1,320 @@
+//! HF checkpoints as model weights: [`HfCheckpoint`] implements `moe-models`'
+//! [`WeightSource`], and [`load_causal_lm`] builds whichever model `config.json` names.
+//!
+//! - Every tensor goes through the FP8 load hook of checkpoints.md §2 (dequantised iff one
+//!   byte wide with a `<name>_scale_inv`, to BF16 then widened to f32 — the values transformers
+//!   sees), so an FP8 release checkpoint loads like its BF16 dequantisation.
+//! - [`ModelConfig`] parses `config.json` by `model_type` (`qwen3`, `qwen3_moe`,
+//!   `deepseek_v3`) without touching the weights: enough for shape-only parameter counts.
+//! - [`AnyCausalLm`] is one of the three models, with forward, losses and generation
+//!   delegated to the concrete model.
+//! - Errors are [`BridgeError`]s naming the file and tensor: a corrupt or truncated shard is
+//!   reported as the reader saw it, a missing or mis-shaped tensor as
+//!   [`BridgeError::IncompleteCheckpoint`], a bad config as [`BridgeError::InvalidConfig`] or
+//!   [`BridgeError::UnknownModelType`].
+
+mod any_lm;
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use moe_models::{
+    DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, ParamCount, Qwen3Config, Qwen3ForCausalLM,
+    Qwen3MoeConfig, Qwen3MoeForCausalLM, WeightSource,
+};
+use serde_json::Value;
+
+use crate::BridgeError;
+use crate::hf::{CONFIG_FILE, HfCheckpoint, read_json};
+use crate::safetensors::elem::{bf16_bits_to_f32, f32_to_bf16_bits};
+
+pub use any_lm::{AnyCausalLm, LmLosses};
+
+/// The `model_type` values [`ModelConfig`] understands.
+pub const KNOWN_MODEL_TYPES: [&str; 3] = ["qwen3", "qwen3_moe", "deepseek_v3"];
+
+impl WeightSource for HfCheckpoint {
+    /// [`HfCheckpoint::read_f32`]: FP8 weights dequantised per checkpoints.md §2 (to BF16, then
+    /// widened), every other float dtype widened to f32. A tensor absent from the checkpoint is
+    /// [`ModelError::MissingTensor`]; any read failure is [`ModelError::TensorRead`] whose reason
+    /// is the bridge error (naming the file).
+    fn tensor_f32(&self, hf_name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        if !HfCheckpoint::contains(self, hf_name) {
+            return Err(ModelError::MissingTensor {
+                name: hf_name.to_owned(),
+            });
+        }
+        self.read_f32(hf_name).map_err(|e| ModelError::TensorRead {
+            name: hf_name.to_owned(),
+            reason: e.to_string(),
+        })
+    }
+
+    fn contains(&self, hf_name: &str) -> bool {
+        HfCheckpoint::contains(self, hf_name)
+    }
+}
+
+/// Precision of the weights handed to a model (compute stays f32; models.md §7 arithmetic
+/// policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightPrecision {
+    /// Values as stored, widened to f32 (the default and the parity setting).
+    #[default]
+    F32,
+    /// Every value rounded once (RNE) to bf16 before widening, as a bf16 copy of the model
+    /// would hold it.
+    Bf16,
+}
+
+/// A [`WeightSource`] over a checkpoint that keeps the first [`BridgeError`] it met, so that a
+/// failed load can report the reader's own error (truncated file, bad header) rather than its
+/// string form, and that optionally rounds values to bf16.
+struct CheckpointSource<'a> {
+    checkpoint: &'a HfCheckpoint,
+    precision: WeightPrecision,
+    first_error: RefCell<Option<BridgeError>>,
+}
+
+impl WeightSource for CheckpointSource<'_> {
+    fn tensor_f32(&self, hf_name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        if !self.checkpoint.contains(hf_name) {
+            return Err(ModelError::MissingTensor {
+                name: hf_name.to_owned(),
+            });
+        }
+        match self.checkpoint.read_f32(hf_name) {
+            Ok((shape, mut values)) => {
+                if self.precision == WeightPrecision::Bf16 {
+                    for v in &mut values {
+                        *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
+                    }
+                }
+                Ok((shape, values))
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                self.first_error.borrow_mut().get_or_insert(e);
+                Err(ModelError::TensorRead {
+                    name: hf_name.to_owned(),
+                    reason,
+                })
+            }
+        }
+    }
+
+    fn contains(&self, hf_name: &str) -> bool {
+        self.checkpoint.contains(hf_name)
+    }
+}
+
+/// A parsed `config.json` of one of the supported model families.
+#[derive(Debug, Clone)]
+pub enum ModelConfig {
+    /// `model_type: "qwen3"`.
+    Qwen3(Qwen3Config),
+    /// `model_type: "qwen3_moe"`.
+    Qwen3Moe(Qwen3MoeConfig),
+    /// `model_type: "deepseek_v3"`.
+    DeepseekV3(DeepseekV3Config),
+}
+
+impl ModelConfig {
+    /// Reads `<dir>/config.json`.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, BridgeError> {
+        let path = dir.as_ref().join(CONFIG_FILE);
+        Self::from_json(&read_json(&path)?, &path)
+    }
+
+    /// Parses a `config.json` already read as JSON; `path` names it in errors.
+    ///
+    /// Errors: [`BridgeError::InvalidConfig`] when `model_type` is absent or the config is
+    /// invalid (naming the field), [`BridgeError::UnknownModelType`] for any other model type.
+    pub fn from_json(config: &Value, path: &Path) -> Result<Self, BridgeError> {
+        let model_type = match config.get("model_type") {
+            Some(Value::String(s)) => s.as_str(),
+            other => {
+                return Err(BridgeError::InvalidConfig {
+                    path: path.to_path_buf(),
+                    field: "model_type".to_owned(),
+                    reason: match other {
+                        None => "missing".to_owned(),
+                        Some(v) => format!("{v} is not a string"),
+                    },
+                });
+            }
+        };
+        let text = config.to_string();
+        let parsed = match model_type {
+            "qwen3" => Qwen3Config::from_json_str(&text).map(Self::Qwen3),
+            "qwen3_moe" => Qwen3MoeConfig::from_json_str(&text).map(Self::Qwen3Moe),
+            "deepseek_v3" => DeepseekV3Config::from_json_str(&text).map(Self::DeepseekV3),
+            other => {
+                return Err(BridgeError::UnknownModelType {
+                    path: path.to_path_buf(),
+                    model_type: other.to_owned(),
+                    known: KNOWN_MODEL_TYPES.join(", "),
+                });
+            }
+        };
+        let config = parsed.map_err(|e| config_error(e, path))?;
+        config.validate().map_err(|e| config_error(e, path))?;
+        Ok(config)
+    }
+
+    /// HF `model_type`.
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            Self::Qwen3(_) => "qwen3",
+            Self::Qwen3Moe(_) => "qwen3_moe",
+            Self::DeepseekV3(_) => "deepseek_v3",
+        }
+    }
+
+    /// HF architecture class name (`config.json` `architectures[0]`).
+    pub fn architecture(&self) -> &'static str {
+        match self {
+            Self::Qwen3(_) => "Qwen3ForCausalLM",
+            Self::Qwen3Moe(_) => "Qwen3MoeForCausalLM",
+            Self::DeepseekV3(_) => "DeepseekV3ForCausalLM",
+        }
+    }
+
+    /// Checks the configuration's internal consistency.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        match self {
+            Self::Qwen3(c) => c.validate(),
+            Self::Qwen3Moe(c) => c.validate(),
+            Self::DeepseekV3(c) => c.validate(),
+        }
+    }
+
+    /// Shape-only parameter counts (nothing is allocated).
+    pub fn param_count(&self) -> ParamCount {
+        match self {
+            Self::Qwen3(c) => c.param_count(),
+            Self::Qwen3Moe(c) => c.param_count(),
+            Self::DeepseekV3(c) => c.param_count(),
+        }
+    }
+
+    /// Vocabulary size `V`.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Qwen3(c) => c.vocab_size,
+            Self::Qwen3Moe(c) => c.vocab_size,
+            Self::DeepseekV3(c) => c.vocab_size,
+        }
+    }
+
+    /// Number of decoder layers (DeepSeek-V3's MTP layers not included).
+    pub fn num_layers(&self) -> usize {
+        match self {
+            Self::Qwen3(c) => c.num_hidden_layers,
+            Self::Qwen3Moe(c) => c.num_hidden_layers,
+            Self::DeepseekV3(c) => c.num_hidden_layers,
+        }
+    }
+
+    /// Hidden size `H`.
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            Self::Qwen3(c) => c.hidden_size,
+            Self::Qwen3Moe(c) => c.hidden_size,
+            Self::DeepseekV3(c) => c.hidden_size,
+        }
+    }
+
+    /// `(routed experts, experts per token)` for MoE models, `None` for dense ones.
+    pub fn experts(&self) -> Option<(usize, usize)> {
+        match self {
+            Self::Qwen3(_) => None,
+            Self::Qwen3Moe(c) => Some((c.num_experts, c.num_experts_per_tok)),
+            Self::DeepseekV3(c) => Some((c.n_routed_experts, c.num_experts_per_tok)),
+        }
+    }
+
+    /// Configuration warnings worth showing a user (e.g. DeepSeek-V3's YaRN factor check).
+    pub fn warnings(&self) -> Vec<String> {
+        match self {
+            Self::DeepseekV3(c) => c.warnings(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// A [`ModelError`] found while parsing `path`, as a [`BridgeError::InvalidConfig`] naming the
+/// field.
+fn config_error(err: ModelError, path: &Path) -> BridgeError {
+    let field = match &err {
+        ModelError::MissingField { field, .. } => (*field).to_owned(),
+        ModelError::WrongType { field, .. } | ModelError::InvalidValue { field, .. } => {
+            field.clone()
+        }
+        ModelError::ConflictingFields { first, second, .. } => format!("{first}/{second}"),
+        ModelError::WrongModelType { .. } => "model_type".to_owned(),
+        _ => "(config)".to_owned(),
+    };
+    BridgeError::InvalidConfig {
+        path: path.to_path_buf(),
+        field,
+        reason: err.to_string(),
+    }
+}
+
+/// Opens the HF checkpoint in `dir` (single file or sharded) and builds the model its
+/// `config.json` names, with f32 weights on `device`.
+///
+/// Errors: see the module docs; no input makes this panic.
+pub fn load_causal_lm(dir: impl AsRef<Path>, device: &Device) -> Result<AnyCausalLm, BridgeError> {
+    let checkpoint = HfCheckpoint::open(dir)?;
+    load_from_checkpoint(&checkpoint, WeightPrecision::F32, device)
+}
+
+/// Builds the model `checkpoint`'s `config.json` names, with weights of `precision`.
+pub fn load_from_checkpoint(
+    checkpoint: &HfCheckpoint,
+    precision: WeightPrecision,
+    device: &Device,
+) -> Result<AnyCausalLm, BridgeError> {
+    let config = ModelConfig::from_dir(checkpoint.dir())?;
+    let source = CheckpointSource {
+        checkpoint,
+        precision,
+        first_error: RefCell::new(None),
+    };
+    let built = match &config {
+        ModelConfig::Qwen3(c) => {
+            Qwen3ForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::Qwen3)
+        }
+        ModelConfig::Qwen3Moe(c) => {
+            Qwen3MoeForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::Qwen3Moe)
+        }
+        ModelConfig::DeepseekV3(c) => {
+            DeepseekV3ForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::DeepseekV3)
+        }
+    };
+    built.map_err(|err| match source.first_error.into_inner() {
+        Some(read_error) => read_error,
+        None => load_error(err, checkpoint.dir()),
+    })
+}
+
+/// A model-building error that is not a read error: the checkpoint lacks or mis-shapes a tensor.
+fn load_error(err: ModelError, dir: &Path) -> BridgeError {
+    let path: PathBuf = dir.to_path_buf();
+    match err {
+        ModelError::MissingTensor { .. }
+        | ModelError::TensorShape { .. }
+        | ModelError::TensorRead { .. }
+        | ModelError::MixedExpertLayout { .. } => BridgeError::IncompleteCheckpoint {
+            path,
+            summary: err.to_string(),
+        },
+        other => config_error(other, &dir.join(CONFIG_FILE)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

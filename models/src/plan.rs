@@ -1,0 +1,266 @@
+//! Layout planner formulas (parallelism.md §6–§8): parameters held by each rank under a
+//! [`ParallelLayout`], optimizer-state bytes, and the communication volumes of expert and tensor
+//! parallelism (EP all-to-all, MegaScale-MoE's TP / SP / EP volumes, the compute/communication
+//! ratio `R`).
+//!
+//! Parameter counts follow this project's sharding exactly (parallelism.md §3, checkpoints.md
+//! §3): vocabulary, attention heads, dense and TP-sharded MLP columns split over `tp`; routed
+//! experts over `ep` and their FFN width over `etp`; norms, routers, expert biases, shared
+//! experts and MLA's latent down-projections replicated. With `pp > 1` layers are split into
+//! contiguous stages (the first stage holds the embedding, the last the head).
+
+use moe_backend::parallel::ParallelLayout;
+
+use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
+
+/// Parameters one rank holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankParams {
+    /// TP-sharded dense parameters (embedding, head, attention, dense MLPs).
+    pub dense_sharded: u64,
+    /// TP-replicated dense parameters (norms, routers, shared experts, MLA latents, biases).
+    pub dense_replicated: u64,
+    /// Routed-expert parameters.
+    pub expert: u64,
+}
+
+impl RankParams {
+    /// All parameters of the rank.
+    pub fn total(&self) -> u64 {
+        self.dense_sharded + self.dense_replicated + self.expert
+    }
+
+    fn add(&mut self, other: RankParams) {
+        self.dense_sharded += other.dense_sharded;
+        self.dense_replicated += other.dense_replicated;
+        self.expert += other.expert;
+    }
+}
+
+/// Layers `[first, last)` of pipeline stage `stage` for `layers` layers over `pp` stages
+/// (contiguous, earlier stages take the remainder).
+pub fn stage_layers(layers: usize, pp: usize, stage: usize) -> std::ops::Range<usize> {
+    let base = layers / pp;
+    let extra = layers % pp;
+    let start = stage * base + stage.min(extra);
+    let len = base + usize::from(stage < extra);
+    start..start + len
+}
+
+/// Per-rank parameters of a Qwen3-MoE model on pipeline stage `stage`.
+pub fn qwen3_moe_rank_params(
+    c: &Qwen3MoeConfig,
+    layout: &ParallelLayout,
+    stage: usize,
+) -> RankParams {
+    let (tp, ep, etp) = (layout.tp as u64, layout.ep as u64, layout.etp as u64);
+    let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
+    let (nh, nkv, hd) = (
+        c.num_attention_heads as u64,
+        c.num_key_value_heads as u64,
+        c.head_dim as u64,
+    );
+    let mut p = RankParams::default();
+    if stage == 0 {
+        p.dense_sharded += v * h / tp;
+    }
+    if stage + 1 == layout.pp {
+        p.dense_replicated += h; // final norm
+        if !c.tie_word_embeddings {
+            p.dense_sharded += v * h / tp;
+        }
+    }
+    for layer in stage_layers(c.num_hidden_layers, layout.pp, stage) {
+        let mut l = RankParams {
+            dense_sharded: (2 * h * nh * hd + 2 * h * nkv * hd) / tp,
+            dense_replicated: 2 * h + 2 * hd,
+            expert: 0,
+        };
+        if c.is_moe_layer(layer) {
+            let (e, im) = (c.num_experts as u64, c.moe_intermediate_size as u64);
+            l.dense_replicated += e * h;
+            l.expert += (e / ep) * 3 * h * im / etp;
+        } else {
+            l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
+        }
+        p.add(l);
+    }
+    p
+}
+
+/// Per-rank parameters of a DeepSeek-V3 main model (no MTP) on pipeline stage `stage`.
+pub fn deepseek_v3_rank_params(
+    c: &DeepseekV3Config,
+    layout: &ParallelLayout,
+    stage: usize,
+) -> RankParams {
+    let (tp, ep, etp) = (layout.tp as u64, layout.ep as u64, layout.etp as u64);
+    let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
+    let (nh, nope, rot, dv) = (
+        c.num_attention_heads as u64,
+        c.qk_nope_head_dim as u64,
+        c.qk_rope_head_dim as u64,
+        c.v_head_dim as u64,
+    );
+    let kvl = c.kv_lora_rank as u64;
+    let mut p = RankParams::default();
+    if stage == 0 {
+        p.dense_sharded += v * h / tp;
+    }
+    if stage + 1 == layout.pp {
+        p.dense_replicated += h;
+        if !c.tie_word_embeddings {
+            p.dense_sharded += v * h / tp;
+        }
+    }
+    for layer in stage_layers(c.num_hidden_layers, layout.pp, stage) {
+        let (q_sharded, q_replicated) = match c.q_lora_rank {
+            Some(r) => {
+                let r = r as u64;
+                (r * nh * (nope + rot) / tp, h * r + r)
+            }
+            None => (h * nh * (nope + rot) / tp, 0),
+        };
+        let mut l = RankParams {
+            dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
+            dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
+            expert: 0,
+        };
+        if c.is_moe_layer(layer) {
+            let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
+            l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
+            l.expert += (e / ep) * 3 * h * im / etp;
+        } else {
+            l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
+        }
+        p.add(l);
+    }
+    p
+}
+
+/// Bytes per parameter per rank for BF16 weights, f32 main grads and a distributed optimizer
+/// over `d` ranks: f32 master + two moments (`moment_bytes` each) sharded over `d`
+/// (parallelism.md §6: `6 + 12/d`, or `6 + 8/d` with BF16 moments).
+pub fn bytes_per_param(d: usize, moment_bytes: usize) -> f64 {
+    6.0 + (4 + 2 * moment_bytes) as f64 / d as f64
+}
+
+/// EP all-to-all payload per rank, per MoE layer and direction, under uniform routing
+/// (parallelism.md §7): `T·k·h·bytes·(EP−1)/EP`.
+pub fn a2a_remote_bytes(tokens: usize, k: usize, hidden: usize, bytes: usize, ep: usize) -> f64 {
+    (tokens * k * hidden * bytes) as f64 * (ep - 1) as f64 / ep as f64
+}
+
+/// MegaScale-MoE per-layer volumes (bytes) for one micro-batch (parallelism.md §7).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MegaScaleVolumes {
+    /// `A = b·s·h·bytes`.
+    pub activation: f64,
+    /// TP attention `2·A·(n−1)/n`.
+    pub tp_attention: f64,
+    /// Ulysses SP attention `V_TP_attn·(2 + 2/m)/n`.
+    pub sp_attention: f64,
+    /// TP FFN `2·A·(n−1)/n`.
+    pub tp_ffn: f64,
+    /// EP FFN over all-to-all `(k/n)·V_TP_ffn`.
+    pub ep_ffn: f64,
+}
+
+impl MegaScaleVolumes {
+    /// Volumes for micro-batch `b`, sequence `s`, hidden `h`, `bytes` per element, intra-node
+    /// parallel size `n`, `m` query heads per KV head, top-`k`.
+    pub fn new(b: usize, s: usize, h: usize, bytes: usize, n: usize, m: usize, k: usize) -> Self {
+        let a = (b * s * h * bytes) as f64;
+        let n_f = n as f64;
+        let tp = 2.0 * a * (n_f - 1.0) / n_f;
+        Self {
+            activation: a,
+            tp_attention: tp,
+            sp_attention: tp * (2.0 + 2.0 / m as f64) / n_f,
+            tp_ffn: tp,
+            ep_ffn: k as f64 / n_f * tp,
+        }
+    }
+
+    /// `(TP attention + TP FFN) / (SP attention + EP FFN)`.
+    pub fn tp_over_sp_ep(&self) -> f64 {
+        (self.tp_attention + self.tp_ffn) / (self.sp_attention + self.ep_ffn)
+    }
+}
+
+/// MegaScale's compute/communication ratio of expert parallelism (parallelism.md §7):
+/// `R = 1.5·h_ff·(B/P)·n/(n−1)`, or the approximation `1.5·h_ff·B/P` when `n` is `None`.
+pub fn compute_comm_ratio(
+    h_ff: usize,
+    link_bytes_per_s: f64,
+    peak_flops: f64,
+    n: Option<usize>,
+) -> f64 {
+    let r = 1.5 * h_ff as f64 * link_bytes_per_s / peak_flops;
+    match n {
+        Some(n) if n > 1 => r * n as f64 / (n - 1) as f64,
+        _ => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: f64 = 1024.0 * 1024.0;
+
+    #[test]
+    fn deepseek_v4_dispatch_payload_is_330_75_mib() {
+        // T = 4096 rows/rank, k = 6, h = 7168, BF16, EP64.
+        let remote = a2a_remote_bytes(4096, 6, 7168, 2, 64);
+        assert_eq!(remote / MIB, 330.75);
+        assert_eq!((4096 * 6 * 7168 * 2) as f64 / MIB, 336.0);
+        assert_eq!(2.0 * remote / MIB, 661.5);
+        assert_eq!(4.0 * remote / MIB, 1323.0);
+    }
+
+    #[test]
+    fn megascale_goldens() {
+        let v = MegaScaleVolumes::new(1, 8192, 4096, 2, 8, 4, 3);
+        let mb = |x: f64| x / 1e6;
+        assert!((mb(v.activation) - 67.1).abs() < 0.05);
+        assert!((mb(v.tp_attention) - 117.4).abs() < 0.05);
+        assert!((mb(v.sp_attention) - 36.7).abs() < 0.05);
+        assert!((mb(v.ep_ffn) - 44.0).abs() < 0.05);
+        // ≈ 2.9 within 2%.
+        assert!(
+            (v.tp_over_sp_ep() - 2.9).abs() <= 0.02 * 2.9,
+            "{}",
+            v.tp_over_sp_ep()
+        );
+    }
+
+    #[test]
+    fn compute_comm_ratio_goldens() {
+        let p = 989e12;
+        assert!((compute_comm_ratio(16384, 400e9, p, None) - 9.9).abs() < 0.05);
+        assert!((compute_comm_ratio(16384, 50e9, p, None) - 1.2).abs() < 0.05);
+        // DeepSeekMoE-width experts (1408) on NVLink with n = 8.
+        assert!((compute_comm_ratio(1408, 400e9, p, Some(8)) - 0.98).abs() < 0.01);
+    }
+
+    #[test]
+    fn optimizer_bytes_per_param() {
+        assert_eq!(bytes_per_param(1, 4), 18.0);
+        assert_eq!(bytes_per_param(4, 4), 9.0); // 6 + 12/4
+        assert_eq!(bytes_per_param(4, 2), 8.0); // 6 + 8/4
+    }
+
+    #[test]
+    fn stages_are_contiguous_and_cover_every_layer() {
+        for (layers, pp) in [(61, 4), (3, 1), (8, 8), (10, 3)] {
+            let mut next = 0;
+            for s in 0..pp {
+                let r = stage_layers(layers, pp, s);
+                assert_eq!(r.start, next);
+                next = r.end;
+            }
+            assert_eq!(next, layers);
+        }
+    }
+}

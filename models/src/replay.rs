@@ -1,0 +1,327 @@
+//! Router replay for RL (moe-ops §10): record the routing of a forward pass, store it in a
+//! small safetensors file, and force it in a later Qwen3-MoE or DeepSeek-V3 forward.
+//!
+//! # File format
+//!
+//! A safetensors file (8-byte little-endian header length, JSON header padded with spaces
+//! to a multiple of 8, raw little-endian data) holding, for **every MoE layer** of the
+//! model, one tensor
+//!
+//! | name | dtype | shape | contents |
+//! |---|---|---|---|
+//! | `layers.{i}.topk_indices` | `I32` | `[T, k]` | expert ids selected for each token |
+//!
+//! - `i` is the decoder-layer index of HF's `model.layers.{i}` (so dense layers such as
+//!   Qwen3-MoE's `mlp_only_layers` or DeepSeek-V3's first `first_k_dense_replace` layers
+//!   have no tensor and the set of `i` must equal the model's MoE layers);
+//! - `T = B·S`: tokens of the micro-batch in `b·S + s` order (the row-major flattening of
+//!   `input_ids [B, S]`), the same for every layer;
+//! - the order of the `k` ids in a row does not matter for the routing weights (they are
+//!   gathered at the ids, moe-ops §10); ids are in `0..E` and distinct within a row;
+//! - `__metadata__` (all values are strings, as safetensors requires): `model_type`
+//!   (`"qwen3_moe"` / `"deepseek_v3"`) and `k` are required; the writer also sets
+//!   `format = "moe-router-replay"`, `version = "1"` and `num_tokens`. Other keys are ignored.
+//!
+//! An inference engine writes one such file per rollout micro-batch; the trainer reads it
+//! with [`RouterReplayFile::read`] and runs [`replay_routing`], which puts every MoE router
+//! in moe-backend's `ReplayForward` mode with the recorded ids
+//! ([`moe_backend::router::RouterReplay`]): the top-k selection is skipped and the routing
+//! weights are gathered at the forced ids, then normalised and scaled as usual.
+//! [`record_routing`] produces the file from one of our own forwards.
+
+mod format;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use moe_backend::router::{ReplayMode, RouterState};
+
+use crate::ModelError;
+use crate::deepseek_v3::DeepseekV3ForCausalLM;
+use crate::qwen3_moe::Qwen3MoeForCausalLM;
+
+/// The `format` metadata value written into replay files.
+pub const REPLAY_FORMAT: &str = "moe-router-replay";
+
+/// The tensor name of decoder layer `layer`'s indices: `layers.{layer}.topk_indices`.
+pub fn replay_tensor_name(layer: usize) -> String {
+    format!("layers.{layer}.topk_indices")
+}
+
+pub(crate) fn replay_error(reason: impl Into<String>) -> ModelError {
+    ModelError::InvalidInput {
+        what: "router replay",
+        reason: reason.into(),
+    }
+}
+
+/// The routing of one forward pass: per MoE layer, `[T, k]` expert ids (host values).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouterReplayFile {
+    /// HF `model_type` of the model the routing belongs to.
+    pub model_type: String,
+    /// `k`, experts per token.
+    pub topk: usize,
+    /// `T = B·S` tokens, rows in `b·S + s` order.
+    pub num_tokens: usize,
+    /// Decoder-layer index → row-major `[T, k]` expert ids.
+    pub layers: BTreeMap<usize, Vec<i32>>,
+}
+
+/// What a model expects of a replay file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplaySpec {
+    /// HF `model_type`.
+    pub model_type: &'static str,
+    /// Decoder-layer indices of the MoE layers, ascending.
+    pub moe_layers: Vec<usize>,
+    /// `k`.
+    pub topk: usize,
+    /// `E`, routed experts.
+    pub num_experts: usize,
+}
+
+impl RouterReplayFile {
+    /// An empty routing for `num_tokens` tokens and `topk` experts each.
+    pub fn new(model_type: impl Into<String>, topk: usize, num_tokens: usize) -> Self {
+        Self {
+            model_type: model_type.into(),
+            topk,
+            num_tokens,
+            layers: BTreeMap::new(),
+        }
+    }
+
+    /// Adds (or replaces) layer `layer`'s row-major `[T, k]` ids.
+    pub fn insert_layer(&mut self, layer: usize, indices: Vec<i32>) -> Result<(), ModelError> {
+        let expected = self.num_tokens * self.topk;
+        if indices.len() != expected {
+            return Err(replay_error(format!(
+                "`{}`: {} ids, expected T·k = {} · {} = {expected}",
+                replay_tensor_name(layer),
+                indices.len(),
+                self.num_tokens,
+                self.topk
+            )));
+        }
+        self.layers.insert(layer, indices);
+        Ok(())
+    }
+
+    /// Adds layer `layer`'s ids from a `[T, k]` int tensor (e.g. a forward's
+    /// `topk_indices`).
+    pub fn insert_tensor(
+        &mut self,
+        layer: usize,
+        indices: Tensor<2, Int>,
+    ) -> Result<(), ModelError> {
+        let dims = indices.dims();
+        if dims != [self.num_tokens, self.topk] {
+            return Err(replay_error(format!(
+                "`{}`: shape {dims:?}, expected [{}, {}]",
+                replay_tensor_name(layer),
+                self.num_tokens,
+                self.topk
+            )));
+        }
+        let values = indices
+            .into_data()
+            .try_into_vec_as::<i32>()
+            .map_err(|e| replay_error(format!("`{}`: {e:?}", replay_tensor_name(layer))))?;
+        self.insert_layer(layer, values)
+    }
+
+    /// Serialises to the safetensors bytes of the module-level format.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        format::encode(self)
+    }
+
+    /// Parses safetensors bytes (errors name the tensor or field; [`read`](Self::read) adds
+    /// the path).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, ModelError> {
+        format::decode(bytes)
+    }
+
+    /// Writes the file (not atomically; it is small).
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), ModelError> {
+        let path = path.as_ref();
+        std::fs::write(path, self.to_bytes())
+            .map_err(|e| replay_error(format!("cannot write: {e}")).in_file(path))
+    }
+
+    /// Reads and parses a replay file; errors carry the path.
+    pub fn read(path: impl AsRef<Path>) -> Result<Self, ModelError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path)
+            .map_err(|e| replay_error(format!("cannot read: {e}")).in_file(path))?;
+        Self::from_bytes(&bytes).map_err(|e| e.in_file(path))
+    }
+
+    /// Checks the routing against a model and a forward of `num_tokens` tokens: model type,
+    /// `k`, exactly the model's MoE layers, `T`, ids in `0..E` and distinct per row.
+    pub fn check(&self, spec: &ReplaySpec, num_tokens: usize) -> Result<(), ModelError> {
+        if self.model_type != spec.model_type {
+            return Err(replay_error(format!(
+                "model_type \"{}\" does not match the model's \"{}\"",
+                self.model_type, spec.model_type
+            )));
+        }
+        if self.topk != spec.topk {
+            return Err(replay_error(format!(
+                "k = {} does not match the model's num_experts_per_tok = {}",
+                self.topk, spec.topk
+            )));
+        }
+        let layers: Vec<usize> = self.layers.keys().copied().collect();
+        if layers != spec.moe_layers {
+            return Err(replay_error(format!(
+                "{} layers {layers:?}, the model has {} MoE layers {:?}",
+                layers.len(),
+                spec.moe_layers.len(),
+                spec.moe_layers
+            )));
+        }
+        if self.num_tokens != num_tokens {
+            return Err(replay_error(format!(
+                "{} tokens recorded, the forward has B·S = {num_tokens}",
+                self.num_tokens
+            )));
+        }
+        for (&layer, ids) in &self.layers {
+            for (row, chunk) in ids.chunks(self.topk.max(1)).enumerate() {
+                for (j, &id) in chunk.iter().enumerate() {
+                    if id < 0 || id as usize >= spec.num_experts {
+                        return Err(replay_error(format!(
+                            "`{}` row {row}: expert {id} out of range 0..{}",
+                            replay_tensor_name(layer),
+                            spec.num_experts
+                        )));
+                    }
+                    if chunk[..j].contains(&id) {
+                        return Err(replay_error(format!(
+                            "`{}` row {row}: expert {id} selected twice",
+                            replay_tensor_name(layer)
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One router state per MoE layer in `ReplayForward` mode holding the ids, on `device`.
+    pub fn router_states(
+        &self,
+        num_experts: usize,
+        device: &Device,
+    ) -> BTreeMap<usize, RouterState> {
+        self.layers
+            .iter()
+            .map(|(&layer, ids)| {
+                let mut state = RouterState::new(num_experts);
+                let data = TensorData::new(ids.clone(), [self.num_tokens, self.topk]);
+                state.replay.set_indices(Tensor::from_data(data, device));
+                state.replay.set_mode(ReplayMode::ReplayForward);
+                (layer, state)
+            })
+            .collect()
+    }
+}
+
+/// A model whose MoE routers can be recorded and replayed.
+pub trait RouterReplayModel {
+    /// What a replay file for this model must hold.
+    fn replay_spec(&self) -> ReplaySpec;
+
+    /// Logits `[B, S, V]` and the `[B·S, k]` selected experts of every MoE layer (ascending
+    /// layer), with per-layer router `states` (keyed by decoder-layer index) when given.
+    fn forward_routing(
+        &self,
+        input_ids: Tensor<2, Int>,
+        states: Option<&BTreeMap<usize, RouterState>>,
+    ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError>;
+}
+
+impl RouterReplayModel for Qwen3MoeForCausalLM {
+    fn replay_spec(&self) -> ReplaySpec {
+        let c = self.config();
+        ReplaySpec {
+            model_type: crate::Qwen3MoeConfig::MODEL_TYPE,
+            moe_layers: (0..c.num_hidden_layers)
+                .filter(|&i| c.is_moe_layer(i))
+                .collect(),
+            topk: c.num_experts_per_tok,
+            num_experts: c.num_experts,
+        }
+    }
+
+    fn forward_routing(
+        &self,
+        input_ids: Tensor<2, Int>,
+        states: Option<&BTreeMap<usize, RouterState>>,
+    ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
+        let out = self.run(input_ids, None, states)?;
+        Ok((out.logits, out.topk_indices))
+    }
+}
+
+impl RouterReplayModel for DeepseekV3ForCausalLM {
+    fn replay_spec(&self) -> ReplaySpec {
+        let c = self.config();
+        ReplaySpec {
+            model_type: "deepseek_v3",
+            moe_layers: (0..c.num_hidden_layers)
+                .filter(|&i| c.is_moe_layer(i))
+                .collect(),
+            topk: c.num_experts_per_tok,
+            num_experts: c.n_routed_experts,
+        }
+    }
+
+    fn forward_routing(
+        &self,
+        input_ids: Tensor<2, Int>,
+        states: Option<&BTreeMap<usize, RouterState>>,
+    ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
+        let out = self.run(input_ids, None, states)?;
+        Ok((
+            out.logits,
+            out.routing.into_iter().map(|r| r.topk_indices).collect(),
+        ))
+    }
+}
+
+/// Runs `model` on `input_ids [B, S]` and records its natural routing: returns the logits
+/// and the replay file (`T = B·S`).
+pub fn record_routing<M: RouterReplayModel>(
+    model: &M,
+    input_ids: Tensor<2, Int>,
+) -> Result<(Tensor<3>, RouterReplayFile), ModelError> {
+    let [b, s] = input_ids.dims();
+    let spec = model.replay_spec();
+    let (logits, indices) = model.forward_routing(input_ids, None)?;
+    let mut file = RouterReplayFile::new(spec.model_type, spec.topk, b * s);
+    for (layer, idx) in spec.moe_layers.iter().zip(indices) {
+        file.insert_tensor(*layer, idx)?;
+    }
+    Ok((logits, file))
+}
+
+/// Runs `model` on `input_ids [B, S]` with every MoE router forced to `replay`'s ids
+/// (checked first with [`RouterReplayFile::check`]); returns the logits and the selected
+/// experts of every MoE layer (equal to the forced ids).
+pub fn replay_routing<M: RouterReplayModel>(
+    model: &M,
+    input_ids: Tensor<2, Int>,
+    replay: &RouterReplayFile,
+) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
+    let [b, s] = input_ids.dims();
+    let spec = model.replay_spec();
+    replay.check(&spec, b * s)?;
+    let states = replay.router_states(spec.num_experts, &input_ids.device());
+    model.forward_routing(input_ids, Some(&states))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,80 @@
+//! `moe export`: HF → HF export (FP8 → BF16, stacked → per-expert names, re-sharding).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use burn_moe::bridge::export::{ExportOptions, export_hf, parse_size};
+use burn_moe::bridge::hf::HfCheckpoint;
+use burn_moe::bridge::safetensors::Dtype;
+
+/// Arguments of `moe export`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Source HF checkpoint directory or hub-cache model id.
+    #[arg(long, value_name = "MODEL")]
+    pub model: String,
+    /// Output directory (written to a temporary directory and renamed into place).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Float dtype of the exported weights; by default each tensor keeps its dtype and FP8
+    /// weights become bf16. The DeepSeek-V3 router bias always stays f32.
+    #[arg(long, value_enum)]
+    pub dtype: Option<ExportDtype>,
+    /// Largest shard, e.g. `5GB` (10^9 bytes), `500MB`, `2GiB` or a byte count.
+    #[arg(long, value_name = "SIZE", default_value = "5GB", value_parser = parse_size)]
+    pub max_shard_size: u64,
+    /// Replace the output directory if it exists.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Add DeepSeek-V3 MTP copies of `embed_tokens` and `shared_head.head` when the source
+    /// lacks them (as the release checkpoints store them).
+    #[arg(long)]
+    pub emit_mtp_copies: bool,
+}
+
+/// `--dtype` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportDtype {
+    /// bfloat16.
+    Bf16,
+    /// float32.
+    F32,
+}
+
+/// Runs `moe export`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let source = HfCheckpoint::open_model(&args.model)?;
+    let options = ExportOptions {
+        dtype: args.dtype.map(|d| match d {
+            ExportDtype::Bf16 => Dtype::BF16,
+            ExportDtype::F32 => Dtype::F32,
+        }),
+        max_shard_size: args.max_shard_size,
+        overwrite: args.overwrite,
+        emit_mtp_copies: args.emit_mtp_copies,
+    };
+    tracing::info!(
+        source = %source.dir().display(),
+        target = %args.out.display(),
+        tensors = source.len(),
+        "exporting"
+    );
+    let summary =
+        crate::progress::with_spinner("exporting", || export_hf(&source, &args.out, &options))
+            .with_context(|| format!("export of {} failed", args.model))?;
+    if !summary.dropped.is_empty() {
+        tracing::info!(
+            dropped = summary.dropped.len(),
+            "source tensors not exported"
+        );
+        tracing::debug!(dropped = ?summary.dropped);
+    }
+    println!(
+        "wrote {}: {} tensors, {} bytes in {} shard(s)",
+        summary.target.display(),
+        summary.tensors,
+        summary.total_size,
+        summary.shards
+    );
+    Ok(())
+}

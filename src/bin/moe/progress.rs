@@ -1,0 +1,62 @@
+//! Progress display on stderr (hidden automatically when stderr is not a terminal) and model
+//! loading shared by the commands.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use burn::tensor::Device;
+use burn_moe::bridge::hf::HfCheckpoint;
+use burn_moe::bridge::weights::{WeightPrecision, load_from_checkpoint};
+use burn_moe::bridge::{AnyCausalLm, ModelConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Runs `work` under a spinner labelled `message`, clearing it afterwards.
+pub fn with_spinner<T>(message: &str, work: impl FnOnce() -> T) -> T {
+    let bar = ProgressBar::new_spinner();
+    if let Ok(style) = ProgressStyle::with_template("{spinner} {msg} [{elapsed}]") {
+        bar.set_style(style);
+    }
+    bar.set_message(message.to_owned());
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let out = work();
+    bar.finish_and_clear();
+    out
+}
+
+/// A bar over `len` steps labelled `message`.
+pub fn bar(len: u64, message: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{msg} {wide_bar} {pos}/{len} [{elapsed}]") {
+        bar.set_style(style);
+    }
+    bar.set_message(message.to_owned());
+    bar
+}
+
+/// Resolves `model` (directory or hub-cache id), opens it and builds the model its
+/// `config.json` names on `device`.
+pub fn load_model(
+    model: &str,
+    precision: WeightPrecision,
+    device: &Device,
+) -> anyhow::Result<AnyCausalLm> {
+    let checkpoint = HfCheckpoint::open_model(model)?;
+    let config = ModelConfig::from_dir(checkpoint.dir())?;
+    for warning in config.warnings() {
+        tracing::warn!("{}: {warning}", checkpoint.dir().display());
+    }
+    tracing::info!(
+        model = %checkpoint.dir().display(),
+        model_type = config.model_type(),
+        tensors = checkpoint.len(),
+        shards = checkpoint.shard_paths().len(),
+        "loading"
+    );
+    let started = std::time::Instant::now();
+    let loaded = with_spinner("loading weights", || {
+        load_from_checkpoint(&checkpoint, precision, device)
+    })
+    .with_context(|| format!("cannot load model {model}"))?;
+    tracing::info!(seconds = started.elapsed().as_secs_f64(), "loaded");
+    Ok(loaded)
+}
