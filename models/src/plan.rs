@@ -251,6 +251,41 @@ mod tests {
         assert_eq!(bytes_per_param(4, 2), 8.0); // 6 + 8/4
     }
 
+    /// parallelism.md §8 (report Table 3): DeepSeek-V3, BF16, PP4 × VPP4 × EP64 on 256 GPUs.
+    /// Assumptions: TP = CP = ETP = 1 (so DP = 64, EDP = 1); a middle pipeline stage (no
+    /// embedding or head; VPP only interleaves the same ≈ 61/4 layers per GPU); BF16 weights +
+    /// f32 main grads (6 B/param); distributed optimizer with f32 master and f32 moments
+    /// (12 B/param sharded over DP for dense, EDP for experts); MTP and activations excluded.
+    #[test]
+    fn deepseek_v3_memory_breakdown_matches_the_report() {
+        let config = DeepseekV3Config::from_json_str(
+            r#"{"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+                "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+                "n_shared_experts": 1, "n_routed_experts": 256, "kv_lora_rank": 512,
+                "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+                "num_experts_per_tok": 8, "first_k_dense_replace": 3}"#,
+        )
+        .unwrap();
+        let layout = ParallelLayout::parse(256, "pp=4,ep=64").unwrap();
+        assert_eq!((layout.dp, layout.edp), (64, 1));
+        let p = deepseek_v3_rank_params(&config, &layout, 1);
+        let dense = (p.dense_sharded + p.dense_replicated) as f64;
+        let expert = p.expert as f64;
+        let weights_grads = (dense + expert) * 6.0 / 1e9;
+        let master_optimizer = dense * (bytes_per_param(layout.dp, 4) - 6.0) / 1e9
+            + expert * (bytes_per_param(layout.edp, 4) - 6.0) / 1e9;
+        assert!(
+            (weights_grads - 36.4).abs() <= 0.10 * 36.4,
+            "weights+grads {weights_grads:.2} GB"
+        );
+        assert!(
+            (master_optimizer - 32.1).abs() <= 0.10 * 32.1,
+            "master+optimizer {master_optimizer:.2} GB"
+        );
+    }
+
     #[test]
     fn stages_are_contiguous_and_cover_every_layer() {
         for (layers, pp) in [(61, 4), (3, 1), (8, 8), (10, 3)] {

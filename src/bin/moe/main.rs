@@ -8,7 +8,9 @@ mod export;
 mod generate;
 mod inspect;
 mod logits;
+mod plan;
 mod progress;
+mod upcycle;
 
 use clap::{Parser, Subcommand};
 
@@ -35,6 +37,10 @@ enum Command {
     Generate(generate::Args),
     /// Write a checkpoint as a HuggingFace directory (e.g. FP8 → BF16, re-sharding).
     Export(export::Args),
+    /// Turn a dense Qwen3 checkpoint into a Qwen3-MoE one (Megatron's upcycling).
+    Upcycle(upcycle::Args),
+    /// Per-rank parameters, memory and EP communication of a parallel layout.
+    Plan(plan::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +51,8 @@ fn main() -> std::process::ExitCode {
         Command::Logits(args) => logits::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Export(args) => export::run(args),
+        Command::Upcycle(args) => upcycle::run(args),
+        Command::Plan(args) => plan::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

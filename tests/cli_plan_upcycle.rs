@@ -1,0 +1,104 @@
+//! `moe plan` and `moe upcycle` end to end on the shipped fixtures.
+
+use std::process::Command;
+
+fn moe(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_moe"))
+        .args(args)
+        .output()
+        .expect("run moe")
+}
+
+fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn plan_reports_the_parameters_a_rank_holds() {
+    let out = moe(&[
+        "plan",
+        "--model",
+        &fixture("qwen3_moe"),
+        "--layout",
+        "tp=2,ep=4",
+        "--seq",
+        "16",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    // Same count the in-process shard holds (models/tests/plan.rs checks the library side).
+    let config = burn_moe::models::Qwen3MoeConfig::from_file(format!(
+        "{}/config.json",
+        fixture("qwen3_moe")
+    ))
+    .unwrap();
+    let layout = burn_moe::backend::parallel::ParallelLayout::parse_spec("tp=2,ep=4").unwrap();
+    let expected = burn_moe::models::plan::qwen3_moe_rank_params(&config, &layout, 0).total();
+    assert_eq!(report["stages"][0]["params"].as_u64(), Some(expected));
+    assert_eq!(report["tokens_per_rank"].as_u64(), Some(8));
+    // An impossible layout is refused with the training code's error.
+    let bad = moe(&[
+        "plan",
+        "--model",
+        &fixture("qwen3_moe"),
+        "--gpus",
+        "6",
+        "--layout",
+        "tp=4",
+    ]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not divisible"));
+}
+
+#[test]
+fn upcycle_writes_a_loadable_moe_checkpoint() {
+    let out_dir = std::env::temp_dir().join(format!("moe-upcycle-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let out_str = out_dir.to_string_lossy().to_string();
+    let out = moe(&[
+        "upcycle",
+        "--from",
+        &fixture("qwen3"),
+        "--out",
+        &out_str,
+        "--experts",
+        "4",
+        "--topk",
+        "2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let inspect = moe(&["inspect", &out_str]);
+    assert!(
+        inspect.status.success(),
+        "{}",
+        String::from_utf8_lossy(&inspect.stderr)
+    );
+    assert!(String::from_utf8_lossy(&inspect.stdout).contains("qwen3_moe"));
+    // Granularity that does not divide the experts is an error naming the field.
+    let bad = moe(&[
+        "upcycle",
+        "--from",
+        &fixture("qwen3"),
+        "--out",
+        &out_str,
+        "--experts",
+        "3",
+        "--topk",
+        "2",
+        "--granularity",
+        "2",
+        "--overwrite",
+    ]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("granularity"));
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
