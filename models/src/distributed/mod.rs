@@ -38,8 +38,10 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 
 mod deepseek_v3;
+mod gather;
 
 pub use deepseek_v3::ParallelDeepseekV3;
+pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
 
 /// Which token dispatcher the MoE blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
