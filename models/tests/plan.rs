@@ -73,3 +73,55 @@ fn deepseek_v3_rank_params_match_the_sharded_model() {
         config.param_count().total
     );
 }
+
+/// The planner's optimizer traffic per step equals what the in-process ZeRO-1 step sends.
+#[test]
+fn zero1_step_traffic_matches_the_planner() {
+    use burn::optim::GradientsParams;
+    use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig};
+    use moe_backend::parallel::GroupFamily;
+    use moe_models::distributed::param_class;
+    use moe_models::plan::zero1_step_bytes;
+
+    let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    let device = Device::flex().autodiff();
+    let full = config.init(&device).unwrap();
+    for (world, spec) in LAYOUTS {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let planned = zero1_step_bytes(&qwen3_moe_rank_params(&config, &layout, 0), &layout);
+        let (full_ref, layout_ref, dev) = (&full, &layout, &device);
+        for (rank, sent) in World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let world_comm = ctx.world()?;
+            let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let mut optim = DistributedAdamW::with_classes(
+                &shard.model,
+                &pg,
+                world_comm.clone(),
+                DistributedAdamWConfig::default(),
+                &param_class,
+            )?;
+            let ids: Vec<i64> = (0..32).map(|i| (i * 7 % 256) as i64).collect();
+            let out = shard
+                .forward_loss(&ids, &ids, 2, dev)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let grads = GradientsParams::from_grads(out.loss.backward(), &shard.model);
+            let comms = [
+                pg.comm(GroupFamily::DpCp).clone(),
+                pg.comm(GroupFamily::ExptDp).clone(),
+                pg.comm(GroupFamily::Tp).clone(),
+                world_comm,
+            ];
+            let sent = || comms.iter().map(|c| c.traffic().bytes_sent).sum::<u64>();
+            let before = sent();
+            optim.step(1e-3, shard.model.clone(), grads)?;
+            Ok(sent() - before)
+        })
+        .into_iter()
+        .enumerate()
+        {
+            assert_eq!(sent.unwrap(), planned, "{spec} rank {rank}");
+        }
+    }
+}
