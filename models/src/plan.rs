@@ -203,6 +203,26 @@ pub fn compute_comm_ratio(
     }
 }
 
+/// Payload bytes one rank sends per [`DistributedAdamW`](moe_backend::optim::DistributedAdamW)
+/// step (ZeRO-1, f32 buffers): reduce-scatter and all-gather of the dense buffer over `dp_cp`
+/// and of the expert buffer over `expt_dp` (each padded to a multiple of the group size), the
+/// TP sum of sequence-parallel replicated gradients, and the world all-reduce of the f64 norm.
+pub fn zero1_step_bytes(params: &RankParams, layout: &ParallelLayout) -> u64 {
+    let ring = |len: u64, n: u64| {
+        let shard = len.div_ceil(n);
+        2 * (n - 1) * shard * 4
+    };
+    let dense = params.dense_sharded + params.dense_replicated;
+    let dp_cp = (layout.dp * layout.cp) as u64;
+    let tp = layout.tp as u64;
+    let sp = if tp > 1 {
+        (tp - 1) * params.dense_replicated * 4
+    } else {
+        0
+    };
+    ring(dense, dp_cp) + ring(params.expert, layout.edp as u64) + sp + (layout.world as u64 - 1) * 8
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,24 +318,4 @@ mod tests {
             assert_eq!(next, layers);
         }
     }
-}
-
-/// Payload bytes one rank sends per [`DistributedAdamW`](moe_backend::optim::DistributedAdamW)
-/// step (ZeRO-1, f32 buffers): reduce-scatter and all-gather of the dense buffer over `dp_cp`
-/// and of the expert buffer over `expt_dp` (each padded to a multiple of the group size), the
-/// TP sum of sequence-parallel replicated gradients, and the world all-reduce of the f64 norm.
-pub fn zero1_step_bytes(params: &RankParams, layout: &ParallelLayout) -> u64 {
-    let ring = |len: u64, n: u64| {
-        let shard = len.div_ceil(n);
-        2 * (n - 1) * shard * 4
-    };
-    let dense = params.dense_sharded + params.dense_replicated;
-    let dp_cp = (layout.dp * layout.cp) as u64;
-    let tp = layout.tp as u64;
-    let sp = if tp > 1 {
-        (tp - 1) * params.dense_replicated * 4
-    } else {
-        0
-    };
-    ring(dense, dp_cp) + ring(params.expert, layout.edp as u64) + sp + (layout.world as u64 - 1) * 8
 }
