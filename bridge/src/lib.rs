@@ -17,6 +17,7 @@
 //!
 //! Errors are one [`BridgeError`] enum whose messages name the file and tensor involved.
 
+pub mod dist;
 mod error;
 pub mod export;
 pub mod fp8;

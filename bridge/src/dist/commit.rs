@@ -1,0 +1,165 @@
+//! The atomic commit of a distributed checkpoint (checkpoints.md §6 steps 1, 3–5): a hidden
+//! `.tmp-iter_{step:07}-{nonce}` directory, validated and completed by rank 0, renamed into
+//! place, then `latest` replaced atomically.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::files::SavedChunk;
+use super::index::{
+    COMPLETE_MARKER, DcpIndex, INDEX_FILE, LATEST_FILE, TensorEntry, iter_dir_name,
+};
+use super::validate::{validate_files, validate_index};
+use crate::BridgeError;
+use crate::hf::CONFIG_FILE;
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> BridgeError + '_ {
+    move |source| BridgeError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// fsyncs a directory, so renames into it are durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), BridgeError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// A fresh nonce: process id, time and a counter.
+fn nonce() -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{}-{nanos:x}-{n}", std::process::id())
+}
+
+/// Step 1: creates `<root>/.tmp-iter_{step:07}-{nonce}/` (and `root`); returns it.
+pub fn begin_save(root: &Path, step: u64) -> Result<PathBuf, BridgeError> {
+    std::fs::create_dir_all(root).map_err(io(root))?;
+    let tmp = root.join(format!(".tmp-{}-{}", iter_dir_name(step), nonce()));
+    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+    Ok(tmp)
+}
+
+/// Removes an aborted save's temporary directory (best effort: loaders refuse it anyway).
+pub fn abort_save(tmp: &Path) {
+    let _ = std::fs::remove_dir_all(tmp);
+}
+
+/// Writes `bytes` to `path` and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), BridgeError> {
+    let mut file = File::create(path).map_err(io(path))?;
+    file.write_all(bytes).map_err(io(path))?;
+    file.sync_all().map_err(io(path))
+}
+
+/// Merges the chunk records of every rank into `index.tensors`; tensors reported with
+/// different metadata by two ranks are an error.
+pub fn merge_chunks(
+    tmp: &Path,
+    index: &mut DcpIndex,
+    chunks: impl IntoIterator<Item = SavedChunk>,
+) -> Result<(), BridgeError> {
+    for SavedChunk { meta, chunk } in chunks {
+        let entry = index
+            .tensors
+            .entry(meta.fqn.clone())
+            .or_insert_with(|| TensorEntry {
+                kind: meta.kind,
+                dtype: meta.dtype,
+                global_shape: meta.global_shape.clone(),
+                hf: meta.hf.clone(),
+                chunks: Vec::new(),
+            });
+        if (entry.kind, entry.dtype, &entry.global_shape)
+            != (meta.kind, meta.dtype, &meta.global_shape)
+        {
+            return Err(BridgeError::Coverage {
+                path: tmp.to_path_buf(),
+                tensor: meta.fqn,
+                reason: format!(
+                    "rank {} saved it as {:?} {} {:?}, another rank as {:?} {} {:?}",
+                    chunk.writer_rank,
+                    meta.kind,
+                    meta.dtype,
+                    meta.global_shape,
+                    entry.kind,
+                    entry.dtype,
+                    entry.global_shape
+                ),
+            });
+        }
+        entry.chunks.push(chunk);
+    }
+    for entry in index.tensors.values_mut() {
+        entry.chunks.sort_by(|a, b| a.offsets.cmp(&b.offsets));
+    }
+    Ok(())
+}
+
+/// Steps 3–4 (rank 0): validates the index against §8 and the files' headers, writes the
+/// index, `config.json` and `extra` JSON files, `.complete`, renames `tmp` to
+/// `<root>/iter_{step:07}` and points `latest` at it. Returns the checkpoint directory.
+/// On failure `tmp` is removed and nothing visible changes.
+pub fn commit_save(
+    root: &Path,
+    tmp: &Path,
+    index: &DcpIndex,
+    config: Option<&Value>,
+    extra: &BTreeMap<String, Value>,
+) -> Result<PathBuf, BridgeError> {
+    let result = commit_inner(root, tmp, index, config, extra);
+    if result.is_err() {
+        abort_save(tmp);
+    }
+    result
+}
+
+fn commit_inner(
+    root: &Path,
+    tmp: &Path,
+    index: &DcpIndex,
+    config: Option<&Value>,
+    extra: &BTreeMap<String, Value>,
+) -> Result<PathBuf, BridgeError> {
+    validate_index(tmp, index)?;
+    validate_files(tmp, index)?;
+    let index_path = tmp.join(INDEX_FILE);
+    write_synced(&index_path, index.to_json(&index_path)?.as_bytes())?;
+    let json_files = config
+        .map(|c| (CONFIG_FILE.to_owned(), c))
+        .into_iter()
+        .chain(extra.iter().map(|(k, v)| (k.clone(), v)));
+    for (name, value) in json_files {
+        let path = tmp.join(&name);
+        let mut text =
+            serde_json::to_string_pretty(value).map_err(|e| BridgeError::InvalidJson {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        text.push('\n');
+        write_synced(&path, text.as_bytes())?;
+    }
+    write_synced(&tmp.join(COMPLETE_MARKER), b"")?;
+    sync_dir(tmp)?;
+    let name = iter_dir_name(index.step);
+    let target = root.join(&name);
+    if target.exists() {
+        return Err(BridgeError::TargetExists { path: target });
+    }
+    std::fs::rename(tmp, &target).map_err(io(&target))?;
+    sync_dir(root)?;
+    let latest = root.join(LATEST_FILE);
+    let latest_tmp = root.join(format!("{LATEST_FILE}.tmp"));
+    write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
+    std::fs::rename(&latest_tmp, &latest).map_err(io(&latest))?;
+    sync_dir(root)?;
+    Ok(target)
+}

@@ -1,0 +1,487 @@
+//! Streaming conversion between HF checkpoints and distributed checkpoints
+//! (checkpoints.md §5).
+//!
+//! HF → distributed ([`convert_hf_to_dist`]): canonical tensors are processed one at a time in
+//! sorted order. Each HF tensor feeding one (a whole tensor, or one expert's `gate_proj` /
+//! `up_proj` / `down_proj`) is read on its own — with `pread` rather than through a mapping, so
+//! resident memory stays bounded by that tensor — passed through the FP8 hook when it is
+//! quantised, and its overlap with every main-replica chunk of the target layout is written at
+//! the chunk's offsets in the virtual ranks' files. A stacked expert tensor is never
+//! materialised: peak memory is about one HF tensor plus one chunk-sized overlap.
+//!
+//! Distributed → HF ([`export_dist_to_hf`]): every HF tensor (per expert for stacked experts)
+//! is read as the global sub-box it maps to from the overlapping chunks, cast to the export
+//! dtype, and handed to the HF shard writer, which writes each shard as soon as it is full.
+//!
+//! Distributed → distributed ([`reshard`]): each chunk of the new layout is read from the
+//! overlapping stored chunks and written, one chunk at a time.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use moe_backend::parallel::ParallelLayout;
+use serde_json::Value;
+
+use super::files::TensorMeta;
+use super::index::TensorKind;
+use super::load::DistCheckpoint;
+use super::region::TensorBox;
+use super::save::{OfflineWriter, SaveMeta};
+use super::sharding::ShardingPlan;
+use crate::BridgeError;
+use crate::export::{ExportOptions, ExportSummary, default_generation_config, export_config};
+use crate::fp8::{OutDtype, scale_inv_name, should_dequantize};
+use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, read_json};
+use crate::mapping::{ExpertLayout, Registry, canonical_tensors, for_config};
+use crate::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan, TensorView};
+
+/// Progress of a conversion, reported after each canonical tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvertProgress {
+    /// The tensor just written.
+    pub tensor: String,
+    /// Canonical tensors done so far.
+    pub done: usize,
+    /// Canonical tensors in total.
+    pub total: usize,
+    /// Bytes written so far.
+    pub bytes: u64,
+    /// Bytes to write in total.
+    pub total_bytes: u64,
+}
+
+/// One HF tensor feeding a canonical tensor: its name and the canonical box it fills.
+#[derive(Debug, Clone)]
+struct Piece {
+    hf: String,
+    region: TensorBox,
+}
+
+/// A canonical tensor and the HF tensors it is made of.
+#[derive(Debug, Clone)]
+struct CanonSource {
+    meta: TensorMeta,
+    pieces: Vec<Piece>,
+}
+
+/// The dtype an HF tensor has after the FP8 load hook (BF16 for FP8 weights).
+fn hooked_dtype(ckpt: &HfCheckpoint, name: &str, stored: Dtype) -> Dtype {
+    let scaled = should_dequantize(stored, ckpt.contains(&scale_inv_name(name)));
+    if scaled || matches!(stored, Dtype::F8E4M3 | Dtype::F8E5M2) {
+        Dtype::BF16
+    } else {
+        stored
+    }
+}
+
+/// Resolves canonical tensor `canon` to its HF pieces, global shape and dtype.
+fn plan_source(
+    ckpt: &HfCheckpoint,
+    registry: &Registry,
+    canon: &str,
+    num_experts: Option<usize>,
+    layout: ExpertLayout,
+) -> Result<CanonSource, BridgeError> {
+    let resolved = registry
+        .canon_to_hf(canon, num_experts.unwrap_or(0), layout)
+        .ok_or_else(|| BridgeError::TensorNotFound {
+            path: ckpt.dir().to_path_buf(),
+            tensor: canon.to_owned(),
+        })?;
+    let mismatch = |hf: &str, reason: String| BridgeError::Conversion {
+        path: ckpt.dir().to_path_buf(),
+        tensor: hf.to_owned(),
+        dtype: String::new(),
+        reason,
+    };
+    let Some(first) = resolved.pieces.first() else {
+        return Err(mismatch(canon, "no HF tensors map to it".to_owned()));
+    };
+    let info = ckpt.info(&first.hf)?;
+    let dtype = hooked_dtype(ckpt, &first.hf, info.dtype);
+    let piece_shape = info.shape.clone();
+    if first.expert.is_none() {
+        let mut shape = piece_shape.clone();
+        if let Some(parts) = resolved.split_parts {
+            shape = match piece_shape.as_slice() {
+                [e, fused, tail @ ..] if parts > 0 && fused % parts == 0 => {
+                    [&[*e, parts, fused / parts][..], tail].concat()
+                }
+                _ => {
+                    return Err(mismatch(
+                        &first.hf,
+                        format!("shape {piece_shape:?} cannot split dim 1 into {parts}"),
+                    ));
+                }
+            };
+        }
+        let meta = TensorMeta {
+            fqn: canon.to_owned(),
+            kind: TensorKind::Param,
+            dtype,
+            global_shape: shape.clone(),
+            hf: vec![first.hf.clone()],
+        };
+        let pieces = vec![Piece {
+            hf: first.hf.clone(),
+            region: TensorBox::full(&shape),
+        }];
+        return Ok(CanonSource { meta, pieces });
+    }
+    let multi = resolved.pieces.iter().any(|p| p.part.is_some());
+    let parts = resolved
+        .pieces
+        .iter()
+        .filter(|p| p.expert == Some(0))
+        .count();
+    let experts = num_experts.unwrap_or(0);
+    let mut global = vec![experts];
+    if multi {
+        global.push(parts);
+    }
+    global.extend_from_slice(&piece_shape);
+    let mut pieces = Vec::with_capacity(resolved.pieces.len());
+    for p in &resolved.pieces {
+        let info = ckpt.info(&p.hf)?;
+        let d = hooked_dtype(ckpt, &p.hf, info.dtype);
+        if info.shape != piece_shape || d != dtype {
+            return Err(mismatch(
+                &p.hf,
+                format!(
+                    "{d} {:?} differs from expert 0's {dtype} {piece_shape:?}",
+                    info.shape
+                ),
+            ));
+        }
+        let mut offsets = vec![p.expert.unwrap_or(0)];
+        let mut shape = vec![1];
+        if multi {
+            offsets.push(p.part.unwrap_or(0));
+            shape.push(1);
+        }
+        offsets.extend(std::iter::repeat_n(0, piece_shape.len()));
+        shape.extend_from_slice(&piece_shape);
+        pieces.push(Piece {
+            hf: p.hf.clone(),
+            region: TensorBox::new(offsets, shape),
+        });
+    }
+    let hf = resolved
+        .pieces
+        .iter()
+        .filter(|p| p.expert == Some(0))
+        .map(|p| p.hf.replacen(".experts.0.", ".experts.*.", 1))
+        .collect();
+    let meta = TensorMeta {
+        fqn: canon.to_owned(),
+        kind: TensorKind::Param,
+        dtype,
+        global_shape: global,
+        hf,
+    };
+    Ok(CanonSource { meta, pieces })
+}
+
+/// Reads HF tensors with positioned reads (no mapping stays resident), keeping files open.
+struct PieceReader<'a> {
+    ckpt: &'a HfCheckpoint,
+    files: BTreeMap<PathBuf, File>,
+}
+
+impl PieceReader<'_> {
+    /// The bytes of HF tensor `name` after the FP8 hook.
+    fn read(&mut self, name: &str) -> Result<Vec<u8>, BridgeError> {
+        let info = self.ckpt.info(name)?;
+        if hooked_dtype(self.ckpt, name, info.dtype) != info.dtype {
+            return Ok(self.ckpt.read_dequantized(name, OutDtype::BF16)?.bytes);
+        }
+        let shard = self.ckpt.shard_for(name)?;
+        let range = shard
+            .header()
+            .byte_range(name)
+            .ok_or_else(|| BridgeError::TensorNotFound {
+                path: shard.path().to_path_buf(),
+                tensor: name.to_owned(),
+            })?;
+        let path = shard.path().to_path_buf();
+        let io = |source| BridgeError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = match self.files.entry(path.clone()) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(File::open(&path).map_err(io)?)
+            }
+        };
+        let mut bytes = vec![0u8; range.len()];
+        file.seek(SeekFrom::Start(range.start as u64)).map_err(io)?;
+        file.read_exact(&mut bytes).map_err(io)?;
+        Ok(bytes)
+    }
+}
+
+/// Converts the HF checkpoint in `hf_dir` to a distributed checkpoint of step 0 under
+/// `layout` in `out_root` (see the module docs); returns the `iter_*` directory.
+pub fn convert_hf_to_dist(
+    hf_dir: &Path,
+    out_root: &Path,
+    layout: &ParallelLayout,
+) -> Result<PathBuf, BridgeError> {
+    convert_hf_to_dist_with(hf_dir, out_root, layout, 0, &mut |_| {})
+}
+
+/// [`convert_hf_to_dist`] with the step to record and a progress callback.
+pub fn convert_hf_to_dist_with(
+    hf_dir: &Path,
+    out_root: &Path,
+    layout: &ParallelLayout,
+    step: u64,
+    progress: &mut dyn FnMut(&ConvertProgress),
+) -> Result<PathBuf, BridgeError> {
+    let ckpt = HfCheckpoint::open(hf_dir)?;
+    let config_path = ckpt.dir().join(CONFIG_FILE);
+    let config = ckpt.config_json()?;
+    let registry = for_config(&config, &config_path)?;
+    let expert_layout = registry
+        .detect_layout(ckpt.tensor_names(), ckpt.dir())?
+        .unwrap_or(ExpertLayout::PerExpert);
+    let canon = canonical_tensors(&registry, ckpt.tensor_names());
+    let sources = canon
+        .iter()
+        .map(|(name, experts)| plan_source(&ckpt, &registry, name, *experts, expert_layout))
+        .collect::<Result<Vec<_>, _>>()?;
+    let num_layers = config
+        .get("num_hidden_layers")
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok());
+    let plan = ShardingPlan::new(layout, num_layers)?;
+    let dequantized = ckpt.tensor_names().any(crate::fp8::is_scale_inv)
+        || config.get("quantization_config").is_some();
+    let mut meta = SaveMeta::new(step, layout);
+    meta.model_family = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    meta.config = Some(export_config(
+        &config,
+        dequantized.then_some(Dtype::BF16),
+        dequantized,
+    ));
+    if let Some(generation) = ckpt.generation_config_json()? {
+        meta.extra_json
+            .insert(GENERATION_CONFIG_FILE.to_owned(), generation);
+    }
+    let metas: Vec<TensorMeta> = sources.iter().map(|s| s.meta.clone()).collect();
+    let total_bytes: u64 = metas
+        .iter()
+        .map(|m| (m.global_shape.iter().product::<usize>() * m.dtype.size()) as u64)
+        .sum();
+    let mut writer = OfflineWriter::create(out_root, meta, &plan, &metas)?;
+    let mut reader = PieceReader {
+        ckpt: &ckpt,
+        files: BTreeMap::new(),
+    };
+    let mut bytes_done = 0u64;
+    for (i, source) in sources.iter().enumerate() {
+        for piece in &source.pieces {
+            let bytes = reader.read(&piece.hf)?;
+            writer.write_region(&source.meta.fqn, &piece.region, &bytes)?;
+            bytes_done += bytes.len() as u64;
+        }
+        progress(&ConvertProgress {
+            tensor: source.meta.fqn.clone(),
+            done: i + 1,
+            total: sources.len(),
+            bytes: bytes_done,
+            total_bytes,
+        });
+    }
+    writer.finish()
+}
+
+/// Rewrites the checkpoint `ckpt` under `layout` into `out_root` (`moe reshard`): every
+/// tensor, optimizer state included, is read one target chunk at a time from the overlapping
+/// stored chunks. Index metadata (step, optimizer, objects, FP8) and the JSON files next to
+/// the index are kept. Returns the new `iter_*` directory.
+pub fn reshard(
+    ckpt: &DistCheckpoint,
+    out_root: &Path,
+    layout: &ParallelLayout,
+) -> Result<PathBuf, BridgeError> {
+    let index = ckpt.index();
+    let config_path = ckpt.dir().join(CONFIG_FILE);
+    let config = if config_path.is_file() {
+        Some(read_json(&config_path)?)
+    } else {
+        None
+    };
+    let num_layers = config
+        .as_ref()
+        .and_then(|c| c.get("num_hidden_layers"))
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok());
+    let plan = ShardingPlan::new(layout, num_layers)?;
+    let mut meta = SaveMeta::new(index.step, layout);
+    meta.model_family = index.model_family.clone();
+    meta.config = config;
+    meta.optimizer = index.optimizer.clone();
+    meta.fp8 = index.fp8.clone();
+    meta.objects = index.objects.clone();
+    let generation_path = ckpt.dir().join(GENERATION_CONFIG_FILE);
+    if generation_path.is_file() {
+        meta.extra_json.insert(
+            GENERATION_CONFIG_FILE.to_owned(),
+            read_json(&generation_path)?,
+        );
+    }
+    let metas: Vec<TensorMeta> = index
+        .tensors
+        .iter()
+        .map(|(fqn, e)| TensorMeta {
+            fqn: fqn.clone(),
+            kind: e.kind,
+            dtype: e.dtype,
+            global_shape: e.global_shape.clone(),
+            hf: e.hf.clone(),
+        })
+        .collect();
+    let mut writer = OfflineWriter::create(out_root, meta, &plan, &metas)?;
+    for m in &metas {
+        for chunk in writer.chunks_of(&m.fqn) {
+            let t = ckpt.read_box(&m.fqn, &chunk)?;
+            writer.write_region(&m.fqn, &chunk, &t.bytes)?;
+        }
+    }
+    writer.finish()
+}
+
+/// Where one exported HF tensor comes from.
+#[derive(Debug, Clone)]
+struct ExportItem {
+    fqn: String,
+    region: TensorBox,
+    shape: Vec<usize>,
+    dtype: Dtype,
+}
+
+fn is_float(d: Dtype) -> bool {
+    matches!(d, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+}
+
+/// Exports the model tensors of a distributed checkpoint as an HF checkpoint in `target`
+/// (per-expert names; `config.json` without `quantization_config`; `generation_config.json`
+/// copied or defaulted; optimizer state is not exported). `opts.dtype` casts float tensors
+/// (rule overrides such as the F32 router bias win); `None` keeps the stored dtypes.
+pub fn export_dist_to_hf(
+    ckpt: &DistCheckpoint,
+    target: &Path,
+    opts: &ExportOptions,
+) -> Result<ExportSummary, BridgeError> {
+    let config_path = ckpt.dir().join(CONFIG_FILE);
+    let config = read_json(&config_path)?;
+    let registry = for_config(&config, &config_path)?;
+    let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    let mut items: BTreeMap<String, ExportItem> = BTreeMap::new();
+    let mut dropped = Vec::new();
+    for (fqn, entry) in &ckpt.index().tensors {
+        if entry.kind == TensorKind::Optim || (tied && fqn == "lm_head.weight") {
+            dropped.push(fqn.clone());
+            continue;
+        }
+        let experts = entry.global_shape.first().copied().unwrap_or(0);
+        let resolved = registry
+            .canon_to_hf(fqn, experts, ExpertLayout::PerExpert)
+            .ok_or_else(|| BridgeError::TensorNotFound {
+                path: config_path.clone(),
+                tensor: format!("{fqn} (no HF name in the `{}` table)", registry.name()),
+            })?;
+        let dtype = match resolved.export_dtype.or(opts.dtype) {
+            Some(d) if is_float(entry.dtype) => d,
+            _ => entry.dtype,
+        };
+        let multi = resolved.pieces.iter().any(|p| p.part.is_some());
+        for p in resolved.pieces {
+            let (region, shape) = match p.expert {
+                None => (
+                    TensorBox::full(&entry.global_shape),
+                    entry.global_shape.clone(),
+                ),
+                Some(e) => {
+                    let lead = if multi { 2 } else { 1 };
+                    let rest = entry.global_shape.get(lead..).unwrap_or_default().to_vec();
+                    let mut offsets = vec![e];
+                    let mut ext = vec![1];
+                    if multi {
+                        offsets.push(p.part.unwrap_or(0));
+                        ext.push(1);
+                    }
+                    offsets.extend(std::iter::repeat_n(0, rest.len()));
+                    ext.extend_from_slice(&rest);
+                    (TensorBox::new(offsets, ext), rest)
+                }
+            };
+            let item = ExportItem {
+                fqn: fqn.clone(),
+                region,
+                shape,
+                dtype,
+            };
+            items.insert(p.hf, item);
+        }
+    }
+    let sizes: BTreeMap<String, u64> = items
+        .iter()
+        .map(|(n, it)| {
+            let numel: usize = it.shape.iter().product();
+            (n.clone(), (numel * it.dtype.size()) as u64)
+        })
+        .collect();
+    let mut writer = HfDirWriter::create(
+        target,
+        ShardPlan::greedy(&sizes, opts.max_shard_size),
+        opts.overwrite,
+    )?;
+    for i in 0..writer.plan().num_shards() {
+        let keys = writer.plan().keys(i).to_vec();
+        let mut tensors = Vec::with_capacity(keys.len());
+        for key in &keys {
+            let Some(item) = items.get(key) else {
+                continue;
+            };
+            let mut t = ckpt.read_box(&item.fqn, &item.region)?;
+            t.name = key.clone();
+            t.shape = item.shape.clone();
+            tensors.push(if is_float(t.dtype) {
+                t.cast(item.dtype)?
+            } else {
+                t
+            });
+        }
+        let views: Vec<TensorView<'_>> = tensors.iter().map(OwnedTensor::view).collect();
+        writer.write_shard(i, &views)?;
+    }
+    let quantized = config.get("quantization_config").is_some();
+    writer.write_json(CONFIG_FILE, &export_config(&config, opts.dtype, quantized))?;
+    let generation_path = ckpt.dir().join(GENERATION_CONFIG_FILE);
+    let generation = if generation_path.is_file() {
+        read_json(&generation_path)?
+    } else {
+        default_generation_config(&config)
+    };
+    writer.write_json(GENERATION_CONFIG_FILE, &generation)?;
+    let shards = writer.plan().num_shards();
+    let target = writer.finish()?;
+    Ok(ExportSummary {
+        target,
+        tensors: items.len(),
+        total_size: sizes.values().sum(),
+        shards,
+        dropped,
+    })
+}
+
+#[cfg(test)]
+mod tests;

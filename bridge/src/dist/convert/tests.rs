@@ -1,0 +1,121 @@
+use std::path::{Path, PathBuf};
+
+use moe_backend::parallel::ParallelLayout;
+
+use super::*;
+use crate::export::ExportOptions;
+use crate::test_util::TempDir;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(name)
+}
+
+/// Every tensor of `a` is in `b` with the same dtype, shape and bytes, and vice versa.
+fn assert_same_tensors(a: &Path, b: &Path) {
+    let (a, b) = (
+        HfCheckpoint::open(a).unwrap(),
+        HfCheckpoint::open(b).unwrap(),
+    );
+    let names_a: Vec<&str> = a.tensor_names().collect();
+    let names_b: Vec<&str> = b.tensor_names().collect();
+    assert_eq!(names_a, names_b);
+    for name in names_a {
+        let (x, y) = (a.tensor(name).unwrap(), b.tensor(name).unwrap());
+        assert_eq!((x.dtype, x.shape), (y.dtype, y.shape), "{name}");
+        assert!(x.bytes == y.bytes, "{name}: bytes differ");
+    }
+}
+
+fn round_trip(source: &str, reference: &str, layout: &str) {
+    let dir = TempDir::new("dist-convert");
+    let layout = ParallelLayout::parse_spec(layout).unwrap();
+    let mut calls = Vec::new();
+    let saved =
+        convert_hf_to_dist_with(&fixture(source), &dir.join("ckpt"), &layout, 7, &mut |p| {
+            calls.push((p.done, p.total))
+        })
+        .unwrap();
+    assert_eq!(saved, dir.join("ckpt").join("iter_0000007"));
+    assert!(calls.last().is_some_and(|(d, t)| d == t && *t > 0));
+    let ckpt = DistCheckpoint::open(dir.join("ckpt")).unwrap();
+    ckpt.validate().unwrap();
+    assert!(ckpt.index().tensors.values().all(|e| !e.hf.is_empty()));
+    // Resharding to another layout keeps every tensor.
+    let other = ParallelLayout::parse_spec("world=2,tp=2,etp=2").unwrap();
+    let resharded = reshard(&ckpt, &dir.join("resharded"), &other).unwrap();
+    let again = DistCheckpoint::open(&resharded).unwrap();
+    again.validate().unwrap();
+    assert_eq!(again.index().layout.tp, 2);
+    for fqn in ckpt.index().tensors.keys() {
+        assert_eq!(
+            ckpt.read_tensor(fqn).unwrap(),
+            again.read_tensor(fqn).unwrap()
+        );
+    }
+    let out = dir.join("hf");
+    let summary = export_dist_to_hf(&ckpt, &out, &ExportOptions::default()).unwrap();
+    assert_eq!(summary.target, out);
+    assert_same_tensors(&fixture(reference), &out);
+    let config = read_json(&out.join(CONFIG_FILE)).unwrap();
+    assert!(config.get("quantization_config").is_none());
+}
+
+#[test]
+fn qwen3_round_trips_bit_exactly() {
+    round_trip("qwen3", "qwen3", "world=4,tp=2");
+}
+
+#[test]
+fn qwen3_moe_round_trips_bit_exactly() {
+    round_trip("qwen3_moe", "qwen3_moe", "world=4,tp=2,ep=4");
+    round_trip("qwen3_moe", "qwen3_moe", "world=8,tp=2,ep=2,etp=2");
+}
+
+#[test]
+fn deepseek_v3_round_trips_bit_exactly() {
+    round_trip("deepseek_v3", "deepseek_v3", "world=8,tp=2,ep=4,etp=2");
+    round_trip("deepseek_v3_sharded", "deepseek_v3_sharded", "world=2,pp=2");
+}
+
+#[test]
+fn fp8_source_exports_the_reference_dequantisation() {
+    round_trip(
+        "deepseek_v3_fp8",
+        "deepseek_v3_fp8_dequant",
+        "world=4,tp=2,ep=2",
+    );
+}
+
+#[test]
+fn experts_are_read_per_expert_and_reshard() {
+    // The stacked expert tensor of a layer equals the stack of the HF experts, and any EP/ETP
+    // box reads back from a checkpoint saved under another layout.
+    let dir = TempDir::new("dist-convert-experts");
+    let layout = ParallelLayout::parse_spec("world=4,ep=4").unwrap();
+    convert_hf_to_dist(&fixture("qwen3_moe"), dir.path(), &layout).unwrap();
+    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    let hf = HfCheckpoint::open(fixture("qwen3_moe")).unwrap();
+    let fqn = "model.layers.1.mlp.experts.gate_up_proj";
+    let entry = ckpt.entry(fqn).unwrap();
+    assert_eq!(entry.chunks.len(), 4);
+    let [e, parts, im, h] = entry.global_shape[..] else {
+        panic!("rank-4 expert tensor expected");
+    };
+    assert_eq!(parts, 2);
+    let b = TensorBox::new(vec![3, 0, im / 2, 0], vec![2, 2, im / 2, h]);
+    let got = ckpt.read_box(fqn, &b).unwrap();
+    let elem = got.dtype.size();
+    let row = h * elem;
+    for (i, expert) in (3..5).enumerate() {
+        for (p, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
+            let name = format!("model.layers.1.mlp.experts.{expert}.{proj}.weight");
+            let src = hf.tensor(&name).unwrap();
+            let want = &src.bytes[(im / 2) * row..];
+            let at = (i * 2 + p) * (im / 2) * row;
+            assert_eq!(&got.bytes[at..at + want.len()], want, "{name}");
+        }
+    }
+    assert!(e >= 5);
+}

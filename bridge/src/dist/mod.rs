@@ -1,0 +1,38 @@
+//! Distributed checkpoints (checkpoints.md §5–§8): DCP-compatible safetensors files, one set per
+//! writing rank, and a JSON index that is the source of truth.
+//!
+//! - [`index`]: the `moe_dcp.index.json` schema and the per-file DCP `__metadata__`.
+//! - [`sharding`]: the box each rank holds of each canonical tensor under a
+//!   [`ParallelLayout`](moe_backend::parallel::ParallelLayout), and which copy is the main
+//!   replica that writes it.
+//! - [`region`]: boxes, strided copies and DistOpt flat-range decomposition.
+//! - [`save`]: the SPMD save every rank calls ([`save::save_spmd`]) and the offline writer for
+//!   conversion ([`save::OfflineWriter`]); the commit is atomic ([`commit`]).
+//! - [`load`]: opening (refusing partial saves) and reading any box from the overlapping chunks
+//!   ([`load::DistCheckpoint`]); resharding is loading another layout's boxes.
+//! - [`validate`]: §8 coverage and file-header checks.
+//! - [`convert`]: streaming HF → distributed conversion and distributed → HF export.
+//!
+//! Layout on disk: `<root>/iter_{step:07}/{moe_dcp.index.json, config.json, .complete,
+//! shard-{rank:05}-model-{j:05}-of-{n:05}.safetensors}` and `<root>/latest`.
+
+pub mod commit;
+pub mod convert;
+mod files;
+pub mod index;
+pub mod load;
+pub mod region;
+pub mod save;
+pub mod sharding;
+#[cfg(test)]
+pub(crate) mod testing;
+#[cfg(test)]
+mod tests;
+pub mod validate;
+
+pub use files::{SavedChunk, TensorMeta};
+pub use index::{DcpIndex, TensorEntry, TensorKind};
+pub use load::DistCheckpoint;
+pub use region::TensorBox;
+pub use save::{LocalChunk, OfflineWriter, SaveMeta, save_offline, save_spmd};
+pub use sharding::{RankShard, ShardRule, ShardingPlan};

@@ -1,0 +1,363 @@
+//! Which box of each canonical tensor a rank holds under a [`ParallelLayout`], and whether
+//! that copy is the main replica that writes it (checkpoints.md §3 sharding table, §6 writer
+//! rules).
+//!
+//! | tensor | split |
+//! |---|---|
+//! | `embed_tokens`, `lm_head`, `q/k/v_proj` (+ biases), `q_b_proj`, `kv_b_proj`, dense and shared `gate_proj`/`up_proj` | TP dim 0 |
+//! | `o_proj.weight`, dense and shared `down_proj` | TP dim 1 |
+//! | `experts.gate_up_proj [E,2,Im,H]`, `experts.down_proj [E,H,Im]` | EP dim 0, ETP dim 2 |
+//! | everything else (norms, router, `e_score_correction_bias`, `q_a_proj`, `kv_a_proj_with_mqa`, `eh_proj`) | replicated |
+//!
+//! Main replicas: TP-sharded dense tensors are written by `dp_cp` rank 0, replicated dense
+//! tensors by `tp` rank 0 ∧ `dp_cp` rank 0, expert tensors by `expt_dp` rank 0. With PP a
+//! tensor lives only on the stage owning its layer (layers split evenly in order; MTP layers,
+//! `model.norm` and `lm_head` on the last stage; `embed_tokens` on the first). Optimizer state
+//! `optim.<state>.<fqn>` follows its parameter.
+
+use moe_backend::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGroups};
+
+use super::region::TensorBox;
+use crate::BridgeError;
+
+/// How a canonical tensor is split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardRule {
+    /// Every rank of the owning stage holds the whole tensor.
+    Replicated,
+    /// Split over dense TP along `dim`.
+    Tp {
+        /// The split dimension.
+        dim: usize,
+    },
+    /// Routed experts: dim 0 split over EP, `etp_dim` over expert TP.
+    Expert {
+        /// The dimension split over ETP.
+        etp_dim: usize,
+    },
+}
+
+/// Prefixes of optimizer-state fqns (`optim.<state>.<param fqn>`).
+pub const OPTIM_STATES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
+/// The parameter fqn of an optimizer-state fqn (`optim.exp_avg.x` → `x`); other fqns unchanged.
+pub fn param_fqn(fqn: &str) -> &str {
+    if let Some(rest) = fqn.strip_prefix("optim.") {
+        for state in OPTIM_STATES {
+            if let Some(param) = rest.strip_prefix(state).and_then(|r| r.strip_prefix('.')) {
+                return param;
+            }
+        }
+    }
+    fqn
+}
+
+/// The split of canonical tensor (or optimizer state) `fqn` (see the module table).
+pub fn shard_rule(fqn: &str) -> ShardRule {
+    let name = param_fqn(fqn);
+    if name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj") {
+        return ShardRule::Expert { etp_dim: 2 };
+    }
+    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+        return ShardRule::Tp { dim: 0 };
+    }
+    const DIM0: [&str; 11] = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+        "self_attn.q_b_proj.weight",
+        "self_attn.kv_b_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.shared_experts.gate_proj.weight",
+    ];
+    const DIM1: [&str; 3] = [
+        "self_attn.o_proj.weight",
+        "mlp.down_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
+    ];
+    let ends = |suffix: &&str| name.ends_with(&format!(".{suffix}"));
+    if DIM0.iter().any(ends) || name.ends_with(".mlp.shared_experts.up_proj.weight") {
+        ShardRule::Tp { dim: 0 }
+    } else if DIM1.iter().any(ends) {
+        ShardRule::Tp { dim: 1 }
+    } else {
+        ShardRule::Replicated
+    }
+}
+
+/// The box one rank holds and whether it writes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankShard {
+    /// The rank's box of the global tensor.
+    pub tensor_box: TensorBox,
+    /// Whether this copy is the main replica (the one written to checkpoints).
+    pub main_replica: bool,
+}
+
+/// The sharding of canonical tensors under one layout, for every rank.
+#[derive(Debug, Clone)]
+pub struct ShardingPlan {
+    layout: ParallelLayout,
+    ranks: Vec<ProcessGroups>,
+    num_layers: Option<usize>,
+}
+
+impl ShardingPlan {
+    /// The plan for `layout`; `num_layers` (the config's `num_hidden_layers`) is required when
+    /// `pp > 1` to assign layers to stages.
+    pub fn new(layout: &ParallelLayout, num_layers: Option<usize>) -> Result<Self, BridgeError> {
+        let fail = |reason: String| BridgeError::Sharding {
+            tensor: String::new(),
+            reason,
+        };
+        if layout.pp > 1 && num_layers.is_none_or(|n| n == 0) {
+            return Err(fail(format!(
+                "pp = {} needs the number of layers to place layers on stages",
+                layout.pp
+            )));
+        }
+        let table = GroupTable::new(layout).map_err(|e| fail(e.to_string()))?;
+        let ranks = (0..layout.world)
+            .map(|r| table.for_rank(r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| fail(e.to_string()))?;
+        Ok(Self {
+            layout: layout.clone(),
+            ranks,
+            num_layers,
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &ParallelLayout {
+        &self.layout
+    }
+
+    /// The pipeline stage owning `fqn`.
+    pub fn stage_of(&self, fqn: &str) -> usize {
+        let pp = self.layout.pp;
+        if pp == 1 {
+            return 0;
+        }
+        let name = param_fqn(fqn);
+        let last = pp - 1;
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            let layer = rest.split('.').next().and_then(|l| l.parse::<usize>().ok());
+            return match (layer, self.num_layers) {
+                (Some(l), Some(n)) if l < n => l * pp / n,
+                _ => last,
+            };
+        }
+        if name.starts_with("model.embed_tokens.") {
+            0
+        } else if name.starts_with("model.norm.") || name.starts_with("lm_head.") {
+            last
+        } else {
+            0
+        }
+    }
+
+    /// The box of `fqn` (global shape `global_shape`) that `rank` holds, `None` when its
+    /// pipeline stage does not own the tensor.
+    pub fn rank_shard(
+        &self,
+        fqn: &str,
+        global_shape: &[usize],
+        rank: usize,
+    ) -> Result<Option<RankShard>, BridgeError> {
+        let fail = |reason: String| BridgeError::Sharding {
+            tensor: fqn.to_owned(),
+            reason,
+        };
+        let groups = self.ranks.get(rank).ok_or_else(|| {
+            fail(format!(
+                "rank {rank} outside a world of {}",
+                self.layout.world
+            ))
+        })?;
+        if groups.pp_rank() != self.stage_of(fqn) {
+            return Ok(None);
+        }
+        let index = |f: GroupFamily| groups.get(f).index;
+        let mut b = TensorBox::full(global_shape);
+        let mut split = |dim: usize, parts: usize, part: usize, what: &str| {
+            let Some(&extent) = global_shape.get(dim) else {
+                return Err(fail(format!(
+                    "{what} splits dim {dim} of a rank-{} tensor",
+                    global_shape.len()
+                )));
+            };
+            if !extent.is_multiple_of(parts) {
+                return Err(fail(format!(
+                    "dim {dim} of {global_shape:?} is not divisible by {what} = {parts}"
+                )));
+            }
+            b.shape[dim] = extent / parts;
+            b.offsets[dim] = part * (extent / parts);
+            Ok(())
+        };
+        let main_replica = match shard_rule(fqn) {
+            ShardRule::Replicated => index(GroupFamily::Tp) == 0 && index(GroupFamily::DpCp) == 0,
+            ShardRule::Tp { dim } => {
+                split(dim, self.layout.tp, index(GroupFamily::Tp), "tp")?;
+                index(GroupFamily::DpCp) == 0
+            }
+            ShardRule::Expert { etp_dim } => {
+                split(0, self.layout.ep, index(GroupFamily::Ep), "ep")?;
+                split(etp_dim, self.layout.etp, index(GroupFamily::ExptTp), "etp")?;
+                index(GroupFamily::ExptDp) == 0
+            }
+        };
+        Ok(Some(RankShard {
+            tensor_box: b,
+            main_replica,
+        }))
+    }
+
+    /// The main-replica boxes of `fqn`, `(writer rank, box)` in rank order: exactly one copy of
+    /// every element.
+    pub fn main_boxes(
+        &self,
+        fqn: &str,
+        global_shape: &[usize],
+    ) -> Result<Vec<(usize, TensorBox)>, BridgeError> {
+        let mut out = Vec::new();
+        for rank in 0..self.layout.world {
+            if let Some(shard) = self.rank_shard(fqn, global_shape, rank)?
+                && shard.main_replica
+            {
+                out.push((rank, shard.tensor_box));
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::testing::{Rng, random_layout, tiny_moe_tensors};
+    use crate::dist::validate::check_tiling;
+
+    #[test]
+    fn rules_follow_the_table() {
+        use ShardRule::*;
+        for (name, rule) in [
+            ("model.embed_tokens.weight", Tp { dim: 0 }),
+            ("lm_head.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.q_proj.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.kv_b_proj.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.q_a_proj.weight", Replicated),
+            (
+                "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                Replicated,
+            ),
+            ("model.layers.0.self_attn.o_proj.weight", Tp { dim: 1 }),
+            (
+                "model.layers.0.mlp.shared_experts.up_proj.weight",
+                Tp { dim: 0 },
+            ),
+            (
+                "model.layers.0.mlp.shared_experts.down_proj.weight",
+                Tp { dim: 1 },
+            ),
+            ("model.layers.0.mlp.down_proj.weight", Tp { dim: 1 }),
+            (
+                "model.layers.1.mlp.experts.gate_up_proj",
+                Expert { etp_dim: 2 },
+            ),
+            (
+                "optim.exp_avg.model.layers.1.mlp.experts.down_proj",
+                Expert { etp_dim: 2 },
+            ),
+            (
+                "optim.master.model.layers.0.mlp.up_proj.weight",
+                Tp { dim: 0 },
+            ),
+            ("model.layers.1.mlp.gate.weight", Replicated),
+            (
+                "model.layers.1.mlp.gate.e_score_correction_bias",
+                Replicated,
+            ),
+            ("model.layers.1.input_layernorm.weight", Replicated),
+        ] {
+            assert_eq!(shard_rule(name), rule, "{name}");
+        }
+        assert_eq!(param_fqn("optim.exp_avg_sq.a.b"), "a.b");
+        assert_eq!(param_fqn("optim.other.a"), "optim.other.a");
+    }
+
+    #[test]
+    fn expert_boxes_follow_ep_and_etp_ranks() {
+        // world 8, etp 2, ep 2, edp 2 (parallelism.md §4 vectors): ep [[0,2],[1,3],..].
+        let layout = ParallelLayout::parse(8, "tp=2,etp=2,ep=2").unwrap();
+        let plan = ShardingPlan::new(&layout, None).unwrap();
+        let shape = [8, 2, 32, 64];
+        let fqn = "model.layers.1.mlp.experts.gate_up_proj";
+        let r2 = plan.rank_shard(fqn, &shape, 2).unwrap().unwrap();
+        assert_eq!(
+            r2.tensor_box,
+            TensorBox::new(vec![4, 0, 0, 0], vec![4, 2, 16, 64])
+        );
+        assert!(r2.main_replica);
+        let r1 = plan.rank_shard(fqn, &shape, 1).unwrap().unwrap();
+        assert_eq!(r1.tensor_box.offsets, vec![0, 0, 16, 0]);
+        assert!(
+            !plan
+                .rank_shard(fqn, &shape, 4)
+                .unwrap()
+                .unwrap()
+                .main_replica
+        );
+        let err = plan.rank_shard(fqn, &[3, 2, 32, 64], 0).unwrap_err();
+        assert!(err.to_string().contains("not divisible by ep"), "{err}");
+    }
+
+    #[test]
+    fn pipeline_stages_own_their_layers() {
+        let layout = ParallelLayout::parse(4, "pp=2,tp=2").unwrap();
+        assert!(ShardingPlan::new(&layout, None).is_err());
+        let plan = ShardingPlan::new(&layout, Some(4)).unwrap();
+        assert_eq!(plan.stage_of("model.embed_tokens.weight"), 0);
+        assert_eq!(plan.stage_of("model.layers.1.mlp.gate.weight"), 0);
+        assert_eq!(plan.stage_of("model.layers.2.mlp.gate.weight"), 1);
+        assert_eq!(plan.stage_of("model.layers.4.enorm.weight"), 1);
+        assert_eq!(plan.stage_of("lm_head.weight"), 1);
+        let boxes = plan.main_boxes("lm_head.weight", &[32, 16]).unwrap();
+        let ranks: Vec<usize> = boxes.iter().map(|(r, _)| *r).collect();
+        assert_eq!(ranks, [2, 3]);
+    }
+
+    #[test]
+    fn main_replicas_cover_every_element_once_for_random_layouts() {
+        let mut rng = Rng::new(7);
+        let tensors = tiny_moe_tensors();
+        for _ in 0..60 {
+            let layout = random_layout(&mut rng, 8);
+            let plan = ShardingPlan::new(&layout, Some(3)).unwrap();
+            for t in &tensors {
+                let boxes: Vec<TensorBox> = plan
+                    .main_boxes(&t.fqn, &t.global_shape)
+                    .unwrap()
+                    .into_iter()
+                    .map(|(_, b)| b)
+                    .collect();
+                check_tiling(&boxes, &t.global_shape)
+                    .unwrap_or_else(|e| panic!("{layout}: {}: {e}", t.fqn));
+                // Every rank of the owning stage holds a box.
+                let holders = (0..layout.world)
+                    .filter(|&r| {
+                        plan.rank_shard(&t.fqn, &t.global_shape, r)
+                            .unwrap()
+                            .is_some()
+                    })
+                    .count();
+                assert_eq!(holders, layout.world / layout.pp);
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Test helpers: a tiny deterministic RNG, random layouts and a tiny MoE model's canonical
+//! tensors (every split dimension divisible by 8).
+
+use moe_backend::parallel::ParallelLayout;
+
+use super::files::TensorMeta;
+use super::index::TensorKind;
+use crate::safetensors::Dtype;
+
+/// xorshift64*.
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded generator.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// Next value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+
+    /// A random element.
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())]
+    }
+}
+
+/// Power-of-two divisors of `n` (the tiny model's split dims are multiples of 8).
+fn divisors(n: usize) -> Vec<usize> {
+    [1, 2, 4, 8]
+        .into_iter()
+        .filter(|d| n.is_multiple_of(*d))
+        .collect()
+}
+
+/// A random valid layout of world 1..=`max_world` over tp, cp, pp, ep, etp (dp, edp derived).
+pub fn random_layout(rng: &mut Rng, max_world: usize) -> ParallelLayout {
+    loop {
+        let world = 1 + rng.below(max_world);
+        let tp = rng.pick(&divisors(world));
+        let pp = if rng.below(5) == 0 {
+            rng.pick(&divisors(world / tp))
+        } else {
+            1
+        };
+        let cp = if rng.below(5) == 0 {
+            rng.pick(&divisors(world / (tp * pp)))
+        } else {
+            1
+        };
+        let ep = rng.pick(&divisors(world / pp));
+        let etp = rng.pick(&divisors(world / (pp * ep)));
+        let spec = format!("tp={tp},cp={cp},pp={pp},ep={ep},etp={etp}");
+        if let Ok(layout) = ParallelLayout::parse(world, &spec) {
+            return layout;
+        }
+    }
+}
+
+/// Number of layers of [`tiny_moe_tensors`].
+pub const TINY_LAYERS: usize = 3;
+
+/// Canonical tensors of a tiny MoE model mixing Qwen3-MoE and DeepSeek-V3 names: layer 0
+/// dense, layers 1–2 MoE with 8 experts; F32 except BF16 experts and an F32 router bias.
+pub fn tiny_moe_tensors() -> Vec<TensorMeta> {
+    let (h, v, e, im, f) = (16, 32, 8, 8, 16);
+    let mut out = vec![
+        ("model.embed_tokens.weight", vec![v, h], Dtype::F32),
+        ("model.norm.weight", vec![h], Dtype::F32),
+        ("lm_head.weight", vec![v, h], Dtype::F32),
+    ];
+    let mut names: Vec<(String, Vec<usize>, Dtype)> = out
+        .drain(..)
+        .map(|(n, s, d)| (n.to_owned(), s, d))
+        .collect();
+    for l in 0..TINY_LAYERS {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let mut layer = vec![
+            (p("input_layernorm.weight"), vec![h], Dtype::F32),
+            (p("post_attention_layernorm.weight"), vec![h], Dtype::F32),
+            (p("self_attn.q_proj.weight"), vec![h, h], Dtype::F32),
+            (p("self_attn.k_proj.weight"), vec![8, h], Dtype::F32),
+            (p("self_attn.v_proj.weight"), vec![8, h], Dtype::F32),
+            (p("self_attn.o_proj.weight"), vec![h, h], Dtype::F32),
+            (p("self_attn.q_norm.weight"), vec![4], Dtype::F32),
+            (
+                p("self_attn.kv_a_proj_with_mqa.weight"),
+                vec![24, h],
+                Dtype::BF16,
+            ),
+            (p("self_attn.kv_b_proj.weight"), vec![32, 8], Dtype::BF16),
+        ];
+        if l == 0 {
+            layer.extend([
+                (p("mlp.gate_proj.weight"), vec![f, h], Dtype::F32),
+                (p("mlp.up_proj.weight"), vec![f, h], Dtype::F32),
+                (p("mlp.down_proj.weight"), vec![h, f], Dtype::F32),
+            ]);
+        } else {
+            layer.extend([
+                (p("mlp.gate.weight"), vec![e, h], Dtype::F32),
+                (p("mlp.gate.e_score_correction_bias"), vec![e], Dtype::F32),
+                (
+                    p("mlp.experts.gate_up_proj"),
+                    vec![e, 2, im, h],
+                    Dtype::BF16,
+                ),
+                (p("mlp.experts.down_proj"), vec![e, h, im], Dtype::BF16),
+                (
+                    p("mlp.shared_experts.gate_proj.weight"),
+                    vec![im, h],
+                    Dtype::BF16,
+                ),
+                (
+                    p("mlp.shared_experts.up_proj.weight"),
+                    vec![im, h],
+                    Dtype::BF16,
+                ),
+                (
+                    p("mlp.shared_experts.down_proj.weight"),
+                    vec![h, im],
+                    Dtype::BF16,
+                ),
+            ]);
+        }
+        names.extend(layer);
+    }
+    names
+        .into_iter()
+        .map(|(fqn, global_shape, dtype)| TensorMeta {
+            fqn,
+            kind: TensorKind::Param,
+            dtype,
+            global_shape,
+            hf: Vec::new(),
+        })
+        .collect()
+}
+
+/// The tiny model's parameters plus `optim.{master|exp_avg|exp_avg_sq}.<fqn>` (F32, the
+/// parameter's global shape) for every parameter.
+pub fn tiny_moe_with_optimizer() -> Vec<TensorMeta> {
+    let params = tiny_moe_tensors();
+    let mut out = params.clone();
+    for state in super::sharding::OPTIM_STATES {
+        for p in &params {
+            out.push(TensorMeta {
+                fqn: format!("optim.{state}.{}", p.fqn),
+                kind: TensorKind::Optim,
+                dtype: Dtype::F32,
+                global_shape: p.global_shape.clone(),
+                hf: Vec::new(),
+            });
+        }
+    }
+    out
+}
+
+/// Deterministic bytes for a tensor (distinct per fqn and position).
+pub fn synthetic_bytes(meta: &TensorMeta) -> Vec<u8> {
+    let n: usize = meta.global_shape.iter().product::<usize>() * meta.dtype.size();
+    let seed = meta.fqn.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.next_u64() as u8).collect()
+}
