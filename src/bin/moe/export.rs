@@ -1,4 +1,5 @@
-//! `moe export`: HF → HF export (FP8 → BF16, stacked → per-expert names, re-sharding).
+//! `moe export`: HF → HF export (FP8 → BF16, stacked → per-expert names, re-sharding), or a
+//! distributed checkpoint → HF (`moe export <checkpoint> --out <hf-dir>`).
 
 use std::path::PathBuf;
 
@@ -10,9 +11,16 @@ use burn_moe::bridge::safetensors::Dtype;
 /// Arguments of `moe export`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// A distributed checkpoint (root or `iter_*` directory) to export instead of `--model`.
+    #[arg(
+        value_name = "CHECKPOINT",
+        conflicts_with = "model",
+        required_unless_present = "model"
+    )]
+    pub checkpoint: Option<PathBuf>,
     /// Source HF checkpoint directory or hub-cache model id.
     #[arg(long, value_name = "MODEL")]
-    pub model: String,
+    pub model: Option<String>,
     /// Output directory (written to a temporary directory and renamed into place).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
@@ -43,7 +51,6 @@ pub enum ExportDtype {
 
 /// Runs `moe export`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let source = HfCheckpoint::open_model(&args.model)?;
     let options = ExportOptions {
         dtype: args.dtype.map(|d| match d {
             ExportDtype::Bf16 => Dtype::BF16,
@@ -53,6 +60,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         overwrite: args.overwrite,
         emit_mtp_copies: args.emit_mtp_copies,
     };
+    if let Some(checkpoint) = &args.checkpoint {
+        let ckpt = burn_moe::bridge::dist::DistCheckpoint::open(checkpoint)?;
+        let summary = crate::progress::with_spinner("exporting", || {
+            burn_moe::bridge::dist::convert::export_dist_to_hf(&ckpt, &args.out, &options)
+        })
+        .with_context(|| format!("export of {} failed", checkpoint.display()))?;
+        println!(
+            "wrote {}: {} tensors, {} bytes in {} shard(s)",
+            summary.target.display(),
+            summary.tensors,
+            summary.total_size,
+            summary.shards
+        );
+        return Ok(());
+    }
+    let model = args.model.clone().unwrap_or_default();
+    let source = HfCheckpoint::open_model(&model)?;
     tracing::info!(
         source = %source.dir().display(),
         target = %args.out.display(),
@@ -61,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let summary =
         crate::progress::with_spinner("exporting", || export_hf(&source, &args.out, &options))
-            .with_context(|| format!("export of {} failed", args.model))?;
+            .with_context(|| format!("export of {model} failed"))?;
     if !summary.dropped.is_empty() {
         tracing::info!(
             dropped = summary.dropped.len(),

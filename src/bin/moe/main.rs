@@ -4,6 +4,7 @@
 //! derive) and a `run` function that calls the library crates. Logs go to stderr through
 //! `tracing` (`RUST_LOG=debug` for more); results go to stdout or the named output files.
 
+mod checkpoint;
 mod export;
 mod generate;
 mod inspect;
@@ -41,6 +42,12 @@ enum Command {
     Upcycle(upcycle::Args),
     /// Per-rank parameters, memory and EP communication of a parallel layout.
     Plan(plan::Args),
+    /// Convert an HF checkpoint into a distributed checkpoint under a layout.
+    Convert(checkpoint::ConvertArgs),
+    /// Rewrite a distributed checkpoint under another layout.
+    Reshard(checkpoint::ReshardArgs),
+    /// Check that every element of every tensor is stored exactly once.
+    Validate(checkpoint::ValidateArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -53,6 +60,9 @@ fn main() -> std::process::ExitCode {
         Command::Export(args) => export::run(args),
         Command::Upcycle(args) => upcycle::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Convert(args) => checkpoint::convert(args),
+        Command::Reshard(args) => checkpoint::reshard_cmd(args),
+        Command::Validate(args) => checkpoint::validate(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,4 +1,4 @@
-//! `moe plan` and `moe upcycle` end to end on the shipped fixtures.
+//! `moe plan`, `moe upcycle` and the distributed-checkpoint commands end to end on the fixtures.
 
 use std::process::Command;
 
@@ -101,4 +101,54 @@ fn upcycle_writes_a_loadable_moe_checkpoint() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("granularity"));
     let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+#[test]
+fn convert_reshard_validate_export_round_trip_is_bit_exact() {
+    use burn_moe::bridge::hf::HfCheckpoint;
+    let base = std::env::temp_dir().join(format!("moe-dist-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (a, b, hf) = (base.join("a"), base.join("b"), base.join("hf"));
+    let s = |p: &std::path::Path| p.to_string_lossy().to_string();
+    let src = fixture("qwen3_moe");
+    for args in [
+        vec![
+            "convert",
+            "--from-hf",
+            &src,
+            "--out",
+            &s(&a),
+            "--layout",
+            "world=4,tp=2,ep=4",
+        ],
+        vec!["validate", &s(&a)],
+        vec!["reshard", &s(&a), "--out", &s(&b), "--layout", "ep=2,etp=2"],
+        vec!["export", &s(&b), "--out", &s(&hf)],
+    ] {
+        let out = moe(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (orig, back) = (
+        HfCheckpoint::open(&src).unwrap(),
+        HfCheckpoint::open(&hf).unwrap(),
+    );
+    let mut names: Vec<String> = orig.tensor_names().map(str::to_string).collect();
+    let mut back_names: Vec<String> = back.tensor_names().map(str::to_string).collect();
+    names.sort();
+    back_names.sort();
+    assert_eq!(names, back_names);
+    for name in &names {
+        let (x, y) = (orig.tensor(name).unwrap(), back.tensor(name).unwrap());
+        assert_eq!((x.dtype, x.shape), (y.dtype, y.shape), "{name}");
+        assert!(x.bytes == y.bytes, "{name} differs");
+    }
+    // A half-written checkpoint is refused.
+    std::fs::remove_file(a.join("iter_0000000").join(".complete")).unwrap();
+    let out = moe(&["validate", &s(&a.join("iter_0000000"))]);
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&base);
 }

@@ -1,0 +1,82 @@
+//! Distributed-checkpoint commands: `moe convert` (HF → distributed), `moe reshard`
+//! (distributed → distributed under another layout) and `moe validate`.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use burn_moe::backend::parallel::ParallelLayout;
+use burn_moe::bridge::dist::DistCheckpoint;
+use burn_moe::bridge::dist::convert::{convert_hf_to_dist_with, reshard};
+
+/// Arguments of `moe convert`.
+#[derive(Debug, clap::Args)]
+pub struct ConvertArgs {
+    /// Source HF checkpoint directory.
+    #[arg(long, value_name = "DIR")]
+    pub from_hf: PathBuf,
+    /// Checkpoint root (the new `iter_*` directory and `latest` are written there).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Target layout, e.g. `world=4,tp=2,ep=4` (omitted sizes are 1).
+    #[arg(long)]
+    pub layout: String,
+    /// Step recorded in the checkpoint.
+    #[arg(long, default_value_t = 0)]
+    pub step: u64,
+}
+
+/// Arguments of `moe reshard`.
+#[derive(Debug, clap::Args)]
+pub struct ReshardArgs {
+    /// Checkpoint root (its `latest`) or one `iter_*` directory.
+    pub checkpoint: PathBuf,
+    /// Output checkpoint root.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// New layout.
+    #[arg(long)]
+    pub layout: String,
+}
+
+/// Arguments of `moe validate`.
+#[derive(Debug, clap::Args)]
+pub struct ValidateArgs {
+    /// Checkpoint root or one `iter_*` directory.
+    pub checkpoint: PathBuf,
+}
+
+/// Runs `moe convert`.
+pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
+    let layout = ParallelLayout::parse_spec(&args.layout)?;
+    let bar = crate::progress::bar(0, "converting");
+    let dir = convert_hf_to_dist_with(&args.from_hf, &args.out, &layout, args.step, &mut |p| {
+        bar.set_length(p.total_bytes);
+        bar.set_position(p.bytes);
+        bar.set_message(p.tensor.clone());
+    })
+    .with_context(|| format!("conversion of {} failed", args.from_hf.display()))?;
+    bar.finish_and_clear();
+    println!("wrote {} ({layout})", dir.display());
+    Ok(())
+}
+
+/// Runs `moe reshard`.
+pub fn reshard_cmd(args: ReshardArgs) -> anyhow::Result<()> {
+    let layout = ParallelLayout::parse_spec(&args.layout)?;
+    let ckpt = DistCheckpoint::open(&args.checkpoint)?;
+    let dir = crate::progress::with_spinner("resharding", || reshard(&ckpt, &args.out, &layout))?;
+    println!("wrote {} ({layout})", dir.display());
+    Ok(())
+}
+
+/// Runs `moe validate`.
+pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
+    let ckpt = DistCheckpoint::open(&args.checkpoint)?;
+    ckpt.validate()?;
+    println!(
+        "{}: valid ({} tensors, every element covered exactly once)",
+        ckpt.dir().display(),
+        ckpt.index().tensors.len()
+    );
+    Ok(())
+}
