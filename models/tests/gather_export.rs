@@ -11,8 +11,9 @@ use moe_models::distributed::{
 use moe_models::export::export_hf_tensors;
 use moe_models::{DeepseekV3Config, Qwen3MoeConfig};
 
-const LAYOUTS: [(usize, &str); 5] = [
+const LAYOUTS: [(usize, &str); 6] = [
     (2, "ep=2"),
+    (4, "tp=2,ep=2"),
     (4, "tp=2,ep=4"),
     (4, "tp=2,ep=2,etp=2"),
     (4, "ep=2,etp=2"),
