@@ -1,0 +1,350 @@
+//! The collectives of [`LocalComm`]: split, exchange through the rendezvous, check the
+//! members' arguments against each other, and assemble the result.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use burn::tensor::{DType, TensorData};
+
+use super::rendezvous::LocalComm;
+use super::{Mail, Payload};
+use crate::comm::data::{concat_rows, reduce_blocks, rows_to_data, split_rows, trailing};
+use crate::comm::{CallSite, Communicator, ReduceOp, Traffic};
+use crate::error::{BackendError, Result};
+
+fn payloads(data: &TensorData, splits: &[usize]) -> Vec<Option<Payload>> {
+    let tail = trailing(data);
+    split_rows(data, splits)
+        .into_iter()
+        .zip(splits)
+        .map(|(block, &rows)| Some(Arc::new(rows_to_data(block, rows, &tail, data.dtype()))))
+        .collect()
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.index
+    }
+
+    fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    fn all_reduce(&self, data: TensorData, op: ReduceOp, site: CallSite) -> Result<TensorData> {
+        const OP: &str = "all_reduce";
+        let mut sig = self.sig(OP, &data, site);
+        sig.param = format!("{op:?}");
+        let shared = Arc::new(data);
+        let outgoing = vec![Some(Arc::clone(&shared)); self.ranks.len()];
+        let got = self.exchange(sig, outgoing)?;
+        self.agree(
+            OP,
+            &got,
+            "shape",
+            |a, b| a.shape == b.shape,
+            |s| format!("{:?}", s.shape),
+        )?;
+        self.agree(
+            OP,
+            &got,
+            "reduce op",
+            |a, b| a.param == b.param,
+            |s| s.param.clone(),
+        )?;
+        let parts: Vec<&[u8]> = got
+            .iter()
+            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .collect();
+        let bytes = reduce_blocks(OP, &self.group(), &parts, shared.dtype(), op)?;
+        Ok(TensorData::from_bytes_vec(
+            bytes,
+            shared.shape().to_vec(),
+            shared.dtype(),
+        ))
+    }
+
+    fn all_gather_v(&self, data: TensorData, site: CallSite) -> Result<(TensorData, Vec<usize>)> {
+        const OP: &str = "all_gather";
+        if data.shape().as_slice().is_empty() {
+            return Err(self.error(OP, format!("a 0-d tensor has no dim 0 (at {site})")));
+        }
+        let sig = self.sig(OP, &data, site);
+        let shared = Arc::new(data);
+        let got = self.exchange(sig, vec![Some(Arc::clone(&shared)); self.ranks.len()])?;
+        self.agree(
+            OP,
+            &got,
+            "trailing shape",
+            |a, b| a.shape.len() == b.shape.len() && a.shape[1..] == b.shape[1..],
+            |s| format!("{:?}", s.shape),
+        )?;
+        let sizes: Vec<usize> = got.iter().map(|(s, _)| s.shape[0]).collect();
+        let blocks: Vec<&[u8]> = got
+            .iter()
+            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .collect();
+        let out = concat_rows(
+            blocks,
+            sizes.iter().sum(),
+            &trailing(&shared),
+            shared.dtype(),
+        );
+        Ok((out, sizes))
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        data: TensorData,
+        splits: &[usize],
+        op: ReduceOp,
+        site: CallSite,
+    ) -> Result<TensorData> {
+        const OP: &str = "reduce_scatter";
+        self.check_splits(OP, &data, splits, "splits", site)?;
+        let mut sig = self.sig(OP, &data, site);
+        sig.splits = splits.to_vec();
+        sig.param = format!("{op:?}");
+        let outgoing = payloads(&data, splits);
+        let got = self.exchange(sig, outgoing)?;
+        self.agree(
+            OP,
+            &got,
+            "shape",
+            |a, b| a.shape == b.shape,
+            |s| format!("{:?}", s.shape),
+        )?;
+        self.agree(
+            OP,
+            &got,
+            "splits",
+            |a, b| a.splits == b.splits,
+            |s| format!("{:?}", s.splits),
+        )?;
+        self.agree(
+            OP,
+            &got,
+            "reduce op",
+            |a, b| a.param == b.param,
+            |s| s.param.clone(),
+        )?;
+        let parts: Vec<&[u8]> = got
+            .iter()
+            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .collect();
+        let bytes = reduce_blocks(OP, &self.group(), &parts, data.dtype(), op)?;
+        let mut shape = data.shape().to_vec();
+        shape[0] = splits[self.index];
+        Ok(TensorData::from_bytes_vec(bytes, shape, data.dtype()))
+    }
+
+    fn all_to_all_v(
+        &self,
+        data: TensorData,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+        site: CallSite,
+    ) -> Result<TensorData> {
+        const OP: &str = "all_to_all_v";
+        self.check_splits(OP, &data, send_splits, "send_splits", site)?;
+        if recv_splits.len() != self.ranks.len() {
+            return Err(self.error(
+                OP,
+                format!(
+                    "recv_splits has {} entries for {} members (at {site})",
+                    recv_splits.len(),
+                    self.ranks.len()
+                ),
+            ));
+        }
+        let mut sig = self.sig(OP, &data, site);
+        sig.splits = send_splits.to_vec();
+        sig.recv_splits = recv_splits.to_vec();
+        let outgoing = payloads(&data, send_splits);
+        let got = self.exchange(sig, outgoing)?;
+        self.agree(
+            OP,
+            &got,
+            "trailing shape",
+            |a, b| a.shape.len() == b.shape.len() && a.shape[1..] == b.shape[1..],
+            |s| format!("{:?}", s.shape),
+        )?;
+        // Every member checks the whole split matrix: recv[j][i] == send[i][j].
+        for (i, (si, _)) in got.iter().enumerate() {
+            for (j, (sj, _)) in got.iter().enumerate() {
+                if sj.recv_splits[i] != si.splits[j] {
+                    return Err(self.error(
+                        OP,
+                        format!(
+                            "split mismatch: rank {} sends {} rows to rank {} (send_splits {:?} at {}), \
+                             but rank {} expects {} (recv_splits {:?} at {})",
+                            self.ranks[i],
+                            si.splits[j],
+                            self.ranks[j],
+                            si.splits,
+                            si.site,
+                            self.ranks[j],
+                            sj.recv_splits[i],
+                            sj.recv_splits,
+                            sj.site
+                        ),
+                    ));
+                }
+            }
+        }
+        let blocks: Vec<&[u8]> = got
+            .iter()
+            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .collect();
+        Ok(concat_rows(
+            blocks,
+            recv_splits.iter().sum(),
+            &trailing(&data),
+            data.dtype(),
+        ))
+    }
+
+    fn broadcast(&self, data: TensorData, root: usize, site: CallSite) -> Result<TensorData> {
+        const OP: &str = "broadcast";
+        if root >= self.ranks.len() {
+            return Err(self.error(
+                OP,
+                format!(
+                    "root {root} out of range for {} members (at {site})",
+                    self.ranks.len()
+                ),
+            ));
+        }
+        let mut sig = self.sig(OP, &data, site);
+        sig.param = root.to_string();
+        let outgoing = if self.index == root {
+            vec![Some(Arc::new(data)); self.ranks.len()]
+        } else {
+            vec![None; self.ranks.len()]
+        };
+        let got = self.exchange(sig, outgoing)?;
+        self.agree(
+            OP,
+            &got,
+            "shape",
+            |a, b| a.shape == b.shape,
+            |s| format!("{:?}", s.shape),
+        )?;
+        self.agree(
+            OP,
+            &got,
+            "root",
+            |a, b| a.param == b.param,
+            |s| s.param.clone(),
+        )?;
+        got.into_iter()
+            .nth(root)
+            .and_then(|(_, p)| p)
+            .map(|p| Arc::try_unwrap(p).unwrap_or_else(|shared| (*shared).clone()))
+            .ok_or_else(|| self.error(OP, format!("no data from root {root} (at {site})")))
+    }
+
+    fn send(&self, data: TensorData, dst: usize, site: CallSite) -> Result<()> {
+        const OP: &str = "send";
+        let Some(&to) = self.ranks.get(dst) else {
+            return Err(self.error(OP, format!("destination {dst} out of range (at {site})")));
+        };
+        let sig = self.sig(OP, &data, site);
+        if to != self.me() {
+            self.count(data.as_bytes().len());
+        }
+        let mut st = self.shared.lock();
+        if let Some(failure) = &st.failure {
+            return Err(self.aborted(OP, failure));
+        }
+        st.mail
+            .entry((Arc::clone(&self.key), self.me(), to))
+            .or_default()
+            .push_back(Mail { sig, data });
+        drop(st);
+        self.shared.wake.notify_all();
+        Ok(())
+    }
+
+    fn recv(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        src: usize,
+        site: CallSite,
+    ) -> Result<TensorData> {
+        const OP: &str = "recv";
+        let Some(&from) = self.ranks.get(src) else {
+            return Err(self.error(OP, format!("source {src} out of range (at {site})")));
+        };
+        let key = (Arc::clone(&self.key), from, self.me());
+        let deadline = Instant::now() + self.shared.config.timeout;
+        let mut st = self.shared.lock();
+        let mail = loop {
+            if let Some(failure) = &st.failure {
+                return Err(self.aborted(OP, failure));
+            }
+            if let Some(mail) = st.mail.get_mut(&key).and_then(VecDeque::pop_front) {
+                break mail;
+            }
+            if st.exited[from] {
+                let reason = format!(
+                    "rank {from} finished without sending to rank {} (recv at {site})",
+                    self.me()
+                );
+                drop(st);
+                self.shared.fail(self.me(), reason.clone());
+                return Err(self.error(OP, reason));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(st);
+                let err = BackendError::Timeout {
+                    op: OP,
+                    group: self.group(),
+                    waiting: vec![from],
+                    seconds: self.shared.config.timeout.as_secs_f64(),
+                    site: site.to_string(),
+                };
+                self.shared.fail(self.me(), err.to_string());
+                return Err(err);
+            }
+            st = self
+                .shared
+                .wake
+                .wait_timeout(st, deadline - now)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|p| p.into_inner().0);
+        };
+        drop(st);
+        if mail.sig.shape != shape || mail.sig.dtype != dtype {
+            return Err(self.error(
+                OP,
+                format!(
+                    "rank {from} sent {:?} {:?} (at {}), rank {} expected {:?} {:?} (at {site})",
+                    mail.sig.dtype,
+                    mail.sig.shape,
+                    mail.sig.site,
+                    self.me(),
+                    dtype,
+                    shape
+                ),
+            ));
+        }
+        Ok(mail.data)
+    }
+
+    fn traffic(&self) -> Traffic {
+        Traffic {
+            calls: self.calls.load(Ordering::Relaxed),
+            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
+        }
+    }
+
+    fn barrier(&self, site: CallSite) -> Result<()> {
+        let empty = TensorData::new(Vec::<f32>::new(), [0]);
+        let sig = self.sig("barrier", &empty, site);
+        self.exchange(sig, vec![None; self.ranks.len()]).map(|_| ())
+    }
+}

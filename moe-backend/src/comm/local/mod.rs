@@ -1,0 +1,326 @@
+//! The in-process world: SPMD ranks as threads exchanging tensor data through shared memory.
+//!
+//! Every collective is a rendezvous: each member posts a signature (op, dtype, shape, splits,
+//! call site) and one payload per destination into the slot `(group, sequence number)`, waits
+//! until all members have posted, takes the payloads addressed to it, and checks that the
+//! signatures agree. Failures (a rank returning an error, panicking, exiting early, or a
+//! timeout) are recorded once for the whole world and wake every waiting rank.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use burn::tensor::{DType, TensorData};
+
+use super::{CallSite, Comm};
+use crate::error::{BackendError, Result};
+use crate::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGroups};
+
+mod collectives;
+mod rendezvous;
+
+use rendezvous::LocalComm;
+
+/// Settings of an in-process world.
+#[derive(Debug, Clone)]
+pub struct WorldConfig {
+    /// How long a collective waits for the other members before failing the world.
+    pub timeout: Duration,
+    /// Stack size of each rank thread.
+    pub stack_bytes: usize,
+}
+
+impl Default for WorldConfig {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(300),
+            stack_bytes: 16 << 20,
+        }
+    }
+}
+
+type Payload = Arc<TensorData>;
+
+#[derive(Debug, Clone)]
+struct Signature {
+    op: &'static str,
+    dtype: DType,
+    shape: Vec<usize>,
+    /// Op-specific sizes: splits, send splits.
+    splits: Vec<usize>,
+    /// Op-specific: receive splits.
+    recv_splits: Vec<usize>,
+    /// Op-specific scalar: reduce op or root.
+    param: String,
+    site: CallSite,
+}
+
+struct Post {
+    sig: Signature,
+    outgoing: Vec<Option<Payload>>,
+}
+
+struct Slot {
+    posts: Vec<Option<Post>>,
+    readers: usize,
+}
+
+struct Mail {
+    sig: Signature,
+    data: TensorData,
+}
+
+#[derive(Default)]
+struct State {
+    slots: HashMap<(Arc<str>, u64), Slot>,
+    mail: HashMap<(Arc<str>, usize, usize), VecDeque<Mail>>,
+    failure: Option<(usize, String)>,
+    exited: Vec<bool>,
+}
+
+struct Shared {
+    size: usize,
+    config: WorldConfig,
+    state: Mutex<State>,
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Records the first failure of the world and wakes every waiter.
+    fn fail(&self, rank: usize, reason: String) {
+        let mut st = self.lock();
+        if st.failure.is_none() {
+            st.failure = Some((rank, reason));
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+
+    fn exit(&self, rank: usize) {
+        let mut st = self.lock();
+        if let Some(flag) = st.exited.get_mut(rank) {
+            *flag = true;
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+}
+
+/// An in-process world of SPMD ranks.
+pub struct World;
+
+impl World {
+    /// Runs `f` on `size` ranks (one thread each) with the default [`WorldConfig`]; returns
+    /// each rank's result in rank order.
+    pub fn run<T, F>(size: usize, f: F) -> Vec<Result<T>>
+    where
+        T: Send,
+        F: Fn(&RankCtx) -> Result<T> + Sync,
+    {
+        Self::run_with(size, WorldConfig::default(), f)
+    }
+
+    /// [`World::run`] with explicit settings.
+    pub fn run_with<T, F>(size: usize, config: WorldConfig, f: F) -> Vec<Result<T>>
+    where
+        T: Send,
+        F: Fn(&RankCtx) -> Result<T> + Sync,
+    {
+        let stack = config.stack_bytes;
+        let shared = Arc::new(Shared {
+            size,
+            config,
+            state: Mutex::new(State {
+                exited: vec![false; size],
+                ..State::default()
+            }),
+            wake: Condvar::new(),
+        });
+        let f = &f;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..size)
+                .map(|rank| {
+                    let shared = Arc::clone(&shared);
+                    std::thread::Builder::new()
+                        .name(format!("rank-{rank}"))
+                        .stack_size(stack)
+                        .spawn_scoped(scope, move || run_rank(shared, rank, f))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, handle)| match handle {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(BackendError::RankPanicked {
+                            rank,
+                            message: "thread could not be joined".into(),
+                        })
+                    }),
+                    Err(e) => Err(BackendError::RankPanicked {
+                        rank,
+                        message: format!("thread could not be spawned: {e}"),
+                    }),
+                })
+                .collect()
+        })
+    }
+}
+
+fn run_rank<T, F>(shared: Arc<Shared>, rank: usize, f: &F) -> Result<T>
+where
+    F: Fn(&RankCtx) -> Result<T> + Sync,
+{
+    let ctx = RankCtx {
+        shared: Arc::clone(&shared),
+        rank,
+        groups: Mutex::new(HashMap::new()),
+    };
+    let result = match catch_unwind(AssertUnwindSafe(|| f(&ctx))) {
+        Ok(result) => result,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Err(BackendError::RankPanicked { rank, message })
+        }
+    };
+    if let Err(e) = &result {
+        shared.fail(rank, e.to_string());
+    }
+    shared.exit(rank);
+    result
+}
+
+/// One rank's view of the world: its rank and the communicators of its groups.
+pub struct RankCtx {
+    shared: Arc<Shared>,
+    rank: usize,
+    groups: Mutex<HashMap<String, Comm>>,
+}
+
+impl fmt::Debug for RankCtx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RankCtx")
+            .field("rank", &self.rank)
+            .field("world", &self.shared.size)
+            .finish()
+    }
+}
+
+impl RankCtx {
+    /// Global rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.shared.size
+    }
+
+    /// The communicator of all ranks.
+    pub fn world(&self) -> Result<Comm> {
+        let all: Vec<usize> = (0..self.shared.size).collect();
+        self.group("world", &all)
+    }
+
+    /// The communicator of the group `ranks` (global ranks in member order), which must
+    /// contain this rank. `name` separates independent groups with the same members (e.g.
+    /// `ep` and `tp_ep`); asking twice for the same name and ranks returns the same channel.
+    pub fn group(&self, name: &str, ranks: &[usize]) -> Result<Comm> {
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != ranks.len() {
+            return Err(BackendError::Layout {
+                field: "group",
+                detail: format!("group `{name}` {ranks:?} repeats a rank"),
+            });
+        }
+        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.shared.size) {
+            return Err(BackendError::Layout {
+                field: "group",
+                detail: format!(
+                    "group `{name}` names rank {bad} in a world of {}",
+                    self.shared.size
+                ),
+            });
+        }
+        let index =
+            ranks
+                .iter()
+                .position(|&r| r == self.rank)
+                .ok_or_else(|| BackendError::Layout {
+                    field: "group",
+                    detail: format!(
+                        "rank {} is not a member of group `{name}` {ranks:?}",
+                        self.rank
+                    ),
+                })?;
+        let key = format!("{name}{ranks:?}");
+        let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        let comm = groups.entry(key.clone()).or_insert_with(|| {
+            Comm::new(Arc::new(LocalComm {
+                shared: Arc::clone(&self.shared),
+                key: Arc::from(key.as_str()),
+                ranks: ranks.to_vec(),
+                index,
+                seq: AtomicU64::new(0),
+                calls: AtomicU64::new(0),
+                bytes_sent: AtomicU64::new(0),
+            }))
+        });
+        Ok(comm.clone())
+    }
+
+    /// Communicators for every group family of `layout` this rank belongs to, created in the
+    /// deterministic order of [`GroupFamily::ALL`].
+    pub fn process_groups(&self, layout: &ParallelLayout) -> Result<GroupComms> {
+        if layout.world != self.shared.size {
+            return Err(BackendError::Layout {
+                field: "world",
+                detail: format!(
+                    "layout is for {} ranks but the world has {}",
+                    layout.world, self.shared.size
+                ),
+            });
+        }
+        let groups = GroupTable::new(layout)?.for_rank(self.rank)?;
+        let comms = groups
+            .iter()
+            .map(|m| self.group(m.family.name(), &m.ranks))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(GroupComms { groups, comms })
+    }
+}
+
+/// A rank's [`ProcessGroups`] with a communicator for each.
+#[derive(Debug, Clone)]
+pub struct GroupComms {
+    /// Memberships.
+    pub groups: ProcessGroups,
+    comms: Vec<Comm>,
+}
+
+impl GroupComms {
+    /// The communicator of `family`.
+    pub fn comm(&self, family: GroupFamily) -> &Comm {
+        let at = GroupFamily::ALL
+            .iter()
+            .position(|f| *f == family)
+            .unwrap_or_default();
+        &self.comms[at]
+    }
+}
