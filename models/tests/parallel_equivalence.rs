@@ -209,6 +209,28 @@ fn reference<A: Arch>(start: &A::Model, replicas: usize) -> Reference<A::Model> 
     }
 }
 
+/// A copy of `start` whose parameter values are its gradients of the step-0 loss on the
+/// concatenated batch (so the sharding code can cut the expected gradient of every rank).
+fn reference_gradients<A: Arch>(start: &A::Model, replicas: usize) -> A::Model {
+    let v = start.vocab_size();
+    let model = replicate(start);
+    let table = ParamTable::new(&model, &default_classify);
+    let ids: Vec<i64> = (0..replicas).flat_map(|r| batch(0, r, v)).collect();
+    let t = Tensor::<2, Int>::from_data(
+        TensorData::new(
+            ids.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+            [replicas * B, S],
+        ),
+        &ad(),
+    );
+    let loss = causal_lm_loss(A::logits(&model, t), &ids).expect("loss");
+    let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+    let (d, e) = table.flatten_grads(&model, &mut grads).expect("grads");
+    table
+        .write_values(replicate(start), &d, &e)
+        .expect("grad model")
+}
+
 fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
     let layout = ParallelLayout::parse(world, spec).expect("layout");
     let device = ad();
@@ -216,7 +238,9 @@ fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
     let v = start.vocab_size();
     let replicas = layout.dp * layout.cp;
     let expected = reference::<A>(&start, replicas);
+    let grad_model = reference_gradients::<A>(&start, replicas);
     let (layout_ref, start_ref, final_ref) = (&layout, &start, &expected.final_model);
+    let grad_ref = &grad_model;
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
         let mut par = A::shard(start_ref, &pg, kind).map_err(to_backend)?;
@@ -233,6 +257,15 @@ fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
             &param_class,
         )?;
         let (mut losses, mut norms, mut logits0) = (Vec::new(), Vec::new(), Vec::new());
+        // Every gradient at step 0, after the TP / DP reductions, against the single-rank
+        // gradient cut the same way as the parameters.
+        let ids0 = batch(0, A::replica(&par), v);
+        let out0 = A::forward_loss(&par, &ids0).map_err(to_backend)?;
+        let module = A::module(&mut par);
+        let grads0 = GradientsParams::from_grads(out0.loss.backward(), module);
+        let reduced = optim.reduced_gradients(module, grads0)?;
+        let mut want_grads = A::shard(grad_ref, &pg, kind).map_err(to_backend)?;
+        let want_grads = optim.table().flatten_values(A::module(&mut want_grads))?;
         for step in 0..STEPS {
             let ids = batch(step, A::replica(&par), v);
             let out = A::forward_loss(&par, &ids).map_err(to_backend)?;
@@ -249,6 +282,8 @@ fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
         let mine = optim.table().flatten_values(A::module(&mut par))?;
         let mut want = A::shard(final_ref, &pg, kind).map_err(to_backend)?;
         let want = optim.table().flatten_values(A::module(&mut want))?;
+        close(&reduced.0, &want_grads.0, "step-0 dense gradients");
+        close(&reduced.1, &want_grads.1, "step-0 expert gradients");
         Ok((
             A::replica(&par),
             v / pg.groups.layout.tp,

@@ -121,10 +121,12 @@ impl Shard {
 
     /// All-gather of the master shards; the unpadded full buffer.
     fn all_gather(&self) -> Result<Vec<f32>> {
-        let t = Tensor::<1>::from_data(
-            TensorData::new(self.master.clone(), [self.size]),
-            &Device::flex(),
-        );
+        self.all_gather_values(self.master.clone())
+    }
+
+    /// All-gather of one shard-sized vector; the unpadded full buffer.
+    fn all_gather_values(&self, shard: Vec<f32>) -> Result<Vec<f32>> {
+        let t = Tensor::<1>::from_data(TensorData::new(shard, [self.size]), &Device::flex());
         let mut full = self
             .comm
             .all_gather(t)?
@@ -278,6 +280,26 @@ impl DistributedAdamW {
                 grad_norm,
                 clip_coeff,
             },
+        ))
+    }
+
+    /// The gradients this rank's update would use, before clipping: local gradients summed
+    /// over TP (sequence-parallel parameters) and reduced over `dp_cp` / `expt_dp` with the
+    /// `1/|dp_cp|` pre-factor, gathered back into full `(dense, expert)` buffers in this rank's
+    /// [`ParamTable`] layout. A collective (every rank calls it); the optimizer state is not
+    /// touched. Meant for checks and diagnostics.
+    pub fn reduced_gradients<M: Module>(
+        &self,
+        module: &M,
+        mut grads: GradientsParams,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut dense, expert) = self.table.flatten_grads(module, &mut grads)?;
+        self.sum_sequence_parallel_over_tp(&mut dense)?;
+        let dense_shard = self.dense.reduce_scatter(dense, self.scale)?;
+        let expert_shard = self.expert.reduce_scatter(expert, self.scale)?;
+        Ok((
+            self.dense.all_gather_values(dense_shard)?,
+            self.expert.all_gather_values(expert_shard)?,
         ))
     }
 
