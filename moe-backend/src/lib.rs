@@ -17,6 +17,7 @@ pub mod comm;
 pub mod dispatch;
 pub mod error;
 pub mod experts;
+pub mod fp8;
 pub mod layer;
 pub mod ops;
 pub mod optim;
