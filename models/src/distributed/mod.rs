@@ -1,4 +1,4 @@
-//! Qwen3-MoE under any [`ParallelLayout`] on the ranks of a moe-backend world: attention and
+//! Qwen3-MoE (and DeepSeek-V3, [`ParallelDeepseekV3`]) under any [`ParallelLayout`] on the ranks of a moe-backend world: attention and
 //! dense MLPs tensor-parallel with sequence parallelism, vocab-parallel embedding, LM head and
 //! cross-entropy, routed experts expert-parallel (EP × ETP) behind a token dispatcher, data
 //! parallelism over the remaining ranks (parallelism.md §1–§5, moe-ops §11–§14).
@@ -16,29 +16,25 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::{Device, Tensor};
-use moe_backend::comm::autograd::{
-    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
-};
-use moe_backend::comm::{Comm, GroupComms};
+use moe_backend::comm::GroupComms;
 use moe_backend::dispatch::{
     AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, TokenDispatcher,
 };
 use moe_backend::optim::ParamClass;
-use moe_backend::parallel::tensor_parallel::{
-    column_parallel_linear, embed_vocab_parallel, row_parallel_linear,
-    vocab_parallel_cross_entropy, vocab_parallel_embedding,
-};
+use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_parallel_linear};
 use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
-use moe_backend::router::RouteOptions;
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::Mlp;
 use crate::layers::rope::RotaryEmbedding;
-use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
+use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock};
 
 mod deepseek_v3;
 mod gather;
+mod runtime;
+
+use runtime::SpRuntime;
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
@@ -79,10 +75,7 @@ pub fn param_class(path: &str, in_experts: bool) -> ParamClass {
 pub struct ParallelQwen3Moe {
     /// This rank's shard of the model (a regular module: hand it to the optimizer).
     pub model: Qwen3MoeForCausalLM,
-    tp: Comm,
-    dispatcher: Arc<dyn TokenDispatcher>,
-    vocab: Range<usize>,
-    rope: RotaryEmbedding,
+    rt: SpRuntime,
     /// This rank's data-parallel replica (index in `dp_cp`).
     pub replica: usize,
     /// Number of data-parallel replicas (`|dp_cp|`).
@@ -192,19 +185,13 @@ impl ParallelQwen3Moe {
         groups: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
-        let layout: &ParallelLayout = &groups.groups.layout;
-        let config = full.config().clone();
-        let tp_comm = groups.comm(GroupFamily::Tp).clone();
-        let (rank, tp) = (tp_comm.rank(), tp_comm.size());
-        let dispatcher = make_dispatcher(groups, kind, config.num_experts)?;
-        let etp_rank = groups.groups.get(GroupFamily::ExptTp).index;
+        let config = full.config();
+        let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
+        let rt = SpRuntime::new(groups, kind, config.num_experts, config.vocab_size, rope)?;
+        let (rank, tp) = rt.tp_rank_size();
         let mut model = replicate(full);
-        let (embed, vocab) =
-            vocab_parallel_embedding(&full.model.embed_tokens, rank, tp).map_err(err)?;
-        model.model.embed_tokens = embed;
-        if let Some(head) = &full.lm_head {
-            model.lm_head = Some(column_parallel_linear(head, rank, tp).map_err(err)?);
-        }
+        (model.model.embed_tokens, model.lm_head) =
+            rt.shard_embeddings(&full.model.embed_tokens, full.lm_head.as_ref())?;
         for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
             let attn = &src.self_attn;
             if attn.num_heads % tp != 0 || attn.num_kv_heads % tp != 0 {
@@ -224,31 +211,19 @@ impl ParallelQwen3Moe {
             a.num_heads = attn.num_heads / tp;
             a.num_kv_heads = attn.num_kv_heads / tp;
             dst.mlp = match &src.mlp {
-                Qwen3MoeFeedForward::Dense(mlp) => {
-                    Qwen3MoeFeedForward::Dense(shard_mlp(mlp, rank, tp)?)
-                }
+                Qwen3MoeFeedForward::Dense(mlp) => Qwen3MoeFeedForward::Dense(rt.shard_mlp(mlp)?),
                 Qwen3MoeFeedForward::Sparse(block) => {
-                    let mut block = block.clone();
-                    block.moe.router = replicate(&block.moe.router);
-                    block.moe.experts = block
-                        .moe
-                        .experts
-                        .shard(dispatcher.local_experts(), etp_rank, layout.etp)
-                        .map_err(err)?;
-                    block.moe.shared_experts = None;
-                    Qwen3MoeFeedForward::Sparse(block)
+                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
+                        moe: rt.shard_moe(&block.moe)?,
+                    })
                 }
             };
         }
-        let dp_cp = groups.groups.get(GroupFamily::DpCp);
         Ok(Self {
             model,
-            tp: tp_comm,
-            dispatcher,
-            vocab,
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
-            replica: dp_cp.index,
-            replicas: dp_cp.size(),
+            replica: rt.replica,
+            replicas: rt.replicas,
+            rt,
         })
     }
 
@@ -262,70 +237,33 @@ impl ParallelQwen3Moe {
         batch: usize,
         device: &Device,
     ) -> Result<ParallelOutput, ModelError> {
-        let n = input_ids.len();
-        let s = check_batch(input_ids, labels, batch, self.tp.size())?;
-        let model = &self.model;
-        let h = model.config().hidden_size;
-        let rope = self.rope.tables(0, s, device);
-        let gather = |x: Tensor<2>| gather_from_sequence_parallel_region(&self.tp, x, true);
-        let scatter = |x: Tensor<2>| reduce_scatter_to_sequence_parallel_region(&self.tp, x);
+        let rt = &self.rt;
+        let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
+        let model = &self.model.model;
+        let rope = rt.rope(s, device);
         let mut router_logits = Vec::new();
-        let mut x = embed_vocab_parallel(
-            &model.model.embed_tokens,
-            input_ids,
-            batch,
-            self.vocab.clone(),
-            &self.tp,
-            true,
-        )
-        .map_err(err)?;
-        for layer in &model.model.layers {
-            let full = gather(layer.input_layernorm.forward(x.clone())).map_err(err)?;
-            let attn = layer
-                .self_attn
-                .forward(full.reshape([batch, s, h]), &rope, None);
-            let h_sp = x + scatter(attn.reshape([n, h])).map_err(err)?;
-            let normed = layer.post_attention_layernorm.forward(h_sp.clone());
+        let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
+        for layer in &model.layers {
+            let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
+                layer.self_attn.forward(full, &rope, None)
+            })?;
+            let normed = layer.post_attention_layernorm.forward(h.clone());
             let y = match &layer.mlp {
-                Qwen3MoeFeedForward::Dense(mlp) => {
-                    scatter(mlp.forward(gather(normed).map_err(err)?)).map_err(err)?
-                }
+                Qwen3MoeFeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
                 Qwen3MoeFeedForward::Sparse(block) => {
-                    let state = block.moe.router.init_state();
-                    let out = block
-                        .moe
-                        .forward_with(
-                            normed,
-                            &state,
-                            &RouteOptions::default(),
-                            self.dispatcher.as_ref(),
-                        )
-                        .map_err(err)?;
-                    router_logits.push(out.routing.logits);
-                    out.output
+                    rt.moe(&block.moe, normed, &mut router_logits)?
                 }
             };
-            x = h_sp + y;
+            x = h + y;
         }
-        let full = gather(model.model.norm.forward(x)).map_err(err)?;
-        let logits = match &model.lm_head {
-            Some(head) => head.forward(full),
-            None => full.matmul(model.model.embed_tokens.weight.val().transpose()),
-        };
-        let targets = shifted_targets(labels, s);
-        let loss = vocab_parallel_cross_entropy(
-            logits.clone(),
-            &targets,
-            IGNORE_INDEX,
-            self.vocab.clone(),
-            &self.tp,
-        )
-        .map_err(err)?;
-        Ok(ParallelOutput {
-            loss,
-            logits,
-            vocab: self.vocab.clone(),
+        rt.head_loss(
+            x,
+            &model.norm,
+            self.model.lm_head.as_ref(),
+            &model.embed_tokens,
+            labels,
+            s,
             router_logits,
-        })
+        )
     }
 }
