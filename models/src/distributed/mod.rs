@@ -1,4 +1,5 @@
-//! Qwen3-MoE (and DeepSeek-V3, [`ParallelDeepseekV3`]) under any [`ParallelLayout`] on the ranks of a moe-backend world: attention and
+//! Qwen3-MoE (and DeepSeek-V3, [`ParallelDeepseekV3`]) under any [`ParallelLayout`] on the
+//! ranks of a moe-backend world: attention and
 //! dense MLPs tensor-parallel with sequence parallelism, vocab-parallel embedding, LM head and
 //! cross-entropy, routed experts expert-parallel (EP × ETP) behind a token dispatcher, data
 //! parallelism over the remaining ranks (parallelism.md §1–§5, moe-ops §11–§14).
