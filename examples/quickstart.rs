@@ -1,84 +1,86 @@
-//! Quickstart: train a small MoE layer on the CPU (Flex backend, one in-process rank) to imitate
-//! a randomly initialised "teacher" MoE layer, with Adam, the switch load-balancing loss and
-//! the aux-loss-free expert bias.
+//! The main job, end to end on the CPU, from the tiny HF Qwen3-MoE in `tests/fixtures/qwen3_moe`:
 //!
-//! Run: `cargo run --release --example quickstart` (`RUST_LOG=debug` for per-step logs).
+//! 1. convert it to a distributed checkpoint for 4 ranks (attention TP2 × DP2, experts EP4);
+//! 2. fine-tune a few dozen steps on 4 in-process ranks, each restoring its own shard;
+//! 3. save parameters + ZeRO-1 optimizer state + training state (atomic, one file per rank);
+//! 4. reshard the checkpoint to EP2 × ETP2;
+//! 5. export it to an HF directory;
+//! 6. reload the export and check it reproduces the trained model's logits.
+//!
+//! Run: `cargo run --release --example quickstart` (optionally `-- <out-dir> <steps>`; the
+//! default output directory is `target/quickstart`).
 
-use burn::optim::{AdamConfig, GradientsParams};
-use burn::tensor::{Device, Distribution, Tensor};
-use burn_moe::backend::layer::{MoeLayer, MoeLayerConfig};
-use burn_moe::backend::router::{AuxLossSpec, AuxLossType, RouteOptions, TopKRouterConfig};
-use tracing::{debug, info};
+use std::time::Instant;
 
-const HIDDEN: usize = 64;
-const EXPERTS: usize = 8;
-const TOPK: usize = 2;
-const FFN: usize = 128;
-const TOKENS: usize = 256;
-const STEPS: usize = 60;
+use burn_moe::quickstart::{QuickstartEvent, QuickstartOptions, quickstart};
 
-fn layer_config(aux: bool) -> MoeLayerConfig {
-    let mut router = TopKRouterConfig::new(HIDDEN, EXPERTS, TOPK);
-    if aux {
-        router = router.with_aux_losses(vec![AuxLossSpec {
-            kind: AuxLossType::Aux,
-            coeff: 1e-2,
-        }]);
-    }
-    MoeLayerConfig::new(router, FFN)
-        .with_shared_ffn_hidden_size(Some(FFN))
-        .with_init_std(0.1)
-}
-
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> anyhow::Result<()> {
     burn_moe::init_logging();
-    let device = Device::flex().autodiff();
-    let teacher = layer_config(false).init(&device)?;
-    let mut student: MoeLayer = layer_config(true).init(&device)?;
-    let mut optim = AdamConfig::new().init();
-    let opts = RouteOptions::default();
-    info!(
-        hidden = HIDDEN,
-        experts = EXPERTS,
-        topk = TOPK,
-        ffn = FFN,
-        tokens = TOKENS,
-        "training student MoE layer"
-    );
-    let mut first = None;
-    let mut last = 0.0f64;
-    for step in 0..STEPS {
-        let x = Tensor::<2>::random([TOKENS, HIDDEN], Distribution::Normal(0.0, 1.0), &device);
-        let target = teacher
-            .forward(x.clone(), &teacher.router.init_state(), &opts)?
-            .output
-            .detach();
-        let state = student.router.init_state();
-        let out = student.forward(x, &state, &opts)?;
-        let loss = (out.output - target).powf_scalar(2.0).mean();
-        let value = loss.clone().into_scalar::<f32>() as f64;
-        let grads = GradientsParams::from_grads(loss.backward(), &student);
-        student = optim.step(3e-3, student, grads);
-        let aux = out
-            .routing
-            .losses
-            .first()
-            .map(|l| l.value())
-            .transpose()?
-            .unwrap_or(0.0);
-        debug!(step, loss = value, aux, tokens_per_expert = ?out.routing.tokens_per_expert, "step");
-        if step % 10 == 0 || step + 1 == STEPS {
-            info!(step, loss = value, aux, tokens_per_expert = ?out.routing.tokens_per_expert, "progress");
-        }
-        first.get_or_insert(value);
-        last = value;
+    let mut args = std::env::args().skip(1);
+    let out = args
+        .next()
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/target/quickstart").into());
+    let mut options = QuickstartOptions::new(out);
+    if let Some(steps) = args.next() {
+        options.train.steps = steps.parse()?;
     }
-    let first = first.unwrap_or(last);
-    info!(
-        first_loss = first,
-        final_loss = last,
-        reduction = first / last.max(f64::MIN_POSITIVE),
-        "done"
+    let start = Instant::now();
+    println!(
+        "quickstart: {} -> {}",
+        options.train.model_dir.display(),
+        options.out_dir.display()
+    );
+    let report = quickstart(&options, &|event| match event {
+        QuickstartEvent::Converting(_) => {}
+        QuickstartEvent::Converted(dir) => {
+            println!(
+                "[1/6] converted HF -> distributed ({}): {}",
+                options.train.layout,
+                dir.display()
+            );
+        }
+        QuickstartEvent::Step(step, r) => {
+            let i = r.losses.len() - 1;
+            if step == 0 || (step + 1) % 5 == 0 || step + 1 == options.train.steps {
+                println!(
+                    "[2/6] step {:>3}/{}  loss {:.4}  aux {:.4}  |g| {:.3}",
+                    step + 1,
+                    options.train.steps,
+                    r.losses[i],
+                    r.aux_losses[i],
+                    r.grad_norms[i]
+                );
+            }
+        }
+        QuickstartEvent::Saved(dir) => {
+            println!("[3/6] saved model + optimizer state: {}", dir.display());
+        }
+        QuickstartEvent::Resharded(dir) => {
+            println!(
+                "[4/6] resharded to {}: {}",
+                options.export_layout,
+                dir.display()
+            );
+        }
+        QuickstartEvent::Exported(s) => println!(
+            "[5/6] exported {} HF tensors ({} bytes) to {}",
+            s.tensors,
+            s.total_size,
+            s.target.display()
+        ),
+    })?;
+    let first = report.train.losses.first().copied().unwrap_or(f32::NAN);
+    let last = report.train.losses.last().copied().unwrap_or(f32::NAN);
+    println!(
+        "[6/6] the export reloads with the trained logits: max |Δ| = {:.2e} (tolerance {:.0e})",
+        report.max_abs_diff, options.tolerance
+    );
+    let [convert, train, reshard, export, check] = report.seconds;
+    println!(
+        "done in {:.1}s: loss {first:.4} -> {last:.4} over {} steps; convert {convert:.1}s, \
+         train+save {train:.1}s, reshard {reshard:.1}s, export {export:.1}s, check {check:.1}s",
+        start.elapsed().as_secs_f64(),
+        report.train.losses.len()
     );
     Ok(())
 }

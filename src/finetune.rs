@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use burn::tensor::Device;
-use moe_backend::comm::World;
+use moe_backend::comm::{Comm, World};
 use moe_backend::parallel::ParallelLayout;
 use moe_bridge::hf::HfCheckpoint;
 use moe_models::Qwen3MoeConfig;
@@ -131,53 +131,69 @@ pub fn finetune(
             &device,
         )
         .map_err(to_backend)?;
-        let replica = trainer.model().replica;
-        let replicas = trainer.model().replicas as f64;
-        let mut report = FinetuneReport {
-            layout: layout.to_string(),
-            ..FinetuneReport::default()
-        };
-        for step in 0..options.steps {
-            let ids = corpus_batch(step, replica, options.batch, options.seq_len, vocab);
-            let batch = TrainBatch::causal(ids, options.batch).map_err(to_backend)?;
-            let stats = trainer.step(&batch).map_err(to_backend)?;
-            // Mean loss over ranks (every TP rank of a replica reports its replica's loss).
-            let sums = burn::tensor::Tensor::<1>::from_data(
-                [
-                    stats.loss,
-                    stats.aux_loss,
-                    (stats.tokens_per_second / layout.tp as f64) as f32,
-                ],
-                &Device::flex(),
-            );
-            let sums = world
-                .all_reduce(sums, moe_backend::comm::ReduceOp::Sum)?
-                .into_data()
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .unwrap_or_default();
-            let n = layout.world as f32;
-            report
-                .losses
-                .push(sums.first().copied().unwrap_or(f32::NAN) / n);
-            report
-                .aux_losses
-                .push(sums.get(1).copied().unwrap_or(f32::NAN) / n);
-            report.grad_norms.push(stats.grad_norm);
-            report.tokens_per_second +=
-                sums.get(2).copied().unwrap_or(0.0) as f64 * (replicas / replicas.max(1.0));
-            if ctx.rank() == 0 {
-                on_step(step, &report);
-            }
-        }
-        report.tokens_per_second /= options.steps.max(1) as f64;
-        Ok(report)
+        train_steps(&mut trainer, &world, options, 0, vocab, on_step)
     });
     let mut reports = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     Ok(reports.swap_remove(0))
 }
 
-fn to_backend(e: moe_models::ModelError) -> moe_backend::BackendError {
+/// One rank's part of a fine-tuning run: `options.steps` steps of `trainer` on the built-in
+/// corpus ([`corpus_batch`] of steps `first_step..first_step + options.steps`, this rank's
+/// data-parallel replica). Every rank of `world` calls it; the losses are averaged over the
+/// ranks and `on_step(step, report so far)` runs on rank 0 after every step.
+pub fn train_steps(
+    trainer: &mut Trainer,
+    world: &Comm,
+    options: &FinetuneOptions,
+    first_step: usize,
+    vocab: usize,
+    on_step: &(dyn Fn(usize, &FinetuneReport) + Sync),
+) -> Result<FinetuneReport, moe_backend::BackendError> {
+    let layout = trainer.process_groups().layout.clone();
+    let replica = trainer.model().replica;
+    let replicas = trainer.model().replicas as f64;
+    let mut report = FinetuneReport {
+        layout: layout.to_string(),
+        ..FinetuneReport::default()
+    };
+    for step in first_step..first_step + options.steps {
+        let ids = corpus_batch(step, replica, options.batch, options.seq_len, vocab);
+        let batch = TrainBatch::causal(ids, options.batch).map_err(to_backend)?;
+        let stats = trainer.step(&batch).map_err(to_backend)?;
+        // Mean loss over ranks (every TP rank of a replica reports its replica's loss).
+        let sums = burn::tensor::Tensor::<1>::from_data(
+            [
+                stats.loss,
+                stats.aux_loss,
+                (stats.tokens_per_second / layout.tp as f64) as f32,
+            ],
+            &Device::flex(),
+        );
+        let sums = world
+            .all_reduce(sums, moe_backend::comm::ReduceOp::Sum)?
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap_or_default();
+        let n = layout.world as f32;
+        report
+            .losses
+            .push(sums.first().copied().unwrap_or(f32::NAN) / n);
+        report
+            .aux_losses
+            .push(sums.get(1).copied().unwrap_or(f32::NAN) / n);
+        report.grad_norms.push(stats.grad_norm);
+        report.tokens_per_second +=
+            sums.get(2).copied().unwrap_or(0.0) as f64 * (replicas / replicas.max(1.0));
+        if world.rank() == 0 {
+            on_step(step, &report);
+        }
+    }
+    report.tokens_per_second /= options.steps.max(1) as f64;
+    Ok(report)
+}
+
+pub(crate) fn to_backend(e: moe_models::ModelError) -> moe_backend::BackendError {
     match e {
         moe_models::ModelError::Backend(b) => b,
         other => moe_backend::BackendError::Config {

@@ -9,9 +9,12 @@
 //! - [`bridge`] (`moe-bridge`): HuggingFace safetensors I/O.
 //!
 //! [`finetune`] is the library side of `examples/finetune.rs`: a Qwen3-MoE fine-tuning job on
-//! in-process ranks under any parallel layout.
+//! in-process ranks under any parallel layout. [`quickstart`] is the main-job pipeline of
+//! `examples/quickstart.rs`: HF → distributed checkpoint → fine-tune on in-process ranks → save
+//! with optimizer state → reshard → HF export, checked against the trained logits.
 
 pub mod finetune;
+pub mod quickstart;
 
 pub use moe_backend as backend;
 pub use moe_bridge as bridge;

@@ -392,4 +392,15 @@ pub enum BridgeError {
         /// The first failure reported by any rank.
         reason: String,
     },
+    /// Training state (parameters, optimizer state, `train_state` object) could not be saved
+    /// to or restored from a distributed checkpoint.
+    #[error("{path}: training state `{field}`: {reason}")]
+    TrainState {
+        /// The checkpoint (root or `iter_*` directory).
+        path: PathBuf,
+        /// The tensor fqn or index field involved.
+        field: String,
+        /// What went wrong.
+        reason: String,
+    },
 }

@@ -24,6 +24,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig};
+use moe_backend::parallel::ProcessGroups;
 
 use crate::ModelError;
 use crate::causal_lm::{IGNORE_INDEX, hf_load_balancing_loss};
@@ -155,6 +156,7 @@ pub struct Trainer {
     config: TrainerConfig,
     top_k: usize,
     device: Device,
+    groups: ProcessGroups,
 }
 
 impl Trainer {
@@ -180,12 +182,35 @@ impl Trainer {
             optimizer,
             config,
             device: device.clone(),
+            groups: groups.groups.clone(),
         })
     }
 
     /// This rank's shard.
     pub fn model(&self) -> &ParallelQwen3Moe {
         &self.model
+    }
+
+    /// This rank's optimizer (ZeRO-1 shards of the master weights and moments).
+    pub fn optimizer(&self) -> &DistributedAdamW {
+        &self.optimizer
+    }
+
+    /// Mutable shard and optimizer, e.g. to restore both from a checkpoint; the optimizer's
+    /// master weights must then match the parameters
+    /// ([`DistributedAdamW::reset_master_from`]).
+    pub fn parts_mut(&mut self) -> (&mut ParallelQwen3Moe, &mut DistributedAdamW) {
+        (&mut self.model, &mut self.optimizer)
+    }
+
+    /// This rank's memberships (global rank and layout).
+    pub fn process_groups(&self) -> &ProcessGroups {
+        &self.groups
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
     }
 
     /// Forward, backward and optimizer step on this replica's `batch` (the same batch on every

@@ -302,15 +302,14 @@ pub fn convert_hf_to_dist_with(
     writer.finish()
 }
 
-/// Rewrites the checkpoint `ckpt` under `layout` into `out_root` (`moe reshard`): every
-/// tensor, optimizer state included, is read one target chunk at a time from the overlapping
-/// stored chunks. Index metadata (step, optimizer, objects, FP8) and the JSON files next to
-/// the index are kept. Returns the new `iter_*` directory.
-pub fn reshard(
+/// The metadata of checkpoint `ckpt` re-targeted to `layout`: step, model family, optimizer
+/// record, FP8 record and objects from the index, `config.json` and `generation_config.json`
+/// from the directory (when present). What [`reshard`] writes, and the starting point of a
+/// training save that continues from `ckpt`.
+pub fn checkpoint_meta(
     ckpt: &DistCheckpoint,
-    out_root: &Path,
     layout: &ParallelLayout,
-) -> Result<PathBuf, BridgeError> {
+) -> Result<SaveMeta, BridgeError> {
     let index = ckpt.index();
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = if config_path.is_file() {
@@ -318,12 +317,6 @@ pub fn reshard(
     } else {
         None
     };
-    let num_layers = config
-        .as_ref()
-        .and_then(|c| c.get("num_hidden_layers"))
-        .and_then(Value::as_u64)
-        .and_then(|n| usize::try_from(n).ok());
-    let plan = ShardingPlan::new(layout, num_layers)?;
     let mut meta = SaveMeta::new(index.step, layout);
     meta.model_family = index.model_family.clone();
     meta.config = config;
@@ -337,6 +330,30 @@ pub fn reshard(
             read_json(&generation_path)?,
         );
     }
+    Ok(meta)
+}
+
+/// `num_hidden_layers` of the config in `meta` (needed to place layers on pipeline stages).
+pub(crate) fn meta_num_layers(meta: &SaveMeta) -> Option<usize> {
+    meta.config
+        .as_ref()
+        .and_then(|c| c.get("num_hidden_layers"))
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+}
+
+/// Rewrites the checkpoint `ckpt` under `layout` into `out_root` (`moe reshard`): every
+/// tensor, optimizer state included, is read one target chunk at a time from the overlapping
+/// stored chunks. Index metadata (step, optimizer, objects, FP8) and the JSON files next to
+/// the index are kept. Returns the new `iter_*` directory.
+pub fn reshard(
+    ckpt: &DistCheckpoint,
+    out_root: &Path,
+    layout: &ParallelLayout,
+) -> Result<PathBuf, BridgeError> {
+    let index = ckpt.index();
+    let meta = checkpoint_meta(ckpt, layout)?;
+    let plan = ShardingPlan::new(layout, meta_num_layers(&meta))?;
     let metas: Vec<TensorMeta> = index
         .tensors
         .iter()

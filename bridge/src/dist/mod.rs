@@ -12,6 +12,10 @@
 //!   ([`load::DistCheckpoint`]); resharding is loading another layout's boxes.
 //! - [`validate`]: §8 coverage and file-header checks.
 //! - [`convert`]: streaming HF → distributed conversion and distributed → HF export.
+//! - [`placement`]: where each parameter of a rank's model shard lies in the canonical tensors.
+//! - [`train_state`]: training checkpoints — parameters, ZeRO-1 optimizer state
+//!   (`optim.<state>.<fqn>`) and [`TrainState`] — saved by every rank and restored under any
+//!   layout.
 //!
 //! Layout on disk: `<root>/iter_{step:07}/{moe_dcp.index.json, config.json, .complete,
 //! shard-{rank:05}-model-{j:05}-of-{n:05}.safetensors}` and `<root>/latest`.
@@ -21,6 +25,7 @@ pub mod convert;
 mod files;
 pub mod index;
 pub mod load;
+pub mod placement;
 pub mod region;
 pub mod save;
 pub mod sharding;
@@ -28,6 +33,7 @@ pub mod sharding;
 pub(crate) mod testing;
 #[cfg(test)]
 mod tests;
+pub mod train_state;
 pub mod validate;
 
 pub use files::{SavedChunk, TensorMeta};
@@ -36,3 +42,7 @@ pub use load::DistCheckpoint;
 pub use region::TensorBox;
 pub use save::{LocalChunk, OfflineWriter, SaveMeta, save_offline, save_spmd};
 pub use sharding::{RankShard, ShardRule, ShardingPlan};
+pub use train_state::{
+    TrainState, load_model_state, load_optimizer_state, read_train_state, restore_trainer,
+    save_trainer, save_training_state,
+};

@@ -207,70 +207,13 @@ pub fn for_each_run(
 
 /// The boxes (at most `2·ndim − 1`) that make up the flat element range `[start, end)` of a
 /// row-major tensor of `shape` (checkpoints.md §6: how a DistOpt flat range is stored): partial
-/// leading rows, a full middle block, partial trailing rows, recursively.
+/// leading rows, a full middle block, partial trailing rows, recursively. The decomposition is
+/// [`moe_backend::optim::flat_range_boxes`], which the optimizer uses for its state pieces.
 pub fn flat_range_boxes(shape: &[usize], start: usize, end: usize) -> Vec<TensorBox> {
-    let mut out = Vec::new();
-    let total: usize = shape.iter().product();
-    let end = end.min(total);
-    if start >= end {
-        return out;
-    }
-    if shape.is_empty() {
-        out.push(TensorBox::full(&[]));
-        return out;
-    }
-    flat_rec(shape, &mut vec![0; shape.len()], 0, start, end, &mut out);
-    out
-}
-
-fn flat_rec(
-    shape: &[usize],
-    prefix: &mut Vec<usize>,
-    dim: usize,
-    start: usize,
-    end: usize,
-    out: &mut Vec<TensorBox>,
-) {
-    // `[start, end)` is relative to the sub-tensor `shape[dim..]` at index `prefix[..dim]`.
-    let n = shape.len();
-    if start >= end {
-        return;
-    }
-    let row: usize = shape[dim + 1..].iter().product();
-    let make = |prefix: &[usize], lo: usize, hi: usize| {
-        let mut offsets = prefix[..dim].to_vec();
-        offsets.push(lo);
-        offsets.extend(std::iter::repeat_n(0, n - dim - 1));
-        let mut ext = vec![1; dim];
-        ext.push(hi - lo);
-        ext.extend_from_slice(&shape[dim + 1..]);
-        TensorBox::new(offsets, ext)
-    };
-    if dim == n - 1 || row == 0 {
-        out.push(make(prefix, start / row.max(1), end.div_ceil(row.max(1))));
-        return;
-    }
-    let first_full = start.div_ceil(row);
-    let last_full = end / row;
-    if first_full > last_full {
-        // Inside one row: recurse into it.
-        let r = start / row;
-        prefix[dim] = r;
-        flat_rec(shape, prefix, dim + 1, start - r * row, end - r * row, out);
-        return;
-    }
-    if start < first_full * row {
-        let r = start / row;
-        prefix[dim] = r;
-        flat_rec(shape, prefix, dim + 1, start - r * row, row, out);
-    }
-    if first_full < last_full {
-        out.push(make(prefix, first_full, last_full));
-    }
-    if last_full * row < end {
-        prefix[dim] = last_full;
-        flat_rec(shape, prefix, dim + 1, 0, end - last_full * row, out);
-    }
+    moe_backend::optim::flat_range_boxes(shape, start, end)
+        .into_iter()
+        .map(|b| TensorBox::new(b.offsets, b.shape))
+        .collect()
 }
 
 #[cfg(test)]

@@ -59,21 +59,21 @@ impl Default for DistributedAdamWConfig {
 
 /// Moments of one shard.
 #[derive(Debug, Clone)]
-enum Moments {
+pub(super) enum Moments {
     F32(Vec<f32>, Vec<f32>),
     Bf16(Vec<bf16>, Vec<bf16>),
 }
 
 /// The shard of one class's flat buffer owned by this rank.
 #[derive(Debug, Clone)]
-struct Shard {
-    comm: Comm,
+pub(super) struct Shard {
+    pub(super) comm: Comm,
     /// Unpadded buffer length.
-    len: usize,
+    pub(super) len: usize,
     /// Shard length (padded buffer / group size).
-    size: usize,
-    master: Vec<f32>,
-    moments: Moments,
+    pub(super) size: usize,
+    pub(super) master: Vec<f32>,
+    pub(super) moments: Moments,
 }
 
 impl Shard {
@@ -185,15 +185,15 @@ pub struct StepReport {
 /// ZeRO-1 AdamW over the dense (`dp_cp`) and expert (`expt_dp`) groups.
 #[derive(Debug, Clone)]
 pub struct DistributedAdamW {
-    config: DistributedAdamWConfig,
-    table: ParamTable,
-    tp: Comm,
+    pub(super) config: DistributedAdamWConfig,
+    pub(super) table: ParamTable,
+    pub(super) tp: Comm,
     world: Comm,
-    dense: Shard,
-    expert: Shard,
+    pub(super) dense: Shard,
+    pub(super) expert: Shard,
     /// `1/|dp_cp|`, the gradient pre-factor of both classes.
     scale: f32,
-    step: i32,
+    pub(super) step: i32,
 }
 
 impl DistributedAdamW {

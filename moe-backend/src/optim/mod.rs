@@ -1,11 +1,15 @@
 //! Distributed optimisation: parameters as flat per-class buffers ([`ParamTable`]) and AdamW
 //! as a ZeRO-1 distributed optimizer ([`DistributedAdamW`]) with global grad-norm clipping
-//! (parallelism.md §5–§6).
+//! (parallelism.md §5–§6). [`StatePiece`]s map each rank's owned flat ranges to boxes of the
+//! global parameters, so the optimizer state can be checkpointed and resharded
+//! (checkpoints.md §6).
 
 mod distributed_adam;
 mod params;
+mod state;
 #[cfg(test)]
 mod tests;
 
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
 pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
+pub use state::{FlatBox, OptimState, ParamPlacement, StatePiece, flat_range_boxes, transpose_2d};

@@ -1,0 +1,390 @@
+//! Training checkpoints: model parameters, optimizer state and the small training state
+//! (step, data-loader position, RNG seed) in one distributed checkpoint, saved atomically by
+//! every rank and restored under any layout (checkpoints.md §6–§7).
+//!
+//! - Parameters and buffers (e.g. the expert bias) are saved as canonical tensors from each
+//!   rank's model shard ([`super::placement`]), by their main replicas, in F32.
+//! - The ZeRO-1 optimizer state is saved as `optim.{master|exp_avg|exp_avg_sq}.<fqn>` with the
+//!   parameter's global shape: every rank writes the boxes of its own flat range
+//!   ([`DistributedAdamW::state_pieces`]; TP-replicated parameters by TP rank 0 only), the
+//!   master in F32 and the moments in their storage dtype. The index's `optimizer` record
+//!   carries the step count, the hyper-parameters and the state dtypes.
+//! - [`TrainState`] is stored in the index's `objects` under [`TRAIN_STATE_OBJECT`].
+//!
+//! Restoring reads, on every rank, only the boxes of its own shard and of its own optimizer
+//! flat range under the new layout. A model-only checkpoint (e.g. right after HF import)
+//! restores the parameters and initialises the master weights from them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::{Tensor, TensorData};
+use moe_backend::BackendError;
+use moe_backend::comm::Comm;
+use moe_backend::optim::{
+    DistributedAdamW, MomentDtype, OptimState, ParamInfo, ParamPlacement, StatePiece, transpose_2d,
+};
+use moe_models::qwen3_moe::Qwen3MoeForCausalLM;
+use moe_models::train::Trainer;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::files::TensorMeta;
+use super::index::{OptimizerRecord, TensorKind};
+use super::load::DistCheckpoint;
+use super::placement::{PlacedTensor, by_id, qwen3_moe_placements};
+use super::region::TensorBox;
+use super::save::{LocalChunk, SaveMeta, save_spmd};
+use super::sharding::ShardingPlan;
+use crate::BridgeError;
+use crate::safetensors::{Dtype, OwnedTensor};
+
+/// Key of [`TrainState`] in the index's `objects`.
+pub const TRAIN_STATE_OBJECT: &str = "train_state";
+
+/// Small JSON training state saved with the tensors.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Position of the data loader: global batches consumed (the next batch's index).
+    pub data_position: u64,
+    /// Seed of the run's random streams (data order, sampling).
+    pub rng_seed: u64,
+    /// Anything else the training loop needs to resume (scheduler, router statistics, …).
+    #[serde(default)]
+    pub extra: BTreeMap<String, Value>,
+}
+
+/// `optim.<state>.<fqn>`.
+pub fn optim_fqn(state: OptimState, fqn: &str) -> String {
+    format!("optim.{}.{fqn}", state.name())
+}
+
+fn backend_error(path: &Path, field: &str) -> impl FnOnce(BackendError) -> BridgeError {
+    let path = path.to_path_buf();
+    let field = field.to_owned();
+    move |e| BridgeError::TrainState {
+        path,
+        field,
+        reason: e.to_string(),
+    }
+}
+
+/// The placement of every optimizer parameter, looked up by id in `placed`.
+fn placer<'a>(
+    placed: &'a HashMap<ParamId, &'a PlacedTensor>,
+) -> impl Fn(&ParamInfo) -> Result<ParamPlacement, BackendError> + 'a {
+    move |info| {
+        placed
+            .get(&info.id)
+            .map(|p| p.placement.clone())
+            .ok_or_else(|| BackendError::Config {
+                field: "placement",
+                detail: format!(
+                    "optimizer parameter `{}` is not a parameter of the model",
+                    info.path
+                ),
+            })
+    }
+}
+
+fn moment_dtype(optimizer: &DistributedAdamW) -> Dtype {
+    match optimizer.config().moment_dtype {
+        MomentDtype::F32 => Dtype::F32,
+        MomentDtype::Bf16 => Dtype::BF16,
+    }
+}
+
+/// The index's optimizer record of `optimizer`.
+pub fn optimizer_record(optimizer: &DistributedAdamW) -> OptimizerRecord {
+    let c = optimizer.config();
+    let moments = moment_dtype(optimizer).as_str().to_owned();
+    OptimizerRecord {
+        kind: "adamw".to_owned(),
+        step: optimizer.step_count(),
+        hparams: BTreeMap::from([
+            ("beta_1".to_owned(), json!(c.beta_1)),
+            ("beta_2".to_owned(), json!(c.beta_2)),
+            ("epsilon".to_owned(), json!(c.epsilon)),
+            ("weight_decay".to_owned(), json!(c.weight_decay)),
+            ("max_grad_norm".to_owned(), json!(c.max_grad_norm)),
+        ]),
+        state_dtypes: BTreeMap::from([
+            ("master".to_owned(), Dtype::F32.as_str().to_owned()),
+            ("exp_avg".to_owned(), moments.clone()),
+            ("exp_avg_sq".to_owned(), moments),
+        ]),
+    }
+}
+
+/// One chunk this rank saves, owning its bytes.
+struct OwnedChunk {
+    meta: TensorMeta,
+    offsets: Vec<usize>,
+    tensor: OwnedTensor,
+}
+
+/// The optimizer-state chunks of this rank (its main-replica pieces, three states each).
+fn optimizer_chunks(
+    optimizer: &DistributedAdamW,
+    pieces: &[StatePiece],
+    root: &Path,
+) -> Result<Vec<OwnedChunk>, BridgeError> {
+    let moments = moment_dtype(optimizer);
+    let mut out = Vec::new();
+    for piece in pieces.iter().filter(|p| p.main_replica) {
+        for state in OptimState::ALL {
+            let fqn = optim_fqn(state, &piece.fqn);
+            let values = optimizer
+                .piece_values(piece, state)
+                .map_err(backend_error(root, &fqn))?;
+            let mut tensor = OwnedTensor::from_f32(fqn.clone(), piece.shape.clone(), &values)?;
+            let dtype = match state {
+                OptimState::Master => Dtype::F32,
+                _ => moments,
+            };
+            if dtype != Dtype::F32 {
+                tensor = tensor.cast(dtype)?;
+            }
+            out.push(OwnedChunk {
+                meta: TensorMeta {
+                    fqn,
+                    kind: TensorKind::Optim,
+                    dtype,
+                    global_shape: piece.global_shape.clone(),
+                    hf: Vec::new(),
+                },
+                offsets: piece.offsets.clone(),
+                tensor,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Saves a training checkpoint of step `state.step` into `root`; every rank of `comm` (the
+/// world) calls it with its shard `model` (Qwen3-MoE) and optimizer. `meta` supplies the
+/// layout (which must be the one `model` was sharded under), `config.json`, model family and
+/// extra JSON files (e.g. from [`super::convert::checkpoint_meta`]); its step, optimizer record
+/// and [`TRAIN_STATE_OBJECT`] are set here. Without an optimizer the checkpoint is model-only.
+/// Atomic like [`save_spmd`]; returns the committed `iter_*` directory on every rank.
+pub fn save_training_state(
+    comm: &Comm,
+    root: &Path,
+    mut meta: SaveMeta,
+    model: &Qwen3MoeForCausalLM,
+    optimizer: Option<&DistributedAdamW>,
+    state: &TrainState,
+) -> Result<PathBuf, BridgeError> {
+    let rank = comm
+        .ranks()
+        .get(comm.rank())
+        .copied()
+        .unwrap_or(comm.rank());
+    let plan = ShardingPlan::new(&meta.layout, Some(model.config().num_hidden_layers))?;
+    let placed = qwen3_moe_placements(model, &plan, rank, true)?;
+    let mut owned = Vec::new();
+    for p in placed.iter().filter(|p| p.main_replica) {
+        let pl = &p.placement;
+        let values = p.values.as_deref().unwrap_or_default();
+        owned.push(OwnedChunk {
+            meta: TensorMeta {
+                fqn: pl.fqn.clone(),
+                kind: p.kind,
+                dtype: Dtype::F32,
+                global_shape: pl.global_shape.clone(),
+                hf: Vec::new(),
+            },
+            offsets: pl.offsets.clone(),
+            tensor: OwnedTensor::from_f32(pl.fqn.clone(), pl.shape.clone(), values)?,
+        });
+    }
+    meta.step = state.step;
+    meta.optimizer = None;
+    if let Some(optimizer) = optimizer {
+        let ids = by_id(&placed);
+        let pieces = optimizer
+            .state_pieces(&placer(&ids))
+            .map_err(backend_error(root, "optimizer"))?;
+        owned.extend(optimizer_chunks(optimizer, &pieces, root)?);
+        meta.optimizer = Some(optimizer_record(optimizer));
+    }
+    let value = serde_json::to_value(state).map_err(|e| BridgeError::TrainState {
+        path: root.to_path_buf(),
+        field: TRAIN_STATE_OBJECT.to_owned(),
+        reason: e.to_string(),
+    })?;
+    meta.objects.insert(TRAIN_STATE_OBJECT.to_owned(), value);
+    let chunks: Vec<LocalChunk<'_>> = owned
+        .iter()
+        .map(|c| LocalChunk {
+            meta: c.meta.clone(),
+            offsets: c.offsets.clone(),
+            data: c.tensor.view(),
+        })
+        .collect();
+    save_spmd(comm, root, &meta, &chunks)
+}
+
+/// Replaces parameter values by id (cast to each parameter's dtype; ids and `require_grad`
+/// kept).
+struct SetValues {
+    values: HashMap<ParamId, Vec<f32>>,
+}
+
+impl ModuleMapper for SetValues {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(values) = self.values.remove(&param.id) else {
+            return param;
+        };
+        let shape = param.shape().to_vec();
+        param.map(move |t| {
+            let grad = t.is_require_grad();
+            let (dtype, device) = (t.dtype(), t.device());
+            let fresh = Tensor::from_data(TensorData::new(values, shape), (&device, dtype));
+            if grad { fresh.require_grad() } else { fresh }
+        })
+    }
+}
+
+/// `model` (rank `rank`'s Qwen3-MoE shard under `plan`'s layout) with every parameter and
+/// buffer read from `ckpt`: each rank reads only its own boxes (cast to f32 when stored in
+/// BF16). Errors name the missing or mismatching tensor.
+pub fn load_model_state(
+    ckpt: &DistCheckpoint,
+    model: Qwen3MoeForCausalLM,
+    plan: &ShardingPlan,
+    rank: usize,
+) -> Result<Qwen3MoeForCausalLM, BridgeError> {
+    let placed = qwen3_moe_placements(&model, plan, rank, false)?;
+    let mut values = HashMap::with_capacity(placed.len());
+    for p in &placed {
+        let pl = &p.placement;
+        let request = TensorBox::new(pl.offsets.clone(), pl.shape.clone());
+        let t =
+            ckpt.read_box_checked(&pl.fqn, &pl.global_shape, Some(Dtype::F32), &request, true)?;
+        let v = t.to_f32_vec()?;
+        let v = match pl.shape.as_slice() {
+            [rows, cols] if pl.transposed => transpose_2d(&v, *rows, *cols),
+            _ => v,
+        };
+        values.insert(p.id, v);
+    }
+    let mut mapper = SetValues { values };
+    Ok(model.map(&mut mapper))
+}
+
+/// Restores `optimizer` (rank `rank`'s, for its shard `model` under `plan`'s layout) from
+/// `ckpt`: the master weights and moments of its own flat ranges, read as boxes of the
+/// `optim.*` tensors, and the step count. A model-only checkpoint sets the master weights
+/// from `model` instead (moments stay as they are). Returns whether optimizer state was read.
+pub fn load_optimizer_state(
+    ckpt: &DistCheckpoint,
+    optimizer: &mut DistributedAdamW,
+    model: &Qwen3MoeForCausalLM,
+    plan: &ShardingPlan,
+    rank: usize,
+) -> Result<bool, BridgeError> {
+    let dir = ckpt.dir().to_path_buf();
+    let Some(record) = ckpt.index().optimizer.clone() else {
+        optimizer
+            .reset_master_from(model)
+            .map_err(backend_error(&dir, "master"))?;
+        return Ok(false);
+    };
+    if record.kind != "adamw" {
+        return Err(BridgeError::TrainState {
+            path: dir,
+            field: "optimizer.type".to_owned(),
+            reason: format!("\"{}\" cannot restore an AdamW optimizer", record.kind),
+        });
+    }
+    let placed = qwen3_moe_placements(model, plan, rank, false)?;
+    let ids = by_id(&placed);
+    let pieces = optimizer
+        .state_pieces(&placer(&ids))
+        .map_err(backend_error(&dir, "optimizer"))?;
+    for piece in &pieces {
+        for state in OptimState::ALL {
+            let fqn = optim_fqn(state, &piece.fqn);
+            let request = TensorBox::new(piece.offsets.clone(), piece.shape.clone());
+            let t = ckpt.read_box_checked(&fqn, &piece.global_shape, None, &request, false)?;
+            let values = t.to_f32_vec()?;
+            optimizer
+                .set_piece_values(piece, state, &values)
+                .map_err(backend_error(&dir, &fqn))?;
+        }
+    }
+    optimizer
+        .set_step_count(record.step)
+        .map_err(backend_error(&dir, "optimizer.step"))?;
+    Ok(true)
+}
+
+/// The [`TrainState`] stored in `ckpt`, if any.
+pub fn read_train_state(ckpt: &DistCheckpoint) -> Result<Option<TrainState>, BridgeError> {
+    let Some(value) = ckpt.index().objects.get(TRAIN_STATE_OBJECT) else {
+        return Ok(None);
+    };
+    serde_json::from_value(value.clone())
+        .map(Some)
+        .map_err(|e| BridgeError::TrainState {
+            path: ckpt.dir().to_path_buf(),
+            field: format!("objects.{TRAIN_STATE_OBJECT}"),
+            reason: e.to_string(),
+        })
+}
+
+/// [`save_training_state`] of a [`Trainer`] (its shard and optimizer).
+pub fn save_trainer(
+    comm: &Comm,
+    root: &Path,
+    meta: SaveMeta,
+    trainer: &Trainer,
+    state: &TrainState,
+) -> Result<PathBuf, BridgeError> {
+    let layout = &trainer.process_groups().layout;
+    if &meta.layout != layout {
+        return Err(BridgeError::TrainState {
+            path: root.to_path_buf(),
+            field: "layout".to_owned(),
+            reason: format!(
+                "the trainer runs under {layout}, the save metadata says {}",
+                meta.layout
+            ),
+        });
+    }
+    save_training_state(
+        comm,
+        root,
+        meta,
+        &trainer.model().model,
+        Some(trainer.optimizer()),
+        state,
+    )
+}
+
+/// Restores a [`Trainer`] (built for any layout) from `ckpt`: this rank's parameters, its
+/// optimizer shards (or master weights from the parameters for a model-only checkpoint) and
+/// the step count. Returns the stored [`TrainState`], or one at the index's step when the
+/// checkpoint has none.
+pub fn restore_trainer(
+    ckpt: &DistCheckpoint,
+    trainer: &mut Trainer,
+) -> Result<TrainState, BridgeError> {
+    let groups = trainer.process_groups().clone();
+    let (shard, optimizer) = trainer.parts_mut();
+    let num_layers = shard.model.config().num_hidden_layers;
+    let plan = ShardingPlan::new(&groups.layout, Some(num_layers))?;
+    shard.model = load_model_state(ckpt, shard.model.clone(), &plan, groups.rank)?;
+    load_optimizer_state(ckpt, optimizer, &shard.model, &plan, groups.rank)?;
+    Ok(read_train_state(ckpt)?.unwrap_or(TrainState {
+        step: ckpt.index().step,
+        ..TrainState::default()
+    }))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,188 @@
+//! Resume equivalence (issue 6): 3 training steps under layout A, a distributed checkpoint with
+//! the optimizer state, a restore under layout B and 3 more steps give the parameters and
+//! losses of 6 uninterrupted steps under B (f32, the tolerance of
+//! `models/tests/parallel_equivalence.rs`).
+//!
+//! Every step trains on the same global batch whatever the layout: replica `r` of `R` takes
+//! rows `[r·G/R, (r+1)·G/R)` of it (equal-length rows, so the mean of the replicas' mean losses
+//! is the global mean). The router aux loss is off: it is computed over each rank's tokens,
+//! so it depends on the layout.
+
+use std::path::Path;
+
+use burn::tensor::Device;
+use burn_moe::backend::comm::World;
+use burn_moe::backend::optim::DistributedAdamWConfig;
+use burn_moe::backend::parallel::{ParallelLayout, replicate};
+use burn_moe::bridge::dist::{
+    DistCheckpoint, SaveMeta, TrainState, read_train_state, restore_trainer, save_trainer,
+};
+use burn_moe::models::distributed::DispatcherKind;
+use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
+use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_moe");
+/// Global batch rows per step and their length.
+const G: usize = 4;
+const S: usize = 8;
+const LR: f64 = 1e-2;
+/// Adam's ε, as in the parallel-equivalence test (keeps near-zero gradients well conditioned).
+const EPS: f32 = 1e-3;
+
+fn trainer_config() -> TrainerConfig {
+    TrainerConfig {
+        lr: LR,
+        optimizer: DistributedAdamWConfig {
+            weight_decay: 0.1,
+            epsilon: EPS,
+            ..DistributedAdamWConfig::default()
+        },
+        dispatcher: DispatcherKind::AllToAll,
+        aux_loss_coeff: 0.0,
+    }
+}
+
+/// Replica `replica` of `replicas`'s rows of the global batch of `step`.
+fn batch(step: usize, replica: usize, replicas: usize, vocab: usize) -> TrainBatch {
+    let mut x = 0x9e37_79b9_u64.wrapping_mul(step as u64 + 7);
+    let ids: Vec<i64> = (0..G * S)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as i64
+        })
+        .collect();
+    let rows = G / replicas;
+    let mine = ids[replica * rows * S..(replica + 1) * rows * S].to_vec();
+    TrainBatch::causal(mine, rows).expect("batch")
+}
+
+fn model(device: &Device) -> Qwen3MoeForCausalLM {
+    let config = Qwen3MoeConfig::from_file(format!("{FIXTURE}/config.json")).expect("config");
+    replicate(&config.init(device).expect("init"))
+}
+
+/// What one rank ends with: its flat `(dense, expert)` parameters and the losses it saw.
+type RankEnd = ((Vec<f32>, Vec<f32>), Vec<f32>);
+
+/// Trains steps `steps` under `layout` from `start` (or from the checkpoint at `resume`),
+/// optionally saving to `save` at the end.
+fn run(
+    layout: &ParallelLayout,
+    start: &Qwen3MoeForCausalLM,
+    steps: std::ops::Range<usize>,
+    resume: Option<&Path>,
+    save: Option<&Path>,
+) -> Vec<RankEnd> {
+    let device = Device::flex().autodiff();
+    let vocab = start.config().vocab_size;
+    let ckpt = resume.map(|p| DistCheckpoint::open(p).expect("open checkpoint"));
+    let config_json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{FIXTURE}/config.json")).expect("config"),
+    )
+    .expect("config json");
+    let results = World::run(layout.world, |ctx| {
+        let groups = ctx.process_groups(layout)?;
+        let world = ctx.world()?;
+        let mut trainer = Trainer::new(start, &groups, world.clone(), trainer_config(), &device)
+            .expect("trainer");
+        if let Some(ckpt) = &ckpt {
+            let state = restore_trainer(ckpt, &mut trainer).expect("restore");
+            assert_eq!(state.step as usize, steps.start);
+            assert_eq!(state.data_position as usize, steps.start);
+            assert_eq!(trainer.optimizer().step_count() as usize, steps.start);
+        }
+        let (replica, replicas) = (trainer.model().replica, trainer.model().replicas);
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            let stats = trainer
+                .step(&batch(step, replica, replicas, vocab))
+                .expect("step");
+            losses.push(stats.loss);
+        }
+        if let Some(root) = save {
+            let mut meta = SaveMeta::new(steps.end as u64, layout);
+            meta.model_family = Some("qwen3_moe".into());
+            meta.config = Some(config_json.clone());
+            let state = TrainState {
+                step: steps.end as u64,
+                data_position: steps.end as u64,
+                rng_seed: 7,
+                ..TrainState::default()
+            };
+            save_trainer(&world, root, meta, &trainer, &state).expect("save");
+        }
+        let flat = trainer
+            .optimizer()
+            .table()
+            .flatten_values(&trainer.model().model)?;
+        Ok((flat, losses))
+    });
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("{layout} rank {r}: {e}")))
+        .collect()
+}
+
+/// `|a − b| ≤ 1e-5·max|b| + 1e-6` elementwise (parallel_equivalence.rs).
+fn close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * scale + 1e-6,
+            "{what}: index {i}: {x} vs {y} (scale {scale})"
+        );
+    }
+}
+
+fn resume_matches_uninterrupted(a: &str, b: &str) {
+    let layout_a = ParallelLayout::parse_spec(a).expect("layout A");
+    let layout_b = ParallelLayout::parse_spec(b).expect("layout B");
+    let device = Device::flex().autodiff();
+    let start = model(&device);
+    let dir = std::env::temp_dir().join(format!(
+        "burn-moe-resume-{}-{}",
+        std::process::id(),
+        a.replace([',', '='], "_")
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    run(&layout_a, &start, 0..3, None, Some(&dir));
+    let ckpt = DistCheckpoint::open(&dir).expect("checkpoint");
+    ckpt.validate().expect("valid checkpoint");
+    assert_eq!(ckpt.index().step, 3);
+    assert_eq!(ckpt.index().optimizer.as_ref().map(|o| o.step), Some(3));
+    assert_eq!(
+        read_train_state(&ckpt).expect("state").map(|s| s.rng_seed),
+        Some(7)
+    );
+    assert!(
+        ckpt.index()
+            .tensors
+            .contains_key("optim.exp_avg_sq.model.layers.1.mlp.experts.gate_up_proj")
+    );
+    // The restored run starts from another random model: everything must come from the
+    // checkpoint.
+    let other = model(&device);
+    let resumed = run(&layout_b, &other, 3..6, Some(&dir), None);
+    let straight = run(&layout_b, &start, 0..6, None, None);
+    for (r, ((got, got_losses), (want, want_losses))) in resumed.iter().zip(&straight).enumerate() {
+        let what = |s: &str| format!("{a} -> {b} rank {r}: {s}");
+        close(&got.0, &want.0, &what("dense params after 6 steps"));
+        close(&got.1, &want.1, &what("expert params after 6 steps"));
+        close(got_losses, &want_losses[3..], &what("losses of steps 4-6"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tp2_ep4_resumes_as_ep2_etp2() {
+    resume_matches_uninterrupted("world=4,tp=2,ep=4", "world=4,ep=2,etp=2");
+}
+
+#[test]
+fn four_ranks_resume_on_two() {
+    resume_matches_uninterrupted("world=4,tp=2,ep=2", "world=2,ep=2");
+}
