@@ -152,3 +152,86 @@ fn convert_reshard_validate_export_round_trip_is_bit_exact() {
     assert!(!out.status.success());
     let _ = std::fs::remove_dir_all(&base);
 }
+
+#[test]
+fn plan_reports_memory_and_traffic_and_searches_layouts() {
+    let model = fixture("deepseek_v3");
+    let out = moe(&[
+        "plan",
+        "--model",
+        &model,
+        "--gpus",
+        "4",
+        "--layout",
+        "tp=2,ep=4",
+        "--seq",
+        "16",
+        "--recompute",
+        "mla_up_proj,moe_act",
+        "--fp8",
+        "--optimizer-dtype",
+        "bf16",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let stage = &report["stages"][0];
+    assert!(stage["activations_gb"].as_f64().unwrap() > 0.0);
+    assert!(
+        stage["activations_by_module_gb"]["experts"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(stage["comm"]["step"]["ep"].as_f64().unwrap() > 0.0);
+    assert!(stage["comm"]["step"]["tp"].as_f64().unwrap() > 0.0);
+    // The table form prints too.
+    let table = moe(&[
+        "plan", "--model", &model, "--gpus", "4", "--layout", "ep=4", "--seq", "16",
+    ]);
+    assert!(
+        table.status.success(),
+        "{}",
+        String::from_utf8_lossy(&table.stderr)
+    );
+    assert!(String::from_utf8_lossy(&table.stdout).contains("activations by module"));
+    // Without --layout: the search.
+    let found = moe(&[
+        "plan", "--model", &model, "--gpus", "4", "--seq", "16", "--json",
+    ]);
+    assert!(
+        found.status.success(),
+        "{}",
+        String::from_utf8_lossy(&found.stderr)
+    );
+    let found: serde_json::Value = serde_json::from_slice(&found.stdout).expect("json");
+    assert!(!found["layouts"].as_array().unwrap().is_empty());
+    let none = moe(&[
+        "plan",
+        "--model",
+        &model,
+        "--gpus",
+        "4",
+        "--seq",
+        "16",
+        "--gpu-memory",
+        "0.000001",
+    ]);
+    assert!(!none.status.success());
+    assert!(String::from_utf8_lossy(&none.stderr).contains("fits in"));
+    let bad = moe(&[
+        "plan",
+        "--model",
+        &model,
+        "--gpus",
+        "4",
+        "--recompute",
+        "attention",
+    ]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown module"));
+}

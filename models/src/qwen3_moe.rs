@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
+use moe_backend::fp8::Fp8Recipe;
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 use moe_backend::router::{RouteOptions, RouterState, ScoreFunction, TopKRouterConfig};
 
@@ -320,6 +321,27 @@ impl Qwen3MoeForCausalLM {
     /// The configuration the model was built from.
     pub fn config(&self) -> &Qwen3MoeConfig {
         &self.config
+    }
+
+    /// The same model with the routed experts' fc1/fc2 GEMMs of every sparse layer in FP8
+    /// (`Some(recipe)`, blockwise recipe of fp8.md §3) or back in high precision (`None`).
+    /// Attention, dense MLPs, the router, embeddings, the LM head and norms stay in high
+    /// precision (fp8.md §7). A training-time choice, so it is not part of the HF config.
+    pub fn with_fp8_experts(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
+        for layer in std::mem::take(&mut self.model.layers) {
+            let mlp = match layer.mlp {
+                Qwen3MoeFeedForward::Sparse(block) => {
+                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
+                        moe: block.moe.with_fp8_experts(recipe)?,
+                    })
+                }
+                dense => dense,
+            };
+            self.model
+                .layers
+                .push(Qwen3MoeDecoderLayer { mlp, ..layer });
+        }
+        Ok(self)
     }
 
     /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).

@@ -125,3 +125,195 @@ fn zero1_step_traffic_matches_the_planner() {
         }
     }
 }
+
+/// Per-rank bytes of each collective family over one real training step (forward, backward,
+/// ZeRO-1 optimizer step) equal the planner's, for the tiny Qwen3-MoE under several layouts.
+///
+/// The fixture runs in f32 (4-byte activations and probabilities); counts and routing maps
+/// are the flex backend's default integer (int32, 4 bytes). TP, DP (`dp_cp`, `expt_dp`), the
+/// norm all-reduce and the count exchange do not depend on routing; the EP all-to-all and ETP
+/// volumes do, so the planner is fed the tokens per expert of every `tp_ep` member measured
+/// from the router logits of a forward on the same weights and batch (Qwen3 routes to the
+/// top-k logits). The AllGather dispatcher's volumes do not depend on routing.
+#[test]
+fn step_traffic_matches_the_planner() {
+    use moe_backend::parallel::GroupFamily;
+    use moe_models::distributed::DispatcherKind;
+    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
+    use moe_models::plan::shape::ModelShape;
+    use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+
+    const FAMILIES: [GroupFamily; 6] = [
+        GroupFamily::Tp,
+        GroupFamily::Ep,
+        GroupFamily::ExptTp,
+        GroupFamily::TpEp,
+        GroupFamily::DpCp,
+        GroupFamily::ExptDp,
+    ];
+    let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    let shape = ModelShape::qwen3_moe(&config);
+    let device = Device::flex().autodiff();
+    let full = config.init(&device).unwrap();
+    let (batch, seq) = (2, 8);
+    let cases = [
+        (4, "tp=2,ep=4", DispatcherKind::AllToAll),
+        (4, "ep=2,etp=2", DispatcherKind::AllToAll),
+        (4, "tp=2,ep=2,etp=2", DispatcherKind::AllToAll),
+        (2, "", DispatcherKind::AllToAll),
+        (4, "tp=2,ep=4", DispatcherKind::AllGather),
+    ];
+    for (world, spec, kind) in cases {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let (full_ref, layout_ref, dev) = (&full, &layout, &device);
+        let top_k = config.num_experts_per_tok;
+        let results = World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let world_comm = ctx.world()?;
+            let trainer_config = TrainerConfig {
+                dispatcher: kind,
+                ..TrainerConfig::default()
+            };
+            let mut trainer = Trainer::new(full_ref, &pg, world_comm.clone(), trainer_config, dev)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let replica = trainer.model().replica;
+            let ids: Vec<i64> = (0..batch * seq)
+                .map(|i| ((i * 37 + replica * 101 + 11) % 256) as i64)
+                .collect();
+            // Routing of this step: the same weights and batch, forward only.
+            let out = trainer
+                .model()
+                .forward_loss(&ids, &ids, batch, dev)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let counts: Vec<Vec<f64>> = out
+                .router_logits
+                .iter()
+                .map(|logits| {
+                    let [t, e] = logits.dims();
+                    let v = logits
+                        .to_data()
+                        .convert::<f32>()
+                        .try_to_vec::<f32>()
+                        .unwrap();
+                    let mut c = vec![0.0; e];
+                    for row in v.chunks(e).take(t) {
+                        let mut idx: Vec<usize> = (0..e).collect();
+                        idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+                        for &x in &idx[..top_k] {
+                            c[x] += 1.0;
+                        }
+                    }
+                    c
+                })
+                .collect();
+            let sent = |c: &moe_backend::comm::Comm| c.traffic().bytes_sent;
+            let before: Vec<u64> = FAMILIES.iter().map(|f| sent(pg.comm(*f))).collect();
+            let world_before = sent(&world_comm);
+            trainer
+                .step(&TrainBatch::causal(ids, batch).unwrap())
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let mut bytes: Vec<u64> = FAMILIES
+                .iter()
+                .zip(&before)
+                .map(|(f, b)| sent(pg.comm(*f)) - b)
+                .collect();
+            bytes.push(sent(&world_comm) - world_before);
+            let tp_ep = pg.groups.get(GroupFamily::TpEp);
+            Ok((tp_ep.ranks.clone(), tp_ep.index, counts, bytes))
+        })
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect::<Vec<_>>();
+        let params = qwen3_moe_rank_params(&config, &layout, 0);
+        let opts = CommOptions {
+            seq,
+            micro_batch: batch,
+            microbatches: 1,
+            vpp: 1,
+            act_bytes: 4,
+            prob_bytes: 4,
+            int_bytes: 4,
+            dispatcher: match kind {
+                DispatcherKind::AllGather => Dispatcher::AllGather,
+                _ => Dispatcher::AllToAll,
+            },
+        };
+        for (rank, (group, member, _, measured)) in results.iter().enumerate() {
+            let moe_layers = results[rank].2.len();
+            let routing = Routing::Measured(
+                (0..moe_layers)
+                    .map(|l| group.iter().map(|&r| results[r].2[l].clone()).collect())
+                    .collect(),
+            );
+            let plan = step_traffic(&shape, &params, &layout, &opts, 0, *member, &routing)
+                .unwrap()
+                .total;
+            let planned = [
+                plan.tp,
+                plan.ep,
+                plan.expt_tp,
+                plan.tp_ep,
+                plan.dp_cp,
+                plan.expt_dp,
+                plan.world,
+            ];
+            let planned: Vec<u64> = planned.iter().map(|&b| b as u64).collect();
+            assert_eq!(
+                &planned, measured,
+                "{spec} {kind:?} rank {rank}: [tp, ep, expt_tp, tp_ep, dp_cp, expt_dp, world]"
+            );
+        }
+    }
+}
+
+/// `--search`: DeepSeek-V3 on 256 GPUs with the GB200's 192 GB (report Table 17): the best
+/// layouts are valid training layouts and fit; a 1 GB budget is refused with a clear error.
+#[test]
+fn search_ranks_valid_layouts_that_fit() {
+    use moe_models::plan::PlanOptions;
+    use moe_models::plan::search::{Hardware, search};
+    use moe_models::plan::shape::PlannedModel;
+
+    let config = DeepseekV3Config::from_json_str(
+        r#"{"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+            "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "n_shared_experts": 1, "n_routed_experts": 256, "kv_lora_rank": 512,
+            "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 3}"#,
+    )
+    .unwrap();
+    let model = PlannedModel::DeepseekV3(config);
+    let opts = PlanOptions {
+        global_batch: Some(8192),
+        ..PlanOptions::default()
+    };
+    let hw = Hardware {
+        memory_bytes: 192e9,
+        peak_flops: 989e12,
+        link_bytes_per_s: 400e9,
+    };
+    let found = search(&model, 256, &opts, &hw, 5).unwrap();
+    assert_eq!(found.len(), 5);
+    for c in &found {
+        let l = &c.plan.layout;
+        let again = ParallelLayout::parse(
+            256,
+            &format!("tp={},pp={},ep={},etp={}", l.tp, l.pp, l.ep, l.etp),
+        )
+        .unwrap();
+        assert_eq!(&again, l);
+        assert!(c.plan.peak_memory() <= 192e9, "{l}");
+        assert_eq!(256 % l.ep, 0);
+    }
+    assert!(found.windows(2).all(|w| w[0].step_s() <= w[1].step_s()));
+    let tiny = Hardware {
+        memory_bytes: 1e9,
+        ..hw
+    };
+    let err = search(&model, 256, &opts, &tiny, 5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fits in 1.0 GB"), "{err}");
+}

@@ -8,6 +8,7 @@ use burn::tensor::activation::{gelu, sigmoid, silu};
 use burn::tensor::{Device, Int, Tensor};
 
 use crate::error::BackendError;
+use crate::fp8::{Fp8Recipe, fp8_grouped_matmul};
 use crate::ops::{
     GroupSizes, WeightLayout, grouped_matmul, swiglu_with_probs, usize_to_int_tensor,
 };
@@ -48,6 +49,10 @@ pub struct GroupedExpertsConfig {
     /// Standard deviation of the normal weight initialisation.
     #[config(default = 0.02)]
     pub init_std: f64,
+    /// Run fc1 and fc2 as FP8 grouped GEMMs with this blockwise recipe (fp8.md §3); `None`
+    /// keeps them in the parameters' precision.
+    #[config(default = "None")]
+    pub fp8: Option<Fp8Recipe>,
 }
 
 impl GroupedExpertsConfig {
@@ -79,6 +84,7 @@ impl GroupedExpertsConfig {
                 .then(|| Initializer::Zeros.init([l, fc1_out], device)),
             fc2_bias: self.bias.then(|| Initializer::Zeros.init([l, h], device)),
             activation: self.activation,
+            fp8: self.fp8,
         })
     }
 }
@@ -101,6 +107,10 @@ pub struct GroupedExperts {
     /// Activation.
     #[module(skip)]
     pub activation: ExpertActivation,
+    /// FP8 recipe of the expert GEMMs (`None`: the parameters' precision). Only fc1/fc2 are
+    /// quantised; biases, the activation and the probs stay in high precision (fp8.md §7).
+    #[module(skip)]
+    pub fp8: Option<Fp8Recipe>,
 }
 
 impl GroupedExperts {
@@ -112,6 +122,15 @@ impl GroupedExperts {
     /// Expert FFN width `F`.
     pub fn ffn_hidden_size(&self) -> usize {
         self.fc2.dims()[2]
+    }
+
+    /// The same experts with their GEMMs in FP8 (`Some(recipe)`) or high precision (`None`).
+    pub fn with_fp8(mut self, recipe: Option<Fp8Recipe>) -> crate::Result<Self> {
+        if let Some(r) = &recipe {
+            r.validate()?;
+        }
+        self.fp8 = recipe;
+        Ok(self)
     }
 
     /// Runs every expert on its segment of `rows [N, H]` (expert-major, `tokens_per_expert`
@@ -157,7 +176,11 @@ impl GroupedExperts {
                 .collect();
             usize_to_int_tensor(&ids, &device)
         };
-        let mut hidden = grouped_matmul(rows, self.fc1.val(), &sizes, WeightLayout::OutIn)?;
+        let gemm = |x: Tensor<2>, w: Tensor<3>, sizes: GroupSizes| match &self.fp8 {
+            Some(recipe) => fp8_grouped_matmul(x, w, tokens_per_expert, recipe),
+            None => grouped_matmul(x, w, &sizes, WeightLayout::OutIn),
+        };
+        let mut hidden = gemm(rows, self.fc1.val(), sizes)?;
         if let Some(b) = &self.fc1_bias {
             hidden = hidden + b.val().select(0, row_expert()?);
         }
@@ -168,12 +191,7 @@ impl GroupedExperts {
             ExpertActivation::Silu => silu(hidden) * p.clone(),
             ExpertActivation::Gelu => gelu(hidden) * p.clone(),
         };
-        let mut out = grouped_matmul(
-            z,
-            self.fc2.val(),
-            &GroupSizes::Device(Box::new(sizes_t)),
-            WeightLayout::OutIn,
-        )?;
+        let mut out = gemm(z, self.fc2.val(), GroupSizes::Device(Box::new(sizes_t)))?;
         if let Some(b) = &self.fc2_bias {
             out = out + b.val().select(0, row_expert()?) * p;
         }

@@ -10,6 +10,7 @@ use crate::error::BackendError;
 use crate::experts::{
     ExpertActivation, GroupedExperts, GroupedExpertsConfig, SharedExperts, SharedExpertsConfig,
 };
+use crate::fp8::Fp8Recipe;
 use crate::router::{RouteOptions, RouterOutput, RouterState, TopKRouter, TopKRouterConfig};
 
 /// Configuration of a [`MoeLayer`].
@@ -31,6 +32,10 @@ pub struct MoeLayerConfig {
     /// Standard deviation of the expert weight initialisation.
     #[config(default = 0.02)]
     pub init_std: f64,
+    /// FP8 recipe for the routed experts' GEMMs (`None`: high precision). The router, the
+    /// shared experts and the combine stay in high precision (fp8.md §7).
+    #[config(default = "None")]
+    pub fp8: Option<Fp8Recipe>,
 }
 
 impl MoeLayerConfig {
@@ -44,6 +49,7 @@ impl MoeLayerConfig {
         )
         .with_activation(self.activation)
         .with_init_std(self.init_std)
+        .with_fp8(self.fp8)
         .init(device)?;
         let shared_experts = match self.shared_ffn_hidden_size {
             Some(f) => Some(
@@ -104,6 +110,12 @@ pub struct MoeLayer {
 }
 
 impl MoeLayer {
+    /// The same layer with its routed-expert GEMMs in FP8 (`Some(recipe)`) or high precision.
+    pub fn with_fp8_experts(mut self, recipe: Option<Fp8Recipe>) -> crate::Result<Self> {
+        self.experts = self.experts.with_fp8(recipe)?;
+        Ok(self)
+    }
+
     /// `x [T, H] -> [T, H]`. Reads the router state (replay, global aux counts); apply
     /// `output.routing.state_update` to it with `RouterState::commit` after the step.
     pub fn forward(

@@ -11,7 +11,22 @@
 //!
 //! [`layer::MoeLayer`] strings the four phases together on one rank (plus shared experts).
 //! The kernels are a Burn backend extension, [`ops::MoeOps`], implemented for the Flex CPU
-//! backend with hand-written backward passes for `Autodiff`.
+//! backend with hand-written backward passes for `Autodiff`, and with CubeCL GPU kernels for
+//! Burn's Cube backend.
+//!
+//! ## Feature flags
+//!
+//! - `testing`: naive reference implementations for tests (`testing` module).
+//! - `vulkan`: CubeCL kernels on Burn's Vulkan runtime (builds offline; `.ci/gpu-lavapipe`
+//!   runs their tests on Mesa's lavapipe, where the grouped-GEMM shaders do not yet compile).
+//! - `cuda`, `rocm`: the same kernels on Burn's CUDA / ROCm runtimes. These only forward to
+//!   Burn's features and need Burn's own build prerequisites (`cuda` downloads LLVM at build
+//!   time and fails offline; `rocm` needs a ROCm installation).
+//! - `autotune`: Burn's autotuning of its own CubeCL kernels (used for the dense baseline of the
+//!   `cube_ops` bench).
+//!
+//! Burn's `fusion` feature must stay off with the GPU features: the kernels implement `MoeOps`
+//! for `CubeBackend`, the type Burn dispatches to without fusion.
 
 pub mod comm;
 pub mod dispatch;

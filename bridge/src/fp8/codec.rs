@@ -1,5 +1,6 @@
-//! f32 → `F8_E4M3` (`float8_e4m3fn`) encoding, bit-identical to PyTorch's conversion (the
-//! encoder lives in `moe_backend::fp8`; these tests check it against the decoding tables).
+//! f32 → `F8_E4M3` (`float8_e4m3fn`) encoding: round to nearest even, saturating to ±448
+//! (fp8.md §1; the encoder lives in `moe_backend::fp8`; these tests check it against the
+//! decoding tables of this crate's safetensors reader).
 
 pub use moe_backend::fp8::{E4M3_MAX, f32_to_e4m3};
 
@@ -21,7 +22,7 @@ mod tests {
     }
 
     #[test]
-    fn rounds_to_nearest_even_and_overflows_to_nan() {
+    fn rounds_to_nearest_even_and_saturates() {
         // Halfway between 1.0 (0x38) and 1.125 (0x39): ties to the even code 0x38.
         assert_eq!(f32_to_e4m3(1.0625), 0x38);
         // Halfway between 1.125 (0x39) and 1.25 (0x3A): ties to 0x3A.
@@ -34,9 +35,11 @@ mod tests {
         assert_eq!(f32_to_e4m3(450.0), 0x7E);
         assert_eq!(f32_to_e4m3(463.9), 0x7E);
         assert_eq!(f32_to_e4m3(464.0), 0x7E);
-        assert_eq!(f32_to_e4m3(464.1), 0x7F);
-        assert_eq!(f32_to_e4m3(1e6), 0x7F);
-        assert_eq!(f32_to_e4m3(-1e6), 0xFF);
+        // Beyond the 464 midpoint finite values saturate (fp8.md §1), never NaN.
+        assert_eq!(f32_to_e4m3(464.1), 0x7E);
+        assert_eq!(f32_to_e4m3(1e6), 0x7E);
+        assert_eq!(f32_to_e4m3(-1e6), 0xFE);
+        assert_eq!(f32_to_e4m3(f32::INFINITY), 0x7E);
         assert_eq!(f32_to_e4m3(f32::NAN) & 0x7F, 0x7F);
         assert_eq!(f32_to_e4m3(-0.0), 0x80);
     }

@@ -87,6 +87,7 @@ impl GroupedExperts {
             fc1_bias,
             fc2_bias,
             activation: self.activation,
+            fp8: self.fp8,
         })
     }
 }

@@ -57,6 +57,7 @@ fn randomize(e: GroupedExperts, rng: &mut SplitMix) -> GroupedExperts {
         fc1_bias: e.fc1_bias.map(|b| Param::from_tensor(rand2(b.val(), rng))),
         fc2_bias: e.fc2_bias.map(|b| Param::from_tensor(rand2(b.val(), rng))),
         activation: e.activation,
+        fp8: e.fp8,
     }
 }
 

@@ -1,12 +1,23 @@
-//! FP8 (fp8.md): the E4M3 encoder, scale computation and FP8 primary weights — the f32 master
-//! shards of the distributed optimizer cast straight to blockwise FP8 without a BF16 weight
-//! copy, with per-block amaxes all-reduced (MAX) over the data-parallel group.
+//! FP8 (fp8.md): E4M3/E5M2 codecs, per-tensor and blockwise scaled quantisation, emulated FP8
+//! GEMMs with the blockwise recipe (the `Fp8Ops` backend extension, used by the experts when
+//! [`Fp8Recipe`] is set), and FP8 primary weights — the f32 master shards of the distributed
+//! optimizer cast straight to blockwise FP8 without a BF16 weight copy, with per-block amaxes
+//! all-reduced (MAX) over the data-parallel group.
 
+mod blockwise;
 mod formats;
+pub mod gemm;
+mod ops;
 mod primary_weights;
+mod recipe;
 
-pub use formats::{E4M3_MAX, f32_to_e4m3};
+pub use blockwise::{Fp8Blocks, quantize_blockwise, quantize_columnwise, quantize_per_tensor};
+pub use formats::{
+    E4M3_MAX, E5M2_MAX, Fp8Format, e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2,
+};
+pub use ops::{Fp8Ops, fp8_grouped_matmul, fp8_linear};
 pub use primary_weights::{
     BlockGrid, cast_master_shard, cast_shard_with_scales, compute_scale_from_amax,
     partial_block_amax,
 };
+pub use recipe::Fp8Recipe;

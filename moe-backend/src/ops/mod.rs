@@ -1,15 +1,16 @@
 //! The `MoeOps` backend extension and its user-facing tensor functions.
 //!
 //! Primitive ops (one per kernel) live on the [`MoeOps`] trait, implemented for the Flex CPU
-//! backend in [`flex`] and for `Autodiff<B>` with hand-written backward passes in [`autodiff`].
-//! A CubeCL implementation can be added by listing `Cube` (and `Fusion`) in the
-//! `#[backend_extension]` selector and implementing the same trait.
+//! backend in `flex`, for `Autodiff<B>` with hand-written backward passes in `autodiff`, and
+//! (features `vulkan`, `cuda`, `rocm`) for Burn's CubeCL backend with GPU kernels in `cube`.
 //!
 //! The free functions in this module ([`permute`], [`unpermute`], [`grouped_matmul`],
 //! [`sort_chunks_by_idxs`], [`topk_indices`], [`attach_loss`]) take and return plain
 //! `burn::tensor::Tensor`s, validate their arguments and return [`BackendError`] on bad input.
 
 mod autodiff;
+#[cfg(feature = "cube")]
+mod cube;
 mod flex;
 pub mod kernels;
 #[cfg(test)]
@@ -27,7 +28,7 @@ use crate::error::{BackendError, Result};
 ///
 /// Integer outputs use `i32`. Implementations must be deterministic: results do not depend on
 /// thread count.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "cube"))]
 pub trait MoeOps: Backend {
     /// Expert-major row order for `routing_map [T, E]` (moe-ops §6).
     ///

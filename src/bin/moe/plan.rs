@@ -1,14 +1,18 @@
-//! `moe plan`: per-rank parameters, memory and communication of a layout, without running it
-//! (parallelism.md §6–§7; formulas in `moe_models::plan`).
+//! `moe plan`: per-GPU parameters, memory (weights, gradients, optimizer, activations by
+//! module) and per-layer / per-step communication of a layout, without running it; with
+//! `--layout` omitted, the best layouts of `--gpus` that fit `--gpu-memory` (parallelism.md
+//! §6–§8; models in `moe_models::plan`).
 
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use burn_moe::backend::parallel::{LayoutSpec, ParallelLayout};
 use burn_moe::bridge::weights::ModelConfig;
+use burn_moe::models::plan::comm::Dispatcher;
+use burn_moe::models::plan::search::{Hardware, search};
+use burn_moe::models::plan::shape::PlannedModel;
 use burn_moe::models::plan::{
-    RankParams, a2a_remote_bytes, bytes_per_param, compute_comm_ratio, deepseek_v3_rank_params,
-    qwen3_moe_rank_params,
+    LayoutPlan, PlanOptions, a2a_remote_bytes, compute_comm_ratio, plan_layout,
 };
 use serde_json::json;
 
@@ -22,21 +26,56 @@ pub struct Args {
     #[arg(long)]
     pub gpus: Option<usize>,
     /// Layout, e.g. `tp=2,pp=4,ep=64,etp=1,cp=1` (omitted sizes are 1; dp/edp derived).
-    #[arg(long, default_value = "")]
-    pub layout: String,
+    /// Without it, layouts of `--gpus` are searched (`--search`).
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Search layouts even if `--layout` is given.
+    #[arg(long)]
+    pub search: bool,
     /// Sequence length.
     #[arg(long, default_value_t = 4096)]
     pub seq: usize,
     /// Micro-batch size.
     #[arg(long, default_value_t = 1)]
     pub mbs: usize,
-    /// Adam moments in bf16 (`6 + 8/d` bytes per parameter instead of `6 + 12/d`).
+    /// Global batch in sequences (default: 4·pp micro-batches per step).
+    #[arg(long)]
+    pub global_batch: Option<usize>,
+    /// Virtual pipeline stages per rank (interleaved 1F1B).
+    #[arg(long, default_value_t = 1)]
+    pub vpp: usize,
+    /// FP8 activations (linear inputs) and FP8 primary weights.
+    #[arg(long)]
+    pub fp8: bool,
+    /// Recomputation: none, selective, full, or a module list
+    /// (core_attn,moe_act,layernorm,mla_up_proj,mlp,moe,shared_experts).
+    #[arg(long, default_value = "none")]
+    pub recompute: String,
+    /// Memory-efficient permutation (router probabilities applied before fc2).
+    #[arg(long)]
+    pub memory_efficient_permutation: bool,
+    /// Adam moment precision (bf16 or fp32).
+    #[arg(long, default_value = "fp32")]
+    pub optimizer_dtype: String,
+    /// Adam moments in bf16 (same as `--optimizer-dtype bf16`).
     #[arg(long)]
     pub bf16_moments: bool,
-    /// Peak dense throughput per GPU in TFLOP/s (for the EP compute/communication ratio).
+    /// ZeRO-1 distributed optimizer (`--distributed-optimizer false` replicates it).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub distributed_optimizer: bool,
+    /// Token dispatcher: alltoall or allgather.
+    #[arg(long, default_value = "alltoall")]
+    pub dispatcher: String,
+    /// GPU memory budget in GB for the search.
+    #[arg(long, default_value_t = 80.0)]
+    pub gpu_memory: f64,
+    /// Layouts the search prints.
+    #[arg(long, default_value_t = 5)]
+    pub top: usize,
+    /// Peak dense throughput per GPU in TFLOP/s.
     #[arg(long, default_value_t = 989.0)]
     pub peak_tflops: f64,
-    /// EP link bandwidth per GPU in GB/s.
+    /// Link bandwidth per GPU in GB/s.
     #[arg(long, default_value_t = 400.0)]
     pub link_gbps: f64,
     /// Print JSON instead of a table.
@@ -44,106 +83,191 @@ pub struct Args {
     pub json: bool,
 }
 
-/// Runs `moe plan`.
-pub fn run(args: Args) -> anyhow::Result<()> {
-    let path = if args.model.is_dir() {
-        args.model.join("config.json")
+fn options(args: &Args) -> anyhow::Result<PlanOptions> {
+    let mut optimizer_dtype = args.optimizer_dtype.parse()?;
+    if args.bf16_moments {
+        optimizer_dtype = burn_moe::models::plan::memory::OptimizerDtype::Bf16;
+    }
+    Ok(PlanOptions {
+        seq: args.seq,
+        micro_batch: args.mbs,
+        global_batch: args.global_batch,
+        vpp: args.vpp.max(1),
+        fp8: args.fp8,
+        recompute: args.recompute.parse()?,
+        memory_efficient_permutation: args.memory_efficient_permutation,
+        optimizer_dtype,
+        distributed_optimizer: args.distributed_optimizer,
+        dispatcher: match args.dispatcher.as_str() {
+            "alltoall" | "all_to_all" => Dispatcher::AllToAll,
+            "allgather" | "all_gather" => Dispatcher::AllGather,
+            other => bail!("--dispatcher: `{other}` (expected alltoall or allgather)"),
+        },
+    })
+}
+
+fn load_model(path: &std::path::Path) -> anyhow::Result<PlannedModel> {
+    let path = if path.is_dir() {
+        path.join("config.json")
     } else {
-        args.model.clone()
+        path.to_path_buf()
     };
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let config = ModelConfig::from_json(&value, &path)?;
-    let mut spec: LayoutSpec = args.layout.parse()?;
+    Ok(match ModelConfig::from_json(&value, &path)? {
+        ModelConfig::Qwen3Moe(c) => PlannedModel::Qwen3Moe(c),
+        ModelConfig::DeepseekV3(c) => PlannedModel::DeepseekV3(c),
+        ModelConfig::Qwen3(_) => bail!("`moe plan` needs an MoE model (qwen3_moe or deepseek_v3)"),
+    })
+}
+
+/// Runs `moe plan`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let model = load_model(&args.model)?;
+    let opts = options(&args)?;
+    if args.search || args.layout.is_none() {
+        let Some(gpus) = args.gpus else {
+            bail!("--gpus is needed to search layouts (or give --layout)");
+        };
+        let hw = Hardware {
+            memory_bytes: args.gpu_memory * 1e9,
+            peak_flops: args.peak_tflops * 1e12,
+            link_bytes_per_s: args.link_gbps * 1e9,
+        };
+        let found = search(&model, gpus, &opts, &hw, args.top)?;
+        if args.json {
+            let rows: Vec<_> = found
+                .iter()
+                .map(|c| {
+                    json!({
+                        "layout": c.plan.layout.to_string(),
+                        "vpp": c.plan.vpp,
+                        "peak_gb": c.plan.peak_memory() / 1e9,
+                        "step_bytes": c.plan.max_step_bytes(),
+                        "compute_s": c.compute_s,
+                        "comm_s": c.comm_s,
+                        "step_s": c.step_s(),
+                    })
+                })
+                .collect();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json!({ "layouts": rows }))?
+            );
+            return Ok(());
+        }
+        println!(
+            "{:>4} {:<44} {:>9} {:>12} {:>10} {:>10}",
+            "rank", "layout", "peak GB", "step GB", "comp s", "step s"
+        );
+        for (i, c) in found.iter().enumerate() {
+            println!(
+                "{:>4} {:<44} {:>9.1} {:>12.2} {:>10.3} {:>10.3}",
+                i + 1,
+                c.plan.layout.to_string(),
+                c.plan.peak_memory() / 1e9,
+                c.plan.max_step_bytes() / 1e9,
+                c.compute_s,
+                c.step_s()
+            );
+        }
+        return Ok(());
+    }
+    let mut spec: LayoutSpec = args.layout.as_deref().unwrap_or("").parse()?;
     if let Some(gpus) = args.gpus {
         spec.world = Some(gpus);
     }
     let layout = ParallelLayout::from_spec(&spec)?;
-    let (stage_params, hidden, topk, ffn): (Vec<RankParams>, usize, usize, usize) = match &config {
-        ModelConfig::Qwen3Moe(c) => (
-            (0..layout.pp)
-                .map(|s| qwen3_moe_rank_params(c, &layout, s))
-                .collect(),
-            c.hidden_size,
-            c.num_experts_per_tok,
-            c.moe_intermediate_size,
-        ),
-        ModelConfig::DeepseekV3(c) => (
-            (0..layout.pp)
-                .map(|s| deepseek_v3_rank_params(c, &layout, s))
-                .collect(),
-            c.hidden_size,
-            c.num_experts_per_tok,
-            c.moe_intermediate_size,
-        ),
-        ModelConfig::Qwen3(_) => bail!("`moe plan` needs an MoE model (qwen3_moe or deepseek_v3)"),
-    };
-    let moment = if args.bf16_moments { 2 } else { 4 };
-    let dense_bpp = bytes_per_param(layout.dp * layout.cp, moment);
-    let expert_bpp = bytes_per_param(layout.edp, moment);
+    let plan = plan_layout(&model, &layout, &opts)?;
+    let shape = model.shape();
     // Tokens per rank entering the MoE layer: the micro-batch split over TP (SP) and CP.
     let tokens = args.seq * args.mbs / (layout.tp * layout.cp).max(1);
-    let a2a = a2a_remote_bytes(tokens, topk, hidden, 2, layout.ep);
+    let a2a = a2a_remote_bytes(tokens, shape.top_k, shape.hidden, 2, layout.ep);
     let ratio = compute_comm_ratio(
-        ffn,
+        shape.moe_ffn,
         args.link_gbps * 1e9,
         args.peak_tflops * 1e12,
         Some(layout.ep),
     );
-    let stages: Vec<_> = stage_params
-        .iter()
-        .enumerate()
-        .map(|(s, p)| {
-            let dense = (p.dense_sharded + p.dense_replicated) as f64;
-            let expert = p.expert as f64;
-            json!({
-                "stage": s,
-                "params": p.total(),
-                "dense_params": dense,
-                "expert_params": expert,
-                "weights_grads_gb": (dense + expert) * 6.0 / 1e9,
-                "master_optimizer_gb": dense * (dense_bpp - 6.0) / 1e9 + expert * (expert_bpp - 6.0) / 1e9,
-            })
-        })
-        .collect();
-    let report = json!({
-        "layout": layout.to_string(),
-        "tokens_per_rank": tokens,
-        "ep_dispatch_bytes_per_layer_per_direction": a2a,
-        "ep_dispatch_combine_fwd_bwd_bytes_per_layer": 4.0 * a2a,
-        "ep_compute_comm_ratio": ratio,
-        "stages": stages,
-    });
     if args.json {
+        let mut report = plan.to_json();
+        if let Some(obj) = report.as_object_mut() {
+            obj.insert("tokens_per_rank".into(), json!(tokens));
+            obj.insert(
+                "ep_dispatch_bytes_per_layer_per_direction".into(),
+                json!(a2a),
+            );
+            obj.insert(
+                "ep_dispatch_combine_fwd_bwd_bytes_per_layer".into(),
+                json!(4.0 * a2a),
+            );
+            obj.insert("ep_compute_comm_ratio".into(), json!(ratio));
+        }
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!("{layout}");
+    print_table(&plan);
     println!(
-        "{:>5} {:>16} {:>16} {:>16} {:>12} {:>14}",
-        "stage", "params/rank", "dense", "expert", "w+g GB", "master+opt GB"
-    );
-    for (stage, p) in stage_params.iter().enumerate() {
-        let dense = (p.dense_sharded + p.dense_replicated) as f64;
-        let expert = p.expert as f64;
-        println!(
-            "{:>5} {:>16} {:>16} {:>16} {:>12.2} {:>14.2}",
-            stage,
-            p.total(),
-            p.dense_sharded + p.dense_replicated,
-            p.expert,
-            (dense + expert) * 6.0 / 1e9,
-            dense * (dense_bpp - 6.0) / 1e9 + expert * (expert_bpp - 6.0) / 1e9
-        );
-    }
-    println!(
-        "EP dispatch per MoE layer and direction: {:.2} MiB/rank ({} tokens/rank, k={topk}, h={hidden}, bf16); dispatch+combine fwd+bwd {:.2} MiB",
+        "EP dispatch per MoE layer and direction: {:.2} MiB/rank ({tokens} tokens/rank, k={}, \
+         h={}, bf16); dispatch+combine fwd+bwd {:.2} MiB",
         a2a / (1 << 20) as f64,
-        tokens,
+        shape.top_k,
+        shape.hidden,
         4.0 * a2a / (1 << 20) as f64
     );
     println!("EP compute/communication ratio R = {ratio:.2} (hideable when R > 1)");
     Ok(())
+}
+
+fn print_table(plan: &LayoutPlan) {
+    let gb = |b: f64| b / 1e9;
+    println!(
+        "{} vpp={} microbatches/step={}",
+        plan.layout, plan.vpp, plan.microbatches
+    );
+    println!(
+        "{:>5} {:>14} {:>9} {:>11} {:>9} {:>9}",
+        "stage", "params/rank", "w+g GB", "master+opt", "act GB", "total GB"
+    );
+    for s in &plan.stages {
+        println!(
+            "{:>5} {:>14} {:>9.2} {:>11.2} {:>9.2} {:>9.2}",
+            s.stage,
+            s.params.total(),
+            gb(s.state.weights_grads()),
+            gb(s.state.master_optimizer()),
+            gb(s.activations.total()),
+            gb(s.memory())
+        );
+    }
+    if let Some(peak) = plan.peak() {
+        println!("activations by module, stage {} (GB):", peak.stage);
+        for (name, b) in peak.activations.modules() {
+            if b > 0.0 {
+                println!("  {name:<22} {:>9.2}", gb(b));
+            }
+        }
+        println!(
+            "communication per step, stage {} (GB sent per rank):",
+            peak.stage
+        );
+        println!(
+            "  {:<8} {:>12} {:>12} {:>12}",
+            "family", "per layer*", "optimizer", "step"
+        );
+        let first_moe = peak.traffic.layers.iter().find(|l| l.moe);
+        for (i, (name, step)) in peak.traffic.total.families().iter().enumerate() {
+            let layer = first_moe.map(|l| l.bytes.families()[i].1).unwrap_or(0.0);
+            let opt = peak.traffic.optimizer.families()[i].1;
+            println!(
+                "  {name:<8} {:>12.4} {:>12.4} {:>12.4}",
+                gb(layer),
+                gb(opt),
+                gb(*step)
+            );
+        }
+        println!("  * one MoE layer, one micro-batch, forward + backward");
+    }
 }

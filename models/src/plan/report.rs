@@ -1,0 +1,307 @@
+//! A whole layout plan: per pipeline stage, the parameters, state memory, activation memory and
+//! per-layer / per-step communication of one rank, with a JSON rendering.
+
+use moe_backend::parallel::ParallelLayout;
+use serde_json::{Value, json};
+
+use super::activations::{ActivationBytes, ActivationOptions, Recompute, stage_activations};
+use super::comm::{CommOptions, Dispatcher, Routing, StepTraffic, step_traffic};
+use super::memory::{MemoryOptions, OptimizerDtype, StateBytes, state_bytes};
+use super::shape::PlannedModel;
+use super::{PlanError, RankParams};
+
+/// Everything a plan depends on besides the model and the layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanOptions {
+    /// Sequence length.
+    pub seq: usize,
+    /// Micro-batch size.
+    pub micro_batch: usize,
+    /// Global batch (sequences per step); `None`: `4·pp` micro-batches per step.
+    pub global_batch: Option<usize>,
+    /// Virtual pipeline stages per rank.
+    pub vpp: usize,
+    /// FP8 activations (linear inputs) and FP8 primary weights.
+    pub fp8: bool,
+    /// Recomputation.
+    pub recompute: Recompute,
+    /// Memory-efficient permutation.
+    pub memory_efficient_permutation: bool,
+    /// Adam moment precision.
+    pub optimizer_dtype: OptimizerDtype,
+    /// ZeRO-1 distributed optimizer.
+    pub distributed_optimizer: bool,
+    /// Token dispatcher.
+    pub dispatcher: Dispatcher,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self {
+            seq: 4096,
+            micro_batch: 1,
+            global_batch: None,
+            vpp: 1,
+            fp8: false,
+            recompute: Recompute::None,
+            memory_efficient_permutation: false,
+            optimizer_dtype: OptimizerDtype::Fp32,
+            distributed_optimizer: true,
+            dispatcher: Dispatcher::AllToAll,
+        }
+    }
+}
+
+impl PlanOptions {
+    /// Micro-batches per step under `layout`.
+    pub fn microbatches(&self, layout: &ParallelLayout) -> Result<usize, PlanError> {
+        match self.global_batch {
+            None => Ok(4 * layout.pp),
+            Some(g) => {
+                let per = self.micro_batch * layout.dp;
+                if per == 0 || g % per != 0 || g == 0 {
+                    return Err(PlanError::Option {
+                        option: "global-batch",
+                        detail: format!(
+                            "{g} sequences are not a multiple of micro-batch × dp = {per}"
+                        ),
+                    });
+                }
+                Ok(g / per)
+            }
+        }
+    }
+
+    /// The activation model's settings.
+    pub fn activations(&self, microbatches: usize) -> ActivationOptions {
+        ActivationOptions {
+            seq: self.seq,
+            micro_batch: self.micro_batch,
+            microbatches,
+            vpp: self.vpp,
+            act_bytes: 2,
+            fp8: self.fp8,
+            recompute: self.recompute.clone(),
+            memory_efficient_permutation: self.memory_efficient_permutation,
+        }
+    }
+
+    /// The memory model's settings.
+    pub fn memory(&self) -> MemoryOptions {
+        MemoryOptions {
+            fp8_weights: self.fp8,
+            optimizer_dtype: self.optimizer_dtype,
+            distributed_optimizer: self.distributed_optimizer,
+        }
+    }
+
+    /// The communication model's settings (BF16 activations, f32 probabilities).
+    pub fn comm(&self, microbatches: usize) -> CommOptions {
+        CommOptions {
+            seq: self.seq,
+            micro_batch: self.micro_batch,
+            microbatches,
+            vpp: self.vpp,
+            act_bytes: 2,
+            prob_bytes: 4,
+            int_bytes: 8,
+            dispatcher: self.dispatcher,
+        }
+    }
+}
+
+/// One rank of one pipeline stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagePlan {
+    /// Stage index.
+    pub stage: usize,
+    /// Parameters held.
+    pub params: RankParams,
+    /// Weights, gradients, master weights, moments.
+    pub state: StateBytes,
+    /// Peak activations by module.
+    pub activations: ActivationBytes,
+    /// Communication (uniform routing, `tp_ep` member 0).
+    pub traffic: StepTraffic,
+}
+
+impl StagePlan {
+    /// State plus activations.
+    pub fn memory(&self) -> f64 {
+        self.state.total() + self.activations.total()
+    }
+}
+
+/// A layout's plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayoutPlan {
+    /// The layout.
+    pub layout: ParallelLayout,
+    /// Virtual pipeline stages per rank.
+    pub vpp: usize,
+    /// Micro-batches per step.
+    pub microbatches: usize,
+    /// Every stage.
+    pub stages: Vec<StagePlan>,
+}
+
+impl LayoutPlan {
+    /// The stage with the largest memory.
+    pub fn peak(&self) -> Option<&StagePlan> {
+        self.stages
+            .iter()
+            .max_by(|a, b| a.memory().total_cmp(&b.memory()))
+    }
+
+    /// Peak bytes per GPU.
+    pub fn peak_memory(&self) -> f64 {
+        self.peak().map(StagePlan::memory).unwrap_or(0.0)
+    }
+
+    /// Largest per-step traffic of a rank.
+    pub fn max_step_bytes(&self) -> f64 {
+        self.stages
+            .iter()
+            .map(|s| s.traffic.total.total())
+            .fold(0.0, f64::max)
+    }
+
+    /// JSON rendering (bytes, and GB = 1e9 bytes where named `_gb`).
+    pub fn to_json(&self) -> Value {
+        let gb = |b: f64| b / 1e9;
+        let families = |f: &super::comm::FamilyBytes| {
+            Value::Object(
+                f.families()
+                    .iter()
+                    .map(|(n, b)| (n.to_string(), json!(b)))
+                    .collect(),
+            )
+        };
+        let stages: Vec<Value> = self
+            .stages
+            .iter()
+            .map(|s| {
+                let modules: serde_json::Map<String, Value> = s
+                    .activations
+                    .modules()
+                    .iter()
+                    .map(|(n, b)| (n.to_string(), json!(gb(*b))))
+                    .collect();
+                json!({
+                    "stage": s.stage,
+                    "params": s.params.total(),
+                    "dense_params": s.params.dense_sharded + s.params.dense_replicated,
+                    "expert_params": s.params.expert,
+                    "weights_grads_gb": gb(s.state.weights_grads()),
+                    "master_optimizer_gb": gb(s.state.master_optimizer()),
+                    "activations_gb": gb(s.activations.total()),
+                    "activations_by_module_gb": modules,
+                    "total_gb": gb(s.memory()),
+                    "comm": {
+                        "per_layer_per_microbatch": s.traffic.layers.iter().map(|l| json!({
+                            "layer": l.layer, "moe": l.moe, "bytes": families(&l.bytes),
+                        })).collect::<Vec<_>>(),
+                        "embedding_head_per_microbatch": families(&s.traffic.embedding_head),
+                        "pipeline_per_microbatch": families(&s.traffic.pipeline),
+                        "optimizer": families(&s.traffic.optimizer),
+                        "step": families(&s.traffic.total),
+                        "step_total_bytes": s.traffic.total.total(),
+                    },
+                })
+            })
+            .collect();
+        json!({
+            "layout": self.layout.to_string(),
+            "vpp": self.vpp,
+            "microbatches": self.microbatches,
+            "peak_gb": gb(self.peak_memory()),
+            "stages": stages,
+        })
+    }
+}
+
+/// Checks that `layout` divides the model's heads, vocabulary, widths, experts and layers.
+pub fn check_fit(
+    model: &PlannedModel,
+    layout: &ParallelLayout,
+    opts: &PlanOptions,
+) -> Result<(), PlanError> {
+    let shape = model.shape();
+    let tp = layout.tp;
+    let mut bad = Vec::new();
+    let heads = shape.attention.heads();
+    if !heads.is_multiple_of(tp) {
+        bad.push(format!("{heads} heads over tp = {tp}"));
+    }
+    if let super::shape::AttentionShape::Gqa { kv_heads, .. } = shape.attention
+        && kv_heads % tp != 0
+    {
+        bad.push(format!("{kv_heads} KV heads over tp = {tp}"));
+    }
+    if !shape.dense_ffn.is_multiple_of(tp) {
+        bad.push(format!("dense width {} over tp = {tp}", shape.dense_ffn));
+    }
+    if !shape.experts.is_multiple_of(layout.ep) {
+        bad.push(format!("{} experts over ep = {}", shape.experts, layout.ep));
+    }
+    if !shape.moe_ffn.is_multiple_of(layout.etp) {
+        bad.push(format!(
+            "expert width {} over etp = {}",
+            shape.moe_ffn, layout.etp
+        ));
+    }
+    let virtual_stages = layout.pp * opts.vpp.max(1);
+    if shape.layers() < virtual_stages {
+        bad.push(format!(
+            "{} layers over {virtual_stages} (virtual) stages",
+            shape.layers()
+        ));
+    }
+    let tokens = opts.seq * opts.micro_batch;
+    if !tokens.is_multiple_of(tp * layout.cp) {
+        bad.push(format!(
+            "{tokens} tokens per micro-batch over tp·cp = {}",
+            tp * layout.cp
+        ));
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(PlanError::Unfit {
+            layout: layout.to_string(),
+            detail: bad.join("; "),
+        })
+    }
+}
+
+/// Plans every stage of `layout` for `model`.
+pub fn plan_layout(
+    model: &PlannedModel,
+    layout: &ParallelLayout,
+    opts: &PlanOptions,
+) -> Result<LayoutPlan, PlanError> {
+    check_fit(model, layout, opts)?;
+    let shape = model.shape();
+    let m = opts.microbatches(layout)?;
+    let act = opts.activations(m);
+    let mem = opts.memory();
+    let comm = opts.comm(m);
+    let stages = (0..layout.pp)
+        .map(|stage| -> Result<StagePlan, PlanError> {
+            let params = model.rank_params(layout, stage);
+            Ok(StagePlan {
+                stage,
+                params,
+                state: state_bytes(&params, layout, &mem),
+                activations: stage_activations(&shape, layout, &act, stage),
+                traffic: step_traffic(&shape, &params, layout, &comm, stage, 0, &Routing::Uniform)?,
+            })
+        })
+        .collect::<Result<Vec<_>, PlanError>>()?;
+    Ok(LayoutPlan {
+        layout: layout.clone(),
+        vpp: opts.vpp.max(1),
+        microbatches: m,
+        stages,
+    })
+}

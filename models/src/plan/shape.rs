@@ -1,0 +1,183 @@
+//! The dimensions the planner needs, taken from a Qwen3-MoE or DeepSeek-V3 config: one
+//! [`ModelShape`] serves the memory, activation and communication models of every family.
+
+use moe_backend::parallel::ParallelLayout;
+
+use super::{RankParams, deepseek_v3_rank_params, qwen3_moe_rank_params};
+use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
+
+/// Attention of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionShape {
+    /// Grouped-query attention (Qwen3: with per-head QK-norm).
+    Gqa {
+        /// Query heads.
+        heads: usize,
+        /// Key/value heads.
+        kv_heads: usize,
+        /// Head dimension.
+        head_dim: usize,
+        /// Per-head RMSNorm of queries and keys.
+        qk_norm: bool,
+    },
+    /// Multi-latent attention (DeepSeek-V3).
+    Mla {
+        /// Query heads.
+        heads: usize,
+        /// Query latent rank (`None`: direct query projection).
+        q_lora_rank: Option<usize>,
+        /// Key/value latent rank.
+        kv_lora_rank: usize,
+        /// Non-rotary query/key head dimension.
+        qk_nope: usize,
+        /// Rotary query/key head dimension.
+        qk_rope: usize,
+        /// Value head dimension.
+        v_head: usize,
+    },
+}
+
+impl AttentionShape {
+    /// Query heads.
+    pub fn heads(&self) -> usize {
+        match *self {
+            Self::Gqa { heads, .. } | Self::Mla { heads, .. } => heads,
+        }
+    }
+
+    /// Per-token elements of `(query, key, value, output)` over all heads.
+    pub fn qkvo(&self) -> (usize, usize, usize, usize) {
+        match *self {
+            Self::Gqa {
+                heads,
+                kv_heads,
+                head_dim,
+                ..
+            } => (
+                heads * head_dim,
+                kv_heads * head_dim,
+                kv_heads * head_dim,
+                heads * head_dim,
+            ),
+            Self::Mla {
+                heads,
+                qk_nope,
+                qk_rope,
+                v_head,
+                ..
+            } => (
+                heads * (qk_nope + qk_rope),
+                heads * (qk_nope + qk_rope),
+                heads * v_head,
+                heads * v_head,
+            ),
+        }
+    }
+}
+
+/// Model dimensions used by the planner.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelShape {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden size `h`.
+    pub hidden: usize,
+    /// Attention of every layer.
+    pub attention: AttentionShape,
+    /// `true` for the MoE layers, in layer order.
+    pub moe_layers: Vec<bool>,
+    /// Dense MLP width.
+    pub dense_ffn: usize,
+    /// Routed experts `E`.
+    pub experts: usize,
+    /// Experts per token `k`.
+    pub top_k: usize,
+    /// Routed expert width `F`.
+    pub moe_ffn: usize,
+    /// Total shared-expert width (0 without shared experts).
+    pub shared_ffn: usize,
+    /// Input embedding and head share their weights.
+    pub tied_embeddings: bool,
+}
+
+impl ModelShape {
+    /// Shape of a Qwen3-MoE config.
+    pub fn qwen3_moe(c: &Qwen3MoeConfig) -> Self {
+        Self {
+            vocab: c.vocab_size,
+            hidden: c.hidden_size,
+            attention: AttentionShape::Gqa {
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                qk_norm: true,
+            },
+            moe_layers: (0..c.num_hidden_layers)
+                .map(|l| c.is_moe_layer(l))
+                .collect(),
+            dense_ffn: c.intermediate_size,
+            experts: c.num_experts,
+            top_k: c.num_experts_per_tok,
+            moe_ffn: c.moe_intermediate_size,
+            shared_ffn: 0,
+            tied_embeddings: c.tie_word_embeddings,
+        }
+    }
+
+    /// Shape of a DeepSeek-V3 config (main model; MTP layers are not planned).
+    pub fn deepseek_v3(c: &DeepseekV3Config) -> Self {
+        Self {
+            vocab: c.vocab_size,
+            hidden: c.hidden_size,
+            attention: AttentionShape::Mla {
+                heads: c.num_attention_heads,
+                q_lora_rank: c.q_lora_rank,
+                kv_lora_rank: c.kv_lora_rank,
+                qk_nope: c.qk_nope_head_dim,
+                qk_rope: c.qk_rope_head_dim,
+                v_head: c.v_head_dim,
+            },
+            moe_layers: (0..c.num_hidden_layers)
+                .map(|l| c.is_moe_layer(l))
+                .collect(),
+            dense_ffn: c.intermediate_size,
+            experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+            moe_ffn: c.moe_intermediate_size,
+            shared_ffn: c.n_shared_experts * c.moe_intermediate_size,
+            tied_embeddings: c.tie_word_embeddings,
+        }
+    }
+
+    /// Number of layers.
+    pub fn layers(&self) -> usize {
+        self.moe_layers.len()
+    }
+}
+
+/// A model the planner can count parameters of.
+#[derive(Debug, Clone)]
+pub enum PlannedModel {
+    /// Qwen3-MoE.
+    Qwen3Moe(Qwen3MoeConfig),
+    /// DeepSeek-V3 (main model).
+    DeepseekV3(DeepseekV3Config),
+}
+
+impl PlannedModel {
+    /// The planner's dimensions.
+    pub fn shape(&self) -> ModelShape {
+        match self {
+            Self::Qwen3Moe(c) => ModelShape::qwen3_moe(c),
+            Self::DeepseekV3(c) => ModelShape::deepseek_v3(c),
+        }
+    }
+
+    /// Parameters a rank of pipeline stage `stage` holds (contiguous stages).
+    pub fn rank_params(&self, layout: &ParallelLayout, stage: usize) -> RankParams {
+        match self {
+            Self::Qwen3Moe(c) => qwen3_moe_rank_params(c, layout, stage),
+            Self::DeepseekV3(c) => deepseek_v3_rank_params(c, layout, stage),
+        }
+    }
+}

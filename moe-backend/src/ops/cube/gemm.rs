@@ -1,0 +1,404 @@
+//! Tiled grouped GEMM kernels (moe-ops §9) that read group sizes from device memory.
+//!
+//! A tiny scan kernel turns `group_sizes [G]` into row offsets and row-tile offsets on the
+//! device. The forward / dgrad kernel is launched over an upper bound of row tiles,
+//! `ceil(N / TILE_M) + G` (each group adds at most one partial tile); every cube finds its group
+//! by binary search over the tile offsets and idles when it is past the last tile. No token
+//! count ever travels to the host. The wgrad kernel runs one cube per `(group, P tile, Q tile)`
+//! and loops over the group's rows.
+//!
+//! The forward / dgrad kernel computes `64 × 128` outputs per cube of `16 × 16` units (4 × 8
+//! outputs per unit), wgrad `64 × 64` (4 × 4 per unit); operands are staged through shared
+//! memory in `TILE_K = 16` slices and accumulated in f32 for every input dtype.
+
+use burn_cubecl::cubecl;
+use burn_cubecl::cubecl::prelude::*;
+use burn_cubecl::tensor::CubeTensor;
+
+use super::launch::{self, empty_like_dtype, float_storage, int_storage};
+
+/// Output rows per cube.
+const TILE_M: usize = 64;
+/// Output columns per cube of the forward / dgrad kernel.
+const TILE_N: usize = 128;
+/// Output columns (Q) per cube of the wgrad kernel.
+const TILE_Q: usize = 64;
+/// Reduction slice staged in shared memory.
+const TILE_K: usize = 16;
+/// Units per cube along each axis (`UNITS × UNITS` units, each computing `4 × 4` outputs).
+const UNITS: u32 = 16;
+// The kernels spell these sizes as literals (shared slices of 1024, 4 loads per unit).
+const _: () =
+    assert!(TILE_M * TILE_K == 1024 && TILE_N * TILE_K == 2048 && TILE_Q == TILE_M && UNITS == 16);
+
+/// `offsets[g + 1] = Σ_{g' ≤ g} sizes[g']` and `tile_offsets[g + 1] = Σ ceil(sizes / 64usize)`.
+#[cube(launch)]
+fn group_offsets_kernel<I: Int>(
+    sizes: &Tensor<I>,
+    offsets: &mut Tensor<u32>,
+    tile_offsets: &mut Tensor<u32>,
+    #[comptime] tile_m: usize,
+    #[define(I)] _dtype: ElemType,
+) {
+    if ABSOLUTE_POS == 0 {
+        let mut rows = 0u32;
+        let mut tiles = 0u32;
+        offsets[0] = 0u32;
+        tile_offsets[0] = 0u32;
+        for g in 0..sizes.len() {
+            let s = u32::cast_from(sizes[g]);
+            rows += s;
+            tiles += (s + tile_m as u32 - 1) / tile_m as u32;
+            offsets[g + 1] = rows;
+            tile_offsets[g + 1] = tiles;
+        }
+    }
+}
+
+/// Grouped GEMM `out[seg_g] = x[seg_g] · W_g(ᵀ)` for `x [N, K]`; `w [G, M, K]` when
+/// `transpose_w`, else `[G, K, M]`; `out [N, M]`.
+#[cube(launch)]
+fn grouped_gemm_kernel<E: Float>(
+    x: &Tensor<E>,
+    w: &Tensor<E>,
+    offsets: &Tensor<u32>,
+    tile_offsets: &Tensor<u32>,
+    out: &mut Tensor<E>,
+    k_dim: u32,
+    m_dim: u32,
+    groups: u32,
+    #[comptime] transpose_w: bool,
+    #[define(E)] _dtype: ElemType,
+) {
+    let tile = CUBE_POS_Y as u32;
+    let total_tiles = tile_offsets[groups as usize];
+    if tile >= total_tiles {
+        terminate!();
+    }
+    // Group of this row tile: the last g with tile_offsets[g] <= tile.
+    let mut lo = 0u32;
+    let mut hi = groups;
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if tile_offsets[mid as usize] <= tile {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let g = lo as usize;
+    let row0 = (offsets[g] + (tile - tile_offsets[g]) * 64u32) as usize;
+    let row_end = offsets[g + 1] as usize;
+    let col0 = CUBE_POS_X as usize * 128usize;
+    let k = k_dim as usize;
+    let m = m_dim as usize;
+    let w_base = g * m * k;
+
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let tid = ty * 16usize + tx;
+    let threads = 256usize;
+
+    let mut a_s = Shared::<[f32]>::new_slice(1024usize);
+    let mut b_s = Shared::<[f32]>::new_slice(2048usize);
+    let mut acc = Array::<f32>::new(32usize);
+    #[unroll]
+    for i in 0..32 {
+        acc[i] = 0.0f32;
+    }
+
+    let mut k0 = 0usize;
+    while k0 < k {
+        // A tile: rows row0.., columns k0..; coalesced along k.
+        #[unroll]
+        for l in 0..4 {
+            let e = tid + l * threads;
+            let i = e / 16usize;
+            let kk = e % 16usize;
+            let r = row0 + i;
+            let kc = k0 + kk;
+            let mut v = 0.0f32;
+            if r < row_end && kc < k {
+                v = f32::cast_from(x[r * k + kc]);
+            }
+            a_s[kk * 64usize + i] = v;
+        }
+        // B tile: (kk, j) = W_g(ᵀ)[k0 + kk, col0 + j].
+        #[unroll]
+        for l in 0..8 {
+            let e = tid + l * threads;
+            let mut v = 0.0f32;
+            if comptime![transpose_w] {
+                let j = e / 16usize;
+                let kk = e % 16usize;
+                let c = col0 + j;
+                let kc = k0 + kk;
+                if c < m && kc < k {
+                    v = f32::cast_from(w[w_base + c * k + kc]);
+                }
+                b_s[kk * 128usize + j] = v;
+            } else {
+                let kk = e / 128usize;
+                let j = e % 128usize;
+                let c = col0 + j;
+                let kc = k0 + kk;
+                if c < m && kc < k {
+                    v = f32::cast_from(w[w_base + kc * m + c]);
+                }
+                b_s[kk * 128usize + j] = v;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for kk in 0..16usize {
+            let mut a_r = Array::<f32>::new(4usize);
+            let mut b_r = Array::<f32>::new(8usize);
+            #[unroll]
+            for i in 0..4 {
+                a_r[i] = a_s[kk * 64usize + ty + i * 16usize];
+            }
+            #[unroll]
+            for j in 0..8 {
+                b_r[j] = b_s[kk * 128usize + tx + j * 16usize];
+            }
+            #[unroll]
+            for i in 0..4 {
+                #[unroll]
+                for j in 0..8 {
+                    acc[i * 8 + j] += a_r[i] * b_r[j];
+                }
+            }
+        }
+        sync_cube();
+        k0 += 16usize;
+    }
+
+    #[unroll]
+    for i in 0..4 {
+        let r = row0 + ty + i * 16usize;
+        #[unroll]
+        for j in 0..8 {
+            let c = col0 + tx + j * 16usize;
+            if r < row_end && c < m {
+                out[r * m + c] = E::cast_from(acc[i * 8 + j]);
+            }
+        }
+    }
+}
+
+/// Grouped weight gradient `out[g] = lhs[seg_g]ᵀ · rhs[seg_g]` for `lhs [N, P]`, `rhs [N, Q]`,
+/// `out [G, P, Q]` (zero for empty groups).
+#[cube(launch)]
+fn grouped_wgrad_kernel<E: Float>(
+    lhs: &Tensor<E>,
+    rhs: &Tensor<E>,
+    offsets: &Tensor<u32>,
+    out: &mut Tensor<E>,
+    p_dim: u32,
+    q_dim: u32,
+    #[define(E)] _dtype: ElemType,
+) {
+    let g = CUBE_POS_Z as usize;
+    let p0 = CUBE_POS_Y as usize * 64usize;
+    let q0 = CUBE_POS_X as usize * 64usize;
+    let p = p_dim as usize;
+    let q = q_dim as usize;
+    let row_start = offsets[g] as usize;
+    let row_end = offsets[g + 1] as usize;
+
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let tid = ty * 16usize + tx;
+    let threads = 256usize;
+
+    let mut a_s = Shared::<[f32]>::new_slice(1024usize);
+    let mut b_s = Shared::<[f32]>::new_slice(1024usize);
+    let mut acc = Array::<f32>::new(16usize);
+    #[unroll]
+    for i in 0..16 {
+        acc[i] = 0.0f32;
+    }
+
+    let mut r0 = row_start;
+    while r0 < row_end {
+        #[unroll]
+        for l in 0..4 {
+            let e = tid + l * threads;
+            let kk = e / 64usize;
+            let i = e % 64usize;
+            let r = r0 + kk;
+            let mut va = 0.0f32;
+            if r < row_end && p0 + i < p {
+                va = f32::cast_from(lhs[r * p + p0 + i]);
+            }
+            a_s[kk * 64usize + i] = va;
+            let mut vb = 0.0f32;
+            if r < row_end && q0 + i < q {
+                vb = f32::cast_from(rhs[r * q + q0 + i]);
+            }
+            b_s[kk * 64usize + i] = vb;
+        }
+        sync_cube();
+        #[unroll]
+        for kk in 0..16usize {
+            let mut a_r = Array::<f32>::new(4usize);
+            let mut b_r = Array::<f32>::new(4usize);
+            #[unroll]
+            for i in 0..4 {
+                a_r[i] = a_s[kk * 64usize + ty + i * 16usize];
+                b_r[i] = b_s[kk * 64usize + tx + i * 16usize];
+            }
+            #[unroll]
+            for i in 0..4 {
+                #[unroll]
+                for j in 0..4 {
+                    acc[i * 4 + j] += a_r[i] * b_r[j];
+                }
+            }
+        }
+        sync_cube();
+        r0 += 16usize;
+    }
+
+    #[unroll]
+    for i in 0..4 {
+        let pi = p0 + ty + i * 16usize;
+        #[unroll]
+        for j in 0..4 {
+            let qj = q0 + tx + j * 16usize;
+            if pi < p && qj < q {
+                out[g * p * q + pi * q + qj] = E::cast_from(acc[i * 4 + j]);
+            }
+        }
+    }
+}
+
+/// Device row offsets `[G + 1]` and row-tile offsets `[G + 1]` of `group_sizes [G]`.
+fn group_offsets(sizes: &CubeTensor) -> (CubeTensor, CubeTensor) {
+    let g = sizes.meta.shape()[0];
+    let offsets = empty_like_dtype(sizes, [g + 1], burn::tensor::DType::U32);
+    let tiles = empty_like_dtype(sizes, [g + 1], burn::tensor::DType::U32);
+    group_offsets_kernel::launch(
+        &sizes.client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        sizes.clone().into_tensor_arg(),
+        offsets.clone().into_tensor_arg(),
+        tiles.clone().into_tensor_arg(),
+        TILE_M,
+        int_storage(sizes.dtype),
+    );
+    (offsets, tiles)
+}
+
+fn tiles(n: usize, tile: usize, op: &str) -> u32 {
+    launch::u32_arg(n.div_ceil(tile), op)
+}
+
+/// Grouped GEMM; see [`MoeOps::moe_grouped_matmul`](crate::ops::MoeOps::moe_grouped_matmul).
+pub(crate) fn grouped_matmul(
+    x: CubeTensor,
+    weights: CubeTensor,
+    sizes: CubeTensor,
+    transpose_weights: bool,
+) -> CubeTensor {
+    let op = "moe_grouped_matmul";
+    let x = launch::contiguous(x);
+    let w = launch::cast_float(launch::contiguous(weights), x.dtype);
+    let sizes = launch::contiguous(sizes);
+    let [n, k] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let ws = w.meta.shape().clone();
+    assert!(ws.num_dims() == 3, "{op}: weights must be 3-D, got {ws:?}");
+    let (g, m, in_dim) = if transpose_weights {
+        (ws[0], ws[1], ws[2])
+    } else {
+        (ws[0], ws[2], ws[1])
+    };
+    assert_eq!(
+        in_dim, k,
+        "{op}: x has {k} columns, weights expect {in_dim}"
+    );
+    assert_eq!(
+        sizes.meta.shape()[0],
+        g,
+        "{op}: {} group sizes for {g} groups",
+        sizes.meta.shape()[0]
+    );
+    let out = empty_like_dtype(&x, [n, m], x.dtype);
+    if n == 0 || m == 0 || g == 0 {
+        return out;
+    }
+    if k == 0 {
+        return burn_cubecl::ops::numeric::zeros_client(
+            x.client.clone(),
+            x.device.clone(),
+            burn::tensor::Shape::new([n, m]),
+            x.dtype,
+        );
+    }
+    let (offsets, tile_offsets) = group_offsets(&sizes);
+    let count = CubeCount::Static(tiles(m, TILE_N, op), tiles(n, TILE_M, op) + g as u32, 1);
+    let dtype = float_storage(x.dtype);
+    grouped_gemm_kernel::launch(
+        &x.client,
+        count,
+        CubeDim::new_2d(UNITS, UNITS),
+        x.clone().into_tensor_arg(),
+        w.into_tensor_arg(),
+        offsets.into_tensor_arg(),
+        tile_offsets.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        launch::u32_arg(k, op),
+        launch::u32_arg(m, op),
+        launch::u32_arg(g, op),
+        transpose_weights,
+        dtype,
+    );
+    out
+}
+
+/// Grouped weight gradient; see
+/// [`MoeOps::moe_grouped_matmul_wgrad`](crate::ops::MoeOps::moe_grouped_matmul_wgrad).
+pub(crate) fn grouped_matmul_wgrad(
+    lhs: CubeTensor,
+    rhs: CubeTensor,
+    sizes: CubeTensor,
+) -> CubeTensor {
+    let op = "moe_grouped_matmul_wgrad";
+    let lhs = launch::contiguous(lhs);
+    let rhs = launch::cast_float(launch::contiguous(rhs), lhs.dtype);
+    let sizes = launch::contiguous(sizes);
+    let [n, p] = [lhs.meta.shape()[0], lhs.meta.shape()[1]];
+    let [n2, q] = [rhs.meta.shape()[0], rhs.meta.shape()[1]];
+    assert_eq!(n, n2, "{op}: lhs has {n} rows, rhs {n2}");
+    let g = sizes.meta.shape()[0];
+    if g == 0 || p == 0 || q == 0 || n == 0 {
+        return burn_cubecl::ops::numeric::zeros_client(
+            lhs.client.clone(),
+            lhs.device.clone(),
+            burn::tensor::Shape::new([g, p, q]),
+            lhs.dtype,
+        );
+    }
+    let out = empty_like_dtype(&lhs, [g, p, q], lhs.dtype);
+    let (offsets, _) = group_offsets(&sizes);
+    let count = CubeCount::Static(
+        tiles(q, TILE_Q, op),
+        tiles(p, TILE_M, op),
+        launch::u32_arg(g, op),
+    );
+    let dtype = float_storage(lhs.dtype);
+    grouped_wgrad_kernel::launch(
+        &lhs.client,
+        count,
+        CubeDim::new_2d(UNITS, UNITS),
+        lhs.clone().into_tensor_arg(),
+        rhs.into_tensor_arg(),
+        offsets.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        launch::u32_arg(p, op),
+        launch::u32_arg(q, op),
+        dtype,
+    );
+    out
+}

@@ -1,0 +1,128 @@
+//! `MoeOps` for Burn's CubeCL backend (`burn_cubecl::CubeBackend`): one set of GPU kernels for
+//! every CubeCL runtime (Vulkan, CUDA, ROCm, Metal).
+//!
+//! | op | kernel |
+//! |---|---|
+//! | `moe_routing_index` | one unit per expert scans the routing map ([`routing`]) |
+//! | `moe_topk_indices` | one unit per token, k selection passes ([`routing`]) |
+//! | `moe_permute`, `moe_sort_chunks` | row gather ([`rows`]) |
+//! | `moe_unpermute(_weighted)` | device CSR inverse map + per-token f32 sum ([`rows`]) |
+//! | `moe_grouped_matmul(_wgrad)` | tiled grouped GEMM, group offsets on device ([`gemm`]) |
+//! | `moe_swiglu(_backward)` | elementwise + per-row reduction ([`swiglu`]) |
+//!
+//! Inputs may be any float dtype the runtime supports (f32 everywhere; f16/bf16 where the device
+//! has them); accumulation is f32. Index tensors may be any integer dtype; index outputs are
+//! `i32`. Results are deterministic: no float atomics, fixed summation orders. Burn's `fusion`
+//! feature must stay off (the selector names `CubeBackend`, not `Fusion<CubeBackend>`).
+
+mod gemm;
+mod launch;
+mod routing;
+mod rows;
+mod swiglu;
+
+use burn::backend::ops::IntTensorOps;
+use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
+use burn::tensor::TensorData;
+use burn_cubecl::CubeBackend;
+
+use super::MoeOps;
+use super::kernels::sort_chunks_row_index;
+
+impl MoeOps for CubeBackend {
+    fn moe_routing_index(
+        routing_map: BoolTensor<Self>,
+        capacity: Option<usize>,
+    ) -> (IntTensor<Self>, IntTensor<Self>, IntTensor<Self>) {
+        routing::routing_index(routing_map, capacity)
+    }
+
+    fn moe_topk_indices(scores: FloatTensor<Self>, k: usize) -> IntTensor<Self> {
+        routing::topk_indices(scores, k)
+    }
+
+    fn moe_permute(
+        tokens: FloatTensor<Self>,
+        sorted_indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rows::gather_rows(tokens, sorted_indices)
+    }
+
+    fn moe_unpermute(
+        rows: FloatTensor<Self>,
+        sorted_indices: IntTensor<Self>,
+        num_tokens: usize,
+    ) -> FloatTensor<Self> {
+        rows::unpermute(rows, sorted_indices, None, num_tokens)
+    }
+
+    fn moe_unpermute_weighted(
+        rows: FloatTensor<Self>,
+        sorted_indices: IntTensor<Self>,
+        probs: FloatTensor<Self>,
+        num_tokens: usize,
+    ) -> FloatTensor<Self> {
+        rows::unpermute(rows, sorted_indices, Some(probs), num_tokens)
+    }
+
+    fn moe_grouped_matmul(
+        x: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        group_sizes: IntTensor<Self>,
+        transpose_weights: bool,
+    ) -> FloatTensor<Self> {
+        gemm::grouped_matmul(x, weights, group_sizes, transpose_weights)
+    }
+
+    fn moe_grouped_matmul_wgrad(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        group_sizes: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gemm::grouped_matmul_wgrad(lhs, rhs, group_sizes)
+    }
+
+    fn moe_sort_chunks(
+        x: FloatTensor<Self>,
+        split_sizes: Vec<usize>,
+        sorted_idxs: Vec<usize>,
+    ) -> FloatTensor<Self> {
+        let op = "moe_sort_chunks";
+        let n = x.meta.shape()[0];
+        let sum: usize = split_sizes.iter().sum();
+        assert_eq!(sum, n, "{op}: split sizes sum to {sum} but x has {n} rows");
+        if let Err(e) = super::check_permutation(op, &sorted_idxs, split_sizes.len()) {
+            panic!("{e}");
+        }
+        // Chunk sizes are host values already: the row index is built here and uploaded.
+        let index: Vec<i32> = sort_chunks_row_index(&split_sizes, &sorted_idxs)
+            .into_iter()
+            .map(|v| {
+                i32::try_from(v).unwrap_or_else(|_| panic!("{op}: row {v} does not fit in i32"))
+            })
+            .collect();
+        let len = index.len();
+        let index = Self::int_from_data(TensorData::new(index, [len]), &x.device);
+        rows::gather_rows(x, index)
+    }
+
+    fn moe_swiglu(hidden: FloatTensor<Self>, probs: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::swiglu(hidden, probs)
+    }
+
+    fn moe_swiglu_backward(
+        hidden: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        swiglu::swiglu_backward(hidden, probs, grad)
+    }
+
+    fn moe_attach_loss(
+        x: FloatTensor<Self>,
+        _loss: FloatTensor<Self>,
+        _grad_scale: f64,
+    ) -> FloatTensor<Self> {
+        x
+    }
+}

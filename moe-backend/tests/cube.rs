@@ -1,0 +1,455 @@
+//! `MoeOps` on Burn's Cube backend (Vulkan) against the Flex implementation and the per-group
+//! references of `testing.rs`: every op forward, the differentiable ones backward through
+//! `Autodiff` on the Cube device.
+//!
+//! Run: `cargo test -p moe-backend --features vulkan --test cube` (any Vulkan device; CI uses
+//! Mesa's lavapipe). Tolerances: index outputs and row moves (permute, sort_chunks, drop-and-pad)
+//! exact; sums (unpermute, SwiGLU, d_probs) `1e-6` relative + `1e-6` absolute; grouped GEMMs
+//! (f32, K ≤ 130) `1e-5` relative + `1e-5` absolute, since the Cube kernel sums K in a
+//! different order than Flex's `gemm`.
+//!
+//! Losses are seeded with `backward()` on the full output (ones), not `.sum().backward()`:
+//! Burn 0.22.1's reduce kernels (`sum`, `sum_dim`) crash Mesa 25.0's lavapipe while compiling
+//! their pipeline, so the gradient of the routing weights through the weighted unpermute (which
+//! the Autodiff wrapper computes with `sum_dim`) is checked on Flex only.
+#![cfg(feature = "vulkan")]
+
+#[allow(dead_code)]
+#[path = "../src/testing.rs"]
+mod testing;
+
+use burn::tensor::{Bool, DType, Device, DeviceKind, Int, Tensor, TensorData};
+use moe_backend::ops::{
+    GroupSizes, PermuteMode, RowIdMap, WeightLayout, attach_loss, grouped_matmul,
+    grouped_matmul_wgrad, int_tensor_to_usize, permute, permute_with_indices, sort_chunks_by_idxs,
+    swiglu_with_probs, topk_indices, unpermute,
+};
+use testing::{SplitMix, assert_close, int_tensor, reference_grouped_matmul, tensor, values};
+
+fn cube() -> Device {
+    Device::vulkan(DeviceKind::DefaultDevice)
+}
+
+fn flex() -> Device {
+    Device::flex()
+}
+
+/// Random routing: every token picks `k` distinct experts among the first `used` experts.
+fn random_routing(rng: &mut SplitMix, t: usize, e: usize, k: usize, used: usize) -> Vec<bool> {
+    let mut map = vec![false; t * e];
+    for tok in 0..t {
+        for ex in rng.distinct(used, k) {
+            map[tok * e + ex] = true;
+        }
+    }
+    map
+}
+
+fn bool_tensor(map: &[bool], t: usize, e: usize, device: &Device) -> Tensor<2, Bool> {
+    Tensor::from_data(TensorData::new(map.to_vec(), [t, e]), device)
+}
+
+fn ints<const D: usize>(t: Tensor<D, Int>) -> Vec<usize> {
+    int_tensor_to_usize(t)
+}
+
+/// (T, H, E, k, experts used): T = 1, k = E, zero-token experts, odd sizes, H > one cube.
+const CASES: [(usize, usize, usize, usize, usize); 6] = [
+    (1, 3, 4, 2, 4),
+    (13, 5, 7, 3, 7),
+    (5, 4, 4, 4, 4),
+    (9, 6, 8, 2, 3),
+    (33, 17, 12, 5, 11),
+    (70, 300, 16, 4, 9),
+];
+
+/// Routing index, permuted rows and permuted probs of one device.
+fn permute_on(
+    device: &Device,
+    xv: &[f64],
+    pv: &[f64],
+    map: &[bool],
+    dims: (usize, usize, usize),
+    mode: PermuteMode,
+) -> (Vec<f64>, Vec<usize>, Vec<usize>, Vec<usize>, Vec<f64>) {
+    let (t, h, e) = dims;
+    let out = permute(
+        tensor(xv.to_vec(), [t, h], device, DType::F32),
+        bool_tensor(map, t, e, device),
+        Some(tensor(pv.to_vec(), [t, e], device, DType::F32)),
+        mode,
+    )
+    .expect("permute");
+    (
+        values(out.rows),
+        ints(out.row_id_map.sorted_indices),
+        ints(out.row_id_map.probs_index),
+        ints(out.row_id_map.tokens_per_expert),
+        values(out.probs.expect("probs")),
+    )
+}
+
+#[test]
+fn permute_equals_flex_dropless_and_drop_and_pad() {
+    let mut rng = SplitMix::new(11);
+    for (t, h, e, k, used) in CASES {
+        let map = random_routing(&mut rng, t, e, k, used);
+        let (xv, pv) = (rng.values(t * h), rng.values(t * e));
+        let mut modes = vec![PermuteMode::Dropless];
+        for cap in [1, t.div_ceil(2), t] {
+            modes.push(PermuteMode::DropAndPad { capacity: cap });
+        }
+        for mode in modes {
+            let got = permute_on(&cube(), &xv, &pv, &map, (t, h, e), mode);
+            let want = permute_on(&flex(), &xv, &pv, &map, (t, h, e), mode);
+            assert_eq!(got, want, "case {t},{h},{e},{k} {mode:?}");
+        }
+    }
+}
+
+#[test]
+fn spec_ep2_vector_and_drop_and_pad_order() {
+    // moe-ops §15: rank 0 tokens a -> {0,2}, b -> {1,3}.
+    let idx = int_tensor(vec![0, 2, 1, 3], [2, 2], &cube());
+    let x = tensor(vec![1.0, 2.0], [2, 1], &cube(), DType::F32);
+    let out = permute_with_indices(x, idx, None, 4, PermuteMode::Dropless).expect("permute");
+    assert_eq!(ints(out.row_id_map.sorted_indices), vec![0, 1, 0, 1]);
+    // Expert 0: tokens 1,2,4 routed (cap 2 drops 4); expert 1: token 3, pads 0; expert 2: none.
+    let (t, e) = (5, 3);
+    let mut map = vec![false; t * e];
+    for (tok, ex) in [(1, 0), (2, 0), (4, 0), (3, 1)] {
+        map[tok * e + ex] = true;
+    }
+    let x = tensor(
+        (0..t).map(|v| v as f64).collect(),
+        [t, 1],
+        &cube(),
+        DType::F32,
+    );
+    let mode = PermuteMode::DropAndPad { capacity: 2 };
+    let out = permute(x, bool_tensor(&map, t, e, &cube()), None, mode).expect("permute");
+    assert_eq!(
+        ints(out.row_id_map.sorted_indices.clone()),
+        vec![1, 2, 3, 0, 0, 1]
+    );
+    assert_eq!(out.row_id_map.tokens_per_expert_host(), vec![2; e]);
+    assert_eq!(values(out.rows), vec![1.0, 2.0, 3.0, 0.0, 0.0, 1.0]);
+}
+
+fn row_id_map(idx: &[usize], t: usize, device: &Device) -> RowIdMap {
+    let n = idx.len();
+    RowIdMap {
+        sorted_indices: int_tensor(idx.iter().map(|&v| v as i64).collect(), [n], device),
+        probs_index: int_tensor(vec![0; n], [n], device),
+        tokens_per_expert: int_tensor(vec![n as i64], [1], device),
+        num_tokens: t,
+        num_experts: 1,
+    }
+}
+
+#[test]
+fn unpermute_equals_flex_with_and_without_probs_and_is_deterministic() {
+    let mut rng = SplitMix::new(12);
+    for (t, h, e, k, used) in CASES {
+        let map = random_routing(&mut rng, t, e, k, used);
+        // Expert-major row order of this routing, from Flex.
+        let perm = permute(
+            tensor(vec![0.0; t], [t, 1], &flex(), DType::F32),
+            bool_tensor(&map, t, e, &flex()),
+            None,
+            PermuteMode::Dropless,
+        )
+        .expect("permute");
+        let idx = ints(perm.row_id_map.sorted_indices);
+        let n = idx.len();
+        let (rv, wv) = (rng.values(n * h), rng.values(n));
+        for weighted in [false, true] {
+            let run = |device: &Device| {
+                let probs = weighted.then(|| tensor(wv.clone(), [n], device, DType::F32));
+                let rows = tensor(rv.clone(), [n, h], device, DType::F32);
+                values(unpermute(rows, &row_id_map(&idx, t, device), probs).expect("unpermute"))
+            };
+            let got = run(&cube());
+            assert_close(&got, &run(&flex()), 1e-6, 1e-6, "unpermute vs flex");
+            assert_eq!(got, run(&cube()), "unpermute is not deterministic");
+        }
+    }
+    // Arbitrary (non expert-major) indices with repeats and a token that gets no row.
+    let idx = [2usize, 0, 2, 3, 1, 0, 2, 2, 0];
+    let (t, h, n) = (5, 3, idx.len());
+    let (rv, wv) = (rng.values(n * h), rng.values(n));
+    let run = |device: &Device| {
+        let rows = tensor(rv.clone(), [n, h], device, DType::F32);
+        let probs = tensor(wv.clone(), [n], device, DType::F32);
+        values(unpermute(rows, &row_id_map(&idx, t, device), Some(probs)).expect("unpermute"))
+    };
+    assert_close(
+        &run(&cube()),
+        &run(&flex()),
+        1e-6,
+        1e-6,
+        "unpermute arbitrary idx",
+    );
+}
+
+/// Forward and both gradients of `permute -> tanh -> weighted unpermute` on one device.
+fn permute_unpermute_grads(
+    device: &Device,
+    map: &[bool],
+    dims: (usize, usize, usize),
+    data: (&[f64], &[f64], &[f64]),
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (t, h, e) = dims;
+    let (xv, pv, rv) = data;
+    let ad = device.clone().autodiff();
+    let x = tensor(xv.to_vec(), [t, h], &ad, DType::F32).require_grad();
+    let p = tensor(pv.to_vec(), [t, e], &ad, DType::F32).require_grad();
+    let perm = permute(
+        x.clone(),
+        bool_tensor(map, t, e, &ad),
+        Some(p.clone()),
+        PermuteMode::Dropless,
+    )
+    .expect("permute");
+    // Weighted by probs: forward and d tokens; d probs would need Burn's `sum_dim`, whose
+    // reduce kernel crashes lavapipe (see module docs), so probs enter as constants here.
+    let probs = perm.probs.map(|p| Tensor::from_data(p.into_data(), &ad));
+    let y = unpermute(perm.rows.tanh(), &perm.row_id_map, probs).expect("unpermute");
+    let grads = (y.clone() * tensor(rv.to_vec(), [t, h], &ad, DType::F32)).backward();
+    let dp = p.grad(&grads).map(values).unwrap_or_default();
+    (values(y), values(x.grad(&grads).expect("dx")), dp)
+}
+
+#[test]
+fn permute_unpermute_backward_equals_flex() {
+    let mut rng = SplitMix::new(13);
+    for (t, h, e, k, used) in CASES {
+        let map = random_routing(&mut rng, t, e, k, used);
+        let (xv, pv, rv) = (rng.values(t * h), rng.values(t * e), rng.values(t * h));
+        let data = (&xv[..], &pv[..], &rv[..]);
+        let got = permute_unpermute_grads(&cube(), &map, (t, h, e), data);
+        let want = permute_unpermute_grads(&flex(), &map, (t, h, e), data);
+        // tanh differs by a few ulps between Vulkan and Rust's libm.
+        assert_close(&got.0, &want.0, 1e-5, 1e-6, "forward");
+        assert_close(&got.1, &want.1, 1e-5, 1e-6, "d tokens");
+        assert_close(&got.2, &want.2, 1e-5, 1e-6, "d probs");
+    }
+}
+
+/// Forward, dx and dw of a grouped GEMM on one device (Autodiff).
+fn gmm_on(
+    device: &Device,
+    sizes: &[usize],
+    (k, m): (usize, usize),
+    layout: WeightLayout,
+    data: (&[f64], &[f64], &[f64]),
+    device_sizes: bool,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let n: usize = sizes.iter().sum();
+    let g = sizes.len();
+    let wshape = match layout {
+        WeightLayout::OutIn => [g, m, k],
+        WeightLayout::InOut => [g, k, m],
+    };
+    let ad = device.clone().autodiff();
+    let x = tensor(data.0.to_vec(), [n, k], &ad, DType::F32).require_grad();
+    let w = tensor(data.1.to_vec(), wshape, &ad, DType::F32).require_grad();
+    let gs = if device_sizes {
+        let t = int_tensor(sizes.iter().map(|&s| s as i64).collect(), [g], &ad);
+        GroupSizes::Device(Box::new(t))
+    } else {
+        GroupSizes::Host(sizes.to_vec())
+    };
+    let y = grouped_matmul(x.clone(), w.clone(), &gs, layout).expect("gmm");
+    let grads = (y.clone() * tensor(data.2.to_vec(), [n, m], &ad, DType::F32)).backward();
+    (
+        values(y),
+        values(x.grad(&grads).expect("dx")),
+        values(w.grad(&grads).expect("dw")),
+    )
+}
+
+#[test]
+fn grouped_matmul_forward_and_backward_equal_flex_and_reference() {
+    let mut rng = SplitMix::new(14);
+    let shapes = [(9, 5), (70, 130), (16, 64), (1, 1)];
+    for sizes in [
+        vec![3, 0, 5, 1],
+        vec![0, 0, 7],
+        vec![1],
+        vec![70, 0, 129, 2, 0],
+        vec![0, 200, 0, 64, 65, 0],
+    ] {
+        let n: usize = sizes.iter().sum();
+        let g = sizes.len();
+        for (k, m) in shapes {
+            for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
+                let (xv, wv, rv) = (rng.values(n * k), rng.values(g * m * k), rng.values(n * m));
+                let data = (&xv[..], &wv[..], &rv[..]);
+                let what = format!("sizes {sizes:?} k {k} m {m} {layout:?}");
+                let got = gmm_on(&cube(), &sizes, (k, m), layout, data, true);
+                let want = gmm_on(&flex(), &sizes, (k, m), layout, data, false);
+                assert_close(&got.0, &want.0, 1e-5, 1e-5, &format!("forward {what}"));
+                assert_close(&got.1, &want.1, 1e-5, 1e-5, &format!("dgrad {what}"));
+                assert_close(&got.2, &want.2, 1e-5, 1e-5, &format!("wgrad {what}"));
+                // Empty groups get exactly zero weight gradient.
+                for (gi, &s) in sizes.iter().enumerate() {
+                    if s == 0 {
+                        let block = &got.2[gi * m * k..(gi + 1) * m * k];
+                        assert!(block.iter().all(|&v| v == 0.0), "{what}: group {gi}");
+                    }
+                }
+                // Per-group matmul reference run by Burn's own matmul on the Cube device.
+                let wshape = if layout == WeightLayout::OutIn {
+                    [g, m, k]
+                } else {
+                    [g, k, m]
+                };
+                let reference = reference_grouped_matmul(
+                    tensor(xv.clone(), [n, k], &cube(), DType::F32),
+                    tensor(wv.clone(), wshape, &cube(), DType::F32),
+                    &sizes,
+                    layout == WeightLayout::OutIn,
+                );
+                assert_close(&got.0, &values(reference), 1e-5, 1e-5, &what);
+            }
+        }
+    }
+}
+
+/// `wgrad(a, b)` and its gradients on one device.
+fn wgrad_on(
+    device: &Device,
+    sizes: &[usize],
+    (p, q): (usize, usize),
+    data: (&[f64], &[f64], &[f64]),
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let n: usize = sizes.iter().sum();
+    let g = sizes.len();
+    let ad = device.clone().autodiff();
+    let a = tensor(data.0.to_vec(), [n, p], &ad, DType::F32).require_grad();
+    let b = tensor(data.1.to_vec(), [n, q], &ad, DType::F32).require_grad();
+    let out = grouped_matmul_wgrad(a.clone(), b.clone(), &GroupSizes::Host(sizes.to_vec()))
+        .expect("wgrad");
+    let grads = (out.clone() * tensor(data.2.to_vec(), [g, p, q], &ad, DType::F32)).backward();
+    (
+        values(out),
+        values(a.grad(&grads).expect("da")),
+        values(b.grad(&grads).expect("db")),
+    )
+}
+
+#[test]
+fn wgrad_op_and_its_backward_equal_flex() {
+    let mut rng = SplitMix::new(15);
+    for (sizes, p, q) in [
+        (vec![3, 0, 2], 4, 3),
+        (vec![0, 100, 0, 17], 65, 70),
+        (vec![0, 0], 3, 2),
+    ] {
+        let n: usize = sizes.iter().sum();
+        let g = sizes.len();
+        let (av, bv, rv) = (rng.values(n * p), rng.values(n * q), rng.values(g * p * q));
+        let data = (&av[..], &bv[..], &rv[..]);
+        let got = wgrad_on(&cube(), &sizes, (p, q), data);
+        let want = wgrad_on(&flex(), &sizes, (p, q), data);
+        assert_close(&got.0, &want.0, 1e-5, 1e-5, "wgrad forward");
+        assert_close(&got.1, &want.1, 1e-5, 1e-5, "d lhs");
+        assert_close(&got.2, &want.2, 1e-5, 1e-5, "d rhs");
+    }
+}
+
+#[test]
+fn sort_chunks_reproduces_spec_vector_and_inverts_in_backward() {
+    let ad = cube().autodiff();
+    let x = tensor(vec![1.0, 2.0, 3.0, 4.0, 5.0], [5, 1], &ad, DType::F32).require_grad();
+    let y = sort_chunks_by_idxs(x.clone(), &[1, 1, 2, 1], &[0, 2, 1, 3]).expect("sort");
+    assert_eq!(values(y.clone()), vec![1.0, 3.0, 4.0, 2.0, 5.0]);
+    let upstream = tensor(vec![10.0, 20.0, 30.0, 40.0, 50.0], [5, 1], &ad, DType::F32);
+    let grads = (y * upstream).backward();
+    assert_eq!(
+        values(x.grad(&grads).expect("grad")),
+        vec![10.0, 40.0, 20.0, 30.0, 50.0]
+    );
+    // Empty chunk, wider rows.
+    let mut rng = SplitMix::new(16);
+    let xv = rng.values(3 * 7);
+    let run = |device: &Device| {
+        let x = tensor(xv.clone(), [3, 7], device, DType::F32);
+        values(sort_chunks_by_idxs(x, &[1, 1, 0, 1], &[3, 2, 1, 0]).expect("sort"))
+    };
+    assert_eq!(run(&cube()), run(&flex()));
+}
+
+#[test]
+fn topk_indices_equal_flex_with_ties() {
+    let s = tensor(
+        vec![0.5, 0.5, 0.5, 0.5, 1.0, 3.0, 1.0, 3.0],
+        [2, 4],
+        &cube(),
+        DType::F32,
+    );
+    assert_eq!(
+        int_tensor_to_usize(topk_indices(s, 3).expect("topk")),
+        vec![0, 1, 2, 1, 3, 0]
+    );
+    let mut rng = SplitMix::new(17);
+    let (t, e) = (37, 64);
+    // Quantised scores: many ties.
+    let sv: Vec<f64> = rng
+        .values(t * e)
+        .iter()
+        .map(|v| (v * 8.0).round())
+        .collect();
+    for k in [1, 6, 64] {
+        let run = |device: &Device| {
+            let s = tensor(sv.clone(), [t, e], device, DType::F32);
+            int_tensor_to_usize(topk_indices(s, k).expect("topk"))
+        };
+        assert_eq!(run(&cube()), run(&flex()), "k = {k}");
+    }
+}
+
+/// SwiGLU forward and gradients on one device.
+fn swiglu_on(
+    device: &Device,
+    (n, f): (usize, usize),
+    data: (&[f64], &[f64], &[f64]),
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let ad = device.clone().autodiff();
+    let h = tensor(data.0.to_vec(), [n, 2 * f], &ad, DType::F32).require_grad();
+    let p = tensor(data.1.to_vec(), [n], &ad, DType::F32).require_grad();
+    let z = swiglu_with_probs(h.clone(), p.clone()).expect("swiglu");
+    let grads = (z.clone() * tensor(data.2.to_vec(), [n, f], &ad, DType::F32)).backward();
+    (
+        values(z),
+        values(h.grad(&grads).expect("dh")),
+        values(p.grad(&grads).expect("dp")),
+    )
+}
+
+#[test]
+fn swiglu_forward_and_backward_equal_flex() {
+    let mut rng = SplitMix::new(18);
+    for (n, f) in [(5, 3), (1, 1), (33, 130)] {
+        let (hv, pv, rv) = (rng.values(n * 2 * f), rng.values(n), rng.values(n * f));
+        let data = (&hv[..], &pv[..], &rv[..]);
+        let got = swiglu_on(&cube(), (n, f), data);
+        let want = swiglu_on(&flex(), (n, f), data);
+        assert_close(&got.0, &want.0, 1e-5, 1e-6, "swiglu forward");
+        assert_close(&got.1, &want.1, 1e-5, 1e-6, "swiglu d hidden");
+        assert_close(&got.2, &want.2, 1e-5, 1e-5, "swiglu d probs");
+    }
+}
+
+#[test]
+fn attach_loss_is_identity_and_sends_constant_grad() {
+    let ad = cube().autodiff();
+    let x = tensor(vec![1.0, 2.0], [2], &ad, DType::F32).require_grad();
+    let l_in = tensor(vec![3.0], [1], &ad, DType::F32).require_grad();
+    let y = attach_loss(x.clone(), l_in.clone() * l_in.clone(), 0.5);
+    assert_eq!(values(y.clone()), vec![1.0, 2.0]);
+    let grads = (y * 4.0).backward();
+    assert_eq!(values(x.grad(&grads).expect("dx")), vec![4.0, 4.0]);
+    assert_eq!(values(l_in.grad(&grads).expect("dl")), vec![3.0]);
+}
