@@ -181,7 +181,11 @@ pub fn moe_layer_traffic(
     let (ep, etp) = (layout.ep, layout.etp);
     let n = ep * etp;
     let e = shape.experts;
-    if routing.len() != n || routing.iter().any(|r| r.len() != e) || me >= n || !e.is_multiple_of(ep) {
+    if routing.len() != n
+        || routing.iter().any(|r| r.len() != e)
+        || me >= n
+        || !e.is_multiple_of(ep)
+    {
         return Err(PlanError::Routing(format!(
             "need {n} members × {e} experts (experts divisible by ep = {ep}), member {me}"
         )));
