@@ -6,7 +6,8 @@
 //!     GFLOP/s over the dense GEMM rate, and (when `benches/.venv` holds PyTorch) the ratio over
 //!     transformers' `Qwen3MoeSparseMoeBlock` with `grouped_mm` run by `benches/torch_moe_block.py`.
 //!
-//! Run: `cargo bench -p moe-backend --bench moe_ops` (add `-- --quick` for smaller shapes).
+//! Run: `cargo bench -p moe-backend --bench moe_ops` (add `-- --quick` for smaller shapes,
+//! `-- --only=gemm|permute|layer` for one part; the dense baseline always runs).
 //! Env: `MOE_BENCH_ITERS` (default 3), `MOE_BENCH_TORCH_PYTHON` (python with torch; default
 //! `benches/.venv/bin/python` if present, `none` to skip).
 
@@ -37,19 +38,27 @@ fn sync(t: Tensor<2>) {
     let _ = t.slice([0..1, 0..1]).into_data();
 }
 
-fn grouped_vs_dense(label: &str, sizes: &[usize], k: usize, m: usize, iters: usize, dense_s: f64) {
+fn grouped_vs_dense(
+    label: &str,
+    sizes: &[usize],
+    (k, m): (usize, usize),
+    layout: WeightLayout,
+    iters: usize,
+    dense_s: f64,
+) {
     let device = Device::flex();
     let n: usize = sizes.iter().sum();
     let x = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.0), &device);
-    let w = Tensor::<3>::random(
-        [sizes.len(), m, k],
-        Distribution::Normal(0.0, 0.02),
-        &device,
-    );
+    let shape = match layout {
+        WeightLayout::OutIn => [sizes.len(), m, k],
+        WeightLayout::InOut => [sizes.len(), k, m],
+    };
+    let w = Tensor::<3>::random(shape, Distribution::Normal(0.0, 0.02), &device);
     let gs = GroupSizes::Host(sizes.to_vec());
     let t = median_secs(iters, || {
-        sync(grouped_matmul(x.clone(), w.clone(), &gs, WeightLayout::OutIn).expect("gmm"))
+        sync(grouped_matmul(x.clone(), w.clone(), &gs, layout).expect("gmm"))
     });
+    let label = format!("{label}_{layout:?}");
     let gflops = 2.0 * (n * k * m) as f64 / t / 1e9;
     println!(
         "grouped_gemm_{label}: {t:.4} s, {gflops:.1} GFLOP/s, ratio_vs_dense: {:.3}",
@@ -138,21 +147,33 @@ fn main() {
         "dense_gemm [{rows},{k_dim}]x[{k_dim},{m_dim}]: {dense_s:.4} s, {dense_gflops:.1} GFLOP/s"
     );
     drop((a, b));
+    let only = std::env::args().find_map(|a| a.strip_prefix("--only=").map(str::to_owned));
+    let run = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let balanced = vec![rows / experts; experts];
-    grouped_vs_dense("balanced", &balanced, k_dim, m_dim, iters, dense_s);
-    grouped_vs_dense(
-        "skewed_zipf",
-        &skewed_sizes(experts, rows),
-        k_dim,
-        m_dim,
-        iters,
-        dense_s,
-    );
     let mut hot = vec![0; experts];
     hot.iter_mut().take(8).for_each(|s| *s = rows / 8);
-    grouped_vs_dense("hot8_rest_empty", &hot, k_dim, m_dim, iters, dense_s);
+    for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
+        if !run("gemm") {
+            break;
+        }
+        let km = (k_dim, m_dim);
+        grouped_vs_dense("balanced", &balanced, km, layout, iters, dense_s);
+        let skewed = skewed_sizes(experts, rows);
+        grouped_vs_dense("skewed_zipf", &skewed, km, layout, iters, dense_s);
+        grouped_vs_dense("hot8_rest_empty", &hot, km, layout, iters, dense_s);
+    }
 
     // (b) permute + unpermute vs memcpy of the same bytes.
+    if run("permute") {
+        permute_vs_memcpy(quick, iters);
+    }
+    if run("layer") {
+        moe_layer(quick, iters, threads, dense_gflops);
+    }
+}
+
+fn permute_vs_memcpy(quick: bool, iters: usize) {
+    let device = Device::flex();
     let (t, h, e, topk) = if quick {
         (512, 512, 32, 8)
     } else {
@@ -187,8 +208,10 @@ fn main() {
         "permute [{t}x{h}, k={topk}, E={e}]: {perm_s:.4} s; unpermute: {unperm_s:.4} s; {ours_bw:.2} GB/s; memcpy {memcpy_bw:.2} GB/s; ratio: {:.3}",
         ours_bw / memcpy_bw
     );
+}
 
-    // (c) MoE layer forward + backward at the Qwen3-30B-A3B layer shape.
+/// (c) MoE layer forward + backward at the Qwen3-30B-A3B layer shape.
+fn moe_layer(quick: bool, iters: usize, threads: usize, dense_gflops: f64) {
     let (tokens, hidden, n_exp, k, width) = if quick {
         (512, 512, 32, 8, 256)
     } else {

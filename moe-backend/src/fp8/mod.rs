@@ -17,7 +17,7 @@ pub use formats::{
 };
 pub use ops::{Fp8Ops, fp8_grouped_matmul, fp8_linear};
 pub use primary_weights::{
-    BlockGrid, cast_master_shard, cast_shard_with_scales, compute_scale_from_amax,
-    partial_block_amax,
+    BlockGrid, accumulate_block_amax, cast_master_shard, cast_shard_with_scales,
+    compute_scale_from_amax, partial_block_amax,
 };
 pub use recipe::Fp8Recipe;

@@ -10,22 +10,44 @@ use super::formats::{E4M3_MAX, f32_to_e4m3};
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{BackendError, Result};
 
-/// The block grid of a `[rows, cols]` weight with `[b0, b1]` blocks (edge blocks partial).
+/// The block grid of a weight made of `matrices` stacked `[rows, cols]` matrices (canonical
+/// `[out, in]` orientation) with `[b0, b1]` blocks; edge blocks are partial. Scales are laid
+/// out `[matrices, ceil(rows/b0), ceil(cols/b1)]`, row-major.
+///
+/// Flat element indices count the parameter's *storage* order: matrix after matrix, each
+/// row-major `[rows, cols]`, or `[cols, rows]` when `transposed` (Burn's `Linear` stores
+/// `[in, out]`). A block of the transposed storage is the same set of elements as the
+/// canonical block, so the scales and bytes are those of the canonical matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockGrid {
-    /// Weight rows `h`.
+    /// Stacked matrices (experts; 1 for a plain weight).
+    pub matrices: usize,
+    /// Canonical rows `h` of one matrix (`out`).
     pub rows: usize,
-    /// Weight columns `w`.
+    /// Canonical columns `w` of one matrix (`in`).
     pub cols: usize,
     /// Block rows.
     pub b0: usize,
     /// Block columns.
     pub b1: usize,
+    /// Whether each matrix is stored `[cols, rows]`.
+    pub transposed: bool,
 }
 
 impl BlockGrid {
-    /// Grid for a weight and block size (blocks must be non-empty).
+    /// Grid for one row-major `[rows, cols]` weight (blocks must be non-empty).
     pub fn new(rows: usize, cols: usize, block: [usize; 2]) -> Result<Self> {
+        Self::stacked(1, rows, cols, block, false)
+    }
+
+    /// Grid for `matrices` stacked `[rows, cols]` weights, stored transposed or not.
+    pub fn stacked(
+        matrices: usize,
+        rows: usize,
+        cols: usize,
+        block: [usize; 2],
+        transposed: bool,
+    ) -> Result<Self> {
         if block[0] == 0 || block[1] == 0 {
             return Err(BackendError::Config {
                 field: "weight_block_size",
@@ -33,31 +55,52 @@ impl BlockGrid {
             });
         }
         Ok(Self {
+            matrices,
             rows,
             cols,
             b0: block[0],
             b1: block[1],
+            transposed,
         })
     }
 
-    /// `[ceil(h/b0), ceil(w/b1)]`.
+    /// `[ceil(h/b0), ceil(w/b1)]`, the grid of one matrix.
     pub fn shape(&self) -> [usize; 2] {
         [self.rows.div_ceil(self.b0), self.cols.div_ceil(self.b1)]
     }
 
-    /// Block index of flat element `i`.
-    fn block_of(&self, i: usize) -> usize {
-        let (r, c) = (i / self.cols, i % self.cols);
-        (r / self.b0) * self.shape()[1] + c / self.b1
+    /// Blocks of all matrices (`matrices · ceil(h/b0) · ceil(w/b1)`).
+    pub fn num_blocks(&self) -> usize {
+        let [gr, gc] = self.shape();
+        self.matrices * gr * gc
+    }
+
+    /// Elements of all matrices.
+    pub fn numel(&self) -> usize {
+        self.matrices * self.rows * self.cols
+    }
+
+    /// Block index of flat (storage-order) element `i`.
+    pub fn block_of(&self, i: usize) -> usize {
+        let per = self.rows * self.cols;
+        let (m, j) = (i / per, i % per);
+        let (r, c) = if self.transposed {
+            (j % self.rows, j / self.rows)
+        } else {
+            (j / self.cols, j % self.cols)
+        };
+        let [gr, gc] = self.shape();
+        m * gr * gc + (r / self.b0) * gc + c / self.b1
     }
 
     fn check_range(&self, start: usize, len: usize) -> Result<()> {
-        if start + len > self.rows * self.cols {
+        if start + len > self.numel() {
             return Err(BackendError::Index {
                 op: "fp8 primary weights",
                 detail: format!(
-                    "range {start}..{} exceeds the {}x{} weight",
+                    "range {start}..{} exceeds the {}x{}x{} weight",
                     start + len,
+                    self.matrices,
                     self.rows,
                     self.cols
                 ),
@@ -89,11 +132,28 @@ fn model_dtype(v: f32) -> f32 {
 }
 
 /// Per-block amax of the BF16-cast `values` (flat elements `start..start+len`); blocks the
-/// range does not touch are 0. Length `grid.shape()[0] · grid.shape()[1]`.
+/// range does not touch are 0. Length [`BlockGrid::num_blocks`].
 pub fn partial_block_amax(values: &[f32], start: usize, grid: &BlockGrid) -> Result<Vec<f32>> {
+    let mut amax = vec![0f32; grid.num_blocks()];
+    accumulate_block_amax(values, start, grid, &mut amax)?;
+    Ok(amax)
+}
+
+/// Folds the BF16-cast amaxes of `values` (flat elements from `start`) into `amax`
+/// ([`BlockGrid::num_blocks`] entries; NaN wins, as in the MAX all-reduce).
+pub fn accumulate_block_amax(
+    values: &[f32],
+    start: usize,
+    grid: &BlockGrid,
+    amax: &mut [f32],
+) -> Result<()> {
     grid.check_range(start, values.len())?;
-    let [gr, gc] = grid.shape();
-    let mut amax = vec![0f32; gr * gc];
+    if amax.len() != grid.num_blocks() {
+        return Err(BackendError::Shape {
+            op: "accumulate_block_amax",
+            detail: format!("{} amaxes for {} blocks", amax.len(), grid.num_blocks()),
+        });
+    }
     for (i, &v) in values.iter().enumerate() {
         let b = grid.block_of(start + i);
         let a = model_dtype(v).abs();
@@ -101,7 +161,7 @@ pub fn partial_block_amax(values: &[f32], start: usize, grid: &BlockGrid) -> Res
             amax[b] = a;
         }
     }
-    Ok(amax)
+    Ok(())
 }
 
 /// E4M3 bytes of the BF16-cast `values` (flat elements from `start`) with their blocks'
@@ -113,11 +173,10 @@ pub fn cast_shard_with_scales(
     scales: &[f32],
 ) -> Result<Vec<u8>> {
     grid.check_range(start, values.len())?;
-    let [gr, gc] = grid.shape();
-    if scales.len() != gr * gc {
+    if scales.len() != grid.num_blocks() {
         return Err(BackendError::Shape {
             op: "cast_shard_with_scales",
-            detail: format!("{} scales for a {gr}x{gc} block grid", scales.len()),
+            detail: format!("{} scales for {} blocks", scales.len(), grid.num_blocks()),
         });
     }
     Ok(values
@@ -185,6 +244,59 @@ mod tests {
             vec![4.0]
         );
         assert!(partial_block_amax(&[1.0; 3], 2, &grid).is_err());
+    }
+
+    /// A stacked, transposed-storage grid blocks the same elements as the canonical matrices:
+    /// casting the storage order gives the canonical bytes transposed, with the same scales.
+    #[test]
+    fn transposed_and_stacked_storage_block_like_the_canonical_matrices() {
+        let (m, h, w) = (2, 20, 36); // canonical [h, w] = [out, in] per matrix
+        let mut rng = SplitMix::new(4);
+        let canon: Vec<f32> = (0..m * h * w)
+            .map(|_| rng.uniform(-3.0, 3.0) as f32)
+            .collect();
+        let storage: Vec<f32> = (0..m)
+            .flat_map(|e| {
+                let c = &canon[e * h * w..(e + 1) * h * w];
+                (0..w).flat_map(move |i| (0..h).map(move |o| c[o * w + i]))
+            })
+            .collect();
+        let block = [16, 8];
+        let g_canon = BlockGrid::stacked(m, h, w, block, false).unwrap();
+        let g_store = BlockGrid::stacked(m, h, w, block, true).unwrap();
+        assert_eq!(g_canon.num_blocks(), 2 * 2 * 5);
+        let amax = partial_block_amax(&canon, 0, &g_canon).unwrap();
+        assert_eq!(partial_block_amax(&storage, 0, &g_store).unwrap(), amax);
+        let scales: Vec<f32> = amax
+            .iter()
+            .map(|&a| compute_scale_from_amax(a, 448.0, false, 0.0))
+            .collect();
+        let q_canon = cast_shard_with_scales(&canon, 0, &g_canon, &scales).unwrap();
+        let q_store = cast_shard_with_scales(&storage, 0, &g_store, &scales).unwrap();
+        for e in 0..m {
+            for o in 0..h {
+                for i in 0..w {
+                    assert_eq!(
+                        q_store[e * h * w + i * h + o],
+                        q_canon[e * h * w + o * w + i]
+                    );
+                }
+            }
+        }
+        // The canonical bytes of each matrix are quantize_blockwise of the BF16-cast matrix.
+        let bf: Vec<f32> = canon.iter().map(|&v| model_dtype(v)).collect();
+        for e in 0..m {
+            let q = crate::fp8::quantize_blockwise(
+                &bf[e * h * w..(e + 1) * h * w],
+                h,
+                w,
+                block,
+                crate::fp8::Fp8Format::E4M3,
+                false,
+            )
+            .unwrap();
+            assert_eq!(q.data, q_canon[e * h * w..(e + 1) * h * w]);
+        }
     }
 
     /// fp8.md §4 property: sharded cast == unsharded cast, bit for bit, for any boundaries

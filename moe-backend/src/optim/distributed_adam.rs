@@ -8,11 +8,16 @@
 //! global gradient norm counts every unique element once (TP-replicated shards on TP rank 0
 //! only) and is all-reduced over the world, so it is the same for every layout.
 
-use burn::module::Module;
+use std::collections::HashMap;
+
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData, bf16};
 
-use super::params::{ParamClass, ParamTable, default_classify};
+use super::fp8_primary::{
+    Fp8ParamLayout, Fp8PrimaryConfig, Fp8Slot, Fp8Weight, cast_and_gather, check_loaded, slots_for,
+};
+use super::params::{ParamClass, ParamInfo, ParamTable, default_classify};
 use crate::comm::{Comm, GroupComms, ReduceOp};
 use crate::error::{BackendError, Result};
 use crate::parallel::GroupFamily;
@@ -182,7 +187,17 @@ pub struct StepReport {
     pub clip_coeff: f64,
 }
 
-/// ZeRO-1 AdamW over the dense (`dp_cp`) and expert (`expt_dp`) groups.
+/// FP8 primary weights: the selected parameters of each class and their current FP8 copies.
+#[derive(Debug, Clone)]
+pub(super) struct Fp8Primary {
+    pub(super) config: Fp8PrimaryConfig,
+    pub(super) dense: Vec<Fp8Slot>,
+    pub(super) expert: Vec<Fp8Slot>,
+    pub(super) weights: HashMap<ParamId, Fp8Weight>,
+}
+
+/// ZeRO-1 AdamW over the dense (`dp_cp`) and expert (`expt_dp`) groups, optionally with FP8
+/// primary weights ([`DistributedAdamW::enable_fp8_primary_weights`]).
 #[derive(Debug, Clone)]
 pub struct DistributedAdamW {
     pub(super) config: DistributedAdamWConfig,
@@ -194,6 +209,7 @@ pub struct DistributedAdamW {
     /// `1/|dp_cp|`, the gradient pre-factor of both classes.
     scale: f32,
     pub(super) step: i32,
+    pub(super) fp8: Option<Fp8Primary>,
 }
 
 impl DistributedAdamW {
@@ -233,7 +249,109 @@ impl DistributedAdamW {
             table,
             scale,
             step: 0,
+            fp8: None,
         })
+    }
+
+    /// Switches the parameters `select` picks (with their matrix layout) to FP8 primary
+    /// weights (fp8.md §4, see [`super::fp8_primary`]): from now on every step casts their
+    /// master shards straight to blockwise E4M3 (partial amax, MAX all-reduce over the
+    /// class's group, partial cast) and all-gathers one byte per element. Casts the current
+    /// master weights right away and returns `module` holding the decoded FP8 values. A
+    /// collective: every rank of the world calls it with the same selection.
+    pub fn enable_fp8_primary_weights<M: Module>(
+        &mut self,
+        module: M,
+        config: Fp8PrimaryConfig,
+        select: &dyn Fn(&ParamInfo) -> Option<Fp8ParamLayout>,
+    ) -> Result<M> {
+        let dense = slots_for(&self.table.params, false, &config, select)?;
+        let expert = slots_for(&self.table.params, true, &config, select)?;
+        self.fp8 = Some(Fp8Primary {
+            config,
+            dense,
+            expert,
+            weights: HashMap::new(),
+        });
+        let (dense, expert) = self.gather_parameters()?;
+        self.table.write_values(module, &dense, &expert)
+    }
+
+    /// Re-casts the FP8 primary weights from the current master shards (a collective) and
+    /// returns `module` holding their decoded values, e.g. after the master weights were
+    /// restored from a checkpoint that stores the parameters in high precision. Errors when
+    /// FP8 primary weights are off.
+    pub fn recast_fp8_primary_weights<M: Module>(&mut self, module: M) -> Result<M> {
+        if self.fp8.is_none() {
+            return Err(BackendError::Config {
+                field: "fp8_primary_weights",
+                detail: "FP8 primary weights are not enabled".into(),
+            });
+        }
+        let (dense, expert) = self.gather_parameters()?;
+        self.table.write_values(module, &dense, &expert)
+    }
+
+    /// The FP8 primary-weight settings, when enabled.
+    pub fn fp8_config(&self) -> Option<&Fp8PrimaryConfig> {
+        self.fp8.as_ref().map(|f| &f.config)
+    }
+
+    /// The current FP8 copy of parameter `id` (bytes and scales the module's values decode
+    /// from), when it is an FP8 primary weight.
+    pub fn fp8_weight(&self, id: ParamId) -> Option<&Fp8Weight> {
+        self.fp8.as_ref().and_then(|f| f.weights.get(&id))
+    }
+
+    /// Replaces the FP8 copies, e.g. with the bytes and scales restored from a checkpoint
+    /// (the module's parameters must hold their decoded values). Errors when FP8 primary
+    /// weights are off, or a weight does not match its parameter's block grid.
+    pub fn set_fp8_weights(&mut self, weights: HashMap<ParamId, Fp8Weight>) -> Result<()> {
+        let fp8 = self.fp8.as_mut().ok_or_else(|| BackendError::Config {
+            field: "fp8_primary_weights",
+            detail: "FP8 primary weights are not enabled".into(),
+        })?;
+        for (id, w) in &weights {
+            let slot = fp8
+                .dense
+                .iter()
+                .chain(&fp8.expert)
+                .find(|s| s.id == *id)
+                .ok_or_else(|| BackendError::Config {
+                    field: "fp8_primary_weights",
+                    detail: format!("parameter {id} is not an FP8 primary weight"),
+                })?;
+            check_loaded(slot, w)?;
+        }
+        fp8.weights.extend(weights);
+        Ok(())
+    }
+
+    /// All-gathers the master shards into full `(dense, expert)` buffers: plain f32 for a
+    /// class without FP8 primary weights, else the FP8 cast-and-gather (which also refreshes
+    /// the FP8 copies).
+    pub(super) fn gather_parameters(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let Some(fp8) = self.fp8.as_mut() else {
+            return Ok((self.dense.all_gather()?, self.expert.all_gather()?));
+        };
+        let mut gather = |shard: &Shard, slots: &[Fp8Slot]| -> Result<Vec<f32>> {
+            if slots.is_empty() {
+                return shard.all_gather();
+            }
+            let (full, weights) = cast_and_gather(
+                &shard.comm,
+                &shard.master,
+                shard.size,
+                shard.len,
+                slots,
+                &fp8.config,
+            )?;
+            fp8.weights.extend(weights);
+            Ok(full)
+        };
+        let dense = gather(&self.dense, &fp8.dense)?;
+        let expert = gather(&self.expert, &fp8.expert)?;
+        Ok((dense, expert))
     }
 
     /// The parameter table (classes and flat offsets).
@@ -271,8 +389,7 @@ impl DistributedAdamW {
         self.dense.adamw(&dense_shard, lr, self.step, &self.config);
         self.expert
             .adamw(&expert_shard, lr, self.step, &self.config);
-        let dense = self.dense.all_gather()?;
-        let expert = self.expert.all_gather()?;
+        let (dense, expert) = self.gather_parameters()?;
         let module = self.table.write_values(module, &dense, &expert)?;
         Ok((
             module,

@@ -2,14 +2,17 @@
 //! as a ZeRO-1 distributed optimizer ([`DistributedAdamW`]) with global grad-norm clipping
 //! (parallelism.md §5–§6). [`StatePiece`]s map each rank's owned flat ranges to boxes of the
 //! global parameters, so the optimizer state can be checkpointed and resharded
-//! (checkpoints.md §6).
+//! (checkpoints.md §6). FP8 primary weights ([`fp8_primary`]) cast the master shards straight to
+//! blockwise E4M3 after each step (fp8.md §4).
 
 mod distributed_adam;
+pub mod fp8_primary;
 mod params;
 mod state;
 #[cfg(test)]
 mod tests;
 
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
+pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Weight};
 pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
 pub use state::{FlatBox, OptimState, ParamPlacement, StatePiece, flat_range_boxes, transpose_2d};

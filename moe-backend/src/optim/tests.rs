@@ -13,22 +13,22 @@ use crate::parallel::{GroupFamily, ParallelLayout, replicate};
 use crate::router::{RouteOptions, TopKRouterConfig};
 use crate::testing::{SplitMix, assert_close, tensor, values};
 
-const H: usize = 8;
-const E: usize = 4;
-const T: usize = 4;
-const STEPS: usize = 3;
-const LR: f64 = 0.05;
+pub(super) const H: usize = 8;
+pub(super) const E: usize = 4;
+pub(super) const T: usize = 4;
+pub(super) const STEPS: usize = 3;
+pub(super) const LR: f64 = 0.05;
 
-fn ad() -> Device {
+pub(super) fn ad() -> Device {
     Device::flex().autodiff()
 }
 
-fn batch(step: usize, rank: usize, tag: u64) -> Vec<f64> {
+pub(super) fn batch(step: usize, rank: usize, tag: u64) -> Vec<f64> {
     let mut rng = SplitMix::new(tag * 100_003 + (step * 64 + rank) as u64);
     (0..T * H).map(|_| rng.uniform(-1.0, 1.0)).collect()
 }
 
-fn reference_layer() -> MoeLayer {
+pub(super) fn reference_layer() -> MoeLayer {
     let router = TopKRouterConfig::new(H, E, 2).with_init_std(0.5);
     let layer = MoeLayerConfig::new(router, 8)
         .with_init_std(0.3)
@@ -38,7 +38,12 @@ fn reference_layer() -> MoeLayer {
     replicate(&layer)
 }
 
-fn loss(layer: &MoeLayer, x: Tensor<2>, w: Tensor<2>, d: &dyn TokenDispatcher) -> Tensor<1> {
+pub(super) fn loss(
+    layer: &MoeLayer,
+    x: Tensor<2>,
+    w: Tensor<2>,
+    d: &dyn TokenDispatcher,
+) -> Tensor<1> {
     let state = layer.router.init_state();
     let out = layer
         .forward_with(x, &state, &RouteOptions::default(), d)
@@ -47,7 +52,10 @@ fn loss(layer: &MoeLayer, x: Tensor<2>, w: Tensor<2>, d: &dyn TokenDispatcher) -
     (out * w).sum()
 }
 
-fn config(max_grad_norm: Option<f64>, moment_dtype: MomentDtype) -> DistributedAdamWConfig {
+pub(super) fn config(
+    max_grad_norm: Option<f64>,
+    moment_dtype: MomentDtype,
+) -> DistributedAdamWConfig {
     DistributedAdamWConfig {
         weight_decay: 0.1,
         max_grad_norm,
