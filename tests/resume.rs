@@ -39,6 +39,7 @@ fn trainer_config() -> TrainerConfig {
         },
         dispatcher: DispatcherKind::AllToAll,
         aux_loss_coeff: 0.0,
+        ..TrainerConfig::default()
     }
 }
 

@@ -23,7 +23,10 @@ use std::time::Instant;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use moe_backend::comm::{Comm, GroupComms};
-use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig};
+use moe_backend::fp8::Fp8Recipe;
+use moe_backend::optim::{
+    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig,
+};
 use moe_backend::parallel::ProcessGroups;
 
 use crate::ModelError;
@@ -117,6 +120,14 @@ pub struct TrainerConfig {
     /// Coefficient of HF's load-balancing loss over this rank's router logits (added to the
     /// loss that is back-propagated; 0 disables it).
     pub aux_loss_coeff: f64,
+    /// Run the routed experts' GEMMs in FP8 with this blockwise recipe (fp8.md §3); `None`
+    /// keeps them in the parameters' precision. Router, attention, norms, embeddings and head
+    /// stay in high precision (fp8.md §7).
+    pub fp8: Option<Fp8Recipe>,
+    /// With `fp8`: keep the expert weights as FP8 primary weights (fp8.md §4): the optimizer
+    /// casts its f32 master shards straight to blockwise E4M3 with the recipe's blocks and
+    /// all-gathers one byte per element.
+    pub fp8_primary_weights: bool,
 }
 
 impl Default for TrainerConfig {
@@ -129,6 +140,8 @@ impl Default for TrainerConfig {
             },
             dispatcher: DispatcherKind::AllToAll,
             aux_loss_coeff: 1e-3,
+            fp8: None,
+            fp8_primary_weights: false,
         }
     }
 }
@@ -160,7 +173,8 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Shards `full` for this rank (`groups`, all ranks in `world`) and sets up the optimizer.
+    /// Shards `full` for this rank (`groups`, all ranks in `world`) and sets up the optimizer
+    /// (with FP8 primary weights a collective: every rank calls it).
     pub fn new(
         full: &Qwen3MoeForCausalLM,
         groups: &GroupComms,
@@ -168,14 +182,33 @@ impl Trainer {
         config: TrainerConfig,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let model = ParallelQwen3Moe::shard(full, groups, config.dispatcher)?;
-        let optimizer = DistributedAdamW::with_classes(
+        let mut model = match config.fp8 {
+            Some(recipe) => {
+                let fp8 = full.clone().with_fp8_experts(Some(recipe))?;
+                ParallelQwen3Moe::shard(&fp8, groups, config.dispatcher)?
+            }
+            None => ParallelQwen3Moe::shard(full, groups, config.dispatcher)?,
+        };
+        let mut optimizer = DistributedAdamW::with_classes(
             &model.model,
             groups,
             world,
             config.optimizer.clone(),
             &param_class,
         )?;
+        if config.fp8_primary_weights {
+            let recipe = config.fp8.ok_or_else(|| {
+                ModelError::invalid(
+                    "fp8_primary_weights",
+                    "FP8 primary weights need an FP8 recipe (`fp8`)",
+                )
+            })?;
+            model.model = optimizer.enable_fp8_primary_weights(
+                model.model,
+                Fp8PrimaryConfig::from_recipe(&recipe),
+                &Fp8ParamLayout::experts,
+            )?;
+        }
         Ok(Self {
             top_k: full.config().num_experts_per_tok,
             model,

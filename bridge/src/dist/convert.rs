@@ -25,14 +25,15 @@ use moe_backend::parallel::ParallelLayout;
 use serde_json::Value;
 
 use super::files::TensorMeta;
-use super::index::TensorKind;
+use super::fp8::{scale_fqn, weight_of_scale};
+use super::index::{Fp8Record, TensorKind};
 use super::load::DistCheckpoint;
 use super::region::TensorBox;
 use super::save::{OfflineWriter, SaveMeta};
 use super::sharding::ShardingPlan;
 use crate::BridgeError;
 use crate::export::{ExportOptions, ExportSummary, default_generation_config, export_config};
-use crate::fp8::{OutDtype, scale_inv_name, should_dequantize};
+use crate::fp8::{OutDtype, scale_inv_name, scale_shape, should_dequantize};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, read_json};
 use crate::mapping::{ExpertLayout, Registry, canonical_tensors, for_config};
 use crate::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan, TensorView};
@@ -66,10 +67,32 @@ struct CanonSource {
     pieces: Vec<Piece>,
 }
 
-/// The dtype an HF tensor has after the FP8 load hook (BF16 for FP8 weights).
-fn hooked_dtype(ckpt: &HfCheckpoint, name: &str, stored: Dtype) -> Dtype {
+/// Options of [`convert_hf_to_dist_opts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvertOptions {
+    /// Step recorded in the checkpoint.
+    pub step: u64,
+    /// Keep blockwise FP8 weights as their FP8 bytes plus `<fqn>_scale_inv` tensors
+    /// ([`super::fp8`]; the default), or dequantise them to BF16 (`false`).
+    pub keep_fp8: bool,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        Self {
+            step: 0,
+            keep_fp8: true,
+        }
+    }
+}
+
+/// The dtype an HF tensor is stored with: scaled FP8 weights stay FP8 with `keep_fp8`, else the
+/// FP8 load hook dequantises them (and value-casts unscaled FP8 tensors) to BF16.
+fn hooked_dtype(ckpt: &HfCheckpoint, name: &str, stored: Dtype, keep_fp8: bool) -> Dtype {
     let scaled = should_dequantize(stored, ckpt.contains(&scale_inv_name(name)));
-    if scaled || matches!(stored, Dtype::F8E4M3 | Dtype::F8E5M2) {
+    if scaled && keep_fp8 {
+        stored
+    } else if scaled || matches!(stored, Dtype::F8E4M3 | Dtype::F8E5M2) {
         Dtype::BF16
     } else {
         stored
@@ -83,6 +106,7 @@ fn plan_source(
     canon: &str,
     num_experts: Option<usize>,
     layout: ExpertLayout,
+    keep_fp8: bool,
 ) -> Result<CanonSource, BridgeError> {
     let resolved = registry
         .canon_to_hf(canon, num_experts.unwrap_or(0), layout)
@@ -100,7 +124,7 @@ fn plan_source(
         return Err(mismatch(canon, "no HF tensors map to it".to_owned()));
     };
     let info = ckpt.info(&first.hf)?;
-    let dtype = hooked_dtype(ckpt, &first.hf, info.dtype);
+    let dtype = hooked_dtype(ckpt, &first.hf, info.dtype, keep_fp8);
     let piece_shape = info.shape.clone();
     if first.expert.is_none() {
         let mut shape = piece_shape.clone();
@@ -145,7 +169,7 @@ fn plan_source(
     let mut pieces = Vec::with_capacity(resolved.pieces.len());
     for p in &resolved.pieces {
         let info = ckpt.info(&p.hf)?;
-        let d = hooked_dtype(ckpt, &p.hf, info.dtype);
+        let d = hooked_dtype(ckpt, &p.hf, info.dtype, keep_fp8);
         if info.shape != piece_shape || d != dtype {
             return Err(mismatch(
                 &p.hf,
@@ -184,17 +208,100 @@ fn plan_source(
     Ok(CanonSource { meta, pieces })
 }
 
+/// The companion `<canon>_scale_inv` of a canonical tensor kept in FP8: one HF scale per HF
+/// piece, at the piece's leading offsets, checked against the block grid of the piece.
+fn plan_scale(
+    ckpt: &HfCheckpoint,
+    source: &CanonSource,
+    block: [usize; 2],
+) -> Result<Option<CanonSource>, BridgeError> {
+    let Some(first) = source.pieces.first() else {
+        return Ok(None);
+    };
+    if source.meta.dtype.size() != 1 || !ckpt.contains(&scale_inv_name(&first.hf)) {
+        return Ok(None);
+    }
+    let fail = |hf: &str, dtype: String, reason: String| BridgeError::Conversion {
+        path: ckpt.dir().to_path_buf(),
+        tensor: hf.to_owned(),
+        dtype,
+        reason,
+    };
+    let fqn = &source.meta.fqn;
+    let global = scale_shape(&source.meta.global_shape, block).ok_or_else(|| {
+        fail(
+            fqn,
+            String::new(),
+            "an FP8 weight needs rank ≥ 2".to_owned(),
+        )
+    })?;
+    let mut pieces = Vec::with_capacity(source.pieces.len());
+    let mut dtype = None;
+    for p in &source.pieces {
+        let name = scale_inv_name(&p.hf);
+        let weight = ckpt.info(&p.hf)?;
+        let info = ckpt.info(&name)?;
+        let expected = scale_shape(&weight.shape, block).unwrap_or_default();
+        if info.shape != expected {
+            return Err(fail(
+                &name,
+                info.dtype.to_string(),
+                format!(
+                    "shape {:?}, expected {expected:?} for {:?} in {block:?} blocks",
+                    info.shape, weight.shape
+                ),
+            ));
+        }
+        if *dtype.get_or_insert(info.dtype) != info.dtype {
+            return Err(fail(
+                &name,
+                info.dtype.to_string(),
+                "differs from the dtype of the other scales of the tensor".to_owned(),
+            ));
+        }
+        // The piece fills the weight box at `offsets`; its trailing dims are the whole HF
+        // matrix, so the scale piece sits at the same leading offsets.
+        let lead = p.region.offsets.len().saturating_sub(expected.len());
+        if p.region.shape[lead..] != weight.shape[..] {
+            return Err(fail(
+                &p.hf,
+                weight.dtype.to_string(),
+                "a fused FP8 tensor split into parts cannot be kept in FP8 (convert with \
+                 dequantisation)"
+                    .to_owned(),
+            ));
+        }
+        let mut offsets = p.region.offsets[..lead].to_vec();
+        offsets.extend(std::iter::repeat_n(0, expected.len()));
+        let mut shape = p.region.shape[..lead].to_vec();
+        shape.extend_from_slice(&expected);
+        pieces.push(Piece {
+            hf: name,
+            region: TensorBox::new(offsets, shape),
+        });
+    }
+    let meta = TensorMeta {
+        fqn: scale_fqn(fqn),
+        kind: TensorKind::Scale,
+        dtype: dtype.unwrap_or(Dtype::F32),
+        global_shape: global,
+        hf: source.meta.hf.iter().map(|h| scale_inv_name(h)).collect(),
+    };
+    Ok(Some(CanonSource { meta, pieces }))
+}
+
 /// Reads HF tensors with positioned reads (no mapping stays resident), keeping files open.
 struct PieceReader<'a> {
     ckpt: &'a HfCheckpoint,
     files: BTreeMap<PathBuf, File>,
+    keep_fp8: bool,
 }
 
 impl PieceReader<'_> {
     /// The bytes of HF tensor `name` after the FP8 hook.
     fn read(&mut self, name: &str) -> Result<Vec<u8>, BridgeError> {
         let info = self.ckpt.info(name)?;
-        if hooked_dtype(self.ckpt, name, info.dtype) != info.dtype {
+        if hooked_dtype(self.ckpt, name, info.dtype, self.keep_fp8) != info.dtype {
             return Ok(self.ckpt.read_dequantized(name, OutDtype::BF16)?.bytes);
         }
         let shard = self.ckpt.shard_for(name)?;
@@ -233,7 +340,8 @@ pub fn convert_hf_to_dist(
     convert_hf_to_dist_with(hf_dir, out_root, layout, 0, &mut |_| {})
 }
 
-/// [`convert_hf_to_dist`] with the step to record and a progress callback.
+/// [`convert_hf_to_dist`] with the step to record and a progress callback (FP8 weights kept
+/// in FP8).
 pub fn convert_hf_to_dist_with(
     hf_dir: &Path,
     out_root: &Path,
@@ -241,6 +349,22 @@ pub fn convert_hf_to_dist_with(
     step: u64,
     progress: &mut dyn FnMut(&ConvertProgress),
 ) -> Result<PathBuf, BridgeError> {
+    let opts = ConvertOptions {
+        step,
+        ..ConvertOptions::default()
+    };
+    convert_hf_to_dist_opts(hf_dir, out_root, layout, &opts, progress)
+}
+
+/// [`convert_hf_to_dist`] with [`ConvertOptions`] and a progress callback.
+pub fn convert_hf_to_dist_opts(
+    hf_dir: &Path,
+    out_root: &Path,
+    layout: &ParallelLayout,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(&ConvertProgress),
+) -> Result<PathBuf, BridgeError> {
+    let step = opts.step;
     let ckpt = HfCheckpoint::open(hf_dir)?;
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = ckpt.config_json()?;
@@ -249,18 +373,49 @@ pub fn convert_hf_to_dist_with(
         .detect_layout(ckpt.tensor_names(), ckpt.dir())?
         .unwrap_or(ExpertLayout::PerExpert);
     let canon = canonical_tensors(&registry, ckpt.tensor_names());
-    let sources = canon
+    let mut sources = canon
         .iter()
-        .map(|(name, experts)| plan_source(&ckpt, &registry, name, *experts, expert_layout))
+        .map(|(name, experts)| {
+            plan_source(
+                &ckpt,
+                &registry,
+                name,
+                *experts,
+                expert_layout,
+                opts.keep_fp8,
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
+    let block = ckpt.fp8_block_size()?;
+    let mut scales = Vec::new();
+    if opts.keep_fp8 {
+        for source in &sources {
+            scales.extend(plan_scale(&ckpt, source, block)?);
+        }
+    }
+    let kept_fp8 = !scales.is_empty();
+    sources.extend(scales);
     let num_layers = config
         .get("num_hidden_layers")
         .and_then(Value::as_u64)
         .and_then(|n| usize::try_from(n).ok());
     let plan = ShardingPlan::new(layout, num_layers)?;
-    let dequantized = ckpt.tensor_names().any(crate::fp8::is_scale_inv)
-        || config.get("quantization_config").is_some();
+    let dequantized = !kept_fp8
+        && (ckpt.tensor_names().any(crate::fp8::is_scale_inv)
+            || config.get("quantization_config").is_some());
     let mut meta = SaveMeta::new(step, layout);
+    if kept_fp8 {
+        let format = config
+            .get("quantization_config")
+            .and_then(|q| q.get("fmt"))
+            .and_then(Value::as_str)
+            .unwrap_or("e4m3");
+        meta.fp8 = Some(Fp8Record {
+            format: format.to_owned(),
+            weight_block_size: block,
+            pow2_scales: false,
+        });
+    }
     meta.model_family = config
         .get("model_type")
         .and_then(Value::as_str)
@@ -283,6 +438,7 @@ pub fn convert_hf_to_dist_with(
     let mut reader = PieceReader {
         ckpt: &ckpt,
         files: BTreeMap::new(),
+        keep_fp8: opts.keep_fp8,
     };
     let mut bytes_done = 0u64;
     for (i, source) in sources.iter().enumerate() {
@@ -382,6 +538,8 @@ struct ExportItem {
     region: TensorBox,
     shape: Vec<usize>,
     dtype: Dtype,
+    /// An FP8 weight exported as dequantised floats.
+    dequantize: bool,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -389,9 +547,11 @@ fn is_float(d: Dtype) -> bool {
 }
 
 /// Exports the model tensors of a distributed checkpoint as an HF checkpoint in `target`
-/// (per-expert names; `config.json` without `quantization_config`; `generation_config.json`
-/// copied or defaulted; optimizer state is not exported). `opts.dtype` casts float tensors
-/// (rule overrides such as the F32 router bias win); `None` keeps the stored dtypes.
+/// (per-expert names; `generation_config.json` copied or defaulted; optimizer state is not
+/// exported). `opts.dtype` casts float tensors (rule overrides such as the F32 router bias win)
+/// and dequantises FP8 weights, dropping their scales and `quantization_config`; `None` keeps
+/// the stored dtypes, so FP8 weights leave as their stored bytes with `<name>_scale_inv` and the
+/// config keeps `quantization_config` (the release format, bit for bit).
 pub fn export_dist_to_hf(
     ckpt: &DistCheckpoint,
     target: &Path,
@@ -401,22 +561,37 @@ pub fn export_dist_to_hf(
     let config = read_json(&config_path)?;
     let registry = for_config(&config, &config_path)?;
     let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    let index = ckpt.index();
+    let dequantize_fp8 = opts.dtype.is_some();
     let mut items: BTreeMap<String, ExportItem> = BTreeMap::new();
     let mut dropped = Vec::new();
-    for (fqn, entry) in &ckpt.index().tensors {
-        if entry.kind == TensorKind::Optim || (tied && fqn == "lm_head.weight") {
+    let mut kept_fp8 = false;
+    for (fqn, entry) in &index.tensors {
+        let scale = entry.kind == TensorKind::Scale;
+        if entry.kind == TensorKind::Optim
+            || (tied && fqn == "lm_head.weight")
+            || (scale && dequantize_fp8)
+        {
             dropped.push(fqn.clone());
             continue;
         }
+        let canon = if scale {
+            weight_of_scale(fqn).unwrap_or(fqn)
+        } else {
+            fqn.as_str()
+        };
+        let fp8 = !scale && super::fp8::is_fp8_weight(index, fqn, entry);
+        kept_fp8 |= fp8 && !dequantize_fp8;
         let experts = entry.global_shape.first().copied().unwrap_or(0);
         let resolved = registry
-            .canon_to_hf(fqn, experts, ExpertLayout::PerExpert)
+            .canon_to_hf(canon, experts, ExpertLayout::PerExpert)
             .ok_or_else(|| BridgeError::TensorNotFound {
                 path: config_path.clone(),
                 tensor: format!("{fqn} (no HF name in the `{}` table)", registry.name()),
             })?;
         let dtype = match resolved.export_dtype.or(opts.dtype) {
-            Some(d) if is_float(entry.dtype) => d,
+            _ if scale => entry.dtype,
+            Some(d) if fp8 || is_float(entry.dtype) => d,
             _ => entry.dtype,
         };
         let multi = resolved.pieces.iter().any(|p| p.part.is_some());
@@ -445,8 +620,10 @@ pub fn export_dist_to_hf(
                 region,
                 shape,
                 dtype,
+                dequantize: fp8 && dequantize_fp8,
             };
-            items.insert(p.hf, item);
+            let name = if scale { scale_inv_name(&p.hf) } else { p.hf };
+            items.insert(name, item);
         }
     }
     let sizes: BTreeMap<String, u64> = items
@@ -468,7 +645,15 @@ pub fn export_dist_to_hf(
             let Some(item) = items.get(key) else {
                 continue;
             };
-            let mut t = ckpt.read_box(&item.fqn, &item.region)?;
+            let mut t = if item.dequantize {
+                let out = match item.dtype {
+                    Dtype::BF16 => OutDtype::BF16,
+                    _ => OutDtype::F32,
+                };
+                ckpt.read_box_dequantized(&item.fqn, &item.region, out)?
+            } else {
+                ckpt.read_box(&item.fqn, &item.region)?
+            };
             t.name = key.clone();
             t.shape = item.shape.clone();
             tensors.push(if is_float(t.dtype) {
@@ -480,8 +665,24 @@ pub fn export_dist_to_hf(
         let views: Vec<TensorView<'_>> = tensors.iter().map(OwnedTensor::view).collect();
         writer.write_shard(i, &views)?;
     }
-    let quantized = config.get("quantization_config").is_some();
-    writer.write_json(CONFIG_FILE, &export_config(&config, opts.dtype, quantized))?;
+    let mut out_config = export_config(&config, opts.dtype, !kept_fp8);
+    if kept_fp8 && let (Some(record), Value::Object(map)) = (&index.fp8, &mut out_config) {
+        // The block size of the stored scales (a training save may use other blocks than the
+        // source release); the other fields follow the DeepSeek-V3 release.
+        let q = map
+            .entry("quantization_config")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Value::Object(q) = q {
+            q.entry("activation_scheme").or_insert("dynamic".into());
+            q.entry("fmt").or_insert(record.format.clone().into());
+            q.entry("quant_method").or_insert("fp8".into());
+            q.insert(
+                "weight_block_size".to_owned(),
+                serde_json::json!(record.weight_block_size),
+            );
+        }
+    }
+    writer.write_json(CONFIG_FILE, &out_config)?;
     let generation_path = ckpt.dir().join(GENERATION_CONFIG_FILE);
     let generation = if generation_path.is_file() {
         read_json(&generation_path)?

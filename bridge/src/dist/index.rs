@@ -54,6 +54,9 @@ pub enum TensorKind {
     Buffer,
     /// Optimizer state (`optim.{master|exp_avg|exp_avg_sq}.<param fqn>`).
     Optim,
+    /// Blockwise dequantisation multipliers `<weight fqn>_scale_inv` of an FP8 weight
+    /// (see [`super::fp8`]).
+    Scale,
 }
 
 /// One stored hyper-rectangle of a tensor.

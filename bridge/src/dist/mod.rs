@@ -12,6 +12,8 @@
 //!   ([`load::DistCheckpoint`]); resharding is loading another layout's boxes.
 //! - [`validate`]: §8 coverage and file-header checks.
 //! - [`convert`]: streaming HF → distributed conversion and distributed → HF export.
+//! - [`fp8`]: FP8 weights kept as bytes plus `<fqn>_scale_inv` block scales, and their
+//!   dequantisation on read.
 //! - [`placement`]: where each parameter of a rank's model shard lies in the canonical tensors.
 //! - [`train_state`]: training checkpoints — parameters, ZeRO-1 optimizer state
 //!   (`optim.<state>.<fqn>`) and [`TrainState`] — saved by every rank and restored under any
@@ -23,6 +25,7 @@
 pub mod commit;
 pub mod convert;
 mod files;
+pub mod fp8;
 pub mod index;
 pub mod load;
 pub mod placement;

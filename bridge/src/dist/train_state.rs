@@ -31,13 +31,15 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::files::TensorMeta;
-use super::index::{OptimizerRecord, TensorKind};
+use super::fp8::{every_box_aligned, fp8_chunks, read_fp8_weight, scale_fqn};
+use super::index::{Fp8Record, OptimizerRecord, TensorKind};
 use super::load::DistCheckpoint;
 use super::placement::{PlacedTensor, by_id, qwen3_moe_placements};
 use super::region::TensorBox;
 use super::save::{LocalChunk, SaveMeta, save_spmd};
 use super::sharding::ShardingPlan;
 use crate::BridgeError;
+use crate::fp8::{OutDtype, scale_shape};
 use crate::safetensors::{Dtype, OwnedTensor};
 
 /// Key of [`TrainState`] in the index's `objects`.
@@ -186,8 +188,39 @@ pub fn save_training_state(
     let plan = ShardingPlan::new(&meta.layout, Some(model.config().num_hidden_layers))?;
     let placed = qwen3_moe_placements(model, &plan, rank, true)?;
     let mut owned = Vec::new();
+    // FP8 primary weights are saved as their FP8 bytes with `<fqn>_scale_inv` (the checkpoint
+    // keeps exactly the weights the model computes with); the f32 master is in `optim.master`.
+    let fp8_config = optimizer.and_then(|o| o.fp8_config().copied());
     for p in placed.iter().filter(|p| p.main_replica) {
         let pl = &p.placement;
+        if let Some(w) = optimizer.and_then(|o| o.fp8_weight(p.id)) {
+            let (bytes, sbox, scales) = fp8_chunks(pl, w)?;
+            let block = [w.grid.b0, w.grid.b1];
+            let scale_name = scale_fqn(&pl.fqn);
+            owned.push(OwnedChunk {
+                meta: TensorMeta {
+                    fqn: pl.fqn.clone(),
+                    kind: p.kind,
+                    dtype: Dtype::F8E4M3,
+                    global_shape: pl.global_shape.clone(),
+                    hf: Vec::new(),
+                },
+                offsets: pl.offsets.clone(),
+                tensor: OwnedTensor::new(pl.fqn.clone(), Dtype::F8E4M3, pl.shape.clone(), bytes)?,
+            });
+            owned.push(OwnedChunk {
+                meta: TensorMeta {
+                    fqn: scale_name.clone(),
+                    kind: TensorKind::Scale,
+                    dtype: Dtype::F32,
+                    global_shape: scale_shape(&pl.global_shape, block).unwrap_or_default(),
+                    hf: Vec::new(),
+                },
+                offsets: sbox.offsets,
+                tensor: OwnedTensor::from_f32(scale_name, sbox.shape, &scales)?,
+            });
+            continue;
+        }
         let values = p.values.as_deref().unwrap_or_default();
         owned.push(OwnedChunk {
             meta: TensorMeta {
@@ -203,6 +236,13 @@ pub fn save_training_state(
     }
     meta.step = state.step;
     meta.optimizer = None;
+    if let Some(c) = fp8_config {
+        meta.fp8 = Some(Fp8Record {
+            format: "e4m3".to_owned(),
+            weight_block_size: c.block,
+            pow2_scales: c.pow2_scales,
+        });
+    }
     if let Some(optimizer) = optimizer {
         let ids = by_id(&placed);
         let pieces = optimizer
@@ -251,7 +291,8 @@ impl ModuleMapper for SetValues {
 
 /// `model` (rank `rank`'s Qwen3-MoE shard under `plan`'s layout) with every parameter and
 /// buffer read from `ckpt`: each rank reads only its own boxes (cast to f32 when stored in
-/// BF16). Errors name the missing or mismatching tensor.
+/// BF16, dequantised exactly to f32 when stored in FP8 with scales). Errors name the missing
+/// or mismatching tensor.
 pub fn load_model_state(
     ckpt: &DistCheckpoint,
     model: Qwen3MoeForCausalLM,
@@ -263,8 +304,21 @@ pub fn load_model_state(
     for p in &placed {
         let pl = &p.placement;
         let request = TensorBox::new(pl.offsets.clone(), pl.shape.clone());
-        let t =
-            ckpt.read_box_checked(&pl.fqn, &pl.global_shape, Some(Dtype::F32), &request, true)?;
+        let t = if ckpt.is_fp8(&pl.fqn) {
+            let entry = ckpt.entry(&pl.fqn)?;
+            if entry.global_shape != pl.global_shape {
+                return Err(BridgeError::ShapeMismatch {
+                    path: ckpt.dir().to_path_buf(),
+                    tensor: pl.fqn.clone(),
+                    expected: pl.global_shape.clone(),
+                    actual: entry.global_shape.clone(),
+                });
+            }
+            // Exact f32 values of the FP8 weights (what FP8 primary weights hold).
+            ckpt.read_box_dequantized(&pl.fqn, &request, OutDtype::F32)?
+        } else {
+            ckpt.read_box_checked(&pl.fqn, &pl.global_shape, Some(Dtype::F32), &request, true)?
+        };
         let v = t.to_f32_vec()?;
         let v = match pl.shape.as_slice() {
             [rows, cols] if pl.transposed => transpose_2d(&v, *rows, *cols),
@@ -366,10 +420,58 @@ pub fn save_trainer(
     )
 }
 
+/// The FP8 copies of an optimizer with FP8 primary weights after a restore: the stored FP8
+/// bytes and scales when the checkpoint holds every FP8 parameter in FP8 with the optimizer's
+/// blocks on block-aligned boxes of every rank, else a fresh cast of the restored master
+/// weights (a collective; the choice depends only on the checkpoint and the layout, so every
+/// rank makes the same one). Returns `model` with the decoded values.
+fn restore_fp8_weights(
+    ckpt: &DistCheckpoint,
+    optimizer: &mut DistributedAdamW,
+    model: Qwen3MoeForCausalLM,
+    plan: &ShardingPlan,
+    rank: usize,
+) -> Result<Qwen3MoeForCausalLM, BridgeError> {
+    let dir = ckpt.dir().to_path_buf();
+    let placed = qwen3_moe_placements(&model, plan, rank, false)?;
+    let mut loaded = HashMap::new();
+    let mut adopt = true;
+    for p in &placed {
+        let Some(grid) = optimizer.fp8_weight(p.id).map(|w| w.grid) else {
+            continue;
+        };
+        let pl = &p.placement;
+        if !every_box_aligned(plan, &pl.fqn, &pl.global_shape, &grid)? {
+            adopt = false;
+            break;
+        }
+        match read_fp8_weight(ckpt, pl, grid)? {
+            Some(w) => {
+                loaded.insert(p.id, w);
+            }
+            None => {
+                adopt = false;
+                break;
+            }
+        }
+    }
+    if adopt {
+        optimizer
+            .set_fp8_weights(loaded)
+            .map_err(backend_error(&dir, "fp8"))?;
+        Ok(model)
+    } else {
+        optimizer
+            .recast_fp8_primary_weights(model)
+            .map_err(backend_error(&dir, "fp8"))
+    }
+}
+
 /// Restores a [`Trainer`] (built for any layout) from `ckpt`: this rank's parameters, its
-/// optimizer shards (or master weights from the parameters for a model-only checkpoint) and
-/// the step count. Returns the stored [`TrainState`], or one at the index's step when the
-/// checkpoint has none.
+/// optimizer shards (or master weights from the parameters for a model-only checkpoint), the
+/// step count and, with FP8 primary weights, their FP8 copies (the stored FP8
+/// bytes when they fit the optimizer's blocks, else a cast of the restored master weights).
+/// Returns the stored [`TrainState`], or one at the index's step when the checkpoint has none.
 pub fn restore_trainer(
     ckpt: &DistCheckpoint,
     trainer: &mut Trainer,
@@ -380,6 +482,10 @@ pub fn restore_trainer(
     let plan = ShardingPlan::new(&groups.layout, Some(num_layers))?;
     shard.model = load_model_state(ckpt, shard.model.clone(), &plan, groups.rank)?;
     load_optimizer_state(ckpt, optimizer, &shard.model, &plan, groups.rank)?;
+    if optimizer.fp8_config().is_some() {
+        shard.model =
+            restore_fp8_weights(ckpt, optimizer, shard.model.clone(), &plan, groups.rank)?;
+    }
     Ok(read_train_state(ckpt)?.unwrap_or(TrainState {
         step: ckpt.index().step,
         ..TrainState::default()

@@ -1,7 +1,8 @@
 //! Validation of a distributed checkpoint (checkpoints.md §8): per fqn every chunk has the
 //! index dtype and lies inside the global shape, chunk volumes add up to the global volume and
 //! no two chunks intersect (so every element is covered exactly once); every chunk file's
-//! header shape, dtype and DCP `saved_offsets` equal the index entry.
+//! header shape, dtype and DCP `saved_offsets` equal the index entry. FP8 scale tensors must
+//! have the block-grid shape of their weight ([`super::fp8::validate_fp8`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -82,6 +83,7 @@ pub fn validate_entry(dir: &Path, fqn: &str, entry: &TensorEntry) -> Result<(), 
 
 /// §8 checks of every entry of `index` (no file is opened).
 pub fn validate_index(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
+    super::fp8::validate_fp8(dir, index)?;
     for (fqn, entry) in &index.tensors {
         validate_entry(dir, fqn, entry)?;
         let mut seen = BTreeMap::new();

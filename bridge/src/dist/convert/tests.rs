@@ -79,13 +79,105 @@ fn deepseek_v3_round_trips_bit_exactly() {
     round_trip("deepseek_v3_sharded", "deepseek_v3_sharded", "world=2,pp=2");
 }
 
+/// HF FP8 → distributed (FP8 kept) → resharded → HF FP8: every byte of every tensor, scales
+/// included, and the `quantization_config` come back unchanged.
+#[test]
+fn fp8_source_round_trips_bit_exactly_in_fp8() {
+    let dir = TempDir::new("dist-convert-fp8");
+    let layout = ParallelLayout::parse_spec("world=4,tp=2,ep=2").unwrap();
+    convert_hf_to_dist(&fixture("deepseek_v3_fp8"), &dir.join("ckpt"), &layout).unwrap();
+    let ckpt = DistCheckpoint::open(dir.join("ckpt")).unwrap();
+    ckpt.validate().unwrap();
+    let index = ckpt.index();
+    assert_eq!(
+        index.fp8.as_ref().map(|r| r.weight_block_size),
+        Some([16, 16])
+    );
+    let experts = "model.layers.1.mlp.experts.gate_up_proj";
+    assert_eq!(ckpt.entry(experts).unwrap().dtype, Dtype::F8E4M3);
+    let scale = ckpt.entry(&format!("{experts}_scale_inv")).unwrap();
+    assert_eq!(scale.kind, TensorKind::Scale);
+    assert_eq!(scale.global_shape, vec![8, 2, 2, 4]);
+    assert_eq!(
+        ckpt.entry("model.layers.0.self_attn.o_proj.weight_scale_inv")
+            .unwrap()
+            .global_shape,
+        vec![4, 4]
+    );
+    let other = ParallelLayout::parse_spec("world=8,tp=2,ep=4,etp=2").unwrap();
+    let resharded = reshard(&ckpt, &dir.join("resharded"), &other).unwrap();
+    let again = DistCheckpoint::open(&resharded).unwrap();
+    again.validate().unwrap();
+    let out = dir.join("hf");
+    export_dist_to_hf(&again, &out, &ExportOptions::default()).unwrap();
+    assert_same_tensors(&fixture("deepseek_v3_fp8"), &out);
+    let source = read_json(&fixture("deepseek_v3_fp8").join(CONFIG_FILE)).unwrap();
+    let config = read_json(&out.join(CONFIG_FILE)).unwrap();
+    assert_eq!(
+        config.get("quantization_config"),
+        source.get("quantization_config")
+    );
+}
+
+/// FP8 weights kept in the checkpoint dequantise like the release on export (BF16) and on any
+/// box read (global block coordinates); converting with dequantisation stores the same BF16.
 #[test]
 fn fp8_source_exports_the_reference_dequantisation() {
-    round_trip(
-        "deepseek_v3_fp8",
-        "deepseek_v3_fp8_dequant",
-        "world=4,tp=2,ep=2",
+    let dir = TempDir::new("dist-convert-fp8-dequant");
+    let layout = ParallelLayout::parse_spec("world=4,tp=2,ep=2").unwrap();
+    convert_hf_to_dist(&fixture("deepseek_v3_fp8"), &dir.join("fp8"), &layout).unwrap();
+    let ckpt = DistCheckpoint::open(dir.join("fp8")).unwrap();
+    let opts = ExportOptions {
+        dtype: Some(Dtype::BF16),
+        ..ExportOptions::default()
+    };
+    let summary = export_dist_to_hf(&ckpt, &dir.join("hf"), &opts).unwrap();
+    assert!(summary.dropped.iter().any(|d| d.ends_with("_scale_inv")));
+    assert_same_tensors(&fixture("deepseek_v3_fp8_dequant"), &dir.join("hf"));
+    let config = read_json(&dir.join("hf").join(CONFIG_FILE)).unwrap();
+    assert!(config.get("quantization_config").is_none());
+    // A box crossing block boundaries of experts 3..5, up_proj rows 5..25, cols 7..37, equals
+    // the same slice of the release dequantisation (exact f32).
+    let hf = HfCheckpoint::open(fixture("deepseek_v3_fp8")).unwrap();
+    let b = TensorBox::new(vec![3, 1, 5, 7], vec![2, 1, 20, 30]);
+    let got = ckpt
+        .read_box_dequantized("model.layers.1.mlp.experts.gate_up_proj", &b, OutDtype::F32)
+        .unwrap()
+        .to_f32_vec()
+        .unwrap();
+    let mut want = Vec::new();
+    for e in 3..5 {
+        let name = format!("model.layers.1.mlp.experts.{e}.up_proj.weight");
+        let full = hf.read_dequantized(&name, OutDtype::F32).unwrap();
+        let (v, cols) = (full.to_f32_vec().unwrap(), full.shape[1]);
+        for r in 5..25 {
+            want.extend_from_slice(&v[r * cols + 7..r * cols + 37]);
+        }
+    }
+    assert_eq!(got, want);
+    // Dequantising at conversion instead stores BF16 and exports the same tensors.
+    let opts = ConvertOptions {
+        step: 0,
+        keep_fp8: false,
+    };
+    convert_hf_to_dist_opts(
+        &fixture("deepseek_v3_fp8"),
+        &dir.join("bf16"),
+        &layout,
+        &opts,
+        &mut |_| {},
+    )
+    .unwrap();
+    let bf16 = DistCheckpoint::open(dir.join("bf16")).unwrap();
+    assert!(bf16.index().fp8.is_none());
+    assert!(
+        bf16.index()
+            .tensors
+            .keys()
+            .all(|k| !k.ends_with("_scale_inv"))
     );
+    export_dist_to_hf(&bf16, &dir.join("hf2"), &ExportOptions::default()).unwrap();
+    assert_same_tensors(&fixture("deepseek_v3_fp8_dequant"), &dir.join("hf2"));
 }
 
 #[test]
