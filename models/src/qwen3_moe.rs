@@ -344,6 +344,24 @@ impl Qwen3MoeForCausalLM {
         Ok(self)
     }
 
+    /// The same model with the dense linears — every layer's attention projections
+    /// (`q/k/v/o_proj`) and the dense MLPs of `mlp_only_layers` — in FP8 (`Some(recipe)`,
+    /// fp8.md §3) or back in high precision (`None`). The routed experts keep their own
+    /// setting ([`Self::with_fp8_experts`]); the router, embeddings, LM head, norms and the
+    /// attention core stay in high precision (fp8.md §7).
+    pub fn with_fp8_linears(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
+        if let Some(r) = &recipe {
+            r.validate()?;
+        }
+        for layer in &mut self.model.layers {
+            layer.self_attn.fp8 = recipe;
+            if let Qwen3MoeFeedForward::Dense(mlp) = &mut layer.mlp {
+                mlp.fp8 = recipe;
+            }
+        }
+        Ok(self)
+    }
+
     /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<Qwen3MoeOutput, ModelError> {
         self.run(input_ids, None, None)

@@ -25,7 +25,7 @@ use burn::tensor::Device;
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
-    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig,
+    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, ParamInfo,
 };
 use moe_backend::parallel::ProcessGroups;
 
@@ -124,9 +124,11 @@ pub struct TrainerConfig {
     /// keeps them in the parameters' precision. Router, attention, norms, embeddings and head
     /// stay in high precision (fp8.md §7).
     pub fp8: Option<Fp8Recipe>,
-    /// With `fp8`: keep the expert weights as FP8 primary weights (fp8.md §4): the optimizer
-    /// casts its f32 master shards straight to blockwise E4M3 with the recipe's blocks and
-    /// all-gathers one byte per element.
+    /// With `fp8`: also run the dense linears (attention projections, dense MLPs) in FP8.
+    pub fp8_linears: bool,
+    /// With `fp8`: keep the FP8 layers' weights as FP8 primary weights (fp8.md §4): the
+    /// optimizer casts its f32 master shards straight to blockwise E4M3 with the recipe's
+    /// blocks and all-gathers one byte per element.
     pub fp8_primary_weights: bool,
 }
 
@@ -141,6 +143,7 @@ impl Default for TrainerConfig {
             dispatcher: DispatcherKind::AllToAll,
             aux_loss_coeff: 1e-3,
             fp8: None,
+            fp8_linears: false,
             fp8_primary_weights: false,
         }
     }
@@ -184,7 +187,10 @@ impl Trainer {
     ) -> Result<Self, ModelError> {
         let mut model = match config.fp8 {
             Some(recipe) => {
-                let fp8 = full.clone().with_fp8_experts(Some(recipe))?;
+                let mut fp8 = full.clone().with_fp8_experts(Some(recipe))?;
+                if config.fp8_linears {
+                    fp8 = fp8.with_fp8_linears(Some(recipe))?;
+                }
                 ParallelQwen3Moe::shard(&fp8, groups, config.dispatcher)?
             }
             None => ParallelQwen3Moe::shard(full, groups, config.dispatcher)?,
@@ -203,10 +209,18 @@ impl Trainer {
                     "FP8 primary weights need an FP8 recipe (`fp8`)",
                 )
             })?;
+            let linears = config.fp8_linears;
+            let select = move |info: &ParamInfo| {
+                Fp8ParamLayout::experts(info).or_else(|| {
+                    (linears && is_fp8_linear_weight(&info.path))
+                        .then(|| Fp8ParamLayout::linear(info))
+                        .flatten()
+                })
+            };
             model.model = optimizer.enable_fp8_primary_weights(
                 model.model,
                 Fp8PrimaryConfig::from_recipe(&recipe),
-                &Fp8ParamLayout::experts,
+                &select,
             )?;
         }
         Ok(Self {
@@ -287,6 +301,24 @@ impl Trainer {
             tokens_per_second: tokens as f64 / secs,
         })
     }
+}
+
+/// Whether the parameter at `path` is the weight of a linear that
+/// [`Qwen3MoeForCausalLM::with_fp8_linears`] runs in FP8 (attention and dense-MLP projections;
+/// not the router).
+fn is_fp8_linear_weight(path: &str) -> bool {
+    const PROJ: [&str; 7] = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        // Dense MLPs (the module path may carry the enum variant between `mlp` and the
+        // projection); Qwen3-MoE's routed experts are `fc1`/`fc2`.
+        ".gate_proj.weight",
+        ".up_proj.weight",
+        ".down_proj.weight",
+    ];
+    PROJ.iter().any(|p| path.ends_with(p))
 }
 
 fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {

@@ -119,6 +119,7 @@ impl<'a> WeightLoader<'a> {
             gate_proj: self.linear(&format!("{prefix}.gate_proj"), hidden, inter, false)?,
             up_proj: self.linear(&format!("{prefix}.up_proj"), hidden, inter, false)?,
             down_proj: self.linear(&format!("{prefix}.down_proj"), inter, hidden, false)?,
+            fp8: None,
         })
     }
 

@@ -106,6 +106,7 @@ pub(crate) fn shard_mlp(mlp: &Mlp, rank: usize, tp: usize) -> Result<Mlp, ModelE
         gate_proj: column_parallel_linear(&mlp.gate_proj, rank, tp).map_err(err)?,
         up_proj: column_parallel_linear(&mlp.up_proj, rank, tp).map_err(err)?,
         down_proj: row_parallel_linear(&mlp.down_proj, rank, tp).map_err(err)?,
+        fp8: mlp.fp8,
     })
 }
 

@@ -6,6 +6,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Device, Tensor};
+use moe_backend::fp8::{Fp8Recipe, linear_maybe_fp8};
 
 use super::kv_cache::LayerCache;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
@@ -128,6 +129,7 @@ impl AttentionConfig {
             num_heads: self.num_attention_heads,
             num_kv_heads: self.num_key_value_heads,
             head_dim: self.head_dim,
+            fp8: None,
         }
     }
 }
@@ -154,6 +156,10 @@ pub struct Attention {
     pub num_kv_heads: usize,
     /// `hd`.
     pub head_dim: usize,
+    /// FP8 recipe of the four projections (fp8.md §3; `None`: the parameters' precision).
+    /// QK-norms, RoPE and the softmax core stay in high precision (fp8.md §7).
+    #[module(skip)]
+    pub fp8: Option<Fp8Recipe>,
 }
 
 impl Attention {
@@ -176,9 +182,18 @@ impl Attention {
             };
             t.swap_dims(1, 2)
         };
-        let q = heads(self.q_proj.forward(x.clone()), nh, &self.q_norm);
-        let k = heads(self.k_proj.forward(x.clone()), nkv, &self.k_norm);
-        let v = heads(self.v_proj.forward(x), nkv, &None);
+        let fp8 = self.fp8.as_ref();
+        let q = heads(
+            linear_maybe_fp8(&self.q_proj, x.clone(), fp8),
+            nh,
+            &self.q_norm,
+        );
+        let k = heads(
+            linear_maybe_fp8(&self.k_proj, x.clone(), fp8),
+            nkv,
+            &self.k_norm,
+        );
+        let v = heads(linear_maybe_fp8(&self.v_proj, x, fp8), nkv, &None);
         let q = apply_rotary(q, rope);
         let k = apply_rotary(k, rope);
         let (offset, k, v) = match cache {
@@ -190,8 +205,11 @@ impl Attention {
             None => (0, k, v),
         };
         let out = causal_attention(q, k, v, (hd as f64).powf(-0.5), offset);
-        self.o_proj
-            .forward(out.swap_dims(1, 2).reshape([b, s, nh * hd]))
+        linear_maybe_fp8(
+            &self.o_proj,
+            out.swap_dims(1, 2).reshape([b, s, nh * hd]),
+            fp8,
+        )
     }
 }
 

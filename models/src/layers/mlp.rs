@@ -5,6 +5,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Tensor};
+use moe_backend::fp8::{Fp8Recipe, linear_maybe_fp8};
 
 /// Configuration of a dense SwiGLU [`Mlp`].
 #[derive(Config, Debug)]
@@ -23,6 +24,7 @@ impl MlpConfig {
             gate_proj: linear(self.hidden_size, self.intermediate_size),
             up_proj: linear(self.hidden_size, self.intermediate_size),
             down_proj: linear(self.intermediate_size, self.hidden_size),
+            fp8: None,
         }
     }
 }
@@ -39,14 +41,18 @@ pub struct Mlp {
     pub up_proj: Linear,
     /// `I → H`, weight `[I, H]` in Burn (`[H, I]` in checkpoints).
     pub down_proj: Linear,
+    /// FP8 recipe of the three projections (fp8.md §3; `None`: the parameters' precision).
+    #[module(skip)]
+    pub fp8: Option<Fp8Recipe>,
 }
 
 impl Mlp {
     /// Applies the block to `x` `[..., H]`, returning `[..., H]`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        let up = self.up_proj.forward(x);
-        self.down_proj.forward(gate * up)
+        let fp8 = self.fp8.as_ref();
+        let gate = silu(linear_maybe_fp8(&self.gate_proj, x.clone(), fp8));
+        let up = linear_maybe_fp8(&self.up_proj, x, fp8);
+        linear_maybe_fp8(&self.down_proj, gate * up, fp8)
     }
 }
 
@@ -86,6 +92,7 @@ mod tests {
             gate_proj: linear_from_hf(&gate, i, h, &device),
             up_proj: linear_from_hf(&up, i, h, &device),
             down_proj: linear_from_hf(&down, h, i, &device),
+            fp8: None,
         };
 
         let input = Tensor::<2>::from_data(TensorData::new(x.clone(), [tokens, h]), &device);

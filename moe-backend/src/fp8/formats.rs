@@ -74,27 +74,32 @@ impl Fp8Format {
 /// `BIAS`; codes above `max_code` saturate to it, NaN gives `nan_code`.
 #[inline(always)]
 fn encode<const M: u32, const BIAS: u32>(x: f32, max_code: u32, nan_code: u8) -> u8 {
+    // Branch-free (both roundings are computed and one is selected), so loops over slices
+    // vectorise.
     let bits = x.to_bits();
     let sign = ((bits >> 24) & 0x80) as u8;
     let abs = bits & 0x7FFF_FFFF;
-    if abs > 0x7F80_0000 {
-        return nan_code | sign;
-    }
     // f32 bits of the smallest normal FP8 magnitude 2^(1 - BIAS).
     let min_normal = (128 - BIAS) << 23;
-    let code = if abs < min_normal {
-        // Adding 2^(23 + 1 - BIAS - M), whose f32 ulp is the FP8 subnormal step, rounds |x| to
-        // a multiple of that step (RNE, by the f32 addition); the low bits are then the code.
-        let magic = (151 - BIAS - M) << 23;
-        (f32::from_bits(abs) + f32::from_bits(magic)).to_bits() - magic
+    // Subnormal range: adding 2^(23 + 1 - BIAS - M), whose f32 ulp is the FP8 subnormal step,
+    // rounds |x| to a multiple of that step (RNE, by the f32 addition); the low bits are then
+    // the code.
+    let magic = (151 - BIAS - M) << 23;
+    let subnormal = (f32::from_bits(abs) + f32::from_bits(magic))
+        .to_bits()
+        .wrapping_sub(magic);
+    // Normal range: rebias the exponent and round the dropped mantissa bits to even; a carry
+    // moves into the exponent, and codes past the largest finite one (incl. ±inf) saturate.
+    let shift = 23 - M;
+    let rebased = abs.wrapping_sub((127 - BIAS) << 23);
+    let normal = rebased.wrapping_add(((1 << (shift - 1)) - 1) + ((abs >> shift) & 1)) >> shift;
+    let code = if abs < min_normal { subnormal } else { normal }.min(max_code);
+    let code = if abs > 0x7F80_0000 {
+        nan_code as u32
     } else {
-        // Rebias the exponent and round the dropped mantissa bits to even; a carry moves into
-        // the exponent, and codes past the largest finite one (incl. ±inf) saturate below.
-        let shift = 23 - M;
-        let rebased = abs - ((127 - BIAS) << 23);
-        (rebased + ((1 << (shift - 1)) - 1) + ((abs >> shift) & 1)) >> shift
+        code
     };
-    code.min(max_code) as u8 | sign
+    code as u8 | sign
 }
 
 /// Encodes `x` as an `F8_E4M3` (`float8_e4m3fn`) byte: round to nearest even, saturating to

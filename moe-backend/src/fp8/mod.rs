@@ -15,7 +15,7 @@ pub use blockwise::{Fp8Blocks, quantize_blockwise, quantize_columnwise, quantize
 pub use formats::{
     E4M3_MAX, E5M2_MAX, Fp8Format, e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2,
 };
-pub use ops::{Fp8Ops, fp8_grouped_matmul, fp8_linear};
+pub use ops::{Fp8Ops, fp8_grouped_matmul, fp8_linear, fp8_linear_forward, linear_maybe_fp8};
 pub use primary_weights::{
     BlockGrid, accumulate_block_amax, cast_master_shard, cast_shard_with_scales,
     compute_scale_from_amax, partial_block_amax,

@@ -10,6 +10,7 @@ mod autodiff;
 mod flex;
 
 use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
+use burn::nn::Linear;
 use burn::tensor::Tensor;
 
 use super::recipe::Fp8Recipe;
@@ -90,4 +91,55 @@ pub fn fp8_grouped_matmul(
 pub fn fp8_linear(x: Tensor<2>, weight: Tensor<2>, recipe: &Fp8Recipe) -> Result<Tensor<2>> {
     let n = x.dims()[0];
     fp8_grouped_matmul(x, weight.unsqueeze_dim(0), &[n], recipe)
+}
+
+/// A Burn [`Linear`] run in FP8 (fp8.md §3): `y = dq(q(x)) · dq(q(W))ᵀ + b` over the last
+/// dimension of `x [..., in]`. The weight (Burn `[in, out]`) is quantised as its canonical
+/// `[out, in]` matrix in `b×b` blocks — the blocks FP8 primary weights use
+/// ([`crate::optim::Fp8ParamLayout::linear`]) — and the bias stays in high precision.
+/// Differentiable: the backward runs the FP8 dgrad and wgrad.
+///
+/// # Panics
+/// Like [`Linear::forward`], when the last dimension of `x` is not the linear's input size.
+pub fn fp8_linear_forward<const D: usize>(
+    linear: &Linear,
+    x: Tensor<D>,
+    recipe: &Fp8Recipe,
+) -> Tensor<D> {
+    let dims = x.dims();
+    let [d_in, d_out] = linear.weight.dims();
+    assert_eq!(
+        dims[D - 1],
+        d_in,
+        "fp8 linear: input [.., {}] for a {d_in} -> {d_out} linear",
+        dims[D - 1]
+    );
+    let n: usize = dims[..D - 1].iter().product();
+    let x2: Tensor<2> = x.reshape([n, d_in]);
+    let w: Tensor<3> = linear.weight.val().transpose().unsqueeze_dim(0);
+    let y: Tensor<2> = Tensor::from_dispatch(Dispatch::fp8_grouped_matmul(
+        x2.into_dispatch(),
+        w.into_dispatch(),
+        vec![n],
+        *recipe,
+    ));
+    let mut out_dims = dims;
+    out_dims[D - 1] = d_out;
+    let y = y.reshape(out_dims);
+    match &linear.bias {
+        Some(b) => y + b.val().unsqueeze(),
+        None => y,
+    }
+}
+
+/// `linear(x)`, in FP8 with `recipe` when one is given (see [`fp8_linear_forward`]).
+pub fn linear_maybe_fp8<const D: usize>(
+    linear: &Linear,
+    x: Tensor<D>,
+    recipe: Option<&Fp8Recipe>,
+) -> Tensor<D> {
+    match recipe {
+        Some(r) => fp8_linear_forward(linear, x, r),
+        None => linear.forward(x),
+    }
 }

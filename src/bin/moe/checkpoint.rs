@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn_moe::backend::parallel::ParallelLayout;
 use burn_moe::bridge::dist::DistCheckpoint;
-use burn_moe::bridge::dist::convert::{convert_hf_to_dist_with, reshard};
+use burn_moe::bridge::dist::convert::{ConvertOptions, convert_hf_to_dist_opts, reshard};
 
 /// Arguments of `moe convert`.
 #[derive(Debug, clap::Args)]
@@ -23,6 +23,10 @@ pub struct ConvertArgs {
     /// Step recorded in the checkpoint.
     #[arg(long, default_value_t = 0)]
     pub step: u64,
+    /// Store blockwise FP8 weights dequantised to BF16 instead of keeping their FP8 bytes and
+    /// `*_scale_inv` block scales (the default keeps FP8 end to end).
+    #[arg(long)]
+    pub dequantize: bool,
 }
 
 /// Arguments of `moe reshard`.
@@ -49,7 +53,11 @@ pub struct ValidateArgs {
 pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
     let layout = ParallelLayout::parse_spec(&args.layout)?;
     let bar = crate::progress::bar(0, "converting");
-    let dir = convert_hf_to_dist_with(&args.from_hf, &args.out, &layout, args.step, &mut |p| {
+    let opts = ConvertOptions {
+        step: args.step,
+        keep_fp8: !args.dequantize,
+    };
+    let dir = convert_hf_to_dist_opts(&args.from_hf, &args.out, &layout, &opts, &mut |p| {
         bar.set_length(p.total_bytes);
         bar.set_position(p.bytes);
         bar.set_message(p.tensor.clone());

@@ -24,8 +24,10 @@ pub struct Args {
     /// Output directory (written to a temporary directory and renamed into place).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Float dtype of the exported weights; by default each tensor keeps its dtype and FP8
-    /// weights become bf16. The DeepSeek-V3 router bias always stays f32.
+    /// Float dtype of the exported weights (FP8 weights are dequantised to it). By default each
+    /// tensor keeps its dtype: FP8 weights of an HF source become bf16, FP8 weights stored in a
+    /// distributed checkpoint stay FP8 with their `*_scale_inv` and `quantization_config`.
+    /// The DeepSeek-V3 router bias always stays f32.
     #[arg(long, value_enum)]
     pub dtype: Option<ExportDtype>,
     /// Largest shard, e.g. `5GB` (10^9 bytes), `500MB`, `2GiB` or a byte count.

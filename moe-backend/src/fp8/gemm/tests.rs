@@ -246,3 +246,80 @@ fn fp8_linear_is_a_one_group_gemm_and_inputs_are_validated() {
     // E5M2 gradients are accepted (hybrid recipe).
     let _ = Fp8Recipe::new().with_grad_format(Fp8Format::E5M2);
 }
+
+/// A Burn `Linear` (weight `[in, out]`, bias) on a `[B, S, in]` input: the output is the
+/// fake-quant product of the canonical `[out, in]` weight plus the f32 bias, and the gradients
+/// are the FP8 dgrad / wgrad references (bias: the plain column sums of `dy`).
+#[test]
+fn fp8_linear_forward_runs_a_burn_linear_with_bias_and_gradients() {
+    use burn::module::Param;
+    use burn::nn::LinearConfig;
+
+    let device = Device::flex().autodiff();
+    let mut rng = SplitMix::new(41);
+    let (b, s, k, m) = (2, 5, 140, 12);
+    let n = b * s;
+    let x = random(n * k, &mut rng, 77);
+    let w_out_in = random(m * k, &mut rng, 501);
+    let bias = random(m, &mut rng, 1000);
+    let r = random(n * m, &mut rng, 31);
+    let mut linear = LinearConfig::new(k, m).init(&device);
+    let w_in_out = transpose(&w_out_in, m, k);
+    linear.weight =
+        Param::from_tensor(tensor(as_f64(w_in_out), [k, m], &device, DType::F32).require_grad());
+    linear.bias = Some(Param::from_tensor(
+        tensor(as_f64(bias.clone()), [m], &device, DType::F32).require_grad(),
+    ));
+    let recipe = Fp8Recipe::new();
+    let [y_ref, dx_ref, dw_ref] = references(&x, &w_out_in, &r, &[n], (k, m), true);
+    let xt = tensor(as_f64(x), [n, k], &device, DType::F32)
+        .reshape([b, s, k])
+        .require_grad();
+    let y = crate::fp8::fp8_linear_forward(&linear, xt.clone(), &recipe);
+    assert_eq!(y.dims(), [b, s, m]);
+    let with_bias: Vec<f64> = y_ref
+        .0
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + f64::from(bias[i % m]))
+        .collect();
+    let mag: Vec<f64> = y_ref
+        .1
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + f64::from(bias[i % m].abs()))
+        .collect();
+    check(
+        &values(y.clone().reshape([n, m])),
+        &with_bias,
+        &mag,
+        k + 1,
+        "y",
+    );
+    let rt = tensor(as_f64(r.clone()), [n, m], &device, DType::F32).reshape([b, s, m]);
+    let grads = (y * rt).sum().backward();
+    let dx: Tensor<3> = xt.grad(&grads).expect("dx");
+    check(&values(dx.reshape([n, k])), &dx_ref.0, &dx_ref.1, m, "dx");
+    // dW of the [in, out] parameter is the transpose of the canonical [out, in] wgrad.
+    let dw: Tensor<2> = linear.weight.val().grad(&grads).expect("dW");
+    let dw_canon = transpose(
+        &values(dw).into_iter().map(|v| v as f32).collect::<Vec<_>>(),
+        k,
+        m,
+    );
+    check(&as_f64(dw_canon), &dw_ref.0, &dw_ref.1, n, "dW");
+    let db: Tensor<1> = linear
+        .bias
+        .as_ref()
+        .unwrap()
+        .val()
+        .grad(&grads)
+        .expect("db");
+    let db_ref: Vec<f64> = (0..m)
+        .map(|j| (0..n).map(|i| f64::from(r[i * m + j])).sum())
+        .collect();
+    let db_mag: Vec<f64> = (0..m)
+        .map(|j| (0..n).map(|i| f64::from(r[i * m + j].abs())).sum())
+        .collect();
+    check(&values(db), &db_ref, &db_mag, n, "db");
+}
