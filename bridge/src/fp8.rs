@@ -176,21 +176,37 @@ pub fn quantize_blockwise(
     }
     let (srows, scols) = (rows.div_ceil(block[0]), cols.div_ceil(block[1]));
     let mut amax = vec![0.0f32; srows * scols];
-    for (k, v) in values.iter().enumerate() {
-        let cell = &mut amax[(k / cols / block[0]) * scols + (k % cols) / block[1]];
-        *cell = cell.max(v.abs());
+    if cols == 0 {
+        return Some((Vec::new(), vec![1.0; srows * scols]));
+    }
+    // Row by row, one column block at a time (no per-element index arithmetic).
+    for (r, row) in values.chunks_exact(cols).enumerate() {
+        let cells = &mut amax[(r / block[0]) * scols..(r / block[0] + 1) * scols];
+        for (cell, seg) in cells.iter_mut().zip(row.chunks(block[1])) {
+            *cell = seg.iter().fold(*cell, |m, v| m.max(v.abs()));
+        }
     }
     let scales: Vec<f32> = amax
         .iter()
         .map(|&a| if a > 0.0 { a / E4M3_MAX } else { 1.0 })
         .collect();
-    let q = values
-        .iter()
+    let mut q = vec![0u8; values.len()];
+    for (r, (row, out)) in values
+        .chunks_exact(cols)
+        .zip(q.chunks_exact_mut(cols))
         .enumerate()
-        .map(|(k, &v)| {
-            f32_to_e4m3(v / scales[(k / cols / block[0]) * scols + (k % cols) / block[1]])
-        })
-        .collect();
+    {
+        let cells = &scales[(r / block[0]) * scols..(r / block[0] + 1) * scols];
+        for ((seg, out), &s) in row
+            .chunks(block[1])
+            .zip(out.chunks_mut(block[1]))
+            .zip(cells)
+        {
+            for (o, &v) in out.iter_mut().zip(seg) {
+                *o = f32_to_e4m3(v / s);
+            }
+        }
+    }
     Some((q, scales))
 }
 

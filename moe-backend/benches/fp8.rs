@@ -7,7 +7,9 @@
 //! (c) memory of FP8 primary weights (E4M3 bytes + f32 128×128 block scales) against BF16
 //!     weights: measured by quantising a synthetic one-layer model, and by shape arithmetic
 //!     for a Qwen3-30B-A3B-shaped model (linear layers in FP8; embeddings, LM head, router and
-//!     norms stay BF16, fp8.md §7).
+//!     norms stay BF16, fp8.md §7);
+//! (d) the ZeRO-1 optimizer step with f32 parameters against FP8 primary expert weights on 4
+//!     in-process ranks: expert-data-parallel bytes sent per rank and step time.
 //!
 //! Run: `cargo bench -p moe-backend --bench fp8` (add `-- --quick` for smaller shapes).
 //! Env: `MOE_BENCH_ITERS` (default 3).
@@ -205,6 +207,74 @@ fn primary_weight_memory(quick: bool) {
     );
 }
 
+/// (d) FP8 primary weights in the ZeRO-1 optimizer, measured: a synthetic MoE layer on 4
+/// in-process ranks (EP1, EDP4: every rank owns a quarter of every expert's master) takes one
+/// optimizer step with f32 parameters and one with FP8 primary expert weights; reported are the
+/// payload bytes each rank sends on `expt_dp` during the step (the gradient reduce-scatter is
+/// f32 in both; the parameter all-gather moves 4 or 1 byte per element, plus the FP8 run's
+/// packed amax all-reduce) and the step time.
+fn primary_weight_step(quick: bool) {
+    use burn::optim::GradientsParams;
+    use moe_backend::comm::World;
+    use moe_backend::layer::MoeLayerConfig;
+    use moe_backend::optim::{
+        DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig,
+    };
+    use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
+    use moe_backend::router::TopKRouterConfig;
+
+    let (h, f, e) = if quick {
+        (256, 128, 8)
+    } else {
+        (1024, 512, 32)
+    };
+    let world = 4;
+    let layout = ParallelLayout::parse(world, "").expect("layout");
+    let device = Device::flex().autodiff();
+    let layer = MoeLayerConfig::new(TopKRouterConfig::new(h, e, 2), f)
+        .init(&device)
+        .expect("layer");
+    let layer = replicate(&layer);
+    for fp8 in [false, true] {
+        let (layout_ref, layer_ref) = (&layout, &layer);
+        let out = World::run(world, move |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let layer = replicate(layer_ref);
+            let mut optim = DistributedAdamW::new(
+                &layer,
+                &pg,
+                ctx.world()?,
+                DistributedAdamWConfig::default(),
+            )?;
+            let layer = if fp8 {
+                let config = Fp8PrimaryConfig::from_recipe(&Fp8Recipe::new());
+                optim.enable_fp8_primary_weights(layer, config, &Fp8ParamLayout::experts)?
+            } else {
+                layer
+            };
+            let comm = pg.comm(GroupFamily::ExptDp).clone();
+            let before = comm.traffic().bytes_sent;
+            let start = Instant::now();
+            // Zero gradients: the step's communication and casts do not depend on values.
+            let _ = optim.step(1e-3, layer, GradientsParams::new())?;
+            let secs = start.elapsed().as_secs_f64();
+            Ok((comm.traffic().bytes_sent - before, secs))
+        });
+        let (bytes, secs) = out
+            .into_iter()
+            .next()
+            .and_then(|r| r.ok())
+            .unwrap_or((0, 0.0));
+        let elems = (e * (2 * f * h + h * f)) as f64;
+        println!(
+            "zero1_step_expert_traffic (4 ranks, EDP4, {e} experts H={h} F={f}, fp8_primary={fp8}): \
+             {:.2} MB sent per rank, {:.2} bytes per expert parameter, step {secs:.3} s",
+            bytes as f64 / 1e6,
+            bytes as f64 / elems
+        );
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters = std::env::var("MOE_BENCH_ITERS")
@@ -220,4 +290,5 @@ fn main() {
         gemm(16, 512, 2048, 768, iters);
     }
     primary_weight_memory(quick);
+    primary_weight_step(quick);
 }

@@ -7,7 +7,7 @@
 //!     transformers' `Qwen3MoeSparseMoeBlock` with `grouped_mm` run by `benches/torch_moe_block.py`.
 //!
 //! Run: `cargo bench -p moe-backend --bench moe_ops` (add `-- --quick` for smaller shapes,
-//! `-- --only=gemm|permute|layer` for one part; the dense baseline always runs).
+//! `-- --only=gemm|permute|parts|layer` for one part; the dense baseline always runs).
 //! Env: `MOE_BENCH_ITERS` (default 3), `MOE_BENCH_TORCH_PYTHON` (python with torch; default
 //! `benches/.venv/bin/python` if present, `none` to skip).
 
@@ -167,9 +167,62 @@ fn main() {
     if run("permute") {
         permute_vs_memcpy(quick, iters);
     }
+    if run("parts") {
+        layer_gemms(quick, iters, dense_gflops);
+    }
     if run("layer") {
         moe_layer(quick, iters, threads, dense_gflops);
     }
+}
+
+/// The six grouped GEMMs of the MoE layer's forward and backward at its shape (balanced
+/// routing), each over the dense GEMM rate: where the layer's time goes.
+fn layer_gemms(quick: bool, iters: usize, dense_gflops: f64) {
+    let (tokens, hidden, n_exp, k, width) = if quick {
+        (512, 512, 32, 8, 256)
+    } else {
+        (2048, 2048, 128, 8, 768)
+    };
+    let device = Device::flex();
+    let n = tokens * k;
+    let sizes = GroupSizes::Host(vec![n / n_exp; n_exp]);
+    let rand2 = |r, c| Tensor::<2>::random([r, c], Distribution::Normal(0.0, 1.0), &device);
+    let rand3 = |a, b| Tensor::<3>::random([n_exp, a, b], Distribution::Normal(0.0, 0.02), &device);
+    let x = rand2(n, hidden);
+    let h = rand2(n, width);
+    let dy2 = rand2(n, hidden);
+    let dy1 = rand2(n, 2 * width);
+    let w1 = rand3(2 * width, hidden);
+    let w2 = rand3(hidden, width);
+    let report = |name: &str, flops: f64, t: f64| {
+        let g = flops / t / 1e9;
+        println!(
+            "layer_gemm {name}: {t:.4} s, {g:.1} GFLOP/s, ratio_vs_dense: {:.3}",
+            g / dense_gflops
+        );
+    };
+    let f1 = 2.0 * (n * hidden * 2 * width) as f64;
+    let f2 = 2.0 * (n * width * hidden) as f64;
+    let gmm = |a: &Tensor<2>, w: &Tensor<3>, l| {
+        sync(grouped_matmul(a.clone(), w.clone(), &sizes, l).expect("gmm"))
+    };
+    let t = median_secs(iters, || gmm(&x, &w1, WeightLayout::OutIn));
+    report("fc1 fprop [N,H]x[2F,H]^T", f1, t);
+    let t = median_secs(iters, || gmm(&h, &w2, WeightLayout::OutIn));
+    report("fc2 fprop [N,F]x[H,F]^T", f2, t);
+    let t = median_secs(iters, || gmm(&dy2, &w2, WeightLayout::InOut));
+    report("fc2 dgrad [N,H]x[H,F]", f2, t);
+    let t = median_secs(iters, || gmm(&dy1, &w1, WeightLayout::InOut));
+    report("fc1 dgrad [N,2F]x[2F,H]", f1, t);
+    let wg = |a: &Tensor<2>, b: &Tensor<2>| {
+        let out =
+            moe_backend::ops::grouped_matmul_wgrad(a.clone(), b.clone(), &sizes).expect("wgrad");
+        let _ = out.slice([0..1, 0..1, 0..1]).into_data();
+    };
+    let t = median_secs(iters, || wg(&dy2, &h));
+    report("fc2 wgrad [H,n]x[n,F]", f2, t);
+    let t = median_secs(iters, || wg(&dy1, &x));
+    report("fc1 wgrad [2F,n]x[n,H]", f1, t);
 }
 
 fn permute_vs_memcpy(quick: bool, iters: usize) {

@@ -123,12 +123,12 @@ fn misalignment(offsets: &[usize], shape: &[usize], grid: &BlockGrid) -> Option<
         return Some(format!("a rank-{r} box cannot hold FP8 blocks"));
     }
     let (b0, b1) = (grid.b0, grid.b1);
-    if offsets[r - 2] % b0 != 0 || offsets[r - 1] % b1 != 0 {
+    if !offsets[r - 2].is_multiple_of(b0) || !offsets[r - 1].is_multiple_of(b1) {
         return Some(format!(
             "the box at {offsets:?} does not start on a {b0}x{b1} block boundary"
         ));
     }
-    if grid.rows != shape[r - 2] && shape[r - 2] % b0 != 0 {
+    if grid.rows != shape[r - 2] && !shape[r - 2].is_multiple_of(b0) {
         return Some(format!(
             "stacked matrices of {} rows are not whole {b0}-row blocks",
             shape[r - 2]
