@@ -30,6 +30,11 @@ fn layer_config(aux: bool) -> MoeLayerConfig {
         .with_init_std(0.1)
 }
 
+/// Reuse the large buffers every training step frees (see `moe_backend::alloc`).
+#[global_allocator]
+static ALLOC: burn_moe::backend::alloc::LargeBlockCache =
+    burn_moe::backend::alloc::LargeBlockCache::new(16 << 20, 4 << 30);
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     burn_moe::init_logging();
     let device = Device::flex().autodiff();

@@ -14,6 +14,11 @@ use std::time::Instant;
 
 use burn_moe::quickstart::{QuickstartEvent, QuickstartOptions, quickstart};
 
+/// Reuse the large buffers every training step frees (see `moe_backend::alloc`).
+#[global_allocator]
+static ALLOC: burn_moe::backend::alloc::LargeBlockCache =
+    burn_moe::backend::alloc::LargeBlockCache::new(16 << 20, 4 << 30);
+
 fn main() -> anyhow::Result<()> {
     burn_moe::init_logging();
     let mut args = std::env::args().skip(1);

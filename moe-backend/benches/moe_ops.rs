@@ -119,6 +119,12 @@ fn torch_tokens_per_s(
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// Freed multi-gigabyte step buffers are parked for reuse (see `moe_backend::alloc`); the
+/// layer bench measures with the cache off and on.
+#[global_allocator]
+static ALLOC: moe_backend::alloc::LargeBlockCache =
+    moe_backend::alloc::LargeBlockCache::new(16 << 20, 6 << 30);
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let iters: usize = std::env::var("MOE_BENCH_ITERS")
@@ -278,17 +284,29 @@ fn moe_layer(quick: bool, iters: usize, threads: usize, dense_gflops: f64) {
     let x = Tensor::<2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), &ad);
     let gy = Tensor::<2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), &ad);
     let opts = RouteOptions::default();
-    let fb_s = median_secs(iters, || {
+    let step = || {
         let x = x.clone().require_grad();
         let out = layer.forward(x.clone(), &state, &opts).expect("forward");
         let grads = (out.output * gy.clone()).sum().backward();
         std::hint::black_box(x.grad(&grads));
-    });
+    };
+    let flops = 3.0 * 2.0 * (tokens * k * hidden * width) as f64 * 3.0;
+    // Without the block cache every step faults its buffers in again (the system allocator's
+    // default).
+    ALLOC.set_enabled(false);
+    let cold_s = median_secs(iters, step);
+    ALLOC.set_enabled(true);
+    let fb_s = median_secs(iters, step);
+    println!(
+        "moe_layer fwd+bwd without the block cache: {cold_s:.3} s, {:.1} tokens/s, {:.1} GFLOP/s effective, ratio_vs_dense: {:.3}",
+        tokens as f64 / cold_s,
+        flops / cold_s / 1e9,
+        flops / cold_s / 1e9 / dense_gflops
+    );
     let fwd_s = median_secs(iters, || {
         let out = layer.forward(x.clone(), &state, &opts).expect("forward");
         sync(out.output);
     });
-    let flops = 3.0 * 2.0 * (tokens * k * hidden * width) as f64 * 3.0;
     let tps = tokens as f64 / fb_s;
     let eff = flops / fb_s / 1e9;
     println!(

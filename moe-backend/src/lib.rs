@@ -10,6 +10,8 @@
 //! 4. **combine**: [`ops::unpermute`] scatter-adds the k copies of every token back.
 //!
 //! [`layer::MoeLayer`] strings the four phases together on one rank (plus shared experts).
+//! Binaries can opt into [`alloc::LargeBlockCache`], a global allocator that reuses the
+//! multi-gigabyte buffers every training step frees instead of faulting them in again.
 //! The kernels are a Burn backend extension, [`ops::MoeOps`], implemented for the Flex CPU
 //! backend with hand-written backward passes for `Autodiff`, and with CubeCL GPU kernels for
 //! Burn's Cube backend.
@@ -28,6 +30,7 @@
 //! Burn's `fusion` feature must stay off with the GPU features: the kernels implement `MoeOps`
 //! for `CubeBackend`, the type Burn dispatches to without fusion.
 
+pub mod alloc;
 pub mod comm;
 pub mod dispatch;
 pub mod error;

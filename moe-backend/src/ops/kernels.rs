@@ -60,21 +60,30 @@ impl<T> SendPtr<T> {
 /// results.
 pub fn zeroed<T: Copy + Default>(len: usize) -> Vec<T> {
     let v = vec![T::default(); len];
-    advise_huge_pages(&v);
+    advise_huge_pages(v.as_ptr(), core::mem::size_of_val(v.as_slice()));
+    v
+}
+
+/// An uninitialised buffer of `len` elements for a kernel output that is written in full
+/// before use (no zero fill: with a caching global allocator such as
+/// [`crate::alloc::LargeBlockCache`] a reused block then costs neither page faults nor a
+/// `memset`). Write every element of `spare_capacity_mut()[..len]`, then `set_len(len)`.
+pub fn uninit_output<T>(len: usize) -> Vec<T> {
+    let v = Vec::with_capacity(len);
+    advise_huge_pages(v.as_ptr(), len * core::mem::size_of::<T>());
     v
 }
 
 #[cfg(target_os = "linux")]
-fn advise_huge_pages<T>(v: &[T]) {
+fn advise_huge_pages<T>(ptr: *const T, bytes: usize) {
     const HUGE: usize = 2 << 20;
-    let bytes = core::mem::size_of_val(v);
     if bytes < 4 * HUGE {
         return;
     }
-    let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
-    let end = (v.as_ptr() as usize + bytes) / HUGE * HUGE;
+    let start = (ptr as usize).next_multiple_of(HUGE);
+    let end = (ptr as usize + bytes) / HUGE * HUGE;
     if end > start {
-        // SAFETY: [start, end) lies inside the allocation of `v`; MADV_HUGEPAGE only changes
+        // SAFETY: [start, end) lies inside the allocation; MADV_HUGEPAGE only changes
         // how the kernel backs those pages, not their contents, and failure is harmless.
         unsafe {
             libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
@@ -83,7 +92,7 @@ fn advise_huge_pages<T>(v: &[T]) {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise_huge_pages<T>(_v: &[T]) {}
+fn advise_huge_pages<T>(_ptr: *const T, _bytes: usize) {}
 
 /// Rows per parallel task for row-copy kernels: at least ~32 KiB of payload per task.
 fn rows_per_task(width: usize, elem_bytes: usize) -> usize {
@@ -111,18 +120,24 @@ pub fn gather_rows<T: Copy + Send + Sync + Default>(
     width: usize,
     idx: &[usize],
 ) -> Vec<T> {
-    let mut out = zeroed::<T>(idx.len() * width);
+    let len = idx.len() * width;
+    let mut out = uninit_output::<T>(len);
     if width == 0 {
         return out;
     }
     let chunk = rows_per_task(width, core::mem::size_of::<T>());
-    out.par_chunks_mut(chunk * width)
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk * width)
         .zip(idx.par_chunks(chunk))
         .for_each(|(dst, rows)| {
             for (d, &src) in dst.chunks_exact_mut(width).zip(rows) {
-                d.copy_from_slice(&x[src * width..(src + 1) * width]);
+                for (d, &v) in d.iter_mut().zip(&x[src * width..(src + 1) * width]) {
+                    d.write(v);
+                }
             }
         });
+    // SAFETY: the chunks cover all `len` elements and every one was written above.
+    unsafe { out.set_len(len) };
     out
 }
 
@@ -323,14 +338,18 @@ unsafe fn gemm_strided<T: KernelFloat>(
 
 /// `dst [rows, cols]` (row stride `cols`) = the transpose of `src [cols, rows]` (row-major),
 /// in cache-sized blocks.
-fn transpose_into<T: Copy>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
+///
+/// # Safety
+/// `dst` must be valid for writes of `rows · cols` elements that nothing else accesses.
+unsafe fn transpose_into<T: Copy>(src: &[T], rows: usize, cols: usize, dst: *mut T) {
     const B: usize = 32;
     for c0 in (0..cols).step_by(B) {
         for r0 in (0..rows).step_by(B) {
             for c in c0..(c0 + B).min(cols) {
                 let s = &src[c * rows..(c + 1) * rows];
                 for r in r0..(r0 + B).min(rows) {
-                    dst[r * cols + c] = s[r];
+                    // SAFETY: r·cols + c < rows·cols (caller's contract).
+                    unsafe { dst.add(r * cols + c).write(s[r]) };
                 }
             }
         }
@@ -358,10 +377,12 @@ pub fn grouped_gemm<T: KernelFloat>(
     layout: GemmWeightLayout,
 ) -> Vec<T> {
     let n_rows: usize = sizes.iter().sum();
-    let mut out = zeroed::<T>(n_rows * m);
-    if m == 0 || n_rows == 0 {
-        return out;
+    if m == 0 || n_rows == 0 || k == 0 {
+        return zeroed::<T>(n_rows * m);
     }
+    // Every output row belongs to exactly one tile and `gemm` overwrites its tile (it does
+    // not read the destination), so the output needs no zero fill.
+    let mut out = uninit_output::<T>(n_rows * m);
     let offsets = offsets_of(sizes);
     let out_ptr = SendPtr(out.as_mut_ptr());
     // Row tiles of >= 64 rows keep the packed weight panel reused across enough rows.
@@ -398,11 +419,9 @@ pub fn grouped_gemm<T: KernelFloat>(
                             1,
                         );
                     }
-                    // SAFETY: tiles cover disjoint output rows [row0, row0 + len).
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(out_ptr.get().add(row0 * m), tile.len * m)
-                    };
-                    transpose_into(scratch, tile.len, m, dst);
+                    // SAFETY: tiles cover disjoint output rows [row0, row0 + len), inside the
+                    // buffer's capacity.
+                    unsafe { transpose_into(scratch, tile.len, m, out_ptr.get().add(row0 * m)) };
                 }
                 GemmWeightLayout::OutIn | GemmWeightLayout::InOut => {
                     let (rhs_cs, rhs_rs) = match layout {
@@ -430,6 +449,8 @@ pub fn grouped_gemm<T: KernelFloat>(
                 }
             }
         });
+    // SAFETY: the tiles cover every row of every group, and each call wrote its rows in full.
+    unsafe { out.set_len(n_rows * m) };
     out
 }
 
@@ -445,9 +466,19 @@ pub fn grouped_gemm_wgrad<T: KernelFloat>(
     sizes: &[usize],
 ) -> Vec<T> {
     let groups = sizes.len();
-    let mut out = zeroed::<T>(groups * p * q);
+    let len = groups * p * q;
     if p == 0 || q == 0 {
-        return out;
+        return zeroed::<T>(len);
+    }
+    // Non-empty groups are overwritten in full by their tiles (`gemm` does not read the
+    // destination); only empty groups are zero-filled, so reused memory is never cleared twice.
+    let mut out = uninit_output::<T>(len);
+    for (g, _) in sizes.iter().enumerate().filter(|&(_, &s)| s == 0) {
+        out.spare_capacity_mut()[g * p * q..(g + 1) * p * q]
+            .iter_mut()
+            .for_each(|v| {
+                v.write(T::ZERO);
+            });
     }
     let offsets = offsets_of(sizes);
     // Parallelise over (group, column block of Q): each tile owns disjoint output columns.
@@ -476,6 +507,9 @@ pub fn grouped_gemm_wgrad<T: KernelFloat>(
             );
         }
     });
+    // SAFETY: empty groups were zero-filled; the tiles of every other group cover its
+    // [P, Q] block and `gemm` wrote each tile in full.
+    unsafe { out.set_len(len) };
     out
 }
 
@@ -503,12 +537,13 @@ impl ActivationFloat for f64 {
 /// `[gate; up]`, `z[r] = silu(gate[r]) ⊙ up[r] · p_r`. Output `[N, F]`.
 pub fn swiglu_probs<T: ActivationFloat>(hidden: &[T], f: usize, probs: &[T]) -> Vec<T> {
     let n = probs.len();
-    let mut out = zeroed::<T>(n * f);
+    let mut out = uninit_output::<T>(n * f);
     if f == 0 {
         return out;
     }
     let chunk = rows_per_task(2 * f, core::mem::size_of::<T>());
-    out.par_chunks_mut(chunk * f)
+    out.spare_capacity_mut()[..n * f]
+        .par_chunks_mut(chunk * f)
         .enumerate()
         .for_each(|(c, dst)| {
             for (i, z) in dst.chunks_exact_mut(f).enumerate() {
@@ -516,10 +551,12 @@ pub fn swiglu_probs<T: ActivationFloat>(hidden: &[T], f: usize, probs: &[T]) -> 
                 let (gate, up) = hidden[r * 2 * f..(r + 1) * 2 * f].split_at(f);
                 let p = probs[r];
                 for ((z, &g), &u) in z.iter_mut().zip(gate).zip(up) {
-                    *z = g * g.sigmoid() * u * p;
+                    z.write(g * g.sigmoid() * u * p);
                 }
             }
         });
+    // SAFETY: the chunks cover all n·F elements and every one was written above.
+    unsafe { out.set_len(n * f) };
     out
 }
 
@@ -532,13 +569,14 @@ pub fn swiglu_probs_backward<T: ActivationFloat>(
     dz: &[T],
 ) -> (Vec<T>, Vec<T>) {
     let n = probs.len();
-    let mut dh = zeroed::<T>(n * 2 * f);
+    let mut dh = uninit_output::<T>(n * 2 * f);
     let mut dp = vec![T::ZERO; n];
     if f == 0 {
         return (dh, dp);
     }
     let chunk = rows_per_task(2 * f, core::mem::size_of::<T>());
-    dh.par_chunks_mut(chunk * 2 * f)
+    dh.spare_capacity_mut()[..n * 2 * f]
+        .par_chunks_mut(chunk * 2 * f)
         .zip(dp.par_chunks_mut(chunk))
         .enumerate()
         .for_each(|(c, (dh_rows, dp_rows))| {
@@ -554,12 +592,15 @@ pub fn swiglu_probs_backward<T: ActivationFloat>(
                     let s = g.sigmoid();
                     let silu = g * s;
                     acc += d * silu * u;
-                    du[j] = d * p * silu;
-                    dg[j] = d * p * u * s * (T::ONE + g * (T::ONE - s));
+                    du[j].write(d * p * silu);
+                    dg[j].write(d * p * u * s * (T::ONE + g * (T::ONE - s)));
                 }
                 *dpr = acc;
             }
         });
+    // SAFETY: the chunks cover all n·2F elements and every row's gate and up halves were
+    // written above.
+    unsafe { dh.set_len(n * 2 * f) };
     (dh, dp)
 }
 
