@@ -346,10 +346,10 @@ unsafe fn transpose_into<T: Copy>(src: &[T], rows: usize, cols: usize, dst: *mut
     for c0 in (0..cols).step_by(B) {
         for r0 in (0..rows).step_by(B) {
             for c in c0..(c0 + B).min(cols) {
-                let s = &src[c * rows..(c + 1) * rows];
-                for r in r0..(r0 + B).min(rows) {
+                let r1 = (r0 + B).min(rows);
+                for (r, &v) in (r0..r1).zip(&src[c * rows + r0..c * rows + r1]) {
                     // SAFETY: r·cols + c < rows·cols (caller's contract).
-                    unsafe { dst.add(r * cols + c).write(s[r]) };
+                    unsafe { dst.add(r * cols + c).write(v) };
                 }
             }
         }
