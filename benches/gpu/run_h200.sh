@@ -41,7 +41,10 @@ bin=.bench/cube_ops
     for z in .bench/*.xz; do xz -dkf "$z" && chmod +x "${z%.xz}"; done
     if [ -x .bench/cube_tests ]; then
         echo "== Cube kernels vs Flex reference (moe-backend/tests/cube.rs) on this GPU"
-        timeout 150 .bench/cube_tests --test-threads=1 || echo "cube tests failed (exit $?)"
+        # `_on_gl` tests run the same kernels through wgpu's OpenGL backend, which lavapipe CI
+        # needs (see the test docs); on a GPU the Vulkan device already runs the tiled kernels.
+        timeout 150 .bench/cube_tests --test-threads=1 --skip _on_gl \
+            || echo "cube tests failed (exit $?)"
     fi
     # Burn caches autotune results under the home dir; keep them out of the way.
     export HOME="${HOME:-/tmp}"

@@ -1,5 +1,5 @@
-//! MoE kernels on Burn's Cube backend (default Vulkan device), each against a baseline measured
-//! on the same device in the same run:
+//! MoE kernels on Burn's Cube backend (default Vulkan device, or OpenGL with `--device gl`), each
+//! against a baseline measured on the same device in the same run:
 //!
 //! (a) grouped GEMM (`ops::grouped_matmul`, group sizes on the device) at DeepSeek-V3 expert
 //!     shapes — hidden 7168, expert width 2048, 256 experts, top-8 of 4096 tokens (32768 rows),
@@ -8,7 +8,11 @@
 //!     the same bytes (an elementwise `x · 1` of a `[32768, 7168]` tensor).
 //!
 //! Run: `cargo bench -p moe-backend --features vulkan --bench cube_ops -- [--quick]
-//! [--dtype f32|f16|bf16] [--iters N]`. `--quick` uses small shapes (seconds on lavapipe).
+//! [--dtype f32|f16|bf16] [--iters N] [--device vulkan|gl]`. `--quick` uses small shapes (seconds
+//! on Mesa's CPU drivers). `MOE_CUBE_GEMM=tiled|direct` forces a grouped-GEMM kernel body
+//! (default: tiled, direct on software Vulkan devices; see `src/ops/cube/gemm.rs`). On lavapipe
+//! the dense baseline (Burn's shared-memory matmul) hits the CubeCL SPIR-V bug described there and
+//! crashes the driver: use `--device gl` (llvmpipe, WGSL) for a smoke run on a CPU.
 //! Timing: one warm-up call, then the median of `--iters` calls; each call ends by reading one
 //! element back, which waits for all queued work on the device.
 //!
@@ -19,6 +23,7 @@
 use std::time::Instant;
 
 use burn::backend::Dispatch;
+use burn::tensor::wgpu::WgpuBackend;
 use burn::tensor::{DType, Device, DeviceKind, Distribution, Int, Tensor, TensorData};
 use moe_backend::ops::{GroupSizes, MoeOps, WeightLayout, grouped_matmul};
 
@@ -52,6 +57,8 @@ struct Options {
     quick: bool,
     dtype: DType,
     iters: usize,
+    /// `--device gl`: Burn's wgpu runtime on OpenGL instead of the default Vulkan device.
+    gl: bool,
 }
 
 fn parse_args() -> Result<Options, String> {
@@ -59,6 +66,7 @@ fn parse_args() -> Result<Options, String> {
         quick: false,
         dtype: DType::F32,
         iters: 5,
+        gl: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -78,6 +86,13 @@ fn parse_args() -> Result<Options, String> {
                     .and_then(|v| v.parse().ok())
                     .filter(|&v: &usize| v > 0)
                     .ok_or("--iters expects a positive integer")?
+            }
+            "--device" => {
+                opts.gl = match args.next().as_deref() {
+                    Some("vulkan") => false,
+                    Some("gl") => true,
+                    other => return Err(format!("--device expects vulkan|gl, got {other:?}")),
+                }
             }
             // `cargo bench` passes `--bench`; ignore it and other harness flags.
             _ => {}
@@ -239,12 +254,24 @@ fn main() {
         }
     };
     let shapes = if opts.quick { &QUICK } else { &FULL };
-    let device = Device::vulkan(DeviceKind::DefaultDevice);
+    let device = if opts.gl {
+        match Device::wgpu_options().graphics_api(WgpuBackend::Gl).init() {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("cube_ops: no OpenGL wgpu device: {e}");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        Device::vulkan(DeviceKind::DefaultDevice)
+    };
     println!(
-        "cube_ops: {} shapes, dtype {:?}, {} timed iterations, device {device:?}",
+        "cube_ops: {} shapes, dtype {:?}, {} timed iterations, device {device:?}, \
+         MOE_CUBE_GEMM={}",
         if opts.quick { "quick" } else { "DeepSeek-V3" },
         opts.dtype,
-        opts.iters
+        opts.iters,
+        std::env::var("MOE_CUBE_GEMM").unwrap_or_else(|_| "auto".into())
     );
     let routing = random_routing(shapes, 42);
     bench_grouped_gemm(shapes, &routing, &opts, &device);

@@ -19,8 +19,8 @@
 //! ## Feature flags
 //!
 //! - `testing`: naive reference implementations for tests (`testing` module).
-//! - `vulkan`: CubeCL kernels on Burn's Vulkan runtime (builds offline; `.ci/gpu-lavapipe`
-//!   runs their tests on Mesa's lavapipe, where the grouped-GEMM shaders do not yet compile).
+//! - `vulkan`: CubeCL kernels on Burn's Vulkan runtime (builds offline; `.ci/gpu-lavapipe`, part
+//!   of CI, runs their tests on Mesa's lavapipe and the tiled grouped GEMM on llvmpipe's OpenGL).
 //! - `cuda`, `rocm`: the same kernels on Burn's CUDA / ROCm runtimes. These only forward to
 //!   Burn's features and need Burn's own build prerequisites (`cuda` downloads LLVM at build
 //!   time and fails offline; `rocm` needs a ROCm installation).

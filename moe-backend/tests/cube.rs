@@ -1,24 +1,40 @@
-//! `MoeOps` on Burn's Cube backend (Vulkan) against the Flex implementation and the per-group
-//! references of `testing.rs`: every op forward, the differentiable ones backward through
-//! `Autodiff` on the Cube device.
+//! `MoeOps` on Burn's Cube backend against the Flex implementation and the per-group references
+//! of `testing.rs`: every op forward, the differentiable ones backward through `Autodiff` on the
+//! Cube device.
 //!
-//! Run: `cargo test -p moe-backend --features vulkan --test cube` (any Vulkan device;
-//! `.ci/gpu-lavapipe` runs it on Mesa's lavapipe, which crashes compiling the grouped-GEMM
-//! shaders, so those tests are unverified there and this is not part of `.ci/run`). Tolerances: index outputs and row moves (permute, sort_chunks, drop-and-pad)
-//! exact; sums (unpermute, SwiGLU, d_probs) `1e-6` relative + `1e-6` absolute; grouped GEMMs
-//! (f32, K ≤ 130) `1e-5` relative + `1e-5` absolute, since the Cube kernel sums K in a
-//! different order than Flex's `gemm`.
+//! Run: `cargo test -p moe-backend --features vulkan --test cube -- --test-threads=1` (any
+//! Vulkan device; `.ci/gpu-lavapipe` runs it on Mesa's lavapipe and llvmpipe).
 //!
-//! Losses are seeded with `backward()` on the full output (ones), not `.sum().backward()`:
-//! Burn 0.22.1's reduce kernels (`sum`, `sum_dim`) crash Mesa 25.0's lavapipe while compiling
-//! their pipeline, so the gradient of the routing weights through the weighted unpermute (which
-//! the Autodiff wrapper computes with `sum_dim`) is checked on Flex only.
+//! Devices. Every op runs on the default Vulkan device (`cube()`, SPIR-V). The grouped-GEMM
+//! tests run a second time on Burn's wgpu runtime pinned to OpenGL (`gl()`, WGSL → GLSL; on CI
+//! Mesa's llvmpipe), because the two devices run different kernel bodies on a CPU driver:
+//! CubeCL 0.11.3's SPIR-V compiler emits invalid SPIR-V for any shared memory on a Vulkan
+//! device without `VK_KHR_workgroup_memory_explicit_layout` (lavapipe segfaults creating the
+//! pipeline), so on lavapipe the grouped GEMM runs its shared-memory-free *direct* kernel, while
+//! the WGSL path lowers shared memory correctly and runs the *tiled* kernel a GPU runs (see
+//! `src/ops/cube/gemm.rs`). On a GPU the Vulkan device runs the tiled kernel itself; skip the
+//! `_on_gl` tests where the machine has no OpenGL driver. For the same CubeCL bug Burn's own
+//! shared-memory kernels (`Tensor::sum`, the dense `matmul`) cannot run on lavapipe: gradients
+//! are seeded with `backward()` on the full output (ones) rather than `.sum().backward()`, and
+//! the per-group matmul reference is Burn's matmul on Flex (independent of the `gemm`-crate code
+//! of the Flex `MoeOps`). Burn's `sum_dim`, which the Autodiff wrapper uses for the
+//! routing-weight gradient, takes a shared-memory-free strategy at these sizes and runs on the
+//! Cube device.
+//!
+//! Tolerances: index outputs and row moves (permute, sort_chunks, drop-and-pad) exact; sums
+//! (unpermute, SwiGLU, d_probs) `1e-6` relative + `1e-6` absolute (`1e-5` relative where a
+//! transcendental feeds them: the driver's `tanh` / `exp` differ from Rust's libm by a few ulps);
+//! grouped GEMMs (f32, reduction lengths ≤ 200) `1e-5` relative + `1e-5` absolute, since the
+//! Cube kernels add the terms in a different order than Flex's `gemm`.
 #![cfg(feature = "vulkan")]
 
 #[allow(dead_code)]
 #[path = "../src/testing.rs"]
 mod testing;
 
+use std::sync::OnceLock;
+
+use burn::tensor::wgpu::WgpuBackend;
 use burn::tensor::{Bool, DType, Device, DeviceKind, Int, Tensor, TensorData};
 use moe_backend::ops::{
     GroupSizes, PermuteMode, RowIdMap, WeightLayout, attach_loss, grouped_matmul,
@@ -27,8 +43,21 @@ use moe_backend::ops::{
 };
 use testing::{SplitMix, assert_close, int_tensor, reference_grouped_matmul, tensor, values};
 
+/// The default Vulkan device (SPIR-V).
 fn cube() -> Device {
     Device::vulkan(DeviceKind::DefaultDevice)
+}
+
+/// Burn's wgpu runtime pinned to OpenGL (WGSL), initialised once per process.
+fn gl() -> Device {
+    static GL: OnceLock<Device> = OnceLock::new();
+    GL.get_or_init(|| {
+        Device::wgpu_options()
+            .graphics_api(WgpuBackend::Gl)
+            .init()
+            .expect("OpenGL wgpu device (on Debian: libegl1, libegl-mesa0, libgl1-mesa-dri)")
+    })
+    .clone()
 }
 
 fn flex() -> Device {
@@ -64,6 +93,9 @@ const CASES: [(usize, usize, usize, usize, usize); 6] = [
     (70, 300, 16, 4, 9),
 ];
 
+/// Permuted rows, `sorted_indices`, `probs_index`, `tokens_per_expert`, permuted probs.
+type Permuted = (Vec<f64>, Vec<usize>, Vec<usize>, Vec<usize>, Vec<f64>);
+
 /// Routing index, permuted rows and permuted probs of one device.
 fn permute_on(
     device: &Device,
@@ -72,7 +104,7 @@ fn permute_on(
     map: &[bool],
     dims: (usize, usize, usize),
     mode: PermuteMode,
-) -> (Vec<f64>, Vec<usize>, Vec<usize>, Vec<usize>, Vec<f64>) {
+) -> Permuted {
     let (t, h, e) = dims;
     let out = permute(
         tensor(xv.to_vec(), [t, h], device, DType::F32),
@@ -212,13 +244,15 @@ fn permute_unpermute_grads(
         PermuteMode::Dropless,
     )
     .expect("permute");
-    // Weighted by probs: forward and d tokens; d probs would need Burn's `sum_dim`, whose
-    // reduce kernel crashes lavapipe (see module docs), so probs enter as constants here.
-    let probs = perm.probs.map(|p| Tensor::from_data(p.into_data(), &ad));
-    let y = unpermute(perm.rows.tanh(), &perm.row_id_map, probs).expect("unpermute");
+    // Weighted by the permuted probs: d probs flows through the weighted unpermute (Burn's
+    // `sum_dim` on the device) and the permute of probs back to the `[T, E]` routing weights.
+    let y = unpermute(perm.rows.tanh(), &perm.row_id_map, perm.probs).expect("unpermute");
     let grads = (y.clone() * tensor(rv.to_vec(), [t, h], &ad, DType::F32)).backward();
-    let dp = p.grad(&grads).map(values).unwrap_or_default();
-    (values(y), values(x.grad(&grads).expect("dx")), dp)
+    (
+        values(y),
+        values(x.grad(&grads).expect("dx")),
+        values(p.grad(&grads).expect("d probs")),
+    )
 }
 
 #[test]
@@ -270,8 +304,8 @@ fn gmm_on(
     )
 }
 
-#[test]
-fn grouped_matmul_forward_and_backward_equal_flex_and_reference() {
+/// Grouped GEMM forward, dgrad and wgrad on `device` against Flex and a per-group reference.
+fn check_grouped_matmul(device: &Device) {
     let mut rng = SplitMix::new(14);
     let shapes = [(9, 5), (70, 130), (16, 64), (1, 1)];
     for sizes in [
@@ -288,7 +322,7 @@ fn grouped_matmul_forward_and_backward_equal_flex_and_reference() {
                 let (xv, wv, rv) = (rng.values(n * k), rng.values(g * m * k), rng.values(n * m));
                 let data = (&xv[..], &wv[..], &rv[..]);
                 let what = format!("sizes {sizes:?} k {k} m {m} {layout:?}");
-                let got = gmm_on(&cube(), &sizes, (k, m), layout, data, true);
+                let got = gmm_on(device, &sizes, (k, m), layout, data, true);
                 let want = gmm_on(&flex(), &sizes, (k, m), layout, data, false);
                 assert_close(&got.0, &want.0, 1e-5, 1e-5, &format!("forward {what}"));
                 assert_close(&got.1, &want.1, 1e-5, 1e-5, &format!("dgrad {what}"));
@@ -300,15 +334,15 @@ fn grouped_matmul_forward_and_backward_equal_flex_and_reference() {
                         assert!(block.iter().all(|&v| v == 0.0), "{what}: group {gi}");
                     }
                 }
-                // Per-group matmul reference run by Burn's own matmul on the Cube device.
+                // Per-group reference by Burn's own matmul (on Flex; see module docs).
                 let wshape = if layout == WeightLayout::OutIn {
                     [g, m, k]
                 } else {
                     [g, k, m]
                 };
                 let reference = reference_grouped_matmul(
-                    tensor(xv.clone(), [n, k], &cube(), DType::F32),
-                    tensor(wv.clone(), wshape, &cube(), DType::F32),
+                    tensor(xv.clone(), [n, k], &flex(), DType::F32),
+                    tensor(wv.clone(), wshape, &flex(), DType::F32),
                     &sizes,
                     layout == WeightLayout::OutIn,
                 );
@@ -316,6 +350,16 @@ fn grouped_matmul_forward_and_backward_equal_flex_and_reference() {
             }
         }
     }
+}
+
+#[test]
+fn grouped_matmul_forward_and_backward_equal_flex_and_reference() {
+    check_grouped_matmul(&cube());
+}
+
+#[test]
+fn grouped_matmul_forward_and_backward_equal_flex_and_reference_on_gl() {
+    check_grouped_matmul(&gl());
 }
 
 /// `wgrad(a, b)` and its gradients on one device.
@@ -340,8 +384,8 @@ fn wgrad_on(
     )
 }
 
-#[test]
-fn wgrad_op_and_its_backward_equal_flex() {
+/// The wgrad op and its backward on `device` against Flex.
+fn check_wgrad(device: &Device) {
     let mut rng = SplitMix::new(15);
     for (sizes, p, q) in [
         (vec![3, 0, 2], 4, 3),
@@ -352,12 +396,22 @@ fn wgrad_op_and_its_backward_equal_flex() {
         let g = sizes.len();
         let (av, bv, rv) = (rng.values(n * p), rng.values(n * q), rng.values(g * p * q));
         let data = (&av[..], &bv[..], &rv[..]);
-        let got = wgrad_on(&cube(), &sizes, (p, q), data);
+        let got = wgrad_on(device, &sizes, (p, q), data);
         let want = wgrad_on(&flex(), &sizes, (p, q), data);
         assert_close(&got.0, &want.0, 1e-5, 1e-5, "wgrad forward");
         assert_close(&got.1, &want.1, 1e-5, 1e-5, "d lhs");
         assert_close(&got.2, &want.2, 1e-5, 1e-5, "d rhs");
     }
+}
+
+#[test]
+fn wgrad_op_and_its_backward_equal_flex() {
+    check_wgrad(&cube());
+}
+
+#[test]
+fn wgrad_op_and_its_backward_equal_flex_on_gl() {
+    check_wgrad(&gl());
 }
 
 #[test]

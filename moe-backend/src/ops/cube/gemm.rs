@@ -1,4 +1,4 @@
-//! Tiled grouped GEMM kernels (moe-ops §9) that read group sizes from device memory.
+//! Grouped GEMM kernels (moe-ops §9) that read group sizes from device memory.
 //!
 //! A tiny scan kernel turns `group_sizes [G]` into row offsets and row-tile offsets on the
 //! device. The forward / dgrad kernel is launched over an upper bound of row tiles,
@@ -7,9 +7,22 @@
 //! count ever travels to the host. The wgrad kernel runs one cube per `(group, P tile, Q tile)`
 //! and loops over the group's rows.
 //!
-//! The forward / dgrad kernel computes `64 × 128` outputs per cube of `16 × 16` units (4 × 8
-//! outputs per unit), wgrad `64 × 64` (4 × 4 per unit); operands are staged through shared
-//! memory in `TILE_K = 16` slices and accumulated in f32 for every input dtype.
+//! Two kernel bodies share that launch geometry and output mapping ([`GemmKernel`]):
+//!
+//! - **tiled** (GPUs): the forward / dgrad kernel computes `64 × 128` outputs per cube of
+//!   `16 × 16` units (4 × 8 outputs per unit), wgrad `64 × 64` (4 × 4 per unit); operands are
+//!   staged through shared memory in `TILE_K = 16` slices.
+//! - **direct** (software Vulkan devices): the same per-unit register tiles, with every operand
+//!   read straight from global memory (no shared memory, no barriers). CubeCL 0.11.3's SPIR-V
+//!   compiler emits invalid SPIR-V for *any* shared memory on a Vulkan device without
+//!   `VK_KHR_workgroup_memory_explicit_layout` (its implicit lowering declares the `Workgroup`
+//!   variable with a pointer-to-pointer type, which `spirv-val` rejects and Mesa's lavapipe
+//!   segfaults on in `vkCreateComputePipelines`). lavapipe (Mesa 25) is such a device; the GPU
+//!   drivers (NVIDIA, RADV, ANV) expose the extension. [`GemmKernel::for_client`] picks the body.
+//!
+//! Both accumulate in f32 for every input dtype and add the reduction terms in the same order
+//! (`k = 0, 1, …` for the forward / dgrad, group rows in order for wgrad), so they agree up to
+//! the driver's FMA contraction.
 
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
@@ -48,15 +61,32 @@ fn group_offsets_kernel<I: Int>(
         for g in 0..sizes.len() {
             let s = u32::cast_from(sizes[g]);
             rows += s;
-            tiles += (s + tile_m as u32 - 1) / tile_m as u32;
+            tiles += s.div_ceil(tile_m as u32);
             offsets[g + 1] = rows;
             tile_offsets[g + 1] = tiles;
         }
     }
 }
 
-/// Grouped GEMM `out[seg_g] = x[seg_g] · W_g(ᵀ)` for `x [N, K]`; `w [G, M, K]` when
-/// `transpose_w`, else `[G, K, M]`; `out [N, M]`.
+/// Group of row tile `tile`: the last `g` with `tile_offsets[g] <= tile` (binary search; the
+/// caller has checked `tile < tile_offsets[groups]`).
+#[cube]
+fn tile_group(tile_offsets: &Tensor<u32>, tile: u32, groups: u32) -> u32 {
+    let mut lo = 0u32;
+    let mut hi = groups;
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if tile_offsets[mid as usize] <= tile {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Tiled grouped GEMM (shared-memory staging): `out[seg_g] = x[seg_g] · W_g(ᵀ)` for
+/// `x [N, K]`; `w [G, M, K]` when `transpose_w`, else `[G, K, M]`; `out [N, M]`.
 #[cube(launch)]
 fn grouped_gemm_kernel<E: Float>(
     x: &Tensor<E>,
@@ -70,23 +100,12 @@ fn grouped_gemm_kernel<E: Float>(
     #[comptime] transpose_w: bool,
     #[define(E)] _dtype: ElemType,
 ) {
-    let tile = CUBE_POS_Y as u32;
+    let tile = CUBE_POS_Y;
     let total_tiles = tile_offsets[groups as usize];
     if tile >= total_tiles {
         terminate!();
     }
-    // Group of this row tile: the last g with tile_offsets[g] <= tile.
-    let mut lo = 0u32;
-    let mut hi = groups;
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if tile_offsets[mid as usize] <= tile {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    let g = lo as usize;
+    let g = tile_group(tile_offsets, tile, groups) as usize;
     let row0 = (offsets[g] + (tile - tile_offsets[g]) * 64u32) as usize;
     let row_end = offsets[g + 1] as usize;
     let col0 = CUBE_POS_X as usize * 128usize;
@@ -186,8 +205,8 @@ fn grouped_gemm_kernel<E: Float>(
     }
 }
 
-/// Grouped weight gradient `out[g] = lhs[seg_g]ᵀ · rhs[seg_g]` for `lhs [N, P]`, `rhs [N, Q]`,
-/// `out [G, P, Q]` (zero for empty groups).
+/// Tiled grouped weight gradient (shared-memory staging): `out[g] = lhs[seg_g]ᵀ · rhs[seg_g]`
+/// for `lhs [N, P]`, `rhs [N, Q]`, `out [G, P, Q]` (zero for empty groups).
 #[cube(launch)]
 fn grouped_wgrad_kernel<E: Float>(
     lhs: &Tensor<E>,
@@ -273,6 +292,230 @@ fn grouped_wgrad_kernel<E: Float>(
     }
 }
 
+/// Direct grouped GEMM (no shared memory), same contract, grid and output mapping as
+/// [`grouped_gemm_kernel`]: unit `(tx, ty)` of a row tile owns rows `row0 + ty + 16 i` (i < 4)
+/// and columns `col0 + tx + 16 j` (j < 8) and reads its operands from global memory. Row and
+/// column indices past the segment / matrix are clamped to its last row / column, so every load
+/// is in bounds; those outputs are not stored.
+#[cube(launch)]
+fn grouped_gemm_direct_kernel<E: Float>(
+    x: &Tensor<E>,
+    w: &Tensor<E>,
+    offsets: &Tensor<u32>,
+    tile_offsets: &Tensor<u32>,
+    out: &mut Tensor<E>,
+    k_dim: u32,
+    m_dim: u32,
+    groups: u32,
+    #[comptime] transpose_w: bool,
+    #[define(E)] _dtype: ElemType,
+) {
+    let tile = CUBE_POS_Y;
+    let total_tiles = tile_offsets[groups as usize];
+    if tile >= total_tiles {
+        terminate!();
+    }
+    let g = tile_group(tile_offsets, tile, groups) as usize;
+    let row0 = (offsets[g] + (tile - tile_offsets[g]) * 64u32) as usize;
+    let row_end = offsets[g + 1] as usize;
+    let col0 = CUBE_POS_X as usize * 128usize;
+    let k = k_dim as usize;
+    let m = m_dim as usize;
+    let w_base = g * m * k;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+
+    // Element offsets of this unit's x rows and W_g columns (clamped, see above).
+    let mut x_row = Array::<usize>::new(4usize);
+    #[unroll]
+    for i in 0..4 {
+        let mut r = row0 + ty + i * 16usize;
+        if r >= row_end {
+            r = row_end - 1;
+        }
+        x_row[i] = r * k;
+    }
+    let mut w_col = Array::<usize>::new(8usize);
+    #[unroll]
+    for j in 0..8 {
+        let mut c = col0 + tx + j * 16usize;
+        if c >= m {
+            c = m - 1;
+        }
+        w_col[j] = c;
+    }
+    let mut acc = Array::<f32>::new(32usize);
+    #[unroll]
+    for i in 0..32 {
+        acc[i] = 0.0f32;
+    }
+
+    for kk in 0..k {
+        let mut a_r = Array::<f32>::new(4usize);
+        let mut b_r = Array::<f32>::new(8usize);
+        #[unroll]
+        for i in 0..4 {
+            a_r[i] = f32::cast_from(x[x_row[i] + kk]);
+        }
+        #[unroll]
+        for j in 0..8 {
+            if comptime![transpose_w] {
+                b_r[j] = f32::cast_from(w[w_base + w_col[j] * k + kk]);
+            } else {
+                b_r[j] = f32::cast_from(w[w_base + kk * m + w_col[j]]);
+            }
+        }
+        #[unroll]
+        for i in 0..4 {
+            #[unroll]
+            for j in 0..8 {
+                acc[i * 8 + j] += a_r[i] * b_r[j];
+            }
+        }
+    }
+
+    #[unroll]
+    for i in 0..4 {
+        let r = row0 + ty + i * 16usize;
+        #[unroll]
+        for j in 0..8 {
+            let c = col0 + tx + j * 16usize;
+            if r < row_end && c < m {
+                out[r * m + c] = E::cast_from(acc[i * 8 + j]);
+            }
+        }
+    }
+}
+
+/// Direct grouped weight gradient (no shared memory), same contract, grid and output mapping as
+/// [`grouped_wgrad_kernel`]: unit `(tx, ty)` owns `P` indices `p0 + ty + 16 i` and `Q` indices
+/// `q0 + tx + 16 j` (i, j < 4), clamped for the loads like [`grouped_gemm_direct_kernel`].
+#[cube(launch)]
+fn grouped_wgrad_direct_kernel<E: Float>(
+    lhs: &Tensor<E>,
+    rhs: &Tensor<E>,
+    offsets: &Tensor<u32>,
+    out: &mut Tensor<E>,
+    p_dim: u32,
+    q_dim: u32,
+    #[define(E)] _dtype: ElemType,
+) {
+    let g = CUBE_POS_Z as usize;
+    let p0 = CUBE_POS_Y as usize * 64usize;
+    let q0 = CUBE_POS_X as usize * 64usize;
+    let p = p_dim as usize;
+    let q = q_dim as usize;
+    let row_start = offsets[g] as usize;
+    let row_end = offsets[g + 1] as usize;
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+
+    let mut a_col = Array::<usize>::new(4usize);
+    let mut b_col = Array::<usize>::new(4usize);
+    #[unroll]
+    for i in 0..4 {
+        let mut pi = p0 + ty + i * 16usize;
+        if pi >= p {
+            pi = p - 1;
+        }
+        a_col[i] = pi;
+        let mut qj = q0 + tx + i * 16usize;
+        if qj >= q {
+            qj = q - 1;
+        }
+        b_col[i] = qj;
+    }
+    let mut acc = Array::<f32>::new(16usize);
+    #[unroll]
+    for i in 0..16 {
+        acc[i] = 0.0f32;
+    }
+
+    for r in row_start..row_end {
+        let mut a_r = Array::<f32>::new(4usize);
+        let mut b_r = Array::<f32>::new(4usize);
+        #[unroll]
+        for i in 0..4 {
+            a_r[i] = f32::cast_from(lhs[r * p + a_col[i]]);
+            b_r[i] = f32::cast_from(rhs[r * q + b_col[i]]);
+        }
+        #[unroll]
+        for i in 0..4 {
+            #[unroll]
+            for j in 0..4 {
+                acc[i * 4 + j] += a_r[i] * b_r[j];
+            }
+        }
+    }
+
+    #[unroll]
+    for i in 0..4 {
+        let pi = p0 + ty + i * 16usize;
+        #[unroll]
+        for j in 0..4 {
+            let qj = q0 + tx + j * 16usize;
+            if pi < p && qj < q {
+                out[g * p * q + pi * q + qj] = E::cast_from(acc[i * 4 + j]);
+            }
+        }
+    }
+}
+
+/// Which grouped-GEMM kernel body runs on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GemmKernel {
+    /// Shared-memory staged tiles: what a GPU runs.
+    Tiled,
+    /// Operands read from global memory, no shared memory.
+    Direct,
+}
+
+/// Environment variable that overrides the kernel choice: `tiled`, `direct` or `auto`.
+pub(crate) const GEMM_KERNEL_ENV: &str = "MOE_CUBE_GEMM";
+
+impl GemmKernel {
+    /// The kernel for `client`'s device: [`GemmKernel::Direct`] where CubeCL compiles to SPIR-V
+    /// for a device that is no card (lavapipe, SwiftShader: no explicit workgroup-memory layout,
+    /// so CubeCL 0.11.3's shared memory is invalid SPIR-V there), else [`GemmKernel::Tiled`].
+    /// [`GEMM_KERNEL_ENV`] overrides it (read once per process; other values warn on stderr and
+    /// fall back to the automatic choice).
+    pub(crate) fn for_client(client: &Client) -> Self {
+        static CHOICE: std::sync::OnceLock<Option<GemmKernel>> = std::sync::OnceLock::new();
+        let forced = *CHOICE.get_or_init(|| match std::env::var(GEMM_KERNEL_ENV).as_deref() {
+            Ok("tiled") => Some(Self::Tiled),
+            Ok("direct") => Some(Self::Direct),
+            Ok("auto") | Ok("") | Err(std::env::VarError::NotPresent) => None,
+            Ok(other) => {
+                eprintln!(
+                    "warning: {GEMM_KERNEL_ENV}={other:?} is not tiled, direct or auto; \
+                     choosing the grouped-GEMM kernel automatically"
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("warning: {GEMM_KERNEL_ENV}: {e}; choosing automatically");
+                None
+            }
+        });
+        forced.unwrap_or_else(|| {
+            Self::auto(
+                client.name(),
+                client.properties().identity.physical.is_some(),
+            )
+        })
+    }
+
+    /// The automatic choice for a runtime named `runtime` (CubeCL's `Client::name`) on a device
+    /// that is (`has_card`) or is not a physical card.
+    fn auto(runtime: &str, has_card: bool) -> Self {
+        if runtime == "wgpu<spirv>" && !has_card {
+            Self::Direct
+        } else {
+            Self::Tiled
+        }
+    }
+}
+
 /// Device row offsets `[G + 1]` and row-tile offsets `[G + 1]` of `group_sizes [G]`.
 fn group_offsets(sizes: &CubeTensor) -> (CubeTensor, CubeTensor) {
     let g = sizes.meta.shape()[0];
@@ -339,21 +582,47 @@ pub(crate) fn grouped_matmul(
     let (offsets, tile_offsets) = group_offsets(&sizes);
     let count = CubeCount::Static(tiles(m, TILE_N, op), tiles(n, TILE_M, op) + g as u32, 1);
     let dtype = float_storage(x.dtype);
-    grouped_gemm_kernel::launch(
-        &x.client,
-        count,
-        CubeDim::new_2d(UNITS, UNITS),
-        x.clone().into_tensor_arg(),
-        w.into_tensor_arg(),
-        offsets.into_tensor_arg(),
-        tile_offsets.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
+    let dim = CubeDim::new_2d(UNITS, UNITS);
+    let (x_arg, w_arg) = (x.clone().into_tensor_arg(), w.into_tensor_arg());
+    let (off_arg, tiles_arg) = (offsets.into_tensor_arg(), tile_offsets.into_tensor_arg());
+    let out_arg = out.clone().into_tensor_arg();
+    let (k_arg, m_arg, g_arg) = (
         launch::u32_arg(k, op),
         launch::u32_arg(m, op),
         launch::u32_arg(g, op),
-        transpose_weights,
-        dtype,
     );
+    match GemmKernel::for_client(&x.client) {
+        GemmKernel::Tiled => grouped_gemm_kernel::launch(
+            &x.client,
+            count,
+            dim,
+            x_arg,
+            w_arg,
+            off_arg,
+            tiles_arg,
+            out_arg,
+            k_arg,
+            m_arg,
+            g_arg,
+            transpose_weights,
+            dtype,
+        ),
+        GemmKernel::Direct => grouped_gemm_direct_kernel::launch(
+            &x.client,
+            count,
+            dim,
+            x_arg,
+            w_arg,
+            off_arg,
+            tiles_arg,
+            out_arg,
+            k_arg,
+            m_arg,
+            g_arg,
+            transpose_weights,
+            dtype,
+        ),
+    }
     out
 }
 
@@ -388,17 +657,35 @@ pub(crate) fn grouped_matmul_wgrad(
         launch::u32_arg(g, op),
     );
     let dtype = float_storage(lhs.dtype);
-    grouped_wgrad_kernel::launch(
-        &lhs.client,
-        count,
-        CubeDim::new_2d(UNITS, UNITS),
-        lhs.clone().into_tensor_arg(),
-        rhs.into_tensor_arg(),
-        offsets.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        launch::u32_arg(p, op),
-        launch::u32_arg(q, op),
-        dtype,
-    );
+    let dim = CubeDim::new_2d(UNITS, UNITS);
+    let (lhs_arg, rhs_arg) = (lhs.clone().into_tensor_arg(), rhs.into_tensor_arg());
+    let (off_arg, out_arg) = (offsets.into_tensor_arg(), out.clone().into_tensor_arg());
+    let (p_arg, q_arg) = (launch::u32_arg(p, op), launch::u32_arg(q, op));
+    match GemmKernel::for_client(&lhs.client) {
+        GemmKernel::Tiled => grouped_wgrad_kernel::launch(
+            &lhs.client,
+            count,
+            dim,
+            lhs_arg,
+            rhs_arg,
+            off_arg,
+            out_arg,
+            p_arg,
+            q_arg,
+            dtype,
+        ),
+        GemmKernel::Direct => grouped_wgrad_direct_kernel::launch(
+            &lhs.client,
+            count,
+            dim,
+            lhs_arg,
+            rhs_arg,
+            off_arg,
+            out_arg,
+            p_arg,
+            q_arg,
+            dtype,
+        ),
+    }
     out
 }

@@ -10,6 +10,10 @@
 //! | `moe_grouped_matmul(_wgrad)` | tiled grouped GEMM, group offsets on device ([`gemm`]) |
 //! | `moe_swiglu(_backward)` | elementwise + per-row reduction ([`swiglu`]) |
 //!
+//! The grouped GEMM stages its tiles through shared memory on GPUs and reads them straight from
+//! global memory on software Vulkan devices such as lavapipe, where CubeCL 0.11.3 cannot compile
+//! shared memory (see [`gemm`]; `MOE_CUBE_GEMM=tiled|direct` overrides the choice).
+//!
 //! Inputs may be any float dtype the runtime supports (f32 everywhere; f16/bf16 where the device
 //! has them); accumulation is f32. Index tensors may be any integer dtype; index outputs are
 //! `i32`. Results are deterministic: no float atomics, fixed summation orders. Burn's `fusion`
