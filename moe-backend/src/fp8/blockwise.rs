@@ -13,6 +13,13 @@
 
 use rayon::prelude::*;
 
+/// Runs `f` compiled for the best instruction set of this CPU (AVX-512 / AVX2 through `pulp`),
+/// so the codec loops below vectorise; the workspace is built for baseline x86-64.
+#[inline(always)]
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
+}
+
 use super::formats::{Fp8Format, f32_to_e4m3, f32_to_e5m2};
 use super::primary_weights::compute_scale_from_amax;
 use crate::error::{BackendError, Result};
@@ -61,20 +68,20 @@ impl Fp8Blocks {
         if out.is_empty() {
             return Ok(());
         }
-        let table = self.format.decode_table();
+        let format = self.format;
         let strip = b0 * cols;
         out.par_chunks_mut(strip)
             .zip(self.data.par_chunks(strip))
             .zip(self.scale_inv.par_chunks(gc))
             .with_min_len(min_strips_per_task(strip))
             .for_each(|((out, q), s)| {
-                for (out_row, q_row) in out.chunks_exact_mut(cols).zip(q.chunks_exact(cols)) {
-                    for ((o, q), &s) in out_row.chunks_mut(b1).zip(q_row.chunks(b1)).zip(s) {
-                        for (o, &q) in o.iter_mut().zip(q) {
-                            *o = table[q as usize] * s;
+                simd(|| {
+                    for (out_row, q_row) in out.chunks_exact_mut(cols).zip(q.chunks_exact(cols)) {
+                        for ((o, q), &s) in out_row.chunks_mut(b1).zip(q_row.chunks(b1)).zip(s) {
+                            decode_scaled(format, q, s, o);
                         }
                     }
-                }
+                })
             });
         Ok(())
     }
@@ -153,7 +160,7 @@ fn check_block(op: &'static str, block: [usize; 2]) -> Result<()> {
 
 /// Casts `x · scale` elementwise into `q` with `format`'s encoder (monomorphised per format so
 /// the inner loop inlines the encoder).
-#[inline]
+#[inline(always)]
 fn encode_scaled(format: Fp8Format, x: &[f32], scale: f32, q: &mut [u8]) {
     match format {
         Fp8Format::E4M3 => {
@@ -169,10 +176,20 @@ fn encode_scaled(format: Fp8Format, x: &[f32], scale: f32, q: &mut [u8]) {
     }
 }
 
+/// `out = decode(q) · s` elementwise, by table lookup (measured faster than decoding the bits
+/// arithmetically, with AVX-512 too).
+#[inline(always)]
+pub(crate) fn decode_scaled(format: Fp8Format, q: &[u8], s: f32, out: &mut [f32]) {
+    let table = format.decode_table();
+    for (o, &q) in out.iter_mut().zip(q) {
+        *o = table[q as usize] * s;
+    }
+}
+
 /// `max |x|` ignoring NaN. For non-NaN floats the order of `|x|` equals the order of their
 /// bit patterns as integers, so the reduction is an integer max over masked bits (NaNs mapped
 /// to 0), which vectorises, exactly.
-#[inline]
+#[inline(always)]
 fn abs_max(x: &[f32]) -> f32 {
     const LANES: usize = 16;
     let key = |v: &f32| {
@@ -225,24 +242,27 @@ pub fn quantize_blockwise(
         .for_each_init(
             || vec![0f32; gc],
             |scales, ((q, x), s)| {
-                // Pass 1: amax of every block of this strip (accumulated in `s`).
-                s.fill(0.0);
-                for row in x.chunks_exact(cols) {
-                    for (a, blk) in s.iter_mut().zip(row.chunks(b1)) {
-                        *a = a.max(abs_max(blk));
+                simd(|| {
+                    // Pass 1: amax of every block of this strip (accumulated in `s`).
+                    s.fill(0.0);
+                    for row in x.chunks_exact(cols) {
+                        for (a, blk) in s.iter_mut().zip(row.chunks(b1)) {
+                            *a = a.max(abs_max(blk));
+                        }
                     }
-                }
-                for (scale, s) in scales.iter_mut().zip(s.iter_mut()) {
-                    *scale = compute_scale_from_amax(*s, fmax, pow2, 0.0);
-                    *s = 1.0 / *scale;
-                }
-                // Pass 2: cast with the block's scale.
-                for (q_row, x_row) in q.chunks_exact_mut(cols).zip(x.chunks_exact(cols)) {
-                    for ((q, x), &scale) in q_row.chunks_mut(b1).zip(x_row.chunks(b1)).zip(&*scales)
-                    {
-                        encode_scaled(format, x, scale, q);
+                    for (scale, s) in scales.iter_mut().zip(s.iter_mut()) {
+                        *scale = compute_scale_from_amax(*s, fmax, pow2, 0.0);
+                        *s = 1.0 / *scale;
                     }
-                }
+                    // Pass 2: cast with the block's scale.
+                    for (q_row, x_row) in q.chunks_exact_mut(cols).zip(x.chunks_exact(cols)) {
+                        for ((q, x), &scale) in
+                            q_row.chunks_mut(b1).zip(x_row.chunks(b1)).zip(&*scales)
+                        {
+                            encode_scaled(format, x, scale, q);
+                        }
+                    }
+                })
             },
         );
     Ok(Fp8Blocks {
@@ -267,13 +287,13 @@ pub fn quantize_per_tensor(
     check_shape("quantize_per_tensor", values.len(), rows, cols)?;
     let amax = values
         .par_chunks(64 * 1024)
-        .map(abs_max)
+        .map(|x| simd(|| abs_max(x)))
         .reduce(|| 0.0, f32::max);
     let scale = compute_scale_from_amax(amax, format.max(), pow2, 0.0);
     let mut data = vec![0u8; values.len()];
     data.par_chunks_mut(64 * 1024)
         .zip(values.par_chunks(64 * 1024))
-        .for_each(|(q, x)| encode_scaled(format, x, scale, q));
+        .for_each(|(q, x)| simd(|| encode_scaled(format, x, scale, q)));
     Ok(Fp8Blocks {
         format,
         rows,
@@ -312,24 +332,26 @@ pub fn quantize_columnwise(
         let strips: Vec<(Vec<u8>, Vec<f32>)> = values
             .par_chunks(tile * cols)
             .map(|x| {
-                let len = x.len() / cols;
-                let mut amax = vec![0f32; cols];
-                for row in x.chunks_exact(cols) {
-                    for (a, v) in amax.iter_mut().zip(row) {
-                        *a = a.max(v.abs());
+                simd(|| {
+                    let len = x.len() / cols;
+                    let mut amax = vec![0f32; cols];
+                    for row in x.chunks_exact(cols) {
+                        for (a, v) in amax.iter_mut().zip(row) {
+                            *a = a.max(v.abs());
+                        }
                     }
-                }
-                let scales: Vec<f32> = amax
-                    .iter()
-                    .map(|&a| compute_scale_from_amax(a, fmax, pow2, 0.0))
-                    .collect();
-                let mut q = vec![0u8; cols * len];
-                for (r, row) in x.chunks_exact(cols).enumerate() {
-                    for (c, (&v, &s)) in row.iter().zip(&scales).enumerate() {
-                        q[c * len + r] = format.encode(v * s);
+                    let scales: Vec<f32> = amax
+                        .iter()
+                        .map(|&a| compute_scale_from_amax(a, fmax, pow2, 0.0))
+                        .collect();
+                    let mut q = vec![0u8; cols * len];
+                    for (r, row) in x.chunks_exact(cols).enumerate() {
+                        for (c, (&v, &s)) in row.iter().zip(&scales).enumerate() {
+                            q[c * len + r] = format.encode(v * s);
+                        }
                     }
-                }
-                (q, scales.iter().map(|s| 1.0 / s).collect())
+                    (q, scales.iter().map(|s| 1.0 / s).collect::<Vec<f32>>())
+                })
             })
             .collect();
         for (t, (q, s)) in strips.iter().enumerate() {

@@ -104,14 +104,14 @@ fn encode<const M: u32, const BIAS: u32>(x: f32, max_code: u32, nan_code: u8) ->
 
 /// Encodes `x` as an `F8_E4M3` (`float8_e4m3fn`) byte: round to nearest even, saturating to
 /// ±448 (finite inputs and ±inf), NaN → `0x7F` with the input's sign (fp8.md §1).
-#[inline]
+#[inline(always)]
 pub fn f32_to_e4m3(x: f32) -> u8 {
     encode::<3, 7>(x, 0x7E, 0x7F)
 }
 
 /// Encodes `x` as an `F8_E5M2` byte: round to nearest even, saturating to ±57344 (finite
 /// inputs and ±inf), NaN → `0x7E` with the input's sign (fp8.md §1).
-#[inline]
+#[inline(always)]
 pub fn f32_to_e5m2(x: f32) -> u8 {
     encode::<2, 15>(x, 0x7B, 0x7E)
 }

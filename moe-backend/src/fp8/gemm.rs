@@ -20,6 +20,7 @@
 use rayon::prelude::*;
 
 use super::blockwise::{Fp8Blocks, quantize_blockwise, quantize_columnwise};
+use super::formats::Fp8Format;
 use super::recipe::Fp8Recipe;
 use crate::error::{BackendError, Result};
 use crate::ops::kernels::offsets_of;
@@ -33,7 +34,7 @@ pub struct Fp8View<'a> {
     rows: usize,
     cols: usize,
     block: [usize; 2],
-    table: &'static [f32; 256],
+    format: Fp8Format,
 }
 
 impl<'a> Fp8View<'a> {
@@ -45,7 +46,7 @@ impl<'a> Fp8View<'a> {
             rows: m.rows,
             cols: m.cols,
             block: m.block,
-            table: m.format.decode_table(),
+            format: m.format,
         }
     }
 
@@ -63,6 +64,7 @@ impl<'a> Fp8View<'a> {
 
     /// Dequantises rows `r0..r0+len`, columns `c0..c0+kk` (inside one column block) into
     /// `buf` (`len · kk`, row-major).
+    #[inline(always)]
     fn dequantize_tile(&self, r0: usize, len: usize, c0: usize, kk: usize, buf: &mut [f32]) {
         let gc = self.cols.div_ceil(self.block[1]);
         let bj = c0 / self.block[1];
@@ -70,9 +72,7 @@ impl<'a> Fp8View<'a> {
             let r = r0 + i;
             let s = self.scale_inv[(r / self.block[0]) * gc + bj];
             let src = &self.data[r * self.cols + c0..r * self.cols + c0 + kk];
-            for (d, &q) in dst.iter_mut().zip(src) {
-                *d = self.table[q as usize] * s;
-            }
+            super::blockwise::decode_scaled(self.format, src, s, dst);
         }
     }
 }
@@ -155,8 +155,10 @@ pub fn grouped_gemm_tn(problems: &[TnProblem<'_>], out: &mut [f32]) -> Result<()
                 let kk = bk.min(k - c0);
                 buf_a.resize(ta * kk, 0.0);
                 buf_b.resize(tb * kk, 0.0);
-                p.a.dequantize_tile(i0, ta, c0, kk, buf_a);
-                p.b.dequantize_tile(j0, tb, c0, kk, buf_b);
+                super::blockwise::simd(|| {
+                    p.a.dequantize_tile(i0, ta, c0, kk, buf_a);
+                    p.b.dequantize_tile(j0, tb, c0, kk, buf_b);
+                });
                 // SAFETY: the tile [i0, i0+ta) x [j0, j0+tb) of problem `pi` lies inside
                 // out[out_start .. out_start + Ma·Mb] (checked above); problems' output
                 // ranges are disjoint by the callers' construction and tiles of one problem

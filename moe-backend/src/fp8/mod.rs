@@ -12,6 +12,7 @@ mod primary_weights;
 mod recipe;
 
 pub use blockwise::{Fp8Blocks, quantize_blockwise, quantize_columnwise, quantize_per_tensor};
+pub(crate) use blockwise::{decode_scaled, simd};
 pub use formats::{
     E4M3_MAX, E5M2_MAX, Fp8Format, e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2,
 };

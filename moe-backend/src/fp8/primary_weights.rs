@@ -4,7 +4,7 @@
 //! block's scale and quantises only its own elements. The result is bit-identical to
 //! quantising the whole BF16-cast weight on one rank, for any shard boundaries.
 
-use burn::tensor::{DType, Device, Tensor, TensorData, bf16};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use super::formats::{E4M3_MAX, f32_to_e4m3};
 use crate::comm::{Comm, ReduceOp};
@@ -93,6 +93,39 @@ impl BlockGrid {
         m * gr * gc + (r / self.b0) * gc + c / self.b1
     }
 
+    /// Calls `f(offset, len, block)` for the runs of consecutive flat elements
+    /// `start..start+len` that share a block, in order (`offset` counts from `start`). A run
+    /// never crosses a stored row, so each is a contiguous slice of one block.
+    pub fn for_each_run(&self, start: usize, len: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let per = self.rows * self.cols;
+        if per == 0 {
+            return;
+        }
+        let [gr, gc] = self.shape();
+        // Stored rows: canonical rows (`cols` long, blocks every b1) or, transposed, canonical
+        // columns (`rows` long, blocks every b0).
+        let (inner, step) = if self.transposed {
+            (self.rows, self.b0)
+        } else {
+            (self.cols, self.b1)
+        };
+        let end = start + len;
+        let mut i = start;
+        while i < end {
+            let (m, j) = (i / per, i % per);
+            let (outer, at) = (j / inner, j % inner);
+            let run = ((at / step + 1) * step).min(inner) - at;
+            let n = run.min(end - i);
+            let block = if self.transposed {
+                m * gr * gc + (at / self.b0) * gc + outer / self.b1
+            } else {
+                m * gr * gc + (outer / self.b0) * gc + at / self.b1
+            };
+            f(i - start, n, block);
+            i += n;
+        }
+    }
+
     fn check_range(&self, start: usize, len: usize) -> Result<()> {
         if start + len > self.numel() {
             return Err(BackendError::Index {
@@ -122,13 +155,32 @@ pub fn compute_scale_from_amax(amax: f32, fp8_max: f32, pow2: bool, eps: f32) ->
         scale = f32::MAX;
     }
     if pow2 {
-        scale = 2f32.powi(scale.log2().floor() as i32);
+        scale = if scale.is_normal() {
+            // 2^floor(log2(scale)) of a normal float: its exponent bits alone.
+            f32::from_bits(scale.to_bits() & 0xFF80_0000)
+        } else {
+            2f32.powi(scale.log2().floor() as i32)
+        };
     }
     scale
 }
 
 fn model_dtype(v: f32) -> f32 {
-    bf16::from_f32(v).to_f32()
+    f32::from_bits(bf16_bits(v))
+}
+
+/// The f32 bits of `v` rounded to BF16 (round to nearest even; NaN stays a quiet NaN), as
+/// `half::bf16::from_f32`, branch-free so that slice loops vectorise.
+#[inline(always)]
+fn bf16_bits(v: f32) -> u32 {
+    let b = v.to_bits();
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
+    let nan = (b | 0x0040_0000) & 0xFFFF_0000;
+    if b & 0x7FFF_FFFF > 0x7F80_0000 {
+        nan
+    } else {
+        rounded
+    }
 }
 
 /// Per-block amax of the BF16-cast `values` (flat elements `start..start+len`); blocks the
@@ -154,13 +206,21 @@ pub fn accumulate_block_amax(
             detail: format!("{} amaxes for {} blocks", amax.len(), grid.num_blocks()),
         });
     }
-    for (i, &v) in values.iter().enumerate() {
-        let b = grid.block_of(start + i);
-        let a = model_dtype(v).abs();
-        if a > amax[b] || a.is_nan() {
-            amax[b] = a;
-        }
-    }
+    super::blockwise::simd(|| {
+        grid.for_each_run(start, values.len(), |at, n, b| {
+            // Integer max over the BF16-cast |v| bits: for non-NaN floats the order of the bits
+            // is the order of the values, and NaN bits exceed every finite one, so a NaN wins,
+            // as the MAX all-reduce would.
+            let run = values[at..at + n]
+                .iter()
+                .map(|&v| bf16_bits(v) & 0x7FFF_FFFF)
+                .fold(0u32, u32::max);
+            let a = f32::from_bits(run);
+            if a > amax[b] || a.is_nan() {
+                amax[b] = a;
+            }
+        });
+    });
     Ok(())
 }
 
@@ -179,11 +239,16 @@ pub fn cast_shard_with_scales(
             detail: format!("{} scales for {} blocks", scales.len(), grid.num_blocks()),
         });
     }
-    Ok(values
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| f32_to_e4m3(model_dtype(v) * scales[grid.block_of(start + i)]))
-        .collect())
+    let mut out = vec![0u8; values.len()];
+    super::blockwise::simd(|| {
+        grid.for_each_run(start, values.len(), |at, n, b| {
+            let scale = scales[b];
+            for (q, &v) in out[at..at + n].iter_mut().zip(&values[at..at + n]) {
+                *q = f32_to_e4m3(model_dtype(v) * scale);
+            }
+        });
+    });
+    Ok(out)
 }
 
 /// Steps 2–5 of fp8.md §4 on one rank: partial amax, MAX all-reduce over `group` (every rank
@@ -230,6 +295,55 @@ mod tests {
         assert_eq!(compute_scale_from_amax(2.0, 448.0, true, 0.0), 128.0);
         assert_eq!(compute_scale_from_amax(1e-30, 448.0, false, 0.5), 896.0);
         assert_eq!(compute_scale_from_amax(1e-45, 448.0, false, 0.0), f32::MAX);
+    }
+
+    #[test]
+    fn bf16_rounding_equals_half_and_runs_tile_the_range() {
+        use burn::tensor::bf16;
+        let mut rng = SplitMix::new(99);
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::INFINITY,
+        ];
+        let values = specials
+            .into_iter()
+            .chain([f32::NAN, -f32::NAN, f32::from_bits(0x7F80_0001)])
+            .chain((0..200_000).map(|_| f32::from_bits(rng.below(u32::MAX as usize) as u32)));
+        for v in values {
+            let want = bf16::from_f32(v).to_f32();
+            let got = model_dtype(v);
+            if want.is_nan() {
+                assert!(got.is_nan(), "{v:e}");
+            } else {
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{v:e} ({:#010x})",
+                    v.to_bits()
+                );
+            }
+        }
+        // Runs cover every element once, in order, each inside one block, for both storages.
+        for transposed in [false, true] {
+            let g = BlockGrid::stacked(3, 10, 7, [4, 3], transposed).unwrap();
+            for (start, len) in [(0, g.numel()), (5, 97), (69, 1), (13, 0)] {
+                let mut next = 0;
+                g.for_each_run(start, len, |at, n, b| {
+                    assert_eq!(at, next);
+                    assert!(n > 0);
+                    for i in at..at + n {
+                        assert_eq!(g.block_of(start + i), b, "transposed {transposed}");
+                    }
+                    next += n;
+                });
+                assert_eq!(next, len);
+            }
+        }
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::comm::{Comm, ReduceOp};
 use crate::error::{BackendError, Result};
 use crate::fp8::{
     BlockGrid, E4M3_MAX, Fp8Format, Fp8Recipe, accumulate_block_amax, cast_shard_with_scales,
-    compute_scale_from_amax,
+    compute_scale_from_amax, decode_scaled, simd,
 };
 
 /// Settings of FP8 primary weights.
@@ -109,12 +109,14 @@ pub struct Fp8Weight {
 impl Fp8Weight {
     /// Decoded values in storage order: `decode(q) · scale_inv` of each element's block.
     pub fn dequantize(&self) -> Vec<f32> {
-        let table = Fp8Format::E4M3.decode_table();
-        self.data
-            .iter()
-            .enumerate()
-            .map(|(i, &q)| table[q as usize] * self.scale_inv[self.grid.block_of(i)])
-            .collect()
+        let mut out = vec![0f32; self.data.len()];
+        simd(|| {
+            self.grid.for_each_run(0, self.data.len(), |at, n, b| {
+                let (q, o) = (&self.data[at..at + n], &mut out[at..at + n]);
+                decode_scaled(Fp8Format::E4M3, q, self.scale_inv[b], o);
+            });
+        });
+        out
     }
 
     /// The codes in canonical order (`[matrices, rows, cols]`): the storage order, transposed
@@ -346,7 +348,6 @@ pub(super) fn cast_and_gather(
         Vec::new()
     };
     // Decode and reassemble in rank order.
-    let table = Fp8Format::E4M3.decode_table();
     let mut weights: Vec<Fp8Weight> = slots
         .iter()
         .enumerate()
@@ -370,10 +371,19 @@ pub(super) fn cast_and_gather(
                     let w = &mut weights[i];
                     let local = seg.start - slots[i].offset;
                     w.data[local..local + k].copy_from_slice(src);
-                    for (j, (&q, out)) in src.iter().zip(&mut full[seg.start..seg.end]).enumerate()
-                    {
-                        *out = table[q as usize] * w.scale_inv[w.grid.block_of(local + j)];
-                    }
+                    let out = &mut full[seg.start..seg.end];
+                    let scale_inv = &w.scale_inv;
+                    simd(|| {
+                        w.grid.for_each_run(local, k, |at, n, b| {
+                            let s = scale_inv[b];
+                            decode_scaled(
+                                Fp8Format::E4M3,
+                                &src[at..at + n],
+                                s,
+                                &mut out[at..at + n],
+                            );
+                        });
+                    });
                     bi += k;
                 }
                 None => {
