@@ -153,6 +153,77 @@ fn convert_reshard_validate_export_round_trip_is_bit_exact() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// `moe convert` keeps an FP8 release checkpoint in FP8 and `moe export` writes it back bit for
+/// bit; `--dequantize` stores BF16, and `--dtype bf16` dequantises on export.
+#[test]
+fn fp8_checkpoints_stay_fp8_through_convert_and_export() {
+    use burn_moe::bridge::hf::HfCheckpoint;
+    use burn_moe::bridge::safetensors::Dtype;
+    let base = std::env::temp_dir().join(format!("moe-dist-fp8-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let s = |p: &std::path::Path| p.to_string_lossy().to_string();
+    let src = fixture("deepseek_v3_fp8");
+    let (fp8, bf16) = (base.join("fp8"), base.join("bf16"));
+    let (hf_fp8, hf_bf16, hf_deq) = (base.join("hf8"), base.join("hf16"), base.join("hfdq"));
+    let layout = "world=4,tp=2,ep=2";
+    for args in [
+        vec![
+            "convert",
+            "--from-hf",
+            &src,
+            "--out",
+            &s(&fp8),
+            "--layout",
+            layout,
+        ],
+        vec!["validate", &s(&fp8)],
+        vec!["export", &s(&fp8), "--out", &s(&hf_fp8)],
+        vec!["export", &s(&fp8), "--out", &s(&hf_bf16), "--dtype", "bf16"],
+        vec![
+            "convert",
+            "--from-hf",
+            &src,
+            "--out",
+            &s(&bf16),
+            "--layout",
+            layout,
+            "--dequantize",
+        ],
+        vec!["export", &s(&bf16), "--out", &s(&hf_deq)],
+    ] {
+        let out = moe(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let same = |a: &HfCheckpoint, b: &HfCheckpoint| {
+        let names: Vec<&str> = a.tensor_names().collect();
+        assert_eq!(names, b.tensor_names().collect::<Vec<_>>());
+        for name in names {
+            let (x, y) = (a.tensor(name).unwrap(), b.tensor(name).unwrap());
+            assert_eq!((x.dtype, x.shape), (y.dtype, y.shape), "{name}");
+            assert!(x.bytes == y.bytes, "{name} differs");
+        }
+    };
+    let source = HfCheckpoint::open(&src).unwrap();
+    same(&source, &HfCheckpoint::open(&hf_fp8).unwrap());
+    let reference = HfCheckpoint::open(fixture("deepseek_v3_fp8_dequant")).unwrap();
+    same(&reference, &HfCheckpoint::open(&hf_bf16).unwrap());
+    same(&reference, &HfCheckpoint::open(&hf_deq).unwrap());
+    let o_proj = "model.layers.0.self_attn.o_proj.weight";
+    assert_eq!(
+        HfCheckpoint::open(&hf_fp8)
+            .unwrap()
+            .tensor(o_proj)
+            .unwrap()
+            .dtype,
+        Dtype::F8E4M3
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 #[test]
 fn plan_reports_memory_and_traffic_and_searches_layouts() {
     let model = fixture("deepseek_v3");
