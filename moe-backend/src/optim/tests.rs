@@ -133,6 +133,31 @@ fn reference_run(
     (snapshots, norms)
 }
 
+/// This rank's AlltoAll dispatcher and its shard of `reference` (router and shared experts
+/// replicated, routed experts cut over EP/ETP) under `layout`.
+pub(super) fn rank_layer(
+    pg: &crate::comm::GroupComms,
+    layout: &ParallelLayout,
+    reference: &MoeLayer,
+) -> crate::Result<(AllToAllDispatcher, MoeLayer)> {
+    let dispatcher = AllToAllDispatcher::new(
+        pg.comm(GroupFamily::Ep).clone(),
+        pg.comm(GroupFamily::ExptTp).clone(),
+        pg.comm(GroupFamily::TpEp).clone(),
+        E,
+    )?;
+    let layer = MoeLayer {
+        router: replicate(&reference.router),
+        experts: reference.experts.shard(
+            dispatcher.local_experts(),
+            pg.groups.get(GroupFamily::ExptTp).index,
+            layout.etp,
+        )?,
+        shared_experts: reference.shared_experts.as_ref().map(replicate),
+    };
+    Ok((dispatcher, layer))
+}
+
 fn check(world: usize, spec: &str, max_grad_norm: Option<f64>) {
     let layout = ParallelLayout::parse(world, spec).unwrap();
     let reference = reference_layer();
@@ -140,21 +165,7 @@ fn check(world: usize, spec: &str, max_grad_norm: Option<f64>) {
     let (layout_ref, reference_ref) = (&layout, &reference);
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let dispatcher = AllToAllDispatcher::new(
-            pg.comm(GroupFamily::Ep).clone(),
-            pg.comm(GroupFamily::ExptTp).clone(),
-            pg.comm(GroupFamily::TpEp).clone(),
-            E,
-        )?;
-        let mut layer = MoeLayer {
-            router: replicate(&reference_ref.router),
-            experts: reference_ref.experts.shard(
-                dispatcher.local_experts(),
-                pg.groups.get(GroupFamily::ExptTp).index,
-                layout_ref.etp,
-            )?,
-            shared_experts: reference_ref.shared_experts.as_ref().map(replicate),
-        };
+        let (dispatcher, mut layer) = rank_layer(&pg, layout_ref, reference_ref)?;
         let mut optim = DistributedAdamW::new(
             &layer,
             &pg,

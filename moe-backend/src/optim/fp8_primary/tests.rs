@@ -7,13 +7,12 @@ use burn::tensor::{DType, Tensor, bf16};
 
 use super::*;
 use crate::comm::World;
-use crate::dispatch::{AllToAllDispatcher, TokenDispatcher};
 use crate::fp8::gemm::quantize_weights;
 use crate::fp8::quantize_blockwise;
 use crate::layer::MoeLayer;
-use crate::optim::tests::{LR, STEPS, T, ad, batch, config, loss, reference_layer};
+use crate::optim::tests::{LR, STEPS, T, ad, batch, config, loss, rank_layer, reference_layer};
 use crate::optim::{DistributedAdamW, MomentDtype};
-use crate::parallel::{GroupFamily, ParallelLayout, replicate};
+use crate::parallel::{GroupFamily, ParallelLayout};
 use crate::testing::{tensor, values};
 
 fn slot(offset: usize, numel: usize) -> Fp8Slot {
@@ -179,21 +178,7 @@ fn run(world: usize, spec: &str, config: Fp8PrimaryConfig) {
     let (layout_ref, reference_ref) = (&layout, &reference);
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let dispatcher = AllToAllDispatcher::new(
-            pg.comm(GroupFamily::Ep).clone(),
-            pg.comm(GroupFamily::ExptTp).clone(),
-            pg.comm(GroupFamily::TpEp).clone(),
-            crate::optim::tests::E,
-        )?;
-        let layer = MoeLayer {
-            router: replicate(&reference_ref.router),
-            experts: reference_ref.experts.shard(
-                dispatcher.local_experts(),
-                pg.groups.get(GroupFamily::ExptTp).index,
-                layout_ref.etp,
-            )?,
-            shared_experts: reference_ref.shared_experts.as_ref().map(replicate),
-        };
+        let (dispatcher, layer) = rank_layer(&pg, layout_ref, reference_ref)?;
         let mut optim = DistributedAdamW::new(
             &layer,
             &pg,
@@ -261,19 +246,7 @@ fn fp8_parameter_gather_sends_one_byte_per_element() {
     let (layout_ref, reference_ref) = (&layout, &reference);
     let results = World::run(4, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let dispatcher = AllToAllDispatcher::new(
-            pg.comm(GroupFamily::Ep).clone(),
-            pg.comm(GroupFamily::ExptTp).clone(),
-            pg.comm(GroupFamily::TpEp).clone(),
-            crate::optim::tests::E,
-        )?;
-        let layer = MoeLayer {
-            router: replicate(&reference_ref.router),
-            experts: reference_ref
-                .experts
-                .shard(dispatcher.local_experts(), 0, 1)?,
-            shared_experts: reference_ref.shared_experts.as_ref().map(replicate),
-        };
+        let (_, layer) = rank_layer(&pg, layout_ref, reference_ref)?;
         let mut optim = DistributedAdamW::new(
             &layer,
             &pg,
