@@ -50,11 +50,6 @@ enum Command {
     Validate(checkpoint::ValidateArgs),
 }
 
-/// Reuse the large buffers every training step frees (see `moe_backend::alloc`).
-#[global_allocator]
-static ALLOC: burn_moe::backend::alloc::LargeBlockCache =
-    burn_moe::backend::alloc::LargeBlockCache::new(16 << 20, 4 << 30);
-
 fn main() -> std::process::ExitCode {
     burn_moe::init_logging();
     let cli = Cli::parse();
