@@ -4,14 +4,16 @@
 //! HF → distributed ([`convert_hf_to_dist`]): canonical tensors are processed one at a time in
 //! sorted order. Each HF tensor feeding one (a whole tensor, or one expert's `gate_proj` /
 //! `up_proj` / `down_proj`) is read on its own — with `pread` rather than through a mapping, so
-//! resident memory stays bounded by that tensor — passed through the FP8 hook when it is
-//! quantised, and its overlap with every main-replica chunk of the target layout is written at
-//! the chunk's offsets in the virtual ranks' files. A stacked expert tensor is never
-//! materialised: peak memory is about one HF tensor plus one chunk-sized overlap.
+//! resident memory stays bounded by that tensor — and its overlap with every main-replica chunk
+//! of the target layout is written at the chunk's offsets in the virtual ranks' files. Blockwise
+//! FP8 weights keep their bytes and gain a `<fqn>_scale_inv` companion ([`super::fp8`]), or,
+//! with [`ConvertOptions::keep_fp8`] off, pass through the FP8 load hook (BF16). A stacked
+//! expert tensor is never materialised: peak memory is about one HF tensor plus one chunk-sized
+//! overlap.
 //!
 //! Distributed → HF ([`export_dist_to_hf`]): every HF tensor (per expert for stacked experts)
-//! is read as the global sub-box it maps to from the overlapping chunks, cast to the export
-//! dtype, and handed to the HF shard writer, which writes each shard as soon as it is full.
+//! is read as the global sub-box it maps to from the overlapping chunks, cast (FP8 weights:
+//! dequantised, or kept with their scales) to the export dtype, and handed to the HF shard writer, which writes each shard as soon as it is full.
 //!
 //! Distributed → distributed ([`reshard`]): each chunk of the new layout is read from the
 //! overlapping stored chunks and written, one chunk at a time.

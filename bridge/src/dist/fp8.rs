@@ -200,7 +200,9 @@ pub(crate) fn read_fp8_weight(
     }
     let b = TensorBox::new(pl.offsets.clone(), pl.shape.clone());
     let canon = ckpt.read_box(&pl.fqn, &b)?.bytes;
-    let sbox = scale_box(&b, [grid.b0, grid.b1]).unwrap_or_else(|| b.clone());
+    let Some(sbox) = scale_box(&b, [grid.b0, grid.b1]) else {
+        return Ok(None);
+    };
     let scale_inv = ckpt.read_box(&scale_fqn(&pl.fqn), &sbox)?.to_f32_vec()?;
     if canon.len() != grid.numel() || scale_inv.len() != grid.num_blocks() {
         return Err(BridgeError::Sharding {
