@@ -40,8 +40,13 @@
 //! stay on the GPU instead of passing through [`TensorData`].
 
 pub mod autograd;
+mod ctx;
 mod data;
+pub mod launch;
 mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+mod p2p;
 #[cfg(test)]
 mod tests;
 
@@ -53,7 +58,8 @@ use burn::tensor::{Bool, DType, Device, Float, Int, Tensor, TensorData};
 
 use crate::error::{BackendError, Result};
 
-pub use local::{GroupComms, RankCtx, World, WorldConfig};
+pub use ctx::{GroupComms, RankCtx};
+pub use local::{World, WorldConfig};
 
 /// Where a collective was called from (`#[track_caller]`).
 pub type CallSite = &'static Location<'static>;

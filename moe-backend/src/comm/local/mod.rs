@@ -7,7 +7,6 @@
 //! timeout) are recorded once for the whole world and wake every waiting rank.
 
 use std::collections::{HashMap, VecDeque};
-use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -15,9 +14,9 @@ use std::time::Duration;
 
 use burn::tensor::{DType, TensorData};
 
+use super::ctx::{RankCtx, Transport};
 use super::{CallSite, Comm};
 use crate::error::{BackendError, Result};
-use crate::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGroups};
 
 mod collectives;
 mod rendezvous;
@@ -81,7 +80,7 @@ struct State {
     exited: Vec<bool>,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     size: usize,
     config: WorldConfig,
     state: Mutex<State>,
@@ -180,11 +179,7 @@ fn run_rank<T, F>(shared: Arc<Shared>, rank: usize, f: &F) -> Result<T>
 where
     F: Fn(&RankCtx) -> Result<T> + Sync,
 {
-    let ctx = RankCtx {
-        shared: Arc::clone(&shared),
-        rank,
-        groups: Mutex::new(HashMap::new()),
-    };
+    let ctx = RankCtx::new(rank, shared.size, Transport::Local(Arc::clone(&shared)));
     let result = match catch_unwind(AssertUnwindSafe(|| f(&ctx))) {
         Ok(result) => result,
         Err(payload) => {
@@ -203,124 +198,16 @@ where
     result
 }
 
-/// One rank's view of the world: its rank and the communicators of its groups.
-pub struct RankCtx {
-    shared: Arc<Shared>,
-    rank: usize,
-    groups: Mutex<HashMap<String, Comm>>,
-}
-
-impl fmt::Debug for RankCtx {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RankCtx")
-            .field("rank", &self.rank)
-            .field("world", &self.shared.size)
-            .finish()
-    }
-}
-
-impl RankCtx {
-    /// Global rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
-        self.shared.size
-    }
-
-    /// The communicator of all ranks.
-    pub fn world(&self) -> Result<Comm> {
-        let all: Vec<usize> = (0..self.shared.size).collect();
-        self.group("world", &all)
-    }
-
-    /// The communicator of the group `ranks` (global ranks in member order), which must
-    /// contain this rank. `name` separates independent groups with the same members (e.g.
-    /// `ep` and `tp_ep`); asking twice for the same name and ranks returns the same channel.
-    pub fn group(&self, name: &str, ranks: &[usize]) -> Result<Comm> {
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != ranks.len() {
-            return Err(BackendError::Layout {
-                field: "group",
-                detail: format!("group `{name}` {ranks:?} repeats a rank"),
-            });
-        }
-        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.shared.size) {
-            return Err(BackendError::Layout {
-                field: "group",
-                detail: format!(
-                    "group `{name}` names rank {bad} in a world of {}",
-                    self.shared.size
-                ),
-            });
-        }
-        let index =
-            ranks
-                .iter()
-                .position(|&r| r == self.rank)
-                .ok_or_else(|| BackendError::Layout {
-                    field: "group",
-                    detail: format!(
-                        "rank {} is not a member of group `{name}` {ranks:?}",
-                        self.rank
-                    ),
-                })?;
-        let key = format!("{name}{ranks:?}");
-        let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        let comm = groups.entry(key.clone()).or_insert_with(|| {
-            Comm::new(Arc::new(LocalComm {
-                shared: Arc::clone(&self.shared),
-                key: Arc::from(key.as_str()),
-                ranks: ranks.to_vec(),
-                index,
-                seq: AtomicU64::new(0),
-                calls: AtomicU64::new(0),
-                bytes_sent: AtomicU64::new(0),
-            }))
-        });
-        Ok(comm.clone())
-    }
-
-    /// Communicators for every group family of `layout` this rank belongs to, created in the
-    /// deterministic order of [`GroupFamily::ALL`].
-    pub fn process_groups(&self, layout: &ParallelLayout) -> Result<GroupComms> {
-        if layout.world != self.shared.size {
-            return Err(BackendError::Layout {
-                field: "world",
-                detail: format!(
-                    "layout is for {} ranks but the world has {}",
-                    layout.world, self.shared.size
-                ),
-            });
-        }
-        let groups = GroupTable::new(layout)?.for_rank(self.rank)?;
-        let comms = groups
-            .iter()
-            .map(|m| self.group(m.family.name(), &m.ranks))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(GroupComms { groups, comms })
-    }
-}
-
-/// A rank's [`ProcessGroups`] with a communicator for each.
-#[derive(Debug, Clone)]
-pub struct GroupComms {
-    /// Memberships.
-    pub groups: ProcessGroups,
-    comms: Vec<Comm>,
-}
-
-impl GroupComms {
-    /// The communicator of `family`.
-    pub fn comm(&self, family: GroupFamily) -> &Comm {
-        let at = GroupFamily::ALL
-            .iter()
-            .position(|f| *f == family)
-            .unwrap_or_default();
-        &self.comms[at]
-    }
+/// The communicator of the group `ranks` (`index` is this rank's member index) on the shared
+/// rendezvous of an in-process world.
+pub(crate) fn connect(shared: &Arc<Shared>, key: &str, ranks: &[usize], index: usize) -> Comm {
+    Comm::new(Arc::new(LocalComm {
+        shared: Arc::clone(shared),
+        key: Arc::from(key),
+        ranks: ranks.to_vec(),
+        index,
+        seq: AtomicU64::new(0),
+        calls: AtomicU64::new(0),
+        bytes_sent: AtomicU64::new(0),
+    }))
 }
