@@ -12,9 +12,12 @@
 //! in-process ranks under any parallel layout. [`quickstart`] is the main-job pipeline of
 //! `examples/quickstart.rs`: HF → distributed checkpoint → fine-tune on in-process ranks → save
 //! with optimizer state → reshard → HF export, checked against the trained logits.
+//! [`train_job`] is the training job behind `moe train`, one rank's part of it on threads or
+//! processes.
 
 pub mod finetune;
 pub mod quickstart;
+pub mod train_job;
 
 pub use moe_backend as backend;
 pub use moe_bridge as bridge;

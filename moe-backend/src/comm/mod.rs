@@ -46,7 +46,10 @@ pub mod launch;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod p2p;
+pub mod tcp;
 #[cfg(test)]
 mod tests;
 

@@ -11,6 +11,7 @@ mod inspect;
 mod logits;
 mod plan;
 mod progress;
+mod train;
 mod upcycle;
 
 use clap::{Parser, Subcommand};
@@ -48,6 +49,9 @@ enum Command {
     Reshard(checkpoint::ReshardArgs),
     /// Check that every element of every tensor is stored exactly once.
     Validate(checkpoint::ValidateArgs),
+    /// Fine-tune a Qwen3-MoE checkpoint under a parallel layout (threads, or one process per
+    /// rank under mpirun / srun).
+    Train(train::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -63,6 +67,7 @@ fn main() -> std::process::ExitCode {
         Command::Convert(args) => checkpoint::convert(args),
         Command::Reshard(args) => checkpoint::reshard_cmd(args),
         Command::Validate(args) => checkpoint::validate(args),
+        Command::Train(args) => train::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -35,7 +35,7 @@ use crate::error::{BackendError, Result};
 
 mod header;
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;
 
 use header::{Header, Op};
 

@@ -136,7 +136,7 @@ fn data_f32(values: Vec<f32>, shape: Vec<usize>) -> TensorData {
 }
 
 /// A fixed sequence of collectives with rank-dependent data; returns every output's bytes.
-fn script(c: &dyn Communicator) -> Vec<Vec<u8>> {
+pub(in crate::comm) fn script(c: &dyn Communicator) -> Vec<Vec<u8>> {
     let site = Location::caller();
     let (r, n) = (c.rank(), c.size());
     let vals = |len: usize, salt: usize| -> Vec<f32> {

@@ -1,0 +1,551 @@
+//! The training job behind `moe train`: one rank's part of a Qwen3-MoE fine-tuning run, the
+//! same code whether the ranks are threads of one process ([`World`]) or processes (MPI,
+//! launched by `mpirun` / `srun`).
+//!
+//! - **Model**: an HF directory (every rank loads it and keeps its shard) or a distributed
+//!   checkpoint (each rank reads only its own boxes, under any layout).
+//! - **Data**: a global batch of `gbs` sequences per step, independent of the layout: sequence
+//!   `i` of step `s` is row `(s·gbs + i) mod N` of `input_ids [N, S]` from `--data`, or the
+//!   built-in arithmetic corpus ([`corpus_batch`] of `(s, i)`); data-parallel replica `r` of
+//!   `dp` takes the `gbs/dp` consecutive sequences starting at `r·gbs/dp`. The same run under
+//!   any layout therefore sees the same data, and `world=1` is its reference.
+//! - **Checkpoints**: with `save`, every `save_every` steps and at the end, the trainer
+//!   (parameters, ZeRO-1 optimizer state, [`TrainState`]) is saved as the next `iter_*` of the
+//!   root (atomic: a crash mid-save leaves the previous checkpoint the latest). `resume`
+//!   continues from the root's latest checkpoint, under any layout.
+//! - **Metrics**: one JSON object per step (`step`, `loss`, `aux_loss`, `grad_norm`, `lr`,
+//!   `tokens_per_s`) from rank 0.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Tensor};
+use moe_backend::comm::{Comm, RankCtx, ReduceOp, World};
+use moe_backend::parallel::ParallelLayout;
+use moe_bridge::dist::index::{INDEX_FILE, LATEST_FILE};
+use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
+use moe_bridge::hf::HfCheckpoint;
+use moe_bridge::safetensors::{Dtype, SafetensorsFile};
+use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+use moe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use serde_json::{Value, json};
+
+use crate::finetune::corpus_batch;
+
+/// Name of the token-id tensor read from `--data`.
+pub const INPUT_IDS: &str = "input_ids";
+
+/// Everything that can stop a training job.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainJobError {
+    /// Reading or writing a checkpoint failed.
+    #[error(transparent)]
+    Bridge(#[from] moe_bridge::BridgeError),
+    /// The model rejected its configuration or input.
+    #[error(transparent)]
+    Model(#[from] moe_models::ModelError),
+    /// Layout, communication or training failure.
+    #[error(transparent)]
+    Backend(#[from] moe_backend::BackendError),
+    /// The job's settings or data do not fit the model or layout.
+    #[error("{field}: {detail}")]
+    Invalid {
+        /// The setting or file.
+        field: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+fn invalid(field: impl Into<String>, detail: impl Into<String>) -> TrainJobError {
+    TrainJobError::Invalid {
+        field: field.into(),
+        detail: detail.into(),
+    }
+}
+
+/// Settings of a training job.
+#[derive(Debug, Clone)]
+pub struct TrainJob {
+    /// HF Qwen3-MoE directory, or a distributed checkpoint (root or `iter_*` directory).
+    pub model: PathBuf,
+    /// Layout, e.g. `tp=2,ep=4` (the world is derived unless `world=` is given).
+    pub layout: String,
+    /// Train until this many optimizer steps have been taken (a resumed run continues to it).
+    pub steps: usize,
+    /// Sequences per step over all data-parallel replicas.
+    pub gbs: usize,
+    /// Tokens per sequence (ignored with `data`, whose rows set it).
+    pub seq_len: usize,
+    /// `input_ids [N, S]` (I64 or I32) in a safetensors file; `None`: the built-in corpus.
+    pub data: Option<PathBuf>,
+    /// Trainer settings (learning rate, optimizer, dispatcher, aux-loss coefficient, FP8).
+    pub trainer: TrainerConfig,
+    /// Checkpoint root to save into.
+    pub save: Option<PathBuf>,
+    /// Save every this many steps (0: only at the end).
+    pub save_every: usize,
+    /// Continue from the latest checkpoint under `save`.
+    pub resume: bool,
+    /// JSON-lines metrics file (rank 0 writes it; appended to when resuming).
+    pub metrics_out: Option<PathBuf>,
+}
+
+impl Default for TrainJob {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/qwen3_moe"
+            )),
+            layout: "tp=2,ep=4".into(),
+            steps: 20,
+            gbs: 8,
+            seq_len: 16,
+            data: None,
+            trainer: TrainerConfig {
+                lr: 3e-3,
+                ..TrainerConfig::default()
+            },
+            save: None,
+            save_every: 0,
+            resume: false,
+            metrics_out: None,
+        }
+    }
+}
+
+/// One step's metrics (rank 0's view of the whole job).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepMetrics {
+    /// Steps taken after this one (1-based).
+    pub step: usize,
+    /// Cross-entropy averaged over the data-parallel replicas.
+    pub loss: f32,
+    /// Load-balancing loss averaged over the ranks.
+    pub aux_loss: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Target tokens per second over the whole job.
+    pub tokens_per_s: f64,
+}
+
+impl StepMetrics {
+    /// The JSON-lines record.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "step": self.step,
+            "loss": self.loss,
+            "aux_loss": self.aux_loss,
+            "grad_norm": self.grad_norm,
+            "lr": self.lr,
+            "tokens_per_s": self.tokens_per_s,
+        })
+    }
+}
+
+/// What a rank's part of the job ended with.
+#[derive(Debug, Clone, Default)]
+pub struct TrainJobReport {
+    /// The step the run started from (0, or the resumed checkpoint's).
+    pub first_step: usize,
+    /// Metrics of the steps this run took.
+    pub metrics: Vec<StepMetrics>,
+    /// Checkpoints committed by this run.
+    pub saved: Vec<PathBuf>,
+    /// The layout that ran.
+    pub layout: String,
+}
+
+/// The token source of a job.
+#[derive(Debug, Clone)]
+enum Data {
+    Corpus {
+        seq_len: usize,
+    },
+    Ids {
+        ids: Vec<i64>,
+        rows: usize,
+        seq_len: usize,
+    },
+}
+
+impl Data {
+    fn open(job: &TrainJob, vocab: usize) -> Result<Self, TrainJobError> {
+        let Some(path) = &job.data else {
+            if job.seq_len < 2 {
+                return Err(invalid("seq_len", "sequences need at least 2 tokens"));
+            }
+            return Ok(Data::Corpus {
+                seq_len: job.seq_len,
+            });
+        };
+        let file = SafetensorsFile::open(path)?;
+        let view = file.tensor(INPUT_IDS).map_err(|_| {
+            invalid(
+                path.display().to_string(),
+                format!("no `{INPUT_IDS}` tensor (expected integer token ids [N, S])"),
+            )
+        })?;
+        let &[rows, seq_len] = view.shape else {
+            return Err(invalid(
+                path.display().to_string(),
+                format!("`{INPUT_IDS}` has shape {:?}, expected [N, S]", view.shape),
+            ));
+        };
+        let ids: Vec<i64> = match view.dtype {
+            Dtype::I64 | Dtype::I32 => view
+                .to_tensor_data()?
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .map_err(|e| invalid(path.display().to_string(), format!("{e:?}")))?,
+            other => {
+                return Err(invalid(
+                    path.display().to_string(),
+                    format!("`{INPUT_IDS}` is {other:?}; token ids must be I64 or I32"),
+                ));
+            }
+        };
+        if rows == 0 || seq_len < 2 {
+            return Err(invalid(
+                path.display().to_string(),
+                format!("`{INPUT_IDS}` [{rows}, {seq_len}] needs rows and at least 2 tokens"),
+            ));
+        }
+        if let Some((at, bad)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id < 0 || **id as usize >= vocab)
+        {
+            return Err(invalid(
+                path.display().to_string(),
+                format!(
+                    "`{INPUT_IDS}` row {} column {} holds {bad}, outside the vocabulary 0..{vocab}",
+                    at / seq_len,
+                    at % seq_len
+                ),
+            ));
+        }
+        Ok(Data::Ids { ids, rows, seq_len })
+    }
+
+    /// Sequences `first..first + count` of step `step` (global batch `gbs`), flattened.
+    fn sequences(
+        &self,
+        step: usize,
+        gbs: usize,
+        first: usize,
+        count: usize,
+        vocab: usize,
+    ) -> Vec<i64> {
+        let mut out = Vec::new();
+        for i in first..first + count {
+            match self {
+                Data::Corpus { seq_len } => {
+                    out.extend(corpus_batch(step, i, 1, *seq_len, vocab));
+                }
+                Data::Ids { ids, rows, seq_len } => {
+                    let row = (step * gbs + i) % rows;
+                    out.extend_from_slice(&ids[row * seq_len..(row + 1) * seq_len]);
+                }
+            }
+        }
+        out
+    }
+}
+
+fn is_dist_checkpoint(path: &Path) -> bool {
+    path.join(LATEST_FILE).is_file() || path.join(INDEX_FILE).is_file()
+}
+
+fn read_json(path: &Path) -> Result<Value, TrainJobError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TrainJobError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| invalid(path.display().to_string(), e.to_string()))
+}
+
+/// Parses the layout of `job` for a world of `world` ranks.
+pub fn job_layout(job: &TrainJob, world: Option<usize>) -> Result<ParallelLayout, TrainJobError> {
+    let layout = ParallelLayout::parse_spec(&job.layout)?;
+    if let Some(world) = world
+        && layout.world != world
+    {
+        // A spec without `world=` derives the smallest world; processes fix it.
+        let fixed = ParallelLayout::parse(world, &job.layout).map_err(|e| {
+            invalid(
+                "layout",
+                format!(
+                    "`{}` does not fit the {world} launched ranks: {e}",
+                    job.layout
+                ),
+            )
+        })?;
+        return Ok(fixed);
+    }
+    Ok(layout)
+}
+
+/// Checks the settings that do not need the model, before any rank starts.
+pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJobError> {
+    let replicas = layout.dp * layout.cp;
+    if job.gbs == 0 || !job.gbs.is_multiple_of(replicas) {
+        return Err(invalid(
+            "gbs",
+            format!(
+                "the global batch of {} sequences does not split over {replicas} data-parallel \
+                 replicas of layout {layout}",
+                job.gbs
+            ),
+        ));
+    }
+    if job.steps == 0 {
+        return Err(invalid("steps", "train at least one step"));
+    }
+    if job.resume && job.save.is_none() {
+        return Err(invalid(
+            "resume",
+            "--resume needs --save (the checkpoint root)",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs this rank's part of `job` (every rank of the world calls it). `on_step` runs on rank 0
+/// after every step.
+pub fn run_rank(
+    ctx: &RankCtx,
+    job: &TrainJob,
+    on_step: &(dyn Fn(&StepMetrics) + Sync),
+) -> Result<TrainJobReport, TrainJobError> {
+    let layout = job_layout(job, Some(ctx.world_size()))?;
+    check_job(job, &layout)?;
+    let device = Device::flex().autodiff();
+    let groups = ctx.process_groups(&layout)?;
+    let world = ctx.world()?;
+
+    // Where the parameters come from: the latest checkpoint of the save root when resuming,
+    // else the model path (distributed checkpoint or HF directory).
+    let resume_from = match (&job.save, job.resume) {
+        (Some(root), true) if root.join(LATEST_FILE).is_file() => Some(root.clone()),
+        (Some(root), true) => {
+            return Err(invalid(
+                "resume",
+                format!("{} holds no checkpoint to resume from", root.display()),
+            ));
+        }
+        _ => None,
+    };
+    let (mut trainer, state, config_value, family, vocab) = match resume_from
+        .as_deref()
+        .or_else(|| is_dist_checkpoint(&job.model).then_some(job.model.as_path()))
+    {
+        Some(path) => {
+            let ckpt = DistCheckpoint::open(path)?;
+            let config_path = ckpt.dir().join(moe_bridge::hf::CONFIG_FILE);
+            let config = Qwen3MoeConfig::from_file(&config_path)?;
+            let template = config.init(&device)?;
+            let mut trainer = Trainer::new(
+                &template,
+                &groups,
+                world.clone(),
+                job.trainer.clone(),
+                &device,
+            )?;
+            let state = restore_trainer(&ckpt, &mut trainer)?;
+            let family = ckpt.index().model_family.clone();
+            (
+                trainer,
+                state,
+                read_json(&config_path)?,
+                family,
+                config.vocab_size,
+            )
+        }
+        None => {
+            let checkpoint = HfCheckpoint::open(&job.model)?;
+            let config_path = job.model.join(moe_bridge::hf::CONFIG_FILE);
+            let config = Qwen3MoeConfig::from_file(&config_path)?;
+            let full = Qwen3MoeForCausalLM::from_weights(&config, &checkpoint, &device)?;
+            let trainer =
+                Trainer::new(&full, &groups, world.clone(), job.trainer.clone(), &device)?;
+            let state = TrainState {
+                step: 0,
+                data_position: 0,
+                rng_seed: 0,
+                extra: Default::default(),
+            };
+            (
+                trainer,
+                state,
+                read_json(&config_path)?,
+                Some("qwen3_moe".into()),
+                config.vocab_size,
+            )
+        }
+    };
+    let data = Data::open(job, vocab)?;
+    let first_step = usize::try_from(state.step).unwrap_or(usize::MAX);
+    if first_step > job.steps {
+        return Err(invalid(
+            "steps",
+            format!(
+                "the checkpoint is already at step {first_step}, past the requested {}",
+                job.steps
+            ),
+        ));
+    }
+    let replicas = layout.dp * layout.cp;
+    let per_replica = job.gbs / replicas;
+    let replica = trainer.model().replica;
+    let mut report = TrainJobReport {
+        first_step,
+        layout: layout.to_string(),
+        ..TrainJobReport::default()
+    };
+    for step in first_step..job.steps {
+        let ids = data.sequences(step, job.gbs, replica * per_replica, per_replica, vocab);
+        let batch = TrainBatch::causal(ids, per_replica)?;
+        let stats = trainer.step(&batch)?;
+        let metrics = reduce_metrics(&world, &layout, step + 1, job.trainer.lr, &stats)?;
+        if ctx.rank() == 0 {
+            on_step(&metrics);
+        }
+        report.metrics.push(metrics);
+        let done = step + 1;
+        let due = job.save_every > 0 && done.is_multiple_of(job.save_every);
+        if let Some(root) = &job.save
+            && (due || done == job.steps)
+        {
+            let mut meta = SaveMeta::new(done as u64, &layout);
+            meta.model_family = family.clone();
+            meta.config = Some(config_value.clone());
+            let saved_state = TrainState {
+                step: done as u64,
+                data_position: done as u64,
+                rng_seed: state.rng_seed,
+                extra: state.extra.clone(),
+            };
+            let dir = save_trainer(&world, root, meta, &trainer, &saved_state)?;
+            report.saved.push(dir);
+        }
+    }
+    Ok(report)
+}
+
+/// The job-wide view of one step: losses averaged over ranks, tokens summed over replicas.
+fn reduce_metrics(
+    world: &Comm,
+    layout: &ParallelLayout,
+    step: usize,
+    lr: f64,
+    stats: &moe_models::train::StepStats,
+) -> Result<StepMetrics, TrainJobError> {
+    // Every TP / EP rank of a replica reports its replica's loss and tokens: dividing by the
+    // world size averages over replicas; tokens count once per replica.
+    let ranks_per_replica = (layout.world / (layout.dp * layout.cp)) as f32;
+    let local = Tensor::<1>::from_data(
+        [
+            stats.loss,
+            stats.aux_loss,
+            stats.tokens_per_second as f32 / ranks_per_replica,
+        ],
+        &Device::flex(),
+    );
+    let sums = world
+        .all_reduce(local, ReduceOp::Sum)?
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| invalid("metrics", format!("{e:?}")))?;
+    let n = layout.world as f32;
+    Ok(StepMetrics {
+        step,
+        loss: sums[0] / n,
+        aux_loss: sums[1] / n,
+        grad_norm: stats.grad_norm,
+        lr,
+        tokens_per_s: f64::from(sums[2]),
+    })
+}
+
+/// Appends metrics to a JSON-lines file.
+#[derive(Debug)]
+pub struct MetricsWriter {
+    path: PathBuf,
+    file: std::sync::Mutex<std::fs::File>,
+}
+
+impl MetricsWriter {
+    /// Opens `path` (truncated, or appended to when `append`).
+    pub fn open(path: &Path, append: bool) -> Result<Self, TrainJobError> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|source| TrainJobError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file: std::sync::Mutex::new(file),
+        })
+    }
+
+    /// Writes one record (a line) and flushes it.
+    pub fn write(&self, metrics: &StepMetrics) -> Result<(), TrainJobError> {
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        writeln!(file, "{}", metrics.to_json())
+            .and_then(|()| file.flush())
+            .map_err(|source| TrainJobError::Io {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
+/// Runs `job` on in-process ranks (threads); returns rank 0's report.
+pub fn run_threads(
+    job: &TrainJob,
+    on_step: &(dyn Fn(&StepMetrics) + Sync),
+) -> Result<TrainJobReport, TrainJobError> {
+    let layout = job_layout(job, None)?;
+    check_job(job, &layout)?;
+    let mut first_error = None;
+    let results = World::run(layout.world, |ctx| {
+        run_rank(ctx, job, on_step).map_err(|e| moe_backend::BackendError::Config {
+            field: "train",
+            detail: e.to_string(),
+        })
+    });
+    let mut reports = Vec::new();
+    for r in results {
+        match r {
+            Ok(report) => reports.push(report),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e.into());
+    }
+    reports
+        .into_iter()
+        .next()
+        .ok_or_else(|| invalid("layout", "the world has no ranks"))
+}
