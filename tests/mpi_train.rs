@@ -155,7 +155,7 @@ fn params(dir: &Path) -> BTreeMap<String, Vec<f32>> {
                 .and_then(|t| t.to_tensor_data())
                 .expect("tensor")
                 .convert::<f32>()
-                .into_vec::<f32>()
+                .try_into_vec::<f32>()
                 .expect("f32");
             (n, v)
         })
@@ -308,7 +308,7 @@ fn rank_pid(tag: &str, rank: usize) -> Option<i32> {
             continue;
         };
         let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-        let has = |s: &str| vars.iter().any(|v| *v == s.as_bytes());
+        let has = |s: &str| vars.contains(&s.as_bytes());
         if has(&want_tag) && has(&want_rank) {
             return Some(pid);
         }

@@ -71,7 +71,10 @@ fn wait_with_limit(mut child: std::process::Child, limit: Duration) -> std::proc
 }
 
 fn floats(t: Tensor<1>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
 }
 
 /// Collectives over the world and over every group family of a folded layout; returns every
@@ -108,7 +111,7 @@ fn script(ctx: &RankCtx) -> moe_backend::Result<Vec<Vec<f32>>> {
     out.push(
         ids.into_data()
             .convert::<f32>()
-            .into_vec::<f32>()
+            .try_into_vec::<f32>()
             .unwrap_or_default(),
     );
     out.push(floats(world.broadcast(vals(4, 2), n - 1)?));

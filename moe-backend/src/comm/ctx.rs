@@ -27,8 +27,7 @@ pub(crate) trait Connector: Send + Sync {
 pub(crate) enum Transport {
     /// The shared-memory rendezvous of an in-process world.
     Local(Arc<Shared>),
-    /// A process transport (MPI).
-    #[allow(dead_code)] // constructed only with a process transport feature
+    /// A process transport (TCP, MPI, NCCL).
     Process(Arc<dyn Connector>),
 }
 

@@ -299,7 +299,7 @@ impl fmt::Debug for MpiLinks {
 /// Byte ranges of the pieces of a `len`-byte message (one empty piece for an empty one).
 fn pieces(len: usize) -> Vec<std::ops::Range<usize>> {
     if len == 0 {
-        return vec![0..0];
+        return std::iter::once(0..0).collect();
     }
     (0..len)
         .step_by(PIECE)

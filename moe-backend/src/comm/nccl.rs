@@ -22,16 +22,16 @@
 //!
 //! # What is host-staged
 //! This is the first step of the NCCL transport: the [`Communicator`](super::Communicator)
-//! interface moves host [`TensorData`](burn::tensor::TensorData), so every transfer is copied
-//! host → device into a staging buffer, moved by `ncclSend`/`ncclRecv` inside one NCCL group
-//! call, and copied device → host again (`HostStagedNccl`). Reductions run on the host in
-//! `super::p2p` (deterministic, bit-identical to the in-process world), not in NCCL. It
-//! proves bootstrap, device selection and NCCL connectivity and gives the GPU cluster the same
-//! semantics as every other transport, but it is not fast: tensors that already live on the GPU
-//! make a device → host → device round trip per collective. The device-resident path
-//! (collectives on device buffers, `ncclAllReduce` & co.) comes with the GPU-training work.
-//! Staging memory is bounded: messages travel in pieces of at most 256 MiB / group size (at
-//! least 4 MiB) per peer and round (every member computes the same pieces, so sends and receives match).
+//! interface moves host [`TensorData`], so every transfer is copied host → device into a
+//! staging buffer, moved by `ncclSend`/`ncclRecv` inside one NCCL group call, and copied
+//! device → host again (`HostStagedNccl`). Reductions run on the host in `super::p2p`
+//! (deterministic, bit-identical to the in-process world), not in NCCL. This gives GPU jobs
+//! NCCL bootstrap, device selection and connectivity with the semantics of every other
+//! transport, but it is not fast: tensors that already live on the GPU make a device → host →
+//! device round trip per collective. The device-resident path (collectives on device buffers,
+//! `ncclAllReduce` & co.) comes with the GPU-training work. Staging memory is bounded:
+//! messages travel in pieces of 256 MiB / group size (at least 4 MiB) per peer and round, and
+//! every member cuts them the same way, so sends and receives match.
 //!
 //! # Bootstrap and devices
 //! [`nccl_ctx`] turns the rank context of a host transport (MPI, TCP, ...) into an NCCL one.
@@ -55,9 +55,10 @@
 //! flushed when the group is dropped. Consequences, and the rules for code that uses
 //! `send`/`recv` over NCCL:
 //! - a `send` completes only when the receiver calls `recv`; the sender's next call on any
-//!   NCCL group blocks until then;
+//!   NCCL group waits for that;
 //! - the receiver must `recv` a message before its own next collective on that group (the
-//!   message would otherwise meet the collective's traffic: a size mismatch or a timeout);
+//!   message would otherwise meet the collective's traffic, which NCCL does not detect: expect
+//!   a timeout or unreadable headers);
 //! - a reply that depends on the message does not work on its own: if rank A sends to B and
 //!   then receives B's answer, while B receives first and answers after, A's receive holds the
 //!   rest of its message back and both time out. Exchange in pairs instead (both send, then
@@ -137,6 +138,8 @@ const ID_MESSAGE: usize = 1 + 8 + ID_BYTES;
 const STAGE_BUDGET: usize = 256 << 20;
 /// Smallest piece, however many peers.
 const MIN_PIECE: usize = 4 << 20;
+/// Largest point-to-point message believed (a larger length means the order was broken).
+const MAX_MESSAGE: u64 = 1 << 40;
 
 fn config_error(detail: String) -> BackendError {
     BackendError::Config {
@@ -218,10 +221,10 @@ fn nccl_error(what: &str, e: &NcclError) -> String {
 
 /// A fresh NCCL unique id, as bytes (needs libnccl; no GPU).
 fn new_id() -> Result<[u8; ID_BYTES]> {
-    // SAFETY: only tries to open the candidate library names.
-    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return check_libraries(true, false).map(|()| [0; ID_BYTES]);
-    }
+    // SAFETY: only tries to open the candidate library names. Without the check, cudarc
+    // panics when libnccl is missing.
+    let present = unsafe { cudarc::nccl::sys::is_culib_present() };
+    check_libraries(true, present)?;
     let id =
         cudarc::nccl::Id::new().map_err(|e| config_error(nccl_error("ncclGetUniqueId", &e)))?;
     Ok(id_bytes(&id))
@@ -401,6 +404,8 @@ pub(crate) trait Wire: Send + 'static {
         recvs: &[(usize, usize)],
         deadline: Instant,
     ) -> std::result::Result<Vec<Vec<u8>>, LinkError>;
+    /// Gives the communicator up after a failure (ends the transfers still in flight).
+    fn abort(&mut self);
 }
 
 /// cudarc's NCCL communicator, movable to another thread.
@@ -474,15 +479,15 @@ impl HostStagedNccl {
             comm: Some(SendComm(comm)),
         }
     }
-
-    /// Aborts the communicator (cudarc's `Drop` calls `ncclCommAbort`, which also ends the
-    /// kernels still waiting for peers).
-    fn abort(&mut self) {
-        self.comm = None;
-    }
 }
 
 impl Wire for HostStagedNccl {
+    /// Drops the communicator: cudarc's `Drop` calls `ncclCommAbort`, which also ends the
+    /// kernels still waiting for peers.
+    fn abort(&mut self) {
+        self.comm = None;
+    }
+
     fn group(
         &mut self,
         sends: &[(usize, &[u8])],
@@ -678,15 +683,19 @@ impl<W: Wire> LinkState<W> {
         Ok(out)
     }
 
-    /// Records a failure that leaves the wire unusable (a timeout aborts the communicator).
+    /// Gives the group up after `e`: the members may have moved different parts of a message,
+    /// so nothing that follows could be matched.
     fn fail(&self, inner: &mut Inner<W>, e: LinkError) -> LinkError {
-        if matches!(e, LinkError::Timeout(_)) {
-            inner.broken = Some(format!(
-                "NCCL group {:?} was aborted after a timeout ({})",
-                self.ranks,
-                describe(&e)
-            ));
-        }
+        inner.wire.abort();
+        let after = match e {
+            LinkError::Timeout(_) => "a timeout",
+            LinkError::Failed(_) => "an error",
+        };
+        inner.broken = Some(format!(
+            "NCCL group {:?} was aborted after {after} ({})",
+            self.ranks,
+            describe(&e)
+        ));
         e
     }
 
@@ -856,12 +865,15 @@ impl<W: Wire> Links for NcclLinks<W> {
             sends.push((*dst, len));
         }
         let got = state.rounds(&mut inner, &sends, &[(src, 8)], deadline)?;
-        let len_bytes: [u8; 8] = got[0]
-            .as_slice()
-            .try_into()
-            .map_err(|_| LinkError::Failed("malformed length message".into()))?;
-        let len = usize::try_from(u64::from_le_bytes(len_bytes))
-            .map_err(|_| LinkError::Failed("message length does not fit in memory".into()))?;
+        let len = u64::from_le_bytes(got[0].as_slice().try_into().unwrap_or([0xff; 8]));
+        if len > MAX_MESSAGE {
+            let detail = format!(
+                "member {src} announced a message of {len} bytes: the order of sends, receives \
+                 and collectives differs between the two members"
+            );
+            return Err(state.fail(&mut inner, LinkError::Failed(detail)));
+        }
+        let len = len as usize;
         let sends: Vec<(usize, &[u8])> = queued
             .as_ref()
             .map(|(dst, b)| (*dst, b.as_slice()))
@@ -1127,6 +1139,10 @@ mod tests {
                     .unwrap()
                     .0;
             }
+        }
+
+        fn abort(&mut self) {
+            self.broken = true;
         }
     }
 

@@ -1,8 +1,9 @@
 //! Ranks as processes over plain TCP (always built, no MPI runtime needed): one process per
 //! rank, launched by `torchrun --nproc-per-node 4 --no-python <binary> …` or anything else that
 //! sets `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`. Every collective of
-//! [`Communicator`](super::Communicator) is built by [`super::p2p`] on a full mesh of TCP
-//! connections, one per pair of ranks.
+//! [`Communicator`](super::Communicator) is built by the crate's point-to-point layer (as for
+//! MPI, with the same checks and bit-identical results) on a full mesh of TCP connections, one
+//! per pair of ranks.
 //!
 //! ```no_run
 //! # fn main() -> moe_backend::Result<()> {
@@ -1471,7 +1472,8 @@ impl TcpWorld {
     /// no master. Errors name the addresses and ranks involved: `MASTER_ADDR`/`MASTER_PORT`
     /// missing or unresolvable, rank 0 unable to listen, the master unreachable within
     /// [`TcpConfig::connect_timeout`], ranks that never registered, a rank started for another
-    /// world size or registering twice.
+    /// world size or registering twice. Under torchrun with `TORCHELASTIC_USE_AGENT_STORE=True`
+    /// (its agent then holds `MASTER_PORT`), the rendezvous uses `MASTER_PORT + 1`.
     pub fn init(launch: &Launch, config: TcpConfig) -> Result<Self> {
         Self::init_with(launch, config, None)
     }

@@ -13,10 +13,13 @@ use super::{LinkError, Links, P2pComm};
 use crate::comm::{Communicator, ReduceOp, World};
 use crate::error::BackendError;
 
-/// Mailboxes `(channel, from, to)` shared by the threads of a test.
+/// Messages waiting per `(channel, from, to)`.
+type Mailboxes = HashMap<(u8, usize, usize), VecDeque<Vec<u8>>>;
+
+/// Mailboxes shared by the threads of a test.
 #[derive(Default)]
 struct Net {
-    boxes: Mutex<HashMap<(u8, usize, usize), VecDeque<Vec<u8>>>>,
+    boxes: Mutex<Mailboxes>,
     wake: Condvar,
 }
 
