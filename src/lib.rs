@@ -16,6 +16,7 @@
 //! processes.
 
 pub mod finetune;
+pub mod launch;
 pub mod quickstart;
 pub mod train_job;
 

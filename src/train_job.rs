@@ -13,14 +13,16 @@
 //!   (parameters, ZeRO-1 optimizer state, [`TrainState`]) is saved as the next `iter_*` of the
 //!   root (atomic: a crash mid-save leaves the previous checkpoint the latest). `resume`
 //!   continues from the root's latest checkpoint, under any layout.
+//! - **Ranks**: threads or processes, as [`crate::launch::Placement`] decides ([`run_job`]).
 //! - **Metrics**: one JSON object per step (`step`, `loss`, `aux_loss`, `grad_norm`, `lr`,
 //!   `tokens_per_s`) from rank 0.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use burn::tensor::{Device, Tensor};
-use moe_backend::comm::{Comm, RankCtx, ReduceOp, World};
+use moe_backend::comm::{Comm, RankCtx, ReduceOp};
 use moe_backend::parallel::ParallelLayout;
 use moe_bridge::dist::index::{INDEX_FILE, LATEST_FILE};
 use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
@@ -31,6 +33,7 @@ use moe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
 use serde_json::{Value, json};
 
 use crate::finetune::corpus_batch;
+use crate::launch::{Placement, run_spmd};
 
 /// Name of the token-id tensor read from `--data`.
 pub const INPUT_IDS: &str = "input_ids";
@@ -518,34 +521,35 @@ impl MetricsWriter {
     }
 }
 
-/// Runs `job` on in-process ranks (threads); returns rank 0's report.
-pub fn run_threads(
+/// Runs `job` on every rank of `placement` (threads, or this process as one rank of a
+/// multi-process job); returns this process's report (rank 0's for threads). `on_step` runs
+/// on rank 0 after every step.
+pub fn run_job(
     job: &TrainJob,
+    placement: &Placement,
+    timeout: Duration,
     on_step: &(dyn Fn(&StepMetrics) + Sync),
 ) -> Result<TrainJobReport, TrainJobError> {
-    let layout = job_layout(job, None)?;
+    let launched = match placement {
+        Placement::Threads { .. } => None,
+        Placement::Process { .. } => placement.world(),
+    };
+    let layout = job_layout(job, launched)?;
     check_job(job, &layout)?;
-    let mut first_error = None;
-    let results = World::run(layout.world, |ctx| {
-        run_rank(ctx, job, on_step).map_err(|e| moe_backend::BackendError::Config {
-            field: "train",
-            detail: e.to_string(),
+    let placement = match placement {
+        Placement::Threads { .. } => Placement::Threads {
+            world: layout.world,
+        },
+        other => other.clone(),
+    };
+    run_spmd(&placement, timeout, |ctx| {
+        run_rank(ctx, job, on_step).map_err(|e| match e {
+            TrainJobError::Backend(b) => b,
+            other => moe_backend::BackendError::Config {
+                field: "train",
+                detail: other.to_string(),
+            },
         })
-    });
-    let mut reports = Vec::new();
-    for r in results {
-        match r {
-            Ok(report) => reports.push(report),
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
-        }
-    }
-    if let Some(e) = first_error {
-        return Err(e.into());
-    }
-    reports
-        .into_iter()
-        .next()
-        .ok_or_else(|| invalid("layout", "the world has no ranks"))
+    })
+    .map_err(TrainJobError::from)
 }

@@ -1,23 +1,27 @@
 //! `moe train`: fine-tune a Qwen3-MoE checkpoint under a parallel layout, on in-process ranks
-//! (threads, the default) or as one process per rank when started by an MPI launcher
-//! (`mpirun -np 4 moe train …`, `srun moe train …`; build with `--features mpi`).
+//! (threads, the default) or as one process per rank when a launcher started it:
+//! `torchrun --nproc-per-node 4 --no-python moe train …` (TCP), `mpirun -np 4 moe train …` or
+//! `srun moe train …` (MPI in a build with `--features mpi`, else TCP).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use burn_moe::backend::comm::launch::Launch;
+use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::TrainerConfig;
-use burn_moe::train_job::{MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_threads};
+use burn_moe::train_job::{MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job};
 
 /// How the ranks run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Transport {
-    /// Processes when a launcher started this one (mpirun / srun), else threads.
+    /// Processes when a launcher started this one (MPI under mpirun / srun in an `mpi`
+    /// build, else TCP), threads otherwise.
     Auto,
     /// All ranks as threads of this process.
     Threads,
+    /// One process per rank over TCP (torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    Tcp,
     /// One process per rank over MPI (needs a build with `--features mpi`).
     Mpi,
 }
@@ -147,20 +151,23 @@ fn print_summary(report: &TrainJobReport) {
 /// Runs `moe train`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let job = job(&args);
-    let launch = Launch::from_env()?;
-    let processes = match args.transport {
-        Transport::Threads => false,
-        Transport::Mpi => true,
-        Transport::Auto => launch.as_ref().is_some_and(|l| l.world_size > 1),
+    let transport = match args.transport {
+        Transport::Auto => launch::Transport::Auto,
+        Transport::Threads => launch::Transport::Threads,
+        Transport::Tcp => launch::Transport::Tcp,
+        Transport::Mpi => launch::Transport::Mpi,
     };
-    if processes {
-        return run_processes(&args, &job);
-    }
-    let metrics = match &job.metrics_out {
-        Some(path) => Some(MetricsWriter::open(path, job.resume)?),
-        None => None,
+    // Threads: the layout's world (fixed by run_job); processes: the launcher's.
+    let placement = Placement::decide(transport, 1)?;
+    let reporter = placement.is_reporter();
+    let metrics = match (&job.metrics_out, reporter) {
+        (Some(path), true) => Some(MetricsWriter::open(path, job.resume)?),
+        _ => None,
     };
     let bar = crate::progress::bar(job.steps as u64, "training");
+    if !reporter {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
     let on_step = |m: &StepMetrics| {
         bar.set_position(m.step as u64);
         bar.set_message(format!("loss {:.4}", m.loss));
@@ -177,57 +184,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tracing::error!("{e}");
         }
     };
-    let report = run_threads(&job, &on_step)
-        .with_context(|| format!("training {} failed", job.model.display()))?;
+    let report = run_job(
+        &job,
+        &placement,
+        Duration::from_secs(args.comm_timeout),
+        &on_step,
+    )
+    .with_context(|| format!("training {} failed", job.model.display()))?;
     bar.finish_and_clear();
-    print_summary(&report);
-    Ok(())
-}
-
-#[cfg(feature = "mpi")]
-fn run_processes(args: &Args, job: &TrainJob) -> anyhow::Result<()> {
-    use burn_moe::backend::comm::mpi::{MpiConfig, MpiWorld};
-    let world = MpiWorld::init(MpiConfig {
-        timeout: Duration::from_secs(args.comm_timeout),
-    })?;
-    let metrics = match (&job.metrics_out, world.rank()) {
-        (Some(path), 0) => Some(MetricsWriter::open(path, job.resume)?),
-        _ => None,
-    };
-    let on_step = |m: &StepMetrics| {
-        tracing::info!(
-            step = m.step,
-            loss = m.loss,
-            aux_loss = m.aux_loss,
-            grad_norm = m.grad_norm,
-            "step"
-        );
-        if let Some(w) = &metrics
-            && let Err(e) = w.write(m)
-        {
-            tracing::error!("{e}");
-        }
-    };
-    let report = world.run(|ctx| {
-        burn_moe::train_job::run_rank(ctx, job, &on_step).map_err(|e| {
-            burn_moe::backend::BackendError::Config {
-                field: "train",
-                detail: e.to_string(),
-            }
-        })
-    })?;
-    if world.rank() == 0 {
+    if reporter {
         print_summary(&report);
     }
     Ok(())
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_processes(_args: &Args, _job: &TrainJob) -> anyhow::Result<()> {
-    let _ = Duration::ZERO;
-    anyhow::bail!(
-        "this process was started by a multi-process launcher (or --transport mpi was given), \
-         but `moe` was built without MPI: rebuild with `cargo build --release --features mpi` \
-         (needs OpenMPI and libclang), or run the ranks as threads with --transport threads"
-    )
 }

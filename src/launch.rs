@@ -1,0 +1,178 @@
+//! Running an SPMD job's ranks as threads or as processes, chosen at start-up.
+//!
+//! The same rank closure runs on every transport: threads of this process ([`World`]); one
+//! process per rank over TCP when a torchrun-style launcher started this process (`RANK`,
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`); one process per rank over MPI when `mpirun` /
+//! `srun` started it and the build has the `mpi` feature. [`run_spmd`] returns this process's
+//! result: rank 0's for threads, the local rank's for processes.
+
+use std::time::Duration;
+
+use moe_backend::BackendError;
+use moe_backend::comm::launch::Launch;
+use moe_backend::comm::tcp::{TcpConfig, TcpWorld};
+use moe_backend::comm::{RankCtx, World, WorldConfig};
+
+/// How the ranks of a job run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// Processes when a launcher started this one (MPI for `mpirun`/`srun` in an `mpi` build,
+    /// else TCP), threads otherwise.
+    #[default]
+    Auto,
+    /// All ranks as threads of this process.
+    Threads,
+    /// One process per rank over TCP (torchrun-style environment).
+    Tcp,
+    /// One process per rank over MPI (build with `--features mpi`).
+    Mpi,
+}
+
+/// Where the job's ranks run, decided from the transport and the environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// `world` threads of this process.
+    Threads {
+        /// Number of ranks.
+        world: usize,
+    },
+    /// This process is one rank of a multi-process job.
+    Process {
+        /// The transport.
+        transport: Transport,
+        /// What the launcher said.
+        launch: Option<Launch>,
+    },
+}
+
+impl Placement {
+    /// Decides where the ranks run: `threads_world` ranks as threads unless a launcher started
+    /// this process or `transport` asks for processes.
+    pub fn decide(transport: Transport, threads_world: usize) -> Result<Self, BackendError> {
+        let launch = Launch::from_env()?;
+        let multi = launch.as_ref().is_some_and(|l| l.world_size > 1);
+        let chosen = match transport {
+            Transport::Threads => {
+                return Ok(Placement::Threads {
+                    world: threads_world,
+                });
+            }
+            Transport::Auto if !multi => {
+                return Ok(Placement::Threads {
+                    world: threads_world,
+                });
+            }
+            Transport::Auto => match launch.as_ref().map(|l| l.launcher) {
+                Some("openmpi" | "pmi") if cfg!(feature = "mpi") => Transport::Mpi,
+                Some("slurm") if cfg!(feature = "mpi") => Transport::Mpi,
+                _ => Transport::Tcp,
+            },
+            other => other,
+        };
+        Ok(Placement::Process {
+            transport: chosen,
+            launch,
+        })
+    }
+
+    /// Number of ranks of the job.
+    pub fn world(&self) -> Option<usize> {
+        match self {
+            Placement::Threads { world } => Some(*world),
+            Placement::Process { launch, .. } => launch.as_ref().map(|l| l.world_size),
+        }
+    }
+
+    /// Whether this process prints the job's progress (rank 0, or the process running the
+    /// threads).
+    pub fn is_reporter(&self) -> bool {
+        match self {
+            Placement::Threads { .. } => true,
+            Placement::Process { launch, .. } => launch.as_ref().is_none_or(|l| l.rank == 0),
+        }
+    }
+}
+
+/// Runs `f` on every rank of the job `placement` describes, waiting at most `timeout` in any
+/// collective; returns this process's result (rank 0's for threads). A failing rank makes the
+/// whole job fail: threads and TCP processes return the first failure (naming the rank), MPI
+/// processes abort the job.
+pub fn run_spmd<T, F>(placement: &Placement, timeout: Duration, f: F) -> Result<T, BackendError>
+where
+    T: Send,
+    F: Fn(&RankCtx) -> Result<T, BackendError> + Sync,
+{
+    match placement {
+        Placement::Threads { world } => {
+            let config = WorldConfig {
+                timeout,
+                ..WorldConfig::default()
+            };
+            let mut first = None;
+            let mut errors = Vec::new();
+            for (rank, result) in World::run_with(*world, config, f).into_iter().enumerate() {
+                match result {
+                    Ok(v) if rank == 0 => first = Some(v),
+                    Ok(_) => {}
+                    Err(e) => errors.push(e),
+                }
+            }
+            // The failing rank's own error rather than the others' "aborted because rank r
+            // failed".
+            let failure = errors
+                .iter()
+                .position(|e| !matches!(e, BackendError::Aborted { .. }))
+                .or((!errors.is_empty()).then_some(0));
+            if let Some(at) = failure {
+                return Err(errors.swap_remove(at));
+            }
+            first.ok_or_else(|| BackendError::Config {
+                field: "world",
+                detail: "a job needs at least one rank".into(),
+            })
+        }
+        Placement::Process { transport, launch } => match transport {
+            Transport::Mpi => run_mpi(timeout, f),
+            _ => {
+                let launch = launch.clone().ok_or_else(|| BackendError::Config {
+                    field: "launcher",
+                    detail: "TCP processes need a launcher's RANK, WORLD_SIZE, MASTER_ADDR and \
+                             MASTER_PORT (torchrun sets them)"
+                        .into(),
+                })?;
+                let world = TcpWorld::init(
+                    &launch,
+                    TcpConfig {
+                        timeout,
+                        ..TcpConfig::default()
+                    },
+                )?;
+                world.run(&f)
+            }
+        },
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi<T, F>(timeout: Duration, f: F) -> Result<T, BackendError>
+where
+    F: Fn(&RankCtx) -> Result<T, BackendError>,
+{
+    use moe_backend::comm::mpi::{MpiConfig, MpiWorld};
+    let world = MpiWorld::init(MpiConfig { timeout })?;
+    world.run(&f)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi<T, F>(_timeout: Duration, _f: F) -> Result<T, BackendError>
+where
+    F: Fn(&RankCtx) -> Result<T, BackendError>,
+{
+    Err(BackendError::Config {
+        field: "transport",
+        detail: "this build has no MPI: rebuild with `--features mpi` (needs OpenMPI and \
+                 libclang), or use the TCP transport (torchrun-style RANK / WORLD_SIZE / \
+                 MASTER_ADDR / MASTER_PORT)"
+            .into(),
+    })
+}
