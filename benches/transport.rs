@@ -1,16 +1,19 @@
 //! One MoE layer step (AlltoAll dispatch → local experts' grouped GEMMs → combine, forward and
-//! backward) under expert parallelism, with the ranks as threads of one process and as MPI
-//! processes, on the same routing: milliseconds per step and the EP all-to-all bytes each rank
-//! sends (which must be equal).
+//! backward) under expert parallelism, with the ranks as threads of one process, as TCP
+//! processes (started torchrun-style) and as MPI processes, on the same routing: milliseconds
+//! per step and the EP all-to-all bytes each rank sends (which must be equal).
 //!
-//! Run: `cargo bench --features mpi --bench transport` (it starts `mpirun -np EP` on itself;
-//! OpenMPI needed). `-- --quick` for a smaller case.
+//! Run: `cargo bench --features mpi --bench transport` (it starts itself as EP processes, with
+//! `RANK`/`WORLD_SIZE`/`MASTER_*` and with `mpirun -np EP`; OpenMPI needed). `-- --quick` for a
+//! smaller case.
 
 use std::process::Command;
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_moe::backend::comm::launch::Launch;
 use burn_moe::backend::comm::mpi::{MpiConfig, MpiWorld};
+use burn_moe::backend::comm::tcp::{TcpConfig, TcpWorld};
 use burn_moe::backend::comm::{RankCtx, World};
 use burn_moe::backend::dispatch::{AllToAllDispatcher, TokenDispatcher};
 use burn_moe::backend::experts::GroupedExpertsConfig;
@@ -117,6 +120,12 @@ fn main() {
         println!("RANK {} {:.3} {bytes}", world.rank(), median(&mut ms));
         return;
     }
+    if let Some(launch) = Launch::from_env().expect("launcher environment") {
+        let world = TcpWorld::init(&launch, TcpConfig::default()).expect("TCP");
+        let (mut ms, bytes) = world.run(|ctx| layer_steps(ctx, c)).expect("layer steps");
+        println!("RANK {} {:.3} {bytes}", world.rank(), median(&mut ms));
+        return;
+    }
     println!(
         "MoE layer step (AlltoAll dispatch + grouped GEMMs + combine, fwd+bwd), EP={} \
          T={} h={} F={} E={} k={}, median of {} steps",
@@ -130,10 +139,11 @@ fn main() {
         })
         .collect();
     let exe = std::env::current_exe().expect("bench binary");
+    // MPI processes.
     let mut cmd = Command::new("mpirun");
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
         .arg(c.ep.to_string())
-        .arg(exe);
+        .arg(&exe);
     if quick {
         cmd.arg("--quick");
     }
@@ -143,36 +153,69 @@ fn main() {
         "mpirun failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let mut procs = vec![(f64::NAN, 0u64); c.ep];
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
+    let mpi = parse_ranks(&String::from_utf8_lossy(&out.stdout), c.ep);
+    // TCP processes, started as torchrun starts them.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let children: Vec<_> = (0..c.ep)
+        .map(|rank| {
+            let mut cmd = Command::new(&exe);
+            if quick {
+                cmd.arg("--quick");
+            }
+            cmd.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", c.ep.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("bench process")
+        })
+        .collect();
+    let mut text = String::new();
+    for child in children {
+        let out = child.wait_with_output().expect("bench process");
+        assert!(out.status.success(), "a TCP rank failed");
+        text.push_str(&String::from_utf8_lossy(&out.stdout));
+    }
+    let tcp = parse_ranks(&text, c.ep);
+    println!(
+        "{:>4} {:>11} {:>9} {:>9} {:>14} {:>14} {:>14}",
+        "rank", "threads ms", "tcp ms", "mpi ms", "threads EP B", "tcp EP B", "mpi EP B"
+    );
+    for r in 0..c.ep {
+        println!(
+            "{r:>4} {:>11.1} {:>9.1} {:>9.1} {:>14} {:>14} {:>14}",
+            threads[r].0, tcp[r].0, mpi[r].0, threads[r].1, tcp[r].1, mpi[r].1
+        );
+    }
+    let equal = (0..c.ep).all(|r| threads[r].1 == tcp[r].1 && threads[r].1 == mpi[r].1);
+    let mean = |v: &[(f64, u64)]| v.iter().map(|x| x.0).sum::<f64>() / v.len() as f64;
+    println!(
+        "mean step: threads {:.1} ms, TCP processes {:.1} ms ({:.2}x), MPI processes {:.1} ms \
+         ({:.2}x); EP bytes per rank equal on all three: {equal}",
+        mean(&threads),
+        mean(&tcp),
+        mean(&tcp) / mean(&threads),
+        mean(&mpi),
+        mean(&mpi) / mean(&threads),
+    );
+}
+
+/// `RANK r ms bytes` lines of the ranks' output.
+fn parse_ranks(text: &str, n: usize) -> Vec<(f64, u64)> {
+    let mut ranks = vec![(f64::NAN, 0u64); n];
+    for line in text.lines() {
         let parts: Vec<&str> = line.split_whitespace().collect();
         if let ["RANK", r, ms, bytes] = parts.as_slice()
             && let (Ok(r), Ok(ms), Ok(bytes)) =
                 (r.parse::<usize>(), ms.parse::<f64>(), bytes.parse::<u64>())
-            && r < c.ep
+            && r < n
         {
-            procs[r] = (ms, bytes);
+            ranks[r] = (ms, bytes);
         }
     }
-    println!(
-        "{:>4} {:>14} {:>14} {:>16} {:>16} {:>7}",
-        "rank", "threads ms", "mpi ms", "threads EP B", "mpi EP B", "equal"
-    );
-    for (r, (t, p)) in threads.iter().zip(&procs).enumerate() {
-        println!(
-            "{r:>4} {:>14.1} {:>14.1} {:>16} {:>16} {:>7}",
-            t.0,
-            p.0,
-            t.1,
-            p.1,
-            t.1 == p.1
-        );
-    }
-    let mean = |v: &[(f64, u64)]| v.iter().map(|x| x.0).sum::<f64>() / v.len() as f64;
-    println!(
-        "mean step: threads {:.1} ms, mpi processes {:.1} ms (mpi / threads = {:.2})",
-        mean(&threads),
-        mean(&procs),
-        mean(&procs) / mean(&threads)
-    );
+    ranks
 }

@@ -2,9 +2,13 @@
 //! (attention TP2 × DP2 with sequence parallelism, experts EP4) on a built-in arithmetic-sequence
 //! corpus, printing the loss as it falls.
 //!
-//! Run: `cargo run --release --example finetune` (optionally `-- <steps> <layout>`).
+//! Run: `cargo run --release --example finetune` (optionally `-- <steps> <layout>`). The same
+//! binary runs one process per rank when a launcher starts it:
+//! `torchrun --nproc-per-node 4 --no-python target/release/examples/finetune 40 tp=2,ep=4`
+//! (TCP), or `mpirun -np 4 …` in a build with `--features mpi`.
 
-use burn_moe::finetune::{FinetuneOptions, finetune};
+use burn_moe::finetune::{FinetuneOptions, finetune_on};
+use burn_moe::launch::{Placement, Transport};
 
 /// Reuse the large buffers every training step frees (see `moe_backend::alloc`).
 #[global_allocator]
@@ -21,7 +25,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(layout) = args.next() {
         options.layout = layout;
     }
-    let report = finetune(&options, &|step, report| {
+    let placement = Placement::decide(Transport::Auto, 0)?;
+    let reporter = placement.is_reporter();
+    let report = finetune_on(&placement, &options, &|step, report| {
         let i = report.losses.len() - 1;
         tracing::info!(
             step,
@@ -31,6 +37,9 @@ fn main() -> anyhow::Result<()> {
             "train"
         );
     })?;
+    if !reporter {
+        return Ok(());
+    }
     let first = report.losses.first().copied().unwrap_or(f32::NAN);
     let last = report.losses.last().copied().unwrap_or(f32::NAN);
     println!(

@@ -9,12 +9,14 @@
 use std::path::PathBuf;
 
 use burn::tensor::Device;
-use moe_backend::comm::{Comm, World};
+use moe_backend::comm::{Comm, WorldConfig};
 use moe_backend::parallel::ParallelLayout;
 use moe_bridge::hf::HfCheckpoint;
 use moe_models::Qwen3MoeConfig;
 use moe_models::Qwen3MoeForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+
+use crate::launch::{Placement, run_spmd};
 
 /// Everything that can stop a fine-tuning run.
 #[derive(Debug, thiserror::Error)]
@@ -107,20 +109,44 @@ pub fn corpus_batch(
     ids
 }
 
-/// Runs the fine-tuning job; `on_step(step, mean_loss)` is called after every step with the
-/// mean loss over ranks (from rank 0's thread).
+/// Runs the fine-tuning job on in-process ranks; `on_step(step, mean_loss)` is called after
+/// every step with the mean loss over ranks (from rank 0's thread).
 pub fn finetune(
     options: &FinetuneOptions,
     on_step: &(dyn Fn(usize, &FinetuneReport) + Sync),
 ) -> Result<FinetuneReport, FinetuneError> {
-    let layout = ParallelLayout::parse_spec(&options.layout)?;
+    finetune_on(&Placement::Threads { world: 0 }, options, on_step)
+}
+
+/// [`finetune`] wherever `placement` puts the ranks: threads of this process (the layout's
+/// world), or this process as one rank of a job a launcher started (`torchrun`, `mpirun`,
+/// `srun`; see [`crate::launch`]). Returns this process's report (rank 0's for threads).
+pub fn finetune_on(
+    placement: &Placement,
+    options: &FinetuneOptions,
+    on_step: &(dyn Fn(usize, &FinetuneReport) + Sync),
+) -> Result<FinetuneReport, FinetuneError> {
+    let (placement, layout) = match placement {
+        Placement::Threads { .. } => {
+            let layout = ParallelLayout::parse_spec(&options.layout)?;
+            let world = layout.world;
+            (Placement::Threads { world }, layout)
+        }
+        Placement::Process { .. } => {
+            let world = placement.world().unwrap_or(1);
+            (
+                placement.clone(),
+                ParallelLayout::parse(world, &options.layout)?,
+            )
+        }
+    };
     let device = Device::flex().autodiff();
     let checkpoint = HfCheckpoint::open(&options.model_dir)?;
     let config = Qwen3MoeConfig::from_file(options.model_dir.join("config.json"))?;
     let full = Qwen3MoeForCausalLM::from_weights(&config, &checkpoint, &device)?;
     let vocab = config.vocab_size;
     tracing::info!(layout = %layout, steps = options.steps, "fine-tuning");
-    let results = World::run(layout.world, |ctx| {
+    let report = run_spmd(&placement, WorldConfig::default().timeout, |ctx| {
         let groups = ctx.process_groups(&layout)?;
         let world = ctx.world()?;
         let mut trainer = Trainer::new(
@@ -132,9 +158,8 @@ pub fn finetune(
         )
         .map_err(to_backend)?;
         train_steps(&mut trainer, &world, options, 0, vocab, on_step)
-    });
-    let mut reports = results.into_iter().collect::<Result<Vec<_>, _>>()?;
-    Ok(reports.swap_remove(0))
+    })?;
+    Ok(report)
 }
 
 /// One rank's part of a fine-tuning run: `options.steps` steps of `trainer` on the built-in

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use moe_backend::comm::mpi::{MpiConfig, MpiWorld};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp, World};
+use moe_backend::dispatch::{AllToAllDispatcher, TokenDispatcher};
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
 
 const OUT_VAR: &str = "MOE_MPI_TEST_OUT";
@@ -129,6 +130,30 @@ fn script(ctx: &RankCtx) -> moe_backend::Result<Vec<Vec<f32>>> {
             ));
             out.push(vec![comm.traffic().bytes_sent as f32]);
         }
+        // One AlltoAll dispatch + combine of routed tokens: the rows every rank receives, the
+        // combined output and the EP bytes each rank sent equal the threads'.
+        let experts = 8;
+        let d = AllToAllDispatcher::new(
+            pg.comm(GroupFamily::Ep).clone(),
+            pg.comm(GroupFamily::ExptTp).clone(),
+            pg.comm(GroupFamily::TpEp).clone(),
+            experts,
+        )?;
+        let tokens = 6 + r;
+        let probs: Vec<f32> = (0..tokens * experts)
+            .map(|i| if (i * 5 + r) % 3 == 0 { 0.25 } else { 0.0 })
+            .collect();
+        let p = Tensor::<2>::from_data(TensorData::new(probs, [tokens, experts]), &device);
+        let map = p.clone().greater_elem(0.0);
+        let x = vals(tokens * 4, 3).reshape([tokens, 4]);
+        let before = pg.comm(GroupFamily::Ep).traffic().bytes_sent;
+        let dispatched = d.dispatch(x, p, map)?;
+        let sent = pg.comm(GroupFamily::Ep).traffic().bytes_sent - before;
+        out.push(floats(dispatched.rows.clone().reshape([-1])));
+        out.push(floats(
+            d.combine(dispatched.rows, dispatched.state)?.reshape([-1]),
+        ));
+        out.push(vec![sent as f32]);
     }
     world.barrier()?;
     Ok(out)

@@ -171,3 +171,15 @@ impl GroupComms {
         &self.comms[at]
     }
 }
+
+/// Runs a rank's closure, turning a panic into [`BackendError::RankPanicked`] with its message.
+pub(crate) fn catch_rank<T>(rank: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "non-string panic payload".into());
+        Err(BackendError::RankPanicked { rank, message })
+    })
+}

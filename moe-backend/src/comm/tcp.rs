@@ -69,14 +69,13 @@ use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::Comm;
-use super::ctx::{Connector, RankCtx, Transport};
+use super::ctx::{Connector, RankCtx, Transport, catch_rank};
 use super::launch::Launch;
 use super::p2p::{LinkError, Links, P2pComm};
 use crate::error::{BackendError, Result};
@@ -1634,20 +1633,7 @@ impl TcpWorld {
     /// fail with "rank R failed: <message>", and returned; the world stays failed.
     pub fn run<T>(&self, f: impl FnOnce(&RankCtx) -> Result<T>) -> Result<T> {
         let ctx = self.ctx();
-        let result = match catch_unwind(AssertUnwindSafe(|| f(&ctx))) {
-            Ok(result) => result,
-            Err(payload) => {
-                let message = payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "non-string panic payload".into());
-                Err(BackendError::RankPanicked {
-                    rank: self.rank,
-                    message,
-                })
-            }
-        };
+        let result = catch_rank(self.rank, || f(&ctx));
         let result = result.and_then(|value| {
             ctx.world()?.barrier()?;
             Ok(value)

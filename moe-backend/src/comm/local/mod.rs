@@ -7,14 +7,13 @@
 //! timeout) are recorded once for the whole world and wake every waiting rank.
 
 use std::collections::{HashMap, VecDeque};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use burn::tensor::{DType, TensorData};
 
-use super::ctx::{RankCtx, Transport};
+use super::ctx::{RankCtx, Transport, catch_rank};
 use super::{CallSite, Comm};
 use crate::error::{BackendError, Result};
 
@@ -180,17 +179,7 @@ where
     F: Fn(&RankCtx) -> Result<T> + Sync,
 {
     let ctx = RankCtx::new(rank, shared.size, Transport::Local(Arc::clone(&shared)));
-    let result = match catch_unwind(AssertUnwindSafe(|| f(&ctx))) {
-        Ok(result) => result,
-        Err(payload) => {
-            let message = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "non-string panic payload".into());
-            Err(BackendError::RankPanicked { rank, message })
-        }
-    };
+    let result = catch_rank(rank, || f(&ctx));
     if let Err(e) = &result {
         shared.fail(rank, e.to_string());
     }
