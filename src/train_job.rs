@@ -24,6 +24,7 @@ use std::time::Duration;
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
 use moe_backend::parallel::ParallelLayout;
+use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
 use moe_bridge::dist::index::{INDEX_FILE, LATEST_FILE};
 use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
 use moe_bridge::hf::HfCheckpoint;
@@ -84,8 +85,12 @@ pub struct TrainJob {
     pub layout: String,
     /// Train until this many optimizer steps have been taken (a resumed run continues to it).
     pub steps: usize,
-    /// Sequences per step over all data-parallel replicas.
+    /// Sequences per step over all data-parallel replicas (the global batch).
     pub gbs: usize,
+    /// Sequences per micro-batch of a replica (`None`: one micro-batch of `gbs / dp`). The
+    /// global batch is `dp × micro-batches × mbs` sequences; gradients accumulate over the
+    /// micro-batches and the loss is normalised per token over the whole global batch.
+    pub mbs: Option<usize>,
     /// Tokens per sequence (ignored with `data`, whose rows set it).
     pub seq_len: usize,
     /// `input_ids [N, S]` (I64 or I32) in a safetensors file; `None`: the built-in corpus.
@@ -112,6 +117,7 @@ impl Default for TrainJob {
             layout: "tp=2,ep=4".into(),
             steps: 20,
             gbs: 8,
+            mbs: None,
             seq_len: 16,
             data: None,
             trainer: TrainerConfig {
@@ -313,6 +319,18 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
             ),
         ));
     }
+    if let Some(mbs) = job.mbs
+        && (mbs == 0 || !(job.gbs / replicas).is_multiple_of(mbs))
+    {
+        return Err(invalid(
+            "mbs",
+            format!(
+                "the global batch of {} sequences does not split into {replicas} replicas × \
+                 micro-batches of {mbs} sequences",
+                job.gbs
+            ),
+        ));
+    }
     if job.steps == 0 {
         return Err(invalid("steps", "train at least one step"));
     }
@@ -411,17 +429,25 @@ pub fn run_rank(
     }
     let replicas = layout.dp * layout.cp;
     let per_replica = job.gbs / replicas;
+    let mbs = job.mbs.unwrap_or(per_replica);
     let replica = trainer.model().replica;
+    if let (Some(root), 0) = (&job.save, ctx.rank()) {
+        clean_stale_saves(root);
+    }
     let mut report = TrainJobReport {
         first_step,
         layout: layout.to_string(),
         ..TrainJobReport::default()
     };
     for step in first_step..job.steps {
-        let ids = data.sequences(step, job.gbs, replica * per_replica, per_replica, vocab);
-        let batch = TrainBatch::causal(ids, per_replica)?;
-        let stats = trainer.step(&batch)?;
-        let metrics = reduce_metrics(&world, &layout, step + 1, job.trainer.lr, &stats)?;
+        let micro = (0..per_replica / mbs)
+            .map(|m| {
+                let first = replica * per_replica + m * mbs;
+                TrainBatch::causal(data.sequences(step, job.gbs, first, mbs, vocab), mbs)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let stats = trainer.step_micro_batches(&micro)?;
+        let metrics = reduce_metrics(&world, &layout, step + 1, &stats)?;
         if ctx.rank() == 0 {
             on_step(&metrics);
         }
@@ -447,12 +473,27 @@ pub fn run_rank(
     Ok(report)
 }
 
+/// Removes the temporary directories that killed saves left under `root` (their owner process
+/// is gone), logging each; the next save would remove them too, silently.
+fn clean_stale_saves(root: &Path) {
+    match remove_stale_temp_dirs(root, &StalePolicy::default()) {
+        Ok(report) => {
+            for dir in &report.removed {
+                tracing::warn!(path = %dir.path.display(), reason = %dir.reason, "removed a killed save's temporary directory");
+            }
+            for e in &report.failed {
+                tracing::warn!("{e}");
+            }
+        }
+        Err(e) => tracing::warn!("cannot check {} for stale saves: {e}", root.display()),
+    }
+}
+
 /// The job-wide view of one step: losses averaged over ranks, tokens summed over replicas.
 fn reduce_metrics(
     world: &Comm,
     layout: &ParallelLayout,
     step: usize,
-    lr: f64,
     stats: &moe_models::train::StepStats,
 ) -> Result<StepMetrics, TrainJobError> {
     // Every TP / EP rank of a replica reports its replica's loss and tokens: dividing by the
@@ -478,7 +519,7 @@ fn reduce_metrics(
         loss: sums[0] / n,
         aux_loss: sums[1] / n,
         grad_norm: stats.grad_norm,
-        lr,
+        lr: stats.lr,
         tokens_per_s: f64::from(sums[2]),
     })
 }

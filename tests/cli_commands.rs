@@ -153,6 +153,58 @@ fn convert_reshard_validate_export_round_trip_is_bit_exact() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// `moe validate` warns about the temporary directories of saves that died (stale) or are still
+/// running (live), and still succeeds on a valid checkpoint.
+#[test]
+fn validate_warns_about_leftover_temporary_save_directories() {
+    use burn_moe::bridge::dist::commit::{NO_OWNER_GRACE, TempDirOwner};
+    let root = std::env::temp_dir().join(format!("moe-dist-tmp-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let s = |p: &std::path::Path| p.to_string_lossy().to_string();
+    let out = moe(&[
+        "convert",
+        "--from-hf",
+        &fixture("qwen3_moe"),
+        "--out",
+        &s(&root),
+        "--layout",
+        "world=2,tp=2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stale = root.join(".tmp-iter_0000001-killed");
+    std::fs::create_dir(&stale).unwrap();
+    let old = std::time::SystemTime::now() - NO_OWNER_GRACE * 2;
+    std::fs::File::open(&stale)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let live = root.join(".tmp-iter_0000001-running");
+    std::fs::create_dir(&live).unwrap();
+    TempDirOwner::current().write(&live).unwrap();
+    let out = moe(&["validate", &s(&root)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("valid"));
+    let line = |dir: &std::path::Path| {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        stderr
+            .lines()
+            .find(|l| l.starts_with("warning:") && l.contains(&name))
+            .unwrap_or_else(|| panic!("no warning about {name}: {stderr}"))
+            .to_owned()
+    };
+    assert!(
+        line(&stale).contains("removed by the next save"),
+        "{stderr}"
+    );
+    assert!(line(&live).contains("a save in progress"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// `moe convert` keeps an FP8 release checkpoint in FP8 and `moe export` writes it back bit for
 /// bit; `--dequantize` stores BF16, and `--dtype bf16` dequantises on export.
 #[test]

@@ -7,86 +7,13 @@
 //! - MPI processes (`mpirun -np N moe train …`) need OpenMPI (installed by `.ci/run`) and a
 //!   build with `--features mpi`: `cargo test --features mpi --test processes`.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use burn_moe::bridge::dist::DistCheckpoint;
-use burn_moe::bridge::dist::convert::export_dist_to_hf;
-use burn_moe::bridge::export::ExportOptions;
-use burn_moe::bridge::hf::HfCheckpoint;
-use burn_moe::bridge::safetensors::Dtype;
-use serde_json::Value;
-
-const MOE: &str = env!("CARGO_BIN_EXE_moe");
-const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_moe");
-const STEPS: usize = 5;
-/// Adam's ε for comparisons with other layouts: as in `models/tests/parallel_equivalence.rs`,
-/// elements whose gradient is ~0 get updates `g/(|g|+ε)` that amplify the f32 rounding of
-/// `g` (which depends on the reduction order of the layout) without bound as ε → 0. Runs
-/// compared across transports alone keep the default 1e-8 and agree bit for bit.
-const ADAM_EPS: &str = "1e-3";
-
-/// A fresh directory (unique across the tests running at once).
-fn scratch(name: &str) -> PathBuf {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("moe-processes-{name}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
-/// `moe train` arguments for a job writing its metrics and checkpoints under `dir`.
-fn train_args(dir: &Path, layout: &str, steps: usize, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "train",
-        "--model",
-        FIXTURE,
-        "--layout",
-        layout,
-        "--steps",
-        &steps.to_string(),
-        "--gbs",
-        "4",
-        "--seq-len",
-        "12",
-        "--lr",
-        "1e-2",
-        "--weight-decay",
-        "0.1",
-        "--save",
-        &dir.join("ckpt").display().to_string(),
-        "--metrics-out",
-        &dir.join("metrics.jsonl").display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
-fn check(out: Output, what: &str) -> Output {
-    assert!(
-        out.status.success(),
-        "{what} failed ({:?}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn threads(args: &[String]) -> Output {
-    let out = Command::new(MOE)
-        .args(args)
-        .args(["--transport", "threads"])
-        .output()
-        .expect("moe");
-    check(out, &format!("moe {}", args.join(" ")))
-}
+use common::*;
 
 /// How the processes of a job are started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,98 +133,6 @@ fn text(out: &Output) -> String {
 
 fn processes(launcher: Launcher, n: usize, args: &[String]) {
     spawn(launcher, n, args, "run").succeed();
-}
-
-fn metrics(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .expect("metrics")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("json line"))
-        .collect()
-}
-
-fn field(m: &Value, key: &str) -> f64 {
-    m[key].as_f64().unwrap_or(f64::NAN)
-}
-
-/// Every parameter of the latest checkpoint under `dir`, exported to HF as F32.
-fn params(dir: &Path) -> BTreeMap<String, Vec<f32>> {
-    let ckpt = DistCheckpoint::open(dir.join("ckpt")).expect("checkpoint");
-    ckpt.validate().expect("valid checkpoint");
-    let hf = dir.join("hf");
-    let _ = std::fs::remove_dir_all(&hf);
-    let opts = ExportOptions {
-        dtype: Some(Dtype::F32),
-        ..ExportOptions::default()
-    };
-    export_dist_to_hf(&ckpt, &hf, &opts).expect("export");
-    let hf = HfCheckpoint::open(&hf).expect("export opens");
-    let names: Vec<String> = hf.tensor_names().map(str::to_string).collect();
-    names
-        .into_iter()
-        .map(|n| {
-            let v = hf
-                .tensor(&n)
-                .and_then(|t| t.to_tensor_data())
-                .expect("tensor")
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .expect("f32");
-            (n, v)
-        })
-        .collect()
-}
-
-/// Parallel-equivalence tolerance (next-architecture.md §5): `1e-5·max|want| + 1e-6`.
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let tol = 1e-5 * scale + 1e-6;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol,
-            "{what}[{i}]: {g} vs {w} (tol {tol:e})"
-        );
-    }
-}
-
-fn assert_params_close(
-    got: &BTreeMap<String, Vec<f32>>,
-    want: &BTreeMap<String, Vec<f32>>,
-    what: &str,
-) {
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "{what}"
-    );
-    for (name, w) in want {
-        assert_close(&got[name], w, &format!("{what}: {name}"));
-    }
-}
-
-fn assert_metrics_close(got: &[Value], want: &[Value], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: steps");
-    for (g, w) in got.iter().zip(want) {
-        for key in ["loss", "grad_norm"] {
-            let (a, b) = (field(g, key), field(w, key));
-            assert!(
-                (a - b).abs() <= 1e-5 * b.abs() + 1e-6,
-                "{what} step {}: {key} {a} vs {b}",
-                w["step"]
-            );
-        }
-    }
-}
-
-/// Bitwise equality of everything but the timing.
-fn assert_metrics_equal(got: &[Value], want: &[Value], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: steps");
-    for (g, w) in got.iter().zip(want) {
-        for key in ["step", "loss", "aux_loss", "grad_norm", "lr"] {
-            assert_eq!(g[key], w[key], "{what} step {}: {key}", w["step"]);
-        }
-    }
 }
 
 /// The same job as `n` processes, as threads and (without the load-balancing loss, which is
@@ -526,6 +361,21 @@ fn kill_mid_save(launcher: Launcher) {
         .output()
         .expect("moe validate");
     check(status, "moe validate");
+    // A new run resuming there removes the killed save's temporary directory.
+    let step = DistCheckpoint::open(&root)
+        .expect("checkpoint")
+        .index()
+        .step as usize;
+    let mut resume = train_args(&dir, "tp=2,ep=4", step + 1, &[]);
+    resume.push("--resume".into());
+    threads(&resume);
+    let leftovers: Vec<_> = std::fs::read_dir(&root)
+        .expect("root")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+        .map(|e| e.path())
+        .collect();
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

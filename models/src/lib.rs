@@ -28,6 +28,7 @@ pub mod plan;
 pub mod qwen3;
 pub mod qwen3_moe;
 pub mod replay;
+pub mod rl;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;

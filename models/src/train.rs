@@ -20,18 +20,19 @@
 
 use std::time::Instant;
 
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Device;
-use moe_backend::comm::{Comm, GroupComms};
+use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
-    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, ParamInfo,
+    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
+    ParamInfo,
 };
-use moe_backend::parallel::ProcessGroups;
+use moe_backend::parallel::{GroupFamily, ProcessGroups};
 
 use crate::ModelError;
 use crate::causal_lm::{IGNORE_INDEX, hf_load_balancing_loss};
-use crate::distributed::{DispatcherKind, ParallelQwen3Moe, param_class};
+use crate::distributed::{DispatcherKind, ParallelQwen3Moe, err, param_class};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 /// One replica's batch: `batch` rows of equal length, row-major.
@@ -111,8 +112,12 @@ impl TrainBatch {
 /// Settings of a [`Trainer`].
 #[derive(Debug, Clone)]
 pub struct TrainerConfig {
-    /// Learning rate.
+    /// Learning rate (of every step, unless `lr_schedule` is set).
     pub lr: f64,
+    /// Megatron's learning-rate schedule (warmup, then constant / linear / cosine / inverse
+    /// square root / WSD decay to `min_lr`); step `k` (counted by the optimizer, so a restored
+    /// trainer continues its schedule) uses `lr_schedule.lr(k)`. `None`: the constant `lr`.
+    pub lr_schedule: Option<LrSchedule>,
     /// AdamW settings (ZeRO-1 over `dp_cp` / `expt_dp`).
     pub optimizer: DistributedAdamWConfig,
     /// Token dispatcher of the MoE blocks.
@@ -136,8 +141,10 @@ impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
             lr: 1e-3,
+            lr_schedule: None,
             optimizer: DistributedAdamWConfig {
                 max_grad_norm: Some(1.0),
+                exempt_norms_and_biases: true,
                 ..DistributedAdamWConfig::default()
             },
             dispatcher: DispatcherKind::AllToAll,
@@ -162,6 +169,8 @@ pub struct StepStats {
     pub tokens: usize,
     /// `tokens` per second of wall time for the whole step.
     pub tokens_per_second: f64,
+    /// Learning rate the step used.
+    pub lr: f64,
 }
 
 /// One rank's training state.
@@ -173,6 +182,8 @@ pub struct Trainer {
     top_k: usize,
     device: Device,
     groups: ProcessGroups,
+    /// The dense data-parallel group (token counts of the global batch).
+    dp_cp: Comm,
 }
 
 impl Trainer {
@@ -185,6 +196,9 @@ impl Trainer {
         config: TrainerConfig,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        if let Some(schedule) = &config.lr_schedule {
+            schedule.validate()?;
+        }
         let mut model = match config.fp8 {
             Some(recipe) => {
                 let mut fp8 = full.clone().with_fp8_experts(Some(recipe))?;
@@ -230,6 +244,7 @@ impl Trainer {
             config,
             device: device.clone(),
             groups: groups.groups.clone(),
+            dp_cp: groups.comm(GroupFamily::DpCp).clone(),
         })
     }
 
@@ -261,45 +276,137 @@ impl Trainer {
     }
 
     /// Forward, backward and optimizer step on this replica's `batch` (the same batch on every
-    /// TP rank of the replica).
+    /// TP rank of the replica): [`Trainer::step_micro_batches`] with one micro-batch.
     pub fn step(&mut self, batch: &TrainBatch) -> Result<StepStats, ModelError> {
+        self.step_micro_batches(std::slice::from_ref(batch))
+    }
+
+    /// One optimizer step over this replica's share of a global batch, given as micro-batches
+    /// (every rank of the job passes the same number; the TP ranks of a replica the same
+    /// batches). Gradients are accumulated over the micro-batches (one forward and backward
+    /// at a time, so memory is that of one micro-batch) and the cross-entropy is normalised
+    /// per target token over the whole global batch (all replicas, all micro-batches): how the
+    /// global batch is cut into micro-batches and replicas changes nothing but rounding. The
+    /// load-balancing loss of each micro-batch is weighted by `1 / micro_batches`, as Megatron
+    /// scales every per-micro-batch loss.
+    ///
+    /// The returned `loss` is this replica's token-weighted mean cross-entropy, `aux_loss` the
+    /// mean over micro-batches, `tokens` the replica's target tokens.
+    pub fn step_micro_batches(&mut self, micro: &[TrainBatch]) -> Result<StepStats, ModelError> {
         let start = Instant::now();
-        let out =
-            self.model
-                .forward_loss(&batch.input_ids, &batch.labels, batch.batch, &self.device)?;
-        let aux = if out.router_logits.is_empty() {
-            None
-        } else {
-            Some(hf_load_balancing_loss(
-                &out.router_logits,
-                self.top_k,
-                None,
-            )?)
-        };
-        let loss_value = scalar(&out.loss)?;
-        let aux_value = match &aux {
-            Some(a) => scalar(a)?,
-            None => 0.0,
-        };
-        let objective = match aux {
-            Some(a) if self.config.aux_loss_coeff > 0.0 => {
-                out.loss + a.mul_scalar(self.config.aux_loss_coeff)
+        if micro.is_empty() {
+            return Err(ModelError::invalid(
+                "micro_batches",
+                "a step needs at least one micro-batch",
+            ));
+        }
+        let local: Vec<usize> = micro.iter().map(TrainBatch::target_tokens).collect();
+        let local_total: usize = local.iter().sum();
+        // Target tokens of the whole global batch: summed over the data-parallel replicas
+        // (every TP rank of a replica holds the same batch, so the dp_cp group sees each
+        // replica once).
+        let replicas = self.dp_cp.size();
+        let count = burn::tensor::Tensor::<1>::from_data([local_total as f32], &Device::flex());
+        let global_total = scalar(&self.dp_cp.all_reduce(count, ReduceOp::Sum).map_err(err)?)?;
+        if global_total <= 0.0 {
+            return Err(ModelError::invalid(
+                "labels",
+                "the global batch has no target token (every label is -100)",
+            ));
+        }
+        let mut accumulator = GradientsAccumulator::<Qwen3MoeForCausalLM>::new();
+        let (mut loss_sum, mut aux_sum) = (0.0f64, 0.0f64);
+        let n_micro = micro.len() as f64;
+        for (batch, &tokens) in micro.iter().zip(&local) {
+            let out = self.model.forward_loss(
+                &batch.input_ids,
+                &batch.labels,
+                batch.batch,
+                &self.device,
+            )?;
+            let aux = if out.router_logits.is_empty() {
+                None
+            } else {
+                Some(hf_load_balancing_loss(
+                    &out.router_logits,
+                    self.top_k,
+                    None,
+                )?)
+            };
+            let mean = scalar(&out.loss)?;
+            loss_sum += f64::from(mean) * tokens as f64;
+            if let Some(a) = &aux {
+                aux_sum += f64::from(scalar(a)?);
             }
-            _ => out.loss,
+            // The optimizer averages gradients over the `replicas` data-parallel replicas:
+            // scale this micro-batch's token-sum by replicas / global tokens.
+            let weight = tokens as f64 * replicas as f64 / f64::from(global_total);
+            let mut objective = if weight == 1.0 {
+                out.loss
+            } else {
+                out.loss.mul_scalar(weight)
+            };
+            if let Some(a) = aux
+                && self.config.aux_loss_coeff > 0.0
+            {
+                objective = objective + a.mul_scalar(self.config.aux_loss_coeff / n_micro);
+            }
+            let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
+            if micro.len() == 1 {
+                return self.finish_step(grads, loss_sum, aux_sum, local_total, start);
+            }
+            accumulator.accumulate(&self.model.model, grads);
+        }
+        let grads = accumulator.grads();
+        let loss = if local_total > 0 {
+            loss_sum / local_total as f64
+        } else {
+            0.0
         };
-        let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
+        self.finish_step(
+            grads,
+            loss * local_total as f64,
+            aux_sum / n_micro,
+            local_total,
+            start,
+        )
+    }
+
+    /// The optimizer step on accumulated gradients and the step's statistics (`loss_sum` is
+    /// the replica's token-summed cross-entropy).
+    fn finish_step(
+        &mut self,
+        grads: GradientsParams,
+        loss_sum: f64,
+        aux: f64,
+        tokens: usize,
+        start: Instant,
+    ) -> Result<StepStats, ModelError> {
+        let lr = self.lr();
         let module = self.model.model.clone();
-        let (next, report) = self.optimizer.step(self.config.lr, module, grads)?;
+        let (next, report) = self.optimizer.step(lr, module, grads)?;
         self.model.model = next;
-        let tokens = batch.target_tokens();
         let secs = start.elapsed().as_secs_f64().max(1e-9);
         Ok(StepStats {
-            loss: loss_value,
-            aux_loss: aux_value,
+            loss: if tokens > 0 {
+                (loss_sum / tokens as f64) as f32
+            } else {
+                0.0
+            },
+            aux_loss: aux as f32,
             grad_norm: report.grad_norm,
             tokens,
             tokens_per_second: tokens as f64 / secs,
+            lr,
         })
+    }
+
+    /// Learning rate of the next step (from the schedule at the optimizer's step count).
+    pub fn lr(&self) -> f64 {
+        match &self.config.lr_schedule {
+            Some(schedule) => schedule.lr(self.optimizer.step_count()),
+            None => self.config.lr,
+        }
     }
 }
 

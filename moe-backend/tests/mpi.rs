@@ -141,7 +141,13 @@ fn script(ctx: &RankCtx) -> moe_backend::Result<Vec<Vec<f32>>> {
         )?;
         let tokens = 6 + r;
         let probs: Vec<f32> = (0..tokens * experts)
-            .map(|i| if (i * 5 + r) % 3 == 0 { 0.25 } else { 0.0 })
+            .map(|i| {
+                if (i * 5 + r).is_multiple_of(3) {
+                    0.25
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let p = Tensor::<2>::from_data(TensorData::new(probs, [tokens, experts]), &device);
         let map = p.clone().greater_elem(0.0);

@@ -1,6 +1,10 @@
 //! The atomic commit of a distributed checkpoint (checkpoints.md §6 steps 1, 3–5): a hidden
 //! `.tmp-iter_{step:07}-{nonce}` directory, validated and completed by rank 0, renamed into
 //! place, then `latest` replaced atomically.
+//!
+//! Each temporary directory carries an owner file ([`stale::OWNER_FILE`]) while the save runs;
+//! [`begin_save`] first removes the temporary directories of earlier saves that died (see
+//! [`stale`] for the rules), and [`temp_dirs`] lists them for `moe validate`.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -16,6 +20,15 @@ use super::index::{
 use super::validate::{validate_files, validate_index};
 use crate::BridgeError;
 use crate::hf::CONFIG_FILE;
+
+pub mod stale;
+#[cfg(test)]
+mod tests;
+
+pub use stale::{
+    CleanupReport, FOREIGN_OWNER_GRACE, NO_OWNER_GRACE, OWNER_FILE, StalePolicy, TEMP_DIR_PREFIX,
+    TempDirOwner, TempDirState, TempDirStatus, remove_stale_temp_dirs, temp_dirs, temp_dirs_with,
+};
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> BridgeError + '_ {
     move |source| BridgeError::Io {
@@ -40,12 +53,42 @@ fn nonce() -> String {
     format!("{}-{nanos:x}-{n}", std::process::id())
 }
 
-/// Step 1: creates `<root>/.tmp-iter_{step:07}-{nonce}/` (and `root`); returns it.
+/// A temporary save directory just created by [`begin_save_with`].
+#[derive(Debug)]
+pub struct SaveStart {
+    /// The new `<root>/.tmp-iter_{step:07}-{nonce}/`, holding its owner file.
+    pub tmp: PathBuf,
+    /// The stale temporary directories of earlier saves removed first (for the caller to log).
+    pub cleanup: CleanupReport,
+}
+
+/// Step 1 with the default [`StalePolicy`]: see [`begin_save_with`]; returns the temporary
+/// directory (the cleanup report is dropped).
 pub fn begin_save(root: &Path, step: u64) -> Result<PathBuf, BridgeError> {
+    begin_save_with(root, step, &StalePolicy::default()).map(|start| start.tmp)
+}
+
+/// Step 1: creates `root`, removes the stale temporary directories of earlier saves in it
+/// ([`remove_stale_temp_dirs`] under `policy`; a root that cannot be listed is reported in
+/// [`CleanupReport::failed`], not fatal), then creates `<root>/.tmp-iter_{step:07}-{nonce}/`
+/// with this process's owner file.
+pub fn begin_save_with(
+    root: &Path,
+    step: u64,
+    policy: &StalePolicy,
+) -> Result<SaveStart, BridgeError> {
     std::fs::create_dir_all(root).map_err(io(root))?;
+    let cleanup = remove_stale_temp_dirs(root, policy).unwrap_or_else(|e| CleanupReport {
+        failed: vec![e],
+        ..CleanupReport::default()
+    });
     let tmp = root.join(format!(".tmp-{}-{}", iter_dir_name(step), nonce()));
     std::fs::create_dir(&tmp).map_err(io(&tmp))?;
-    Ok(tmp)
+    if let Err(e) = TempDirOwner::current().write(&tmp) {
+        abort_save(&tmp);
+        return Err(e);
+    }
+    Ok(SaveStart { tmp, cleanup })
 }
 
 /// Removes an aborted save's temporary directory (best effort: loaders refuse it anyway).
@@ -131,6 +174,12 @@ fn commit_inner(
 ) -> Result<PathBuf, BridgeError> {
     validate_index(tmp, index)?;
     validate_files(tmp, index)?;
+    // The owner file only marks the save in progress; the checkpoint does not keep it.
+    let owner = tmp.join(OWNER_FILE);
+    match std::fs::remove_file(&owner) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&owner)(e)),
+        _ => {}
+    }
     let index_path = tmp.join(INDEX_FILE);
     write_synced(&index_path, index.to_json(&index_path)?.as_bytes())?;
     let json_files = config

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use super::commit::{TempDirStatus, temp_dirs};
 use super::index::{COMPLETE_MARKER, DcpIndex, INDEX_FILE, LATEST_FILE, TensorEntry};
 use super::region::{TensorBox, copy_box};
 use super::validate::{validate_files, validate_index};
@@ -107,6 +108,13 @@ impl DistCheckpoint {
                 path: self.dir.clone(),
                 tensor: fqn.to_owned(),
             })
+    }
+
+    /// The temporary save directories in checkpoint root `root` (saves in progress, or left by
+    /// saves that died), classified live, pending or stale; see [`super::commit::stale`].
+    /// `moe validate` reports them as warnings: they do not make a checkpoint invalid.
+    pub fn temp_dirs(root: impl AsRef<Path>) -> Result<Vec<TempDirStatus>, BridgeError> {
+        temp_dirs(root.as_ref())
     }
 
     /// Full offline validation (`moe validate`): index coverage and every chunk file's header

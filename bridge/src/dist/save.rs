@@ -4,8 +4,10 @@
 //!
 //! SPMD protocol (over the [`Comm`] of all ranks, payloads as `U8` tensors through
 //! `all_gather_v`, so it works on any [`moe_backend::comm::Communicator`]):
-//! 1. rank 0 creates `<root>/.tmp-iter_{step:07}-{nonce}/` and sends its name to every rank
-//!    (this exchange doubles as the barrier of §6 step 1);
+//! 1. rank 0 removes the stale temporary directories of earlier, dead saves
+//!    ([`super::commit::stale`]), creates `<root>/.tmp-iter_{step:07}-{nonce}/` with its owner
+//!    file and sends its name to every rank (this exchange doubles as the barrier of §6
+//!    step 1);
 //! 2. every rank writes and fsyncs its files there, then all ranks exchange their chunk
 //!    records (JSON) or their error; only rank 0 uses them;
 //! 3. rank 0 aborts if any rank failed, else validates (§8), writes the index, `config.json`,
@@ -15,7 +17,9 @@
 //!
 //! A rank that dies mid-save makes the other ranks' collectives fail; the temporary directory
 //! is then never committed, `latest` keeps naming the previous checkpoint, and loaders refuse
-//! the `.tmp-*` directory.
+//! the `.tmp-*` directory; the next save into the root removes it once its owner is dead.
+//! Callers that want to log those removals call
+//! [`remove_stale_temp_dirs`](super::commit::remove_stale_temp_dirs) on rank 0 before saving.
 
 use std::collections::BTreeMap;
 use std::panic::Location;
@@ -26,7 +30,9 @@ use moe_backend::comm::Comm;
 use moe_backend::parallel::ParallelLayout;
 use serde_json::Value;
 
-use super::commit::{abort_save, begin_save, commit_save, merge_chunks};
+use super::commit::{
+    CleanupReport, StalePolicy, abort_save, begin_save, begin_save_with, commit_save, merge_chunks,
+};
 use super::files::{RankFiles, SavedChunk, TensorMeta};
 use super::index::{DcpIndex, Fp8Record, OptimizerRecord};
 use super::region::TensorBox;
@@ -257,6 +263,7 @@ pub struct OfflineWriter {
     ranks: Vec<RankFiles>,
     /// fqn → `(index into ranks, j)` of each chunk.
     routes: BTreeMap<String, Vec<(usize, usize)>>,
+    cleanup: CleanupReport,
     done: bool,
 }
 
@@ -288,13 +295,14 @@ impl OfflineWriter {
         for (rank, t, b) in chunks {
             by_rank.entry(rank).or_default().push((t, b));
         }
-        let tmp = begin_save(root, meta.step)?;
+        let start = begin_save_with(root, meta.step, &StalePolicy::default())?;
         let mut writer = Self {
             root: root.to_path_buf(),
-            tmp,
+            tmp: start.tmp,
             meta,
             ranks: Vec::new(),
             routes: BTreeMap::new(),
+            cleanup: start.cleanup,
             done: false,
         };
         for (rank, list) in by_rank {
@@ -316,6 +324,12 @@ impl OfflineWriter {
     /// The temporary directory being written.
     pub fn tmp_dir(&self) -> &Path {
         &self.tmp
+    }
+
+    /// The stale temporary directories of earlier saves removed from the root before this
+    /// writer created its own (for the caller to log).
+    pub fn cleanup(&self) -> &CleanupReport {
+        &self.cleanup
     }
 
     /// The chunk boxes of `fqn`, in writer order.

@@ -15,7 +15,8 @@
 //!   combine; backward runs each transpose. AllGather dispatcher = all-gather of tokens,
 //!   probabilities and routing map over `tp_ep`, reduce-scatter back.
 //! - DP: ZeRO-1 reduce-scatter + all-gather of the f32 gradient/parameter buffers over `dp_cp`
-//!   (dense) and `expt_dp` (experts); the f64 gradient-norm all-reduce over the world.
+//!   (dense) and `expt_dp` (experts); the f64 gradient-norm all-reduce over the world; the f32
+//!   target-token count of the global batch all-reduced over `dp_cp`.
 //! - PP (estimate; not implemented in-process): each chunk sends its `[N/(tp·cp), h]` output
 //!   forward and its input gradient backward. CP (estimate): ring attention passes the local
 //!   keys and values `cp − 1` times forward and keys, values and their gradients backward.
@@ -246,8 +247,9 @@ pub fn uniform_routing(shape: &ModelShape, layout: &ParallelLayout, tokens: f64)
 }
 
 /// ZeRO-1 traffic of one optimizer step: ring reduce-scatter + all-gather of the f32 buffers
-/// (padded to a multiple of the group size), the TP sum of sequence-parallel gradients and the
-/// world all-reduce of the f64 norm (see [`super::zero1_step_bytes`]).
+/// (padded to a multiple of the group size), the TP sum of sequence-parallel gradients, the
+/// world all-reduce of the f64 norm (see [`super::zero1_step_bytes`]) and the `dp_cp`
+/// all-reduce of the global batch's f32 target-token count (per-token loss normalisation).
 pub fn optimizer_traffic(params: &RankParams, layout: &ParallelLayout) -> FamilyBytes {
     let ring = |len: u64, n: usize| {
         let n = n as u64;
@@ -257,7 +259,7 @@ pub fn optimizer_traffic(params: &RankParams, layout: &ParallelLayout) -> Family
         dp_cp: ring(
             params.dense_sharded + params.dense_replicated,
             layout.dp * layout.cp,
-        ),
+        ) + ((layout.dp * layout.cp - 1) * 4) as f64,
         expt_dp: ring(params.expert, layout.edp),
         tp: ((layout.tp - 1) as u64 * params.dense_replicated * 4) as f64,
         world: ((layout.world - 1) * 8) as f64,

@@ -53,7 +53,7 @@
 //!   "rank R closed its connection (process gone?)", as soon as the kernel reports the end;
 //! - a rank whose [`TcpWorld::run`] closure returns an error or panics sends an abort frame with
 //!   its message to every peer (and waits up to two seconds for them to leave the socket), so
-//!   the survivors fail with "rank R failed: <message>"; `run` then returns the error;
+//!   the survivors fail with `rank R failed: <message>`; `run` then returns the error;
 //! - a deadline that passes is a [`BackendError::Timeout`] naming the ranks not heard from.
 //!
 //! The first failure is kept for the whole world, as in the in-process [`World`](super::World):
@@ -1630,7 +1630,7 @@ impl TcpWorld {
     /// Runs this rank's part of an SPMD job, as [`super::World::run`] runs a thread's. On
     /// success every rank meets at a world barrier before returning. An error or a panic of
     /// `f` (or of the barrier) is sent to every other rank, whose pending and later operations
-    /// fail with "rank R failed: <message>", and returned; the world stays failed.
+    /// fail with `rank R failed: <message>`, and returned; the world stays failed.
     pub fn run<T>(&self, f: impl FnOnce(&RankCtx) -> Result<T>) -> Result<T> {
         let ctx = self.ctx();
         let result = catch_rank(self.rank, || f(&ctx));

@@ -9,6 +9,7 @@
 //! only) and is all-reduced over the world, so it is the same for every layout.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
@@ -18,6 +19,7 @@ use super::fp8_primary::{
     Fp8ParamLayout, Fp8PrimaryConfig, Fp8Slot, Fp8Weight, cast_and_gather, check_loaded, slots_for,
 };
 use super::params::{ParamClass, ParamInfo, ParamTable, default_classify};
+use super::schedule::no_weight_decay;
 use crate::comm::{Comm, GroupComms, ReduceOp};
 use crate::error::{BackendError, Result};
 use crate::parallel::GroupFamily;
@@ -43,6 +45,10 @@ pub struct DistributedAdamWConfig {
     pub epsilon: f32,
     /// Decoupled weight decay.
     pub weight_decay: f32,
+    /// Megatron's default weight-decay exemptions: no decay for 1-D parameters (norm weights)
+    /// and biases ([`super::schedule::no_weight_decay`]). `false` decays every parameter (as
+    /// Burn's `AdamW`).
+    pub exempt_norms_and_biases: bool,
     /// Global gradient-norm clipping threshold.
     pub max_grad_norm: Option<f64>,
     /// Moment storage precision.
@@ -56,6 +62,7 @@ impl Default for DistributedAdamWConfig {
             beta_2: 0.999,
             epsilon: 1e-8,
             weight_decay: 0.0,
+            exempt_norms_and_biases: false,
             max_grad_norm: None,
             moment_dtype: MomentDtype::F32,
         }
@@ -79,6 +86,8 @@ pub(super) struct Shard {
     pub(super) size: usize,
     pub(super) master: Vec<f32>,
     pub(super) moments: Moments,
+    /// Ranges of the shard (shard coordinates, sorted, disjoint) without weight decay.
+    pub(super) no_decay: Vec<Range<usize>>,
 }
 
 impl Shard {
@@ -102,7 +111,22 @@ impl Shard {
             size,
             master,
             moments,
+            no_decay: Vec::new(),
         }
+    }
+
+    /// Exempts the flat-buffer ranges `ranges` (buffer coordinates) from weight decay.
+    fn exempt(&mut self, ranges: impl IntoIterator<Item = Range<usize>>) {
+        let start = self.comm.rank() * self.size;
+        let end = start + self.size;
+        self.no_decay = ranges
+            .into_iter()
+            .filter_map(|r| {
+                let (a, b) = (r.start.max(start), r.end.min(end));
+                (a < b).then(|| a - start..b - start)
+            })
+            .collect();
+        self.no_decay.sort_by_key(|r| r.start);
     }
 
     /// Reduce-scatter (sum) of the padded gradient buffer; returns this rank's shard.
@@ -145,12 +169,25 @@ impl Shard {
         Ok(full)
     }
 
-    /// AdamW on the master shard (bias-corrected, decoupled decay), computed in f32.
+    /// AdamW on the master shard (bias-corrected, decoupled decay except on the exempt
+    /// ranges), computed in f32.
     fn adamw(&mut self, grad: &[f32], lr: f64, step: i32, c: &DistributedAdamWConfig) {
         let lr = lr as f32;
         let bc1 = 1.0 - c.beta_1.powi(step);
         let bc2 = 1.0 - c.beta_2.powi(step);
         let decay = 1.0 - lr * c.weight_decay;
+        // Decay factor of each element: `decay`, or 1 inside an exempt range.
+        let mut exempt = self.no_decay.iter().peekable();
+        let mut factor = move |i: usize| {
+            while exempt.peek().is_some_and(|r| r.end <= i) {
+                exempt.next();
+            }
+            if exempt.peek().is_some_and(|r| r.contains(&i)) {
+                1.0
+            } else {
+                decay
+            }
+        };
         let mut update = |i: usize, m: &mut f32, v: &mut f32| {
             let g = grad[i];
             *m = *m * c.beta_1 + g * (1.0 - c.beta_1);
@@ -158,7 +195,7 @@ impl Shard {
             let m_hat = *m / bc1;
             let v_hat = *v / bc2;
             let p = &mut self.master[i];
-            *p = *p * decay - lr * (m_hat / (v_hat.sqrt() + c.epsilon));
+            *p = *p * factor(i) - lr * (m_hat / (v_hat.sqrt() + c.epsilon));
         };
         match &mut self.moments {
             Moments::F32(m1, m2) => {
@@ -236,13 +273,27 @@ impl DistributedAdamW {
         let (dense, expert) = table.flatten_values(module)?;
         let dp_cp = groups.comm(GroupFamily::DpCp).clone();
         let scale = 1.0 / dp_cp.size() as f32;
+        let mut dense = Shard::new(dp_cp, &dense, config.moment_dtype);
+        let mut expert = Shard::new(
+            groups.comm(GroupFamily::ExptDp).clone(),
+            &expert,
+            config.moment_dtype,
+        );
+        if config.exempt_norms_and_biases {
+            let exempt = |experts: bool| {
+                table
+                    .params
+                    .iter()
+                    .filter(move |p| p.class.is_expert() == experts)
+                    .filter(|p| no_weight_decay(&p.path, &p.shape))
+                    .map(|p| p.offset..p.offset + p.numel())
+            };
+            dense.exempt(exempt(false));
+            expert.exempt(exempt(true));
+        }
         Ok(Self {
-            dense: Shard::new(dp_cp, &dense, config.moment_dtype),
-            expert: Shard::new(
-                groups.comm(GroupFamily::ExptDp).clone(),
-                &expert,
-                config.moment_dtype,
-            ),
+            dense,
+            expert,
             tp: groups.comm(GroupFamily::Tp).clone(),
             world,
             config,

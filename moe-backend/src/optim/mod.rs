@@ -8,6 +8,7 @@
 mod distributed_adam;
 pub mod fp8_primary;
 mod params;
+pub mod schedule;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -15,4 +16,7 @@ mod tests;
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
 pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Weight};
 pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
+pub use schedule::{
+    LrDecayStyle, LrSchedule, SchedulerState, WdIncrStyle, WdSchedule, WsdDecay, no_weight_decay,
+};
 pub use state::{FlatBox, OptimState, ParamPlacement, StatePiece, flat_range_boxes, transpose_2d};

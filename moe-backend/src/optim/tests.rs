@@ -271,3 +271,80 @@ fn bf16_moments_stay_close_to_f32() {
     }
     let _ = Module::num_params(&reference);
 }
+
+/// A dense layer with a bias and a norm-like 1-D weight.
+#[derive(Module, Debug)]
+struct Tiny {
+    linear: burn::nn::Linear,
+    norm: burn::module::Param<Tensor<1>>,
+}
+
+#[test]
+fn weight_decay_exempts_norms_and_biases_as_megatron_does() {
+    let layout = ParallelLayout::parse(2, "").unwrap();
+    let results = World::run(2, |ctx| {
+        let pg = ctx.process_groups(&layout)?;
+        // The same values on every rank (the optimizer's replicas must agree).
+        let param = |v: Vec<f64>, shape: [usize; 2]| {
+            burn::module::Param::from_tensor(tensor(v, shape, &ad(), DType::F32))
+        };
+        let mut linear = burn::nn::LinearConfig::new(3, 2).init(&ad());
+        linear.weight = param(vec![0.3, -0.7, 1.1, 0.25, -1.9, 0.6], [3, 2]);
+        linear.bias = Some(burn::module::Param::from_tensor(tensor(
+            vec![-0.4, 0.8],
+            [2],
+            &ad(),
+            DType::F32,
+        )));
+        let tiny = Tiny {
+            linear,
+            norm: burn::module::Param::from_tensor(tensor(
+                vec![1.5, -2.0, 0.5],
+                [3],
+                &ad(),
+                DType::F32,
+            )),
+        };
+        let tiny = replicate(&tiny);
+        let mut out = Vec::new();
+        for exempt in [false, true] {
+            let config = DistributedAdamWConfig {
+                weight_decay: 0.1,
+                exempt_norms_and_biases: exempt,
+                ..DistributedAdamWConfig::default()
+            };
+            let mut optim = DistributedAdamW::new(&tiny, &pg, ctx.world()?, config)?;
+            // Zero gradients: the step is the decay alone.
+            let x = tensor(vec![1.0, 2.0, 3.0], [1, 3], &ad(), DType::F32);
+            let zero = tiny.linear.forward(x).sum().mul_scalar(0.0)
+                + tiny.norm.val().sum().mul_scalar(0.0);
+            let grads = GradientsParams::from_grads(zero.backward(), &tiny);
+            let next = optim.step(LR, tiny.clone(), grads)?.0;
+            out.push((
+                values(next.linear.weight.val().reshape([-1])),
+                values(next.linear.bias.as_ref().map(|b| b.val()).expect("bias")),
+                values(next.norm.val()),
+            ));
+        }
+        Ok((
+            values(tiny.linear.weight.val().reshape([-1])),
+            values(tiny.linear.bias.as_ref().map(|b| b.val()).expect("bias")),
+            values(tiny.norm.val()),
+            out,
+        ))
+    });
+    let decay = 1.0 - (LR as f32) * 0.1;
+    for res in results {
+        let (w, b, n, out) = res.unwrap();
+        let decayed =
+            |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| ((x as f32) * decay) as f64).collect() };
+        // Every parameter decays without exemptions.
+        assert_eq!(out[0].0, decayed(&w));
+        assert_eq!(out[0].1, decayed(&b));
+        assert_eq!(out[0].2, decayed(&n));
+        // With them: the 2-D weight decays, the bias and the 1-D norm weight do not.
+        assert_eq!(out[1].0, decayed(&w));
+        assert_eq!(out[1].1, b);
+        assert_eq!(out[1].2, n);
+    }
+}

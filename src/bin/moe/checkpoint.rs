@@ -1,11 +1,12 @@
 //! Distributed-checkpoint commands: `moe convert` (HF → distributed), `moe reshard`
 //! (distributed → distributed under another layout) and `moe validate`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use burn_moe::backend::parallel::ParallelLayout;
 use burn_moe::bridge::dist::DistCheckpoint;
+use burn_moe::bridge::dist::commit::TempDirState;
 use burn_moe::bridge::dist::convert::{ConvertOptions, convert_hf_to_dist_opts, reshard};
 
 /// Arguments of `moe convert`.
@@ -77,9 +78,21 @@ pub fn reshard_cmd(args: ReshardArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `moe validate`.
+/// Runs `moe validate`: validates the checkpoint and warns about the temporary save
+/// directories of its root (saves in progress, or left by saves that died); those do not make
+/// the checkpoint invalid.
 pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
-    let ckpt = DistCheckpoint::open(&args.checkpoint)?;
+    let opened = DistCheckpoint::open(&args.checkpoint);
+    // The root is the parent of the resolved `iter_*` directory; when nothing resolves, the
+    // path given may still be a root holding only temporary directories.
+    let root = match &opened {
+        Ok(ckpt) => ckpt.dir().parent().map(Path::to_path_buf),
+        Err(_) => Some(args.checkpoint.clone()),
+    };
+    if let Some(root) = root {
+        warn_temp_dirs(&root);
+    }
+    let ckpt = opened?;
     ckpt.validate()?;
     println!(
         "{}: valid ({} tensors, every element covered exactly once)",
@@ -87,4 +100,26 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
         ckpt.index().tensors.len()
     );
     Ok(())
+}
+
+/// Prints one warning (stderr) per temporary save directory of `root`.
+fn warn_temp_dirs(root: &Path) {
+    let dirs = match DistCheckpoint::temp_dirs(root) {
+        Ok(dirs) => dirs,
+        Err(e) => {
+            eprintln!("warning: cannot list the temporary save directories: {e}");
+            return;
+        }
+    };
+    for dir in dirs {
+        let what = match dir.state {
+            TempDirState::Stale => "stale temporary save directory, removed by the next save",
+            TempDirState::Live => "a save in progress",
+            TempDirState::Pending => {
+                "temporary save directory, possibly a save in progress; \
+                 removed by a save once idle past its grace period"
+            }
+        };
+        eprintln!("warning: {}: {what} ({})", dir.path.display(), dir.reason);
+    }
 }

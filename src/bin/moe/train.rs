@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use burn_moe::backend::optim::{LrDecayStyle, LrSchedule, WsdDecay};
 use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::TrainerConfig;
@@ -24,6 +25,35 @@ pub enum Transport {
     Tcp,
     /// One process per rank over MPI (needs a build with `--features mpi`).
     Mpi,
+}
+
+/// Learning-rate decay styles (Megatron's `--lr-decay-style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DecayStyle {
+    /// `--lr` after the warmup.
+    Constant,
+    /// Linear to `--min-lr` at `--lr-decay-iters`.
+    Linear,
+    /// Half cosine to `--min-lr` at `--lr-decay-iters`.
+    Cosine,
+    /// `lr·sqrt(warmup / step)`, floored at `--min-lr`.
+    InverseSquareRoot,
+    /// Warmup-stable-decay: `--lr` until the last `--lr-wsd-decay-iters` steps before
+    /// `--lr-decay-iters`, then annealing to `--min-lr`.
+    Wsd,
+}
+
+/// Annealing shapes of the WSD schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WsdStyle {
+    /// Linear.
+    Linear,
+    /// Half cosine.
+    Cosine,
+    /// Exponential.
+    Exponential,
+    /// `1 - sqrt(r)`.
+    MinusSqrt,
 }
 
 /// Token dispatcher of the MoE layers.
@@ -53,6 +83,10 @@ pub struct Args {
     /// Sequences per step over all data-parallel replicas.
     #[arg(long, default_value_t = 8)]
     pub gbs: usize,
+    /// Sequences per micro-batch of a data-parallel replica (default: the replica's whole
+    /// share, one micro-batch); gradients accumulate over the micro-batches of a step.
+    #[arg(long)]
+    pub mbs: Option<usize>,
     /// Tokens per sequence of the built-in corpus (a `--data` file sets its own).
     #[arg(long, default_value_t = 16)]
     pub seq_len: usize,
@@ -66,6 +100,27 @@ pub struct Args {
     /// AdamW weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
+    /// Learning-rate warmup in steps (linear from `--lr-warmup-init` to `--lr`).
+    #[arg(long, default_value_t = 0, value_name = "STEPS")]
+    pub lr_warmup_iters: usize,
+    /// Learning rate at the start of the warmup.
+    #[arg(long, default_value_t = 0.0)]
+    pub lr_warmup_init: f64,
+    /// Learning-rate decay after the warmup (Megatron's `--lr-decay-style`).
+    #[arg(long, value_enum, default_value_t = DecayStyle::Constant)]
+    pub lr_decay_style: DecayStyle,
+    /// Step at which the decay reaches `--min-lr` (default: `--steps`).
+    #[arg(long, value_name = "STEPS")]
+    pub lr_decay_iters: Option<usize>,
+    /// Final learning rate of the decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr: f64,
+    /// Length of WSD's final annealing phase (with `--lr-decay-style wsd`).
+    #[arg(long, default_value_t = 0, value_name = "STEPS")]
+    pub lr_wsd_decay_iters: usize,
+    /// Shape of WSD's annealing phase.
+    #[arg(long, value_enum, default_value_t = WsdStyle::Linear)]
+    pub lr_wsd_decay_style: WsdStyle,
     /// AdamW's epsilon.
     #[arg(long, default_value_t = 1e-8)]
     pub adam_eps: f64,
@@ -112,6 +167,31 @@ fn job(args: &Args) -> TrainJob {
         },
         ..defaults
     };
+    let decay_style = match args.lr_decay_style {
+        DecayStyle::Constant => LrDecayStyle::Constant,
+        DecayStyle::Linear => LrDecayStyle::Linear,
+        DecayStyle::Cosine => LrDecayStyle::Cosine,
+        DecayStyle::InverseSquareRoot => LrDecayStyle::InverseSquareRoot,
+        DecayStyle::Wsd => LrDecayStyle::Wsd {
+            decay_steps_wsd: args.lr_wsd_decay_iters,
+            style: match args.lr_wsd_decay_style {
+                WsdStyle::Linear => WsdDecay::Linear,
+                WsdStyle::Cosine => WsdDecay::Cosine,
+                WsdStyle::Exponential => WsdDecay::Exponential,
+                WsdStyle::MinusSqrt => WsdDecay::MinusSqrt,
+            },
+        },
+    };
+    if args.lr_warmup_iters > 0 || decay_style != LrDecayStyle::Constant {
+        trainer.lr_schedule = Some(LrSchedule {
+            max_lr: args.lr,
+            min_lr: args.min_lr,
+            warmup_steps: args.lr_warmup_iters,
+            warmup_init_lr: args.lr_warmup_init,
+            decay_steps: args.lr_decay_iters.unwrap_or(args.steps),
+            decay_style,
+        });
+    }
     trainer.optimizer.weight_decay = args.weight_decay as f32;
     trainer.optimizer.epsilon = args.adam_eps as f32;
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
@@ -120,6 +200,7 @@ fn job(args: &Args) -> TrainJob {
         layout: args.layout.clone(),
         steps: args.steps,
         gbs: args.gbs,
+        mbs: args.mbs,
         seq_len: args.seq_len,
         data: args.data.clone(),
         trainer,

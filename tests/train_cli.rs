@@ -1,0 +1,202 @@
+//! `moe train` on threads: gradient accumulation over micro-batches equals one big batch, a
+//! `--data` file trains, and bad input is refused before any step runs with an error naming
+//! what is wrong.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use burn_moe::bridge::safetensors::{Dtype, TensorView, write_safetensors};
+use common::*;
+
+/// Writes `name` `[rows, cols]` of `dtype` (i64 values converted) to a safetensors file.
+fn write_ids(path: &Path, name: &str, dtype: Dtype, rows: usize, cols: usize, ids: &[i64]) {
+    let bytes: Vec<u8> = match dtype {
+        Dtype::I64 => ids.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dtype::I32 => ids.iter().flat_map(|v| (*v as i32).to_le_bytes()).collect(),
+        _ => ids.iter().flat_map(|v| (*v as f32).to_le_bytes()).collect(),
+    };
+    let shape = [rows, cols];
+    let view = TensorView {
+        path,
+        name,
+        dtype,
+        shape: &shape,
+        bytes: &bytes,
+    };
+    write_safetensors(path, &[view]).expect("write ids");
+}
+
+#[test]
+fn four_micro_batches_equal_one_batch_four_times_the_size() {
+    // Global batch 8 over DP2 (tp=2,ep=4): per replica one micro-batch of 4, or 4 of 1.
+    let extra = [
+        "--aux-loss-coeff",
+        "0",
+        "--adam-eps",
+        ADAM_EPS,
+        "--gbs",
+        "8",
+    ];
+    let (one, four) = (scratch("mb-one"), scratch("mb-four"));
+    threads(&train_args(&one, "tp=2,ep=4", 4, &extra));
+    let mut args = train_args(&four, "tp=2,ep=4", 4, &extra);
+    args.extend(["--mbs".into(), "1".into()]);
+    threads(&args);
+    // Same objective and gradients up to the order of f32 sums: the parallel-equivalence
+    // tolerance (1e-5·max + 1e-6).
+    assert_metrics_close(&metrics(&four), &metrics(&one), "4 micro-batches vs 1");
+    assert_params_close(&params(&four), &params(&one), "4 micro-batches vs 1");
+    for d in [one, four] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn trains_on_a_data_file() {
+    let dir = scratch("data");
+    let data = dir.join("ids.safetensors");
+    // 6 rows of 10 tokens, I32 (HF tokenizers' usual output) is accepted.
+    let ids: Vec<i64> = (0..60).map(|i| (i * 7 % 250) as i64).collect();
+    write_ids(&data, "input_ids", Dtype::I32, 6, 10, &ids);
+    let mut args = train_args(&dir, "ep=2", 3, &[]);
+    args.extend(["--data".into(), data.display().to_string()]);
+    threads(&args);
+    let m = metrics(&dir);
+    assert_eq!(m.len(), 3);
+    assert!(m.iter().all(|s| field(s, "loss").is_finite()));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Runs `moe train` expecting a failure whose message contains every one of `needles`, and
+/// that no checkpoint was written.
+fn refused(dir: &Path, args: &[String], needles: &[&str]) {
+    let out = Command::new(MOE)
+        .args(args)
+        .args(["--transport", "threads"])
+        .output()
+        .expect("moe");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "must fail: {args:?}\n{text}");
+    assert!(!text.contains("panicked"), "no panic: {text}");
+    for n in needles {
+        assert!(text.contains(n), "the error names `{n}`:\n{text}");
+    }
+    assert!(
+        !dir.join("ckpt").join("latest").exists(),
+        "nothing is committed on bad input"
+    );
+}
+
+#[test]
+fn bad_input_is_refused_before_any_step() {
+    let dir = scratch("bad");
+    let with = |layout: &str, extra: &[&str]| train_args(&dir, layout, 2, extra);
+    // The global batch does not split over the data-parallel replicas / micro-batches.
+    refused(
+        &dir,
+        &with("tp=2,ep=4", &["--gbs", "3"]),
+        &["gbs", "3", "2 data-parallel"],
+    );
+    refused(
+        &dir,
+        &with("tp=2,ep=4", &["--gbs", "8", "--mbs", "3"]),
+        &["mbs", "micro-batches of 3"],
+    );
+    // A layout the model cannot take: ep not dividing the 8 experts, tp not dividing the
+    // 4 attention heads (world 3 and 8).
+    refused(&dir, &with("ep=3", &[]), &["ep", "3"]);
+    refused(&dir, &with("tp=8", &["--gbs", "8"]), &["8"]);
+    // Data without `input_ids`, of a float dtype, or with ids outside the vocabulary.
+    let data = dir.join("bad.safetensors");
+    write_ids(&data, "tokens", Dtype::I64, 2, 4, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    let d = data.display().to_string();
+    refused(
+        &dir,
+        &with("", &["--data", &d]),
+        &["input_ids", "bad.safetensors"],
+    );
+    write_ids(
+        &data,
+        "input_ids",
+        Dtype::F32,
+        2,
+        4,
+        &[1, 2, 3, 4, 5, 6, 7, 8],
+    );
+    refused(
+        &dir,
+        &with("", &["--data", &d]),
+        &["input_ids", "I64 or I32"],
+    );
+    write_ids(
+        &data,
+        "input_ids",
+        Dtype::I64,
+        2,
+        4,
+        &[1, 2, 3, 4, 5, 6, 7, 99_999],
+    );
+    refused(
+        &dir,
+        &with("", &["--data", &d]),
+        &["row 1 column 3", "99999", "vocabulary"],
+    );
+    // --resume without a checkpoint to resume from.
+    refused(&dir, &with("", &["--resume"]), &["resume", "no checkpoint"]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Megatron's warmup + cosine schedule, written from its formula: step `s` (0-based, the
+/// optimizer steps already taken) of a warmup of `w` steps from 0 and a decay to `min` at `d`.
+fn warmup_cosine(s: usize, max: f64, min: f64, w: usize, d: usize) -> f64 {
+    if s < w {
+        max * s as f64 / w as f64
+    } else if s > d {
+        min
+    } else {
+        let r = (s - w) as f64 / (d - w) as f64;
+        min + (max - min) * 0.5 * (1.0 + (std::f64::consts::PI * r).cos())
+    }
+}
+
+#[test]
+fn lr_schedule_follows_megatron_and_continues_across_resume() {
+    let schedule = [
+        "--lr",
+        "1e-2",
+        "--min-lr",
+        "1e-3",
+        "--lr-warmup-iters",
+        "2",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-decay-iters",
+        "6",
+        "--aux-loss-coeff",
+        "0",
+    ];
+    let straight = scratch("lr-straight");
+    threads(&train_args(&straight, "ep=2", 7, &schedule));
+    let lrs: Vec<f64> = metrics(&straight).iter().map(|m| field(m, "lr")).collect();
+    let want: Vec<f64> = (0..7).map(|s| warmup_cosine(s, 1e-2, 1e-3, 2, 6)).collect();
+    for (s, (got, want)) in lrs.iter().zip(&want).enumerate() {
+        assert!((got - want).abs() <= 1e-12, "step {s}: lr {got} vs {want}");
+    }
+    // 3 steps, then a resumed run to 7 (another layout): the schedule continues.
+    let split = scratch("lr-split");
+    threads(&train_args(&split, "ep=2", 3, &schedule));
+    let mut args = train_args(&split, "tp=2,ep=4", 7, &schedule);
+    args.push("--resume".into());
+    threads(&args);
+    let resumed: Vec<f64> = metrics(&split).iter().map(|m| field(m, "lr")).collect();
+    assert_eq!(resumed, lrs, "the resumed run's learning rates");
+    for d in [straight, split] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
