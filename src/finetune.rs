@@ -73,7 +73,8 @@ impl Default for FinetuneOptions {
 pub struct FinetuneReport {
     /// Mean cross-entropy per step.
     pub losses: Vec<f32>,
-    /// Mean load-balancing loss per step.
+    /// Load-balancing loss per step (mean over MoE layers, without its coefficient), averaged
+    /// over the data-parallel replicas.
     pub aux_losses: Vec<f32>,
     /// Global gradient norm per step.
     pub grad_norms: Vec<f64>,
@@ -204,9 +205,10 @@ pub fn train_steps(
         report
             .losses
             .push(sums.first().copied().unwrap_or(f32::NAN) / n);
+        // A replica's router loss is the sum of its ranks' parts.
         report
             .aux_losses
-            .push(sums.get(1).copied().unwrap_or(f32::NAN) / n);
+            .push(sums.get(1).copied().unwrap_or(f32::NAN) / replicas as f32);
         report.grad_norms.push(stats.grad_norm);
         report.tokens_per_second +=
             sums.get(2).copied().unwrap_or(0.0) as f64 * (replicas / replicas.max(1.0));

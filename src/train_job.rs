@@ -139,7 +139,8 @@ pub struct StepMetrics {
     pub step: usize,
     /// Cross-entropy averaged over the data-parallel replicas.
     pub loss: f32,
-    /// Load-balancing loss averaged over the ranks.
+    /// Load-balancing loss (mean over MoE layers, without its coefficient) averaged over the
+    /// data-parallel replicas.
     pub aux_loss: f32,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
@@ -514,10 +515,12 @@ fn reduce_metrics(
         .try_into_vec::<f32>()
         .map_err(|e| invalid("metrics", format!("{e:?}")))?;
     let n = layout.world as f32;
+    // The router loss of a replica is the sum of its ranks' parts.
+    let replicas = (layout.dp * layout.cp) as f32;
     Ok(StepMetrics {
         step,
         loss: sums[0] / n,
-        aux_loss: sums[1] / n,
+        aux_loss: sums[1] / replicas,
         grad_norm: stats.grad_norm,
         lr: stats.lr,
         tokens_per_s: f64::from(sums[2]),

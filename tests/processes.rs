@@ -12,6 +12,9 @@ mod common;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
+use burn_moe::backend::parallel::ParallelLayout;
 use burn_moe::bridge::dist::DistCheckpoint;
 use common::*;
 
@@ -135,24 +138,29 @@ fn processes(launcher: Launcher, n: usize, args: &[String]) {
     spawn(launcher, n, args, "run").succeed();
 }
 
-/// The same job as `n` processes, as threads and (without the load-balancing loss, which is
-/// still computed per rank) as one rank.
+/// The same job as `n` processes, as threads and as one rank, with the training defaults
+/// (router load-balancing loss and z-loss on). The global batch of 4 sequences is split over
+/// the data-parallel replicas; the one-rank reference runs the same micro-batches one after
+/// the other (`--mbs 4/dp`), so its objective is the same.
 fn equal_threads_and_one_rank(launcher: Launcher, cases: &[(&str, &str)]) {
-    let one = scratch("one");
-    let extra = ["--aux-loss-coeff", "0", "--adam-eps", ADAM_EPS];
-    threads(&train_args(&one, "", STEPS, &extra));
-    let (one_metrics, one_params) = (metrics(&one), params(&one));
-    assert_eq!(one_metrics.len(), STEPS);
+    let losses = ["--z-loss-coeff", "1e-3", "--adam-eps", ADAM_EPS];
+    let mut references = BTreeMap::new();
     for (layout, dispatcher) in cases {
+        let dp = ParallelLayout::parse_spec(layout).expect("layout").dp;
+        let mbs = (4 / dp).to_string();
+        let (one_metrics, one_params) = references.entry(dp).or_insert_with(|| {
+            let one = scratch("one");
+            let mut extra = losses.to_vec();
+            extra.extend(["--mbs", &mbs]);
+            threads(&train_args(&one, "", STEPS, &extra));
+            let reference = (metrics(&one), params(&one));
+            let _ = std::fs::remove_dir_all(one);
+            reference
+        });
+        assert_eq!(one_metrics.len(), STEPS);
         let what = format!("{launcher:?} {layout} {dispatcher}");
-        let extra = [
-            "--aux-loss-coeff",
-            "0",
-            "--adam-eps",
-            ADAM_EPS,
-            "--dispatcher",
-            dispatcher,
-        ];
+        let mut extra = losses.to_vec();
+        extra.extend(["--dispatcher", dispatcher]);
         let (t, p) = (scratch("threads"), scratch("procs"));
         threads(&train_args(&t, layout, STEPS, &extra));
         processes(launcher, 4, &train_args(&p, layout, STEPS, &extra));
@@ -161,20 +169,19 @@ fn equal_threads_and_one_rank(launcher: Launcher, cases: &[(&str, &str)]) {
         let (tp, pp) = (params(&t), params(&p));
         assert_eq!(pp, tp, "{what}: parameters after {STEPS} steps vs threads");
         // Both against one rank, within the parallel-equivalence tolerance.
-        assert_metrics_close(&metrics(&p), &one_metrics, &format!("{what}: vs world=1"));
-        assert_params_close(&pp, &one_params, &format!("{what}: vs world=1"));
+        assert_metrics_close(&metrics(&p), one_metrics, &format!("{what}: vs world=1"));
+        assert_params_close(&pp, one_params, &format!("{what}: vs world=1"));
         for d in [t, p] {
             let _ = std::fs::remove_dir_all(d);
         }
     }
-    // With the load-balancing loss on (the default) and Adam's default ε, processes still
-    // equal threads exactly.
-    let (t, p) = (scratch("aux-threads"), scratch("aux-procs"));
+    // With Adam's default ε, processes still equal threads exactly.
+    let (t, p) = (scratch("eps-threads"), scratch("eps-procs"));
     threads(&train_args(&t, "tp=2,ep=4", 3, &[]));
     processes(launcher, 4, &train_args(&p, "tp=2,ep=4", 3, &[]));
-    assert_metrics_equal(&metrics(&p), &metrics(&t), "aux loss on: vs threads");
-    assert_eq!(params(&p), params(&t), "aux loss on: vs threads");
-    for d in [t, p, one] {
+    assert_metrics_equal(&metrics(&p), &metrics(&t), "default eps: vs threads");
+    assert_eq!(params(&p), params(&t), "default eps: vs threads");
+    for d in [t, p] {
         let _ = std::fs::remove_dir_all(d);
     }
 }
@@ -204,7 +211,9 @@ fn mpi_processes_equal_threads_and_one_rank() {
 /// 3 steps as 4 processes (attention TP2 × DP2, experts EP4), then steps 4-6 as 2 processes
 /// (EP2 × DP2) from that checkpoint, against 6 uninterrupted steps under the second layout.
 fn resume_under_two(launcher: Launcher) {
-    let extra = ["--aux-loss-coeff", "0", "--adam-eps", ADAM_EPS];
+    // Both layouts have two data-parallel replicas: the same micro-batches, the same router
+    // losses.
+    let extra = ["--adam-eps", ADAM_EPS];
     let run = scratch("resume");
     processes(launcher, 4, &train_args(&run, "tp=2,ep=4", 3, &extra));
     let mut resumed = train_args(&run, "ep=2", 6, &extra);

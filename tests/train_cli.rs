@@ -200,3 +200,38 @@ fn lr_schedule_follows_megatron_and_continues_across_resume() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn router_losses_do_not_depend_on_how_a_micro_batch_is_split_over_ranks() {
+    // Megatron's aux loss (counts summed over tp_cp, per micro-batch) and the z-loss, on. A
+    // global batch of 8 sequences in micro-batches of 2 everywhere: 4 after one another on one
+    // rank, 2 per replica under attention TP2 × DP2 (sequence parallel, experts EP4), 1 per
+    // replica under DP4 × EP2 × ETP2 — the same micro-batches, so the same objective.
+    let losses = [
+        "--z-loss-coeff",
+        "1e-3",
+        "--adam-eps",
+        ADAM_EPS,
+        "--gbs",
+        "8",
+    ];
+    let run = |layout: &str, mbs: &str| {
+        let dir = scratch("router-losses");
+        let mut extra = losses.to_vec();
+        extra.extend(["--mbs", mbs]);
+        threads(&train_args(&dir, layout, 3, &extra));
+        let out = (metrics(&dir), params(&dir));
+        let _ = std::fs::remove_dir_all(dir);
+        out
+    };
+    let (one_m, one_p) = run("", "2");
+    for layout in ["tp=2,ep=4", "world=4,ep=2,etp=2"] {
+        let (m, p) = run(layout, "2");
+        assert!(
+            m.iter().all(|s| field(s, "aux_loss") > 0.5),
+            "the loss is on"
+        );
+        assert_metrics_close(&m, &one_m, &format!("{layout} vs one rank"));
+        assert_params_close(&p, &one_p, &format!("{layout} vs one rank"));
+    }
+}

@@ -29,9 +29,10 @@ use moe_backend::optim::{
     ParamInfo,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
+use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
 
 use crate::ModelError;
-use crate::causal_lm::{IGNORE_INDEX, hf_load_balancing_loss};
+use crate::causal_lm::IGNORE_INDEX;
 use crate::distributed::{DispatcherKind, ParallelQwen3Moe, err, param_class};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
@@ -122,9 +123,17 @@ pub struct TrainerConfig {
     pub optimizer: DistributedAdamWConfig,
     /// Token dispatcher of the MoE blocks.
     pub dispatcher: DispatcherKind,
-    /// Coefficient of HF's load-balancing loss over this rank's router logits (added to the
-    /// loss that is back-propagated; 0 disables it).
+    /// Coefficient of the routers' load-balancing loss (Megatron's `moe_aux_loss_coeff`; 0
+    /// disables it). The loss is Megatron's: computed in every MoE layer with the per-expert
+    /// token counts summed over `tp_cp` (so it does not depend on how a replica's tokens are
+    /// split over its ranks), attached to the routing weights (it never enters the reported
+    /// cross-entropy) and weighted by `1 / micro-batches`.
     pub aux_loss_coeff: f64,
+    /// Which load-balancing loss; the sharded forward supports `aux_loss` (over each
+    /// micro-batch of a replica) so far.
+    pub aux_loss_type: AuxLossType,
+    /// Router z-loss coefficient (Megatron's `moe_z_loss_coeff`; 0 disables it).
+    pub z_loss_coeff: f64,
     /// Run the routed experts' GEMMs in FP8 with this blockwise recipe (fp8.md §3); `None`
     /// keeps them in the parameters' precision. Router, attention, norms, embeddings and head
     /// stay in high precision (fp8.md §7).
@@ -149,6 +158,8 @@ impl Default for TrainerConfig {
             },
             dispatcher: DispatcherKind::AllToAll,
             aux_loss_coeff: 1e-3,
+            aux_loss_type: AuxLossType::Aux,
+            z_loss_coeff: 0.0,
             fp8: None,
             fp8_linears: false,
             fp8_primary_weights: false,
@@ -161,7 +172,8 @@ impl Default for TrainerConfig {
 pub struct StepStats {
     /// Cross-entropy of this replica's batch.
     pub loss: f32,
-    /// HF load-balancing loss of this rank's tokens.
+    /// This rank's part of the load-balancing loss (mean over MoE layers and micro-batches,
+    /// without its coefficient); summed over `tp_cp` it is the replica's.
     pub aux_loss: f32,
     /// Global gradient norm (before clipping).
     pub grad_norm: f64,
@@ -179,7 +191,6 @@ pub struct Trainer {
     model: ParallelQwen3Moe,
     optimizer: DistributedAdamW,
     config: TrainerConfig,
-    top_k: usize,
     device: Device,
     groups: ProcessGroups,
     /// The dense data-parallel group (token counts of the global batch).
@@ -199,6 +210,22 @@ impl Trainer {
         if let Some(schedule) = &config.lr_schedule {
             schedule.validate()?;
         }
+        if config.aux_loss_type != AuxLossType::Aux && config.aux_loss_coeff != 0.0 {
+            return Err(ModelError::invalid(
+                "aux_loss_type",
+                format!(
+                    "{} is not supported by the sharded forward yet (seq_aux_loss needs the \
+                     sequence-major row order, global_aux_loss the router state across \
+                     micro-batches); use aux_loss",
+                    config.aux_loss_type.name()
+                ),
+            ));
+        }
+        let aux_losses = vec![AuxLossSpec {
+            kind: config.aux_loss_type,
+            coeff: config.aux_loss_coeff,
+        }];
+        let z_loss = (config.z_loss_coeff != 0.0).then_some(config.z_loss_coeff);
         let mut model = match config.fp8 {
             Some(recipe) => {
                 let mut fp8 = full.clone().with_fp8_experts(Some(recipe))?;
@@ -209,6 +236,7 @@ impl Trainer {
             }
             None => ParallelQwen3Moe::shard(full, groups, config.dispatcher)?,
         };
+        model.set_router_losses(aux_losses, z_loss)?;
         let mut optimizer = DistributedAdamW::with_classes(
             &model.model,
             groups,
@@ -238,7 +266,6 @@ impl Trainer {
             )?;
         }
         Ok(Self {
-            top_k: full.config().num_experts_per_tok,
             model,
             optimizer,
             config,
@@ -318,39 +345,25 @@ impl Trainer {
         let (mut loss_sum, mut aux_sum) = (0.0f64, 0.0f64);
         let n_micro = micro.len() as f64;
         for (batch, &tokens) in micro.iter().zip(&local) {
-            let out = self.model.forward_loss(
+            let out = self.model.forward_loss_scaled(
                 &batch.input_ids,
                 &batch.labels,
                 batch.batch,
                 &self.device,
+                1.0 / n_micro,
             )?;
-            let aux = if out.router_logits.is_empty() {
-                None
-            } else {
-                Some(hf_load_balancing_loss(
-                    &out.router_logits,
-                    self.top_k,
-                    None,
-                )?)
-            };
             let mean = scalar(&out.loss)?;
             loss_sum += f64::from(mean) * tokens as f64;
-            if let Some(a) = &aux {
-                aux_sum += f64::from(scalar(a)?);
-            }
+            aux_sum += self.logged_aux(&out.router_losses)?;
             // The optimizer averages gradients over the `replicas` data-parallel replicas:
-            // scale this micro-batch's token-sum by replicas / global tokens.
+            // scale this micro-batch's token-sum by replicas / global tokens. The router
+            // losses are already attached to the graph.
             let weight = tokens as f64 * replicas as f64 / f64::from(global_total);
-            let mut objective = if weight == 1.0 {
+            let objective = if weight == 1.0 {
                 out.loss
             } else {
                 out.loss.mul_scalar(weight)
             };
-            if let Some(a) = aux
-                && self.config.aux_loss_coeff > 0.0
-            {
-                objective = objective + a.mul_scalar(self.config.aux_loss_coeff / n_micro);
-            }
             let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
             if micro.len() == 1 {
                 return self.finish_step(grads, loss_sum, aux_sum, local_total, start);
@@ -399,6 +412,20 @@ impl Trainer {
             tokens_per_second: tokens as f64 / secs,
             lr,
         })
+    }
+
+    /// This rank's part of the logged load-balancing loss of one forward: the mean over MoE
+    /// layers of the configured loss without its coefficient (as Megatron logs it); summed
+    /// over `tp_cp` it is the replica's.
+    fn logged_aux(&self, losses: &[Vec<RouterLoss>]) -> Result<f64, ModelError> {
+        let kind = RouterLossKind::from(self.config.aux_loss_type);
+        let mut sum = 0.0;
+        for layer in losses {
+            if let Some(l) = layer.iter().find(|l| l.kind == kind && l.coeff != 0.0) {
+                sum += l.value().map_err(err)? / l.coeff;
+            }
+        }
+        Ok(sum / losses.len().max(1) as f64)
     }
 
     /// Learning rate of the next step (from the schedule at the optimizer's step count).

@@ -150,7 +150,7 @@ pub fn assert_params_close(
 pub fn assert_metrics_close(got: &[Value], want: &[Value], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: steps");
     for (g, w) in got.iter().zip(want) {
-        for key in ["loss", "grad_norm"] {
+        for key in ["loss", "aux_loss", "grad_norm"] {
             let (a, b) = (field(g, key), field(w, key));
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs() + 1e-6,

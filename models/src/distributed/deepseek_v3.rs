@@ -11,7 +11,7 @@ use moe_backend::comm::GroupComms;
 use moe_backend::parallel::replicate;
 use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_parallel_linear};
 
-use super::runtime::SpRuntime;
+use super::runtime::{RouterTrace, SpRuntime};
 use super::{DispatcherKind, ParallelOutput, check_batch, err};
 use crate::ModelError;
 use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM, DeepseekV3Moe};
@@ -102,7 +102,7 @@ impl ParallelDeepseekV3 {
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
         let model = &self.model.model;
         let rope = rt.rope(s, device);
-        let mut router_logits = Vec::new();
+        let mut trace = RouterTrace::new(1.0);
         let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
             let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
@@ -111,9 +111,7 @@ impl ParallelDeepseekV3 {
             let normed = layer.post_attention_layernorm.forward(h.clone());
             let y = match &layer.mlp {
                 DeepseekV3FeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-                DeepseekV3FeedForward::Moe(block) => {
-                    rt.moe(&block.moe, normed, &mut router_logits)?
-                }
+                DeepseekV3FeedForward::Moe(block) => rt.moe(&block.moe, normed, &mut trace)?,
             };
             x = h + y;
         }
@@ -124,7 +122,7 @@ impl ParallelDeepseekV3 {
             &model.embed_tokens,
             labels,
             s,
-            router_logits,
+            trace,
         )
     }
 }

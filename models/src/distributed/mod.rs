@@ -35,7 +35,7 @@ mod deepseek_v3;
 mod gather;
 mod runtime;
 
-use runtime::SpRuntime;
+use runtime::{RouterTrace, SpRuntime};
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
@@ -95,6 +95,9 @@ pub struct ParallelOutput {
     /// Router logits `[T_local, E]` of every sparse layer for this rank's sequence-parallel
     /// tokens, in layer order.
     pub router_logits: Vec<Tensor<2>>,
+    /// The router losses of every sparse layer (layer order), this rank's part: a loss summed
+    /// over its reduction group (`tp_cp`) is the layer's loss.
+    pub router_losses: Vec<Vec<moe_backend::router::RouterLoss>>,
 }
 
 pub(crate) fn err(e: moe_backend::BackendError) -> ModelError {
@@ -239,11 +242,24 @@ impl ParallelQwen3Moe {
         batch: usize,
         device: &Device,
     ) -> Result<ParallelOutput, ModelError> {
+        self.forward_loss_scaled(input_ids, labels, batch, device, 1.0)
+    }
+
+    /// [`forward_loss`](Self::forward_loss) whose router losses (attached to the graph) get
+    /// the upstream gradient `aux_grad_scale` (the trainer passes `1 / micro-batches`).
+    pub fn forward_loss_scaled(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<ParallelOutput, ModelError> {
         let rt = &self.rt;
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
         let model = &self.model.model;
         let rope = rt.rope(s, device);
-        let mut router_logits = Vec::new();
+        let mut trace = RouterTrace::new(aux_grad_scale);
         let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
             let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
@@ -252,9 +268,7 @@ impl ParallelQwen3Moe {
             let normed = layer.post_attention_layernorm.forward(h.clone());
             let y = match &layer.mlp {
                 Qwen3MoeFeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-                Qwen3MoeFeedForward::Sparse(block) => {
-                    rt.moe(&block.moe, normed, &mut router_logits)?
-                }
+                Qwen3MoeFeedForward::Sparse(block) => rt.moe(&block.moe, normed, &mut trace)?,
             };
             x = h + y;
         }
@@ -265,7 +279,29 @@ impl ParallelQwen3Moe {
             &model.embed_tokens,
             labels,
             s,
-            router_logits,
+            trace,
         )
+    }
+
+    /// Configures every router of this shard for training: the load-balancing losses
+    /// `aux_losses` and the z-loss, with counts summed over this rank's `tp_cp` / `tp_dp_cp`
+    /// (so the losses and their gradients do not depend on how a replica's tokens are split
+    /// over its ranks).
+    pub fn set_router_losses(
+        &mut self,
+        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
+        z_loss_coeff: Option<f64>,
+    ) -> Result<(), ModelError> {
+        let (tp_cp, tp_dp_cp) = self.rt.loss_groups;
+        for layer in &mut self.model.model.layers {
+            if let Qwen3MoeFeedForward::Sparse(block) = &mut layer.mlp {
+                block
+                    .moe
+                    .router
+                    .set_losses(aux_losses.clone(), z_loss_coeff, tp_cp, tp_dp_cp)
+                    .map_err(err)?;
+            }
+        }
+        Ok(())
     }
 }

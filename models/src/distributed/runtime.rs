@@ -18,8 +18,8 @@ use moe_backend::parallel::tensor_parallel::{
     column_parallel_linear, embed_vocab_parallel, vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 };
-use moe_backend::parallel::{GroupFamily, replicate};
-use moe_backend::router::RouteOptions;
+use moe_backend::parallel::{GroupCountReducer, GroupFamily, replicate};
+use moe_backend::router::{RouteOptions, RouterLoss};
 
 use super::{DispatcherKind, ParallelOutput, err, make_dispatcher, shard_mlp, shifted_targets};
 use crate::ModelError;
@@ -41,6 +41,30 @@ pub(crate) struct SpRuntime {
     pub(crate) replica: usize,
     /// `|dp_cp|`.
     pub(crate) replicas: usize,
+    /// Sums the routers' aux-loss counts over `tp_cp` / `tp_dp_cp`.
+    reducer: GroupCountReducer,
+    /// `|tp_cp|` and `|tp_dp_cp|` (the routers' loss groups).
+    pub(crate) loss_groups: (usize, usize),
+}
+
+/// What the MoE blocks of one forward report: router logits and the router losses of every
+/// sparse layer (in layer order), and the gradient scale of the attached router losses.
+#[derive(Debug, Clone)]
+pub(crate) struct RouterTrace {
+    pub(crate) logits: Vec<Tensor<2>>,
+    pub(crate) losses: Vec<Vec<RouterLoss>>,
+    /// Upstream gradient of the attached losses (`1 / micro-batches` in training).
+    pub(crate) aux_grad_scale: f64,
+}
+
+impl RouterTrace {
+    pub(crate) fn new(aux_grad_scale: f64) -> Self {
+        Self {
+            logits: Vec::new(),
+            losses: Vec::new(),
+            aux_grad_scale,
+        }
+    }
 }
 
 impl SpRuntime {
@@ -62,7 +86,13 @@ impl SpRuntime {
         )
         .map_err(err)?;
         let dp_cp = groups.groups.get(GroupFamily::DpCp);
+        let loss_groups = (
+            groups.groups.get(GroupFamily::TpCp).size(),
+            groups.groups.get(GroupFamily::TpDpCp).size(),
+        );
         Ok(Self {
+            reducer: GroupCountReducer::new(groups),
+            loss_groups,
             tp,
             dispatcher,
             vocab,
@@ -156,23 +186,24 @@ impl SpRuntime {
         self.scatter(mlp.forward(self.gather(normed)?))
     }
 
-    /// The MoE block on this rank's SP tokens; its router logits are appended to `logits`.
+    /// The MoE block on this rank's SP tokens; its router logits and losses are appended to
+    /// `trace`. The router's load-balancing losses (if configured) use counts summed over
+    /// `tp_cp` / `tp_dp_cp` and are attached with `trace.aux_grad_scale`.
     pub(crate) fn moe(
         &self,
         moe: &MoeLayer,
         normed: Tensor<2>,
-        logits: &mut Vec<Tensor<2>>,
+        trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
         let state = moe.router.init_state();
+        let options = RouteOptions::default()
+            .with_count_reducer(&self.reducer)
+            .with_grad_scale(trace.aux_grad_scale);
         let out = moe
-            .forward_with(
-                normed,
-                &state,
-                &RouteOptions::default(),
-                self.dispatcher.as_ref(),
-            )
+            .forward_with(normed, &state, &options, self.dispatcher.as_ref())
             .map_err(err)?;
-        logits.push(out.routing.logits);
+        trace.logits.push(out.routing.logits);
+        trace.losses.push(out.routing.losses);
         Ok(out.output)
     }
 
@@ -187,7 +218,7 @@ impl SpRuntime {
         embed: &Embedding,
         labels: &[i64],
         s: usize,
-        router_logits: Vec<Tensor<2>>,
+        trace: RouterTrace,
     ) -> Result<ParallelOutput, ModelError> {
         let full = self.gather(norm.forward(x))?;
         let logits = match lm_head {
@@ -206,7 +237,8 @@ impl SpRuntime {
             loss,
             logits,
             vocab: self.vocab.clone(),
-            router_logits,
+            router_logits: trace.logits,
+            router_losses: trace.losses,
         })
     }
 }

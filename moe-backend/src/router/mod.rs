@@ -165,6 +165,27 @@ impl TopKRouter {
         &self.config
     }
 
+    /// Sets the router's training losses and the sizes of the groups their counts are summed
+    /// over (a sharded model's router: `tp_cp` / `tp_dp_cp` of its rank): the load-balancing
+    /// losses `aux_losses` and the z-loss coefficient. The rest of the configuration (and the
+    /// parameters) is unchanged; the result is validated.
+    pub fn set_losses(
+        &mut self,
+        aux_losses: Vec<AuxLossSpec>,
+        z_loss_coeff: Option<f64>,
+        tp_cp_size: usize,
+        tp_dp_cp_size: usize,
+    ) -> crate::Result<()> {
+        let mut config = self.config.clone();
+        config.aux_losses = aux_losses;
+        config.z_loss_coeff = z_loss_coeff;
+        config.tp_cp_size = tp_cp_size;
+        config.tp_dp_cp_size = tp_dp_cp_size;
+        config.validate()?;
+        self.config = config;
+        Ok(())
+    }
+
     /// A fresh [`RouterState`] for this router.
     pub fn init_state(&self) -> RouterState {
         RouterState::new(self.config.num_experts)

@@ -127,9 +127,13 @@ pub struct Args {
     /// Gradient clipping by global norm (0 disables it).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad: f64,
-    /// Coefficient of the load-balancing loss (0 disables it).
+    /// Coefficient of the routers' load-balancing loss (Megatron's `aux_loss`, counts summed
+    /// over the tokens of a micro-batch of a replica; 0 disables it).
     #[arg(long, default_value_t = 1e-3)]
     pub aux_loss_coeff: f64,
+    /// Coefficient of the router z-loss (0 disables it).
+    #[arg(long, default_value_t = 0.0)]
+    pub z_loss_coeff: f64,
     /// Token dispatcher of the MoE layers.
     #[arg(long, value_enum, default_value_t = Dispatcher::AllToAll)]
     pub dispatcher: Dispatcher,
@@ -160,6 +164,7 @@ fn job(args: &Args) -> TrainJob {
     let mut trainer = TrainerConfig {
         lr: args.lr,
         aux_loss_coeff: args.aux_loss_coeff,
+        z_loss_coeff: args.z_loss_coeff,
         dispatcher: match args.dispatcher {
             Dispatcher::AllToAll => DispatcherKind::AllToAll,
             Dispatcher::AllGather => DispatcherKind::AllGather,
