@@ -235,3 +235,49 @@ fn router_losses_do_not_depend_on_how_a_micro_batch_is_split_over_ranks() {
         assert_params_close(&p, &one_p, &format!("{layout} vs one rank"));
     }
 }
+
+#[test]
+fn weight_decay_schedule_sets_each_steps_decay() {
+    // Linear 0 -> 0.5 over 2 steps: step 0 decays with 0, step 1 with 0.25. The same as one
+    // step with weight decay 0, resumed for a step with weight decay 0.25.
+    let base = ["--steps", "2", "--aux-loss-coeff", "0"];
+    let scheduled = scratch("wd-scheduled");
+    let mut extra = base.to_vec();
+    extra.extend(["--start-weight-decay", "0", "--end-weight-decay", "0.5"]);
+    threads(&train_args(&scheduled, "ep=2", 2, &extra));
+    let split = scratch("wd-split");
+    threads(&train_args(
+        &split,
+        "ep=2",
+        1,
+        &["--weight-decay", "0", "--aux-loss-coeff", "0"],
+    ));
+    let mut resumed = train_args(
+        &split,
+        "ep=2",
+        2,
+        &["--weight-decay", "0.25", "--aux-loss-coeff", "0"],
+    );
+    resumed.push("--resume".into());
+    threads(&resumed);
+    assert_eq!(
+        params(&scheduled),
+        params(&split),
+        "scheduled vs 0 then 0.25"
+    );
+    let constant = scratch("wd-constant");
+    threads(&train_args(
+        &constant,
+        "ep=2",
+        2,
+        &["--weight-decay", "0", "--aux-loss-coeff", "0"],
+    ));
+    assert_ne!(
+        params(&scheduled),
+        params(&constant),
+        "the schedule decays at step 1"
+    );
+    for d in [scheduled, split, constant] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -26,7 +26,7 @@ use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
     DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    ParamInfo,
+    ParamInfo, WdSchedule,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
 use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
@@ -119,6 +119,10 @@ pub struct TrainerConfig {
     /// square root / WSD decay to `min_lr`); step `k` (counted by the optimizer, so a restored
     /// trainer continues its schedule) uses `lr_schedule.lr(k)`. `None`: the constant `lr`.
     pub lr_schedule: Option<LrSchedule>,
+    /// Megatron's weight-decay schedule (`start_wd` → `end_wd` over `wd_incr_steps`, constant,
+    /// linear or cosine); step `k` uses `wd_schedule.wd(k)`. `None`: the constant
+    /// `optimizer.weight_decay`.
+    pub wd_schedule: Option<WdSchedule>,
     /// AdamW settings (ZeRO-1 over `dp_cp` / `expt_dp`).
     pub optimizer: DistributedAdamWConfig,
     /// Token dispatcher of the MoE blocks.
@@ -151,6 +155,7 @@ impl Default for TrainerConfig {
         Self {
             lr: 1e-3,
             lr_schedule: None,
+            wd_schedule: None,
             optimizer: DistributedAdamWConfig {
                 max_grad_norm: Some(1.0),
                 exempt_norms_and_biases: true,
@@ -208,6 +213,9 @@ impl Trainer {
         device: &Device,
     ) -> Result<Self, ModelError> {
         if let Some(schedule) = &config.lr_schedule {
+            schedule.validate()?;
+        }
+        if let Some(schedule) = &config.wd_schedule {
             schedule.validate()?;
         }
         if config.aux_loss_type != AuxLossType::Aux && config.aux_loss_coeff != 0.0 {
@@ -396,6 +404,10 @@ impl Trainer {
         start: Instant,
     ) -> Result<StepStats, ModelError> {
         let lr = self.lr();
+        if let Some(schedule) = &self.config.wd_schedule {
+            let wd = schedule.wd(self.optimizer.step_count());
+            self.optimizer.set_weight_decay(wd as f32);
+        }
         let module = self.model.model.clone();
         let (next, report) = self.optimizer.step(lr, module, grads)?;
         self.model.model = next;

@@ -405,6 +405,11 @@ impl DistributedAdamW {
         Ok((dense, expert))
     }
 
+    /// Sets the decoupled weight decay of the following steps (a weight-decay schedule).
+    pub fn set_weight_decay(&mut self, weight_decay: f32) {
+        self.config.weight_decay = weight_decay;
+    }
+
     /// The parameter table (classes and flat offsets).
     pub fn table(&self) -> &ParamTable {
         &self.table

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use burn_moe::backend::optim::{LrDecayStyle, LrSchedule, WsdDecay};
+use burn_moe::backend::optim::{LrDecayStyle, LrSchedule, WdIncrStyle, WdSchedule, WsdDecay};
 use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::TrainerConfig;
@@ -56,6 +56,17 @@ pub enum WsdStyle {
     MinusSqrt,
 }
 
+/// Weight-decay increase shapes (Megatron's `--weight-decay-incr-style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WdStyle {
+    /// `--end-weight-decay` throughout (needs equal start and end).
+    Constant,
+    /// Linear.
+    Linear,
+    /// Half cosine.
+    Cosine,
+}
+
 /// Token dispatcher of the MoE layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Dispatcher {
@@ -97,9 +108,18 @@ pub struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
-    /// AdamW weight decay.
+    /// AdamW weight decay (norms and biases are exempt, as in Megatron).
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
+    /// Weight decay at step 0 of an increasing schedule (with `--end-weight-decay`).
+    #[arg(long, requires = "end_weight_decay")]
+    pub start_weight_decay: Option<f64>,
+    /// Weight decay at the end of the increase (with `--start-weight-decay`).
+    #[arg(long, requires = "start_weight_decay")]
+    pub end_weight_decay: Option<f64>,
+    /// Shape of the weight-decay increase (over `--steps`).
+    #[arg(long, value_enum, default_value_t = WdStyle::Linear)]
+    pub weight_decay_incr_style: WdStyle,
     /// Learning-rate warmup in steps (linear from `--lr-warmup-init` to `--lr`).
     #[arg(long, default_value_t = 0, value_name = "STEPS")]
     pub lr_warmup_iters: usize,
@@ -198,6 +218,18 @@ fn job(args: &Args) -> TrainJob {
         });
     }
     trainer.optimizer.weight_decay = args.weight_decay as f32;
+    if let (Some(start_wd), Some(end_wd)) = (args.start_weight_decay, args.end_weight_decay) {
+        trainer.wd_schedule = Some(WdSchedule {
+            start_wd,
+            end_wd,
+            wd_incr_steps: args.steps,
+            wd_incr_style: match args.weight_decay_incr_style {
+                WdStyle::Constant => WdIncrStyle::Constant,
+                WdStyle::Linear => WdIncrStyle::Linear,
+                WdStyle::Cosine => WdIncrStyle::Cosine,
+            },
+        });
+    }
     trainer.optimizer.epsilon = args.adam_eps as f32;
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
     TrainJob {
