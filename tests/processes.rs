@@ -208,6 +208,32 @@ fn mpi_processes_equal_threads_and_one_rank() {
     );
 }
 
+/// 16 oversubscribed processes (attention TP2 × DP8, experts EP8 × ETP2) equal 16 threads bit
+/// for bit.
+fn sixteen_processes(launcher: Launcher) {
+    let layout = "world=16,tp=2,ep=8,etp=2";
+    let extra = ["--gbs", "8"];
+    let (t, p) = (scratch("16-threads"), scratch("16-procs"));
+    threads(&train_args(&t, layout, 3, &extra));
+    processes(launcher, 16, &train_args(&p, layout, 3, &extra));
+    assert_metrics_equal(&metrics(&p), &metrics(&t), "16 processes vs threads");
+    assert_eq!(params(&p), params(&t), "16 processes vs threads");
+    for d in [t, p] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn tcp_sixteen_processes_equal_threads() {
+    sixteen_processes(Launcher::Torchrun);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_sixteen_processes_equal_threads() {
+    sixteen_processes(Launcher::Mpirun);
+}
+
 /// 3 steps as 4 processes (attention TP2 × DP2, experts EP4), then steps 4-6 as 2 processes
 /// (EP2 × DP2) from that checkpoint, against 6 uninterrupted steps under the second layout.
 fn resume_under_two(launcher: Launcher) {
