@@ -33,6 +33,7 @@ use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM, Qwen3MoeSparseM
 
 mod deepseek_v3;
 mod gather;
+pub mod logprobs;
 mod runtime;
 
 use runtime::{RouterTrace, SpRuntime};

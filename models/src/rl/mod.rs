@@ -18,6 +18,7 @@
 
 mod advantage;
 mod kl;
+pub mod logprobs;
 mod loss;
 mod mask;
 mod objective;

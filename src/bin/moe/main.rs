@@ -9,6 +9,7 @@ mod export;
 mod generate;
 mod inspect;
 mod logits;
+mod logprobs;
 mod plan;
 mod progress;
 mod train;
@@ -35,6 +36,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Run a forward pass over token ids and write the logits (and losses) to safetensors.
     Logits(logits::Args),
+    /// Per-token log-probs of the next token and entropies, under any parallel layout.
+    Logprobs(logprobs::Args),
     /// Continue a prompt of token ids, greedily or by sampling.
     Generate(generate::Args),
     /// Write a checkpoint as a HuggingFace directory (e.g. FP8 → BF16, re-sharding).
@@ -60,6 +63,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(args),
         Command::Logits(args) => logits::run(args),
+        Command::Logprobs(args) => logprobs::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Export(args) => export::run(args),
         Command::Upcycle(args) => upcycle::run(args),

@@ -1,0 +1,177 @@
+//! Per-token next-token log-probabilities and entropy of a sharded Qwen3-MoE, computed
+//! vocab-parallel (the inputs of [`crate::rl`]'s losses under any layout).
+//!
+//! The head of [`ParallelQwen3Moe`] gathers the replica's sequence-parallel tokens and gives
+//! every TP rank the logits `[B·S, V/tp]` of its vocabulary columns only. From them,
+//! [`vocab_parallel_logprobs`] computes, per token row and without any rank holding the full
+//! vocabulary of a row, with `z = logit − m` and `m` the row's global max:
+//!
+//! - `m`: all-reduce (max) over TP of the local row max (detached, as in the cross-entropy);
+//! - `Z = Σ_v e^{z_v}` and `A = Σ_v e^{z_v}·z_v`: local sums, all-reduced (sum) over TP;
+//! - `z_y`: the target column picked on the rank owning it (0 elsewhere), all-reduced (sum);
+//! - `log p_y = z_y − log Z` and `H = −Σ p_v log p_v = log Z − A / Z`.
+//!
+//! The three sums travel in one all-reduce of `[rows, 3]`. Its backward is the identity (the
+//! tensor-parallel convention: every TP rank computes the same loss of the reduced values), so
+//! each rank's logits get `∂/∂z_v` of its own columns: `onehot − p` for the log-prob and
+//! `−p_v (z_v − A/Z)` (= `−p_v (log p_v + H)`) for the entropy; both outputs are therefore
+//! differentiable, and each is identical on the TP ranks of a replica.
+//!
+//! Shapes, target positions and −100 masking follow [`crate::rl::logprobs`]: results are
+//! `[batch, S − 1]`, position `t` scoring `labels[b, t + 1]`, 0 where that label is −100.
+
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::tensor::{DType, Device, Tensor};
+use moe_backend::comm::autograd::reduce_from_tensor_parallel_region;
+use moe_backend::comm::{Comm, ReduceOp};
+
+use super::{ParallelQwen3Moe, err};
+use crate::ModelError;
+use crate::causal_lm::IGNORE_INDEX;
+use crate::rl::logprobs::{TokenLogProbs, check_ids, next_token_targets, target_columns};
+
+/// Log-probabilities of `targets` and entropies, per row, of `logits [N, V/tp]` (this rank's
+/// vocabulary columns `vocab`, the rows identical in meaning on every rank of `tp`), computed
+/// in f32 across the TP group without gathering the vocabulary (see the
+/// [module docs](self)). `targets [N]` are global token ids or −100 (row ignored: both
+/// outputs 0, zero gradient). Returns `([N], [N])`, the same on every TP rank, differentiable.
+///
+/// Errors if the shapes disagree or a target is neither in `0..V` (`V = vocab.len() · tp`) nor
+/// −100; every rank of `tp` must call it with the same rows (it runs collectives).
+pub fn vocab_parallel_logprobs(
+    logits: Tensor<2>,
+    targets: &[i64],
+    vocab: Range<usize>,
+    tp: &Comm,
+) -> Result<(Tensor<1>, Tensor<1>), ModelError> {
+    let [n, vl] = logits.dims();
+    let full = vl * tp.size();
+    if targets.len() != n || vocab.len() != vl {
+        return Err(ModelError::InvalidInput {
+            what: "targets",
+            reason: format!(
+                "logits [{n}, {vl}] need {n} targets (got {}) and a vocabulary shard of {vl} \
+                 columns (got {vocab:?})",
+                targets.len()
+            ),
+        });
+    }
+    if let Some(&bad) = targets
+        .iter()
+        .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as u64 >= full as u64))
+    {
+        return Err(ModelError::InvalidInput {
+            what: "targets",
+            reason: format!("target {bad} is neither in the vocabulary 0..{full} nor -100"),
+        });
+    }
+    let device = logits.device();
+    let logits = logits.cast(DType::F32);
+    // Constant max: `detach` alone keeps `require_grad` on a leaf, and `all_reduce(max)` has no
+    // backward.
+    let local_max = logits.clone().detach().set_require_grad(false).max_dim(1);
+    let max = tp.all_reduce(local_max, ReduceOp::Max).map_err(err)?;
+    let z = logits - max;
+    let e = z.clone().exp();
+    let (idx, owned) = target_columns(targets, vocab.start, vl, &device);
+    let local = Tensor::cat(
+        vec![
+            e.clone().sum_dim(1),
+            (e * z.clone()).sum_dim(1),
+            z.gather(1, idx) * owned,
+        ],
+        1,
+    );
+    let sums = reduce_from_tensor_parallel_region(tp, local).map_err(err)?;
+    let sum_exp = sums.clone().narrow(1, 0, 1);
+    let sum_ez = sums.clone().narrow(1, 1, 1);
+    let target = sums.narrow(1, 2, 1);
+    let valid: Vec<f32> = targets
+        .iter()
+        .map(|&t| if t == IGNORE_INDEX { 0.0 } else { 1.0 })
+        .collect();
+    let valid = Tensor::<1>::from_data(burn::tensor::TensorData::new(valid, [n]), &device);
+    let log_z = sum_exp.clone().log();
+    let logprobs = (target - log_z.clone()).reshape([n]) * valid.clone();
+    let entropy = (log_z - sum_ez / sum_exp).reshape([n]) * valid;
+    Ok((logprobs, entropy))
+}
+
+impl ParallelQwen3Moe {
+    /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
+    /// batch `input_ids [batch, S]` (row-major host ids, identical on every TP rank of the
+    /// replica), scoring HF-style `labels` (usually the ids; −100 ⇒ 0, see
+    /// [`crate::rl::logprobs`]). Identical on the TP ranks of a replica; differentiable on an
+    /// autodiff `device` (train an RL loss of them like [`forward_loss`](Self::forward_loss)'s
+    /// loss: every rank calls `backward`).
+    ///
+    /// Runs the model's sequence-parallel forward and vocab-parallel head
+    /// ([`forward_loss`](Self::forward_loss), whose cross-entropy is discarded) and
+    /// [`vocab_parallel_logprobs`] on the `[B·(S−1), V/tp]` logits of this rank's columns.
+    /// Router losses configured on the shard's routers are attached to the graph exactly as
+    /// by `forward_loss` (so a backward of an RL loss of these log-probs carries them too).
+    ///
+    /// Errors if `S < 2`, an id is outside the vocabulary, a label is neither in it nor −100,
+    /// or `batch · S` does not split over `tp`.
+    pub fn forward_logprobs(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let vocab = self.model.config().vocab_size;
+        let seq = input_ids.len().checked_div(batch).unwrap_or(0);
+        if batch == 0 || seq < 2 || input_ids.len() != batch * seq {
+            return Err(ModelError::InvalidInput {
+                what: "input_ids",
+                reason: format!(
+                    "{} ids do not form {batch} sequences of at least 2 tokens",
+                    input_ids.len()
+                ),
+            });
+        }
+        check_ids("input_ids", input_ids, seq, vocab)?;
+        let targets = next_token_targets(labels, batch, seq, vocab)?;
+        let out = self.forward_loss(input_ids, labels, batch, device)?;
+        let vl = out.vocab.len();
+        let logits = out
+            .logits
+            .reshape([batch, seq, vl])
+            .narrow(1, 0, seq - 1)
+            .reshape([batch * (seq - 1), vl]);
+        let (logprobs, entropy) =
+            vocab_parallel_logprobs(logits, &targets, out.vocab, &self.rt.tp)?;
+        Ok(TokenLogProbs {
+            logprobs: logprobs.reshape([batch, seq - 1]),
+            entropy: entropy.reshape([batch, seq - 1]),
+        })
+    }
+
+    /// A forward-only copy of this rank's model (old and reference policies): parameters on the
+    /// device without autodiff ([`Module::valid`]), same groups and dispatcher. Later optimizer
+    /// steps on `self` do not change it.
+    pub fn valid(&self) -> Self {
+        Self {
+            model: self.model.valid(),
+            ..self.clone()
+        }
+    }
+
+    /// [`forward_logprobs`](Self::forward_logprobs) in forward-only mode: runs on
+    /// [`valid`](Self::valid)'s copy, on the parameters' device without autodiff, so nothing is
+    /// recorded and the results are plain tensors. Every rank of the world must call it (it
+    /// runs the same collectives as the forward).
+    pub fn forward_logprobs_detached(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let frozen = self.valid();
+        let device = frozen.model.model.embed_tokens.weight.val().device();
+        frozen.forward_logprobs(input_ids, labels, batch, &device)
+    }
+}
