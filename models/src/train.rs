@@ -21,7 +21,7 @@
 use std::time::Instant;
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
@@ -391,6 +391,41 @@ impl Trainer {
             local_total,
             start,
         )
+    }
+
+    /// One optimizer step with a caller-defined loss (the loss hook RL objectives use): for
+    /// every micro-batch, `loss(shard, batch)` runs the sharded forward it needs (e.g.
+    /// [`ParallelQwen3Moe::forward_logprobs`]) and returns the objective to back-propagate and
+    /// the number of tokens it covers. Gradients are accumulated over the micro-batches and
+    /// averaged over the data-parallel replicas by the optimizer, so the objective should be
+    /// normalised as the caller wants it for one replica's share of the batch (e.g. summed
+    /// over its tokens and divided by the replica's token count). The returned `loss` is the
+    /// mean over micro-batches of the objective values, `tokens` their token count.
+    pub fn step_with<B>(
+        &mut self,
+        micro: &[B],
+        mut loss: impl FnMut(&ParallelQwen3Moe, &B) -> Result<(Tensor<1>, usize), ModelError>,
+    ) -> Result<StepStats, ModelError> {
+        let start = Instant::now();
+        if micro.is_empty() {
+            return Err(ModelError::invalid(
+                "micro_batches",
+                "a step needs at least one micro-batch",
+            ));
+        }
+        let mut accumulator = GradientsAccumulator::<Qwen3MoeForCausalLM>::new();
+        let (mut value_sum, mut tokens) = (0.0f64, 0usize);
+        for batch in micro {
+            let (objective, n) = loss(&self.model, batch)?;
+            value_sum += f64::from(scalar(&objective)?);
+            tokens += n;
+            let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
+            accumulator.accumulate(&self.model.model, grads);
+        }
+        let grads = accumulator.grads();
+        let mut stats = self.finish_step(grads, 0.0, 0.0, tokens, start)?;
+        stats.loss = (value_sum / micro.len() as f64) as f32;
+        Ok(stats)
     }
 
     /// The optimizer step on accumulated gradients and the step's statistics (`loss_sum` is

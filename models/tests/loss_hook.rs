@@ -1,0 +1,68 @@
+//! The trainer's loss hook: a step with the cross-entropy supplied through
+//! `Trainer::step_with` is the built-in SFT step, bit for bit.
+
+use burn::tensor::Device;
+use moe_backend::comm::World;
+use moe_backend::parallel::ParallelLayout;
+use moe_models::Qwen3MoeConfig;
+use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+
+fn fixture() -> Qwen3MoeConfig {
+    Qwen3MoeConfig::from_file(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/qwen3_moe/config.json"
+    ))
+    .expect("config")
+}
+
+fn backend(e: moe_models::ModelError) -> moe_backend::BackendError {
+    moe_backend::BackendError::Config {
+        field: "model",
+        detail: e.to_string(),
+    }
+}
+
+#[test]
+fn cross_entropy_through_the_hook_equals_the_sft_step() {
+    let device = Device::flex().autodiff();
+    let full = fixture().init(&device).expect("init");
+    let layout = ParallelLayout::parse(2, "ep=2").expect("layout");
+    let config = TrainerConfig {
+        aux_loss_coeff: 0.0,
+        ..TrainerConfig::default()
+    };
+    let (full, layout, config, dev) = (&full, &layout, &config, &device);
+    let results = World::run(2, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let mut sft =
+            Trainer::new(full, &pg, ctx.world()?, config.clone(), dev).map_err(backend)?;
+        let mut hook =
+            Trainer::new(full, &pg, ctx.world()?, config.clone(), dev).map_err(backend)?;
+        for step in 0..3 {
+            let ids: Vec<i64> = (0..16)
+                .map(|i| ((i * 7 + step * 13 + ctx.rank() * 29) % 250) as i64)
+                .collect();
+            let batch = TrainBatch::causal(ids, 2).map_err(backend)?;
+            let a = sft.step(&batch).map_err(backend)?;
+            let b = hook
+                .step_with(std::slice::from_ref(&batch), |shard, b: &TrainBatch| {
+                    let out = shard.forward_loss(&b.input_ids, &b.labels, b.batch, dev)?;
+                    Ok((out.loss, b.target_tokens()))
+                })
+                .map_err(backend)?;
+            assert_eq!(a.loss, b.loss, "step {step} loss");
+            assert_eq!(a.grad_norm, b.grad_norm, "step {step} grad norm");
+        }
+        let flat = |t: &Trainer| {
+            t.optimizer()
+                .table()
+                .flatten_values(&t.model().model)
+                .expect("flatten")
+        };
+        Ok((flat(&sft), flat(&hook)))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (a, b) = r.expect("rank");
+        assert_eq!(a, b, "rank {rank}: parameters after 3 steps");
+    }
+}
