@@ -130,7 +130,8 @@ pub enum BridgeError {
     },
     /// A tensor's bytes extend past the end of the data section.
     #[error(
-        "{path}: tensor `{tensor}`: data ends at {end}, past the data section's {data_len} bytes"
+        "{path}: tensor `{tensor}`: data ends at {end}, past the data section's {data_len} \
+         bytes (the file is truncated or its header is corrupt)"
     )]
     OffsetsOutOfBounds {
         /// The file.
@@ -235,6 +236,65 @@ pub enum BridgeError {
         tensor: String,
         /// Where the shard was looked for.
         path: PathBuf,
+    },
+    /// A tensor is stored in two shards of a sharded checkpoint (which copy is meant is
+    /// ambiguous).
+    #[error("{index}: tensor `{tensor}` is stored in two shards: {first} and {second}")]
+    TensorInTwoShards {
+        /// The index file.
+        index: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The shard the index places it in.
+        first: PathBuf,
+        /// The other shard that also holds it.
+        second: PathBuf,
+    },
+    /// A shard holds a tensor the index does not list.
+    #[error("{shard}: tensor `{tensor}` is not listed in {index}")]
+    UnindexedTensor {
+        /// The index file.
+        index: PathBuf,
+        /// The shard holding the tensor.
+        shard: PathBuf,
+        /// The tensor.
+        tensor: String,
+    },
+    /// The index places a tensor in a shard that does not hold it.
+    #[error("{index}: tensor `{tensor}` is listed in {shard}, which does not hold it")]
+    IndexedTensorMissing {
+        /// The index file.
+        index: PathBuf,
+        /// The shard the index names.
+        shard: PathBuf,
+        /// The tensor.
+        tensor: String,
+    },
+    /// A weight the model's config requires is absent from the checkpoint.
+    #[error("{path}: tensor `{tensor}` (shape {expected:?}, required by {config}) is missing")]
+    MissingWeight {
+        /// The checkpoint (index file, or the single safetensors file).
+        path: PathBuf,
+        /// The config that requires the tensor.
+        config: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+    },
+    /// A tensor's shape contradicts the shape the config implies.
+    #[error("{path}: tensor `{tensor}` has shape {found:?}, but {config} implies {expected:?}")]
+    ConfigMismatch {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The config.
+        config: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+        /// The shape stored.
+        found: Vec<usize>,
     },
     /// A JSON file (config.json, generation_config.json) is not valid JSON.
     #[error("{path}: invalid JSON: {reason}")]

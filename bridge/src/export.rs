@@ -64,8 +64,11 @@ pub struct ExportSummary {
     pub total_size: u64,
     /// Number of safetensors files.
     pub shards: usize,
-    /// Source tensors not exported (scales, RoPE buffers, a tied `lm_head`).
+    /// Source tensors not exported (scales, RoPE buffers, a tied `lm_head`, tensors the model
+    /// does not use).
     pub dropped: Vec<String>,
+    /// Validation warnings about the source, for the user (empty for a distributed source).
+    pub warnings: Vec<String>,
 }
 
 /// Parses a shard size such as `5GB` (10⁹), `500MB`, `2GiB` (2³⁰), `1024KB` or a plain byte
@@ -154,15 +157,15 @@ fn is_float(dtype: Dtype) -> bool {
 }
 
 /// Exports `src` to `target` (see the module docs).
+///
+/// The source is validated against its `config.json` first ([`HfCheckpoint::check`]); on
+/// failure nothing is written. Tensors the model does not use are dropped with a warning
+/// ([`ExportSummary::warnings`]).
 pub fn export_hf(
     src: &HfCheckpoint,
     target: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportSummary, BridgeError> {
-    let config_path = src.dir().join(CONFIG_FILE);
-    let config = src.config_json()?;
-    let registry = for_config(&config, &config_path)?;
-    registry.detect_layout(src.tensor_names(), src.dir())?;
     if let Some(d) = opts.dtype.filter(|d| !is_float(*d)) {
         return Err(BridgeError::InvalidConfig {
             path: target.to_path_buf(),
@@ -170,6 +173,10 @@ pub fn export_hf(
             reason: format!("{d} is not a float dtype"),
         });
     }
+    let report = src.check()?;
+    let config_path = src.dir().join(CONFIG_FILE);
+    let config = src.config_json()?;
+    let registry = for_config(&config, &config_path)?;
     let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
     let mut plan: BTreeMap<String, Planned> = BTreeMap::new();
     let mut dropped = Vec::new();
@@ -179,6 +186,7 @@ pub fn export_hf(
         if is_scale_inv(name)
             || name.ends_with("rotary_emb.inv_freq")
             || (tied && name == "lm_head.weight")
+            || report.unused.contains(name)
         {
             dequantized |= is_scale_inv(name);
             dropped.push(name.to_owned());
@@ -261,6 +269,7 @@ pub fn export_hf(
         total_size,
         shards,
         dropped,
+        warnings: report.warnings,
     })
 }
 

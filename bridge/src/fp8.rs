@@ -247,8 +247,19 @@ impl HfCheckpoint {
     /// Shape and f32 values of tensor `name` after the FP8 hook: FP8 weights are dequantised
     /// to BF16 first (the dtype transformers loads release checkpoints in) and then widened, so
     /// the values equal the BF16 reference exactly.
+    ///
+    /// Only float data is read as weights: an integer or bool tensor (without a scale that
+    /// dequantises it) is a [`BridgeError::DtypeMismatch`], never widened value by value.
     pub fn read_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), BridgeError> {
         let t = self.read_dequantized(name, OutDtype::BF16)?;
+        if !matches!(t.dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64) {
+            return Err(BridgeError::DtypeMismatch {
+                path: self.file_of(name)?.to_path_buf(),
+                tensor: name.to_owned(),
+                expected: "a float dtype".to_owned(),
+                actual: t.dtype.to_string(),
+            });
+        }
         let values = t.to_f32_vec()?;
         Ok((t.shape, values))
     }

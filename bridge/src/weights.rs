@@ -8,10 +8,12 @@
 //!   `deepseek_v3`) without touching the weights: enough for shape-only parameter counts.
 //! - [`AnyCausalLm`] is one of the three models, with forward, losses and generation
 //!   delegated to the concrete model.
-//! - Errors are [`BridgeError`]s naming the file and tensor: a corrupt or truncated shard is
-//!   reported as the reader saw it, a missing or mis-shaped tensor as
-//!   [`BridgeError::IncompleteCheckpoint`], a bad config as [`BridgeError::InvalidConfig`] or
-//!   [`BridgeError::UnknownModelType`].
+//! - Loading validates first ([`HfCheckpoint::check`]): errors are [`BridgeError`]s naming the
+//!   file and tensor: a corrupt or truncated shard is reported as the reader saw it, an
+//!   ambiguous shard set as [`BridgeError::TensorInTwoShards`] and its siblings, a missing
+//!   weight as [`BridgeError::MissingWeight`], a shape contradicting the config as
+//!   [`BridgeError::ConfigMismatch`], an integer weight as [`BridgeError::DtypeMismatch`], a
+//!   bad config as [`BridgeError::InvalidConfig`] or [`BridgeError::UnknownModelType`].
 
 mod any_lm;
 
@@ -26,7 +28,9 @@ use moe_models::{
 use serde_json::Value;
 
 use crate::BridgeError;
-use crate::hf::{CONFIG_FILE, HfCheckpoint, read_json};
+use crate::fp8::DEFAULT_BLOCK_SIZE;
+use crate::hf::{CONFIG_FILE, CheckReport, HfCheckpoint, read_json};
+use crate::mapping::{ExpertLayout, expected_hf_tensors};
 use crate::safetensors::elem::{bf16_bits_to_f32, f32_to_bf16_bits};
 
 pub use any_lm::{AnyCausalLm, LmLosses};
@@ -130,7 +134,9 @@ impl ModelConfig {
     /// Parses a `config.json` already read as JSON; `path` names it in errors.
     ///
     /// Errors: [`BridgeError::InvalidConfig`] when `model_type` is absent or the config is
-    /// invalid (naming the field), [`BridgeError::UnknownModelType`] for any other model type.
+    /// invalid (a field of the wrong JSON type, out of range, contradicting another field, or
+    /// sizes implying an implausible model; naming the field), [`BridgeError::UnknownModelType`]
+    /// for any other model type.
     pub fn from_json(config: &Value, path: &Path) -> Result<Self, BridgeError> {
         let model_type = match config.get("model_type") {
             Some(Value::String(s)) => s.as_str(),
@@ -160,6 +166,9 @@ impl ModelConfig {
         };
         let config = parsed.map_err(|e| config_error(e, path))?;
         config.validate().map_err(|e| config_error(e, path))?;
+        // Plausible sizes: every implied shape computable without overflow, bounded tensor and
+        // parameter counts (so that later size arithmetic cannot overflow either).
+        expected_hf_tensors(&config, ExpertLayout::PerExpert, path, DEFAULT_BLOCK_SIZE)?;
         Ok(config)
     }
 
@@ -272,19 +281,35 @@ pub fn load_causal_lm(dir: impl AsRef<Path>, device: &Device) -> Result<AnyCausa
     load_from_checkpoint(&checkpoint, WeightPrecision::F32, device)
 }
 
-/// Builds the model `checkpoint`'s `config.json` names, with weights of `precision`.
+/// Builds the model `checkpoint`'s `config.json` names, with weights of `precision`, after
+/// validating the checkpoint against the config ([`HfCheckpoint::check`]; its warnings are
+/// dropped, see [`load_checked`]).
 pub fn load_from_checkpoint(
     checkpoint: &HfCheckpoint,
     precision: WeightPrecision,
     device: &Device,
 ) -> Result<AnyCausalLm, BridgeError> {
-    let config = ModelConfig::from_dir(checkpoint.dir())?;
+    load_checked(checkpoint, precision, device).map(|(model, _)| model)
+}
+
+/// [`load_from_checkpoint`] that also returns the validation report (its warnings are for the
+/// user: unused tensors, FP8 weights value-cast, config findings).
+///
+/// Nothing is read beyond the shard headers before the checkpoint has passed
+/// [`HfCheckpoint::check`]: a missing, mis-shaped or integer weight, an ambiguous shard set or
+/// an invalid config is an error naming the file and tensor or field.
+pub fn load_checked(
+    checkpoint: &HfCheckpoint,
+    precision: WeightPrecision,
+    device: &Device,
+) -> Result<(AnyCausalLm, CheckReport), BridgeError> {
+    let report = checkpoint.check()?;
     let source = CheckpointSource {
         checkpoint,
         precision,
         first_error: RefCell::new(None),
     };
-    let built = match &config {
+    let built = match &report.config {
         ModelConfig::Qwen3(c) => {
             Qwen3ForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::Qwen3)
         }
@@ -295,10 +320,11 @@ pub fn load_from_checkpoint(
             DeepseekV3ForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::DeepseekV3)
         }
     };
-    built.map_err(|err| match source.first_error.into_inner() {
+    let model = built.map_err(|err| match source.first_error.into_inner() {
         Some(read_error) => read_error,
         None => load_error(err, checkpoint.dir()),
-    })
+    })?;
+    Ok((model, report))
 }
 
 /// A model-building error that is not a read error: the checkpoint lacks or mis-shapes a tensor.

@@ -366,15 +366,42 @@ pub fn convert_hf_to_dist_opts(
     opts: &ConvertOptions,
     progress: &mut dyn FnMut(&ConvertProgress),
 ) -> Result<PathBuf, BridgeError> {
+    convert_hf_to_dist_report(hf_dir, out_root, layout, opts, progress).map(|r| r.dir)
+}
+
+/// What [`convert_hf_to_dist_report`] wrote, and what it found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvertReport {
+    /// The new `iter_*` directory.
+    pub dir: PathBuf,
+    /// Source tensors the model does not use, not converted (as transformers ignores them).
+    pub unused: Vec<String>,
+    /// Validation warnings for the user ([`HfCheckpoint::check`]).
+    pub warnings: Vec<String>,
+}
+
+/// [`convert_hf_to_dist_opts`] returning the validation warnings too.
+///
+/// The source is validated against its `config.json` before anything is written
+/// ([`HfCheckpoint::check`]: typed config, unambiguous shards, every implied tensor present
+/// with its shape and a float or scaled-FP8 dtype); on failure `out_root` is left untouched.
+/// Tensors the model does not use are skipped with a warning.
+pub fn convert_hf_to_dist_report(
+    hf_dir: &Path,
+    out_root: &Path,
+    layout: &ParallelLayout,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(&ConvertProgress),
+) -> Result<ConvertReport, BridgeError> {
     let step = opts.step;
     let ckpt = HfCheckpoint::open(hf_dir)?;
+    let report = ckpt.check()?;
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = ckpt.config_json()?;
     let registry = for_config(&config, &config_path)?;
-    let expert_layout = registry
-        .detect_layout(ckpt.tensor_names(), ckpt.dir())?
-        .unwrap_or(ExpertLayout::PerExpert);
-    let canon = canonical_tensors(&registry, ckpt.tensor_names());
+    let expert_layout = report.expert_layout.unwrap_or(ExpertLayout::PerExpert);
+    let used = ckpt.tensor_names().filter(|n| !report.unused.contains(*n));
+    let canon = canonical_tensors(&registry, used);
     let mut sources = canon
         .iter()
         .map(|(name, experts)| {
@@ -397,11 +424,7 @@ pub fn convert_hf_to_dist_opts(
     }
     let kept_fp8 = !scales.is_empty();
     sources.extend(scales);
-    let num_layers = config
-        .get("num_hidden_layers")
-        .and_then(Value::as_u64)
-        .and_then(|n| usize::try_from(n).ok());
-    let plan = ShardingPlan::new(layout, num_layers)?;
+    let plan = ShardingPlan::new(layout, Some(report.config.num_layers()))?;
     let dequantized = !kept_fp8
         && (ckpt.tensor_names().any(crate::fp8::is_scale_inv)
             || config.get("quantization_config").is_some());
@@ -457,7 +480,11 @@ pub fn convert_hf_to_dist_opts(
             total_bytes,
         });
     }
-    writer.finish()
+    Ok(ConvertReport {
+        dir: writer.finish()?,
+        unused: report.unused.into_iter().collect(),
+        warnings: report.warnings,
+    })
 }
 
 /// The metadata of checkpoint `ckpt` re-targeted to `layout`: step, model family, optimizer
@@ -700,6 +727,7 @@ pub fn export_dist_to_hf(
         total_size: sizes.values().sum(),
         shards,
         dropped,
+        warnings: Vec::new(),
     })
 }
 

@@ -1,7 +1,9 @@
 //! HuggingFace checkpoint directories: `model.safetensors` or a sharded
 //! `model.safetensors.index.json`, plus `config.json` / `generation_config.json`
-//! (checkpoints.md §1).
+//! (checkpoints.md §1), and their validation against the config before any weight is used
+//! ([`HfCheckpoint::check`]).
 
+mod check;
 mod index;
 mod resolve;
 
@@ -14,6 +16,7 @@ use serde_json::Value;
 use crate::BridgeError;
 use crate::safetensors::{SafetensorsFile, TensorInfo, TensorView};
 
+pub use check::CheckReport;
 pub use index::{INDEX_FILE, SINGLE_FILE, parse_index};
 pub use resolve::{hub_cache_dir, resolve_in, resolve_model_dir};
 
@@ -168,6 +171,12 @@ impl HfCheckpoint {
     /// The shard file holding `name`, mapped on first use.
     pub fn shard_for(&self, name: &str) -> Result<&SafetensorsFile, BridgeError> {
         let i = self.shard_index(name)?;
+        self.shard_at(i, name)
+    }
+
+    /// Shard `i` of [`shard_paths`](Self::shard_paths), mapped on first use; `name` is the
+    /// tensor reported should the mapping vanish.
+    fn shard_at(&self, i: usize, name: &str) -> Result<&SafetensorsFile, BridgeError> {
         let cell = &self.shards[i];
         if let Some(file) = cell.get() {
             return Ok(file);
@@ -179,6 +188,11 @@ impl HfCheckpoint {
             path: self.shard_paths[i].clone(),
             tensor: name.to_owned(),
         })
+    }
+
+    /// The index file of a sharded checkpoint, or the single safetensors file.
+    pub fn source(&self) -> &Path {
+        &self.source
     }
 
     /// dtype, shape and offsets of tensor `name` (maps its shard).

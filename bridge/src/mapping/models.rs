@@ -155,6 +155,10 @@ pub fn deepseek_v3() -> Registry {
                 "self_attn.kv_a_layernorm.weight",
                 "self_attn.kv_b_proj.weight",
                 "self_attn.o_proj.weight",
+                // With `attention_bias`.
+                "self_attn.q_a_proj.bias",
+                "self_attn.kv_a_proj_with_mqa.bias",
+                "self_attn.o_proj.bias",
             ]),
             per_layer(&["mlp.gate.weight"]),
             vec![Rule::same_as_dtype(

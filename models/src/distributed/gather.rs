@@ -128,6 +128,15 @@ pub fn gather_full_qwen3_moe(
     for layer in &mut full.model.layers {
         layer.self_attn.num_heads = config.num_attention_heads;
         layer.self_attn.num_kv_heads = config.num_key_value_heads;
+        // The shard's routers carry the training losses of its groups; the full model is a
+        // single-rank model without them (as loaded from HF).
+        if let crate::qwen3_moe::Qwen3MoeFeedForward::Sparse(block) = &mut layer.mlp {
+            block
+                .moe
+                .router
+                .set_losses(Vec::new(), None, 1, 1)
+                .map_err(super::err)?;
+        }
     }
     Ok(full)
 }

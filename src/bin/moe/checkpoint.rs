@@ -8,6 +8,7 @@ use burn_moe::backend::parallel::ParallelLayout;
 use burn_moe::bridge::dist::DistCheckpoint;
 use burn_moe::bridge::dist::commit::TempDirState;
 use burn_moe::bridge::dist::convert::{ConvertOptions, convert_hf_to_dist_opts, reshard};
+use burn_moe::bridge::hf::HfCheckpoint;
 
 /// Arguments of `moe convert`.
 #[derive(Debug, clap::Args)]
@@ -50,9 +51,18 @@ pub struct ValidateArgs {
     pub checkpoint: PathBuf,
 }
 
-/// Runs `moe convert`.
+/// Runs `moe convert`: the source is validated against its `config.json` before anything is
+/// written (warnings go to stderr as `warning: …`); a failed validation leaves `--out`
+/// untouched.
 pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
     let layout = ParallelLayout::parse_spec(&args.layout)?;
+    let failed = || format!("conversion of {} failed", args.from_hf.display());
+    let report = HfCheckpoint::open(&args.from_hf)
+        .and_then(|source| source.check())
+        .with_context(failed)?;
+    for warning in &report.warnings {
+        eprintln!("warning: {warning}");
+    }
     let bar = crate::progress::bar(0, "converting");
     let opts = ConvertOptions {
         step: args.step,
@@ -63,7 +73,7 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
         bar.set_position(p.bytes);
         bar.set_message(p.tensor.clone());
     })
-    .with_context(|| format!("conversion of {} failed", args.from_hf.display()))?;
+    .with_context(failed)?;
     bar.finish_and_clear();
     println!("wrote {} ({layout})", dir.display());
     Ok(())

@@ -78,7 +78,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let model = args.model.clone().unwrap_or_default();
-    let source = HfCheckpoint::open_model(&model)?;
+    let failed = || format!("export of {model} failed");
+    let source = HfCheckpoint::open_model(&model).with_context(failed)?;
+    // Validated before anything is written (export_hf checks again; headers only).
+    let report = source.check().with_context(failed)?;
+    for warning in &report.warnings {
+        eprintln!("warning: {warning}");
+    }
     tracing::info!(
         source = %source.dir().display(),
         target = %args.out.display(),
@@ -87,7 +93,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let summary =
         crate::progress::with_spinner("exporting", || export_hf(&source, &args.out, &options))
-            .with_context(|| format!("export of {model} failed"))?;
+            .with_context(failed)?;
     if !summary.dropped.is_empty() {
         tracing::info!(
             dropped = summary.dropped.len(),

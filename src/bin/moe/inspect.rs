@@ -1,4 +1,7 @@
-//! `moe inspect <model>`: what a checkpoint holds, without loading its weights.
+//! `moe inspect <model>`: what a checkpoint holds, without loading its weights, and whether
+//! it is valid: the config parsed and validated, then (when weights are present) the shard
+//! set, every implied tensor's presence, shape and dtype ([`HfCheckpoint::check`]); an invalid
+//! checkpoint is a non-zero exit after the summary.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -57,7 +60,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let checkpoint = HfCheckpoint::open(&dir)?;
-    print_weights(&checkpoint)
+    // Every shard header valid and the shard set unambiguous before anything is listed.
+    checkpoint.verify_shards()?;
+    print_weights(&checkpoint)?;
+    // The weights against the config: shard set, presence, shapes, dtypes.
+    let report = checkpoint.check().with_context(|| {
+        format!(
+            "{} does not hold a valid {} checkpoint",
+            dir.display(),
+            config.model_type()
+        )
+    })?;
+    // The report repeats the config's warnings (printed above) first.
+    for warning in report.warnings.iter().skip(config.warnings().len()) {
+        eprintln!("warning: {warning}");
+    }
+    println!(
+        "validation:   ok ({} tensors match the config{})",
+        checkpoint.len() - report.unused.len(),
+        match report.unused.len() {
+            0 => String::new(),
+            n => format!(", {n} unused"),
+        }
+    );
+    Ok(())
 }
 
 /// The directory to inspect and its `config.json`.

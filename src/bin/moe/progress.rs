@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use burn::tensor::Device;
 use burn_moe::bridge::hf::HfCheckpoint;
-use burn_moe::bridge::weights::{WeightPrecision, load_from_checkpoint};
+use burn_moe::bridge::weights::{WeightPrecision, load_checked};
 use burn_moe::bridge::{AnyCausalLm, ModelConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -40,11 +40,9 @@ pub fn load_model(
     precision: WeightPrecision,
     device: &Device,
 ) -> anyhow::Result<AnyCausalLm> {
-    let checkpoint = HfCheckpoint::open_model(model)?;
-    let config = ModelConfig::from_dir(checkpoint.dir())?;
-    for warning in config.warnings() {
-        tracing::warn!("{}: {warning}", checkpoint.dir().display());
-    }
+    let failed = || format!("cannot load model {model}");
+    let checkpoint = HfCheckpoint::open_model(model).with_context(failed)?;
+    let config = ModelConfig::from_dir(checkpoint.dir()).with_context(failed)?;
     tracing::info!(
         model = %checkpoint.dir().display(),
         model_type = config.model_type(),
@@ -53,10 +51,14 @@ pub fn load_model(
         "loading"
     );
     let started = std::time::Instant::now();
-    let loaded = with_spinner("loading weights", || {
-        load_from_checkpoint(&checkpoint, precision, device)
+    // Validates the checkpoint against its config before reading any weight.
+    let (loaded, report) = with_spinner("loading weights", || {
+        load_checked(&checkpoint, precision, device)
     })
-    .with_context(|| format!("cannot load model {model}"))?;
+    .with_context(failed)?;
+    for warning in &report.warnings {
+        eprintln!("warning: {warning}");
+    }
     tracing::info!(seconds = started.elapsed().as_secs_f64(), "loaded");
     Ok(loaded)
 }
