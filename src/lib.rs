@@ -12,10 +12,13 @@
 //! in-process ranks under any parallel layout. [`quickstart`] is the main-job pipeline of
 //! `examples/quickstart.rs`: HF → distributed checkpoint → fine-tune on in-process ranks → save
 //! with optimizer state → reshard → HF export, checked against the trained logits.
+//! [`grpo`] is the RL example: GRPO on a verifiable synthetic task, rollouts → rewards →
+//! advantages → policy update → weight sync on the ranks of a layout.
 //! [`train_job`] is the training job behind `moe train`, one rank's part of it on threads or
 //! processes.
 
 pub mod finetune;
+pub mod grpo;
 pub mod launch;
 pub mod quickstart;
 pub mod train_job;

@@ -29,6 +29,7 @@ pub mod qwen3;
 pub mod qwen3_moe;
 pub mod replay;
 pub mod rl;
+pub mod rollout;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;

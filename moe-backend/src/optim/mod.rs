@@ -7,6 +7,7 @@
 
 mod distributed_adam;
 pub mod fp8_primary;
+pub mod muon;
 mod params;
 pub mod schedule;
 mod state;
@@ -15,6 +16,10 @@ mod tests;
 
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
 pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Weight};
+pub use muon::{
+    DistributedMuon, MatrixAxis, MuonAdamW, MuonConfig, MuonMatrix, MuonScale, MuonSharding,
+    default_muon_select,
+};
 pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
 pub use schedule::{
     LrDecayStyle, LrSchedule, SchedulerState, WdIncrStyle, WdSchedule, WsdDecay, no_weight_decay,

@@ -1,10 +1,13 @@
-//! `moe generate`: continue a prompt of token ids with a KV cache.
+//! `moe generate`: continue a prompt of token ids with a KV cache, greedily or by sampling
+//! with HF's temperature → top-k → top-p processors (`moe_models::rollout`).
 
 use anyhow::Context;
 use burn::tensor::Device;
+use burn_moe::bridge::AnyCausalLm;
 use burn_moe::bridge::hf::{HfCheckpoint, resolve_model_dir};
 use burn_moe::bridge::weights::WeightPrecision;
-use burn_moe::models::{GenerationConfig, Sampling};
+use burn_moe::models::CausalLm;
+use burn_moe::models::rollout::{Rollout, SamplingConfig, generate_batch};
 use serde_json::Value;
 
 /// Arguments of `moe generate`.
@@ -22,12 +25,20 @@ pub struct Args {
     /// Sample from softmax(logits / T) instead of greedy decoding (T > 0).
     #[arg(long, value_name = "T", value_parser = positive_temperature)]
     pub temperature: Option<f64>,
-    /// Keep only the K most likely tokens when sampling.
+    /// Keep only the K most likely tokens when sampling (and those tied with the K-th).
     #[arg(long, value_name = "K", requires = "temperature")]
     pub top_k: Option<usize>,
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose probability sums
+    /// to at least P (0 ≤ P ≤ 1), after temperature and top-k.
+    #[arg(long, value_name = "P", requires = "temperature")]
+    pub top_p: Option<f64>,
     /// Seed of the sampler (same seed, same tokens).
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+    /// Extra stop token ids, comma-separated (generation ends after producing one; it is
+    /// printed), in addition to the end-of-sequence token(s) unless `--ignore-eos`.
+    #[arg(long, value_name = "IDS", value_delimiter = ',', num_args = 1..)]
+    pub stop_ids: Vec<i64>,
     /// Do not stop at the end-of-sequence token(s) of generation_config.json / config.json.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -46,40 +57,62 @@ fn positive_temperature(text: &str) -> Result<f64, String> {
 /// Runs `moe generate`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let device = Device::flex();
-    let sampling = match args.temperature {
-        Some(temperature) => Sampling::Sample {
-            temperature,
-            top_k: args.top_k,
-            seed: args.seed,
-        },
-        None => Sampling::Greedy,
-    };
-    let eos_token_ids = if args.ignore_eos {
+    let eos: Vec<usize> = if args.ignore_eos {
         Vec::new()
     } else {
         eos_ids(&args.model)?
     };
-    let config = GenerationConfig {
+    let mut config = SamplingConfig {
+        // No --temperature: greedy decoding (temperature 0).
+        temperature: args.temperature.unwrap_or(0.0),
+        top_k: args.top_k,
+        top_p: args.top_p,
         max_new_tokens: args.max_new_tokens,
-        sampling,
-        eos_token_ids,
+        stop_tokens: args.stop_ids.clone(),
+        seed: args.seed,
     };
+    if args.max_new_tokens == 0 {
+        println!();
+        return Ok(());
+    }
+    config.validate()?;
     let model = crate::progress::load_model(&args.model, WeightPrecision::F32, &device)?;
+    // End-of-sequence ids the model cannot produce are dropped (they never match).
+    let vocab = model.vocab_size();
+    config
+        .stop_tokens
+        .extend(eos.iter().filter(|&&t| t < vocab).map(|&t| t as i64));
+    let prompt: Vec<i64> = args.prompt_ids.iter().map(|&t| t as i64).collect();
     let started = std::time::Instant::now();
-    let new = crate::progress::with_spinner("generating", || {
-        model.generate(&args.prompt_ids, &config, &device)
-    })
-    .context("generation failed")?;
+    let rollout = crate::progress::with_spinner("generating", || rollout(&model, prompt, &config))
+        .context("generation failed")?;
     let seconds = started.elapsed().as_secs_f64();
+    let new = &rollout.tokens;
     tracing::info!(
         tokens = new.len(),
+        finish_reason = ?rollout.finish_reason,
         seconds,
         tokens_per_second = new.len() as f64 / seconds.max(1e-9),
         "generated"
     );
-    let text: Vec<String> = new.iter().map(usize::to_string).collect();
+    let text: Vec<String> = new.iter().map(i64::to_string).collect();
     println!("{}", text.join(","));
     Ok(())
+}
+
+/// One rollout of `prompt` with the model's own type.
+fn rollout(
+    model: &AnyCausalLm,
+    prompt: Vec<i64>,
+    config: &SamplingConfig,
+) -> Result<Rollout, burn_moe::models::ModelError> {
+    let prompts = [prompt];
+    let mut out = match model {
+        AnyCausalLm::Qwen3(m) => generate_batch(m, &prompts, config),
+        AnyCausalLm::Qwen3Moe(m) => generate_batch(m, &prompts, config),
+        AnyCausalLm::DeepseekV3(m) => generate_batch(m, &prompts, config),
+    }?;
+    Ok(out.remove(0))
 }
 
 /// End-of-sequence ids from `generation_config.json`, else `config.json` (`eos_token_id`, a

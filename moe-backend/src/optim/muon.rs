@@ -1,0 +1,1188 @@
+//! Muon (MomentUm Orthogonalized by Newton–Schulz) as a second optimizer beside AdamW,
+//! distributed the way Megatron-Core does it.
+//!
+//! # Update rule
+//!
+//! For every weight matrix `W` (a 2-D parameter, or each `[m, n]` matrix of a stacked `[L, m, n]`
+//! expert weight) with reduced gradient `G`, Muon keeps one momentum buffer `B` (f32) and does
+//!
+//! ```text
+//! B ← β·B + (1−β)·G                          (EMA momentum, β = `momentum`)
+//! U ← (1−β)·G + β·B   (Nesterov)   or   U ← B
+//! O ← NewtonSchulz₅(U)                       (≈ the orthogonal polar factor of U)
+//! W ← W·(1 − lr·wd) − lr·s(m, n)·O           (decoupled weight decay, shape scale s)
+//! ```
+//!
+//! This is Keller Jordan's and Megatron/Emerging-Optimizers' EMA form; Moonshot ("Muon is
+//! Scalable", arXiv:2502.16982) writes `B ← β·B + G`, `U ← G + β·B`, which is the same `U` up to
+//! the factor `1−β` and therefore the same `O` (Newton–Schulz normalises its input first). The
+//! scale `s` is selectable ([`MuonScale`]): Moonshot's `0.2·√max(m, n)`, which gives updates of
+//! the RMS of AdamW's (≈0.2) so AdamW's learning rate and weight decay carry over, or Keller's
+//! `√max(1, fan_out/fan_in)`.
+//!
+//! [`newton_schulz`] runs the quintic iteration `X ← a·X + (b·A + c·A²)·X`, `A = X·Xᵀ`,
+//! `(a, b, c) = (3.4445, −4.7750, 2.0315)`, on `X = U/(‖U‖_F + 1e-7)`, transposed so that `A` is
+//! the Gram matrix of the shorter side. Megatron (Emerging-Optimizers, `fp32_matmul_prec =
+//! "medium"`) and Keller run it in bf16 on tensor cores; here it runs in **f32** on the host
+//! (Burn matmuls on `Device::flex()`): the CPU has no bf16 speed advantage, and f32 keeps the
+//! result reproducible against an f64 reference (within 1e-6 absolute in the tests). The
+//! quintic deliberately over-shoots: the singular values of the result are not 1 but spread
+//! over roughly `[0.7, 1.2]`, which Keller found not to hurt.
+//!
+//! # Which parameters
+//!
+//! [`default_muon_select`] follows Megatron (`get_megatron_muon_optimizer`) and Keller: every
+//! 2-D weight and every stacked 3-D expert weight (one matrix per expert), except the embedding
+//! and the LM head (`embed`, `lm_head`, `output_layer` in the path) and biases; all 1-D
+//! parameters, biases, the embedding and the LM head stay with AdamW. [`MuonAdamW`] pairs a
+//! [`DistributedMuon`] with the crate's ZeRO-1 [`DistributedAdamW`], built unchanged on a *view*
+//! of the module in which the Muon parameters do not require grad, so its flat buffers hold the
+//! AdamW parameters only; its `step` skips parameters outside its table, so it updates the full
+//! module in place of the AdamW parameters only.
+//!
+//! # Distribution
+//!
+//! Per parameter class (as [`DistributedAdamW`], parallelism.md §5):
+//!
+//! 1. `DenseSequenceParallel` gradients are summed over `tp` first.
+//! 2. Gradients are reduced over the data-parallel group of the class, `dp_cp` for dense and
+//!    `expt_dp` for expert parameters, summed with the pre-factor `1/|dp_cp|` for both classes
+//!    (the AdamW convention): an all-reduce under [`MuonSharding::Replicated`], a
+//!    reduce-scatter to the owner under [`MuonSharding::LayerWise`].
+//! 3. The clipping norm counts every unique element once (TP-replicated parameters on TP rank
+//!    0, DP replicas on DP rank 0 / the owner) and is all-reduced over the world.
+//! 4. Momentum (f32) and the f32 master copy of the parameter live with the local shard: the
+//!    same `[m, n/tp]` block as the parameter. Newton–Schulz needs the whole matrix: the
+//!    Nesterov directions of TP-sharded matrices ([`MuonMatrix::split`]) are all-gathered over
+//!    `tp` (ETP-sharded expert matrices over `expt_tp`) in one packed collective per group,
+//!    every member orthogonalises the identical full matrix (deterministic: same input, same
+//!    kernels), scales it by the *full* shape and keeps its own block. Gathering in shard order
+//!    is exact even where the shard order is not the logical row order (a gated `fc1` sharded
+//!    as `[gate_r; up_r]`): Newton–Schulz commutes with row and column permutations,
+//!    `NS(P·X·Q) = P·NS(X)·Q`.
+//! 5. Under `Replicated` every DP member holds the full local shard state and updates it;
+//!    under `LayerWise` each parameter is owned by one DP member (greedy largest-first
+//!    balancing), only the owner (and its TP peers, which share its DP index) keeps the
+//!    momentum and master, computes the update and the new values are all-gathered over the DP
+//!    group.
+//!
+//! Compared with Megatron: `Replicated` is `TensorParallelMuon` in its default `duplicated`
+//! mode under plain DDP (Megatron rejects Muon with the ZeRO distributed optimizer): every rank
+//! of a TP group all-gathers the matrix and runs the same Newton–Schulz, every DP replica
+//! repeats it. `LayerWise` is `LayerWiseDistributedOptimizer`: whole parameters are assigned to
+//! DP ranks, each DP rank runs Newton–Schulz only for the parameters it owns (still duplicated
+//! over its TP group), then the parameters are all-gathered. Megatron's `distributed` TP mode
+//! (each TP rank multiplies its shard, the Gram matrices all-reduced) and `blockwise` mode
+//! (each shard orthogonalised alone, which changes the update) are not implemented, nor is
+//! splitting fused QKV weights into separate matrices or MuonClip.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+
+use super::{
+    DistributedAdamW, DistributedAdamWConfig, ParamClass, ParamInfo, ParamTable, StepReport,
+};
+use crate::comm::{Comm, GroupComms, ReduceOp};
+use crate::error::{BackendError, Result};
+use crate::parallel::GroupFamily;
+
+/// Coefficients `(a, b, c)` of the quintic Newton–Schulz step `X ← a·X + (b·A + c·A²)·X`,
+/// `A = X·Xᵀ` (Keller Jordan's, used by Moonshot and Megatron's `simple` set).
+pub const NS_COEFFICIENTS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
+
+/// ε added to the Frobenius norm before the iteration.
+pub const NS_EPSILON: f32 = 1e-7;
+
+/// Newton–Schulz orthogonalisation of one matrix, in f32: `g` is normalised by its Frobenius
+/// norm (+[`NS_EPSILON`]), transposed when it has more rows than columns, iterated `steps` times
+/// with [`NS_COEFFICIENTS`] and transposed back. The result has the shape of `g` and singular
+/// values near 1 (roughly `[0.7, 1.2]` after 5 steps for full-rank inputs). Runs on `g`'s
+/// device, detached.
+pub fn newton_schulz(g: Tensor<2>, steps: usize) -> Tensor<2> {
+    newton_schulz_batched(g.unsqueeze::<3>(), steps).squeeze_dim::<2>(0)
+}
+
+/// [`newton_schulz`] of every matrix of a `[L, m, n]` stack (each normalised by its own norm).
+pub fn newton_schulz_batched(g: Tensor<3>, steps: usize) -> Tensor<3> {
+    let [_, m, n] = g.dims();
+    let x = g.detach().cast(DType::F32);
+    let transpose = m > n;
+    let x = if transpose { x.swap_dims(1, 2) } else { x };
+    let norm = x
+        .clone()
+        .powi_scalar(2)
+        .sum_dim(2)
+        .sum_dim(1)
+        .sqrt()
+        .add_scalar(NS_EPSILON);
+    let mut x = x / norm;
+    let (a, b, c) = NS_COEFFICIENTS;
+    for _ in 0..steps {
+        let gram = x.clone().matmul(x.clone().swap_dims(1, 2));
+        let poly = gram.clone().mul_scalar(b) + gram.clone().matmul(gram).mul_scalar(c);
+        x = x.clone().mul_scalar(a) + poly.matmul(x);
+    }
+    if transpose { x.swap_dims(1, 2) } else { x }
+}
+
+/// How the orthogonalised update is scaled (the learning rate is applied on top).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MuonScale {
+    /// Moonshot's `0.2·√max(m, n)` (Megatron `scale_mode = "spectral"` with
+    /// `extra_scale_factor = 0.2`): the update RMS matches AdamW's typical 0.2, so AdamW's
+    /// learning rate and weight decay can be used unchanged.
+    #[default]
+    MatchAdamW,
+    /// Keller Jordan's `√max(1, fan_out/fan_in)` (Megatron `"shape_scaling"`); needs a
+    /// Muon-sized learning rate (≈0.02).
+    Keller,
+}
+
+impl MuonScale {
+    /// The factor for a full (unsharded) matrix with `fan_out` outputs and `fan_in` inputs.
+    pub fn factor(self, fan_out: usize, fan_in: usize) -> f32 {
+        match self {
+            MuonScale::MatchAdamW => 0.2 * (fan_out.max(fan_in) as f32).sqrt(),
+            MuonScale::Keller => (fan_out as f32 / fan_in.max(1) as f32).max(1.0).sqrt(),
+        }
+    }
+}
+
+/// Where the Muon state lives across the data-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MuonSharding {
+    /// Every DP member reduces (all-reduce), orthogonalises and updates every Muon parameter of
+    /// its shard (Megatron's `TensorParallelMuon` under DDP).
+    #[default]
+    Replicated,
+    /// Each parameter is owned by one DP member (greedy, largest first): gradients are
+    /// reduce-scattered to the owner, which alone keeps its momentum and master copy and runs
+    /// Newton–Schulz; the new values are all-gathered (Megatron's
+    /// `LayerWiseDistributedOptimizer`).
+    LayerWise,
+}
+
+/// Hyper-parameters of [`DistributedMuon`] (the learning rate is given per step).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MuonConfig {
+    /// Momentum β.
+    pub momentum: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Newton–Schulz steps.
+    pub ns_steps: usize,
+    /// Decoupled weight decay (`W ← W·(1 − lr·wd)`).
+    pub weight_decay: f32,
+    /// Update scale.
+    pub scale: MuonScale,
+    /// Where the state lives across the DP group.
+    pub sharding: MuonSharding,
+}
+
+impl Default for MuonConfig {
+    fn default() -> Self {
+        Self {
+            momentum: 0.95,
+            nesterov: true,
+            ns_steps: 5,
+            weight_decay: 0.0,
+            scale: MuonScale::MatchAdamW,
+            sharding: MuonSharding::Replicated,
+        }
+    }
+}
+
+/// An axis of one matrix (the last two dimensions of a parameter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatrixAxis {
+    /// The first matrix dimension (dim 0 of a 2-D, dim 1 of a stacked 3-D parameter).
+    Rows,
+    /// The second matrix dimension (the last dimension).
+    Cols,
+}
+
+/// How a parameter is seen by Muon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MuonMatrix {
+    /// Rows are output features (`[out, in]`: PyTorch, the router, stacked experts) rather
+    /// than input features (`[in, out]`: Burn `Linear`). Only [`MuonScale::Keller`] uses it.
+    pub rows_are_outputs: bool,
+    /// The axis along which the tensor-parallel group (`tp` for dense, `expt_tp` for expert
+    /// parameters) splits every matrix of this parameter into equal contiguous blocks in member
+    /// order, or `None` when every member holds whole matrices.
+    pub split: Option<MatrixAxis>,
+}
+
+/// Whether `path` names an embedding or an output (LM head) parameter.
+fn is_embedding_or_output(path: &str) -> bool {
+    path.contains("embed") || path.contains("lm_head") || path.contains("output_layer")
+}
+
+/// Whether a TP-sharded Burn `Linear` (`[in, out]`) at `path` is row-parallel (input rows
+/// split) by the Megatron / Hugging Face naming; otherwise it is column-parallel.
+fn is_row_parallel(path: &str) -> bool {
+    [
+        "o_proj",
+        "down_proj",
+        "out_proj",
+        "linear_proj",
+        "linear_fc2",
+    ]
+    .iter()
+    .any(|n| path.contains(n))
+}
+
+/// The default Muon selection (Megatron / Keller convention): 2-D weights and stacked 3-D
+/// weights (one `[out, in]` matrix per slice), except biases, 2-D expert parameters (stacked
+/// biases), the embedding and the LM head. Burn 2-D weights are `[in, out]` (the router's is
+/// `[E, H]`); `DenseTpSharded` 2-D weights are column-parallel (columns split) unless named like
+/// a row-parallel projection (`o_proj`, `down_proj`, `out_proj`, `linear_proj`, `linear_fc2`:
+/// rows split); expert `fc1` `[L, 2F/etp, H]` is split along rows, `fc2` `[L, H, F/etp]` along
+/// columns over `expt_tp`.
+pub fn default_muon_select(info: &ParamInfo) -> Option<MuonMatrix> {
+    let last = info.path.rsplit('.').next().unwrap_or("");
+    if !(2..=3).contains(&info.shape.len())
+        || last.contains("bias")
+        || is_embedding_or_output(&info.path)
+    {
+        return None;
+    }
+    if info.shape.len() == 3 {
+        let split = if !info.class.is_expert() {
+            None
+        } else if last == "fc1" {
+            Some(MatrixAxis::Rows)
+        } else if last == "fc2" {
+            Some(MatrixAxis::Cols)
+        } else {
+            None
+        };
+        return Some(MuonMatrix {
+            rows_are_outputs: true,
+            split,
+        });
+    }
+    if info.class.is_expert() {
+        return None;
+    }
+    let split = (info.class == ParamClass::DenseTpSharded).then(|| {
+        if is_row_parallel(&info.path) {
+            MatrixAxis::Rows
+        } else {
+            MatrixAxis::Cols
+        }
+    });
+    Some(MuonMatrix {
+        rows_are_outputs: info.path.contains("router"),
+        split,
+    })
+}
+
+/// A full matrix stack: values and `[L, M, N]`.
+type FullMatrix = (Vec<f32>, [usize; 3]);
+
+/// One Muon parameter and its state on this rank.
+#[derive(Debug, Clone)]
+struct Slot {
+    info: ParamInfo,
+    matrix: MuonMatrix,
+    /// Local `[L, m, n]` (`L = 1` for a 2-D parameter).
+    dims: [usize; 3],
+    /// Member of the class's DP group that updates it (`LayerWise`; 0 otherwise).
+    owner: usize,
+    /// f32 master values of the local shard (empty when another DP member owns it).
+    master: Vec<f32>,
+    /// f32 momentum of the local shard (empty when not owned).
+    momentum: Vec<f32>,
+}
+
+impl Slot {
+    fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    fn expert(&self) -> bool {
+        self.info.class.is_expert()
+    }
+}
+
+fn read_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
+    data.convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| BackendError::Shape {
+            op: "DistributedMuon",
+            detail: format!("cannot read {what} as f32: {e:?}"),
+        })
+}
+
+fn flat(v: Vec<f32>) -> Tensor<1> {
+    let n = v.len();
+    Tensor::from_data(TensorData::new(v, [n]), &Device::flex())
+}
+
+/// Reads the values (or removes and reads the gradients) of the selected parameters.
+struct Reader<'a> {
+    ids: &'a HashMap<ParamId, usize>,
+    out: Vec<Option<Vec<f32>>>,
+    grads: Option<&'a mut GradientsParams>,
+    error: Option<BackendError>,
+}
+
+impl ModuleVisitor for Reader<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(&i) = self.ids.get(&param.id) else {
+            return;
+        };
+        let value = match self.grads.as_deref_mut() {
+            Some(grads) => grads.remove::<D>(param.id),
+            None => Some(param.val()),
+        };
+        if let Some(v) = value {
+            match read_f32(v.into_data(), "a Muon parameter") {
+                Ok(v) => self.out[i] = Some(v),
+                Err(e) => self.error = Some(e),
+            }
+        }
+    }
+}
+
+/// Replaces the selected parameters with new values (dtype, ids and `require_grad` kept).
+struct Writer<'a> {
+    ids: &'a HashMap<ParamId, usize>,
+    values: Vec<Option<Vec<f32>>>,
+    shapes: Vec<Vec<usize>>,
+}
+
+impl ModuleMapper for Writer<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(&i) = self.ids.get(&param.id) else {
+            return param;
+        };
+        let Some(values) = self.values[i].take() else {
+            return param;
+        };
+        let shape = self.shapes[i].clone();
+        param.map(move |t| {
+            let grad = t.is_require_grad();
+            let (dtype, device) = (t.dtype(), t.device());
+            let fresh = Tensor::from_data(TensorData::new(values, shape), (&device, dtype));
+            if grad { fresh.require_grad() } else { fresh }
+        })
+    }
+}
+
+/// Turns off `require_grad` of the selected parameters (the AdamW view).
+struct Freezer<'a> {
+    ids: &'a HashMap<ParamId, usize>,
+}
+
+impl ModuleMapper for Freezer<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.ids.contains_key(&param.id) {
+            param.map(|t| t.set_require_grad(false))
+        } else {
+            param
+        }
+    }
+}
+
+/// Copies (`factor = None`) or scales in place (`Some(c)`) every gradient of a module.
+struct GradWalker<'a> {
+    grads: &'a mut GradientsParams,
+    copy: Option<GradientsParams>,
+    factor: Option<f64>,
+}
+
+impl ModuleVisitor for GradWalker<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        match (self.factor, self.copy.as_mut()) {
+            (Some(c), _) => {
+                if let Some(g) = self.grads.remove::<D>(param.id) {
+                    self.grads.register(param.id, g.mul_scalar(c));
+                }
+            }
+            (None, Some(copy)) => {
+                if let Some(g) = self.grads.get::<D>(param.id) {
+                    copy.register(param.id, g);
+                }
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+/// Muon over the selected weight matrices of a module, distributed over the dense (`dp_cp`,
+/// `tp`) and expert (`expt_dp`, `expt_tp`) groups (see the [module docs](self)). The other
+/// parameters are left alone: pair it with a [`DistributedAdamW`] built on
+/// [`DistributedMuon::adamw_view`], or use [`MuonAdamW`].
+#[derive(Debug, Clone)]
+pub struct DistributedMuon {
+    config: MuonConfig,
+    slots: Vec<Slot>,
+    ids: HashMap<ParamId, usize>,
+    tp: Comm,
+    expt_tp: Comm,
+    dp_cp: Comm,
+    expt_dp: Comm,
+    world: Comm,
+    step: u64,
+}
+
+impl DistributedMuon {
+    /// Builds Muon for the parameters of `module` that `select` picks (see
+    /// [`default_muon_select`]), classified by `classify(path, inside_grouped_experts)` as for
+    /// [`DistributedAdamW::with_classes`]. A collective under [`MuonSharding::LayerWise`] with
+    /// TP (checks that TP peers share their DP index); every rank of the world calls it.
+    pub fn new<M: Module, F: Fn(&str, bool) -> ParamClass>(
+        module: &M,
+        groups: &GroupComms,
+        world: Comm,
+        config: MuonConfig,
+        classify: &F,
+        select: &dyn Fn(&ParamInfo) -> Option<MuonMatrix>,
+    ) -> Result<Self> {
+        if !(0.0..1.0).contains(&config.momentum) {
+            return Err(BackendError::Config {
+                field: "momentum",
+                detail: format!("Muon momentum {} is outside [0, 1)", config.momentum),
+            });
+        }
+        if config.ns_steps == 0 {
+            return Err(BackendError::Config {
+                field: "ns_steps",
+                detail: "Newton–Schulz needs at least one step".into(),
+            });
+        }
+        let table = ParamTable::new(module, classify);
+        let mut slots = Vec::new();
+        for info in table.params {
+            let Some(matrix) = select(&info) else {
+                continue;
+            };
+            let dims = match info.shape[..] {
+                [m, n] => [1, m, n],
+                [l, m, n] => [l, m, n],
+                _ => {
+                    return Err(BackendError::Shape {
+                        op: "DistributedMuon",
+                        detail: format!(
+                            "`{}` of shape {:?} is not a matrix or a stack of matrices",
+                            info.path, info.shape
+                        ),
+                    });
+                }
+            };
+            slots.push(Slot {
+                info,
+                matrix,
+                dims,
+                owner: 0,
+                master: Vec::new(),
+                momentum: Vec::new(),
+            });
+        }
+        let ids = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.info.id, i))
+            .collect();
+        let mut muon = Self {
+            config,
+            slots,
+            ids,
+            tp: groups.comm(GroupFamily::Tp).clone(),
+            expt_tp: groups.comm(GroupFamily::ExptTp).clone(),
+            dp_cp: groups.comm(GroupFamily::DpCp).clone(),
+            expt_dp: groups.comm(GroupFamily::ExptDp).clone(),
+            world,
+            step: 0,
+        };
+        if muon.config.sharding == MuonSharding::LayerWise {
+            muon.assign_owners();
+            muon.check_owner_groups()?;
+        }
+        let values = muon.read(module, None)?;
+        for (i, v) in values.into_iter().enumerate() {
+            if muon.owned(i) {
+                let slot = &mut muon.slots[i];
+                slot.momentum = vec![0.0; v.len()];
+                slot.master = v;
+            }
+        }
+        Ok(muon)
+    }
+
+    /// Greedy largest-first assignment of each class's parameters to its DP members
+    /// (deterministic: ties by size go to the earlier parameter, then the lower member).
+    fn assign_owners(&mut self) {
+        for expert in [false, true] {
+            let members = self.dp(expert).size();
+            let mut order: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| self.slots[i].expert() == expert)
+                .collect();
+            order.sort_by_key(|&i| (std::cmp::Reverse(self.slots[i].numel()), i));
+            let mut load = vec![0usize; members];
+            for i in order {
+                let (member, _) = load
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|&(j, l)| (*l, j))
+                    .unwrap_or((0, &0));
+                self.slots[i].owner = member;
+                load[member] += self.slots[i].numel();
+            }
+        }
+    }
+
+    /// Layer-wise ownership needs the TP peers that gather a matrix together to own it
+    /// together, i.e. to share their index in the DP group.
+    fn check_owner_groups(&self) -> Result<()> {
+        for (mp, dp) in [(&self.tp, &self.dp_cp), (&self.expt_tp, &self.expt_dp)] {
+            if mp.size() == 1 {
+                continue;
+            }
+            let got = read_f32(
+                mp.all_gather(flat(vec![dp.rank() as f32]))?.into_data(),
+                "DP indices",
+            )?;
+            if got.iter().any(|&r| r != dp.rank() as f32) {
+                return Err(BackendError::Layout {
+                    field: "sharding",
+                    detail: format!(
+                        "layer-wise Muon needs TP peers with equal DP indices, got {got:?}"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The data-parallel group of a class.
+    fn dp(&self, expert: bool) -> &Comm {
+        if expert { &self.expt_dp } else { &self.dp_cp }
+    }
+
+    /// The tensor-parallel group that splits a class's matrices.
+    fn mp(&self, expert: bool) -> &Comm {
+        if expert { &self.expt_tp } else { &self.tp }
+    }
+
+    /// Whether this rank updates slot `i`.
+    fn owned(&self, i: usize) -> bool {
+        let s = &self.slots[i];
+        self.config.sharding == MuonSharding::Replicated || s.owner == self.dp(s.expert()).rank()
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &MuonConfig {
+        &self.config
+    }
+
+    /// The Muon parameters (path, local shape, class), in module order.
+    pub fn params(&self) -> impl Iterator<Item = &ParamInfo> {
+        self.slots.iter().map(|s| &s.info)
+    }
+
+    /// Whether parameter `id` is optimised by Muon.
+    pub fn contains(&self, id: ParamId) -> bool {
+        self.ids.contains_key(&id)
+    }
+
+    /// Steps taken.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Sets the step count (when resuming from a checkpoint; Muon itself does not use it).
+    pub fn set_step_count(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Sets the decoupled weight decay of the following steps (a weight-decay schedule).
+    pub fn set_weight_decay(&mut self, weight_decay: f32) {
+        self.config.weight_decay = weight_decay;
+    }
+
+    /// The momentum of parameter `id`'s local shard (flat, row-major), when this rank keeps it.
+    pub fn momentum(&self, id: ParamId) -> Option<&[f32]> {
+        let s = &self.slots[*self.ids.get(&id)?];
+        (!s.momentum.is_empty()).then_some(&s.momentum[..])
+    }
+
+    /// Restores the momentum of parameter `id`'s local shard (e.g. from a checkpoint written
+    /// with the same layout). Errors when `id` is not a Muon parameter this rank keeps, or the
+    /// length differs.
+    pub fn set_momentum(&mut self, id: ParamId, values: &[f32]) -> Result<()> {
+        let slot = self
+            .ids
+            .get(&id)
+            .map(|&i| &mut self.slots[i])
+            .filter(|s| !s.momentum.is_empty())
+            .ok_or_else(|| BackendError::Config {
+                field: "momentum",
+                detail: format!("parameter {id} has no Muon momentum on this rank"),
+            })?;
+        if values.len() != slot.momentum.len() {
+            return Err(BackendError::Shape {
+                op: "DistributedMuon::set_momentum",
+                detail: format!(
+                    "`{}`: {} values for a shard of {}",
+                    slot.info.path,
+                    values.len(),
+                    slot.momentum.len()
+                ),
+            });
+        }
+        slot.momentum.copy_from_slice(values);
+        Ok(())
+    }
+
+    /// Sets the master copies this rank keeps from `module`'s parameter values (e.g. after
+    /// loading parameters from a model-only checkpoint); the momentum is kept.
+    pub fn reset_master_from<M: Module>(&mut self, module: &M) -> Result<()> {
+        let values = self.read(module, None)?;
+        for (slot, v) in self.slots.iter_mut().zip(values) {
+            if !slot.master.is_empty() {
+                slot.master = v;
+            }
+        }
+        Ok(())
+    }
+
+    /// `module` with the Muon parameters no longer requiring grad: build the paired
+    /// [`DistributedAdamW`] on it so its table holds the other parameters only (its `step`
+    /// then runs on the full module and leaves the Muon parameters alone).
+    pub fn adamw_view<M: Module>(&self, module: &M) -> M {
+        module.clone().map(&mut Freezer { ids: &self.ids })
+    }
+
+    /// Values (`grads = None`) or removed gradients (zeros when missing) of every slot.
+    fn read<M: Module>(
+        &self,
+        module: &M,
+        grads: Option<&mut GradientsParams>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let is_grad = grads.is_some();
+        let mut reader = Reader {
+            ids: &self.ids,
+            out: vec![None; self.slots.len()],
+            grads,
+            error: None,
+        };
+        module.visit(&mut reader);
+        if let Some(e) = reader.error {
+            return Err(e);
+        }
+        let mut out = Vec::with_capacity(self.slots.len());
+        for (slot, v) in self.slots.iter().zip(reader.out) {
+            let v = match v {
+                Some(v) => v,
+                None if is_grad => vec![0.0; slot.numel()],
+                None => {
+                    return Err(BackendError::Shape {
+                        op: "DistributedMuon",
+                        detail: format!(
+                            "parameter `{}` was not found in the module (different model?)",
+                            slot.info.path
+                        ),
+                    });
+                }
+            };
+            if v.len() != slot.numel() {
+                return Err(BackendError::Shape {
+                    op: "DistributedMuon",
+                    detail: format!(
+                        "`{}` has {} elements, expected {}",
+                        slot.info.path,
+                        v.len(),
+                        slot.numel()
+                    ),
+                });
+            }
+            out.push(v);
+        }
+        Ok(out)
+    }
+
+    /// Removes the Muon gradients from `grads` and reduces them: sequence-parallel ones summed
+    /// over `tp`, then each class over its DP group (pre-factor `1/|dp_cp|`). Returns the
+    /// reduced gradient of every owned slot (empty for the others).
+    fn reduce<M: Module>(&self, module: &M, grads: &mut GradientsParams) -> Result<Vec<Vec<f32>>> {
+        let mut local = self.read(module, Some(grads))?;
+        let sp: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].info.class == ParamClass::DenseSequenceParallel)
+            .collect();
+        if self.tp.size() > 1 && !sp.is_empty() {
+            let packed: Vec<f32> = sp.iter().flat_map(|&i| local[i].clone()).collect();
+            let summed = self.tp.all_reduce(flat(packed), ReduceOp::Sum)?;
+            let summed = read_f32(summed.into_data(), "tp-summed gradients")?;
+            let mut at = 0;
+            for &i in &sp {
+                let n = local[i].len();
+                local[i].copy_from_slice(&summed[at..at + n]);
+                at += n;
+            }
+        }
+        let scale = 1.0 / self.dp_cp.size() as f32;
+        let mut reduced = vec![Vec::new(); self.slots.len()];
+        for expert in [false, true] {
+            let comm = self.dp(expert);
+            let class: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| self.slots[i].expert() == expert)
+                .collect();
+            if class.is_empty() {
+                continue;
+            }
+            // Slots in packing order, and this rank's slice of the reduced buffer.
+            let (order, mine): (Vec<usize>, Vec<usize>) = match self.config.sharding {
+                MuonSharding::Replicated => (class.clone(), class.clone()),
+                MuonSharding::LayerWise => {
+                    let mut order = class.clone();
+                    order.sort_by_key(|&i| self.slots[i].owner);
+                    let mine = class.iter().copied().filter(|&i| self.owned(i)).collect();
+                    (order, mine)
+                }
+            };
+            let packed: Vec<f32> = order
+                .iter()
+                .flat_map(|&i| std::mem::take(&mut local[i]))
+                .collect();
+            let out = if comm.size() == 1 {
+                packed
+            } else {
+                let t = match self.config.sharding {
+                    MuonSharding::Replicated => comm.all_reduce(flat(packed), ReduceOp::Sum)?,
+                    MuonSharding::LayerWise => {
+                        let mut splits = vec![0; comm.size()];
+                        for &i in &order {
+                            splits[self.slots[i].owner] += self.slots[i].numel();
+                        }
+                        comm.reduce_scatter_v(flat(packed), &splits, ReduceOp::Sum)?
+                    }
+                };
+                read_f32(t.into_data(), "reduced gradients")?
+            };
+            let mut at = 0;
+            for i in mine {
+                let n = self.slots[i].numel();
+                reduced[i] = out[at..at + n].iter().map(|g| g * scale).collect();
+                at += n;
+            }
+        }
+        Ok(reduced)
+    }
+
+    /// Σ g² of the reduced gradients this rank counts for the global norm: each unique element
+    /// once (DP replicas on DP member 0 or the owner, TP-replicated parameters on TP rank 0).
+    fn local_sq_norm(&self, reduced: &[Vec<f32>]) -> f64 {
+        let mut sq = 0.0f64;
+        for (slot, g) in self.slots.iter().zip(reduced) {
+            if g.is_empty()
+                || (self.config.sharding == MuonSharding::Replicated
+                    && self.dp(slot.expert()).rank() != 0)
+                || (slot.info.class.tp_replicated() && self.tp.rank() != 0)
+            {
+                continue;
+            }
+            sq += g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        }
+        sq
+    }
+
+    /// Momentum, Newton–Schulz on the full matrices, scale, decay and update of the owned
+    /// master shards, with the gradients multiplied by `clip_coeff`.
+    fn apply(&mut self, lr: f64, reduced: Vec<Vec<f32>>, clip_coeff: f64) -> Result<()> {
+        self.step += 1;
+        let beta = self.config.momentum;
+        let nesterov = self.config.nesterov;
+        let mut dirs = Vec::with_capacity(self.slots.len());
+        for (slot, mut g) in self.slots.iter_mut().zip(reduced) {
+            if g.is_empty() {
+                dirs.push(g);
+                continue;
+            }
+            if clip_coeff != 1.0 {
+                for x in &mut g {
+                    *x = (*x as f64 * clip_coeff) as f32;
+                }
+            }
+            for (b, x) in slot.momentum.iter_mut().zip(&mut g) {
+                *b = beta * *b + (1.0 - beta) * *x;
+                *x = if nesterov {
+                    (1.0 - beta) * *x + beta * *b
+                } else {
+                    *b
+                };
+            }
+            dirs.push(g);
+        }
+        let full = self.gather_full(&dirs)?;
+        let lr = lr as f32;
+        let decay = 1.0 - lr * self.config.weight_decay;
+        for (i, (dir, full)) in dirs.into_iter().zip(full).enumerate() {
+            if dir.is_empty() {
+                continue;
+            }
+            let slot = &self.slots[i];
+            let (values, [l, m, n]) = full.unwrap_or((dir, slot.dims));
+            let t = Tensor::<3>::from_data(TensorData::new(values, [l, m, n]), &Device::flex());
+            let o = read_f32(
+                newton_schulz_batched(t, self.config.ns_steps).into_data(),
+                "the orthogonalised update",
+            )?;
+            let o = self.local_block(i, o, [l, m, n]);
+            let (fan_out, fan_in) = if slot.matrix.rows_are_outputs {
+                (m, n)
+            } else {
+                (n, m)
+            };
+            let step = lr * self.config.scale.factor(fan_out, fan_in);
+            let slot = &mut self.slots[i];
+            for (p, u) in slot.master.iter_mut().zip(o) {
+                *p = *p * decay - step * u;
+            }
+        }
+        Ok(())
+    }
+
+    /// The full matrices `[L, M, N]` of the owned split slots (`None` for the others): the
+    /// local directions of each group are packed, all-gathered once over `tp` / `expt_tp` and
+    /// reassembled along the split axis in member order.
+    fn gather_full(&self, dirs: &[Vec<f32>]) -> Result<Vec<Option<FullMatrix>>> {
+        let mut full = vec![None; self.slots.len()];
+        for expert in [false, true] {
+            let comm = self.mp(expert);
+            let parts = comm.size();
+            let split: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| {
+                    let s = &self.slots[i];
+                    s.expert() == expert && s.matrix.split.is_some() && !dirs[i].is_empty()
+                })
+                .collect();
+            if parts == 1 || split.is_empty() {
+                continue;
+            }
+            let packed: Vec<f32> = split.iter().flat_map(|&i| dirs[i].clone()).collect();
+            let len = packed.len();
+            let all = read_f32(
+                comm.all_gather(flat(packed))?.into_data(),
+                "gathered directions",
+            )?;
+            let mut at = 0;
+            for &i in &split {
+                let s = &self.slots[i];
+                let [l, m, n] = s.dims;
+                let piece = |r: usize| &all[r * len + at..r * len + at + l * m * n];
+                let mut out = Vec::with_capacity(l * m * n * parts);
+                let dims = match s.matrix.split {
+                    Some(MatrixAxis::Rows) => {
+                        for b in 0..l {
+                            for r in 0..parts {
+                                out.extend_from_slice(&piece(r)[b * m * n..(b + 1) * m * n]);
+                            }
+                        }
+                        [l, m * parts, n]
+                    }
+                    _ => {
+                        for b in 0..l {
+                            for row in 0..m {
+                                for r in 0..parts {
+                                    let start = b * m * n + row * n;
+                                    out.extend_from_slice(&piece(r)[start..start + n]);
+                                }
+                            }
+                        }
+                        [l, m, n * parts]
+                    }
+                };
+                full[i] = Some((out, dims));
+                at += l * m * n;
+            }
+        }
+        Ok(full)
+    }
+
+    /// This rank's block of a full `[L, M, N]` update of slot `i` (the whole of it when the
+    /// slot is not split or its group has one member).
+    fn local_block(&self, i: usize, o: Vec<f32>, [l, m, n]: [usize; 3]) -> Vec<f32> {
+        let s = &self.slots[i];
+        let [_, lm, ln] = s.dims;
+        if (m, n) == (lm, ln) {
+            return o;
+        }
+        let r = self.mp(s.expert()).rank();
+        let mut out = Vec::with_capacity(l * lm * ln);
+        for b in 0..l {
+            for row in 0..lm {
+                let (row, col) = match s.matrix.split {
+                    Some(MatrixAxis::Rows) => (r * lm + row, 0),
+                    _ => (row, r * ln),
+                };
+                let start = b * m * n + row * n + col;
+                out.extend_from_slice(&o[start..start + ln]);
+            }
+        }
+        out
+    }
+
+    /// `module` with the Muon parameters replaced by the master shards (under `LayerWise`,
+    /// all-gathered from their owners over the DP group first).
+    fn write<M: Module>(&self, module: M) -> Result<M> {
+        let mut values: Vec<Option<Vec<f32>>> = self
+            .slots
+            .iter()
+            .map(|s| (!s.master.is_empty()).then(|| s.master.clone()))
+            .collect();
+        if self.config.sharding == MuonSharding::LayerWise {
+            for expert in [false, true] {
+                let comm = self.dp(expert);
+                let class: Vec<usize> = (0..self.slots.len())
+                    .filter(|&i| self.slots[i].expert() == expert)
+                    .collect();
+                if comm.size() == 1 || class.is_empty() {
+                    continue;
+                }
+                let packed: Vec<f32> = class
+                    .iter()
+                    .filter(|&&i| self.owned(i))
+                    .flat_map(|&i| self.slots[i].master.clone())
+                    .collect();
+                let (all, _) = comm.all_gather_v(flat(packed))?;
+                let all = read_f32(all.into_data(), "gathered parameters")?;
+                let mut at = 0;
+                for member in 0..comm.size() {
+                    for &i in class.iter().filter(|&&i| self.slots[i].owner == member) {
+                        let n = self.slots[i].numel();
+                        values[i] = Some(all[at..at + n].to_vec());
+                        at += n;
+                    }
+                }
+            }
+        }
+        let mut writer = Writer {
+            ids: &self.ids,
+            values,
+            shapes: self.slots.iter().map(|s| s.info.shape.clone()).collect(),
+        };
+        Ok(module.map(&mut writer))
+    }
+
+    /// One Muon step: removes the Muon gradients from `grads` (the rest is left for the paired
+    /// AdamW), reduces them, clips by the global norm of the Muon gradients when
+    /// `max_grad_norm` is set, updates and returns `module` with the new Muon parameters. A
+    /// collective. (Clip by the norm over *all* parameters with [`MuonAdamW`].)
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: &mut GradientsParams,
+        max_grad_norm: Option<f64>,
+    ) -> Result<(M, StepReport)> {
+        let reduced = self.reduce(&module, grads)?;
+        let grad_norm = world_sum(&self.world, self.local_sq_norm(&reduced))?.sqrt();
+        let clip_coeff = clip_coeff(grad_norm, max_grad_norm);
+        self.apply(lr, reduced, clip_coeff)?;
+        Ok((
+            self.write(module)?,
+            StepReport {
+                grad_norm,
+                clip_coeff,
+            },
+        ))
+    }
+}
+
+/// Σ over the world of one f64 per rank.
+fn world_sum(world: &Comm, x: f64) -> Result<f64> {
+    let t = Tensor::<1>::from_data(TensorData::new(vec![x], [1]), (&Device::flex(), DType::F64));
+    let v = world
+        .all_reduce(t, ReduceOp::Sum)?
+        .into_data()
+        .convert::<f64>()
+        .try_into_vec::<f64>()
+        .map_err(|e| BackendError::Shape {
+            op: "DistributedMuon",
+            detail: format!("norm unreadable: {e:?}"),
+        })?;
+    Ok(v.first().copied().unwrap_or(0.0))
+}
+
+/// `max/(norm + 1e-6)` when `norm > max`, else 1 (Megatron's clipping).
+fn clip_coeff(norm: f64, max_grad_norm: Option<f64>) -> f64 {
+    match max_grad_norm {
+        Some(max) if norm > max => max / (norm + 1e-6),
+        _ => 1.0,
+    }
+}
+
+/// Muon for the weight matrices and ZeRO-1 AdamW for everything else (embedding, LM head,
+/// norms, biases), with one global gradient norm over both (Megatron's chained Muon + Adam).
+#[derive(Debug, Clone)]
+pub struct MuonAdamW {
+    muon: DistributedMuon,
+    adamw: DistributedAdamW,
+    max_grad_norm: Option<f64>,
+}
+
+impl MuonAdamW {
+    /// Splits the parameters of `module` with `select` (see [`default_muon_select`]): Muon
+    /// ([`DistributedMuon`], `muon`) for the selected ones, [`DistributedAdamW`] (`adamw`,
+    /// unchanged and built on [`DistributedMuon::adamw_view`]) for the rest. `adamw.max_grad_norm`
+    /// becomes the threshold of the joint clipping over all parameters. A collective.
+    pub fn new<M: Module, F: Fn(&str, bool) -> ParamClass>(
+        module: &M,
+        groups: &GroupComms,
+        world: Comm,
+        muon: MuonConfig,
+        adamw: DistributedAdamWConfig,
+        classify: &F,
+        select: &dyn Fn(&ParamInfo) -> Option<MuonMatrix>,
+    ) -> Result<Self> {
+        let muon = DistributedMuon::new(module, groups, world.clone(), muon, classify, select)?;
+        let max_grad_norm = adamw.max_grad_norm;
+        let config = DistributedAdamWConfig {
+            max_grad_norm: None,
+            ..adamw
+        };
+        let view = muon.adamw_view(module);
+        let adamw = DistributedAdamW::with_classes(&view, groups, world, config, classify)?;
+        Ok(Self {
+            muon,
+            adamw,
+            max_grad_norm,
+        })
+    }
+
+    /// The Muon side.
+    pub fn muon(&self) -> &DistributedMuon {
+        &self.muon
+    }
+
+    /// The AdamW side (its table holds the non-Muon parameters).
+    pub fn adamw(&self) -> &DistributedAdamW {
+        &self.adamw
+    }
+
+    /// The AdamW side, mutably (e.g. to enable FP8 primary weights for its parameters).
+    pub fn adamw_mut(&mut self) -> &mut DistributedAdamW {
+        &mut self.adamw
+    }
+
+    /// The Muon side, mutably (e.g. to restore its momentum).
+    pub fn muon_mut(&mut self) -> &mut DistributedMuon {
+        &mut self.muon
+    }
+
+    /// Optimizer steps taken (AdamW's bias-correction count).
+    pub fn step_count(&self) -> u64 {
+        self.adamw.step_count()
+    }
+
+    /// Sets the decoupled weight decay of both sides for the following steps (a weight-decay
+    /// schedule; Moonshot uses one value for both with [`MuonScale::MatchAdamW`]).
+    pub fn set_weight_decay(&mut self, weight_decay: f32) {
+        self.adamw.set_weight_decay(weight_decay);
+        self.muon.set_weight_decay(weight_decay);
+    }
+
+    /// Sets the master weights of both sides from `module`'s parameter values; moments and
+    /// momentum are kept.
+    pub fn reset_master_from<M: Module>(&mut self, module: &M) -> Result<()> {
+        self.adamw.reset_master_from(module)?;
+        self.muon.reset_master_from(module)
+    }
+
+    /// [`MuonAdamW::step_with_lrs`] with one learning rate for both (the
+    /// [`MuonScale::MatchAdamW`] setting).
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: GradientsParams,
+    ) -> Result<(M, StepReport)> {
+        self.step_with_lrs(lr, lr, module, grads)
+    }
+
+    /// One step of both optimizers on this rank's local gradients; returns the updated module
+    /// and the global gradient norm over all parameters (before clipping). With clipping the
+    /// AdamW gradients are reduced once more to measure their norm before the step
+    /// (`DistributedAdamW` has no hook for an external clip coefficient), and every local
+    /// gradient is multiplied by the coefficient before its reduction.
+    pub fn step_with_lrs<M: Module>(
+        &mut self,
+        muon_lr: f64,
+        adamw_lr: f64,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<(M, StepReport)> {
+        let reduced = self.muon.reduce(&module, &mut grads)?;
+        let muon_sq = self.muon.local_sq_norm(&reduced);
+        let (module, grad_norm, clip_coeff) = match self.max_grad_norm {
+            Some(max) => {
+                let mut walker = GradWalker {
+                    grads: &mut grads,
+                    copy: Some(GradientsParams::new()),
+                    factor: None,
+                };
+                module.visit(&mut walker);
+                let copy = walker.copy.take().unwrap_or_default();
+                let (dense, expert) = self.adamw.reduced_gradients(&module, copy)?;
+                let sq = muon_sq + self.adamw_sq_norm(&dense, &expert);
+                let norm = world_sum(&self.muon.world, sq)?.sqrt();
+                let coeff = clip_coeff(norm, Some(max));
+                if coeff != 1.0 {
+                    module.visit(&mut GradWalker {
+                        grads: &mut grads,
+                        copy: None,
+                        factor: Some(coeff),
+                    });
+                }
+                let (module, _) = self.adamw.step(adamw_lr, module, grads)?;
+                (module, norm, coeff)
+            }
+            None => {
+                let muon_sq = world_sum(&self.muon.world, muon_sq)?;
+                let (module, report) = self.adamw.step(adamw_lr, module, grads)?;
+                (module, (report.grad_norm.powi(2) + muon_sq).sqrt(), 1.0)
+            }
+        };
+        self.muon.apply(muon_lr, reduced, clip_coeff)?;
+        Ok((
+            self.muon.write(module)?,
+            StepReport {
+                grad_norm,
+                clip_coeff,
+            },
+        ))
+    }
+
+    /// Σ g² of AdamW's reduced full buffers this rank counts: dense on `dp_cp` member 0
+    /// (TP-replicated ones on TP rank 0 only), experts on `expt_dp` member 0.
+    fn adamw_sq_norm(&self, dense: &[f32], expert: &[f32]) -> f64 {
+        let m = &self.muon;
+        let mut sq = 0.0f64;
+        for p in &self.adamw.table().params {
+            let (buf, counted) = if p.class.is_expert() {
+                (expert, m.expt_dp.rank() == 0)
+            } else {
+                (
+                    dense,
+                    m.dp_cp.rank() == 0 && !(p.class.tp_replicated() && m.tp.rank() != 0),
+                )
+            };
+            if counted {
+                sq += buf[p.offset..p.offset + p.numel()]
+                    .iter()
+                    .map(|&g| (g as f64) * (g as f64))
+                    .sum::<f64>();
+            }
+        }
+        sq
+    }
+}
+
+#[cfg(test)]
+mod tests;
