@@ -286,6 +286,58 @@ fn read_json(path: &Path) -> Result<Value, TrainJobError> {
     serde_json::from_str(&text).map_err(|e| invalid(path.display().to_string(), e.to_string()))
 }
 
+/// The `config.json` of a model path: an HF directory, or a distributed checkpoint's.
+fn config_path(path: &Path) -> Result<PathBuf, TrainJobError> {
+    if is_dist_checkpoint(path) {
+        Ok(DistCheckpoint::open(path)?
+            .dir()
+            .join(moe_bridge::hf::CONFIG_FILE))
+    } else {
+        Ok(path.join(moe_bridge::hf::CONFIG_FILE))
+    }
+}
+
+/// Architecture fields that must agree between the model a job names and the checkpoint it
+/// resumes (HF `config.json` names).
+const ARCHITECTURE_FIELDS: [&str; 14] = [
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "vocab_size",
+    "tie_word_embeddings",
+    "mlp_only_layers",
+    "decoder_sparse_step",
+];
+
+/// Refuses to resume from a checkpoint of another model than `--model`'s (another
+/// architecture or shape), naming the first field that differs.
+fn check_same_model(model: &Path, root: &Path) -> Result<(), TrainJobError> {
+    let (want_path, have_path) = (config_path(model)?, config_path(root)?);
+    let (want, have) = (read_json(&want_path)?, read_json(&have_path)?);
+    for field in ARCHITECTURE_FIELDS {
+        if want.get(field) != have.get(field) {
+            return Err(invalid(
+                "resume",
+                format!(
+                    "the checkpoint under {} is of another model: `{field}` is {} there but {} in {}",
+                    root.display(),
+                    have.get(field).map_or("absent".into(), Value::to_string),
+                    want.get(field).map_or("absent".into(), Value::to_string),
+                    want_path.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Parses the layout of `job` for a world of `world` ranks.
 pub fn job_layout(job: &TrainJob, world: Option<usize>) -> Result<ParallelLayout, TrainJobError> {
     let layout = ParallelLayout::parse_spec(&job.layout)?;
@@ -369,6 +421,9 @@ pub fn run_rank(
         }
         _ => None,
     };
+    if let Some(root) = &resume_from {
+        check_same_model(&job.model, root)?;
+    }
     let (mut trainer, state, config_value, family, vocab) = match resume_from
         .as_deref()
         .or_else(|| is_dist_checkpoint(&job.model).then_some(job.model.as_path()))

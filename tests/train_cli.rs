@@ -281,3 +281,39 @@ fn weight_decay_schedule_sets_each_steps_decay() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn resume_refuses_a_checkpoint_of_another_model() {
+    // A checkpoint of the fixture, then --resume with --model naming a copy whose config
+    // differs in one architecture field.
+    let dir = scratch("resume-other");
+    threads(&train_args(&dir, "ep=2", 1, &[]));
+    let other = dir.join("other-model");
+    std::fs::create_dir_all(&other).expect("dir");
+    for entry in std::fs::read_dir(FIXTURE).expect("fixture").flatten() {
+        std::fs::copy(entry.path(), other.join(entry.file_name())).expect("copy");
+    }
+    let config = other.join("config.json");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let mut json: serde_json::Value = serde_json::from_str(&text).expect("json");
+    json["num_experts_per_tok"] = serde_json::json!(4);
+    std::fs::write(&config, json.to_string()).expect("write");
+    let other = other.display().to_string();
+    let out = Command::new(MOE)
+        .args(train_args(
+            &dir,
+            "ep=2",
+            2,
+            &["--model", &other, "--resume"],
+        ))
+        .args(["--transport", "threads"])
+        .output()
+        .expect("moe");
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "must fail");
+    assert!(
+        text.contains("another model") && text.contains("num_experts_per_tok"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
