@@ -34,6 +34,7 @@ use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM, Qwen3MoeSparseM
 mod deepseek_v3;
 mod gather;
 pub mod logprobs;
+pub mod replay;
 mod runtime;
 
 use runtime::{RouterTrace, SpRuntime};
@@ -256,11 +257,30 @@ impl ParallelQwen3Moe {
         device: &Device,
         aux_grad_scale: f64,
     ) -> Result<ParallelOutput, ModelError> {
+        self.forward_traced(
+            input_ids,
+            labels,
+            batch,
+            device,
+            RouterTrace::new(aux_grad_scale),
+        )
+        .map(|(out, _)| out)
+    }
+
+    /// The forward of [`forward_loss_scaled`](Self::forward_loss_scaled) with the routers
+    /// driven by `trace` (replay / record); also returns the recorded per-layer indices.
+    pub(crate) fn forward_traced(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        mut trace: RouterTrace,
+    ) -> Result<(ParallelOutput, Vec<Tensor<2, burn::tensor::Int>>), ModelError> {
         let rt = &self.rt;
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
         let model = &self.model.model;
         let rope = rt.rope(s, device);
-        let mut trace = RouterTrace::new(aux_grad_scale);
         let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
             let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
@@ -273,7 +293,8 @@ impl ParallelQwen3Moe {
             };
             x = h + y;
         }
-        rt.head_loss(
+        let selected = std::mem::take(&mut trace.selected);
+        let out = rt.head_loss(
             x,
             &model.norm,
             self.model.lm_head.as_ref(),
@@ -281,7 +302,8 @@ impl ParallelQwen3Moe {
             labels,
             s,
             trace,
-        )
+        )?;
+        Ok((out, selected))
     }
 
     /// Configures every router of this shard for training: the load-balancing losses

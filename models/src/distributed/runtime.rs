@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 use moe_backend::comm::autograd::{
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
@@ -19,7 +19,7 @@ use moe_backend::parallel::tensor_parallel::{
     vocab_parallel_embedding,
 };
 use moe_backend::parallel::{GroupCountReducer, GroupFamily, replicate};
-use moe_backend::router::{RouteOptions, RouterLoss};
+use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
 use super::{DispatcherKind, ParallelOutput, err, make_dispatcher, shard_mlp, shifted_targets};
 use crate::ModelError;
@@ -55,6 +55,14 @@ pub(crate) struct RouterTrace {
     pub(crate) losses: Vec<Vec<RouterLoss>>,
     /// Upstream gradient of the attached losses (`1 / micro-batches` in training).
     pub(crate) aux_grad_scale: f64,
+    /// Router replay: per sparse layer (layer order), this rank's forced `[T_local, k]`
+    /// expert ids (the routers run in `ReplayForward` mode).
+    pub(crate) replay: Option<Vec<Tensor<2, Int>>>,
+    /// Whether [`selected`](Self::selected) collects the routing of every sparse layer.
+    pub(crate) record: bool,
+    /// Per sparse layer (layer order), this rank's selected `[T_local, k]` expert ids, when
+    /// [`record`](Self::record) is set.
+    pub(crate) selected: Vec<Tensor<2, Int>>,
 }
 
 impl RouterTrace {
@@ -63,6 +71,9 @@ impl RouterTrace {
             logits: Vec::new(),
             losses: Vec::new(),
             aux_grad_scale,
+            replay: None,
+            record: false,
+            selected: Vec::new(),
         }
     }
 }
@@ -195,13 +206,28 @@ impl SpRuntime {
         normed: Tensor<2>,
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
-        let state = moe.router.init_state();
+        let mut state = moe.router.init_state();
+        if let Some(replay) = &trace.replay {
+            let layer = trace.logits.len();
+            let idx = replay
+                .get(layer)
+                .cloned()
+                .ok_or_else(|| ModelError::InvalidInput {
+                    what: "routed_experts.layers",
+                    reason: format!("no replayed routing for sparse layer {layer}"),
+                })?;
+            state.replay.set_indices(idx);
+            state.replay.set_mode(ReplayMode::ReplayForward);
+        }
         let options = RouteOptions::default()
             .with_count_reducer(&self.reducer)
             .with_grad_scale(trace.aux_grad_scale);
         let out = moe
             .forward_with(normed, &state, &options, self.dispatcher.as_ref())
             .map_err(err)?;
+        if trace.record {
+            trace.selected.push(out.routing.topk_indices.clone());
+        }
         trace.logits.push(out.routing.logits);
         trace.losses.push(out.routing.losses);
         Ok(out.output)
