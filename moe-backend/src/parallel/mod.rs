@@ -10,6 +10,7 @@ mod groups;
 mod layout;
 mod replicate;
 mod router_sync;
+pub mod schedule;
 pub mod tensor_parallel;
 
 pub use groups::{Grid, GroupFamily, GroupTable, Membership, ProcessGroups, local_expert_range};
