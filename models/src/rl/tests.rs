@@ -2,28 +2,18 @@
 //! vectors, never calling the code under test), on seeded random inputs, gradients included.
 
 use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use moe_backend::testing::{SplitMix as Rng, finite_difference};
 
 use super::*;
 use crate::ModelError;
 
-/// SplitMix64, enough for test inputs.
-struct Rng(u64);
+/// `n` values uniform in `[lo, hi)`.
+trait UniformValues {
+    fn values_in(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64>;
+}
 
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn values(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+impl UniformValues for Rng {
+    fn values_in(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
         (0..n).map(|_| self.uniform(lo, hi)).collect()
     }
 }
@@ -63,21 +53,6 @@ fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
     }
 }
 
-fn finite_difference(f: impl Fn(&[f64]) -> f64, x: &[f64], eps: f64) -> Vec<f64> {
-    let mut probe = x.to_vec();
-    (0..x.len())
-        .map(|i| {
-            let orig = probe[i];
-            probe[i] = orig + eps;
-            let plus = f(&probe);
-            probe[i] = orig - eps;
-            let minus = f(&probe);
-            probe[i] = orig;
-            (plus - minus) / (2.0 * eps)
-        })
-        .collect()
-}
-
 /// A random batch: row 1 has no response token, row 0 is all response tokens, the others
 /// random; masked positions hold NaN in every input.
 struct Batch {
@@ -95,16 +70,16 @@ impl Batch {
         let mut mask: Vec<bool> = (0..b * s).map(|_| rng.uniform(0.0, 1.0) < 0.7).collect();
         mask[..s].iter_mut().for_each(|m| *m = true);
         mask[s..2 * s].iter_mut().for_each(|m| *m = false);
-        let logp = rng.values(b * s, -3.0, -0.05);
+        let logp = rng.values_in(b * s, -3.0, -0.05);
         let old: Vec<f64> = logp
             .iter()
             .map(|lp| lp - rng.uniform(-spread, spread))
             .collect();
         let adv = if per_seq {
-            let seq = rng.values(b, -2.0, 2.0);
+            let seq = rng.values_in(b, -2.0, 2.0);
             (0..b * s).map(|i| seq[i / s]).collect()
         } else {
-            rng.values(b * s, -2.0, 2.0)
+            rng.values_in(b * s, -2.0, 2.0)
         };
         let mut batch = Self {
             b,
@@ -215,13 +190,13 @@ fn ref_agg_weights(mask: &[bool], shape: [usize; 2], agg: LossAgg) -> Vec<f64> {
 
 #[test]
 fn rl_aggregate_matches_reference_in_every_mode() {
-    let mut rng = Rng(1);
+    let mut rng = Rng::new(1);
     let shape = [5, 7];
     let batch = Batch::random(&mut rng, shape, 1.0, false);
     let mask = batch.mask();
     assert_eq!(mask.lengths()[1], 0);
     assert_eq!(mask.num_nonempty(), 4);
-    let mut l = rng.values(35, -2.0, 2.0);
+    let mut l = rng.values_in(35, -2.0, 2.0);
     for (v, &m) in l.iter_mut().zip(&batch.mask) {
         if !m {
             *v = f64::NAN;
@@ -372,7 +347,7 @@ fn check_policy(
 
 #[test]
 fn rl_ppo_matches_reference_with_both_clips_and_dual_clip() {
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     let configs = [
         PpoConfig::default(),
         PpoConfig {
@@ -421,7 +396,7 @@ fn rl_ppo_matches_reference_with_both_clips_and_dual_clip() {
 #[test]
 fn rl_ppo_reference_gradient_matches_finite_differences() {
     // Validates the reference's analytic derivative itself (no clamp-bound token here).
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let cfg = PpoConfig {
         agg: LossAgg::SeqMeanTokenMean,
         ..PpoConfig::default()
@@ -448,7 +423,7 @@ fn rl_ppo_reference_gradient_matches_finite_differences() {
 
 #[test]
 fn rl_ppo_in_f32_matches_the_f64_reference() {
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     let cfg = PpoConfig::default();
     let batch = Batch::random(&mut rng, [3, 5], 1.0, false);
     let want = ref_ppo(&batch, &batch.logp, &cfg);
@@ -546,7 +521,7 @@ fn ref_gspo_sequence_objective(batch: &Batch, logp: &[f64], cfg: &GspoConfig) ->
 
 #[test]
 fn rl_gspo_matches_reference_and_the_sequence_level_gradient() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     let defaults = GspoConfig::default();
     assert_eq!((defaults.clip_low, defaults.clip_high), (3e-4, 4e-4));
     for agg in AGGS {
@@ -625,15 +600,15 @@ fn ref_kl(lp: f64, reference: f64, estimator: KlEstimator) -> (f64, f64) {
 
 #[test]
 fn rl_kl_estimators_match_reference_values_and_gradients() {
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     let shape = [4, 6];
-    let lp = rng.values(24, -4.0, -0.1);
+    let lp = rng.values_in(24, -4.0, -0.1);
     let mut reference: Vec<f64> = lp.iter().map(|v| v - rng.uniform(-3.0, 3.0)).collect();
     // Past the log-ratio clamp both ways, and past the value clamp (k3 = 11 for d = 12).
     reference[0] = lp[0] + 25.0;
     reference[1] = lp[1] - 25.0;
     reference[2] = lp[2] - 12.0;
-    let upstream = rng.values(24, -1.0, 1.0);
+    let upstream = rng.values_in(24, -1.0, 1.0);
     for estimator in [
         KlEstimator::K1,
         KlEstimator::Abs,
@@ -685,9 +660,9 @@ fn rl_kl_estimators_match_reference_values_and_gradients() {
 
 #[test]
 fn rl_entropy_from_logits_matches_reference() {
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let (b, s, v) = (2, 3, 5);
-    let logits = rng.values(b * s * v, -3.0, 3.0);
+    let logits = rng.values_in(b * s * v, -3.0, 3.0);
     let want: Vec<f64> = logits
         .chunks(v)
         .map(|row| {
@@ -707,7 +682,7 @@ fn rl_entropy_from_logits_matches_reference() {
 
 #[test]
 fn rl_objective_combines_policy_entropy_and_kl() {
-    let mut rng = Rng(8);
+    let mut rng = Rng::new(8);
     let ppo = PpoConfig {
         clip_high: 0.28,
         agg: LossAgg::SeqMeanTokenMean,
