@@ -2,7 +2,7 @@
 //!
 //! Loads an HF Qwen3-MoE directory, shards it under a [`ParallelLayout`] on a
 //! [`World`](crate::backend::comm::World) of threads and trains it with
-//! [`Trainer`](crate::models::train::Trainer) on a small built-in corpus: arithmetic token
+//! [`Trainer`] on a small built-in corpus: arithmetic token
 //! sequences `a, a+d, a+2d, …` (mod V) with `d ∈ {1, 2, 3}`, which a model can learn from a few
 //! dozen steps, so the falling loss is visible.
 

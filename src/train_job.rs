@@ -1,5 +1,5 @@
 //! The training job behind `moe train`: one rank's part of a Qwen3-MoE fine-tuning run, the
-//! same code whether the ranks are threads of one process ([`World`]) or processes (MPI,
+//! same code whether the ranks are threads of one process ([`World`](moe_backend::comm::World)) or processes (MPI,
 //! launched by `mpirun` / `srun`).
 //!
 //! - **Model**: an HF directory (every rank loads it and keeps its shard) or a distributed

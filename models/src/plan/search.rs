@@ -1,5 +1,5 @@
 //! Layout search: every layout of `gpus` ranks that training accepts
-//! ([`ParallelLayout::parse`]) and the model fits ([`check_fit`](super::report::check_fit)),
+//! ([`ParallelLayout::parse`]) and the model fits ([`check_fit`]),
 //! planned, filtered by a per-GPU memory budget and ranked by a rough step time:
 //! `compute·(1 + bubble) + communication`, with compute `6·P_active·tokens / (world·peak)`,
 //! the 1F1B bubble `(pp − 1)/(vpp·m)`, and the busiest rank's step bytes over one link

@@ -4,7 +4,7 @@
 //! # Layers
 //!
 //! - [`Communicator`] moves host [`TensorData`] between the members of one process group. It is
-//!   object safe and knows nothing about autodiff. [`local`] implements it with shared memory
+//!   object safe and knows nothing about autodiff. The `local` module implements it with shared memory
 //!   between threads; every collective checks that all members called the same collective with
 //!   consistent arguments and reports disagreements naming the ranks and call sites.
 //! - [`Comm`] wraps an `Arc<dyn Communicator>` and works on Burn tensors of any kind (float in

@@ -1,6 +1,6 @@
 //! Ranks as processes over MPI (feature `mpi`): one process per rank, launched by `mpirun`,
-//! `srun` or any MPI launcher, with every collective of [`Communicator`] built by
-//! [`super::p2p`] from non-blocking MPI point-to-point messages.
+//! `srun` or any MPI launcher, with every collective of [`Communicator`](super::Communicator) built by
+//! the `p2p` module from non-blocking MPI point-to-point messages.
 //!
 //! ```no_run
 //! # fn main() -> moe_backend::Result<()> {

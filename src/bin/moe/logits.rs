@@ -24,8 +24,8 @@ pub struct Args {
     /// Output safetensors file: F32 `logits` [batch, seq, vocab] (and `loss`, `aux_loss`).
     #[arg(long, value_name = "OUT.safetensors")]
     pub out: PathBuf,
-    /// Also compute the losses HF reports with labels = input_ids: F32 `loss` [1] (cross
-    /// entropy, plus router_aux_loss_coef · aux for Qwen3-MoE) and `aux_loss` [1] (HF's
+    /// Also compute the losses HF reports with labels = input_ids: F32 `loss` `[1]` (cross
+    /// entropy, plus router_aux_loss_coef · aux for Qwen3-MoE) and `aux_loss` `[1]` (HF's
     /// load-balancing loss; 0 for models without one).
     #[arg(long)]
     pub labels: bool,
