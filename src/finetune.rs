@@ -1,6 +1,6 @@
 //! Fine-tuning Qwen3-MoE on in-process ranks: the library side of `examples/finetune.rs`.
 //!
-//! Loads an HF Qwen3-MoE directory, shards it under a [`ParallelLayout`] on a
+//! Loads an HF Qwen3-MoE directory, shards it under a [`ParallelLayout`](moe_backend::parallel::ParallelLayout) on a
 //! [`World`](crate::backend::comm::World) of threads and trains it with
 //! [`Trainer`] on a small built-in corpus: arithmetic token
 //! sequences `a, a+d, a+2d, …` (mod V) with `d ∈ {1, 2, 3}`, which a model can learn from a few
@@ -10,7 +10,6 @@ use std::path::PathBuf;
 
 use burn::tensor::Device;
 use moe_backend::comm::{Comm, WorldConfig};
-use moe_backend::parallel::ParallelLayout;
 use moe_bridge::hf::HfCheckpoint;
 use moe_models::Qwen3MoeConfig;
 use moe_models::Qwen3MoeForCausalLM;
@@ -127,20 +126,7 @@ pub fn finetune_on(
     options: &FinetuneOptions,
     on_step: &(dyn Fn(usize, &FinetuneReport) + Sync),
 ) -> Result<FinetuneReport, FinetuneError> {
-    let (placement, layout) = match placement {
-        Placement::Threads { .. } => {
-            let layout = ParallelLayout::parse_spec(&options.layout)?;
-            let world = layout.world;
-            (Placement::Threads { world }, layout)
-        }
-        Placement::Process { .. } => {
-            let world = placement.world().unwrap_or(1);
-            (
-                placement.clone(),
-                ParallelLayout::parse(world, &options.layout)?,
-            )
-        }
-    };
+    let (placement, layout) = placement.resolve(&options.layout)?;
     let device = Device::flex().autodiff();
     let checkpoint = HfCheckpoint::open(&options.model_dir)?;
     let config = Qwen3MoeConfig::from_file(options.model_dir.join("config.json"))?;

@@ -26,7 +26,6 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use moe_backend::comm::{ReduceOp, WorldConfig};
-use moe_backend::parallel::ParallelLayout;
 use moe_bridge::hf::HfCheckpoint;
 use moe_models::distributed::gather_full_qwen3_moe;
 use moe_models::rl::{
@@ -142,24 +141,7 @@ pub fn grpo_on(
     options: &GrpoOptions,
     on_step: &(dyn Fn(usize, &GrpoReport) + Sync),
 ) -> Result<GrpoReport, FinetuneError> {
-    let (placement, layout) = match placement {
-        Placement::Threads { .. } => {
-            let layout = ParallelLayout::parse_spec(&options.layout)?;
-            (
-                Placement::Threads {
-                    world: layout.world,
-                },
-                layout,
-            )
-        }
-        Placement::Process { .. } => {
-            let world = placement.world().unwrap_or(1);
-            (
-                placement.clone(),
-                ParallelLayout::parse(world, &options.layout)?,
-            )
-        }
-    };
+    let (placement, layout) = placement.resolve(&options.layout)?;
     let device = Device::flex().autodiff();
     let checkpoint = HfCheckpoint::open(&options.model_dir)?;
     let config = Qwen3MoeConfig::from_file(options.model_dir.join("config.json"))?;
@@ -270,8 +252,8 @@ fn grpo_step(
         mask[row * (seq - 1) + answer_at] = 1.0;
         old[row * (seq - 1) + answer_at] = r.logprobs.first().copied().unwrap_or(0.0);
     }
-    trainer.step_with(&[()], |shard, ()| {
-        let lp = shard.forward_logprobs(&ids, &ids, rows, device)?;
+    trainer.step_with(&[()], |shard, (), aux_grad_scale| {
+        let lp = shard.forward_logprobs_scaled(&ids, &ids, rows, device, aux_grad_scale)?;
         let dev = lp.logprobs.device();
         let mask = ResponseMask::from_float(Tensor::<2>::from_data(
             TensorData::new(mask.clone(), [rows, seq - 1]),

@@ -12,6 +12,7 @@ use moe_backend::BackendError;
 use moe_backend::comm::launch::Launch;
 use moe_backend::comm::tcp::{TcpConfig, TcpWorld};
 use moe_backend::comm::{RankCtx, World, WorldConfig};
+use moe_backend::parallel::ParallelLayout;
 
 /// How the ranks of a job run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -80,6 +81,23 @@ impl Placement {
         match self {
             Placement::Threads { world } => Some(*world),
             Placement::Process { launch, .. } => launch.as_ref().map(|l| l.world_size),
+        }
+    }
+
+    /// The layout `spec` where this placement runs: threads take the spec's world (derived
+    /// when it has no `world=`), processes the launcher's process count. Returns the placement
+    /// with its thread count set to that world, and the layout.
+    pub fn resolve(&self, spec: &str) -> Result<(Placement, ParallelLayout), BackendError> {
+        match self {
+            Placement::Threads { .. } => {
+                let layout = ParallelLayout::parse_spec(spec)?;
+                let world = layout.world;
+                Ok((Placement::Threads { world }, layout))
+            }
+            Placement::Process { .. } => {
+                let world = self.world().unwrap_or(1);
+                Ok((self.clone(), ParallelLayout::parse(world, spec)?))
+            }
         }
     }
 

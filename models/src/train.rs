@@ -341,7 +341,7 @@ impl Trainer {
         // (every TP rank of a replica holds the same batch, so the dp_cp group sees each
         // replica once).
         let replicas = self.dp_cp.size();
-        let count = burn::tensor::Tensor::<1>::from_data([local_total as f32], &Device::flex());
+        let count = Tensor::<1>::from_data([local_total as f32], &self.device);
         let global_total = scalar(&self.dp_cp.all_reduce(count, ReduceOp::Sum).map_err(err)?)?;
         if global_total <= 0.0 {
             return Err(ModelError::invalid(
@@ -394,9 +394,11 @@ impl Trainer {
     }
 
     /// One optimizer step with a caller-defined loss (the loss hook RL objectives use): for
-    /// every micro-batch, `loss(shard, batch)` runs the sharded forward it needs (e.g.
-    /// [`ParallelQwen3Moe::forward_logprobs`]) and returns the objective to back-propagate and
-    /// the number of tokens it covers. Gradients are accumulated over the micro-batches and
+    /// every micro-batch, `loss(shard, batch, aux_grad_scale)` runs the sharded forward it needs
+    /// with that router-loss scale (e.g. [`ParallelQwen3Moe::forward_logprobs_scaled`], or
+    /// [`ParallelQwen3Moe::forward_loss_scaled`]; `1 / micro-batches`, so the attached router
+    /// losses weigh as in [`Trainer::step_micro_batches`]) and returns the objective to
+    /// back-propagate and the number of tokens it covers. Gradients are accumulated over the micro-batches and
     /// averaged over the data-parallel replicas by the optimizer, so the objective should be
     /// normalised as the caller wants it for one replica's share of the batch (e.g. summed
     /// over its tokens and divided by the replica's token count). The returned `loss` is the
@@ -404,7 +406,7 @@ impl Trainer {
     pub fn step_with<B>(
         &mut self,
         micro: &[B],
-        mut loss: impl FnMut(&ParallelQwen3Moe, &B) -> Result<(Tensor<1>, usize), ModelError>,
+        mut loss: impl FnMut(&ParallelQwen3Moe, &B, f64) -> Result<(Tensor<1>, usize), ModelError>,
     ) -> Result<StepStats, ModelError> {
         let start = Instant::now();
         if micro.is_empty() {
@@ -415,8 +417,9 @@ impl Trainer {
         }
         let mut accumulator = GradientsAccumulator::<Qwen3MoeForCausalLM>::new();
         let (mut value_sum, mut tokens) = (0.0f64, 0usize);
+        let aux_grad_scale = 1.0 / micro.len() as f64;
         for batch in micro {
-            let (objective, n) = loss(&self.model, batch)?;
+            let (objective, n) = loss(&self.model, batch, aux_grad_scale)?;
             value_sum += f64::from(scalar(&objective)?);
             tokens += n;
             let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
@@ -466,13 +469,16 @@ impl Trainer {
     /// over `tp_cp` it is the replica's.
     fn logged_aux(&self, losses: &[Vec<RouterLoss>]) -> Result<f64, ModelError> {
         let kind = RouterLossKind::from(self.config.aux_loss_type);
-        let mut sum = 0.0;
-        for layer in losses {
-            if let Some(l) = layer.iter().find(|l| l.kind == kind && l.coeff != 0.0) {
-                sum += l.value().map_err(err)? / l.coeff;
-            }
+        // Summed on the device, read once.
+        let sum = losses
+            .iter()
+            .filter_map(|layer| layer.iter().find(|l| l.kind == kind && l.coeff != 0.0))
+            .map(|l| l.loss.clone().div_scalar(l.coeff))
+            .reduce(|a, b| a + b);
+        match sum {
+            Some(sum) => Ok(f64::from(scalar(&sum)?) / losses.len().max(1) as f64),
+            None => Ok(0.0),
         }
-        Ok(sum / losses.len().max(1) as f64)
     }
 
     /// Learning rate of the next step (from the schedule at the optimizer's step count).

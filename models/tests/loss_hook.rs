@@ -45,10 +45,19 @@ fn cross_entropy_through_the_hook_equals_the_sft_step() {
             let batch = TrainBatch::causal(ids, 2).map_err(backend)?;
             let a = sft.step(&batch).map_err(backend)?;
             let b = hook
-                .step_with(std::slice::from_ref(&batch), |shard, b: &TrainBatch| {
-                    let out = shard.forward_loss(&b.input_ids, &b.labels, b.batch, dev)?;
-                    Ok((out.loss, b.target_tokens()))
-                })
+                .step_with(
+                    std::slice::from_ref(&batch),
+                    |shard, b: &TrainBatch, scale| {
+                        let out = shard.forward_loss_scaled(
+                            &b.input_ids,
+                            &b.labels,
+                            b.batch,
+                            dev,
+                            scale,
+                        )?;
+                        Ok((out.loss, b.target_tokens()))
+                    },
+                )
                 .map_err(backend)?;
             assert_eq!(a.loss, b.loss, "step {step} loss");
             assert_eq!(a.grad_norm, b.grad_norm, "step {step} grad norm");

@@ -122,6 +122,21 @@ impl ParallelQwen3Moe {
         batch: usize,
         device: &Device,
     ) -> Result<TokenLogProbs, ModelError> {
+        self.forward_logprobs_scaled(input_ids, labels, batch, device, 1.0)
+    }
+
+    /// [`forward_logprobs`](Self::forward_logprobs) whose router losses (attached to the graph)
+    /// get the upstream gradient `aux_grad_scale`, as
+    /// [`forward_loss_scaled`](Self::forward_loss_scaled) (the trainer's loss hook passes
+    /// `1 / micro-batches`).
+    pub fn forward_logprobs_scaled(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<TokenLogProbs, ModelError> {
         let vocab = self.model.config().vocab_size;
         let seq = input_ids.len().checked_div(batch).unwrap_or(0);
         if batch == 0 || seq < 2 || input_ids.len() != batch * seq {
@@ -135,7 +150,7 @@ impl ParallelQwen3Moe {
         }
         check_ids("input_ids", input_ids, seq, vocab)?;
         let targets = next_token_targets(labels, batch, seq, vocab)?;
-        let out = self.forward_loss(input_ids, labels, batch, device)?;
+        let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
         let vl = out.vocab.len();
         let logits = out
             .logits
