@@ -1,6 +1,6 @@
-//! The training step users call from their own loop (SFT or RL): one [`Trainer`] per rank of
-//! an in-process world, wrapping a [`ParallelQwen3Moe`] shard and a ZeRO-1
-//! [`DistributedAdamW`].
+//! The training step users call from their own loop (SFT or RL): one [`Trainer`] per rank,
+//! wrapping the rank's shard of any [`ParallelCausalLm`] (Qwen3-MoE, DeepSeek-V3 with its MTP
+//! modules) and a ZeRO-1 [`DistributedAdamW`].
 //!
 //! Batches are token ids with HF-style labels ([`TrainBatch`]): padded batches mark padding
 //! with label −100; packed batches (several documents per row) mark each document's first
@@ -33,7 +33,10 @@ use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
-use crate::distributed::{DispatcherKind, ParallelQwen3Moe, err, param_class};
+use crate::distributed::sharded::{roll_rows, scored_targets};
+use crate::distributed::{
+    CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err, param_class,
+};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 /// One replica's batch: `batch` rows of equal length, row-major.
@@ -138,6 +141,19 @@ pub struct TrainerConfig {
     pub aux_loss_type: AuxLossType,
     /// Router z-loss coefficient (Megatron's `moe_z_loss_coeff`; 0 disables it).
     pub z_loss_coeff: f64,
+    /// Aux-loss-free balancing: after every optimizer step each router with an expert bias
+    /// (DeepSeek-V3) moves it by `rate · sign(mean − count)`, the counts summed over the step's
+    /// micro-batches and over `tp_dp_cp` (exactly as one router seeing every token of the
+    /// global batch). `false` freezes the bias.
+    pub update_expert_bias: bool,
+    /// Overrides the routers' expert-bias update rate (Megatron's
+    /// `moe_router_bias_update_rate`, default 1e-3); `None` keeps the model's.
+    pub expert_bias_update_rate: Option<f64>,
+    /// Weight of the multi-token-prediction loss of models with MTP modules (Megatron's
+    /// `mtp_loss_scaling_factor`): the objective adds `factor / D · Σⱼ CEⱼ` over the `D`
+    /// depths, each depth's cross-entropy normalised per target token over the global batch;
+    /// 0 skips the MTP modules (they then get no gradient).
+    pub mtp_loss_scaling_factor: f64,
     /// Run the routed experts' GEMMs in FP8 with this blockwise recipe (fp8.md §3); `None`
     /// keeps them in the parameters' precision. Router, attention, norms, embeddings and head
     /// stay in high precision (fp8.md §7).
@@ -165,6 +181,9 @@ impl Default for TrainerConfig {
             aux_loss_coeff: 1e-3,
             aux_loss_type: AuxLossType::Aux,
             z_loss_coeff: 0.0,
+            update_expert_bias: true,
+            expert_bias_update_rate: None,
+            mtp_loss_scaling_factor: 0.1,
             fp8: None,
             fp8_linears: false,
             fp8_primary_weights: false,
@@ -180,6 +199,9 @@ pub struct StepStats {
     /// This rank's part of the load-balancing loss (mean over MoE layers and micro-batches,
     /// without its coefficient); summed over `tp_cp` it is the replica's.
     pub aux_loss: f32,
+    /// This replica's multi-token-prediction cross-entropy (mean over the depths of each
+    /// depth's token-weighted mean, without the scaling factor), for models with MTP modules.
+    pub mtp_loss: Option<f32>,
     /// Global gradient norm (before clipping).
     pub grad_norm: f64,
     /// Target tokens of this replica's batch.
@@ -190,23 +212,25 @@ pub struct StepStats {
     pub lr: f64,
 }
 
-/// One rank's training state.
+/// One rank's training state (Qwen3-MoE unless another [`ParallelCausalLm`] is named).
 #[derive(Debug, Clone)]
-pub struct Trainer {
-    model: ParallelQwen3Moe,
+pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
+    model: M::Shard,
     optimizer: DistributedAdamW,
     config: TrainerConfig,
     device: Device,
     groups: ProcessGroups,
     /// The dense data-parallel group (token counts of the global batch).
     dp_cp: Comm,
+    /// The routers' count group (expert-bias updates).
+    tp_dp_cp: Comm,
 }
 
-impl Trainer {
+impl<M: ParallelCausalLm> Trainer<M> {
     /// Shards `full` for this rank (`groups`, all ranks in `world`) and sets up the optimizer
     /// (with FP8 primary weights a collective: every rank calls it).
     pub fn new(
-        full: &Qwen3MoeForCausalLM,
+        full: &M,
         groups: &GroupComms,
         world: Comm,
         config: TrainerConfig,
@@ -235,18 +259,20 @@ impl Trainer {
         }];
         let z_loss = (config.z_loss_coeff != 0.0).then_some(config.z_loss_coeff);
         let mut model = match config.fp8 {
-            Some(recipe) => {
-                let mut fp8 = full.clone().with_fp8_experts(Some(recipe))?;
-                if config.fp8_linears {
-                    fp8 = fp8.with_fp8_linears(Some(recipe))?;
-                }
-                ParallelQwen3Moe::shard(&fp8, groups, config.dispatcher)?
-            }
-            None => ParallelQwen3Moe::shard(full, groups, config.dispatcher)?,
+            Some(recipe) => full
+                .clone()
+                .with_fp8(recipe, config.fp8_linears)?
+                .shard(groups, config.dispatcher)?,
+            None => full.shard(groups, config.dispatcher)?,
         };
+        if let Some(rate) = config.expert_bias_update_rate {
+            for router in model.routers_mut() {
+                router.set_expert_bias_update_rate(rate).map_err(err)?;
+            }
+        }
         model.set_router_losses(aux_losses, z_loss)?;
         let mut optimizer = DistributedAdamW::with_classes(
-            &model.model,
+            model.model(),
             groups,
             world,
             config.optimizer.clone(),
@@ -262,13 +288,14 @@ impl Trainer {
             let linears = config.fp8_linears;
             let select = move |info: &ParamInfo| {
                 Fp8ParamLayout::experts(info).or_else(|| {
-                    (linears && is_fp8_linear_weight(&info.path))
+                    (linears && M::is_fp8_linear_weight(&info.path))
                         .then(|| Fp8ParamLayout::linear(info))
                         .flatten()
                 })
             };
-            model.model = optimizer.enable_fp8_primary_weights(
-                model.model,
+            let module = model.model().clone();
+            *model.model_mut() = optimizer.enable_fp8_primary_weights(
+                module,
                 Fp8PrimaryConfig::from_recipe(&recipe),
                 &select,
             )?;
@@ -280,11 +307,12 @@ impl Trainer {
             device: device.clone(),
             groups: groups.groups.clone(),
             dp_cp: groups.comm(GroupFamily::DpCp).clone(),
+            tp_dp_cp: groups.comm(GroupFamily::TpDpCp).clone(),
         })
     }
 
     /// This rank's shard.
-    pub fn model(&self) -> &ParallelQwen3Moe {
+    pub fn model(&self) -> &M::Shard {
         &self.model
     }
 
@@ -296,7 +324,7 @@ impl Trainer {
     /// Mutable shard and optimizer, e.g. to restore both from a checkpoint; the optimizer's
     /// master weights must then match the parameters
     /// ([`DistributedAdamW::reset_master_from`]).
-    pub fn parts_mut(&mut self) -> (&mut ParallelQwen3Moe, &mut DistributedAdamW) {
+    pub fn parts_mut(&mut self) -> (&mut M::Shard, &mut DistributedAdamW) {
         (&mut self.model, &mut self.optimizer)
     }
 
@@ -335,68 +363,154 @@ impl Trainer {
                 "a step needs at least one micro-batch",
             ));
         }
-        let local: Vec<usize> = micro.iter().map(TrainBatch::target_tokens).collect();
-        let local_total: usize = local.iter().sum();
+        let mtp_scale = self.config.mtp_loss_scaling_factor;
+        let depths = if mtp_scale != 0.0 {
+            self.model.mtp_depths()
+        } else {
+            0
+        };
+        // Per micro-batch: target tokens of the main loss, then of each MTP depth.
+        let counts: Vec<Vec<usize>> =
+            micro
+                .iter()
+                .map(|b| {
+                    let s = b.input_ids.len() / b.batch;
+                    std::iter::once(b.target_tokens())
+                        .chain((0..depths).map(|j| {
+                            scored_targets(&roll_rows(&b.labels, s, j + 1, IGNORE_INDEX), s)
+                        }))
+                        .collect()
+                })
+                .collect();
+        let local: Vec<usize> = (0..=depths)
+            .map(|d| counts.iter().map(|c| c[d]).sum())
+            .collect();
         // Target tokens of the whole global batch: summed over the data-parallel replicas
         // (every TP rank of a replica holds the same batch, so the dp_cp group sees each
         // replica once).
         let replicas = self.dp_cp.size();
-        let count = Tensor::<1>::from_data([local_total as f32], &self.device);
-        let global_total = scalar(&self.dp_cp.all_reduce(count, ReduceOp::Sum).map_err(err)?)?;
-        if global_total <= 0.0 {
+        let global = self.global_counts(&local)?;
+        if global[0] <= 0.0 {
             return Err(ModelError::invalid(
                 "labels",
                 "the global batch has no target token (every label is -100)",
             ));
         }
-        let mut accumulator = GradientsAccumulator::<Qwen3MoeForCausalLM>::new();
+        let mut accumulator = GradientsAccumulator::<M>::new();
         let (mut loss_sum, mut aux_sum) = (0.0f64, 0.0f64);
+        let mut mtp_sums = vec![0.0f64; depths];
+        let mut loads: Vec<Option<Vec<f64>>> = Vec::new();
         let n_micro = micro.len() as f64;
-        for (batch, &tokens) in micro.iter().zip(&local) {
-            let out = self.model.forward_loss_scaled(
+        for (batch, tokens) in micro.iter().zip(&counts) {
+            let out = self.model.forward_train(
                 &batch.input_ids,
                 &batch.labels,
                 batch.batch,
                 &self.device,
                 1.0 / n_micro,
+                depths > 0,
             )?;
-            let mean = scalar(&out.loss)?;
-            loss_sum += f64::from(mean) * tokens as f64;
-            aux_sum += self.logged_aux(&out.router_losses)?;
+            let TrainForward {
+                loss,
+                mtp_losses,
+                router_losses,
+                expert_load,
+                ..
+            } = out;
+            add_loads(&mut loads, expert_load)?;
+            loss_sum += f64::from(scalar(&loss)?) * tokens[0] as f64;
+            aux_sum += self.logged_aux(&router_losses)?;
             // The optimizer averages gradients over the `replicas` data-parallel replicas:
             // scale this micro-batch's token-sum by replicas / global tokens. The router
             // losses are already attached to the graph.
-            let weight = tokens as f64 * replicas as f64 / f64::from(global_total);
-            let objective = if weight == 1.0 {
-                out.loss
+            let weight = tokens[0] as f64 * replicas as f64 / global[0];
+            let mut objective = if weight == 1.0 {
+                loss
             } else {
-                out.loss.mul_scalar(weight)
+                loss.mul_scalar(weight)
             };
-            let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
-            if micro.len() == 1 {
-                return self.finish_step(grads, loss_sum, aux_sum, local_total, start);
+            for (j, l) in mtp_losses.into_iter().enumerate().take(depths) {
+                mtp_sums[j] += f64::from(scalar(&l)?) * tokens[j + 1] as f64;
+                if global[j + 1] > 0.0 {
+                    let w = tokens[j + 1] as f64 * replicas as f64 / global[j + 1];
+                    objective = objective + l.mul_scalar(w * mtp_scale / depths as f64);
+                }
             }
-            accumulator.accumulate(&self.model.model, grads);
+            let grads = GradientsParams::from_grads(objective.backward(), self.model.model());
+            accumulator.accumulate(self.model.model(), grads);
         }
         let grads = accumulator.grads();
-        let loss = if local_total > 0 {
-            loss_sum / local_total as f64
-        } else {
-            0.0
-        };
-        self.finish_step(
-            grads,
-            loss * local_total as f64,
-            aux_sum / n_micro,
-            local_total,
-            start,
-        )
+        let mut stats = self.finish_step(grads, loss_sum, aux_sum / n_micro, local[0], start)?;
+        if self.config.update_expert_bias {
+            self.update_expert_bias(loads)?;
+        }
+        if depths > 0 {
+            let per_depth = mtp_sums
+                .iter()
+                .zip(&local[1..])
+                .map(|(&sum, &n)| if n > 0 { sum / n as f64 } else { 0.0 });
+            stats.mtp_loss = Some((per_depth.sum::<f64>() / depths as f64) as f32);
+        }
+        stats.tokens_per_second = stats.tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
+        Ok(stats)
+    }
+
+    /// `local` token counts summed over the data-parallel replicas (one collective).
+    fn global_counts(&self, local: &[usize]) -> Result<Vec<f64>, ModelError> {
+        let values: Vec<f32> = local.iter().map(|&n| n as f32).collect();
+        let t = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(values, [local.len()]),
+            &self.device,
+        );
+        let summed = self.dp_cp.all_reduce(t, ReduceOp::Sum).map_err(err)?;
+        read_f32(summed).map(|v| v.into_iter().map(f64::from).collect())
+    }
+
+    /// The aux-loss-free expert-bias update of every router with counts: the step's counts
+    /// (all micro-batches) summed over `tp_dp_cp` in one collective, then the same update on
+    /// every replica of each router.
+    fn update_expert_bias(&mut self, loads: Vec<Option<Vec<f64>>>) -> Result<(), ModelError> {
+        let flat: Vec<f64> = loads.iter().flatten().flatten().copied().collect();
+        if flat.is_empty() {
+            return Ok(());
+        }
+        let t = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(flat.clone(), [flat.len()]),
+            (&Device::flex(), burn::tensor::DType::F64),
+        );
+        let summed = self
+            .tp_dp_cp
+            .all_reduce(t, ReduceOp::Sum)
+            .map_err(err)?
+            .into_data()
+            .try_into_vec::<f64>()
+            .map_err(|e| ModelError::invalid("expert_load", format!("{e:?}")))?;
+        let mut offset = 0;
+        let routers = self.model.routers_mut();
+        if routers.len() != loads.len() {
+            return Err(ModelError::invalid(
+                "expert_load",
+                format!(
+                    "{} routers report counts, the model has {}",
+                    loads.len(),
+                    routers.len()
+                ),
+            ));
+        }
+        for (router, load) in routers.into_iter().zip(&loads) {
+            if let Some(load) = load {
+                let counts = &summed[offset..offset + load.len()];
+                offset += load.len();
+                router.update_expert_bias_with_counts(counts).map_err(err)?;
+            }
+        }
+        Ok(())
     }
 
     /// One optimizer step with a caller-defined loss (the loss hook RL objectives use): for
     /// every micro-batch, `loss(shard, batch, aux_grad_scale)` runs the sharded forward it needs
-    /// with that router-loss scale (e.g. [`ParallelQwen3Moe::forward_logprobs_scaled`], or
-    /// [`ParallelQwen3Moe::forward_loss_scaled`]; `1 / micro-batches`, so the attached router
+    /// with that router-loss scale (e.g. [`ParallelQwen3Moe::forward_logprobs_scaled`](crate::distributed::ParallelQwen3Moe::forward_logprobs_scaled), or
+    /// [`ParallelQwen3Moe::forward_loss_scaled`](crate::distributed::ParallelQwen3Moe::forward_loss_scaled); `1 / micro-batches`, so the attached router
     /// losses weigh as in [`Trainer::step_micro_batches`]) and returns the objective to
     /// back-propagate and the number of tokens it covers. Gradients are accumulated over the micro-batches and
     /// averaged over the data-parallel replicas by the optimizer, so the objective should be
@@ -406,7 +520,7 @@ impl Trainer {
     pub fn step_with<B>(
         &mut self,
         micro: &[B],
-        mut loss: impl FnMut(&ParallelQwen3Moe, &B, f64) -> Result<(Tensor<1>, usize), ModelError>,
+        mut loss: impl FnMut(&M::Shard, &B, f64) -> Result<(Tensor<1>, usize), ModelError>,
     ) -> Result<StepStats, ModelError> {
         let start = Instant::now();
         if micro.is_empty() {
@@ -415,15 +529,15 @@ impl Trainer {
                 "a step needs at least one micro-batch",
             ));
         }
-        let mut accumulator = GradientsAccumulator::<Qwen3MoeForCausalLM>::new();
+        let mut accumulator = GradientsAccumulator::<M>::new();
         let (mut value_sum, mut tokens) = (0.0f64, 0usize);
         let aux_grad_scale = 1.0 / micro.len() as f64;
         for batch in micro {
             let (objective, n) = loss(&self.model, batch, aux_grad_scale)?;
             value_sum += f64::from(scalar(&objective)?);
             tokens += n;
-            let grads = GradientsParams::from_grads(objective.backward(), &self.model.model);
-            accumulator.accumulate(&self.model.model, grads);
+            let grads = GradientsParams::from_grads(objective.backward(), self.model.model());
+            accumulator.accumulate(self.model.model(), grads);
         }
         let grads = accumulator.grads();
         let mut stats = self.finish_step(grads, 0.0, 0.0, tokens, start)?;
@@ -446,9 +560,9 @@ impl Trainer {
             let wd = schedule.wd(self.optimizer.step_count());
             self.optimizer.set_weight_decay(wd as f32);
         }
-        let module = self.model.model.clone();
+        let module = self.model.model().clone();
         let (next, report) = self.optimizer.step(lr, module, grads)?;
-        self.model.model = next;
+        *self.model.model_mut() = next;
         let secs = start.elapsed().as_secs_f64().max(1e-9);
         Ok(StepStats {
             loss: if tokens > 0 {
@@ -457,6 +571,7 @@ impl Trainer {
                 0.0
             },
             aux_loss: aux as f32,
+            mtp_loss: None,
             grad_norm: report.grad_norm,
             tokens,
             tokens_per_second: tokens as f64 / secs,
@@ -493,7 +608,7 @@ impl Trainer {
 /// Whether the parameter at `path` is the weight of a linear that
 /// [`Qwen3MoeForCausalLM::with_fp8_linears`] runs in FP8 (attention and dense-MLP projections;
 /// not the router).
-fn is_fp8_linear_weight(path: &str) -> bool {
+pub(crate) fn is_fp8_linear_weight(path: &str) -> bool {
     const PROJ: [&str; 7] = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
@@ -506,6 +621,45 @@ fn is_fp8_linear_weight(path: &str) -> bool {
         ".down_proj.weight",
     ];
     PROJ.iter().any(|p| path.ends_with(p))
+}
+
+/// Adds one forward's per-router counts into the step's running sums.
+fn add_loads(
+    sums: &mut Vec<Option<Vec<f64>>>,
+    loads: Vec<Option<Vec<f64>>>,
+) -> Result<(), ModelError> {
+    if sums.is_empty() {
+        *sums = loads;
+        return Ok(());
+    }
+    if sums.len() != loads.len() {
+        return Err(ModelError::invalid(
+            "expert_load",
+            "micro-batches report counts of different routers",
+        ));
+    }
+    for (sum, load) in sums.iter_mut().zip(loads) {
+        match (sum, load) {
+            (Some(sum), Some(load)) if sum.len() == load.len() => {
+                sum.iter_mut().zip(load).for_each(|(a, b)| *a += b);
+            }
+            (None, None) => {}
+            _ => {
+                return Err(ModelError::invalid(
+                    "expert_load",
+                    "micro-batches report counts of different routers",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_f32(t: Tensor<1>) -> Result<Vec<f32>, ModelError> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| ModelError::invalid("loss", format!("unreadable values: {e:?}")))
 }
 
 fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {

@@ -3,20 +3,26 @@
 //! row-parallel, the latent down-projections `q_a_proj`/`kv_a_proj_with_mqa` and their norms
 //! replicated), dense MLPs TP-sharded, MoE blocks (sigmoid group-limited router with
 //! `e_score_correction_bias`, routed experts over EP × ETP, shared experts replicated on the
-//! sequence-parallel tokens), vocab-parallel embedding, head and cross-entropy. The MTP modules
-//! are not part of the parallel forward.
+//! sequence-parallel tokens), vocab-parallel embedding, head and cross-entropy. The MTP
+//! modules train beside the main model ([`ParallelDeepseekV3::forward_train`]).
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 use moe_backend::comm::GroupComms;
+use moe_backend::fp8::Fp8Recipe;
 use moe_backend::parallel::replicate;
 use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_parallel_linear};
+use moe_backend::router::TopKRouter;
 
 use super::runtime::{RouterTrace, SpRuntime};
+use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward, roll_rows, scored_targets};
 use super::{DispatcherKind, ParallelOutput, check_batch, err};
 use crate::ModelError;
-use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM, DeepseekV3Moe};
+use crate::causal_lm::IGNORE_INDEX;
+use crate::deepseek_v3::{
+    DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM, DeepseekV3Moe,
+};
 use crate::layers::mla::MlaQuery;
-use crate::layers::rope::RotaryEmbedding;
+use crate::layers::rope::{RopeTables, RotaryEmbedding};
 
 /// One rank's DeepSeek-V3 (see the module docs).
 #[derive(Debug, Clone)]
@@ -47,39 +53,16 @@ impl ParallelDeepseekV3 {
             config.vocab_size,
             rope,
         )?;
-        let (rank, tp) = rt.tp_rank_size();
         let mut model = replicate(full);
         (model.model.embed_tokens, model.lm_head) =
             rt.shard_embeddings(&full.model.embed_tokens, full.lm_head.as_ref())?;
         for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
-            let attn = &src.self_attn;
-            if attn.num_heads % tp != 0 {
-                return Err(ModelError::invalid(
-                    "tp",
-                    format!("{} heads cannot be split over tp = {tp}", attn.num_heads),
-                ));
-            }
-            let a = &mut dst.self_attn;
-            match (&mut a.query, &attn.query) {
-                (MlaQuery::Direct(q), MlaQuery::Direct(full_q)) => {
-                    *q = column_parallel_linear(full_q, rank, tp).map_err(err)?;
-                }
-                (MlaQuery::LowRank(q), MlaQuery::LowRank(full_q)) => {
-                    q.q_b_proj = column_parallel_linear(&full_q.q_b_proj, rank, tp).map_err(err)?;
-                }
-                _ => return Err(ModelError::invalid("q_lora_rank", "query layouts differ")),
-            }
-            a.kv_b_proj = column_parallel_linear(&attn.kv_b_proj, rank, tp).map_err(err)?;
-            a.o_proj = row_parallel_linear(&attn.o_proj, rank, tp).map_err(err)?;
-            a.num_heads = attn.num_heads / tp;
-            dst.mlp = match &src.mlp {
-                DeepseekV3FeedForward::Dense(mlp) => {
-                    DeepseekV3FeedForward::Dense(rt.shard_mlp(mlp)?)
-                }
-                DeepseekV3FeedForward::Moe(block) => DeepseekV3FeedForward::Moe(DeepseekV3Moe {
-                    moe: rt.shard_moe(&block.moe)?,
-                }),
-            };
+            shard_layer(&rt, dst, src)?;
+        }
+        for (dst, src) in model.mtp.iter_mut().zip(&full.mtp) {
+            // enorm, hnorm, eh_proj and the output norm stay replicated (they run on the
+            // sequence-parallel tokens); the block is sharded like any decoder layer.
+            shard_layer(&rt, &mut dst.block, &src.block)?;
         }
         Ok(Self {
             model,
@@ -87,6 +70,47 @@ impl ParallelDeepseekV3 {
             replicas: rt.replicas,
             rt,
         })
+    }
+
+    /// The main decoder stack on this replica's batch: the final sequence-parallel hidden
+    /// block (before the final norm) and `S`.
+    fn decoder(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        rope: &RopeTables,
+        trace: &mut RouterTrace,
+    ) -> Result<Tensor<2>, ModelError> {
+        let rt = &self.rt;
+        let model = &self.model.model;
+        check_batch(input_ids, labels, batch, rt.tp.size())?;
+        let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
+        for layer in &model.layers {
+            x = self.layer(layer, x, batch, rope, trace)?;
+        }
+        Ok(x)
+    }
+
+    /// One decoder layer on the sequence-parallel block `x`.
+    fn layer(
+        &self,
+        layer: &DeepseekV3DecoderLayer,
+        x: Tensor<2>,
+        batch: usize,
+        rope: &RopeTables,
+        trace: &mut RouterTrace,
+    ) -> Result<Tensor<2>, ModelError> {
+        let rt = &self.rt;
+        let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
+            layer.self_attn.forward(full, rope, None)
+        })?;
+        let normed = layer.post_attention_layernorm.forward(h.clone());
+        let y = match &layer.mlp {
+            DeepseekV3FeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
+            DeepseekV3FeedForward::Moe(block) => rt.moe(&block.moe, normed, trace)?,
+        };
+        Ok(h + y)
     }
 
     /// Forward and causal-LM loss of this replica's `input_ids [batch, S]` (same on every TP
@@ -100,21 +124,10 @@ impl ParallelDeepseekV3 {
     ) -> Result<ParallelOutput, ModelError> {
         let rt = &self.rt;
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
-        let model = &self.model.model;
         let rope = rt.rope(s, device);
         let mut trace = RouterTrace::new(1.0);
-        let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
-        for layer in &model.layers {
-            let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-                layer.self_attn.forward(full, &rope, None)
-            })?;
-            let normed = layer.post_attention_layernorm.forward(h.clone());
-            let y = match &layer.mlp {
-                DeepseekV3FeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-                DeepseekV3FeedForward::Moe(block) => rt.moe(&block.moe, normed, &mut trace)?,
-            };
-            x = h + y;
-        }
+        let x = self.decoder(input_ids, labels, batch, &rope, &mut trace)?;
+        let model = &self.model.model;
         rt.head_loss(
             x,
             &model.norm,
@@ -124,5 +137,197 @@ impl ParallelDeepseekV3 {
             s,
             trace,
         )
+    }
+}
+
+/// Shards one decoder layer: MLA heads over TP (`q_b_proj` / `q_proj` and `kv_b_proj`
+/// column-parallel, `o_proj` row-parallel), dense MLP over TP, MoE block over EP × ETP.
+fn shard_layer(
+    rt: &SpRuntime,
+    dst: &mut DeepseekV3DecoderLayer,
+    src: &DeepseekV3DecoderLayer,
+) -> Result<(), ModelError> {
+    let (rank, tp) = rt.tp_rank_size();
+    let attn = &src.self_attn;
+    if attn.num_heads % tp != 0 {
+        return Err(ModelError::invalid(
+            "tp",
+            format!("{} heads cannot be split over tp = {tp}", attn.num_heads),
+        ));
+    }
+    let a = &mut dst.self_attn;
+    match (&mut a.query, &attn.query) {
+        (MlaQuery::Direct(q), MlaQuery::Direct(full_q)) => {
+            *q = column_parallel_linear(full_q, rank, tp).map_err(err)?;
+        }
+        (MlaQuery::LowRank(q), MlaQuery::LowRank(full_q)) => {
+            q.q_b_proj = column_parallel_linear(&full_q.q_b_proj, rank, tp).map_err(err)?;
+        }
+        _ => return Err(ModelError::invalid("q_lora_rank", "query layouts differ")),
+    }
+    a.kv_b_proj = column_parallel_linear(&attn.kv_b_proj, rank, tp).map_err(err)?;
+    a.o_proj = row_parallel_linear(&attn.o_proj, rank, tp).map_err(err)?;
+    a.num_heads = attn.num_heads / tp;
+    dst.mlp = match &src.mlp {
+        DeepseekV3FeedForward::Dense(mlp) => DeepseekV3FeedForward::Dense(rt.shard_mlp(mlp)?),
+        DeepseekV3FeedForward::Moe(block) => DeepseekV3FeedForward::Moe(DeepseekV3Moe {
+            moe: rt.shard_moe(&block.moe)?,
+        }),
+    };
+    Ok(())
+}
+
+impl ParallelDeepseekV3 {
+    /// Configures every router (main layers and MTP blocks) for training: the load-balancing
+    /// losses and the z-loss, with counts summed over this rank's `tp_cp` / `tp_dp_cp`.
+    pub fn set_router_losses(
+        &mut self,
+        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
+        z_loss_coeff: Option<f64>,
+    ) -> Result<(), ModelError> {
+        let (tp_cp, tp_dp_cp) = self.rt.loss_groups;
+        for router in CausalLmShard::routers_mut(self) {
+            router
+                .set_losses(aux_losses.clone(), z_loss_coeff, tp_cp, tp_dp_cp)
+                .map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// The training forward ([`CausalLmShard::forward_train`]): the main causal-LM loss and,
+    /// with `mtp`, the loss of every MTP depth `j` on the full sequence length as Megatron
+    /// computes it: the ids and labels of each row are rolled left by `j + 1` (the freed tail
+    /// is masked out of the loss; attention being causal it never reaches the real positions),
+    /// `u = eh_proj([enorm(embed(rolled ids)) ; hnorm(hʲ)])` on the sequence-parallel tokens
+    /// (`h⁰` the main model's final-normed output), one decoder layer, `shared_head.norm`, and
+    /// the shared vocab-parallel head and cross-entropy. Values at the real positions equal
+    /// [`DeepseekV3ForCausalLM::forward_mtp`]'s.
+    pub fn forward_train(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+    ) -> Result<TrainForward, ModelError> {
+        let rt = &self.rt;
+        let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
+        let rope = rt.rope(s, device);
+        let mut trace = RouterTrace::new(aux_grad_scale);
+        let x = self.decoder(input_ids, labels, batch, &rope, &mut trace)?;
+        let model = &self.model.model;
+        let (head, embed) = (self.model.lm_head.as_ref(), &model.embed_tokens);
+        let mut hidden = model.norm.forward(x);
+        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, labels, s)?;
+        let (mut mtp_losses, mut mtp_tokens) = (Vec::new(), Vec::new());
+        if mtp {
+            for (j, module) in self.model.mtp.iter().enumerate() {
+                if j + 2 > s {
+                    return Err(ModelError::invalid(
+                        "input_ids",
+                        format!("{s} tokens are too few for MTP depth {}", j + 1),
+                    ));
+                }
+                let ids = roll_rows(input_ids, s, j + 1, 0);
+                let targets = roll_rows(labels, s, j + 1, IGNORE_INDEX);
+                let embeds = rt.embed(embed, &ids, batch)?;
+                let u = module.eh_proj.forward(Tensor::cat(
+                    vec![module.enorm.forward(embeds), module.hnorm.forward(hidden)],
+                    1,
+                ));
+                let y = self.layer(&module.block, u, batch, &rope, &mut trace)?;
+                hidden = module.shared_head_norm.forward(y);
+                let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets, s)?;
+                mtp_losses.push(l);
+                mtp_tokens.push(scored_targets(&targets, s));
+            }
+        }
+        Ok(TrainForward {
+            loss,
+            mtp_losses,
+            mtp_tokens,
+            router_losses: trace.losses,
+            expert_load: trace.expert_load,
+        })
+    }
+}
+
+impl ParallelCausalLm for DeepseekV3ForCausalLM {
+    type Shard = ParallelDeepseekV3;
+
+    fn shard(&self, groups: &GroupComms, kind: DispatcherKind) -> Result<Self::Shard, ModelError> {
+        ParallelDeepseekV3::shard(self, groups, kind)
+    }
+
+    fn with_fp8(self, _recipe: Fp8Recipe, _linears: bool) -> Result<Self, ModelError> {
+        Err(ModelError::invalid(
+            "fp8",
+            "FP8 compute is not implemented for DeepSeek-V3 training (load FP8 releases \
+             dequantised)",
+        ))
+    }
+
+    fn is_fp8_linear_weight(_path: &str) -> bool {
+        false
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+}
+
+impl CausalLmShard for ParallelDeepseekV3 {
+    type Model = DeepseekV3ForCausalLM;
+
+    fn model(&self) -> &Self::Model {
+        &self.model
+    }
+
+    fn model_mut(&mut self) -> &mut Self::Model {
+        &mut self.model
+    }
+
+    fn set_router_losses(
+        &mut self,
+        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
+        z_loss_coeff: Option<f64>,
+    ) -> Result<(), ModelError> {
+        ParallelDeepseekV3::set_router_losses(self, aux_losses, z_loss_coeff)
+    }
+
+    fn forward_train(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+    ) -> Result<TrainForward, ModelError> {
+        ParallelDeepseekV3::forward_train(
+            self,
+            input_ids,
+            labels,
+            batch,
+            device,
+            aux_grad_scale,
+            mtp,
+        )
+    }
+
+    fn mtp_depths(&self) -> usize {
+        self.model.mtp.len()
+    }
+
+    fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
+        let main = self.model.model.layers.iter_mut();
+        let mtp = self.model.mtp.iter_mut().map(|m| &mut m.block);
+        main.chain(mtp)
+            .filter_map(|layer| match &mut layer.mlp {
+                DeepseekV3FeedForward::Moe(block) => Some(&mut block.moe.router),
+                DeepseekV3FeedForward::Dense(_) => None,
+            })
+            .collect()
     }
 }

@@ -36,11 +36,20 @@ mod gather;
 pub mod logprobs;
 pub mod replay;
 mod runtime;
+pub mod sharded;
 
 use runtime::{RouterTrace, SpRuntime};
+pub use sharded::{CausalLmShard, ParallelCausalLm, TrainForward};
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
+
+/// Output of the traced forward: the output, the recorded routing and the expert-bias counts.
+pub(crate) type ForwardTraced = (
+    ParallelOutput,
+    Vec<Tensor<2, burn::tensor::Int>>,
+    Vec<Option<Vec<f64>>>,
+);
 
 /// Which token dispatcher the MoE blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -55,7 +64,8 @@ pub enum DispatcherKind {
 }
 
 /// Parameter classes of a sharded model: routed experts; norms, QK-norms, routers, shared
-/// experts and MLA's down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) are replicated on the
+/// experts, MLA's down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and the MTP modules'
+/// `eh_proj` are replicated on the
 /// TP ranks with different gradients (sequence-parallel inputs or head-split consumers), so
 /// they are summed over TP; everything else is TP-sharded.
 pub fn param_class(path: &str, in_experts: bool) -> ParamClass {
@@ -66,6 +76,7 @@ pub fn param_class(path: &str, in_experts: bool) -> ParamClass {
         || path.contains("shared_experts")
         || path.contains("q_a_proj")
         || path.contains("kv_a_proj")
+        || path.contains("eh_proj")
     {
         ParamClass::DenseSequenceParallel
     } else {
@@ -264,7 +275,7 @@ impl ParallelQwen3Moe {
             device,
             RouterTrace::new(aux_grad_scale),
         )
-        .map(|(out, _)| out)
+        .map(|(out, _, _)| out)
     }
 
     /// The forward of [`forward_loss_scaled`](Self::forward_loss_scaled) with the routers
@@ -276,7 +287,7 @@ impl ParallelQwen3Moe {
         batch: usize,
         device: &Device,
         mut trace: RouterTrace,
-    ) -> Result<(ParallelOutput, Vec<Tensor<2, burn::tensor::Int>>), ModelError> {
+    ) -> Result<ForwardTraced, ModelError> {
         let rt = &self.rt;
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
         let model = &self.model.model;
@@ -294,6 +305,7 @@ impl ParallelQwen3Moe {
             x = h + y;
         }
         let selected = std::mem::take(&mut trace.selected);
+        let load = std::mem::take(&mut trace.expert_load);
         let out = rt.head_loss(
             x,
             &model.norm,
@@ -303,7 +315,7 @@ impl ParallelQwen3Moe {
             s,
             trace,
         )?;
-        Ok((out, selected))
+        Ok((out, selected, load))
     }
 
     /// Configures every router of this shard for training: the load-balancing losses
@@ -326,5 +338,91 @@ impl ParallelQwen3Moe {
             }
         }
         Ok(())
+    }
+}
+
+impl ParallelCausalLm for Qwen3MoeForCausalLM {
+    type Shard = ParallelQwen3Moe;
+
+    fn shard(&self, groups: &GroupComms, kind: DispatcherKind) -> Result<Self::Shard, ModelError> {
+        ParallelQwen3Moe::shard(self, groups, kind)
+    }
+
+    fn with_fp8(
+        self,
+        recipe: moe_backend::fp8::Fp8Recipe,
+        linears: bool,
+    ) -> Result<Self, ModelError> {
+        let model = self.with_fp8_experts(Some(recipe))?;
+        if linears {
+            model.with_fp8_linears(Some(recipe))
+        } else {
+            Ok(model)
+        }
+    }
+
+    fn is_fp8_linear_weight(path: &str) -> bool {
+        crate::train::is_fp8_linear_weight(path)
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+}
+
+impl CausalLmShard for ParallelQwen3Moe {
+    type Model = Qwen3MoeForCausalLM;
+
+    fn model(&self) -> &Self::Model {
+        &self.model
+    }
+
+    fn model_mut(&mut self) -> &mut Self::Model {
+        &mut self.model
+    }
+
+    fn set_router_losses(
+        &mut self,
+        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
+        z_loss_coeff: Option<f64>,
+    ) -> Result<(), ModelError> {
+        ParallelQwen3Moe::set_router_losses(self, aux_losses, z_loss_coeff)
+    }
+
+    fn forward_train(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+        _mtp: bool,
+    ) -> Result<TrainForward, ModelError> {
+        let (out, _, load) = self.forward_traced(
+            input_ids,
+            labels,
+            batch,
+            device,
+            RouterTrace::new(aux_grad_scale),
+        )?;
+        Ok(TrainForward {
+            loss: out.loss,
+            mtp_losses: Vec::new(),
+            mtp_tokens: Vec::new(),
+            router_losses: out.router_losses,
+            expert_load: load,
+        })
+    }
+
+    fn routers_mut(&mut self) -> Vec<&mut moe_backend::router::TopKRouter> {
+        self.model
+            .model
+            .layers
+            .iter_mut()
+            .filter_map(|layer| match &mut layer.mlp {
+                Qwen3MoeFeedForward::Sparse(block) => Some(&mut block.moe.router),
+                Qwen3MoeFeedForward::Dense(_) => None,
+            })
+            .collect()
     }
 }

@@ -307,7 +307,7 @@ impl ParallelQwen3Moe {
             None => RouterTrace::new(aux_grad_scale),
         };
         trace.record = true;
-        let (out, selected) = self.forward_traced(input_ids, labels, batch, device, trace)?;
+        let (out, selected, _) = self.forward_traced(input_ids, labels, batch, device, trace)?;
         let topk = self.replay_spec().topk;
         let layers = selected
             .into_iter()

@@ -63,6 +63,9 @@ pub(crate) struct RouterTrace {
     /// Per sparse layer (layer order), this rank's selected `[T_local, k]` expert ids, when
     /// [`record`](Self::record) is set.
     pub(crate) selected: Vec<Tensor<2, Int>>,
+    /// Per MoE layer (forward order), this rank's expert-bias token counts of a grad-enabled
+    /// forward (`None` for routers without an expert bias).
+    pub(crate) expert_load: Vec<Option<Vec<f64>>>,
 }
 
 impl RouterTrace {
@@ -74,6 +77,7 @@ impl RouterTrace {
             replay: None,
             record: false,
             selected: Vec::new(),
+            expert_load: Vec::new(),
         }
     }
 }
@@ -230,6 +234,7 @@ impl SpRuntime {
         }
         trace.logits.push(out.routing.logits);
         trace.losses.push(out.routing.losses);
+        trace.expert_load.push(out.routing.state_update.expert_load);
         Ok(out.output)
     }
 
@@ -246,7 +251,27 @@ impl SpRuntime {
         s: usize,
         trace: RouterTrace,
     ) -> Result<ParallelOutput, ModelError> {
-        let full = self.gather(norm.forward(x))?;
+        let (loss, logits) = self.normed_head_loss(norm.forward(x), lm_head, embed, labels, s)?;
+        Ok(ParallelOutput {
+            loss,
+            logits,
+            vocab: self.vocab.clone(),
+            router_logits: trace.logits,
+            router_losses: trace.losses,
+        })
+    }
+
+    /// Vocab-parallel head and cross-entropy of the shifted `labels` on an already normed
+    /// sequence-parallel block: `(mean loss [1], [B·S, V/tp] logits)`.
+    pub(crate) fn normed_head_loss(
+        &self,
+        normed: Tensor<2>,
+        lm_head: Option<&Linear>,
+        embed: &Embedding,
+        labels: &[i64],
+        s: usize,
+    ) -> Result<(Tensor<1>, Tensor<2>), ModelError> {
+        let full = self.gather(normed)?;
         let logits = match lm_head {
             Some(head) => head.forward(full),
             None => full.matmul(embed.weight.val().transpose()),
@@ -259,12 +284,6 @@ impl SpRuntime {
             &self.tp,
         )
         .map_err(err)?;
-        Ok(ParallelOutput {
-            loss,
-            logits,
-            vocab: self.vocab.clone(),
-            router_logits: trace.logits,
-            router_losses: trace.losses,
-        })
+        Ok((loss, logits))
     }
 }

@@ -186,6 +186,16 @@ impl TopKRouter {
         Ok(())
     }
 
+    /// Sets the aux-loss-free balancing rate (`bias += rate · sign(mean(c) − c)` per update;
+    /// Megatron's `moe_router_bias_update_rate`); validated.
+    pub fn set_expert_bias_update_rate(&mut self, rate: f64) -> crate::Result<()> {
+        let mut config = self.config.clone();
+        config.expert_bias_update_rate = rate;
+        config.validate()?;
+        self.config = config;
+        Ok(())
+    }
+
     /// A fresh [`RouterState`] for this router.
     pub fn init_state(&self) -> RouterState {
         RouterState::new(self.config.num_experts)

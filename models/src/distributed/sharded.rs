@@ -1,0 +1,127 @@
+//! What the [`Trainer`](crate::train::Trainer) needs from a model: how to cut it into one
+//! rank's shard ([`ParallelCausalLm`], implemented by the full model type) and the training
+//! forward of that shard ([`CausalLmShard`]).
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+use moe_backend::comm::GroupComms;
+use moe_backend::fp8::Fp8Recipe;
+use moe_backend::router::{RouterLoss, TopKRouter};
+
+use super::DispatcherKind;
+use crate::ModelError;
+use crate::causal_lm::IGNORE_INDEX;
+
+/// A causal LM the trainer can shard and train (Qwen3-MoE, DeepSeek-V3).
+pub trait ParallelCausalLm: Module {
+    /// One rank's shard of this model.
+    type Shard: CausalLmShard<Model = Self>;
+
+    /// This rank's shard under the layout of `groups` with the `kind` dispatcher.
+    fn shard(&self, groups: &GroupComms, kind: DispatcherKind) -> Result<Self::Shard, ModelError>;
+
+    /// The model with its routed experts (and with `linears`, its dense linears) running in
+    /// FP8 with `recipe`. Models without an FP8 path return an error naming the model.
+    fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError>;
+
+    /// Whether the parameter at `path` is a dense linear's weight that
+    /// [`with_fp8`](Self::with_fp8) with `linears` runs in FP8 (FP8 primary weights).
+    fn is_fp8_linear_weight(path: &str) -> bool;
+
+    /// Number of decoder layers of the main model (the checkpoint layer plan).
+    fn num_hidden_layers(&self) -> usize;
+}
+
+/// One rank's shard of a [`ParallelCausalLm`].
+pub trait CausalLmShard: Clone + std::fmt::Debug {
+    /// The model type (shards are modules of the same type, with smaller tensors).
+    type Model: ParallelCausalLm<Shard = Self>;
+
+    /// This rank's parameters (hand them to the optimizer).
+    fn model(&self) -> &Self::Model;
+
+    /// Mutable parameters (the optimizer's step replaces them).
+    fn model_mut(&mut self) -> &mut Self::Model;
+
+    /// Configures every router for training: the load-balancing losses and the z-loss, with
+    /// counts summed over this rank's `tp_cp` / `tp_dp_cp`.
+    fn set_router_losses(
+        &mut self,
+        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
+        z_loss_coeff: Option<f64>,
+    ) -> Result<(), ModelError>;
+
+    /// The training forward of one micro-batch of this replica (identical on its TP ranks):
+    /// the causal-LM loss, with `mtp_scale > 0` the multi-token-prediction losses of models
+    /// that have MTP modules, router losses attached with the upstream gradient
+    /// `aux_grad_scale`, and the routers' expert-bias counts.
+    fn forward_train(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+    ) -> Result<TrainForward, ModelError>;
+
+    /// Number of multi-token-prediction depths (MTP modules) the shard trains.
+    fn mtp_depths(&self) -> usize {
+        0
+    }
+
+    /// Every router of the shard, in the order [`TrainForward::expert_load`] lists them.
+    fn routers_mut(&mut self) -> Vec<&mut TopKRouter>;
+}
+
+/// What one training forward of a shard returns.
+#[derive(Debug, Clone)]
+pub struct TrainForward {
+    /// Mean cross-entropy of the micro-batch's target tokens, `[1]` (identical on the TP ranks
+    /// of the replica).
+    pub loss: Tensor<1>,
+    /// Per MTP depth `j`: the mean cross-entropy of predicting token `i + j + 2`, `[1]`.
+    pub mtp_losses: Vec<Tensor<1>>,
+    /// Per MTP depth: the number of target tokens its loss averages over.
+    pub mtp_tokens: Vec<usize>,
+    /// The router losses of every MoE layer (forward order), this rank's part.
+    pub router_losses: Vec<Vec<RouterLoss>>,
+    /// Per router (forward order, as [`CausalLmShard::routers_mut`]): this rank's expert-bias
+    /// token counts; `None` for routers without an expert bias.
+    pub expert_load: Vec<Option<Vec<f64>>>,
+}
+
+/// Row-major `values [B, S]` with every row shifted left by `by` and `fill` in the `by` freed
+/// tail positions: the inputs / labels of MTP depth `by − 1` on the full sequence length
+/// (Megatron rolls them the same way; the tail positions are masked out of the loss and,
+/// attention being causal, never reach the real positions).
+pub(crate) fn roll_rows(values: &[i64], s: usize, by: usize, fill: i64) -> Vec<i64> {
+    values
+        .chunks(s)
+        .flat_map(|row| (0..s).map(move |i| row.get(i + by).copied().unwrap_or(fill)))
+        .collect()
+}
+
+/// Targets the causal-LM loss of `labels [B, S]` scores (shifted by one inside).
+pub(crate) fn scored_targets(labels: &[i64], s: usize) -> usize {
+    labels
+        .chunks(s)
+        .map(|row| row[1..].iter().filter(|&&t| t != IGNORE_INDEX).count())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rolled_rows_shift_each_row_and_fill_the_tail() {
+        let v = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_eq!(
+            roll_rows(&v, 4, 1, -100),
+            vec![2, 3, 4, -100, 6, 7, 8, -100]
+        );
+        assert_eq!(roll_rows(&v, 4, 2, 0), vec![3, 4, 0, 0, 7, 8, 0, 0]);
+        assert_eq!(scored_targets(&roll_rows(&v, 4, 1, -100), 4), 4);
+    }
+}
