@@ -1,5 +1,6 @@
-//! The training job behind `moe train`: one rank's part of a Qwen3-MoE fine-tuning run, the
-//! same code whether the ranks are threads of one process ([`World`](moe_backend::comm::World)) or processes (MPI,
+//! The training job behind `moe train`: one rank's part of a Qwen3-MoE or DeepSeek-V3 (with
+//! its MTP modules and aux-loss-free expert-bias updates) fine-tuning run, the same code
+//! whether the ranks are threads of one process ([`World`](moe_backend::comm::World)) or processes (MPI,
 //! launched by `mpirun` / `srun`).
 //!
 //! - **Model**: an HF directory (every rank loads it and keeps its shard) or a distributed
@@ -14,8 +15,8 @@
 //!   root (atomic: a crash mid-save leaves the previous checkpoint the latest). `resume`
 //!   continues from the root's latest checkpoint, under any layout.
 //! - **Ranks**: threads or processes, as [`crate::launch::Placement`] decides ([`run_job`]).
-//! - **Metrics**: one JSON object per step (`step`, `loss`, `aux_loss`, `grad_norm`, `lr`,
-//!   `tokens_per_s`) from rank 0.
+//! - **Metrics**: one JSON object per step (`step`, `loss`, `aux_loss`, `mtp_loss` for models
+//!   with MTP modules, `grad_norm`, `lr`, `tokens_per_s`) from rank 0.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -23,14 +24,16 @@ use std::time::Duration;
 
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
-use moe_backend::parallel::ParallelLayout;
+use moe_backend::parallel::{GroupFamily, ParallelLayout};
 use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
 use moe_bridge::dist::index::{INDEX_FILE, LATEST_FILE};
+use moe_bridge::dist::placement::PlacedModel;
 use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
+use moe_models::distributed::ParallelCausalLm;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
-use moe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 use serde_json::{Value, json};
 
 use crate::finetune::corpus_batch;
@@ -79,7 +82,8 @@ fn invalid(field: impl Into<String>, detail: impl Into<String>) -> TrainJobError
 /// Settings of a training job.
 #[derive(Debug, Clone)]
 pub struct TrainJob {
-    /// HF Qwen3-MoE directory, or a distributed checkpoint (root or `iter_*` directory).
+    /// HF Qwen3-MoE or DeepSeek-V3 directory (FP8 releases load dequantised), or a
+    /// distributed checkpoint (root or `iter_*` directory).
     pub model: PathBuf,
     /// Layout, e.g. `tp=2,ep=4` (the world is derived unless `world=` is given).
     pub layout: String,
@@ -142,6 +146,9 @@ pub struct StepMetrics {
     /// Load-balancing loss (mean over MoE layers, without its coefficient) averaged over the
     /// data-parallel replicas.
     pub aux_loss: f32,
+    /// Multi-token-prediction cross-entropy (mean over depths, without its scaling factor)
+    /// averaged over the data-parallel replicas, for models with MTP modules.
+    pub mtp_loss: Option<f32>,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// Learning rate of the step.
@@ -157,6 +164,7 @@ impl StepMetrics {
             "step": self.step,
             "loss": self.loss,
             "aux_loss": self.aux_loss,
+            "mtp_loss": self.mtp_loss,
             "grad_norm": self.grad_norm,
             "lr": self.lr,
             "tokens_per_s": self.tokens_per_s,
@@ -299,7 +307,7 @@ fn config_path(path: &Path) -> Result<PathBuf, TrainJobError> {
 
 /// Architecture fields that must agree between the model a job names and the checkpoint it
 /// resumes (HF `config.json` names).
-const ARCHITECTURE_FIELDS: [&str; 14] = [
+const ARCHITECTURE_FIELDS: [&str; 25] = [
     "model_type",
     "hidden_size",
     "num_hidden_layers",
@@ -314,6 +322,17 @@ const ARCHITECTURE_FIELDS: [&str; 14] = [
     "tie_word_embeddings",
     "mlp_only_layers",
     "decoder_sparse_step",
+    "n_routed_experts",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_group",
+    "topk_group",
+    "num_nextn_predict_layers",
 ];
 
 /// Refuses to resume from a checkpoint of another model than `--model`'s (another
@@ -396,9 +415,97 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
     Ok(())
 }
 
+/// A model family `moe train` can train: how to build it from an HF directory and an
+/// initial template for a distributed checkpoint (whose values are then restored).
+pub trait JobModel: ParallelCausalLm + PlacedModel + Sync {
+    /// `model_type` of its `config.json` (also the checkpoints' model family).
+    const FAMILY: &'static str;
+
+    /// The model of an HF directory and its vocabulary size.
+    fn from_hf(
+        checkpoint: &HfCheckpoint,
+        config: &Path,
+        device: &Device,
+    ) -> Result<(Self, usize), TrainJobError>;
+
+    /// A model of the configuration at `config` (values to be overwritten by a restore) and
+    /// its vocabulary size.
+    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError>;
+}
+
+impl JobModel for Qwen3MoeForCausalLM {
+    const FAMILY: &'static str = "qwen3_moe";
+
+    fn from_hf(
+        checkpoint: &HfCheckpoint,
+        config: &Path,
+        device: &Device,
+    ) -> Result<(Self, usize), TrainJobError> {
+        let config = Qwen3MoeConfig::from_file(config)?;
+        let model = Self::from_weights(&config, checkpoint, device)?;
+        Ok((model, config.vocab_size))
+    }
+
+    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError> {
+        let config = Qwen3MoeConfig::from_file(config)?;
+        Ok((config.init(device)?, config.vocab_size))
+    }
+}
+
+impl JobModel for DeepseekV3ForCausalLM {
+    const FAMILY: &'static str = "deepseek_v3";
+
+    fn from_hf(
+        checkpoint: &HfCheckpoint,
+        config: &Path,
+        device: &Device,
+    ) -> Result<(Self, usize), TrainJobError> {
+        let config = DeepseekV3Config::from_file(config)?;
+        let model = Self::from_weights(&config, checkpoint, device)?;
+        Ok((model, config.vocab_size))
+    }
+
+    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError> {
+        let config = DeepseekV3Config::from_file(config)?;
+        Ok((config.init(device)?, config.vocab_size))
+    }
+}
+
+/// The `model_type` of the model `moe train` starts from (the resumed checkpoint's when
+/// resuming).
+fn model_type(path: &Path) -> Result<String, TrainJobError> {
+    let path = config_path(path)?;
+    let config = read_json(&path)?;
+    config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| invalid(path.display().to_string(), "no `model_type` string"))
+}
+
 /// Runs this rank's part of `job` (every rank of the world calls it). `on_step` runs on rank 0
 /// after every step.
 pub fn run_rank(
+    ctx: &RankCtx,
+    job: &TrainJob,
+    on_step: &(dyn Fn(&StepMetrics) + Sync),
+) -> Result<TrainJobReport, TrainJobError> {
+    match model_type(&job.model)?.as_str() {
+        Qwen3MoeForCausalLM::FAMILY => run_model::<Qwen3MoeForCausalLM>(ctx, job, on_step),
+        DeepseekV3ForCausalLM::FAMILY => run_model::<DeepseekV3ForCausalLM>(ctx, job, on_step),
+        other => Err(invalid(
+            "model",
+            format!(
+                "{}: `model_type` \"{other}\" cannot be trained by `moe train` (qwen3_moe, \
+                 deepseek_v3)",
+                job.model.display()
+            ),
+        )),
+    }
+}
+
+/// [`run_rank`] for the model family `M`.
+fn run_model<M: JobModel>(
     ctx: &RankCtx,
     job: &TrainJob,
     on_step: &(dyn Fn(&StepMetrics) + Sync),
@@ -431,8 +538,7 @@ pub fn run_rank(
         Some(path) => {
             let ckpt = DistCheckpoint::open(path)?;
             let config_path = ckpt.dir().join(moe_bridge::hf::CONFIG_FILE);
-            let config = Qwen3MoeConfig::from_file(&config_path)?;
-            let template = config.init(&device)?;
+            let (template, vocab) = M::template(&config_path, &device)?;
             let mut trainer = Trainer::new(
                 &template,
                 &groups,
@@ -442,34 +548,27 @@ pub fn run_rank(
             )?;
             let state = restore_trainer(&ckpt, &mut trainer)?;
             let family = ckpt.index().model_family.clone();
-            (
-                trainer,
-                state,
-                read_json(&config_path)?,
-                family,
-                config.vocab_size,
-            )
+            (trainer, state, read_json(&config_path)?, family, vocab)
         }
         None => {
             let checkpoint = HfCheckpoint::open(&job.model)?;
             let config_path = job.model.join(moe_bridge::hf::CONFIG_FILE);
-            let config = Qwen3MoeConfig::from_file(&config_path)?;
-            let full = Qwen3MoeForCausalLM::from_weights(&config, &checkpoint, &device)?;
+            let (full, vocab) = M::from_hf(&checkpoint, &config_path, &device)?;
             let trainer =
                 Trainer::new(&full, &groups, world.clone(), job.trainer.clone(), &device)?;
+            drop(full);
             let state = TrainState {
                 step: 0,
                 data_position: 0,
                 rng_seed: 0,
                 extra: Default::default(),
             };
-            (
-                trainer,
-                state,
-                read_json(&config_path)?,
-                Some("qwen3_moe".into()),
-                config.vocab_size,
-            )
+            let mut config = read_json(&config_path)?;
+            // An FP8 release trains (and saves) dequantised weights.
+            if let Some(map) = config.as_object_mut() {
+                map.remove("quantization_config");
+            }
+            (trainer, state, config, Some(M::FAMILY.into()), vocab)
         }
     };
     let data = Data::open(job, vocab)?;
@@ -486,7 +585,7 @@ pub fn run_rank(
     let replicas = layout.dp * layout.cp;
     let per_replica = job.gbs / replicas;
     let mbs = job.mbs.unwrap_or(per_replica);
-    let replica = trainer.model().replica;
+    let replica = groups.groups.get(GroupFamily::DpCp).index;
     if let (Some(root), 0) = (&job.save, ctx.rank()) {
         clean_stale_saves(root);
     }
@@ -560,6 +659,7 @@ fn reduce_metrics(
             stats.loss,
             stats.aux_loss,
             stats.tokens_per_second as f32 / ranks_per_replica,
+            stats.mtp_loss.unwrap_or(0.0),
         ],
         &Device::flex(),
     );
@@ -576,6 +676,7 @@ fn reduce_metrics(
         step,
         loss: sums[0] / n,
         aux_loss: sums[1] / replicas,
+        mtp_loss: stats.mtp_loss.map(|_| sums[3] / n),
         grad_norm: stats.grad_norm,
         lr: stats.lr,
         tokens_per_s: f64::from(sums[2]),

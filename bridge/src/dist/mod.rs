@@ -42,6 +42,7 @@ pub mod validate;
 pub use files::{SavedChunk, TensorMeta};
 pub use index::{DcpIndex, TensorEntry, TensorKind};
 pub use load::DistCheckpoint;
+pub use placement::PlacedModel;
 pub use region::TensorBox;
 pub use save::{LocalChunk, OfflineWriter, SaveMeta, save_offline, save_spmd};
 pub use sharding::{RankShard, ShardRule, ShardingPlan};

@@ -2,26 +2,85 @@
 //! tensors of a distributed checkpoint (checkpoints.md §3): canonical fqn, global shape, the
 //! rank's box ([`ShardingPlan::rank_shard`]) and the orientation of Burn's storage.
 //!
-//! Supported: Qwen3-MoE shards ([`moe_models::distributed::ParallelQwen3Moe`]`::model`), the
-//! model [`moe_models::train::Trainer`] trains. Burn `Linear`s store `[in, out]` (the block
-//! is their transpose); stacked experts store `fc1 [L, 2F, H]`, the same row-major order as
-//! the canonical `gate_up_proj [L, 2, F, H]` block; a router's aux-loss-free expert bias is
-//! the buffer `mlp.gate.e_score_correction_bias`.
+//! Supported ([`PlacedModel`]): the shards the [`moe_models::train::Trainer`] trains —
+//! Qwen3-MoE ([`moe_models::distributed::ParallelQwen3Moe`]`::model`) and DeepSeek-V3 with
+//! its MTP modules ([`moe_models::distributed::ParallelDeepseekV3`]`::model`). Burn `Linear`s
+//! store `[in, out]` (the block is their transpose); stacked experts store `fc1 [L, 2F, H]`,
+//! the same row-major order as the canonical `gate_up_proj [L, 2, F, H]` block; a router's
+//! aux-loss-free expert bias is the buffer `mlp.gate.e_score_correction_bias`.
+//!
+//! Each walk states how the model shards every tensor (replicated, TP along a dimension,
+//! routed experts) and checks that the checkpoint's rule ([`shard_rule`]) agrees: a tensor the
+//! rules would place differently, or one without a canonical tensor, is an error naming it.
 
 use std::collections::HashMap;
 
-use burn::module::{Param, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::Tensor;
-use moe_backend::experts::GroupedExperts;
+use moe_backend::experts::{GroupedExperts, SharedExperts};
 use moe_backend::layer::MoeLayer;
 use moe_backend::optim::{ParamPlacement, transpose_2d};
+use moe_models::deepseek_v3::{
+    DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM,
+};
+use moe_models::layers::mla::{Mla, MlaQuery};
 use moe_models::layers::{Attention, Mlp, RmsNorm};
+use moe_models::mtp::MtpModule;
 use moe_models::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 
 use super::index::TensorKind;
 use super::sharding::{ShardRule, ShardingPlan, shard_rule};
 use crate::BridgeError;
+
+/// A model whose rank shards a distributed checkpoint can place: the training checkpoint
+/// functions ([`super::train_state`]) save and restore any such model's shard.
+pub trait PlacedModel: Module {
+    /// `num_hidden_layers` of the main model: the layers [`ShardingPlan::new`] spreads over
+    /// pipeline stages (MTP modules, stored as layers `N + j`, belong to the last stage).
+    fn num_main_layers(&self) -> usize;
+
+    /// The placement of every parameter and buffer of `self`, rank `rank`'s shard under
+    /// `plan`'s layout, in module order; `with_values` also copies their values (canonical
+    /// orientation). Errors name the tensor whose shard does not match the layout or the
+    /// checkpoint's sharding rules, or that has no canonical tensor.
+    fn placements(
+        &self,
+        plan: &ShardingPlan,
+        rank: usize,
+        with_values: bool,
+    ) -> Result<Vec<PlacedTensor>, BridgeError>;
+}
+
+impl PlacedModel for Qwen3MoeForCausalLM {
+    fn num_main_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+
+    fn placements(
+        &self,
+        plan: &ShardingPlan,
+        rank: usize,
+        with_values: bool,
+    ) -> Result<Vec<PlacedTensor>, BridgeError> {
+        qwen3_moe_placements(self, plan, rank, with_values)
+    }
+}
+
+impl PlacedModel for DeepseekV3ForCausalLM {
+    fn num_main_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+
+    fn placements(
+        &self,
+        plan: &ShardingPlan,
+        rank: usize,
+        with_values: bool,
+    ) -> Result<Vec<PlacedTensor>, BridgeError> {
+        deepseek_v3_placements(self, plan, rank, with_values)
+    }
+}
 
 /// One parameter (or buffer) of a rank's shard and its place in the checkpoint.
 #[derive(Debug, Clone)]
@@ -49,6 +108,15 @@ enum Storage {
     GatedExperts,
 }
 
+/// Replicated on every rank of the stage.
+const REPLICATED: ShardRule = ShardRule::Replicated;
+/// Column-parallel (canonical `[out, in]`: output features) or vocab-parallel.
+const TP_OUT: ShardRule = ShardRule::Tp { dim: 0 };
+/// Row-parallel (canonical `[out, in]`: input features).
+const TP_IN: ShardRule = ShardRule::Tp { dim: 1 };
+/// Routed experts: experts over EP, FFN width over ETP.
+const EXPERTS: ShardRule = ShardRule::Expert { etp_dim: 2 };
+
 struct Walk<'a> {
     plan: &'a ShardingPlan,
     rank: usize,
@@ -64,12 +132,33 @@ fn unsupported(fqn: &str, what: &str) -> BridgeError {
 }
 
 impl Walk<'_> {
+    fn new(plan: &ShardingPlan, rank: usize, with_values: bool) -> Walk<'_> {
+        Walk {
+            plan,
+            rank,
+            with_values,
+            out: Vec::new(),
+        }
+    }
+
+    /// Places `param` as canonical `fqn`, which the model shards by `rule` (checked against
+    /// the checkpoint's [`shard_rule`]).
     fn add<const D: usize>(
         &mut self,
         fqn: String,
         param: &Param<Tensor<D>>,
         storage: Storage,
+        rule: ShardRule,
     ) -> Result<(), BridgeError> {
+        let stored_rule = shard_rule(&fqn);
+        if stored_rule != rule {
+            return Err(BridgeError::Sharding {
+                tensor: fqn,
+                reason: format!(
+                    "the model shards it as {rule:?}, the checkpoint rules as {stored_rule:?}"
+                ),
+            });
+        }
         let burn_shape = param.shape().to_vec();
         let shape = match (storage, burn_shape.as_slice()) {
             (Storage::Same, _) => burn_shape.clone(),
@@ -84,12 +173,22 @@ impl Walk<'_> {
         };
         let layout = self.plan.layout();
         let mut global_shape = shape.clone();
-        match shard_rule(&fqn) {
+        let mut scale = |dim: usize, parts: usize| match global_shape.get_mut(dim) {
+            Some(extent) => {
+                *extent *= parts;
+                Ok(())
+            }
+            None => Err(BridgeError::Sharding {
+                tensor: fqn.clone(),
+                reason: format!("{rule:?} splits dim {dim} of a {burn_shape:?} parameter"),
+            }),
+        };
+        match rule {
             ShardRule::Replicated => {}
-            ShardRule::Tp { dim } => global_shape[dim] *= layout.tp,
+            ShardRule::Tp { dim } => scale(dim, layout.tp)?,
             ShardRule::Expert { etp_dim } => {
-                global_shape[0] *= layout.ep;
-                global_shape[etp_dim] *= layout.etp;
+                scale(0, layout.ep)?;
+                scale(etp_dim, layout.etp)?;
             }
         }
         let shard = self
@@ -146,35 +245,66 @@ impl Walk<'_> {
         Ok(())
     }
 
-    fn linear(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
+    /// A linear whose weight is sharded by `weight` and bias (if any) by `bias`.
+    fn linear_as(
+        &mut self,
+        prefix: &str,
+        linear: &Linear,
+        weight: ShardRule,
+        bias: ShardRule,
+    ) -> Result<(), BridgeError> {
         self.add(
             format!("{prefix}.weight"),
             &linear.weight,
             Storage::Transposed,
+            weight,
         )?;
-        if let Some(bias) = &linear.bias {
-            self.add(format!("{prefix}.bias"), bias, Storage::Same)?;
+        if let Some(b) = &linear.bias {
+            self.add(format!("{prefix}.bias"), b, Storage::Same, bias)?;
         }
         Ok(())
     }
 
+    /// Column-parallel (output features over TP, the bias with them).
+    fn column_parallel(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
+        self.linear_as(prefix, linear, TP_OUT, TP_OUT)
+    }
+
+    /// Row-parallel (input features over TP; a bias is added once, replicated).
+    fn row_parallel(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
+        self.linear_as(prefix, linear, TP_IN, REPLICATED)
+    }
+
+    /// Replicated linear.
+    fn replicated(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
+        self.linear_as(prefix, linear, REPLICATED, REPLICATED)
+    }
+
     fn norm(&mut self, prefix: &str, norm: &RmsNorm) -> Result<(), BridgeError> {
-        self.add(format!("{prefix}.weight"), &norm.weight, Storage::Same)
+        self.add(
+            format!("{prefix}.weight"),
+            &norm.weight,
+            Storage::Same,
+            REPLICATED,
+        )
     }
 
+    /// The vocab-parallel embedding.
     fn embedding(&mut self, fqn: &str, e: &Embedding) -> Result<(), BridgeError> {
-        self.add(fqn.to_owned(), &e.weight, Storage::Same)
+        self.add(fqn.to_owned(), &e.weight, Storage::Same, TP_OUT)
     }
 
+    /// Qwen attention: q/k/v column-parallel by head, `o_proj` row-parallel, QK-norms
+    /// replicated.
     fn attention(&mut self, p: &str, a: &Attention) -> Result<(), BridgeError> {
         for (name, linear) in [
             ("q_proj", &a.q_proj),
             ("k_proj", &a.k_proj),
             ("v_proj", &a.v_proj),
-            ("o_proj", &a.o_proj),
         ] {
-            self.linear(&format!("{p}.{name}"), linear)?;
+            self.column_parallel(&format!("{p}.{name}"), linear)?;
         }
+        self.row_parallel(&format!("{p}.o_proj"), &a.o_proj)?;
         if let Some(n) = &a.q_norm {
             self.norm(&format!("{p}.q_norm"), n)?;
         }
@@ -184,10 +314,29 @@ impl Walk<'_> {
         Ok(())
     }
 
+    /// MLA: the head-split up-projections (`q_proj` or `q_b_proj`, `kv_b_proj`)
+    /// column-parallel, `o_proj` row-parallel; the latent down-projections and their norms
+    /// replicated.
+    fn mla(&mut self, p: &str, a: &Mla) -> Result<(), BridgeError> {
+        match &a.query {
+            MlaQuery::Direct(q_proj) => self.column_parallel(&format!("{p}.q_proj"), q_proj)?,
+            MlaQuery::LowRank(q) => {
+                self.replicated(&format!("{p}.q_a_proj"), &q.q_a_proj)?;
+                self.norm(&format!("{p}.q_a_layernorm"), &q.q_a_layernorm)?;
+                self.column_parallel(&format!("{p}.q_b_proj"), &q.q_b_proj)?;
+            }
+        }
+        self.replicated(&format!("{p}.kv_a_proj_with_mqa"), &a.kv_a_proj_with_mqa)?;
+        self.norm(&format!("{p}.kv_a_layernorm"), &a.kv_a_layernorm)?;
+        self.column_parallel(&format!("{p}.kv_b_proj"), &a.kv_b_proj)?;
+        self.row_parallel(&format!("{p}.o_proj"), &a.o_proj)
+    }
+
+    /// A dense SwiGLU MLP: gate/up column-parallel, down row-parallel.
     fn mlp(&mut self, p: &str, mlp: &Mlp) -> Result<(), BridgeError> {
-        self.linear(&format!("{p}.gate_proj"), &mlp.gate_proj)?;
-        self.linear(&format!("{p}.up_proj"), &mlp.up_proj)?;
-        self.linear(&format!("{p}.down_proj"), &mlp.down_proj)
+        self.column_parallel(&format!("{p}.gate_proj"), &mlp.gate_proj)?;
+        self.column_parallel(&format!("{p}.up_proj"), &mlp.up_proj)?;
+        self.row_parallel(&format!("{p}.down_proj"), &mlp.down_proj)
     }
 
     fn experts(&mut self, p: &str, experts: &GroupedExperts) -> Result<(), BridgeError> {
@@ -207,13 +356,39 @@ impl Walk<'_> {
             format!("{p}.gate_up_proj"),
             &experts.fc1,
             Storage::GatedExperts,
+            EXPERTS,
         )?;
-        self.add(format!("{p}.down_proj"), &experts.fc2, Storage::Same)
+        self.add(
+            format!("{p}.down_proj"),
+            &experts.fc2,
+            Storage::Same,
+            EXPERTS,
+        )
     }
 
-    fn moe(&mut self, p: &str, moe: &MoeLayer) -> Result<(), BridgeError> {
+    /// Shared experts: replicated (they run on the sequence-parallel tokens).
+    fn shared_experts(&mut self, p: &str, shared: &SharedExperts) -> Result<(), BridgeError> {
+        if shared.gate.is_some() {
+            return Err(unsupported(
+                &format!("{p}.gate.weight"),
+                "a shared-expert output gate",
+            ));
+        }
+        self.replicated(&format!("{p}.gate_proj"), &shared.gate_proj)?;
+        self.replicated(&format!("{p}.up_proj"), &shared.up_proj)?;
+        self.replicated(&format!("{p}.down_proj"), &shared.down_proj)
+    }
+
+    /// An MoE block: router weight and expert bias replicated, routed experts over EP × ETP,
+    /// shared experts (DeepSeek-V3 only) replicated.
+    fn moe(&mut self, p: &str, moe: &MoeLayer, shared_allowed: bool) -> Result<(), BridgeError> {
         let router = &moe.router;
-        self.add(format!("{p}.gate.weight"), &router.weight, Storage::Same)?;
+        self.add(
+            format!("{p}.gate.weight"),
+            &router.weight,
+            Storage::Same,
+            REPLICATED,
+        )?;
         if router.bias.is_some() {
             return Err(unsupported(&format!("{p}.gate.bias"), "a router bias"));
         }
@@ -222,15 +397,50 @@ impl Walk<'_> {
                 format!("{p}.gate.e_score_correction_bias"),
                 bias,
                 Storage::Same,
+                REPLICATED,
             )?;
         }
-        if moe.shared_experts.is_some() {
-            return Err(unsupported(
-                &format!("{p}.shared_experts"),
-                "Qwen3-MoE shared experts",
-            ));
+        match &moe.shared_experts {
+            Some(shared) if shared_allowed => {
+                self.shared_experts(&format!("{p}.shared_experts"), shared)?;
+            }
+            Some(_) => {
+                return Err(unsupported(
+                    &format!("{p}.shared_experts"),
+                    "Qwen3-MoE shared experts",
+                ));
+            }
+            None => {}
         }
         self.experts(&format!("{p}.experts"), &moe.experts)
+    }
+
+    /// One DeepSeek-V3 decoder layer under `p` (`model.layers.{l}`).
+    fn deepseek_layer(
+        &mut self,
+        p: &str,
+        layer: &DeepseekV3DecoderLayer,
+    ) -> Result<(), BridgeError> {
+        self.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm)?;
+        self.mla(&format!("{p}.self_attn"), &layer.self_attn)?;
+        self.norm(
+            &format!("{p}.post_attention_layernorm"),
+            &layer.post_attention_layernorm,
+        )?;
+        match &layer.mlp {
+            DeepseekV3FeedForward::Dense(mlp) => self.mlp(&format!("{p}.mlp"), mlp),
+            DeepseekV3FeedForward::Moe(block) => self.moe(&format!("{p}.mlp"), &block.moe, true),
+        }
+    }
+
+    /// One MTP module, stored as layer `p` (`model.layers.{N+j}`): `enorm`, `hnorm`,
+    /// `eh_proj` and `shared_head.norm` replicated, the block sharded like any layer.
+    fn mtp(&mut self, p: &str, m: &MtpModule) -> Result<(), BridgeError> {
+        self.norm(&format!("{p}.enorm"), &m.enorm)?;
+        self.norm(&format!("{p}.hnorm"), &m.hnorm)?;
+        self.replicated(&format!("{p}.eh_proj"), &m.eh_proj)?;
+        self.deepseek_layer(p, &m.block)?;
+        self.norm(&format!("{p}.shared_head.norm"), &m.shared_head_norm)
     }
 }
 
@@ -243,12 +453,7 @@ pub fn qwen3_moe_placements(
     rank: usize,
     with_values: bool,
 ) -> Result<Vec<PlacedTensor>, BridgeError> {
-    let mut w = Walk {
-        plan,
-        rank,
-        with_values,
-        out: Vec::new(),
-    };
+    let mut w = Walk::new(plan, rank, with_values);
     let m = &model.model;
     w.embedding("model.embed_tokens.weight", &m.embed_tokens)?;
     for (l, layer) in m.layers.iter().enumerate() {
@@ -261,12 +466,52 @@ pub fn qwen3_moe_placements(
         )?;
         match &layer.mlp {
             Qwen3MoeFeedForward::Dense(mlp) => w.mlp(&format!("{p}.mlp"), mlp)?,
-            Qwen3MoeFeedForward::Sparse(block) => w.moe(&format!("{p}.mlp"), &block.moe)?,
+            Qwen3MoeFeedForward::Sparse(block) => {
+                w.moe(&format!("{p}.mlp"), &block.moe, false)?;
+            }
         }
     }
     w.norm("model.norm", &m.norm)?;
     if let Some(head) = &model.lm_head {
-        w.linear("lm_head", head)?;
+        w.column_parallel("lm_head", head)?;
+    }
+    Ok(w.out)
+}
+
+/// The placement of every parameter and buffer of `model`, rank `rank`'s shard of a
+/// DeepSeek-V3 ([`moe_models::distributed::ParallelDeepseekV3`]) under `plan`'s layout, in
+/// module order: the main model (MLA, dense MLPs, MoE blocks with their shared experts and
+/// `e_score_correction_bias`, embedding, final norm, untied head), then MTP module `j` as layer
+/// `num_hidden_layers + j`. `with_values` also copies the values (canonical orientation).
+/// Errors name the tensor whose shard does not match the layout or the sharding rules.
+pub fn deepseek_v3_placements(
+    model: &DeepseekV3ForCausalLM,
+    plan: &ShardingPlan,
+    rank: usize,
+    with_values: bool,
+) -> Result<Vec<PlacedTensor>, BridgeError> {
+    let mut w = Walk::new(plan, rank, with_values);
+    let m = &model.model;
+    let n = model.config().num_hidden_layers;
+    if m.layers.len() != n {
+        return Err(BridgeError::Sharding {
+            tensor: "model.layers".to_owned(),
+            reason: format!(
+                "the model has {} decoder layers, its config num_hidden_layers = {n}",
+                m.layers.len()
+            ),
+        });
+    }
+    w.embedding("model.embed_tokens.weight", &m.embed_tokens)?;
+    for (l, layer) in m.layers.iter().enumerate() {
+        w.deepseek_layer(&format!("model.layers.{l}"), layer)?;
+    }
+    w.norm("model.norm", &m.norm)?;
+    if let Some(head) = &model.lm_head {
+        w.column_parallel("lm_head", head)?;
+    }
+    for (j, module) in model.mtp.iter().enumerate() {
+        w.mtp(&format!("model.layers.{}", n + j), module)?;
     }
     Ok(w.out)
 }
@@ -274,4 +519,257 @@ pub fn qwen3_moe_placements(
 /// Placements by parameter id.
 pub fn by_id(placed: &[PlacedTensor]) -> HashMap<ParamId, &PlacedTensor> {
     placed.iter().map(|p| (p.id, p)).collect()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::collections::{BTreeMap, HashMap};
+    use std::path::Path;
+
+    use burn::module::{ModuleVisitor, Param, ParamId};
+    use burn::tensor::{Device, Tensor};
+    use moe_backend::BackendError;
+    use moe_backend::comm::World;
+    use moe_backend::parallel::ParallelLayout;
+    use moe_models::DeepseekV3Config;
+    use moe_models::deepseek_v3::DeepseekV3ForCausalLM;
+    use moe_models::distributed::{DispatcherKind, ParallelDeepseekV3};
+
+    use super::*;
+    use crate::dist::region::TensorBox;
+    use crate::dist::validate::check_tiling;
+    use crate::fp8::DEFAULT_BLOCK_SIZE;
+    use crate::mapping::{ExpertLayout, HfRole, canonical_tensors, deepseek_v3_expected};
+
+    /// A random DeepSeek-V3 with every part the walk knows: a dense layer, an MoE layer with a
+    /// shared expert and group-limited routing, one MTP module; the low-rank or the plain
+    /// query path. Heads and vocabulary divide by 2, experts by 8, expert width by 2.
+    pub(crate) fn tiny_deepseek_config(q_lora_rank: Option<usize>) -> DeepseekV3Config {
+        DeepseekV3Config {
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 24,
+            moe_intermediate_size: 8,
+            num_hidden_layers: 2,
+            first_k_dense_replace: 1,
+            num_attention_heads: 2,
+            n_routed_experts: 8,
+            num_experts_per_tok: 2,
+            n_group: 4,
+            topk_group: 2,
+            n_shared_experts: 1,
+            q_lora_rank,
+            kv_lora_rank: 8,
+            qk_nope_head_dim: 4,
+            qk_rope_head_dim: 4,
+            v_head_dim: 4,
+            num_nextn_predict_layers: 1,
+            ..DeepseekV3Config::default()
+        }
+    }
+
+    /// Every parameter id of a module, in visiting order.
+    struct Ids(Vec<ParamId>);
+
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+
+    fn be(e: impl std::fmt::Display) -> BackendError {
+        BackendError::Replay(e.to_string())
+    }
+
+    /// `(fqn, global shape, box, main replica)` of every tensor one rank holds.
+    type RankTensors = Vec<(String, Vec<usize>, TensorBox, bool)>;
+
+    /// Every rank of `layout` shards `full` and places its shard; each rank's parameter ids
+    /// are placed exactly once.
+    fn place_every_rank(full: &DeepseekV3ForCausalLM, layout: &ParallelLayout) -> Vec<RankTensors> {
+        World::run(layout.world, |ctx| {
+            let groups = ctx.process_groups(layout)?;
+            let shard =
+                ParallelDeepseekV3::shard(full, &groups, DispatcherKind::AllToAll).map_err(be)?;
+            let plan = ShardingPlan::new(layout, Some(full.num_main_layers())).map_err(be)?;
+            let placed = shard
+                .model
+                .placements(&plan, ctx.rank(), false)
+                .map_err(be)?;
+            let mut ids = Ids(Vec::new());
+            shard.model.visit(&mut ids);
+            let mut times: HashMap<ParamId, usize> = ids.0.iter().map(|id| (*id, 0)).collect();
+            for p in &placed {
+                let n = times.get_mut(&p.id).unwrap_or_else(|| {
+                    panic!(
+                        "{layout}: {} is not a parameter of the shard",
+                        p.placement.fqn
+                    )
+                });
+                *n += 1;
+            }
+            assert_eq!(
+                ids.0.len(),
+                placed.len(),
+                "{layout}: parameters vs placements"
+            );
+            assert!(
+                times.values().all(|&n| n == 1),
+                "{layout}: a parameter placed other than once"
+            );
+            Ok(placed
+                .into_iter()
+                .map(|p| {
+                    let pl = p.placement;
+                    let b = TensorBox::new(pl.offsets, pl.shape);
+                    (pl.fqn, pl.global_shape, b, p.main_replica)
+                })
+                .collect())
+        })
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("{layout} rank {r}: {e}")))
+        .collect()
+    }
+
+    /// The canonical tensors (name → global shape, `None` for stacked experts) a HF
+    /// checkpoint of `config` converts to: the names the checkpoint conversion writes.
+    fn canonical_of(config: &DeepseekV3Config) -> BTreeMap<String, Option<Vec<usize>>> {
+        let table = deepseek_v3_expected(
+            config,
+            ExpertLayout::PerExpert,
+            Path::new("config.json"),
+            DEFAULT_BLOCK_SIZE,
+        )
+        .unwrap();
+        let hf: Vec<(&String, &Vec<usize>)> = table
+            .iter()
+            .filter(|(_, e)| e.required && e.role == HfRole::Weight)
+            .map(|(n, e)| (n, &e.shape))
+            .collect();
+        let registry = crate::mapping::deepseek_v3();
+        canonical_tensors(&registry, hf.iter().map(|(n, _)| n.as_str()))
+            .into_iter()
+            .map(|(canon, experts)| {
+                let shape = match experts {
+                    Some(_) => None,
+                    None => hf
+                        .iter()
+                        .find(|(n, _)| **n == canon)
+                        .map(|(_, s)| (*s).clone()),
+                };
+                (canon, shape)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn deepseek_v3_shards_are_placed_once_and_tile_every_tensor() {
+        let device = Device::flex();
+        for q_lora_rank in [Some(8), None] {
+            let config = tiny_deepseek_config(q_lora_rank);
+            let full = config.init(&device).unwrap();
+            let canonical = canonical_of(&config);
+            for name in [
+                "model.layers.2.eh_proj.weight",
+                "model.layers.2.shared_head.norm.weight",
+                "model.layers.2.mlp.gate.e_score_correction_bias",
+                "model.layers.2.mlp.experts.gate_up_proj",
+                "model.layers.1.mlp.shared_experts.down_proj.weight",
+                "model.layers.0.mlp.down_proj.weight",
+            ] {
+                assert!(canonical.contains_key(name), "{name}");
+            }
+            for (world, spec) in [
+                (1, ""),
+                (2, "tp=2"),
+                (4, "tp=2,ep=2"),
+                (4, "ep=4"),
+                (4, "tp=2,ep=2,etp=2"),
+                (4, "tp=2,ep=4"),
+                (4, "ep=2,etp=2"),
+            ] {
+                let layout = ParallelLayout::parse(world, spec).unwrap();
+                let ranks = place_every_rank(&full, &layout);
+                let mut tensors: BTreeMap<String, (Vec<usize>, Vec<TensorBox>, usize)> =
+                    BTreeMap::new();
+                for rank in &ranks {
+                    for (fqn, global, b, main) in rank {
+                        let e = tensors
+                            .entry(fqn.clone())
+                            .or_insert_with(|| (global.clone(), Vec::new(), 0));
+                        assert_eq!(&e.0, global, "{spec}: {fqn}: global shapes differ");
+                        e.2 += 1;
+                        if *main {
+                            e.1.push(b.clone());
+                        }
+                    }
+                }
+                // Exactly the canonical tensors of a converted HF checkpoint, same shapes.
+                let names: Vec<&String> = tensors.keys().collect();
+                let want: Vec<&String> = canonical.keys().collect();
+                assert_eq!(names, want, "{spec} q_lora_rank {q_lora_rank:?}: tensors");
+                for (fqn, (global, boxes, holders)) in &tensors {
+                    if let Some(Some(shape)) = canonical.get(fqn) {
+                        assert_eq!(global, shape, "{spec}: {fqn}: global shape");
+                    }
+                    assert_eq!(*holders, world, "{spec}: {fqn}: every rank holds a box");
+                    check_tiling(boxes, global)
+                        .unwrap_or_else(|e| panic!("{spec} q_lora {q_lora_rank:?}: {fqn}: {e}"));
+                }
+                // TP halves the MTP block's head projections; the shared experts stay whole.
+                let held = |fqn: &str| {
+                    let t = ranks[0].iter().find(|t| t.0 == fqn).unwrap();
+                    (t.2.shape.clone(), t.1.clone())
+                };
+                let (kv_b, kv_b_global) = held("model.layers.2.self_attn.kv_b_proj.weight");
+                assert_eq!(kv_b[0] * layout.tp, kv_b_global[0], "{spec}: kv_b_proj");
+                let (shared, shared_global) =
+                    held("model.layers.1.mlp.shared_experts.gate_proj.weight");
+                assert_eq!(shared, shared_global, "{spec}: shared experts");
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_or_misruled_tensors_are_errors_naming_them() {
+        let config = tiny_deepseek_config(Some(8));
+        let full = config.init(&Device::flex()).unwrap();
+        let layout = ParallelLayout::parse(1, "").unwrap();
+        let plan = ShardingPlan::new(&layout, Some(2)).unwrap();
+        // A shared-expert output gate has no canonical tensor.
+        let mut gated = full.clone();
+        if let DeepseekV3FeedForward::Moe(block) = &mut gated.mtp[0].block.mlp {
+            let shared = block.moe.shared_experts.as_mut().unwrap();
+            shared.gate = Some(burn::nn::LinearConfig::new(16, 1).init(&Device::flex()));
+        }
+        let err = deepseek_v3_placements(&gated, &plan, 0, false).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("model.layers.2.mlp.shared_experts.gate.weight"),
+            "{err}"
+        );
+        // A biased dense MLP projection: column-parallel by the model, replicated by the rules.
+        let mut biased = full.clone();
+        if let DeepseekV3FeedForward::Dense(mlp) = &mut biased.model.layers[0].mlp {
+            mlp.gate_proj = burn::nn::LinearConfig::new(16, 24).init(&Device::flex());
+        }
+        let err = deepseek_v3_placements(&biased, &plan, 0, false).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("model.layers.0.mlp.gate_proj.bias"),
+            "{err}"
+        );
+        // The values come in canonical orientation, one per element of the box.
+        let placed = deepseek_v3_placements(&full, &plan, 0, true).unwrap();
+        for p in &placed {
+            let n: usize = p.placement.shape.iter().product();
+            assert_eq!(
+                p.values.as_ref().map(Vec::len),
+                Some(n),
+                "{}",
+                p.placement.fqn
+            );
+        }
+    }
 }

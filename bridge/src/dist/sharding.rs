@@ -4,10 +4,14 @@
 //!
 //! | tensor | split |
 //! |---|---|
-//! | `embed_tokens`, `lm_head`, `q/k/v_proj` (+ biases), `q_b_proj`, `kv_b_proj`, dense and shared `gate_proj`/`up_proj` | TP dim 0 |
-//! | `o_proj.weight`, dense and shared `down_proj` | TP dim 1 |
+//! | `embed_tokens`, `lm_head`, `q/k/v_proj` (+ biases; DeepSeek's `q_proj` when `q_lora_rank` is unset), `q_b_proj`, `kv_b_proj`, dense `gate_proj`/`up_proj` | TP dim 0 |
+//! | `o_proj.weight`, dense `down_proj` | TP dim 1 |
 //! | `experts.gate_up_proj [E,2,Im,H]`, `experts.down_proj [E,H,Im]` | EP dim 0, ETP dim 2 |
-//! | everything else (norms, router, `e_score_correction_bias`, `q_a_proj`, `kv_a_proj_with_mqa`, `eh_proj`) | replicated |
+//! | everything else: norms (incl. `q_a_layernorm`, `kv_a_layernorm`, MTP `enorm`/`hnorm`/`shared_head.norm`), router `gate.weight`, `e_score_correction_bias`, `q_a_proj`, `kv_a_proj_with_mqa`, `o_proj.bias`, the shared experts `mlp.shared_experts.*`, MTP `eh_proj` | replicated |
+//!
+//! The shared experts are replicated as the sharded models hold them (they run on the
+//! sequence-parallel tokens, their gradients summed over TP); checkpoints.md §3 lists them with
+//! the dense MLPs, which no model here shards that way.
 //!
 //! Main replicas: TP-sharded dense tensors are written by `dp_cp` rank 0, replicated dense
 //! tensors by `tp` rank 0 ∧ `dp_cp` rank 0, expert tensors by `expt_dp` rank 0. With PP a
@@ -61,7 +65,10 @@ pub fn shard_rule(fqn: &str) -> ShardRule {
     if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
         return ShardRule::Tp { dim: 0 };
     }
-    const DIM0: [&str; 11] = [
+    // Column-parallel (output features, canonical dim 0) and row-parallel (input features,
+    // dim 1) tensors, matched as `.<suffix>`: `mlp.gate_proj.weight` is a dense MLP's, not the
+    // (replicated) `mlp.shared_experts.gate_proj.weight`.
+    const DIM0: [&str; 12] = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
@@ -69,18 +76,15 @@ pub fn shard_rule(fqn: &str) -> ShardRule {
         "self_attn.k_proj.bias",
         "self_attn.v_proj.bias",
         "self_attn.q_b_proj.weight",
+        "self_attn.q_b_proj.bias",
         "self_attn.kv_b_proj.weight",
+        "self_attn.kv_b_proj.bias",
         "mlp.gate_proj.weight",
         "mlp.up_proj.weight",
-        "mlp.shared_experts.gate_proj.weight",
     ];
-    const DIM1: [&str; 3] = [
-        "self_attn.o_proj.weight",
-        "mlp.down_proj.weight",
-        "mlp.shared_experts.down_proj.weight",
-    ];
+    const DIM1: [&str; 2] = ["self_attn.o_proj.weight", "mlp.down_proj.weight"];
     let ends = |suffix: &&str| name.ends_with(&format!(".{suffix}"));
-    if DIM0.iter().any(ends) || name.ends_with(".mlp.shared_experts.up_proj.weight") {
+    if DIM0.iter().any(ends) {
         ShardRule::Tp { dim: 0 }
     } else if DIM1.iter().any(ends) {
         ShardRule::Tp { dim: 1 }
@@ -257,13 +261,32 @@ mod tests {
                 Replicated,
             ),
             ("model.layers.0.self_attn.o_proj.weight", Tp { dim: 1 }),
+            ("model.layers.0.self_attn.q_a_layernorm.weight", Replicated),
+            ("model.layers.0.self_attn.kv_a_layernorm.weight", Replicated),
+            ("model.layers.0.self_attn.q_b_proj.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.o_proj.bias", Replicated),
+            (
+                "model.layers.0.mlp.shared_experts.gate_proj.weight",
+                Replicated,
+            ),
             (
                 "model.layers.0.mlp.shared_experts.up_proj.weight",
-                Tp { dim: 0 },
+                Replicated,
             ),
             (
                 "model.layers.0.mlp.shared_experts.down_proj.weight",
-                Tp { dim: 1 },
+                Replicated,
+            ),
+            // MTP module 0 of a 3-layer model is layer 3.
+            ("model.layers.3.enorm.weight", Replicated),
+            ("model.layers.3.hnorm.weight", Replicated),
+            ("model.layers.3.eh_proj.weight", Replicated),
+            ("model.layers.3.shared_head.norm.weight", Replicated),
+            ("model.layers.3.self_attn.kv_b_proj.weight", Tp { dim: 0 }),
+            ("model.layers.3.self_attn.o_proj.weight", Tp { dim: 1 }),
+            (
+                "model.layers.3.mlp.experts.gate_up_proj",
+                Expert { etp_dim: 2 },
             ),
             ("model.layers.0.mlp.down_proj.weight", Tp { dim: 1 }),
             (
@@ -326,10 +349,35 @@ mod tests {
         assert_eq!(plan.stage_of("model.layers.1.mlp.gate.weight"), 0);
         assert_eq!(plan.stage_of("model.layers.2.mlp.gate.weight"), 1);
         assert_eq!(plan.stage_of("model.layers.4.enorm.weight"), 1);
+        assert_eq!(plan.stage_of("model.layers.5.mlp.gate.weight"), 1);
         assert_eq!(plan.stage_of("lm_head.weight"), 1);
         let boxes = plan.main_boxes("lm_head.weight", &[32, 16]).unwrap();
         let ranks: Vec<usize> = boxes.iter().map(|(r, _)| *r).collect();
         assert_eq!(ranks, [2, 3]);
+    }
+
+    #[test]
+    fn mtp_layers_beyond_num_layers_are_placed_without_pipeline() {
+        // MTP module 0 of a 2-layer model is layer 2: every rank of a pp = 1 plan holds it.
+        let layout = ParallelLayout::parse(4, "tp=2,ep=2").unwrap();
+        let plan = ShardingPlan::new(&layout, Some(2)).unwrap();
+        for (fqn, shape) in [
+            ("model.layers.2.eh_proj.weight", vec![16, 32]),
+            ("model.layers.2.self_attn.q_b_proj.weight", vec![16, 8]),
+            ("model.layers.2.mlp.experts.down_proj", vec![4, 16, 8]),
+        ] {
+            assert_eq!(plan.stage_of(fqn), 0);
+            for rank in 0..4 {
+                assert!(plan.rank_shard(fqn, &shape, rank).unwrap().is_some());
+            }
+            let boxes: Vec<TensorBox> = plan
+                .main_boxes(fqn, &shape)
+                .unwrap()
+                .into_iter()
+                .map(|(_, b)| b)
+                .collect();
+            check_tiling(&boxes, &shape).unwrap();
+        }
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! every rank and restored under any layout (checkpoints.md §6–§7).
 //!
 //! - Parameters and buffers (e.g. the expert bias) are saved as canonical tensors from each
-//!   rank's model shard ([`super::placement`]), by their main replicas, in F32.
+//!   rank's model shard ([`super::placement::PlacedModel`]: Qwen3-MoE, DeepSeek-V3 with its MTP
+//!   modules), by their main replicas, in F32.
 //! - The ZeRO-1 optimizer state is saved as `optim.{master|exp_avg|exp_avg_sq}.<fqn>` with the
 //!   parameter's global shape: every rank writes the boxes of its own flat range
 //!   ([`DistributedAdamW::state_pieces`]; TP-replicated parameters by TP rank 0 only), the
@@ -18,14 +19,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::module::{ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use moe_backend::BackendError;
 use moe_backend::comm::Comm;
 use moe_backend::optim::{
     DistributedAdamW, MomentDtype, OptimState, ParamInfo, ParamPlacement, StatePiece, transpose_2d,
 };
-use moe_models::qwen3_moe::Qwen3MoeForCausalLM;
+use moe_models::distributed::{CausalLmShard, ParallelCausalLm};
 use moe_models::train::Trainer;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -34,7 +35,7 @@ use super::files::TensorMeta;
 use super::fp8::{every_box_aligned, fp8_chunks, read_fp8_weight, scale_fqn};
 use super::index::{Fp8Record, OptimizerRecord, TensorKind};
 use super::load::DistCheckpoint;
-use super::placement::{PlacedTensor, by_id, qwen3_moe_placements};
+use super::placement::{PlacedModel, PlacedTensor, by_id};
 use super::region::TensorBox;
 use super::save::{LocalChunk, SaveMeta, save_spmd};
 use super::sharding::ShardingPlan;
@@ -167,16 +168,17 @@ fn optimizer_chunks(
 }
 
 /// Saves a training checkpoint of step `state.step` into `root`; every rank of `comm` (the
-/// world) calls it with its shard `model` (Qwen3-MoE) and optimizer. `meta` supplies the
+/// world) calls it with its shard `model` (any [`PlacedModel`]: Qwen3-MoE, DeepSeek-V3 with its
+/// MTP modules) and optimizer. `meta` supplies the
 /// layout (which must be the one `model` was sharded under), `config.json`, model family and
 /// extra JSON files (e.g. from [`super::convert::checkpoint_meta`]); its step, optimizer record
 /// and [`TRAIN_STATE_OBJECT`] are set here. Without an optimizer the checkpoint is model-only.
 /// Atomic like [`save_spmd`]; returns the committed `iter_*` directory on every rank.
-pub fn save_training_state(
+pub fn save_training_state<M: PlacedModel>(
     comm: &Comm,
     root: &Path,
     mut meta: SaveMeta,
-    model: &Qwen3MoeForCausalLM,
+    model: &M,
     optimizer: Option<&DistributedAdamW>,
     state: &TrainState,
 ) -> Result<PathBuf, BridgeError> {
@@ -185,8 +187,8 @@ pub fn save_training_state(
         .get(comm.rank())
         .copied()
         .unwrap_or(comm.rank());
-    let plan = ShardingPlan::new(&meta.layout, Some(model.config().num_hidden_layers))?;
-    let placed = qwen3_moe_placements(model, &plan, rank, true)?;
+    let plan = ShardingPlan::new(&meta.layout, Some(model.num_main_layers()))?;
+    let placed = model.placements(&plan, rank, true)?;
     let mut owned = Vec::new();
     // FP8 primary weights are saved as their FP8 bytes with `<fqn>_scale_inv` (the checkpoint
     // keeps exactly the weights the model computes with); the f32 master is in `optim.master`.
@@ -289,17 +291,17 @@ impl ModuleMapper for SetValues {
     }
 }
 
-/// `model` (rank `rank`'s Qwen3-MoE shard under `plan`'s layout) with every parameter and
+/// `model` (rank `rank`'s shard under `plan`'s layout) with every parameter and
 /// buffer read from `ckpt`: each rank reads only its own boxes (cast to f32 when stored in
 /// BF16, dequantised exactly to f32 when stored in FP8 with scales). Errors name the missing
 /// or mismatching tensor.
-pub fn load_model_state(
+pub fn load_model_state<M: PlacedModel>(
     ckpt: &DistCheckpoint,
-    model: Qwen3MoeForCausalLM,
+    model: M,
     plan: &ShardingPlan,
     rank: usize,
-) -> Result<Qwen3MoeForCausalLM, BridgeError> {
-    let placed = qwen3_moe_placements(&model, plan, rank, false)?;
+) -> Result<M, BridgeError> {
+    let placed = model.placements(plan, rank, false)?;
     let mut values = HashMap::with_capacity(placed.len());
     for p in &placed {
         let pl = &p.placement;
@@ -334,10 +336,10 @@ pub fn load_model_state(
 /// `ckpt`: the master weights and moments of its own flat ranges, read as boxes of the
 /// `optim.*` tensors, and the step count. A model-only checkpoint sets the master weights
 /// from `model` instead (moments stay as they are). Returns whether optimizer state was read.
-pub fn load_optimizer_state(
+pub fn load_optimizer_state<M: PlacedModel>(
     ckpt: &DistCheckpoint,
     optimizer: &mut DistributedAdamW,
-    model: &Qwen3MoeForCausalLM,
+    model: &M,
     plan: &ShardingPlan,
     rank: usize,
 ) -> Result<bool, BridgeError> {
@@ -355,7 +357,7 @@ pub fn load_optimizer_state(
             reason: format!("\"{}\" cannot restore an AdamW optimizer", record.kind),
         });
     }
-    let placed = qwen3_moe_placements(model, plan, rank, false)?;
+    let placed = model.placements(plan, rank, false)?;
     let ids = by_id(&placed);
     let pieces = optimizer
         .state_pieces(&placer(&ids))
@@ -391,12 +393,12 @@ pub fn read_train_state(ckpt: &DistCheckpoint) -> Result<Option<TrainState>, Bri
         })
 }
 
-/// [`save_training_state`] of a [`Trainer`] (its shard and optimizer).
-pub fn save_trainer(
+/// [`save_training_state`] of a [`Trainer`] of any placed model (its shard and optimizer).
+pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
     comm: &Comm,
     root: &Path,
     meta: SaveMeta,
-    trainer: &Trainer,
+    trainer: &Trainer<M>,
     state: &TrainState,
 ) -> Result<PathBuf, BridgeError> {
     let layout = &trainer.process_groups().layout;
@@ -414,7 +416,7 @@ pub fn save_trainer(
         comm,
         root,
         meta,
-        &trainer.model().model,
+        trainer.model().model(),
         Some(trainer.optimizer()),
         state,
     )
@@ -425,15 +427,15 @@ pub fn save_trainer(
 /// blocks on block-aligned boxes of every rank, else a fresh cast of the restored master
 /// weights (a collective; the choice depends only on the checkpoint and the layout, so every
 /// rank makes the same one). Returns `model` with the decoded values.
-fn restore_fp8_weights(
+fn restore_fp8_weights<M: PlacedModel>(
     ckpt: &DistCheckpoint,
     optimizer: &mut DistributedAdamW,
-    model: Qwen3MoeForCausalLM,
+    model: M,
     plan: &ShardingPlan,
     rank: usize,
-) -> Result<Qwen3MoeForCausalLM, BridgeError> {
+) -> Result<M, BridgeError> {
     let dir = ckpt.dir().to_path_buf();
-    let placed = qwen3_moe_placements(&model, plan, rank, false)?;
+    let placed = model.placements(plan, rank, false)?;
     let mut loaded = HashMap::new();
     let mut adopt = true;
     for p in &placed {
@@ -467,24 +469,24 @@ fn restore_fp8_weights(
     }
 }
 
-/// Restores a [`Trainer`] (built for any layout) from `ckpt`: this rank's parameters, its
+/// Restores a [`Trainer`] of any placed model (built for any layout) from `ckpt`: this rank's
+/// parameters and buffers (e.g. the expert bias), its
 /// optimizer shards (or master weights from the parameters for a model-only checkpoint), the
 /// step count and, with FP8 primary weights, their FP8 copies (the stored FP8
 /// bytes when they fit the optimizer's blocks, else a cast of the restored master weights).
 /// Returns the stored [`TrainState`], or one at the index's step when the checkpoint has none.
-pub fn restore_trainer(
+pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     ckpt: &DistCheckpoint,
-    trainer: &mut Trainer,
+    trainer: &mut Trainer<M>,
 ) -> Result<TrainState, BridgeError> {
     let groups = trainer.process_groups().clone();
     let (shard, optimizer) = trainer.parts_mut();
-    let num_layers = shard.model.config().num_hidden_layers;
-    let plan = ShardingPlan::new(&groups.layout, Some(num_layers))?;
-    shard.model = load_model_state(ckpt, shard.model.clone(), &plan, groups.rank)?;
-    load_optimizer_state(ckpt, optimizer, &shard.model, &plan, groups.rank)?;
+    let model = shard.model_mut();
+    let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()))?;
+    *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
+    load_optimizer_state(ckpt, optimizer, &*model, &plan, groups.rank)?;
     if optimizer.fp8_config().is_some() {
-        shard.model =
-            restore_fp8_weights(ckpt, optimizer, shard.model.clone(), &plan, groups.rank)?;
+        *model = restore_fp8_weights(ckpt, optimizer, model.clone(), &plan, groups.rank)?;
     }
     Ok(read_train_state(ckpt)?.unwrap_or(TrainState {
         step: ckpt.index().step,
@@ -492,5 +494,7 @@ pub fn restore_trainer(
     }))
 }
 
+#[cfg(test)]
+mod deepseek_tests;
 #[cfg(test)]
 mod tests;

@@ -149,7 +149,7 @@ fn shard_layer(
 ) -> Result<(), ModelError> {
     let (rank, tp) = rt.tp_rank_size();
     let attn = &src.self_attn;
-    if attn.num_heads % tp != 0 {
+    if !attn.num_heads.is_multiple_of(tp) {
         return Err(ModelError::invalid(
             "tp",
             format!("{} heads cannot be split over tp = {tp}", attn.num_heads),

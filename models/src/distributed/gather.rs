@@ -16,7 +16,7 @@ use moe_backend::parallel::GroupFamily;
 
 use super::{ParallelDeepseekV3, ParallelQwen3Moe, err, param_class};
 use crate::ModelError;
-use crate::deepseek_v3::DeepseekV3ForCausalLM;
+use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 struct Gatherer {
@@ -141,7 +141,10 @@ pub fn gather_full_qwen3_moe(
     Ok(full)
 }
 
-/// The full DeepSeek-V3 reassembled from every rank's shard (collective: call on every rank).
+/// The full DeepSeek-V3 reassembled from every rank's shard, MTP modules included
+/// (collective: call on every rank). The replicated tensors (norms, routers and their expert
+/// bias, shared experts, MLA down-projections, the MTP modules' `enorm`/`hnorm`/`eh_proj`/
+/// `shared_head.norm`) are this rank's copies; the MTP blocks are gathered like decoder layers.
 pub fn gather_full_deepseek_v3(
     shard: &ParallelDeepseekV3,
     groups: &GroupComms,
@@ -152,8 +155,121 @@ pub fn gather_full_deepseek_v3(
         return Err(e);
     }
     let heads = full.config().num_attention_heads;
-    for layer in &mut full.model.layers {
+    let mtp_blocks = full.mtp.iter_mut().map(|m| &mut m.block);
+    for layer in full.model.layers.iter_mut().chain(mtp_blocks) {
         layer.self_attn.num_heads = heads;
+        // As for Qwen3-MoE: the full model is a single-rank model without the shard's
+        // training losses and their groups.
+        if let DeepseekV3FeedForward::Moe(block) = &mut layer.mlp {
+            block
+                .moe
+                .router
+                .set_losses(Vec::new(), None, 1, 1)
+                .map_err(err)?;
+        }
     }
     Ok(full)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Int, Tensor};
+    use moe_backend::BackendError;
+    use moe_backend::comm::World;
+    use moe_backend::parallel::ParallelLayout;
+
+    use super::*;
+    use crate::DeepseekV3Config;
+    use crate::distributed::DispatcherKind;
+    use crate::export::export_hf_tensors;
+
+    fn f32s<const D: usize>(t: Tensor<D>) -> Vec<u32> {
+        t.into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("f32")
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    }
+
+    /// What the gathered model is compared on: its HF tensors (names, shapes, bytes) and the
+    /// bits of its main and MTP logits.
+    type Fingerprint = (Vec<(String, Vec<usize>, Vec<u8>)>, Vec<u32>, Vec<Vec<u32>>);
+
+    fn fingerprint(model: &DeepseekV3ForCausalLM) -> Fingerprint {
+        let tensors = export_hf_tensors(model)
+            .map(|(name, data)| (name, data.shape().to_vec(), data.as_bytes().to_vec()))
+            .collect();
+        let ids = Tensor::<2, Int>::from_data([[1, 5, 9, 2, 7, 3]], &Device::flex());
+        let out = model.forward(ids.clone()).expect("forward");
+        let mtp = model.forward_mtp(ids, out.hidden).expect("forward_mtp");
+        (
+            tensors,
+            f32s(out.logits),
+            mtp.into_iter().map(f32s).collect(),
+        )
+    }
+
+    /// Shards of a DeepSeek-V3 with two MTP modules, gathered back under TP, EP and ETP
+    /// layouts, export the original tensors (MTP layers included) and compute the same main
+    /// and MTP logits (the MTP blocks get their full head count back).
+    #[test]
+    fn gathered_deepseek_v3_includes_the_mtp_modules() {
+        for q_lora_rank in [Some(8), None] {
+            let config = DeepseekV3Config {
+                vocab_size: 32,
+                hidden_size: 16,
+                intermediate_size: 24,
+                moe_intermediate_size: 8,
+                num_hidden_layers: 2,
+                first_k_dense_replace: 1,
+                num_attention_heads: 2,
+                n_routed_experts: 4,
+                num_experts_per_tok: 2,
+                n_group: 2,
+                topk_group: 1,
+                n_shared_experts: 1,
+                q_lora_rank,
+                kv_lora_rank: 8,
+                qk_nope_head_dim: 4,
+                qk_rope_head_dim: 4,
+                v_head_dim: 4,
+                num_nextn_predict_layers: 2,
+                ..DeepseekV3Config::default()
+            };
+            let full = config.init(&Device::flex()).expect("init");
+            let want = fingerprint(&full);
+            assert!(
+                want.0
+                    .iter()
+                    .any(|(n, ..)| n == "model.layers.3.eh_proj.weight")
+            );
+            for (world, spec) in [(2, "tp=2"), (4, "tp=2,ep=2,etp=2"), (4, "tp=2,ep=4")] {
+                let layout = ParallelLayout::parse(world, spec).expect("layout");
+                let (full_ref, layout_ref) = (&full, &layout);
+                let results = World::run(world, |ctx| {
+                    let pg = ctx.process_groups(layout_ref)?;
+                    let be = |e: ModelError| BackendError::Replay(e.to_string());
+                    let shard = ParallelDeepseekV3::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                        .map_err(be)?;
+                    assert_eq!(
+                        shard.model.mtp[1].block.self_attn.num_heads,
+                        2 / layout_ref.tp
+                    );
+                    let gathered = gather_full_deepseek_v3(&shard, &pg).map_err(be)?;
+                    Ok(fingerprint(&gathered))
+                });
+                for (rank, got) in results.into_iter().enumerate() {
+                    let got = got.unwrap_or_else(|e| panic!("{spec} rank {rank}: {e}"));
+                    assert!(
+                        got.0 == want.0,
+                        "{spec} rank {rank}: exported tensors differ"
+                    );
+                    assert_eq!(got.1, want.1, "{spec} rank {rank}: main logits");
+                    assert_eq!(got.2, want.2, "{spec} rank {rank}: MTP logits");
+                }
+            }
+        }
+    }
 }

@@ -81,7 +81,8 @@ pub enum Dispatcher {
 /// Arguments of `moe train`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// HF Qwen3-MoE directory or distributed checkpoint (root or `iter_*` directory).
+    /// HF Qwen3-MoE or DeepSeek-V3 directory (an FP8 release trains dequantised) or a
+    /// distributed checkpoint (root or `iter_*` directory).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Parallel layout, e.g. `tp=2,ep=4` or `world=8,tp=2,ep=4,etp=2` (omitted sizes are 1;
@@ -154,6 +155,15 @@ pub struct Args {
     /// Coefficient of the router z-loss (0 disables it).
     #[arg(long, default_value_t = 0.0)]
     pub z_loss_coeff: f64,
+    /// Weight of DeepSeek-V3's multi-token-prediction loss (Megatron's
+    /// `mtp_loss_scaling_factor`, divided over the MTP depths; 0 leaves the MTP modules
+    /// untrained).
+    #[arg(long, default_value_t = 0.1)]
+    pub mtp_loss_scaling_factor: f64,
+    /// Aux-loss-free balancing rate of DeepSeek-V3's expert bias (Megatron's
+    /// `moe_router_bias_update_rate`; 0 freezes the bias).
+    #[arg(long, default_value_t = 1e-3)]
+    pub expert_bias_update_rate: f64,
     /// Token dispatcher of the MoE layers.
     #[arg(long, value_enum, default_value_t = Dispatcher::AllToAll)]
     pub dispatcher: Dispatcher,
@@ -167,8 +177,8 @@ pub struct Args {
     /// Continue from the latest checkpoint under `--save` (saved under any layout).
     #[arg(long)]
     pub resume: bool,
-    /// JSON-lines metrics: one object per step (`step`, `loss`, `aux_loss`, `grad_norm`, `lr`,
-    /// `tokens_per_s`), written by rank 0 (appended to with `--resume`).
+    /// JSON-lines metrics: one object per step (`step`, `loss`, `aux_loss`, `mtp_loss`,
+    /// `grad_norm`, `lr`, `tokens_per_s`), written by rank 0 (appended to with `--resume`).
     #[arg(long, value_name = "FILE")]
     pub metrics_out: Option<PathBuf>,
     /// How the ranks run.
@@ -185,6 +195,9 @@ fn job(args: &Args) -> TrainJob {
         lr: args.lr,
         aux_loss_coeff: args.aux_loss_coeff,
         z_loss_coeff: args.z_loss_coeff,
+        mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
+        update_expert_bias: args.expert_bias_update_rate != 0.0,
+        expert_bias_update_rate: Some(args.expert_bias_update_rate),
         dispatcher: match args.dispatcher {
             Dispatcher::AllToAll => DispatcherKind::AllToAll,
             Dispatcher::AllGather => DispatcherKind::AllGather,
@@ -293,6 +306,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             step = m.step,
             loss = m.loss,
             aux_loss = m.aux_loss,
+            mtp_loss = m.mtp_loss,
             grad_norm = m.grad_norm,
             "step"
         );

@@ -15,6 +15,7 @@ use moe_models::Qwen3MoeForCausalLM;
 use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe, param_class};
 
 use super::*;
+use crate::dist::placement::qwen3_moe_placements;
 use crate::dist::testing::Rng;
 use crate::test_util::TempDir;
 

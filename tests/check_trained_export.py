@@ -1,0 +1,122 @@
+"""Checks that what `moe train` trains, once `moe export`ed, loads in transformers 5.23 with
+the trained weights.
+
+For Qwen3-MoE, DeepSeek-V3 and the DeepSeek-V3 FP8 release (trained dequantised), this script
+
+1. trains 3 steps under `tp=2,ep=4` (4 ranks on threads) from the HF fixture, saving a
+   distributed checkpoint (`moe train ... --save <tmp>/ckpt`);
+2. exports it (`moe export <tmp>/ckpt --out <tmp>/hf`);
+3. loads the export with transformers (`output_loading_info=True`, float32) and asserts that
+   `missing_keys`, `mismatched_keys` and `error_msgs` are empty and that `unexpected_keys`
+   holds nothing but DeepSeek-V3's MTP layers `model.layers.{N+j}.*` (HF 5.23 has no MTP
+   module; see tests/check_export.py);
+4. asserts that every tensor of the loaded model's state dict equals the exported tensor bit
+   for bit, that the trained weights differ from the fixture's, and that the logits of a
+   batch are finite.
+
+It needs torch + transformers==5.23.0 (not in CI; `benches/.venv` per
+benches/torch_moe_block.py). Run it from the repository root after `cargo build --bins`:
+
+    benches/.venv/bin/python tests/check_trained_export.py
+
+Set `MOE_BIN` to use another `moe` binary (default: target/debug/moe, else target/release/moe).
+Prints one line per model; exits non-zero naming the model on the first failure.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+CASES = ["qwen3_moe", "deepseek_v3", "deepseek_v3_fp8"]
+
+
+def moe_binary() -> Path:
+    if "MOE_BIN" in os.environ:
+        return Path(os.environ["MOE_BIN"])
+    for profile in ("debug", "release"):
+        candidate = ROOT / "target" / profile / "moe"
+        if candidate.is_file():
+            return candidate
+    sys.exit("no moe binary: run `cargo build --bins` first (or set MOE_BIN)")
+
+
+def run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr}"
+
+
+def tensors(directory: Path) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    out = {}
+    for name in files:
+        out.update(load_file(directory / name))
+    return out
+
+
+def check(binary: Path, tmp: Path, fixture: str) -> str:
+    ckpt, hf = tmp / fixture / "ckpt", tmp / fixture / "hf"
+    run([
+        str(binary), "train", "--model", str(FIXTURES / fixture), "--layout", "tp=2,ep=4",
+        "--steps", "3", "--gbs", "4", "--seq-len", "12", "--lr", "1e-2",
+        "--save", str(ckpt), "--transport", "threads",
+    ])
+    run([str(binary), "export", str(ckpt), "--out", str(hf)])
+
+    config = json.loads((hf / "config.json").read_text())
+    model, info = AutoModelForCausalLM.from_pretrained(
+        hf, output_loading_info=True, dtype=torch.float32
+    )
+    prefixes = ()
+    if config.get("model_type") == "deepseek_v3":
+        n = config["num_hidden_layers"]
+        prefixes = tuple(
+            f"model.layers.{n + j}." for j in range(config.get("num_nextn_predict_layers", 0))
+        )
+    others = [k for k in info["unexpected_keys"] if not (prefixes and k.startswith(prefixes))]
+    assert not others, f"{fixture}: unexpected keys {others}"
+    problems = {k: v for k, v in info.items() if v and k != "unexpected_keys"}
+    assert not problems, f"{fixture}: loading info not empty: {problems}"
+
+    exported = tensors(hf)
+    state = model.state_dict()
+    for name, value in state.items():
+        if name not in exported:
+            continue  # tied or derived buffers (e.g. rotary tables)
+        assert torch.equal(value, exported[name].to(torch.float32)), f"{fixture}: {name} differs"
+    source = tensors(FIXTURES / "deepseek_v3_fp8_dequant" if fixture.endswith("fp8") else FIXTURES / fixture)
+    changed = [n for n in exported if n in source and not torch.equal(
+        exported[n].to(torch.float32), source[n].to(torch.float32))]
+    assert changed, f"{fixture}: no weight changed by training"
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(12).remainder(config["vocab_size"])[None]).logits
+    assert torch.isfinite(logits).all(), f"{fixture}: non-finite logits"
+    return f"{fixture}: loads in transformers with the trained weights ({len(changed)} of {len(exported)} tensors trained)"
+
+
+def main() -> None:
+    binary = moe_binary()
+    with tempfile.TemporaryDirectory() as tmp:
+        for fixture in CASES:
+            try:
+                print(check(binary, Path(tmp), fixture), flush=True)
+            except AssertionError as e:
+                sys.exit(f"FAIL {e}")
+
+
+if __name__ == "__main__":
+    main()
