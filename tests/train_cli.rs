@@ -147,6 +147,13 @@ fn bad_input_is_refused_before_any_step() {
         &with("", &["--data", &d]),
         &["row 1 column 3", "99999", "vocabulary"],
     );
+    // A model `moe train` cannot train (dense Qwen3), named with its model_type.
+    let dense = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3");
+    refused(
+        &dir,
+        &with("", &["--model", dense]),
+        &["model_type", "qwen3", "qwen3_moe, deepseek_v3"],
+    );
     // --resume without a checkpoint to resume from.
     refused(&dir, &with("", &["--resume"]), &["resume", "no checkpoint"]);
     let _ = std::fs::remove_dir_all(dir);
