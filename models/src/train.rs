@@ -517,6 +517,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
     /// normalised as the caller wants it for one replica's share of the batch (e.g. summed
     /// over its tokens and divided by the replica's token count). The returned `loss` is the
     /// mean over micro-batches of the objective values, `tokens` their token count.
+    /// The hook runs the forward it needs itself, so the trainer sees no router counts: expert
+    /// biases (DeepSeek-V3) stay as they are on these steps.
     pub fn step_with<B>(
         &mut self,
         micro: &[B],
