@@ -240,6 +240,28 @@ fn run_torch(python: &PathBuf, threads: usize, iters: usize, breakdown: bool) ->
     Some(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// GFLOP/s of one Flex matmul `[m,k]x[k,n]` (median after a warm-up), printed.
+fn dense_gemm((m, k, n): (usize, usize, usize), iters: usize) -> f64 {
+    let dev = Device::flex();
+    let a = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 1.0), &dev);
+    let b = Tensor::<2>::random([k, n], Distribution::Normal(0.0, 0.02), &dev);
+    let gemm = || {
+        let _ = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_data();
+    };
+    gemm();
+    let times = (0..iters.max(3))
+        .map(|_| {
+            let t = Instant::now();
+            gemm();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    let s = median(times);
+    let gflops = 2.0 * (m * k * n) as f64 / s / 1e9;
+    println!("dense_gemm [{m},{k}]x[{k},{n}]: {s:.4} s, {gflops:.1} GFLOP/s");
+    gflops
+}
+
 fn main() {
     let iters: usize = std::env::var("MOE_BENCH_ITERS")
         .ok()
@@ -254,27 +276,10 @@ fn main() {
         cfg!(target_arch = "x86_64") && std::is_x86_feature_detected!("avx512f")
     );
 
-    // Dense baseline: one Flex matmul at the experts' fc shape with every routed row.
-    let (m, k, n) = (tokens * TOP_K, HIDDEN, WIDTH);
-    let dev = Device::flex();
-    let a = Tensor::<2>::random([m, k], Distribution::Normal(0.0, 1.0), &dev);
-    let b = Tensor::<2>::random([k, n], Distribution::Normal(0.0, 0.02), &dev);
-    let gemm = || {
-        let _ = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_data();
-    };
-    gemm();
-    let dense_s = median(
-        (0..iters.max(3))
-            .map(|_| {
-                let t = Instant::now();
-                gemm();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    );
-    let dense_gflops = 2.0 * (m * k * n) as f64 / dense_s / 1e9;
-    println!("dense_gemm [{m},{k}]x[{k},{n}]: {dense_s:.4} s, {dense_gflops:.1} GFLOP/s");
-    drop((a, b));
+    // Dense baseline: one Flex matmul at the experts' fc shape with every routed row; also the
+    // `moe_ops` bench's shape, to compare with its sections.
+    let dense_gflops = dense_gemm((tokens * TOP_K, HIDDEN, WIDTH), iters);
+    dense_gemm((16384, 2048, 768), iters);
 
     let flops = step_flops();
     println!(
