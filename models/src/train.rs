@@ -105,11 +105,7 @@ impl TrainBatch {
 
     /// Target tokens counted by the loss.
     pub fn target_tokens(&self) -> usize {
-        let s = self.input_ids.len() / self.batch;
-        self.labels
-            .chunks(s)
-            .map(|row| row[1..].iter().filter(|&&t| t != IGNORE_INDEX).count())
-            .sum()
+        scored_targets(&self.labels, self.input_ids.len() / self.batch)
     }
 }
 
@@ -397,8 +393,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
             ));
         }
         let mut accumulator = GradientsAccumulator::<M>::new();
-        let (mut loss_sum, mut aux_sum) = (0.0f64, 0.0f64);
-        let mut mtp_sums = vec![0.0f64; depths];
+        // Logged values summed over the micro-batches on the device, read once per step:
+        // token-summed cross-entropy, aux loss, then each depth's token-summed MTP loss.
+        let mut logged: Option<Tensor<1>> = None;
         let mut loads: Vec<Option<Vec<f64>>> = Vec::new();
         let n_micro = micro.len() as f64;
         for (batch, tokens) in micro.iter().zip(&counts) {
@@ -418,8 +415,19 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 ..
             } = out;
             add_loads(&mut loads, expert_load)?;
-            loss_sum += f64::from(scalar(&loss)?) * tokens[0] as f64;
-            aux_sum += self.logged_aux(&router_losses)?;
+            let mut row = vec![
+                loss.clone().detach().mul_scalar(tokens[0] as f64),
+                self.logged_aux(&router_losses),
+            ];
+            row.extend(
+                (mtp_losses.iter().zip(&tokens[1..]))
+                    .map(|(l, &n)| l.clone().detach().mul_scalar(n as f64)),
+            );
+            let row = Tensor::cat(row, 0);
+            logged = Some(match logged {
+                Some(sum) => sum + row,
+                None => row,
+            });
             // The optimizer averages gradients over the `replicas` data-parallel replicas:
             // scale this micro-batch's token-sum by replicas / global tokens. The router
             // losses are already attached to the graph.
@@ -430,7 +438,6 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 loss.mul_scalar(weight)
             };
             for (j, l) in mtp_losses.into_iter().enumerate().take(depths) {
-                mtp_sums[j] += f64::from(scalar(&l)?) * tokens[j + 1] as f64;
                 if global[j + 1] > 0.0 {
                     let w = tokens[j + 1] as f64 * replicas as f64 / global[j + 1];
                     objective = objective + l.mul_scalar(w * mtp_scale / depths as f64);
@@ -440,15 +447,20 @@ impl<M: ParallelCausalLm> Trainer<M> {
             accumulator.accumulate(self.model.model(), grads);
         }
         let grads = accumulator.grads();
-        let mut stats = self.finish_step(grads, loss_sum, aux_sum / n_micro, local[0], start)?;
+        let sums: Vec<f64> = match logged {
+            Some(t) => read_f32(t)?.into_iter().map(f64::from).collect(),
+            None => Vec::new(),
+        };
+        let sum = |i: usize| sums.get(i).copied().unwrap_or(0.0);
+        let mut stats = self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start)?;
         if self.config.update_expert_bias {
             self.update_expert_bias(loads)?;
         }
         if depths > 0 {
-            let per_depth = mtp_sums
-                .iter()
-                .zip(&local[1..])
-                .map(|(&sum, &n)| if n > 0 { sum / n as f64 } else { 0.0 });
+            let per_depth = (0..depths).map(|j| match local[j + 1] {
+                0 => 0.0,
+                n => sum(j + 2) / n as f64,
+            });
             stats.mtp_loss = Some((per_depth.sum::<f64>() / depths as f64) as f32);
         }
         stats.tokens_per_second = stats.tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
@@ -470,34 +482,36 @@ impl<M: ParallelCausalLm> Trainer<M> {
     /// (all micro-batches) summed over `tp_dp_cp` in one collective, then the same update on
     /// every replica of each router.
     fn update_expert_bias(&mut self, loads: Vec<Option<Vec<f64>>>) -> Result<(), ModelError> {
+        let routers = self.model.routers_mut().len();
+        if routers != loads.len() && !loads.is_empty() {
+            return Err(ModelError::invalid(
+                "expert_load",
+                format!(
+                    "{} routers report counts, the model has {routers}",
+                    loads.len()
+                ),
+            ));
+        }
         let flat: Vec<f64> = loads.iter().flatten().flatten().copied().collect();
         if flat.is_empty() {
             return Ok(());
         }
+        // f64 keeps integer counts exact however large the global batch.
+        let n = flat.len();
         let t = Tensor::<1>::from_data(
-            burn::tensor::TensorData::new(flat.clone(), [flat.len()]),
-            (&Device::flex(), burn::tensor::DType::F64),
+            burn::tensor::TensorData::new(flat, [n]),
+            (&self.device, burn::tensor::DType::F64),
         );
         let summed = self
             .tp_dp_cp
             .all_reduce(t, ReduceOp::Sum)
             .map_err(err)?
             .into_data()
+            .convert::<f64>()
             .try_into_vec::<f64>()
             .map_err(|e| ModelError::invalid("expert_load", format!("{e:?}")))?;
         let mut offset = 0;
-        let routers = self.model.routers_mut();
-        if routers.len() != loads.len() {
-            return Err(ModelError::invalid(
-                "expert_load",
-                format!(
-                    "{} routers report counts, the model has {}",
-                    loads.len(),
-                    routers.len()
-                ),
-            ));
-        }
-        for (router, load) in routers.into_iter().zip(&loads) {
+        for (router, load) in self.model.routers_mut().into_iter().zip(&loads) {
             if let Some(load) = load {
                 let counts = &summed[offset..offset + load.len()];
                 offset += load.len();
@@ -584,18 +598,16 @@ impl<M: ParallelCausalLm> Trainer<M> {
     /// This rank's part of the logged load-balancing loss of one forward: the mean over MoE
     /// layers of the configured loss without its coefficient (as Megatron logs it); summed
     /// over `tp_cp` it is the replica's.
-    fn logged_aux(&self, losses: &[Vec<RouterLoss>]) -> Result<f64, ModelError> {
+    fn logged_aux(&self, losses: &[Vec<RouterLoss>]) -> Tensor<1> {
         let kind = RouterLossKind::from(self.config.aux_loss_type);
-        // Summed on the device, read once.
-        let sum = losses
+        // Summed on the device (detached), read with the step's other logged values.
+        losses
             .iter()
             .filter_map(|layer| layer.iter().find(|l| l.kind == kind && l.coeff != 0.0))
-            .map(|l| l.loss.clone().div_scalar(l.coeff))
-            .reduce(|a, b| a + b);
-        match sum {
-            Some(sum) => Ok(f64::from(scalar(&sum)?) / losses.len().max(1) as f64),
-            None => Ok(0.0),
-        }
+            .map(|l| l.loss.clone().detach().div_scalar(l.coeff))
+            .reduce(|a, b| a + b)
+            .map(|sum| sum.div_scalar(losses.len().max(1) as f64))
+            .unwrap_or_else(|| Tensor::zeros([1], &self.device))
     }
 
     /// Learning rate of the next step (from the schedule at the optimizer's step count).

@@ -118,9 +118,6 @@ fn close(a: &[f32], b: &[f32], loose: bool, what: &str) {
         a.len(),
         diff / base
     );
-    if std::env::var("DIAG").is_ok() {
-        eprintln!("{summary}");
-    }
     if loose {
         assert!(
             over.len() * 100 <= a.len() && diff <= 1e-3 * base,

@@ -4,7 +4,7 @@
 //! replicated), dense MLPs TP-sharded, MoE blocks (sigmoid group-limited router with
 //! `e_score_correction_bias`, routed experts over EP × ETP, shared experts replicated on the
 //! sequence-parallel tokens), vocab-parallel embedding, head and cross-entropy. The MTP
-//! modules train beside the main model ([`ParallelDeepseekV3::forward_train`]).
+//! modules train beside the main model ([`CausalLmShard::forward_train`]).
 
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::GroupComms;
@@ -14,7 +14,7 @@ use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_paralle
 use moe_backend::router::TopKRouter;
 
 use super::runtime::{RouterTrace, SpRuntime};
-use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward, roll_rows, scored_targets};
+use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward, roll_rows};
 use super::{DispatcherKind, ParallelOutput, check_batch, err};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
@@ -72,20 +72,17 @@ impl ParallelDeepseekV3 {
         })
     }
 
-    /// The main decoder stack on this replica's batch: the final sequence-parallel hidden
-    /// block (before the final norm) and `S`.
+    /// The main decoder stack on this replica's (checked) batch: the final sequence-parallel
+    /// hidden block, before the final norm.
     fn decoder(
         &self,
         input_ids: &[i64],
-        labels: &[i64],
         batch: usize,
         rope: &RopeTables,
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
-        let rt = &self.rt;
         let model = &self.model.model;
-        check_batch(input_ids, labels, batch, rt.tp.size())?;
-        let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
+        let mut x = self.rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
             x = self.layer(layer, x, batch, rope, trace)?;
         }
@@ -126,7 +123,7 @@ impl ParallelDeepseekV3 {
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
         let rope = rt.rope(s, device);
         let mut trace = RouterTrace::new(1.0);
-        let x = self.decoder(input_ids, labels, batch, &rope, &mut trace)?;
+        let x = self.decoder(input_ids, batch, &rope, &mut trace)?;
         let model = &self.model.model;
         rt.head_loss(
             x,
@@ -177,32 +174,49 @@ fn shard_layer(
     Ok(())
 }
 
-impl ParallelDeepseekV3 {
-    /// Configures every router (main layers and MTP blocks) for training: the load-balancing
-    /// losses and the z-loss, with counts summed over this rank's `tp_cp` / `tp_dp_cp`.
-    pub fn set_router_losses(
-        &mut self,
-        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
-        z_loss_coeff: Option<f64>,
-    ) -> Result<(), ModelError> {
-        let (tp_cp, tp_dp_cp) = self.rt.loss_groups;
-        for router in CausalLmShard::routers_mut(self) {
-            router
-                .set_losses(aux_losses.clone(), z_loss_coeff, tp_cp, tp_dp_cp)
-                .map_err(err)?;
-        }
-        Ok(())
+impl ParallelCausalLm for DeepseekV3ForCausalLM {
+    type Shard = ParallelDeepseekV3;
+
+    fn shard(&self, groups: &GroupComms, kind: DispatcherKind) -> Result<Self::Shard, ModelError> {
+        ParallelDeepseekV3::shard(self, groups, kind)
     }
 
-    /// The training forward ([`CausalLmShard::forward_train`]): the main causal-LM loss and,
-    /// with `mtp`, the loss of every MTP depth `j` on the full sequence length as Megatron
-    /// computes it: the ids and labels of each row are rolled left by `j + 1` (the freed tail
-    /// is masked out of the loss; attention being causal it never reaches the real positions),
-    /// `u = eh_proj([enorm(embed(rolled ids)) ; hnorm(hʲ)])` on the sequence-parallel tokens
-    /// (`h⁰` the main model's final-normed output), one decoder layer, `shared_head.norm`, and
-    /// the shared vocab-parallel head and cross-entropy. Values at the real positions equal
-    /// [`DeepseekV3ForCausalLM::forward_mtp`]'s.
-    pub fn forward_train(
+    fn with_fp8(self, _recipe: Fp8Recipe, _linears: bool) -> Result<Self, ModelError> {
+        Err(ModelError::invalid(
+            "fp8",
+            "FP8 compute is not implemented for DeepSeek-V3 training (load FP8 releases \
+             dequantised)",
+        ))
+    }
+
+    fn is_fp8_linear_weight(_path: &str) -> bool {
+        false
+    }
+}
+
+impl CausalLmShard for ParallelDeepseekV3 {
+    type Model = DeepseekV3ForCausalLM;
+
+    fn model(&self) -> &Self::Model {
+        &self.model
+    }
+
+    fn model_mut(&mut self) -> &mut Self::Model {
+        &mut self.model
+    }
+
+    fn loss_groups(&self) -> (usize, usize) {
+        self.rt.loss_groups
+    }
+
+    /// The main causal-LM loss and, with `mtp`, the loss of every MTP depth `j` on the full
+    /// sequence length as Megatron computes it: the ids and labels of each row are rolled left
+    /// by `j + 1` (the freed tail is masked out of the loss; attention being causal it never
+    /// reaches the real positions), `u = eh_proj([enorm(embed(rolled ids)) ; hnorm(hʲ)])` on
+    /// the sequence-parallel tokens (`h⁰` the main model's final-normed output), one decoder
+    /// layer, `shared_head.norm`, and the shared vocab-parallel head and cross-entropy. Values
+    /// at the real positions equal [`DeepseekV3ForCausalLM::forward_mtp`]'s.
+    fn forward_train(
         &self,
         input_ids: &[i64],
         labels: &[i64],
@@ -215,12 +229,12 @@ impl ParallelDeepseekV3 {
         let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
         let rope = rt.rope(s, device);
         let mut trace = RouterTrace::new(aux_grad_scale);
-        let x = self.decoder(input_ids, labels, batch, &rope, &mut trace)?;
+        let x = self.decoder(input_ids, batch, &rope, &mut trace)?;
         let model = &self.model.model;
         let (head, embed) = (self.model.lm_head.as_ref(), &model.embed_tokens);
         let mut hidden = model.norm.forward(x);
         let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, labels, s)?;
-        let (mut mtp_losses, mut mtp_tokens) = (Vec::new(), Vec::new());
+        let mut mtp_losses = Vec::new();
         if mtp {
             for (j, module) in self.model.mtp.iter().enumerate() {
                 if j + 2 > s {
@@ -240,80 +254,14 @@ impl ParallelDeepseekV3 {
                 hidden = module.shared_head_norm.forward(y);
                 let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets, s)?;
                 mtp_losses.push(l);
-                mtp_tokens.push(scored_targets(&targets, s));
             }
         }
         Ok(TrainForward {
             loss,
             mtp_losses,
-            mtp_tokens,
             router_losses: trace.losses,
             expert_load: trace.expert_load,
         })
-    }
-}
-
-impl ParallelCausalLm for DeepseekV3ForCausalLM {
-    type Shard = ParallelDeepseekV3;
-
-    fn shard(&self, groups: &GroupComms, kind: DispatcherKind) -> Result<Self::Shard, ModelError> {
-        ParallelDeepseekV3::shard(self, groups, kind)
-    }
-
-    fn with_fp8(self, _recipe: Fp8Recipe, _linears: bool) -> Result<Self, ModelError> {
-        Err(ModelError::invalid(
-            "fp8",
-            "FP8 compute is not implemented for DeepSeek-V3 training (load FP8 releases \
-             dequantised)",
-        ))
-    }
-
-    fn is_fp8_linear_weight(_path: &str) -> bool {
-        false
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.config().num_hidden_layers
-    }
-}
-
-impl CausalLmShard for ParallelDeepseekV3 {
-    type Model = DeepseekV3ForCausalLM;
-
-    fn model(&self) -> &Self::Model {
-        &self.model
-    }
-
-    fn model_mut(&mut self) -> &mut Self::Model {
-        &mut self.model
-    }
-
-    fn set_router_losses(
-        &mut self,
-        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
-        z_loss_coeff: Option<f64>,
-    ) -> Result<(), ModelError> {
-        ParallelDeepseekV3::set_router_losses(self, aux_losses, z_loss_coeff)
-    }
-
-    fn forward_train(
-        &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
-        device: &Device,
-        aux_grad_scale: f64,
-        mtp: bool,
-    ) -> Result<TrainForward, ModelError> {
-        ParallelDeepseekV3::forward_train(
-            self,
-            input_ids,
-            labels,
-            batch,
-            device,
-            aux_grad_scale,
-            mtp,
-        )
     }
 
     fn mtp_depths(&self) -> usize {

@@ -317,28 +317,6 @@ impl ParallelQwen3Moe {
         )?;
         Ok((out, selected, load))
     }
-
-    /// Configures every router of this shard for training: the load-balancing losses
-    /// `aux_losses` and the z-loss, with counts summed over this rank's `tp_cp` / `tp_dp_cp`
-    /// (so the losses and their gradients do not depend on how a replica's tokens are split
-    /// over its ranks).
-    pub fn set_router_losses(
-        &mut self,
-        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
-        z_loss_coeff: Option<f64>,
-    ) -> Result<(), ModelError> {
-        let (tp_cp, tp_dp_cp) = self.rt.loss_groups;
-        for layer in &mut self.model.model.layers {
-            if let Qwen3MoeFeedForward::Sparse(block) = &mut layer.mlp {
-                block
-                    .moe
-                    .router
-                    .set_losses(aux_losses.clone(), z_loss_coeff, tp_cp, tp_dp_cp)
-                    .map_err(err)?;
-            }
-        }
-        Ok(())
-    }
 }
 
 impl ParallelCausalLm for Qwen3MoeForCausalLM {
@@ -364,10 +342,6 @@ impl ParallelCausalLm for Qwen3MoeForCausalLM {
     fn is_fp8_linear_weight(path: &str) -> bool {
         crate::train::is_fp8_linear_weight(path)
     }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.config().num_hidden_layers
-    }
 }
 
 impl CausalLmShard for ParallelQwen3Moe {
@@ -381,12 +355,8 @@ impl CausalLmShard for ParallelQwen3Moe {
         &mut self.model
     }
 
-    fn set_router_losses(
-        &mut self,
-        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
-        z_loss_coeff: Option<f64>,
-    ) -> Result<(), ModelError> {
-        ParallelQwen3Moe::set_router_losses(self, aux_losses, z_loss_coeff)
+    fn loss_groups(&self) -> (usize, usize) {
+        self.rt.loss_groups
     }
 
     fn forward_train(
@@ -408,7 +378,6 @@ impl CausalLmShard for ParallelQwen3Moe {
         Ok(TrainForward {
             loss: out.loss,
             mtp_losses: Vec::new(),
-            mtp_tokens: Vec::new(),
             router_losses: out.router_losses,
             expert_load: load,
         })

@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
-use moe_backend::router::{RouterLoss, TopKRouter};
+use moe_backend::router::{AuxLossSpec, RouterLoss, TopKRouter};
 
 use super::DispatcherKind;
 use crate::ModelError;
@@ -27,9 +27,6 @@ pub trait ParallelCausalLm: Module {
     /// Whether the parameter at `path` is a dense linear's weight that
     /// [`with_fp8`](Self::with_fp8) with `linears` runs in FP8 (FP8 primary weights).
     fn is_fp8_linear_weight(path: &str) -> bool;
-
-    /// Number of decoder layers of the main model (the checkpoint layer plan).
-    fn num_hidden_layers(&self) -> usize;
 }
 
 /// One rank's shard of a [`ParallelCausalLm`].
@@ -43,13 +40,25 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
     /// Mutable parameters (the optimizer's step replaces them).
     fn model_mut(&mut self) -> &mut Self::Model;
 
+    /// Sizes of this rank's `tp_cp` and `tp_dp_cp` groups (the routers' count groups).
+    fn loss_groups(&self) -> (usize, usize);
+
     /// Configures every router for training: the load-balancing losses and the z-loss, with
-    /// counts summed over this rank's `tp_cp` / `tp_dp_cp`.
+    /// counts summed over this rank's `tp_cp` / `tp_dp_cp` (so the losses and their gradients
+    /// do not depend on how a replica's tokens are split over its ranks).
     fn set_router_losses(
         &mut self,
-        aux_losses: Vec<moe_backend::router::AuxLossSpec>,
+        aux_losses: Vec<AuxLossSpec>,
         z_loss_coeff: Option<f64>,
-    ) -> Result<(), ModelError>;
+    ) -> Result<(), ModelError> {
+        let (tp_cp, tp_dp_cp) = self.loss_groups();
+        for router in self.routers_mut() {
+            router
+                .set_losses(aux_losses.clone(), z_loss_coeff, tp_cp, tp_dp_cp)
+                .map_err(ModelError::from)?;
+        }
+        Ok(())
+    }
 
     /// The training forward of one micro-batch of this replica (identical on its TP ranks):
     /// the causal-LM loss, with `mtp_scale > 0` the multi-token-prediction losses of models
@@ -82,8 +91,6 @@ pub struct TrainForward {
     pub loss: Tensor<1>,
     /// Per MTP depth `j`: the mean cross-entropy of predicting token `i + j + 2`, `[1]`.
     pub mtp_losses: Vec<Tensor<1>>,
-    /// Per MTP depth: the number of target tokens its loss averages over.
-    pub mtp_tokens: Vec<usize>,
     /// The router losses of every MoE layer (forward order), this rank's part.
     pub router_losses: Vec<Vec<RouterLoss>>,
     /// Per router (forward order, as [`CausalLmShard::routers_mut`]): this rank's expert-bias
