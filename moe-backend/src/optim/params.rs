@@ -250,13 +250,21 @@ impl ModuleVisitor for Flattener<'_> {
         let Some(value) = value else {
             return; // no gradient: zeros
         };
-        match to_f32(value.into_data(), &info.path) {
+        let data = value.into_data();
+        let buf = if info.class.is_expert() {
+            &mut self.expert
+        } else {
+            &mut self.dense
+        };
+        // f32 gradients are copied straight from the tensor's bytes (no intermediate Vec).
+        if let Ok(v) = data.as_slice::<f32>()
+            && v.len() == info.numel()
+        {
+            buf[info.offset..info.offset + v.len()].copy_from_slice(v);
+            return;
+        }
+        match to_f32(data, &info.path) {
             Ok(v) if v.len() == info.numel() => {
-                let buf = if info.class.is_expert() {
-                    &mut self.expert
-                } else {
-                    &mut self.dense
-                };
                 buf[info.offset..info.offset + v.len()].copy_from_slice(&v);
             }
             Ok(v) => {
