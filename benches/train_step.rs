@@ -18,7 +18,9 @@
 //! (transformers' experts path: `grouped_mm` (default, the faster on this machine), `eager`,
 //! or `auto` to time both and keep the faster); `MOE_BENCH_TORCH_ADAMW` (`fused` (default),
 //! `foreach`, `default`); `MOE_BENCH_BREAKDOWN=1` also times forward, backward and the
-//! optimizer step separately on both sides; `MOE_BENCH_CACHE_OFF=1` turns the block cache
+//! optimizer step separately on both sides; `MOE_BENCH_RECOMPUTE=1` trains on a device with
+//! Burn's gradient checkpointing (memory-bound operations recomputed in the backward; the peak
+//! RSS is printed either way); `MOE_BENCH_CACHE_OFF=1` turns the block cache
 //! off for the Rust side.
 
 use std::path::PathBuf;
@@ -140,7 +142,12 @@ struct Measured {
 }
 
 fn train(iters: usize, breakdown: bool) -> Measured {
-    let device = Device::flex().autodiff();
+    let device = if std::env::var("MOE_BENCH_RECOMPUTE").is_ok_and(|v| v == "1") {
+        println!("recompute: Burn's gradient checkpointing of memory-bound operations");
+        Device::flex().autodiff().gradient_checkpointing()
+    } else {
+        Device::flex().autodiff()
+    };
     let full = config().init(&device).expect("model");
     let layout = ParallelLayout::single();
     let ids = lcg_ids(BATCH * SEQ, VOCAB, IDS_SEED);
@@ -308,6 +315,9 @@ fn main() {
     if let Some([f, b, o]) = ours.breakdown {
         println!("ours breakdown: forward {f:.3} s, backward {b:.3} s, optimizer {o:.3} s");
     }
+    if let Some(peak) = peak_rss_gib() {
+        println!("peak RSS of this process: {peak:.2} GiB");
+    }
     if let Some((torch_tps, experts)) = torch {
         let torch_s = tokens as f64 / torch_tps;
         println!(
@@ -317,6 +327,14 @@ fn main() {
         );
         println!("ratio_vs_torch (tokens/s): {:.2}", tps / torch_tps);
     }
+}
+
+/// The process's peak resident set (`VmHWM` of /proc/self/status), in GiB (Linux only).
+fn peak_rss_gib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / (1024.0 * 1024.0))
 }
 
 /// Runs `torch_train_step.py` when a python with torch is found, echoes its report and returns

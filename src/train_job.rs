@@ -109,6 +109,10 @@ pub struct TrainJob {
     pub resume: bool,
     /// JSON-lines metrics file (rank 0 writes it; appended to when resuming).
     pub metrics_out: Option<PathBuf>,
+    /// Activation recompute: train on a device with Burn's gradient checkpointing, which keeps
+    /// the inputs of memory-bound operations (element-wise ops, activations, norms) instead of
+    /// their outputs and recomputes them in the backward pass. Results are bit-identical.
+    pub recompute: bool,
 }
 
 impl Default for TrainJob {
@@ -132,6 +136,7 @@ impl Default for TrainJob {
             save_every: 0,
             resume: false,
             metrics_out: None,
+            recompute: false,
         }
     }
 }
@@ -512,7 +517,11 @@ fn run_model<M: JobModel>(
 ) -> Result<TrainJobReport, TrainJobError> {
     let layout = job_layout(job, Some(ctx.world_size()))?;
     check_job(job, &layout)?;
-    let device = Device::flex().autodiff();
+    let device = if job.recompute {
+        Device::flex().autodiff().gradient_checkpointing()
+    } else {
+        Device::flex().autodiff()
+    };
     let groups = ctx.process_groups(&layout)?;
     let world = ctx.world()?;
 

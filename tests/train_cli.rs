@@ -324,3 +324,21 @@ fn resume_refuses_a_checkpoint_of_another_model() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn recompute_changes_nothing_but_memory() {
+    let (plain, recompute) = (scratch("rc-plain"), scratch("rc-on"));
+    threads(&train_args(&plain, "tp=2,ep=4", 3, &[]));
+    threads(&train_args(
+        &recompute,
+        "tp=2,ep=4",
+        3,
+        &["--recompute", "memory-bound"],
+    ));
+    // Bit-identical: the same metrics (timing aside) and parameters.
+    assert_metrics_equal(&metrics(&recompute), &metrics(&plain), "recompute vs plain");
+    assert_eq!(params(&recompute), params(&plain), "parameters");
+    for d in [plain, recompute] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
