@@ -154,6 +154,12 @@ fn bad_input_is_refused_before_any_step() {
         &with("", &["--model", dense]),
         &["model_type", "qwen3", "qwen3_moe, deepseek_v3"],
     );
+    // Muon's state is not checkpointed: --optimizer muon with --save is refused up front.
+    refused(
+        &dir,
+        &with("", &["--optimizer", "muon"]),
+        &["optimizer", "Muon", "--save"],
+    );
     // --resume without a checkpoint to resume from.
     refused(&dir, &with("", &["--resume"]), &["resume", "no checkpoint"]);
     let _ = std::fs::remove_dir_all(dir);

@@ -26,7 +26,7 @@ use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
     DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    ParamInfo, WdSchedule,
+    MuonAdamW, MuonConfig, ParamInfo, WdSchedule, default_muon_select,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
 use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
@@ -122,8 +122,15 @@ pub struct TrainerConfig {
     /// linear or cosine); step `k` uses `wd_schedule.wd(k)`. `None`: the constant
     /// `optimizer.weight_decay`.
     pub wd_schedule: Option<WdSchedule>,
-    /// AdamW settings (ZeRO-1 over `dp_cp` / `expt_dp`).
+    /// AdamW settings (ZeRO-1 over `dp_cp` / `expt_dp`); with `muon`, those of the AdamW side
+    /// (embedding, LM head, norms, biases) and its `max_grad_norm` the joint clipping threshold.
     pub optimizer: DistributedAdamWConfig,
+    /// Muon (report §7.8) for the weight matrices ([`default_muon_select`]: every 2-D weight and
+    /// stacked expert weight except the embedding and the LM head), AdamW for the rest, one
+    /// global gradient norm over both ([`MuonAdamW`]); `None`: AdamW for everything. Muon takes
+    /// the same learning rate (its default scale matches AdamW's update RMS). Not with FP8
+    /// primary weights; its state is not in training checkpoints yet.
+    pub muon: Option<MuonConfig>,
     /// Token dispatcher of the MoE blocks.
     pub dispatcher: DispatcherKind,
     /// Coefficient of the routers' load-balancing loss (Megatron's `moe_aux_loss_coeff`; 0
@@ -173,6 +180,7 @@ impl Default for TrainerConfig {
                 exempt_norms_and_biases: true,
                 ..DistributedAdamWConfig::default()
             },
+            muon: None,
             dispatcher: DispatcherKind::AllToAll,
             aux_loss_coeff: 1e-3,
             aux_loss_type: AuxLossType::Aux,
@@ -212,7 +220,7 @@ pub struct StepStats {
 #[derive(Debug, Clone)]
 pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
     model: M::Shard,
-    optimizer: DistributedAdamW,
+    optimizer: Optimizer,
     config: TrainerConfig,
     device: Device,
     groups: ProcessGroups,
@@ -267,35 +275,39 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
         }
         model.set_router_losses(aux_losses, z_loss)?;
-        let mut optimizer = DistributedAdamW::with_classes(
-            model.model(),
-            groups,
-            world,
-            config.optimizer.clone(),
-            &param_class,
-        )?;
-        if config.fp8_primary_weights {
-            let recipe = config.fp8.ok_or_else(|| {
-                ModelError::invalid(
-                    "fp8_primary_weights",
-                    "FP8 primary weights need an FP8 recipe (`fp8`)",
-                )
-            })?;
-            let linears = config.fp8_linears;
-            let select = move |info: &ParamInfo| {
-                Fp8ParamLayout::experts(info).or_else(|| {
-                    (linears && M::is_fp8_linear_weight(&info.path))
-                        .then(|| Fp8ParamLayout::linear(info))
-                        .flatten()
-                })
-            };
-            let module = model.model().clone();
-            *model.model_mut() = optimizer.enable_fp8_primary_weights(
-                module,
-                Fp8PrimaryConfig::from_recipe(&recipe),
-                &select,
-            )?;
-        }
+        let optimizer = match &config.muon {
+            Some(muon) => {
+                if config.fp8_primary_weights {
+                    return Err(ModelError::invalid(
+                        "muon",
+                        "Muon with FP8 primary weights is not supported (Muon keeps f32 masters)",
+                    ));
+                }
+                Optimizer::Muon(Box::new(MuonAdamW::new(
+                    model.model(),
+                    groups,
+                    world,
+                    muon.clone(),
+                    config.optimizer.clone(),
+                    &param_class,
+                    &default_muon_select,
+                )?))
+            }
+            None => {
+                let mut adamw = DistributedAdamW::with_classes(
+                    model.model(),
+                    groups,
+                    world,
+                    config.optimizer.clone(),
+                    &param_class,
+                )?;
+                if config.fp8_primary_weights {
+                    let module = model.model().clone();
+                    *model.model_mut() = enable_fp8_primary::<M>(&mut adamw, module, &config)?;
+                }
+                Optimizer::AdamW(Box::new(adamw))
+            }
+        };
         Ok(Self {
             model,
             optimizer,
@@ -312,16 +324,32 @@ impl<M: ParallelCausalLm> Trainer<M> {
         &self.model
     }
 
-    /// This rank's optimizer (ZeRO-1 shards of the master weights and moments).
+    /// This rank's AdamW (ZeRO-1 shards of the master weights and moments): every parameter's,
+    /// or with Muon the AdamW side's ([`Trainer::muon`]).
     pub fn optimizer(&self) -> &DistributedAdamW {
-        &self.optimizer
+        match &self.optimizer {
+            Optimizer::AdamW(adamw) => adamw,
+            Optimizer::Muon(muon) => muon.adamw(),
+        }
     }
 
-    /// Mutable shard and optimizer, e.g. to restore both from a checkpoint; the optimizer's
-    /// master weights must then match the parameters
+    /// The Muon + AdamW optimizer when [`TrainerConfig::muon`] is set.
+    pub fn muon(&self) -> Option<&MuonAdamW> {
+        match &self.optimizer {
+            Optimizer::AdamW(_) => None,
+            Optimizer::Muon(muon) => Some(muon),
+        }
+    }
+
+    /// Mutable shard and AdamW (as [`Trainer::optimizer`]), e.g. to restore both from a
+    /// checkpoint; the optimizer's master weights must then match the parameters
     /// ([`DistributedAdamW::reset_master_from`]).
     pub fn parts_mut(&mut self) -> (&mut M::Shard, &mut DistributedAdamW) {
-        (&mut self.model, &mut self.optimizer)
+        let adamw = match &mut self.optimizer {
+            Optimizer::AdamW(adamw) => adamw,
+            Optimizer::Muon(muon) => muon.adamw_mut(),
+        };
+        (&mut self.model, adamw)
     }
 
     /// This rank's memberships (global rank and layout).
@@ -616,6 +644,73 @@ impl<M: ParallelCausalLm> Trainer<M> {
             Some(schedule) => schedule.lr(self.optimizer.step_count()),
             None => self.config.lr,
         }
+    }
+}
+
+/// Switches `adamw` to FP8 primary weights for the FP8 layers of `config` and returns `module`
+/// with their decoded values (a collective).
+fn enable_fp8_primary<M: ParallelCausalLm>(
+    adamw: &mut DistributedAdamW,
+    module: M,
+    config: &TrainerConfig,
+) -> Result<M, ModelError> {
+    let recipe = config.fp8.ok_or_else(|| {
+        ModelError::invalid(
+            "fp8_primary_weights",
+            "FP8 primary weights need an FP8 recipe (`fp8`)",
+        )
+    })?;
+    let linears = config.fp8_linears;
+    let select = move |info: &ParamInfo| {
+        Fp8ParamLayout::experts(info).or_else(|| {
+            (linears && M::is_fp8_linear_weight(&info.path))
+                .then(|| Fp8ParamLayout::linear(info))
+                .flatten()
+        })
+    };
+    Ok(
+        adamw.enable_fp8_primary_weights(
+            module,
+            Fp8PrimaryConfig::from_recipe(&recipe),
+            &select,
+        )?,
+    )
+}
+
+/// The trainer's optimizer.
+#[derive(Debug, Clone)]
+enum Optimizer {
+    /// ZeRO-1 AdamW for every parameter.
+    AdamW(Box<DistributedAdamW>),
+    /// Muon for the weight matrices, AdamW for the rest.
+    Muon(Box<MuonAdamW>),
+}
+
+impl Optimizer {
+    fn step_count(&self) -> u64 {
+        match self {
+            Self::AdamW(o) => o.step_count(),
+            Self::Muon(o) => o.step_count(),
+        }
+    }
+
+    fn set_weight_decay(&mut self, wd: f32) {
+        match self {
+            Self::AdamW(o) => o.set_weight_decay(wd),
+            Self::Muon(o) => o.set_weight_decay(wd),
+        }
+    }
+
+    fn step<T: burn::module::Module>(
+        &mut self,
+        lr: f64,
+        module: T,
+        grads: GradientsParams,
+    ) -> Result<(T, moe_backend::optim::StepReport), ModelError> {
+        Ok(match self {
+            Self::AdamW(o) => o.step(lr, module, grads)?,
+            Self::Muon(o) => o.step(lr, module, grads)?,
+        })
     }
 }
 

@@ -393,6 +393,21 @@ pub fn read_train_state(ckpt: &DistCheckpoint) -> Result<Option<TrainState>, Bri
         })
 }
 
+/// Training checkpoints hold AdamW state only: a Muon trainer's momentum and master matrices
+/// would be lost, so saving or restoring one is an error.
+fn refuse_muon<M: ParallelCausalLm>(trainer: &Trainer<M>, path: &Path) -> Result<(), BridgeError> {
+    if trainer.muon().is_some() {
+        return Err(BridgeError::TrainState {
+            path: path.to_path_buf(),
+            field: "optimizer".to_owned(),
+            reason: "Muon's state (momentum, master matrices) is not stored in training \
+                     checkpoints yet; train with AdamW to save or resume"
+                .to_owned(),
+        });
+    }
+    Ok(())
+}
+
 /// [`save_training_state`] of a [`Trainer`] of any placed model (its shard and optimizer).
 pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
     comm: &Comm,
@@ -401,6 +416,7 @@ pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
     trainer: &Trainer<M>,
     state: &TrainState,
 ) -> Result<PathBuf, BridgeError> {
+    refuse_muon(trainer, root)?;
     let layout = &trainer.process_groups().layout;
     if &meta.layout != layout {
         return Err(BridgeError::TrainState {
@@ -479,6 +495,7 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     ckpt: &DistCheckpoint,
     trainer: &mut Trainer<M>,
 ) -> Result<TrainState, BridgeError> {
+    refuse_muon(trainer, ckpt.dir())?;
     let groups = trainer.process_groups().clone();
     let (shard, optimizer) = trainer.parts_mut();
     let model = shard.model_mut();

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use burn_moe::backend::optim::{LrDecayStyle, LrSchedule, WdIncrStyle, WdSchedule, WsdDecay};
+use burn_moe::backend::optim::{
+    LrDecayStyle, LrSchedule, MuonConfig, WdIncrStyle, WdSchedule, WsdDecay,
+};
 use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::TrainerConfig;
@@ -76,6 +78,16 @@ pub enum Dispatcher {
     AllGather,
     /// One all-to-all over the combined TP×EP group.
     Flex,
+}
+
+/// Optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerKind {
+    /// ZeRO-1 AdamW for every parameter.
+    Adamw,
+    /// Muon (Newton–Schulz-orthogonalised momentum) for the weight matrices, AdamW for the
+    /// embedding, LM head, norms and biases; the same learning rate (not checkpointed yet).
+    Muon,
 }
 
 /// Activation recompute mode.
@@ -173,6 +185,9 @@ pub struct Args {
     /// `moe_router_bias_update_rate`; 0 freezes the bias).
     #[arg(long, default_value_t = 1e-3)]
     pub expert_bias_update_rate: f64,
+    /// Optimizer of the weight matrices.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    pub optimizer: OptimizerKind,
     /// Activation recompute: `none`, or `memory-bound` (Burn's gradient checkpointing: the
     /// outputs of element-wise operations, activations and norms are recomputed in the
     /// backward pass instead of kept; results are bit-identical, memory lower, steps a few
@@ -211,6 +226,7 @@ fn job(args: &Args) -> TrainJob {
         aux_loss_coeff: args.aux_loss_coeff,
         z_loss_coeff: args.z_loss_coeff,
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
+        muon: (args.optimizer == OptimizerKind::Muon).then(MuonConfig::default),
         update_expert_bias: args.expert_bias_update_rate != 0.0,
         expert_bias_update_rate: Some(args.expert_bias_update_rate),
         dispatcher: match args.dispatcher {

@@ -379,3 +379,36 @@ fn a_trainer_checkpoint_names_what_does_not_match() {
     let err = read_train_state(&ckpt).unwrap_err();
     assert!(err.to_string().contains("objects.train_state"), "{err}");
 }
+
+#[test]
+fn a_muon_trainer_is_neither_saved_nor_restored() {
+    let device = Device::flex().autodiff();
+    let full = replicate(&tiny_config().init(&device).unwrap());
+    let dir = TempDir::new("train-state-muon");
+    let layout = ParallelLayout::parse(1, "").unwrap();
+    let errors = World::run(1, |ctx| {
+        let groups = ctx.process_groups(&layout)?;
+        let config = moe_models::train::TrainerConfig {
+            muon: Some(moe_backend::optim::MuonConfig::default()),
+            ..Default::default()
+        };
+        let mut trainer =
+            moe_models::train::Trainer::new(&full, &groups, ctx.world()?, config, &device)
+                .map_err(backend)?;
+        let meta = SaveMeta::new(0, &layout);
+        let state = TrainState::default();
+        let save = save_trainer(&ctx.world()?, dir.path(), meta, &trainer, &state);
+        // A valid model-only checkpoint to restore from.
+        let meta = SaveMeta::new(0, &layout);
+        let model = trainer.model().model().clone();
+        save_training_state(&ctx.world()?, dir.path(), meta, &model, None, &state)
+            .map_err(backend)?;
+        let ckpt = DistCheckpoint::open(dir.path()).map_err(backend)?;
+        let restore = restore_trainer(&ckpt, &mut trainer);
+        Ok([save.err(), restore.err()].map(|e| e.map(|e| e.to_string())))
+    });
+    for e in errors.into_iter().next().unwrap().unwrap() {
+        let e = e.expect("refused");
+        assert!(e.contains("Muon's state") && e.contains("optimizer"), "{e}");
+    }
+}
