@@ -1,4 +1,4 @@
-//! The training job behind `moe train`: one rank's part of a Qwen3-MoE or DeepSeek-V3 (with
+//! The training job behind `moe train`: one rank's part of a Qwen3-MoE, dense Qwen3 or DeepSeek-V3 (with
 //! its MTP modules and aux-loss-free expert-bias updates) fine-tuning run, the same code
 //! whether the ranks are threads of one process ([`World`](moe_backend::comm::World)) or processes (MPI,
 //! launched by `mpirun` / `srun`).
@@ -32,8 +32,11 @@ use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, sa
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
 use moe_models::distributed::ParallelCausalLm;
+use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
-use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use moe_models::{
+    DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+};
 use serde_json::{Value, json};
 
 use crate::finetune::corpus_batch;
@@ -82,7 +85,7 @@ fn invalid(field: impl Into<String>, detail: impl Into<String>) -> TrainJobError
 /// Settings of a training job.
 #[derive(Debug, Clone)]
 pub struct TrainJob {
-    /// HF Qwen3-MoE or DeepSeek-V3 directory (FP8 releases load dequantised), or a
+    /// HF Qwen3-MoE, DeepSeek-V3 or dense Qwen3 directory (FP8 releases load dequantised), or a
     /// distributed checkpoint (root or `iter_*` directory).
     pub model: PathBuf,
     /// Layout, e.g. `tp=2,ep=4` (the world is derived unless `world=` is given).
@@ -464,6 +467,25 @@ impl JobModel for Qwen3MoeForCausalLM {
     }
 }
 
+impl JobModel for Qwen3ForCausalLM {
+    const FAMILY: &'static str = "qwen3";
+
+    fn from_hf(
+        checkpoint: &HfCheckpoint,
+        config: &Path,
+        device: &Device,
+    ) -> Result<(Self, usize), TrainJobError> {
+        let config = Qwen3Config::from_file(config)?;
+        let model = Self::from_weights(&config, checkpoint, device)?;
+        Ok((model, config.vocab_size))
+    }
+
+    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError> {
+        let config = Qwen3Config::from_file(config)?;
+        Ok((config.init(device)?, config.vocab_size))
+    }
+}
+
 impl JobModel for DeepseekV3ForCausalLM {
     const FAMILY: &'static str = "deepseek_v3";
 
@@ -505,11 +527,12 @@ pub fn run_rank(
     match model_type(&job.model)?.as_str() {
         Qwen3MoeForCausalLM::FAMILY => run_model::<Qwen3MoeForCausalLM>(ctx, job, on_step),
         DeepseekV3ForCausalLM::FAMILY => run_model::<DeepseekV3ForCausalLM>(ctx, job, on_step),
+        Qwen3ForCausalLM::FAMILY => run_model::<Qwen3ForCausalLM>(ctx, job, on_step),
         other => Err(invalid(
             "model",
             format!(
                 "{}: `model_type` \"{other}\" cannot be trained by `moe train` (qwen3_moe, \
-                 deepseek_v3)",
+                 deepseek_v3, qwen3)",
                 job.model.display()
             ),
         )),

@@ -1,7 +1,7 @@
 """Checks that what `moe train` trains, once `moe export`ed, loads in transformers 5.23 with
 the trained weights.
 
-For Qwen3-MoE, DeepSeek-V3 and the DeepSeek-V3 FP8 release (trained dequantised), this script
+For Qwen3, Qwen3-MoE, DeepSeek-V3 and the DeepSeek-V3 FP8 release (trained dequantised), this script
 
 1. trains 3 steps under `tp=2,ep=4` (4 ranks on threads) from the HF fixture, saving a
    distributed checkpoint (`moe train ... --save <tmp>/ckpt`);
@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
-CASES = ["qwen3_moe", "deepseek_v3", "deepseek_v3_fp8"]
+CASES = ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_fp8"]
 
 
 def moe_binary() -> Path:

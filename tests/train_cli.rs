@@ -147,12 +147,15 @@ fn bad_input_is_refused_before_any_step() {
         &with("", &["--data", &d]),
         &["row 1 column 3", "99999", "vocabulary"],
     );
-    // A model `moe train` cannot train (dense Qwen3), named with its model_type.
-    let dense = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3");
+    // A model `moe train` cannot train, named with its model_type.
+    let other = dir.join("llama");
+    std::fs::create_dir_all(&other).expect("dir");
+    std::fs::write(other.join("config.json"), r#"{"model_type": "llama"}"#).expect("config");
+    let other = other.display().to_string();
     refused(
         &dir,
-        &with("", &["--model", dense]),
-        &["model_type", "qwen3", "qwen3_moe, deepseek_v3"],
+        &with("", &["--model", &other]),
+        &["model_type", "llama", "qwen3_moe, deepseek_v3, qwen3"],
     );
     // Muon's state is not checkpointed: --optimizer muon with --save is refused up front.
     refused(
@@ -345,6 +348,36 @@ fn recompute_changes_nothing_but_memory() {
     assert_metrics_equal(&metrics(&recompute), &metrics(&plain), "recompute vs plain");
     assert_eq!(params(&recompute), params(&plain), "parameters");
     for d in [plain, recompute] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn dense_qwen3_trains_resumes_under_another_layout_and_exports() {
+    let dense = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3");
+    let extra = |more: &[&'static str]| {
+        let mut v = vec!["--model", dense, "--adam-eps", ADAM_EPS];
+        v.extend_from_slice(more);
+        v
+    };
+    let (whole, split) = (scratch("dense-whole"), scratch("dense-split"));
+    threads(&train_args(&whole, "tp=2", 4, &extra(&["--gbs", "4"])));
+    threads(&train_args(&split, "tp=2", 2, &extra(&["--gbs", "4"])));
+    threads(&train_args(
+        &split,
+        "world=2",
+        4,
+        &extra(&["--gbs", "4", "--resume"]),
+    ));
+    assert_metrics_close(
+        &metrics(&split),
+        &metrics(&whole),
+        "resumed vs uninterrupted",
+    );
+    let (p_whole, p_split) = (params(&whole), params(&split));
+    assert_params_close(&p_split, &p_whole, "resumed vs uninterrupted parameters");
+    assert!(p_whole.contains_key("model.layers.0.mlp.down_proj.weight"));
+    for d in [whole, split] {
         let _ = std::fs::remove_dir_all(d);
     }
 }

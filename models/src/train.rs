@@ -1,6 +1,6 @@
 //! The training step users call from their own loop (SFT or RL): one [`Trainer`] per rank,
 //! wrapping the rank's shard of any [`ParallelCausalLm`] (Qwen3-MoE, DeepSeek-V3 with its MTP
-//! modules) and a ZeRO-1 [`DistributedAdamW`].
+//! modules, dense Qwen3) and a ZeRO-1 [`DistributedAdamW`].
 //!
 //! Batches are token ids with HF-style labels ([`TrainBatch`]): padded batches mark padding
 //! with label −100; packed batches (several documents per row) mark each document's first

@@ -1,6 +1,7 @@
 //! Training with the real defaults: the [`Trainer`] (aux loss and z-loss on, gradient
 //! accumulation over 2 micro-batches, Adam ε = 1e-8; for DeepSeek-V3 also MTP and expert-bias
-//! updates) under four layouts per MoE model equals the `world=1` run, and DeepSeek-V3's
+//! updates) under four layouts per MoE model (and dense Qwen3) equals the `world=1` run, and
+//! DeepSeek-V3's
 //! training forward's MTP loss equals the single-rank `forward_mtp` + `mtp_loss`.
 
 mod common;
@@ -11,9 +12,10 @@ use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
 use moe_models::mtp::mtp_loss;
+use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::qwen3_moe::Qwen3MoeForCausalLM;
 use moe_models::train::{StepStats, TrainBatch, Trainer, TrainerConfig};
-use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig};
+use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3MoeConfig};
 
 const S: usize = 8;
 /// Sequences per micro-batch of one replica.
@@ -374,6 +376,17 @@ fn qwen3_moe_training_with_real_defaults_matches_one_rank() {
             .iter()
             .all(|s| s[0].mtp_loss.is_none())
     );
+}
+
+#[test]
+fn dense_qwen3_training_matches_one_rank() {
+    let dir = common::fixtures().join("qwen3");
+    let config = Qwen3Config::from_file(dir.join("config.json")).expect("config");
+    let source = common::FixtureSource::open(&dir);
+    let start =
+        replicate(&Qwen3ForCausalLM::from_weights(&config, &source, &ad()).expect("weights"));
+    layouts_match_one_rank(&start, config.vocab_size, 1e-3, false);
+    layouts_match_one_rank(&start, config.vocab_size, 1e-8, REAL_DEFAULTS_LOOSE);
 }
 
 #[test]

@@ -27,6 +27,7 @@ use moe_models::deepseek_v3::{
 use moe_models::layers::mla::{Mla, MlaQuery};
 use moe_models::layers::{Attention, Mlp, RmsNorm};
 use moe_models::mtp::MtpModule;
+use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 
 use super::index::TensorKind;
@@ -64,6 +65,21 @@ impl PlacedModel for Qwen3MoeForCausalLM {
         with_values: bool,
     ) -> Result<Vec<PlacedTensor>, BridgeError> {
         qwen3_moe_placements(self, plan, rank, with_values)
+    }
+}
+
+impl PlacedModel for Qwen3ForCausalLM {
+    fn num_main_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+
+    fn placements(
+        &self,
+        plan: &ShardingPlan,
+        rank: usize,
+        with_values: bool,
+    ) -> Result<Vec<PlacedTensor>, BridgeError> {
+        qwen3_placements(self, plan, rank, with_values)
     }
 }
 
@@ -470,6 +486,34 @@ pub fn qwen3_moe_placements(
                 w.moe(&format!("{p}.mlp"), &block.moe, false)?;
             }
         }
+    }
+    w.norm("model.norm", &m.norm)?;
+    if let Some(head) = &model.lm_head {
+        w.column_parallel("lm_head", head)?;
+    }
+    Ok(w.out)
+}
+
+/// The placement of every parameter of `model`, rank `rank`'s shard of a dense Qwen3
+/// ([`moe_models::distributed::ParallelQwen3`]) under `plan`'s layout, in module order.
+pub fn qwen3_placements(
+    model: &Qwen3ForCausalLM,
+    plan: &ShardingPlan,
+    rank: usize,
+    with_values: bool,
+) -> Result<Vec<PlacedTensor>, BridgeError> {
+    let mut w = Walk::new(plan, rank, with_values);
+    let m = &model.model;
+    w.embedding("model.embed_tokens.weight", &m.embed_tokens)?;
+    for (l, layer) in m.layers.iter().enumerate() {
+        let p = format!("model.layers.{l}");
+        w.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm)?;
+        w.attention(&format!("{p}.self_attn"), &layer.self_attn)?;
+        w.norm(
+            &format!("{p}.post_attention_layernorm"),
+            &layer.post_attention_layernorm,
+        )?;
+        w.mlp(&format!("{p}.mlp"), &layer.mlp)?;
     }
     w.norm("model.norm", &m.norm)?;
     if let Some(head) = &model.lm_head {

@@ -49,7 +49,7 @@ impl ParallelDeepseekV3 {
         let rt = SpRuntime::new(
             groups,
             kind,
-            config.n_routed_experts,
+            Some(config.n_routed_experts),
             config.vocab_size,
             rope,
         )?;

@@ -27,13 +27,14 @@ use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
-use crate::layers::Mlp;
 use crate::layers::rope::RotaryEmbedding;
+use crate::layers::{Attention, Mlp};
 use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock};
 
 mod deepseek_v3;
 mod gather;
 pub mod logprobs;
+mod qwen3;
 pub mod replay;
 mod runtime;
 pub mod sharded;
@@ -43,6 +44,7 @@ pub use sharded::{CausalLmShard, ParallelCausalLm, TrainForward};
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
+pub use qwen3::ParallelQwen3;
 
 /// Output of the traced forward: the output, the recorded routing and the expert-bias counts.
 pub(crate) type ForwardTraced = (
@@ -133,12 +135,7 @@ pub(crate) fn make_dispatcher(
     num_experts: usize,
 ) -> Result<Arc<dyn TokenDispatcher>, ModelError> {
     let layout: &ParallelLayout = &groups.groups.layout;
-    if layout.pp != 1 || layout.cp != 1 {
-        return Err(ModelError::invalid(
-            "layout",
-            "pipeline and context parallelism are not implemented (pp = cp = 1)",
-        ));
-    }
+    check_no_pp_cp(groups)?;
     let tp_ep = groups.comm(GroupFamily::TpEp).clone();
     let e = num_experts;
     Ok(match kind {
@@ -158,6 +155,45 @@ pub(crate) fn make_dispatcher(
             Arc::new(FlexDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
         }
     })
+}
+
+/// Shards grouped-query attention over TP: q/k/v column-parallel by head, `o_proj`
+/// row-parallel, QK-norms replicated; the local head counts follow the shard.
+pub(crate) fn shard_attention(
+    rt: &SpRuntime,
+    dst: &mut Attention,
+    src: &Attention,
+) -> Result<(), ModelError> {
+    let (rank, tp) = rt.tp_rank_size();
+    if !src.num_heads.is_multiple_of(tp) || !src.num_kv_heads.is_multiple_of(tp) {
+        return Err(ModelError::invalid(
+            "tp",
+            format!(
+                "{} query / {} KV heads cannot be split over tp = {tp}",
+                src.num_heads, src.num_kv_heads
+            ),
+        ));
+    }
+    dst.q_proj = column_parallel_linear(&src.q_proj, rank, tp).map_err(err)?;
+    dst.k_proj = column_parallel_linear(&src.k_proj, rank, tp).map_err(err)?;
+    dst.v_proj = column_parallel_linear(&src.v_proj, rank, tp).map_err(err)?;
+    dst.o_proj = row_parallel_linear(&src.o_proj, rank, tp).map_err(err)?;
+    dst.num_heads = src.num_heads / tp;
+    dst.num_kv_heads = src.num_kv_heads / tp;
+    Ok(())
+}
+
+/// Refuses layouts with pipeline or context parallelism (not implemented by the sharded
+/// forwards yet).
+pub(crate) fn check_no_pp_cp(groups: &GroupComms) -> Result<(), ModelError> {
+    let layout = &groups.groups.layout;
+    if layout.pp != 1 || layout.cp != 1 {
+        return Err(ModelError::invalid(
+            "layout",
+            "pipeline and context parallelism are not implemented (pp = cp = 1)",
+        ));
+    }
+    Ok(())
 }
 
 /// HF causal-LM targets of row-major `labels [B, S]`: position `i` predicts `labels[i+1]`;
@@ -205,29 +241,18 @@ impl ParallelQwen3Moe {
     ) -> Result<Self, ModelError> {
         let config = full.config();
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
-        let rt = SpRuntime::new(groups, kind, config.num_experts, config.vocab_size, rope)?;
-        let (rank, tp) = rt.tp_rank_size();
+        let rt = SpRuntime::new(
+            groups,
+            kind,
+            Some(config.num_experts),
+            config.vocab_size,
+            rope,
+        )?;
         let mut model = replicate(full);
         (model.model.embed_tokens, model.lm_head) =
             rt.shard_embeddings(&full.model.embed_tokens, full.lm_head.as_ref())?;
         for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
-            let attn = &src.self_attn;
-            if attn.num_heads % tp != 0 || attn.num_kv_heads % tp != 0 {
-                return Err(ModelError::invalid(
-                    "tp",
-                    format!(
-                        "{} query / {} KV heads cannot be split over tp = {tp}",
-                        attn.num_heads, attn.num_kv_heads
-                    ),
-                ));
-            }
-            let a = &mut dst.self_attn;
-            a.q_proj = column_parallel_linear(&attn.q_proj, rank, tp).map_err(err)?;
-            a.k_proj = column_parallel_linear(&attn.k_proj, rank, tp).map_err(err)?;
-            a.v_proj = column_parallel_linear(&attn.v_proj, rank, tp).map_err(err)?;
-            a.o_proj = row_parallel_linear(&attn.o_proj, rank, tp).map_err(err)?;
-            a.num_heads = attn.num_heads / tp;
-            a.num_kv_heads = attn.num_kv_heads / tp;
+            shard_attention(&rt, &mut dst.self_attn, &src.self_attn)?;
             dst.mlp = match &src.mlp {
                 Qwen3MoeFeedForward::Dense(mlp) => Qwen3MoeFeedForward::Dense(rt.shard_mlp(mlp)?),
                 Qwen3MoeFeedForward::Sparse(block) => {

@@ -21,7 +21,10 @@ use moe_backend::parallel::tensor_parallel::{
 use moe_backend::parallel::{GroupCountReducer, GroupFamily, replicate};
 use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
-use super::{DispatcherKind, ParallelOutput, err, make_dispatcher, shard_mlp, shifted_targets};
+use super::{
+    DispatcherKind, ParallelOutput, check_no_pp_cp, err, make_dispatcher, shard_mlp,
+    shifted_targets,
+};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
@@ -31,7 +34,8 @@ use crate::layers::{Mlp, RmsNorm};
 #[derive(Debug, Clone)]
 pub(crate) struct SpRuntime {
     pub(crate) tp: Comm,
-    dispatcher: Arc<dyn TokenDispatcher>,
+    /// The MoE blocks' token dispatcher (`None` for a dense model).
+    dispatcher: Option<Arc<dyn TokenDispatcher>>,
     /// This rank's vocabulary rows of the embedding / columns of the head.
     pub(crate) vocab: Range<usize>,
     rope: RotaryEmbedding,
@@ -83,15 +87,22 @@ impl RouterTrace {
 }
 
 impl SpRuntime {
-    /// The context of this rank (checks `pp = cp = 1`); `vocab_size` fixes the vocab shard.
+    /// The context of this rank (checks `pp = cp = 1`); `vocab_size` fixes the vocab shard;
+    /// `num_experts` is `None` for a dense model (no dispatcher).
     pub(crate) fn new(
         groups: &GroupComms,
         kind: DispatcherKind,
-        num_experts: usize,
+        num_experts: Option<usize>,
         vocab_size: usize,
         rope: RotaryEmbedding,
     ) -> Result<Self, ModelError> {
-        let dispatcher = make_dispatcher(groups, kind, num_experts)?;
+        let dispatcher = match num_experts {
+            Some(e) => Some(make_dispatcher(groups, kind, e)?),
+            None => {
+                check_no_pp_cp(groups)?;
+                None
+            }
+        };
         let tp = groups.comm(GroupFamily::Tp).clone();
         let vocab = moe_backend::parallel::tensor_parallel::shard_range(
             "vocabulary",
@@ -117,6 +128,13 @@ impl SpRuntime {
             replica: dp_cp.index,
             replicas: dp_cp.size(),
         })
+    }
+
+    /// The token dispatcher (an error for a dense model's context).
+    fn dispatcher(&self) -> Result<&dyn TokenDispatcher, ModelError> {
+        self.dispatcher
+            .as_deref()
+            .ok_or_else(|| ModelError::invalid("model", "a dense model has no MoE block"))
     }
 
     /// `(rank, size)` in the TP group.
@@ -153,7 +171,7 @@ impl SpRuntime {
         out.shared_experts = moe.shared_experts.as_ref().map(replicate);
         out.experts = moe
             .experts
-            .shard(self.dispatcher.local_experts(), self.etp_rank, self.etp)
+            .shard(self.dispatcher()?.local_experts(), self.etp_rank, self.etp)
             .map_err(err)?;
         Ok(out)
     }
@@ -227,7 +245,7 @@ impl SpRuntime {
             .with_count_reducer(&self.reducer)
             .with_grad_scale(trace.aux_grad_scale);
         let out = moe
-            .forward_with(normed, &state, &options, self.dispatcher.as_ref())
+            .forward_with(normed, &state, &options, self.dispatcher()?)
             .map_err(err)?;
         if trace.record {
             trace.selected.push(out.routing.topk_indices.clone());

@@ -12,7 +12,7 @@ use super::DispatcherKind;
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 
-/// A causal LM the trainer can shard and train (Qwen3-MoE, DeepSeek-V3).
+/// A causal LM the trainer can shard and train (Qwen3-MoE, DeepSeek-V3, dense Qwen3).
 pub trait ParallelCausalLm: Module {
     /// One rank's shard of this model.
     type Shard: CausalLmShard<Model = Self>;

@@ -52,8 +52,8 @@ enum Command {
     Reshard(checkpoint::ReshardArgs),
     /// Check that every element of every tensor is stored exactly once.
     Validate(checkpoint::ValidateArgs),
-    /// Fine-tune a Qwen3-MoE or DeepSeek-V3 checkpoint under a parallel layout (threads, or one process per
-    /// rank under mpirun / srun).
+    /// Fine-tune a Qwen3-MoE, DeepSeek-V3 or Qwen3 checkpoint under a parallel layout
+    /// (threads, or one process per rank under mpirun / srun).
     Train(train::Args),
 }
 

@@ -102,7 +102,7 @@ pub enum Recompute {
 /// Arguments of `moe train`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// HF Qwen3-MoE or DeepSeek-V3 directory (an FP8 release trains dequantised) or a
+    /// HF Qwen3-MoE, DeepSeek-V3 or dense Qwen3 directory (an FP8 release trains dequantised) or a
     /// distributed checkpoint (root or `iter_*` directory).
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
