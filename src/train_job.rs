@@ -414,13 +414,6 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
     if job.steps == 0 {
         return Err(invalid("steps", "train at least one step"));
     }
-    if job.trainer.muon.is_some() && job.save.is_some() {
-        return Err(invalid(
-            "optimizer",
-            "Muon's state is not stored in training checkpoints yet: --optimizer muon cannot \
-             --save (train with adamw to save or resume)",
-        ));
-    }
     if job.resume && job.save.is_none() {
         return Err(invalid(
             "resume",

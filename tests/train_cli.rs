@@ -157,12 +157,6 @@ fn bad_input_is_refused_before_any_step() {
         &with("", &["--model", &other]),
         &["model_type", "llama", "qwen3_moe, deepseek_v3, qwen3"],
     );
-    // Muon's state is not checkpointed: --optimizer muon with --save is refused up front.
-    refused(
-        &dir,
-        &with("", &["--optimizer", "muon"]),
-        &["optimizer", "Muon", "--save"],
-    );
     // --resume without a checkpoint to resume from.
     refused(&dir, &with("", &["--resume"]), &["resume", "no checkpoint"]);
     let _ = std::fs::remove_dir_all(dir);
@@ -377,6 +371,50 @@ fn dense_qwen3_trains_resumes_under_another_layout_and_exports() {
     let (p_whole, p_split) = (params(&whole), params(&split));
     assert_params_close(&p_split, &p_whole, "resumed vs uninterrupted parameters");
     assert!(p_whole.contains_key("model.layers.0.mlp.down_proj.weight"));
+    for d in [whole, split] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn muon_resumes_under_another_layout() {
+    let extra = |more: &[&'static str]| {
+        let mut v = vec!["--optimizer", "muon", "--adam-eps", ADAM_EPS];
+        v.extend_from_slice(more);
+        v
+    };
+    let (whole, split) = (scratch("muon-whole"), scratch("muon-split"));
+    threads(&train_args(&whole, "tp=2,ep=4", 4, &extra(&[])));
+    threads(&train_args(&split, "tp=2,ep=4", 2, &extra(&[])));
+    threads(&train_args(&split, "ep=2", 4, &extra(&["--resume"])));
+    assert_metrics_close(
+        &metrics(&split),
+        &metrics(&whole),
+        "resumed vs uninterrupted",
+    );
+    assert_params_close(&params(&split), &params(&whole), "resumed vs uninterrupted");
+    // The momentum is in the checkpoint, resharded like the parameters.
+    let ckpt = burn_moe::bridge::dist::DistCheckpoint::open(whole.join("ckpt")).expect("ckpt");
+    assert!(
+        ckpt.entry("optim.muon_momentum.model.layers.1.self_attn.q_proj.weight")
+            .is_ok()
+    );
+    // An AdamW run cannot resume it.
+    let out = std::process::Command::new(MOE)
+        .args(train_args(
+            &whole,
+            "ep=2",
+            5,
+            &["--adam-eps", ADAM_EPS, "--resume"],
+        ))
+        .args(["--transport", "threads"])
+        .output()
+        .expect("moe");
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !out.status.success() && text.contains("muon_adamw"),
+        "{text}"
+    );
     for d in [whole, split] {
         let _ = std::fs::remove_dir_all(d);
     }

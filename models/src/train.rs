@@ -129,7 +129,7 @@ pub struct TrainerConfig {
     /// stacked expert weight except the embedding and the LM head), AdamW for the rest, one
     /// global gradient norm over both ([`MuonAdamW`]); `None`: AdamW for everything. Muon takes
     /// the same learning rate (its default scale matches AdamW's update RMS). Not with FP8
-    /// primary weights; its state is not in training checkpoints yet.
+    /// primary weights.
     pub muon: Option<MuonConfig>,
     /// Token dispatcher of the MoE blocks.
     pub dispatcher: DispatcherKind,
@@ -338,6 +338,15 @@ impl<M: ParallelCausalLm> Trainer<M> {
         match &self.optimizer {
             Optimizer::AdamW(_) => None,
             Optimizer::Muon(muon) => Some(muon),
+        }
+    }
+
+    /// Mutable shard and Muon + AdamW optimizer when [`TrainerConfig::muon`] is set (to
+    /// restore both from a checkpoint).
+    pub fn muon_parts_mut(&mut self) -> Option<(&mut M::Shard, &mut MuonAdamW)> {
+        match &mut self.optimizer {
+            Optimizer::AdamW(_) => None,
+            Optimizer::Muon(muon) => Some((&mut self.model, muon)),
         }
     }
 

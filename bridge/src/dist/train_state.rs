@@ -24,7 +24,8 @@ use burn::tensor::{Tensor, TensorData};
 use moe_backend::BackendError;
 use moe_backend::comm::Comm;
 use moe_backend::optim::{
-    DistributedAdamW, MomentDtype, OptimState, ParamInfo, ParamPlacement, StatePiece, transpose_2d,
+    DistributedAdamW, DistributedMuon, MomentDtype, MuonAdamW, OptimState, ParamInfo,
+    ParamPlacement, StatePiece, transpose_2d,
 };
 use moe_models::distributed::{CausalLmShard, ParallelCausalLm};
 use moe_models::train::Trainer;
@@ -177,9 +178,23 @@ fn optimizer_chunks(
 pub fn save_training_state<M: PlacedModel>(
     comm: &Comm,
     root: &Path,
+    meta: SaveMeta,
+    model: &M,
+    optimizer: Option<&DistributedAdamW>,
+    state: &TrainState,
+) -> Result<PathBuf, BridgeError> {
+    save_state(comm, root, meta, model, optimizer, None, state)
+}
+
+/// [`save_training_state`], with `muon` the Muon side of a Muon + AdamW optimizer whose AdamW
+/// side is `optimizer` ([`muon`]).
+fn save_state<M: PlacedModel>(
+    comm: &Comm,
+    root: &Path,
     mut meta: SaveMeta,
     model: &M,
     optimizer: Option<&DistributedAdamW>,
+    muon: Option<&DistributedMuon>,
     state: &TrainState,
 ) -> Result<PathBuf, BridgeError> {
     let rank = comm
@@ -251,7 +266,13 @@ pub fn save_training_state<M: PlacedModel>(
             .state_pieces(&placer(&ids))
             .map_err(backend_error(root, "optimizer"))?;
         owned.extend(optimizer_chunks(optimizer, &pieces, root)?);
-        meta.optimizer = Some(optimizer_record(optimizer));
+        meta.optimizer = Some(match muon {
+            Some(m) => {
+                owned.extend(muon::momentum_chunks(m, &placed, root)?);
+                muon::record(optimizer_record(optimizer), m)
+            }
+            None => optimizer_record(optimizer),
+        });
     }
     let value = serde_json::to_value(state).map_err(|e| BridgeError::TrainState {
         path: root.to_path_buf(),
@@ -343,6 +364,19 @@ pub fn load_optimizer_state<M: PlacedModel>(
     plan: &ShardingPlan,
     rank: usize,
 ) -> Result<bool, BridgeError> {
+    load_adamw_state(ckpt, optimizer, model, plan, rank, "adamw")
+}
+
+/// [`load_optimizer_state`] from a checkpoint whose optimizer type must be `kind` (`adamw`,
+/// or [`muon::MUON_KIND`] for the AdamW side of Muon + AdamW).
+fn load_adamw_state<M: PlacedModel>(
+    ckpt: &DistCheckpoint,
+    optimizer: &mut DistributedAdamW,
+    model: &M,
+    plan: &ShardingPlan,
+    rank: usize,
+    kind: &str,
+) -> Result<bool, BridgeError> {
     let dir = ckpt.dir().to_path_buf();
     let Some(record) = ckpt.index().optimizer.clone() else {
         optimizer
@@ -350,11 +384,16 @@ pub fn load_optimizer_state<M: PlacedModel>(
             .map_err(backend_error(&dir, "master"))?;
         return Ok(false);
     };
-    if record.kind != "adamw" {
+    if record.kind != kind {
+        let want = if kind == "adamw" {
+            "an AdamW"
+        } else {
+            "a Muon + AdamW"
+        };
         return Err(BridgeError::TrainState {
             path: dir,
             field: "optimizer.type".to_owned(),
-            reason: format!("\"{}\" cannot restore an AdamW optimizer", record.kind),
+            reason: format!("\"{}\" cannot restore {want} optimizer", record.kind),
         });
     }
     let placed = model.placements(plan, rank, false)?;
@@ -393,21 +432,6 @@ pub fn read_train_state(ckpt: &DistCheckpoint) -> Result<Option<TrainState>, Bri
         })
 }
 
-/// Training checkpoints hold AdamW state only: a Muon trainer's momentum and master matrices
-/// would be lost, so saving or restoring one is an error.
-fn refuse_muon<M: ParallelCausalLm>(trainer: &Trainer<M>, path: &Path) -> Result<(), BridgeError> {
-    if trainer.muon().is_some() {
-        return Err(BridgeError::TrainState {
-            path: path.to_path_buf(),
-            field: "optimizer".to_owned(),
-            reason: "Muon's state (momentum, master matrices) is not stored in training \
-                     checkpoints yet; train with AdamW to save or resume"
-                .to_owned(),
-        });
-    }
-    Ok(())
-}
-
 /// [`save_training_state`] of a [`Trainer`] of any placed model (its shard and optimizer).
 pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
     comm: &Comm,
@@ -416,7 +440,6 @@ pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
     trainer: &Trainer<M>,
     state: &TrainState,
 ) -> Result<PathBuf, BridgeError> {
-    refuse_muon(trainer, root)?;
     let layout = &trainer.process_groups().layout;
     if &meta.layout != layout {
         return Err(BridgeError::TrainState {
@@ -428,12 +451,13 @@ pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
             ),
         });
     }
-    save_training_state(
+    save_state(
         comm,
         root,
         meta,
         trainer.model().model(),
         Some(trainer.optimizer()),
+        trainer.muon().map(MuonAdamW::muon),
         state,
     )
 }
@@ -495,8 +519,35 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     ckpt: &DistCheckpoint,
     trainer: &mut Trainer<M>,
 ) -> Result<TrainState, BridgeError> {
-    refuse_muon(trainer, ckpt.dir())?;
     let groups = trainer.process_groups().clone();
+    if let Some((shard, optimizer)) = trainer.muon_parts_mut() {
+        let model = shard.model_mut();
+        let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()))?;
+        *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
+        let dir = ckpt.dir().to_path_buf();
+        let kind = muon::MUON_KIND;
+        if load_adamw_state(
+            ckpt,
+            optimizer.adamw_mut(),
+            &*model,
+            &plan,
+            groups.rank,
+            kind,
+        )? {
+            let placed = model.placements(&plan, groups.rank, false)?;
+            muon::load_momentum(ckpt, optimizer.muon_mut(), &placed)?;
+        }
+        optimizer
+            .muon_mut()
+            .reset_master_from(&*model)
+            .map_err(backend_error(&dir, "muon master"))?;
+        let step = optimizer.step_count();
+        optimizer.muon_mut().set_step_count(step);
+        return Ok(read_train_state(ckpt)?.unwrap_or(TrainState {
+            step: ckpt.index().step,
+            ..TrainState::default()
+        }));
+    }
     let (shard, optimizer) = trainer.parts_mut();
     let model = shard.model_mut();
     let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()))?;
@@ -510,6 +561,8 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
         ..TrainState::default()
     }))
 }
+
+mod muon;
 
 #[cfg(test)]
 mod deepseek_tests;

@@ -86,7 +86,7 @@ pub enum OptimizerKind {
     /// ZeRO-1 AdamW for every parameter.
     Adamw,
     /// Muon (Newton–Schulz-orthogonalised momentum) for the weight matrices, AdamW for the
-    /// embedding, LM head, norms and biases; the same learning rate (not checkpointed yet).
+    /// embedding, LM head, norms and biases; the same learning rate.
     Muon,
 }
 

@@ -381,34 +381,38 @@ fn a_trainer_checkpoint_names_what_does_not_match() {
 }
 
 #[test]
-fn a_muon_trainer_is_neither_saved_nor_restored() {
+fn muon_and_adamw_checkpoints_do_not_restore_into_each_other() {
     let device = Device::flex().autodiff();
     let full = replicate(&tiny_config().init(&device).unwrap());
-    let dir = TempDir::new("train-state-muon");
+    let (muon_dir, adamw_dir) = (TempDir::new("ts-muon"), TempDir::new("ts-adamw"));
     let layout = ParallelLayout::parse(1, "").unwrap();
     let errors = World::run(1, |ctx| {
         let groups = ctx.process_groups(&layout)?;
-        let config = moe_models::train::TrainerConfig {
-            muon: Some(moe_backend::optim::MuonConfig::default()),
-            ..Default::default()
+        let trainer = |muon: bool| {
+            let config = moe_models::train::TrainerConfig {
+                muon: muon.then(moe_backend::optim::MuonConfig::default),
+                ..Default::default()
+            };
+            moe_models::train::Trainer::new(&full, &groups, ctx.world().unwrap(), config, &device)
+                .map_err(backend)
         };
-        let mut trainer =
-            moe_models::train::Trainer::new(&full, &groups, ctx.world()?, config, &device)
-                .map_err(backend)?;
-        let meta = SaveMeta::new(0, &layout);
+        let (mut muon, mut adamw) = (trainer(true)?, trainer(false)?);
         let state = TrainState::default();
-        let save = save_trainer(&ctx.world()?, dir.path(), meta, &trainer, &state);
-        // A valid model-only checkpoint to restore from.
-        let meta = SaveMeta::new(0, &layout);
-        let model = trainer.model().model().clone();
-        save_training_state(&ctx.world()?, dir.path(), meta, &model, None, &state)
-            .map_err(backend)?;
-        let ckpt = DistCheckpoint::open(dir.path()).map_err(backend)?;
-        let restore = restore_trainer(&ckpt, &mut trainer);
-        Ok([save.err(), restore.err()].map(|e| e.map(|e| e.to_string())))
+        for (dir, t) in [(&muon_dir, &muon), (&adamw_dir, &adamw)] {
+            let meta = SaveMeta::new(0, &layout);
+            save_trainer(&ctx.world()?, dir.path(), meta, t, &state).map_err(backend)?;
+        }
+        let open = |d: &TempDir| DistCheckpoint::open(d.path()).map_err(backend);
+        let into_adamw = restore_trainer(&open(&muon_dir)?, &mut adamw).err();
+        let into_muon = restore_trainer(&open(&adamw_dir)?, &mut muon).err();
+        // Each restores into its own kind.
+        restore_trainer(&open(&muon_dir)?, &mut muon).map_err(backend)?;
+        restore_trainer(&open(&adamw_dir)?, &mut adamw).map_err(backend)?;
+        Ok([into_adamw, into_muon].map(|e| e.map(|e| e.to_string())))
     });
-    for e in errors.into_iter().next().unwrap().unwrap() {
-        let e = e.expect("refused");
-        assert!(e.contains("Muon's state") && e.contains("optimizer"), "{e}");
-    }
+    let [into_adamw, into_muon] = errors.into_iter().next().unwrap().unwrap();
+    let into_adamw = into_adamw.expect("refused");
+    assert!(into_adamw.contains("muon_adamw") && into_adamw.contains("an AdamW"));
+    let into_muon = into_muon.expect("refused");
+    assert!(into_muon.contains("\"adamw\"") && into_muon.contains("Muon + AdamW"));
 }
