@@ -6,7 +6,8 @@
 //! - **Model**: an HF directory (every rank loads it and keeps its shard) or a distributed
 //!   checkpoint (each rank reads only its own boxes, under any layout).
 //! - **Data**: a global batch of `gbs` sequences per step, independent of the layout: sequence
-//!   `i` of step `s` is row `(s·gbs + i) mod N` of `input_ids [N, S]` from `--data`, or the
+//!   `i` of step `s` is row `(s·gbs + i) mod N` of `input_ids [N, S]` from `--data` (a
+//!   safetensors file, or text tokenized into such rows: [`TrainJob::data`]), or the
 //!   built-in arithmetic corpus ([`corpus_batch`] of `(s, i)`); data-parallel replica `r` of
 //!   `dp` takes the `gbs/dp` consecutive sequences starting at `r·gbs/dp`. The same run under
 //!   any layout therefore sees the same data, and `world=1` is its reference.
@@ -31,6 +32,7 @@ use moe_bridge::dist::placement::PlacedModel;
 use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
+use moe_bridge::{BridgeError, Tokenizer};
 use moe_models::distributed::ParallelCausalLm;
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
@@ -98,10 +100,21 @@ pub struct TrainJob {
     /// global batch is `dp × micro-batches × mbs` sequences; gradients accumulate over the
     /// micro-batches and the loss is normalised per token over the whole global batch.
     pub mbs: Option<usize>,
-    /// Tokens per sequence (ignored with `data`, whose rows set it).
+    /// Tokens per sequence of the built-in corpus and of text data (a safetensors `data` file's
+    /// rows set their own).
     pub seq_len: usize,
-    /// `input_ids [N, S]` (I64 or I32) in a safetensors file; `None`: the built-in corpus.
+    /// The training tokens; `None`: the built-in corpus. Either `input_ids [N, S]` (I64 or
+    /// I32) in a safetensors file, or text: a `.jsonl` file (one JSON object per line with a
+    /// `text` string) or a `.txt` file (one document per line), tokenized with the
+    /// `tokenizer` directory's tokenizer.json: each document encoded with the tokenizer's
+    /// special tokens (e.g. a BOS, as transformers' `encode` adds them) and followed by its
+    /// `eos_token`, all documents concatenated in file order and cut into rows of `seq_len`
+    /// tokens, the last partial row dropped (HF `run_clm`'s grouping with Megatron's
+    /// end-of-document token). Blank lines are skipped.
     pub data: Option<PathBuf>,
+    /// Directory holding the tokenizer for text `data` (default: `model`, which must then be
+    /// an HF directory with tokenizer.json).
+    pub tokenizer: Option<PathBuf>,
     /// Trainer settings (learning rate, optimizer, dispatcher, aux-loss coefficient, FP8).
     pub trainer: TrainerConfig,
     /// Checkpoint root to save into.
@@ -131,6 +144,7 @@ impl Default for TrainJob {
             mbs: None,
             seq_len: 16,
             data: None,
+            tokenizer: None,
             trainer: TrainerConfig {
                 lr: 3e-3,
                 ..TrainerConfig::default()
@@ -216,6 +230,9 @@ impl Data {
                 seq_len: job.seq_len,
             });
         };
+        if let Some(format) = TextFormat::of(path) {
+            return Self::from_text(job, path, format, vocab);
+        }
         let file = SafetensorsFile::open(path)?;
         let view = file.tensor(INPUT_IDS).map_err(|_| {
             invalid(
@@ -265,6 +282,95 @@ impl Data {
         Ok(Data::Ids { ids, rows, seq_len })
     }
 
+    /// Text `path` tokenized into rows of `job.seq_len` tokens (see [`TrainJob::data`]).
+    fn from_text(
+        job: &TrainJob,
+        path: &Path,
+        format: TextFormat,
+        vocab: usize,
+    ) -> Result<Self, TrainJobError> {
+        let file = path.display().to_string();
+        let seq_len = job.seq_len;
+        if seq_len < 2 {
+            return Err(invalid("seq_len", "sequences need at least 2 tokens"));
+        }
+        let text = std::fs::read_to_string(path).map_err(|source| TrainJobError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let documents = format.documents(&text, &file)?;
+        if documents.is_empty() {
+            return Err(invalid(&file, "holds no documents"));
+        }
+        let dir = job.tokenizer.as_ref().unwrap_or(&job.model);
+        let tokenizer = Tokenizer::from_dir(dir).map_err(|e| match e {
+            BridgeError::MissingTokenizer { .. } => invalid(
+                &file,
+                format!(
+                    "text data needs a tokenizer: {e}{}",
+                    if job.tokenizer.is_none() {
+                        " (pass --tokenizer DIR, e.g. for a distributed checkpoint)"
+                    } else {
+                        ""
+                    }
+                ),
+            ),
+            other => other.into(),
+        })?;
+        let tokenizer_file = tokenizer.path().display().to_string();
+        let eos = tokenizer
+            .eos_token_id()
+            .or_else(|| tokenizer.generation_stop_ids().first().copied())
+            .ok_or_else(|| {
+                invalid(
+                    &tokenizer_file,
+                    "no `eos_token` (tokenizer_config.json) or `eos_token_id` \
+                     (generation_config.json, config.json) to separate the documents",
+                )
+            })?;
+        let texts: Vec<&str> = documents.iter().map(String::as_str).collect();
+        let encoded = tokenizer.encode_batch(&texts, true)?;
+        let mut ids: Vec<i64> = Vec::new();
+        for doc in &encoded {
+            ids.extend(doc.iter().map(|&t| i64::from(t)));
+            if doc.last() != Some(&eos) {
+                ids.push(i64::from(eos));
+            }
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(invalid(
+                &tokenizer_file,
+                format!(
+                    "{file} encodes to token id {bad} ({:?}), outside the model's vocabulary \
+                     0..{vocab} (is this the model's own tokenizer?)",
+                    tokenizer.id_to_token(bad as u32).unwrap_or_default()
+                ),
+            ));
+        }
+        let rows = ids.len() / seq_len;
+        if rows == 0 {
+            return Err(invalid(
+                &file,
+                format!(
+                    "{} documents make {} tokens, fewer than one sequence of --seq-len {seq_len}",
+                    documents.len(),
+                    ids.len()
+                ),
+            ));
+        }
+        tracing::info!(
+            data = %file,
+            documents = documents.len(),
+            tokens = ids.len(),
+            rows,
+            seq_len,
+            dropped = ids.len() - rows * seq_len,
+            "tokenized the text data"
+        );
+        ids.truncate(rows * seq_len);
+        Ok(Data::Ids { ids, rows, seq_len })
+    }
+
     /// Sequences `first..first + count` of step `step` (global batch `gbs`), flattened.
     fn sequences(
         &self,
@@ -287,6 +393,48 @@ impl Data {
             }
         }
         out
+    }
+}
+
+/// Text formats of `--data`, by file extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TextFormat {
+    /// `.jsonl`: one JSON object per line with a `text` string.
+    Jsonl,
+    /// `.txt`: one document per line.
+    Lines,
+}
+
+impl TextFormat {
+    fn of(path: &Path) -> Option<Self> {
+        match path.extension()?.to_str()? {
+            "jsonl" => Some(Self::Jsonl),
+            "txt" => Some(Self::Lines),
+            _ => None,
+        }
+    }
+
+    /// The documents of `text` (blank lines skipped).
+    fn documents(self, text: &str, file: &str) -> Result<Vec<String>, TrainJobError> {
+        let mut docs = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            match self {
+                Self::Lines => docs.push(line.to_string()),
+                Self::Jsonl => {
+                    let at = |detail: String| invalid(file, format!("line {}: {detail}", i + 1));
+                    let value: Value = serde_json::from_str(line)
+                        .map_err(|e| at(format!("not valid JSON: {e}")))?;
+                    match value.get("text") {
+                        Some(Value::String(text)) => docs.push(text.clone()),
+                        _ => return Err(at("expected an object with a `text` string".into())),
+                    }
+                }
+            }
+        }
+        Ok(docs)
     }
 }
 
@@ -584,6 +732,8 @@ fn run_model<M: JobModel>(
         }
         None => {
             let checkpoint = HfCheckpoint::open(&job.model)?;
+            // Config, shard set, presence, shapes and dtypes before any weight is read.
+            checkpoint.check()?;
             let config_path = job.model.join(moe_bridge::hf::CONFIG_FILE);
             let (full, vocab) = M::from_hf(&checkpoint, &config_path, &device)?;
             let trainer =
@@ -716,40 +866,61 @@ fn reduce_metrics(
 }
 
 /// Appends metrics to a JSON-lines file.
+///
+/// The file is opened (truncated, or appended to) by the first record, so a job refused
+/// before its first step leaves an existing metrics file as it was and creates none.
 #[derive(Debug)]
 pub struct MetricsWriter {
     path: PathBuf,
-    file: std::sync::Mutex<std::fs::File>,
+    append: bool,
+    file: std::sync::Mutex<Option<std::fs::File>>,
 }
 
 impl MetricsWriter {
-    /// Opens `path` (truncated, or appended to when `append`).
+    /// A writer of `path` (truncated, or appended to when `append`, at the first record); its
+    /// directory must exist.
     pub fn open(path: &Path, append: bool) -> Result<Self, TrainJobError> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .append(append)
-            .truncate(!append)
-            .open(path)
-            .map_err(|source| TrainJobError::Io {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if !dir.is_dir() || path.is_dir() {
+            return Err(TrainJobError::Io {
                 path: path.to_path_buf(),
-                source,
-            })?;
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "not a file in an existing directory",
+                ),
+            });
+        }
         Ok(Self {
             path: path.to_path_buf(),
-            file: std::sync::Mutex::new(file),
+            append,
+            file: std::sync::Mutex::new(None),
         })
     }
 
     /// Writes one record (a line) and flushes it.
     pub fn write(&self, metrics: &StepMetrics) -> Result<(), TrainJobError> {
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let io = |source| TrainJobError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let mut slot = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let file = match slot.take() {
+            Some(file) => file,
+            None => std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(self.append)
+                .truncate(!self.append)
+                .open(&self.path)
+                .map_err(io)?,
+        };
+        let file = slot.insert(file);
         writeln!(file, "{}", metrics.to_json())
             .and_then(|()| file.flush())
-            .map_err(|source| TrainJobError::Io {
-                path: self.path.clone(),
-                source,
-            })
+            .map_err(io)
     }
 }
 
@@ -774,14 +945,25 @@ pub fn run_job(
         },
         other => other.clone(),
     };
-    run_spmd(&placement, timeout, |ctx| {
+    // A rank's own job error (a bad file, a refused checkpoint) is kept as it is: the ranks
+    // speak `BackendError`, so it travels beside them and replaces the stand-in afterwards.
+    let job_error: std::sync::Mutex<Option<TrainJobError>> = std::sync::Mutex::new(None);
+    let result = run_spmd(&placement, timeout, |ctx| {
         run_rank(ctx, job, on_step).map_err(|e| match e {
             TrainJobError::Backend(b) => b,
-            other => moe_backend::BackendError::Config {
-                field: "train",
-                detail: other.to_string(),
-            },
+            other => {
+                let detail = other.to_string();
+                let mut slot = job_error.lock().unwrap_or_else(|p| p.into_inner());
+                slot.get_or_insert(other);
+                moe_backend::BackendError::Config {
+                    field: "train",
+                    detail,
+                }
+            }
         })
+    });
+    result.map_err(|e| {
+        let own = job_error.into_inner().unwrap_or_else(|p| p.into_inner());
+        own.unwrap_or(TrainJobError::Backend(e))
     })
-    .map_err(TrainJobError::from)
 }

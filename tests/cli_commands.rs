@@ -358,3 +358,46 @@ fn plan_reports_memory_and_traffic_and_searches_layouts() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown module"));
 }
+
+/// `moe convert --from-hf org/name@rev` reads the snapshot from a hub cache laid out as
+/// `huggingface_hub` writes it (blobs, symlinked snapshot files, `refs/<rev>`), found through
+/// `HF_HUB_CACHE`; an unknown id names itself and where it looked, and writes nothing.
+#[cfg(unix)]
+#[test]
+fn convert_reads_a_model_from_the_hub_cache_by_id_and_revision() {
+    let base = std::env::temp_dir().join(format!("moe-hub-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let cache = base.join("hub");
+    let repo = cache.join("models--acme--tiny-moe");
+    let hash = "4f2e0c1d9b8a7f6e5d4c3b2a1f0e9d8c7b6a5f4e";
+    let snapshot = repo.join("snapshots").join(hash);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("v1"), hash).unwrap();
+    for entry in std::fs::read_dir(fixture("qwen3_moe")).unwrap() {
+        let entry = entry.unwrap();
+        let blob = repo.join("blobs").join(entry.file_name());
+        std::fs::copy(entry.path(), &blob).unwrap();
+        std::os::unix::fs::symlink(&blob, snapshot.join(entry.file_name())).unwrap();
+    }
+    let run = |id: &str, out: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_moe"))
+            .args(["convert", "--from-hf", id, "--out"])
+            .arg(out)
+            .args(["--layout", "ep=2"])
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    let out = run("acme/tiny-moe@v1", &base.join("ok"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(base.join("ok").join("latest").exists());
+    let out = run("acme/tiny-moe@v2", &base.join("missing"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("acme/tiny-moe@v2") && err.contains("refs"), "{err}");
+    assert!(!base.join("missing").exists());
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -72,6 +72,10 @@ fn trains_on_a_data_file() {
 /// Runs `moe train` expecting a failure whose message contains every one of `needles`, and
 /// that no checkpoint was written.
 fn refused(dir: &Path, args: &[String], needles: &[&str]) {
+    // The metrics of an earlier run survive a refused one.
+    let metrics = dir.join("metrics.jsonl");
+    std::fs::create_dir_all(dir).expect("dir");
+    std::fs::write(&metrics, "{\"step\": 1}\n").expect("metrics");
     let out = Command::new(MOE)
         .args(args)
         .args(["--transport", "threads"])
@@ -91,6 +95,13 @@ fn refused(dir: &Path, args: &[String], needles: &[&str]) {
         !dir.join("ckpt").join("latest").exists(),
         "nothing is committed on bad input"
     );
+    assert_eq!(
+        std::fs::read_to_string(&metrics).expect("metrics"),
+        "{\"step\": 1}\n",
+        "a refused run leaves the metrics file alone: {args:?}"
+    );
+    // The job's own error, not a wrapper naming a config field `train`.
+    assert!(!text.contains("field `train`"), "{text}");
 }
 
 #[test]

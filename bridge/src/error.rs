@@ -314,15 +314,26 @@ pub enum BridgeError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A model id or path resolves to no local directory (downloading is not implemented).
+    /// A model id or path resolves to no local directory or hub-cache snapshot.
     #[error(
-        "model `{id}` not found locally; looked in: {searched:?} (downloading is not implemented)"
+        "model `{id}` not found locally; looked in: {searched:?} (downloading needs a build \
+         with the `hub` feature and HF_HUB_OFFLINE unset)"
     )]
     ModelNotFound {
         /// The id or path given.
         id: String,
         /// The places looked at.
         searched: Vec<PathBuf>,
+    },
+    /// Downloading a model from the hub failed (`hub` feature).
+    #[error("downloading `{id}` from the hub: {file}: {reason}")]
+    Download {
+        /// The hub id with its revision.
+        id: String,
+        /// The file being downloaded.
+        file: String,
+        /// What failed.
+        reason: String,
     },
     /// A tensor cannot be dequantised with its scale (rank, scale shape or block size).
     #[error("{path}: tensor `{tensor}`: FP8 dequantisation: {reason}")]
@@ -463,4 +474,63 @@ pub enum BridgeError {
         /// What went wrong.
         reason: String,
     },
+
+    /// A model directory has no `tokenizer.json`, so text cannot be turned into token ids.
+    #[error("{dir}: no tokenizer.json (text in or out needs the model's tokenizer)")]
+    MissingTokenizer {
+        /// The model directory.
+        dir: PathBuf,
+    },
+    /// `tokenizer.json` is JSON that the `tokenizers` crate cannot load (an unknown model,
+    /// normalizer or pre-tokenizer type, a missing or mistyped field, a bad regex).
+    #[error("{path}: not a tokenizer the `tokenizers` crate can load: {reason}")]
+    InvalidTokenizer {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// What the crate reported.
+        reason: String,
+    },
+    /// Encoding text or decoding token ids failed.
+    #[error("{path}: cannot {action}: {reason}")]
+    Tokenization {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// `encode` or `decode`, with what.
+        action: String,
+        /// What failed.
+        reason: String,
+    },
+    /// A chat template was asked for but the model ships none.
+    #[error(
+        "{path}: no `chat_template` (and no chat_template.jinja beside it): the model ships no \
+         chat template"
+    )]
+    NoChatTemplate {
+        /// The tokenizer config looked in (it may not exist).
+        path: PathBuf,
+    },
+    /// A chat template does not parse, raises (`raise_exception`) or fails to render.
+    #[error("{path}: chat template{}: {reason}", template_location(.name, .line))]
+    ChatTemplate {
+        /// The file holding the template (`tokenizer_config.json` or a `.jinja` file).
+        path: PathBuf,
+        /// The template's name when the file holds several.
+        name: Option<String>,
+        /// The template line the failure points at (1-based).
+        line: Option<usize>,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// ` "name"`, `, line N`, both or nothing, for [`BridgeError::ChatTemplate`].
+fn template_location(name: &Option<String>, line: &Option<usize>) -> String {
+    let mut text = String::new();
+    if let Some(name) = name {
+        text.push_str(&format!(" \"{name}\""));
+    }
+    if let Some(line) = line {
+        text.push_str(&format!(", line {line}"));
+    }
+    text
 }

@@ -8,7 +8,8 @@
 //!   ([`safetensors::HfDirWriter`], [`safetensors::write_hf_checkpoint`]).
 //! - [`hf`]: HF checkpoint directories ([`hf::HfCheckpoint`]: single file or sharded index,
 //!   shards mapped lazily, `config.json` / `generation_config.json`) and model resolution from a
-//!   path or the hub cache ([`hf::resolve_model_dir`]; downloading is not implemented).
+//!   path or a hub id `org/name[@rev]` in the hub cache, read with `hf-hub`
+//!   ([`hf::resolve_model_dir`]; downloads behind the opt-in `hub` feature).
 //! - [`fp8`]: blockwise FP8 dequantisation (and the release quantisation recipe).
 //! - [`export`]: HF → HF export (FP8 → BF16, stacked → per-expert names, re-sharding) with
 //!   configs and tokenizer files, written atomically.
@@ -27,8 +28,10 @@ pub mod mapping;
 pub mod safetensors;
 #[cfg(test)]
 mod test_util;
+pub mod text;
 pub mod upcycle;
 pub mod weights;
 
 pub use error::BridgeError;
+pub use text::Tokenizer;
 pub use weights::{AnyCausalLm, ModelConfig, load_causal_lm};

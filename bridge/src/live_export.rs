@@ -22,13 +22,13 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use moe_models::export::{ExportHf, HfTensorSpec, HfTensors};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use crate::BridgeError;
 use crate::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
 use crate::fp8::{quantize_blockwise, scale_inv_name};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
-use crate::safetensors::{Dtype, MEMORY, OwnedTensor};
+use crate::safetensors::{Dtype, MEMORY, OwnedTensor, planned_header, pt_metadata};
 
 /// dtype of the exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -140,25 +140,11 @@ fn plan_spec(spec: &HfTensorSpec, dtype: LiveDtype) -> Vec<Planned> {
 
 /// The safetensors header (with the 8-byte length prefix) of one shard, data in `entries`
 /// order.
-fn shard_header(entries: &[Planned]) -> Vec<u8> {
-    let mut map = Map::new();
-    map.insert("__metadata__".into(), json!({"format": "pt"}));
-    let mut offset = 0u64;
-    for p in entries {
-        let end = offset + p.bytes();
-        map.insert(
-            p.name.clone(),
-            json!({"dtype": p.dtype.as_str(), "shape": p.shape, "data_offsets": [offset, end]}),
-        );
-        offset = end;
-    }
-    let mut text = Value::Object(map).to_string();
-    while !text.len().is_multiple_of(8) {
-        text.push(' ');
-    }
-    let mut out = (text.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(text.as_bytes());
-    out
+fn shard_header(entries: &[Planned], path: &Path) -> Result<Vec<u8>, BridgeError> {
+    let entries = entries
+        .iter()
+        .map(|p| (p.name.as_str(), p.dtype, p.shape.clone(), p.bytes() as usize));
+    Ok(planned_header(&pt_metadata(), entries, path)?.0)
 }
 
 /// A hidden temporary directory beside the target, removed unless committed.
@@ -304,7 +290,7 @@ pub fn write_hf_tensors(
             close(open.take())?;
             let path = tmp.join(file_name(shard));
             let mut out = BufWriter::new(File::create(&path).map_err(io(&path))?);
-            out.write_all(&shard_header(&shards[shard]))
+            out.write_all(&shard_header(&shards[shard], &path)?)
                 .map_err(io(&path))?;
             open = Some((shard, path, out));
         }
@@ -327,7 +313,8 @@ pub fn write_hf_tensors(
     }
     close(open.take())?;
     if shards.is_empty() {
-        std::fs::write(tmp.join(SINGLE_FILE), shard_header(&[])).map_err(io(&tmp))?;
+        let path = tmp.join(SINGLE_FILE);
+        std::fs::write(&path, shard_header(&[], &path)?).map_err(io(&tmp))?;
     }
 
     let all: Vec<&Planned> = shards.iter().flatten().collect();

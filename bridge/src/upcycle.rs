@@ -153,9 +153,10 @@ pub fn upcycle(
     match config.get("model_type").and_then(Value::as_str) {
         Some("qwen3") => {}
         other => {
+            let found = other.map_or_else(|| "none".to_owned(), |t| format!("\"{t}\""));
             return Err(invalid(
                 "model_type",
-                format!("upcycling needs a dense \"qwen3\" checkpoint, found {other:?}"),
+                format!("upcycling needs a dense \"qwen3\" checkpoint, found {found}"),
             ));
         }
     }

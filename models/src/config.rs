@@ -4,23 +4,136 @@
 //! keys, both accepted spellings of renamed keys, and the keys we do not interpret kept verbatim
 //! in `extra` so that an export can write them back.
 
+//!
+//! Parsing is two steps: serde deserializes `config.json` into a private struct per family
+//! that mirrors HF's field names and class defaults (types are serde's job, and its errors are
+//! reported with the field's path), then a conversion merges the accepted spellings, normalises
+//! RoPE and checks ranges and cross-field rules (`validate`). The public configs serialize back
+//! to `config.json` (transformers 5.23 spelling) through the same structs.
+
+mod de;
 mod deepseek_v3;
-mod json;
 mod qwen3;
 mod rope;
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use self::deepseek_v3::DeepseekV3Config;
-use self::json::JsonObject;
 pub use self::qwen3::Qwen3Config;
 pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParameters};
+use self::rope::{RopeJson, RopeKeys};
 use crate::ModelError;
 
+/// HF `Qwen3MoeConfig` class defaults (transformers 5.23 `configuration_qwen3_moe.py`).
+mod hf_default {
+    super::de::hf_defaults! {
+        vocab_size: usize = 151936;
+        hidden_size: usize = 2048;
+        intermediate_size: usize = 6144;
+        moe_intermediate_size: usize = 768;
+        num_hidden_layers: usize = 24;
+        num_attention_heads: usize = 32;
+        num_key_value_heads: Option<usize> = Some(4);
+        num_experts: usize = 128;
+        num_experts_per_tok: usize = 8;
+        decoder_sparse_step: usize = 1;
+        rms_norm_eps: f64 = 1e-6;
+        max_position_embeddings: usize = 32768;
+        router_aux_loss_coef: f64 = 0.001;
+    }
+}
+
+/// A Qwen3-MoE `config.json` field by field, as HF `Qwen3MoeConfig` reads and writes it, with
+/// the class defaults for absent keys. [`Qwen3MoeConfig`] is this with spellings merged, RoPE
+/// normalised and `null`s resolved.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+struct Qwen3MoeJson {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_type: Option<String>,
+    #[serde(default = "hf_default::vocab_size")]
+    vocab_size: usize,
+    #[serde(default = "hf_default::hidden_size")]
+    hidden_size: usize,
+    #[serde(default = "hf_default::intermediate_size")]
+    intermediate_size: usize,
+    #[serde(default = "hf_default::moe_intermediate_size")]
+    moe_intermediate_size: usize,
+    #[serde(default = "hf_default::num_hidden_layers")]
+    num_hidden_layers: usize,
+    #[serde(default = "hf_default::num_attention_heads")]
+    num_attention_heads: usize,
+    /// `null` is rejected (HF's class declares a plain `int`).
+    #[serde(default = "hf_default::num_key_value_heads")]
+    num_key_value_heads: Option<usize>,
+    /// Not a `Qwen3MoeConfig` field: absent or `null` ⇒ `hidden_size / num_attention_heads`
+    /// (the attention's `getattr` fallback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    head_dim: Option<usize>,
+    /// Default 128, applied after merging with `num_local_experts`.
+    #[serde(
+        default,
+        deserialize_with = "de::present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    num_experts: Option<usize>,
+    /// 5.23 spelling of `num_experts` (its `attribute_map`).
+    #[serde(
+        default,
+        deserialize_with = "de::present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    num_local_experts: Option<usize>,
+    #[serde(default = "hf_default::num_experts_per_tok")]
+    num_experts_per_tok: usize,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    norm_topk_prob: bool,
+    #[serde(default = "hf_default::decoder_sparse_step")]
+    decoder_sparse_step: usize,
+    /// `null` ⇒ `[]` (HF `__post_init__`).
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    mlp_only_layers: Vec<usize>,
+    /// Only `"silu"` is supported (`null` ⇒ HF's default, `"silu"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hidden_act: Option<String>,
+    /// Must be false (`null` ⇒ false).
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    use_sliding_window: bool,
+    #[serde(default = "hf_default::rms_norm_eps")]
+    rms_norm_eps: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_parameters: Option<RopeJson>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_scaling: Option<RopeJson>,
+    #[serde(default = "hf_default::max_position_embeddings")]
+    max_position_embeddings: usize,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    tie_word_embeddings: bool,
+    #[serde(default = "hf_default::router_aux_loss_coef")]
+    router_aux_loss_coef: f64,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    output_router_logits: bool,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    attention_bias: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dtype: Option<String>,
+    /// Pre-5.0 spelling of `dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    torch_dtype: Option<String>,
+    #[serde(flatten)]
+    extra: Map<String, Value>,
+}
+
 /// Qwen3-MoE configuration (`model_type = "qwen3_moe"`), HF `Qwen3MoeConfig` defaults.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// (De)serializes as HF's `config.json` (written in the transformers 5.23 spelling, `extra`
+/// keys included); deserializing validates like [`Qwen3MoeConfig::from_json_str`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(into = "Qwen3MoeJson", try_from = "Qwen3MoeJson")]
 pub struct Qwen3MoeConfig {
     /// Vocabulary size `V` (default 151936).
     pub vocab_size: usize,
@@ -71,24 +184,24 @@ pub struct Qwen3MoeConfig {
 impl Default for Qwen3MoeConfig {
     fn default() -> Self {
         Self {
-            vocab_size: 151936,
-            hidden_size: 2048,
-            intermediate_size: 6144,
-            moe_intermediate_size: 768,
-            num_hidden_layers: 24,
-            num_attention_heads: 32,
-            num_key_value_heads: 4,
-            head_dim: 2048 / 32,
-            num_experts: 128,
-            num_experts_per_tok: 8,
+            vocab_size: hf_default::vocab_size(),
+            hidden_size: hf_default::hidden_size(),
+            intermediate_size: hf_default::intermediate_size(),
+            moe_intermediate_size: hf_default::moe_intermediate_size(),
+            num_hidden_layers: hf_default::num_hidden_layers(),
+            num_attention_heads: hf_default::num_attention_heads(),
+            num_key_value_heads: hf_default::num_key_value_heads().unwrap_or_default(), // Some(4)
+            head_dim: hf_default::hidden_size() / hf_default::num_attention_heads(),
+            num_experts: hf_default::num_experts(),
+            num_experts_per_tok: hf_default::num_experts_per_tok(),
             norm_topk_prob: false,
-            decoder_sparse_step: 1,
+            decoder_sparse_step: hf_default::decoder_sparse_step(),
             mlp_only_layers: Vec::new(),
-            rms_norm_eps: 1e-6,
+            rms_norm_eps: hf_default::rms_norm_eps(),
             rope_parameters: RopeParameters::default(),
-            max_position_embeddings: 32768,
+            max_position_embeddings: hf_default::max_position_embeddings(),
             tie_word_embeddings: false,
-            router_aux_loss_coef: 0.001,
+            router_aux_loss_coef: hf_default::router_aux_loss_coef(),
             output_router_logits: false,
             attention_bias: false,
             dtype: None,
@@ -113,77 +226,7 @@ impl Qwen3MoeConfig {
 
     /// Parses the text of a `config.json` and validates it.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let mut cfg = JsonObject::parse(text)?;
-        match cfg.string("model_type")? {
-            Some(t) if t == Self::MODEL_TYPE => {}
-            found => {
-                return Err(ModelError::WrongModelType {
-                    expected: Self::MODEL_TYPE,
-                    found: found.map_or_else(|| "absent".to_owned(), |t| format!("\"{t}\"")),
-                });
-            }
-        }
-        let hidden_act = cfg.string("hidden_act")?;
-        if let Some(act) = hidden_act.filter(|a| a != "silu") {
-            return Err(ModelError::invalid(
-                "hidden_act",
-                format!("\"{act}\" is not supported (only \"silu\")"),
-            ));
-        }
-        if cfg.bool_or("use_sliding_window", false)? {
-            return Err(ModelError::invalid(
-                "use_sliding_window",
-                "sliding-window attention is not supported",
-            ));
-        }
-
-        let d = Self::default();
-        let hidden_size = cfg.usize_or("hidden_size", d.hidden_size)?;
-        let num_attention_heads = cfg.usize_or("num_attention_heads", d.num_attention_heads)?;
-        if cfg.is_null("num_key_value_heads") {
-            return Err(ModelError::MissingField {
-                field: "num_key_value_heads",
-                detail: ": null is not accepted for qwen3_moe".to_owned(),
-            });
-        }
-        let num_key_value_heads = cfg.usize_or("num_key_value_heads", d.num_key_value_heads)?;
-        let head_dim = match cfg.nullable_usize("head_dim")? {
-            Some(hd) => hd,
-            None => derived_head_dim(hidden_size, num_attention_heads)?,
-        };
-        let max_position_embeddings =
-            cfg.usize_or("max_position_embeddings", d.max_position_embeddings)?;
-        let rope_parameters = rope::parse_rope(&mut cfg, max_position_embeddings)?;
-
-        let config = Self {
-            vocab_size: cfg.usize_or("vocab_size", d.vocab_size)?,
-            hidden_size,
-            intermediate_size: cfg.usize_or("intermediate_size", d.intermediate_size)?,
-            moe_intermediate_size: cfg
-                .usize_or("moe_intermediate_size", d.moe_intermediate_size)?,
-            num_hidden_layers: cfg.usize_or("num_hidden_layers", d.num_hidden_layers)?,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            num_experts: cfg
-                .either_usize("num_experts", "num_local_experts")?
-                .unwrap_or(d.num_experts),
-            num_experts_per_tok: cfg.usize_or("num_experts_per_tok", d.num_experts_per_tok)?,
-            norm_topk_prob: cfg.bool_or("norm_topk_prob", d.norm_topk_prob)?,
-            decoder_sparse_step: cfg.usize_or("decoder_sparse_step", d.decoder_sparse_step)?,
-            mlp_only_layers: cfg.usize_list("mlp_only_layers")?,
-            rms_norm_eps: cfg.f64_or("rms_norm_eps", d.rms_norm_eps)?,
-            rope_parameters,
-            max_position_embeddings,
-            tie_word_embeddings: cfg.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,
-            router_aux_loss_coef: cfg.f64_or("router_aux_loss_coef", d.router_aux_loss_coef)?,
-            output_router_logits: cfg.bool_or("output_router_logits", d.output_router_logits)?,
-            attention_bias: cfg.bool_or("attention_bias", d.attention_bias)?,
-            dtype: cfg.either_string("dtype", "torch_dtype")?,
-            extra: cfg.into_remaining(),
-        };
-        config.validate()?;
-        Ok(config)
+        de::parse::<Qwen3MoeJson>(text, Self::MODEL_TYPE)?.try_into()
     }
 
     /// Checks sizes and cross-field rules; errors name the offending field.
@@ -267,6 +310,106 @@ impl Qwen3MoeConfig {
         (0..self.num_hidden_layers)
             .filter(|&l| self.is_moe_layer(l))
             .count()
+    }
+}
+
+impl TryFrom<Qwen3MoeJson> for Qwen3MoeConfig {
+    type Error = ModelError;
+
+    /// Merges spellings, normalises RoPE, resolves `null`s, then [`Qwen3MoeConfig::validate`]s.
+    fn try_from(mut j: Qwen3MoeJson) -> Result<Self, ModelError> {
+        de::check_model_type(j.model_type.as_deref(), Self::MODEL_TYPE)?;
+        de::check_silu(j.hidden_act.as_deref())?;
+        if j.use_sliding_window {
+            return Err(ModelError::invalid(
+                "use_sliding_window",
+                "sliding-window attention is not supported",
+            ));
+        }
+        let Some(num_key_value_heads) = j.num_key_value_heads else {
+            return Err(ModelError::MissingField {
+                field: "num_key_value_heads",
+                detail: ": null is not accepted for qwen3_moe".to_owned(),
+            });
+        };
+        let head_dim = match j.head_dim {
+            Some(hd) => hd,
+            None => derived_head_dim(j.hidden_size, j.num_attention_heads)?,
+        };
+        let rope = RopeKeys {
+            rope_theta: j.rope_theta,
+            rope_parameters: j.rope_parameters,
+            rope_scaling: j.rope_scaling,
+        };
+        let rope_parameters = rope::resolve(rope, &mut j.extra, j.max_position_embeddings)?;
+        let num_experts = de::either(
+            ("num_experts", j.num_experts),
+            ("num_local_experts", j.num_local_experts),
+        )?;
+        let config = Self {
+            vocab_size: j.vocab_size,
+            hidden_size: j.hidden_size,
+            intermediate_size: j.intermediate_size,
+            moe_intermediate_size: j.moe_intermediate_size,
+            num_hidden_layers: j.num_hidden_layers,
+            num_attention_heads: j.num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            num_experts: num_experts.unwrap_or_else(hf_default::num_experts),
+            num_experts_per_tok: j.num_experts_per_tok,
+            norm_topk_prob: j.norm_topk_prob,
+            decoder_sparse_step: j.decoder_sparse_step,
+            mlp_only_layers: j.mlp_only_layers,
+            rms_norm_eps: j.rms_norm_eps,
+            rope_parameters,
+            max_position_embeddings: j.max_position_embeddings,
+            tie_word_embeddings: j.tie_word_embeddings,
+            router_aux_loss_coef: j.router_aux_loss_coef,
+            output_router_logits: j.output_router_logits,
+            attention_bias: j.attention_bias,
+            dtype: de::either(("dtype", j.dtype), ("torch_dtype", j.torch_dtype))?,
+            extra: j.extra,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+impl From<Qwen3MoeConfig> for Qwen3MoeJson {
+    /// The 5.23 spelling (`dtype`, `rope_parameters`) but `num_experts`, which every
+    /// transformers version reads; every interpreted field explicit.
+    fn from(c: Qwen3MoeConfig) -> Self {
+        Self {
+            model_type: Some(Qwen3MoeConfig::MODEL_TYPE.to_owned()),
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            moe_intermediate_size: c.moe_intermediate_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: Some(c.num_key_value_heads),
+            head_dim: Some(c.head_dim),
+            num_experts: Some(c.num_experts),
+            num_local_experts: None,
+            num_experts_per_tok: c.num_experts_per_tok,
+            norm_topk_prob: c.norm_topk_prob,
+            decoder_sparse_step: c.decoder_sparse_step,
+            mlp_only_layers: c.mlp_only_layers,
+            hidden_act: Some("silu".to_owned()),
+            use_sliding_window: false,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: None,
+            rope_parameters: Some((&c.rope_parameters).into()),
+            rope_scaling: None,
+            max_position_embeddings: c.max_position_embeddings,
+            tie_word_embeddings: c.tie_word_embeddings,
+            router_aux_loss_coef: c.router_aux_loss_coef,
+            output_router_logits: c.output_router_logits,
+            attention_bias: c.attention_bias,
+            dtype: c.dtype,
+            torch_dtype: None,
+            extra: c.extra,
+        }
     }
 }
 

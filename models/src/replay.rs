@@ -132,8 +132,10 @@ impl RouterReplayFile {
         self.insert_layer(layer, values)
     }
 
-    /// Serialises to the safetensors bytes of the module-level format.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    /// Serialises to the safetensors bytes of the module-level format; an error names a layer
+    /// whose ids do not fill `[num_tokens, topk]` (possible only when
+    /// [`layers`](Self::layers) was edited directly).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, ModelError> {
         format::encode(self)
     }
 
@@ -146,7 +148,7 @@ impl RouterReplayFile {
     /// Writes the file (not atomically; it is small).
     pub fn write(&self, path: impl AsRef<Path>) -> Result<(), ModelError> {
         let path = path.as_ref();
-        std::fs::write(path, self.to_bytes())
+        std::fs::write(path, self.to_bytes().map_err(|e| e.in_file(path))?)
             .map_err(|e| replay_error(format!("cannot write: {e}")).in_file(path))
     }
 

@@ -246,15 +246,12 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(schedule) = &config.wd_schedule {
             schedule.validate()?;
         }
-        if config.aux_loss_type != AuxLossType::Aux && config.aux_loss_coeff != 0.0 {
+        if config.aux_loss_type == AuxLossType::GlobalAux && config.aux_loss_coeff != 0.0 {
             return Err(ModelError::invalid(
                 "aux_loss_type",
-                format!(
-                    "{} is not supported by the sharded forward yet (seq_aux_loss needs the \
-                     sequence-major row order, global_aux_loss the router state across \
-                     micro-batches); use aux_loss",
-                    config.aux_loss_type.name()
-                ),
+                "global_aux_loss is not supported by the sharded forward yet (it needs the \
+                 router state across micro-batches); use aux_loss or seq_aux_loss"
+                    .to_owned(),
             ));
         }
         let aux_losses = vec![AuxLossSpec {

@@ -9,6 +9,7 @@ mod common;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::router::AuxLossType;
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
 use moe_models::mtp::mtp_loss;
@@ -76,9 +77,10 @@ fn mtp_targets(step: usize, r: usize, vocab: usize) -> usize {
         .sum()
 }
 
-fn config(eps: f32) -> TrainerConfig {
+fn config(eps: f32, aux: AuxLossType) -> TrainerConfig {
     TrainerConfig {
         lr: 1e-2,
+        aux_loss_type: aux,
         z_loss_coeff: 1e-3,
         // A visible bias drift within 5 steps (Megatron's default is 1e-3).
         expert_bias_update_rate: Some(1e-2),
@@ -160,11 +162,13 @@ fn single_rank<M: ParallelCausalLm + Sync>(
     vocab: usize,
     replicas: usize,
     eps: f32,
+    aux: AuxLossType,
 ) -> Run<M> {
     let layout = ParallelLayout::parse(1, "").expect("layout");
     let mut out = World::run(1, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let mut trainer = Trainer::new(start, &pg, ctx.world()?, config(eps), &ad()).map_err(be)?;
+        let mut trainer =
+            Trainer::new(start, &pg, ctx.world()?, config(eps, aux), &ad()).map_err(be)?;
         let mut stats = Vec::new();
         for step in 0..STEPS {
             let micro: Vec<TrainBatch> = (0..replicas)
@@ -197,6 +201,7 @@ fn check<M: ParallelCausalLm + Sync>(
     vocab: usize,
     reference: &Run<M>,
     eps: f32,
+    aux: AuxLossType,
     loose: bool,
 ) {
     let layout = ParallelLayout::parse(world, spec).expect("layout");
@@ -205,7 +210,8 @@ fn check<M: ParallelCausalLm + Sync>(
     let layout_ref = &layout;
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let mut trainer = Trainer::new(start, &pg, ctx.world()?, config(eps), &ad()).map_err(be)?;
+        let mut trainer =
+            Trainer::new(start, &pg, ctx.world()?, config(eps, aux), &ad()).map_err(be)?;
         let replica = pg
             .groups
             .get(moe_backend::parallel::GroupFamily::DpCp)
@@ -303,19 +309,20 @@ fn layouts_match_one_rank<M: ParallelCausalLm + Sync>(
     start: &M,
     vocab: usize,
     eps: f32,
+    aux: AuxLossType,
     loose: bool,
 ) -> Vec<(usize, Run<M>)> {
     let mut references: Vec<(usize, Run<M>)> = Vec::new();
     for (world, spec) in LAYOUTS {
         let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
         if !references.iter().any(|(r, _)| *r == replicas) {
-            references.push((replicas, single_rank(start, vocab, replicas, eps)));
+            references.push((replicas, single_rank(start, vocab, replicas, eps, aux)));
         }
         let (_, reference) = references
             .iter()
             .find(|(r, _)| *r == replicas)
             .expect("reference");
-        check((world, spec), start, vocab, reference, eps, loose);
+        check((world, spec), start, vocab, reference, eps, aux, loose);
     }
     references
 }
@@ -335,7 +342,8 @@ const REAL_DEFAULTS_LOOSE: bool = true;
 #[test]
 fn deepseek_v3_training_with_real_defaults_matches_one_rank() {
     let start = deepseek(&ad());
-    let references = layouts_match_one_rank(&start, 256, 1e-8, REAL_DEFAULTS_LOOSE);
+    let references =
+        layouts_match_one_rank(&start, 256, 1e-8, AuxLossType::Aux, REAL_DEFAULTS_LOOSE);
     // The bias moved: the runs compare something.
     let initial: Vec<Vec<f32>> = start
         .model
@@ -363,12 +371,18 @@ fn deepseek_v3_training_with_real_defaults_matches_one_rank() {
 /// With a moderate ε (no amplification of rounding) the parameters meet the tight tolerance.
 #[test]
 fn deepseek_v3_training_parameters_match_one_rank_tightly() {
-    layouts_match_one_rank(&deepseek(&ad()), 256, 1e-3, false);
+    layouts_match_one_rank(&deepseek(&ad()), 256, 1e-3, AuxLossType::Aux, false);
 }
 
 #[test]
 fn qwen3_moe_training_with_real_defaults_matches_one_rank() {
-    let references = layouts_match_one_rank(&qwen3_moe(&ad()), 256, 1e-8, REAL_DEFAULTS_LOOSE);
+    let references = layouts_match_one_rank(
+        &qwen3_moe(&ad()),
+        256,
+        1e-8,
+        AuxLossType::Aux,
+        REAL_DEFAULTS_LOOSE,
+    );
     assert!(
         references[0]
             .1
@@ -385,13 +399,47 @@ fn dense_qwen3_training_matches_one_rank() {
     let source = common::FixtureSource::open(&dir);
     let start =
         replicate(&Qwen3ForCausalLM::from_weights(&config, &source, &ad()).expect("weights"));
-    layouts_match_one_rank(&start, config.vocab_size, 1e-3, false);
-    layouts_match_one_rank(&start, config.vocab_size, 1e-8, REAL_DEFAULTS_LOOSE);
+    layouts_match_one_rank(&start, config.vocab_size, 1e-3, AuxLossType::Aux, false);
+    layouts_match_one_rank(
+        &start,
+        config.vocab_size,
+        1e-8,
+        AuxLossType::Aux,
+        REAL_DEFAULTS_LOOSE,
+    );
 }
 
 #[test]
 fn qwen3_moe_training_parameters_match_one_rank_tightly() {
-    layouts_match_one_rank(&qwen3_moe(&ad()), 256, 1e-3, false);
+    layouts_match_one_rank(&qwen3_moe(&ad()), 256, 1e-3, AuxLossType::Aux, false);
+}
+
+/// Megatron's `seq_aux_loss` (DeepSeek-V3's `seq_aux: true`): each sequence's expert counts
+/// summed over the TP ranks holding its sequence-parallel rows, so the objective and its
+/// gradients do not depend on the layout.
+#[test]
+fn seq_aux_loss_training_matches_one_rank() {
+    let start = deepseek(&ad());
+    layouts_match_one_rank(&start, 256, 1e-3, AuxLossType::SeqAux, false);
+    // tp=4: each sequence's rows lie on two TP ranks (2 sequences of 8 tokens, 4 rows each).
+    let reference = single_rank(&start, 256, 1, 1e-3, AuxLossType::SeqAux);
+    check(
+        (4, "tp=4,ep=4"),
+        &start,
+        256,
+        &reference,
+        1e-3,
+        AuxLossType::SeqAux,
+        false,
+    );
+    // Not the plain aux loss: per-sequence counts change the value.
+    let aux = single_rank(&start, 256, 1, 1e-3, AuxLossType::Aux);
+    let (seq, plain) = (reference.stats[0][0].aux_loss, aux.stats[0][0].aux_loss);
+    assert!(
+        seq > 0.0 && (seq - plain).abs() > 1e-6 * plain,
+        "{seq} vs {plain}"
+    );
+    layouts_match_one_rank(&qwen3_moe(&ad()), 256, 1e-3, AuxLossType::SeqAux, false);
 }
 
 /// The training forward's MTP loss (Megatron's rolled sequence, world 1) equals the single-rank

@@ -28,7 +28,7 @@ use serde_json::Value;
 
 use super::files::TensorMeta;
 use super::fp8::{scale_fqn, weight_of_scale};
-use super::index::{Fp8Record, TensorKind};
+use super::index::{Fp8Record, TensorEntry, TensorKind};
 use super::load::DistCheckpoint;
 use super::region::TensorBox;
 use super::save::{OfflineWriter, SaveMeta};
@@ -575,6 +575,71 @@ fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
 }
 
+/// One HF tensor a stored tensor exports to: its name, the box of the stored tensor it is,
+/// and its HF shape.
+pub(crate) struct HfPart {
+    pub(crate) name: String,
+    pub(crate) region: TensorBox,
+    pub(crate) shape: Vec<usize>,
+}
+
+/// The HF tensors stored tensor `fqn` exports to under `registry` (per-expert names; a scale
+/// gets its weight's names with the `_scale_inv` suffix) and the rule's export dtype.
+/// [`BridgeError::TensorNotFound`] naming `config_path` when the table has no HF name for it.
+pub(crate) fn hf_parts(
+    registry: &Registry,
+    fqn: &str,
+    entry: &TensorEntry,
+    config_path: &Path,
+) -> Result<(Option<Dtype>, Vec<HfPart>), BridgeError> {
+    let scale = entry.kind == TensorKind::Scale;
+    let canon = if scale {
+        weight_of_scale(fqn).unwrap_or(fqn)
+    } else {
+        fqn
+    };
+    let experts = entry.global_shape.first().copied().unwrap_or(0);
+    let resolved = registry
+        .canon_to_hf(canon, experts, ExpertLayout::PerExpert)
+        .ok_or_else(|| BridgeError::TensorNotFound {
+            path: config_path.to_path_buf(),
+            tensor: format!("{fqn} (no HF name in the `{}` table)", registry.name()),
+        })?;
+    let multi = resolved.pieces.iter().any(|p| p.part.is_some());
+    let parts = resolved
+        .pieces
+        .into_iter()
+        .map(|p| {
+            let (region, shape) = match p.expert {
+                None => (
+                    TensorBox::full(&entry.global_shape),
+                    entry.global_shape.clone(),
+                ),
+                Some(e) => {
+                    let lead = if multi { 2 } else { 1 };
+                    let rest = entry.global_shape.get(lead..).unwrap_or_default().to_vec();
+                    let mut offsets = vec![e];
+                    let mut ext = vec![1];
+                    if multi {
+                        offsets.push(p.part.unwrap_or(0));
+                        ext.push(1);
+                    }
+                    offsets.extend(std::iter::repeat_n(0, rest.len()));
+                    ext.extend_from_slice(&rest);
+                    (TensorBox::new(offsets, ext), rest)
+                }
+            };
+            let name = if scale { scale_inv_name(&p.hf) } else { p.hf };
+            HfPart {
+                name,
+                region,
+                shape,
+            }
+        })
+        .collect();
+    Ok((resolved.export_dtype, parts))
+}
+
 /// Exports the model tensors of a distributed checkpoint as an HF checkpoint in `target`
 /// (per-expert names; `generation_config.json` copied or defaulted; optimizer state is not
 /// exported). `opts.dtype` casts float tensors (rule overrides such as the F32 router bias win)
@@ -604,55 +669,23 @@ pub fn export_dist_to_hf(
             dropped.push(fqn.clone());
             continue;
         }
-        let canon = if scale {
-            weight_of_scale(fqn).unwrap_or(fqn)
-        } else {
-            fqn.as_str()
-        };
         let fp8 = !scale && super::fp8::is_fp8_weight(index, fqn, entry);
         kept_fp8 |= fp8 && !dequantize_fp8;
-        let experts = entry.global_shape.first().copied().unwrap_or(0);
-        let resolved = registry
-            .canon_to_hf(canon, experts, ExpertLayout::PerExpert)
-            .ok_or_else(|| BridgeError::TensorNotFound {
-                path: config_path.clone(),
-                tensor: format!("{fqn} (no HF name in the `{}` table)", registry.name()),
-            })?;
-        let dtype = match resolved.export_dtype.or(opts.dtype) {
+        let (export_dtype, parts) = hf_parts(&registry, fqn, entry, &config_path)?;
+        let dtype = match export_dtype.or(opts.dtype) {
             _ if scale => entry.dtype,
             Some(d) if fp8 || is_float(entry.dtype) => d,
             _ => entry.dtype,
         };
-        let multi = resolved.pieces.iter().any(|p| p.part.is_some());
-        for p in resolved.pieces {
-            let (region, shape) = match p.expert {
-                None => (
-                    TensorBox::full(&entry.global_shape),
-                    entry.global_shape.clone(),
-                ),
-                Some(e) => {
-                    let lead = if multi { 2 } else { 1 };
-                    let rest = entry.global_shape.get(lead..).unwrap_or_default().to_vec();
-                    let mut offsets = vec![e];
-                    let mut ext = vec![1];
-                    if multi {
-                        offsets.push(p.part.unwrap_or(0));
-                        ext.push(1);
-                    }
-                    offsets.extend(std::iter::repeat_n(0, rest.len()));
-                    ext.extend_from_slice(&rest);
-                    (TensorBox::new(offsets, ext), rest)
-                }
-            };
+        for part in parts {
             let item = ExportItem {
                 fqn: fqn.clone(),
-                region,
-                shape,
+                region: part.region,
+                shape: part.shape,
                 dtype,
                 dequantize: fp8 && dequantize_fp8,
             };
-            let name = if scale { scale_inv_name(&p.hf) } else { p.hf };
-            items.insert(name, item);
+            items.insert(part.name, item);
         }
     }
     let sizes: BTreeMap<String, u64> = items

@@ -13,12 +13,11 @@ use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value, json};
 
 use super::index::{ChunkEntry, TensorKind, chunk_file_name, dcp_metadata};
 use super::region::{TensorBox, copy_box, for_each_run};
 use crate::BridgeError;
-use crate::safetensors::Dtype;
+use crate::safetensors::{Dtype, planned_header};
 
 /// What is known about a tensor independently of its chunks (one index entry without chunks).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,10 +267,7 @@ fn plan_header(
         .iter()
         .map(|(m, b)| (m.fqn.clone(), b.offsets.clone()))
         .collect();
-    let mut map = Map::new();
-    map.insert("__metadata__".to_owned(), json!(dcp_metadata(&saved)));
-    let mut offsets = Vec::with_capacity(entries.len());
-    let mut at = 0usize;
+    let mut planned = Vec::with_capacity(entries.len());
     for (meta, b) in entries {
         let len =
             b.numel()
@@ -281,18 +277,8 @@ fn plan_header(
                     tensor: meta.fqn.clone(),
                     shape: b.shape.clone(),
                 })?;
-        map.insert(
-            meta.fqn.clone(),
-            json!({"dtype": meta.dtype.as_str(), "shape": b.shape, "data_offsets": [at, at + len]}),
-        );
-        offsets.push((at, at + len));
-        at += len;
+        planned.push((meta.fqn.as_str(), meta.dtype, b.shape.clone(), len));
     }
-    let mut text = Value::Object(map).to_string();
-    while !text.len().is_multiple_of(8) {
-        text.push(' ');
-    }
-    let mut header = (text.len() as u64).to_le_bytes().to_vec();
-    header.extend_from_slice(text.as_bytes());
+    let (header, offsets) = planned_header(&dcp_metadata(&saved), planned, path)?;
     Ok((header, offsets))
 }

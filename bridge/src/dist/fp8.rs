@@ -41,7 +41,8 @@ pub fn is_fp8_weight(index: &DcpIndex, fqn: &str, entry: &TensorEntry) -> bool {
             .is_some_and(|s| s.kind == TensorKind::Scale)
 }
 
-/// §8-style checks of the FP8 entries of `index`: every scale belongs to a one-byte weight, the
+/// §8-style checks of the FP8 entries of `index`: every FP8 parameter has its scale (its
+/// bytes alone would read as unscaled values), every scale belongs to a one-byte weight, the
 /// index has an `fp8` record, and each scale has the block-grid shape of its weight.
 pub fn validate_fp8(dir: &std::path::Path, index: &DcpIndex) -> Result<(), BridgeError> {
     let invalid = |reason: String| BridgeError::InvalidDistIndex {
@@ -49,6 +50,17 @@ pub fn validate_fp8(dir: &std::path::Path, index: &DcpIndex) -> Result<(), Bridg
         reason,
     };
     for (fqn, entry) in &index.tensors {
+        let model_tensor = matches!(entry.kind, TensorKind::Param | TensorKind::Buffer);
+        if model_tensor
+            && matches!(entry.dtype, Dtype::F8E4M3 | Dtype::F8E5M2)
+            && !index.tensors.contains_key(&scale_fqn(fqn))
+        {
+            return Err(invalid(format!(
+                "`{fqn}` is stored as {} without its block scales `{}`",
+                entry.dtype,
+                scale_fqn(fqn)
+            )));
+        }
         if entry.kind != TensorKind::Scale {
             continue;
         }

@@ -13,9 +13,11 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use super::commit::{TempDirStatus, temp_dirs};
-use super::index::{COMPLETE_MARKER, DcpIndex, INDEX_FILE, LATEST_FILE, TensorEntry};
+use super::index::{
+    COMPLETE_MARKER, DcpIndex, INDEX_FILE, LATEST_FILE, TensorEntry, parse_dcp_metadata,
+};
 use super::region::{TensorBox, copy_box};
-use super::validate::{validate_files, validate_index};
+use super::validate::{validate_config, validate_files, validate_index};
 use crate::BridgeError;
 use crate::safetensors::{Dtype, OwnedTensor, SafetensorsFile};
 
@@ -36,7 +38,10 @@ pub fn resolve_checkpoint_dir(path: &Path) -> Result<PathBuf, BridgeError> {
             source,
         })?;
         let name = text.trim();
-        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+        if name.is_empty() {
+            return Err(refuse(&latest, "`latest` is empty"));
+        }
+        if name.contains(['/', '\\']) || name.starts_with('.') {
             return Err(refuse(&latest, &format!("`latest` names `{name}`")));
         }
         path.join(name)
@@ -65,22 +70,32 @@ pub fn resolve_checkpoint_dir(path: &Path) -> Result<PathBuf, BridgeError> {
     Ok(dir)
 }
 
+/// A mapped chunk file and the DCP `saved_offsets` of its `__metadata__` (fqn → global
+/// offsets of the chunk it holds).
+#[derive(Debug)]
+struct ChunkFile {
+    file: SafetensorsFile,
+    saved_offsets: BTreeMap<String, Vec<usize>>,
+}
+
 /// An open distributed checkpoint: the parsed, validated index and lazily mapped chunk files.
 /// Shareable between threads (the ranks of an in-process world can read through one value).
 #[derive(Debug)]
 pub struct DistCheckpoint {
     dir: PathBuf,
     index: DcpIndex,
-    files: BTreeMap<String, OnceLock<SafetensorsFile>>,
+    files: BTreeMap<String, OnceLock<ChunkFile>>,
 }
 
 impl DistCheckpoint {
-    /// Opens `path` (see [`resolve_checkpoint_dir`]) and validates the index (§8 coverage);
-    /// chunk files are opened on first read.
+    /// Opens `path` (see [`resolve_checkpoint_dir`]) and validates the index (§8 coverage,
+    /// FP8 scales) and its agreement with the directory's `config.json`, when there is one
+    /// ([`validate_config`]); chunk files are opened on first read.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, BridgeError> {
         let dir = resolve_checkpoint_dir(path.as_ref())?;
         let index = DcpIndex::read(&dir.join(INDEX_FILE))?;
         validate_index(&dir, &index)?;
+        validate_config(&dir, &index)?;
         let files = index
             .tensors
             .values()
@@ -117,14 +132,18 @@ impl DistCheckpoint {
         temp_dirs(root.as_ref())
     }
 
-    /// Full offline validation (`moe validate`): index coverage and every chunk file's header
-    /// against the index.
+    /// Full offline validation (`moe validate`): index coverage, the index against
+    /// `config.json`, every chunk file's header against the index, and the `train_state`
+    /// object.
     pub fn validate(&self) -> Result<(), BridgeError> {
         validate_index(&self.dir, &self.index)?;
-        validate_files(&self.dir, &self.index)
+        validate_config(&self.dir, &self.index)?;
+        validate_files(&self.dir, &self.index)?;
+        super::train_state::read_train_state(self).map(|_| ())
     }
 
-    fn file(&self, name: &str) -> Result<&SafetensorsFile, BridgeError> {
+    /// Chunk file `name`, mapped (and its DCP metadata parsed) on first use.
+    fn file(&self, name: &str) -> Result<&ChunkFile, BridgeError> {
         let cell = self
             .files
             .get(name)
@@ -136,7 +155,11 @@ impl DistCheckpoint {
             return Ok(file);
         }
         let file = SafetensorsFile::open(self.dir.join(name))?;
-        let _ = cell.set(file);
+        let saved_offsets = parse_dcp_metadata(&file.header().metadata, file.path())?;
+        let _ = cell.set(ChunkFile {
+            file,
+            saved_offsets,
+        });
         cell.get().ok_or_else(|| BridgeError::InvalidDistIndex {
             path: self.dir.join(name),
             reason: "could not be mapped".to_owned(),
@@ -165,17 +188,31 @@ impl DistCheckpoint {
             let Some(inter) = request.intersect(&chunk_box) else {
                 continue;
             };
-            let file = self.file(&chunk.file)?;
+            let ChunkFile {
+                file,
+                saved_offsets,
+            } = self.file(&chunk.file)?;
+            let corrupt = |reason: String| BridgeError::CorruptChunk {
+                path: file.path().to_path_buf(),
+                tensor: fqn.to_owned(),
+                reason,
+            };
             let view = file.tensor(fqn)?;
             if view.dtype != entry.dtype || view.shape != chunk.shape.as_slice() {
-                return Err(BridgeError::CorruptChunk {
-                    path: file.path().to_path_buf(),
-                    tensor: fqn.to_owned(),
-                    reason: format!(
-                        "file has {} {:?}, index says {} {:?}",
-                        view.dtype, view.shape, entry.dtype, chunk.shape
-                    ),
-                });
+                return Err(corrupt(format!(
+                    "file has {} {:?}, index says {} {:?}",
+                    view.dtype, view.shape, entry.dtype, chunk.shape
+                )));
+            }
+            // The same bytes at other global offsets would be read into the wrong place.
+            if saved_offsets.get(fqn) != Some(&chunk.offsets) {
+                let saved = saved_offsets
+                    .get(fqn)
+                    .map_or_else(|| "none".to_owned(), |o| format!("{o:?}"));
+                return Err(corrupt(format!(
+                    "its DCP saved_offsets are {saved}, the index says {:?}",
+                    chunk.offsets
+                )));
             }
             copy_box(
                 view.bytes,

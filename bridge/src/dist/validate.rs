@@ -2,15 +2,23 @@
 //! index dtype and lies inside the global shape, chunk volumes add up to the global volume and
 //! no two chunks intersect (so every element is covered exactly once); every chunk file's
 //! header shape, dtype and DCP `saved_offsets` equal the index entry. FP8 scale tensors must
-//! have the block-grid shape of their weight ([`super::fp8::validate_fp8`]).
+//! have the block-grid shape of their weight ([`super::fp8::validate_fp8`]). The index must
+//! describe the model of the directory's `config.json` ([`validate_config`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use super::index::{DcpIndex, TensorEntry, parse_dcp_metadata};
+use serde_json::Value;
+
+use super::convert::hf_parts;
+use super::index::{DcpIndex, INDEX_FILE, TensorEntry, TensorKind, parse_dcp_metadata};
 use super::region::TensorBox;
 use crate::BridgeError;
+use crate::fp8::DEFAULT_BLOCK_SIZE;
+use crate::hf::{CONFIG_FILE, read_json};
+use crate::mapping::{ExpertLayout, expected_hf_tensors, for_model_type};
 use crate::safetensors::read_header;
+use crate::weights::ModelConfig;
 
 /// Checks that `boxes` tile a tensor of `global` shape exactly once; the reason otherwise.
 pub fn check_tiling(boxes: &[TensorBox], global: &[usize]) -> Result<(), String> {
@@ -105,6 +113,85 @@ pub fn validate_index(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
     Ok(())
 }
 
+/// The index against the `config.json` of checkpoint directory `dir` (nothing to check
+/// without one): the config is valid and of the index's `model_family`, every stored
+/// parameter and buffer is a tensor of that model with the shape the config implies (as HF
+/// tensors, per expert), and every tensor the model requires is stored. What a checkpoint whose
+/// `config.json` (or index) belongs to another model fails.
+pub fn validate_config(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
+    let config_path = dir.join(CONFIG_FILE);
+    if !config_path.is_file() {
+        return Ok(());
+    }
+    let index_path = dir.join(INDEX_FILE);
+    let json = read_json(&config_path)?;
+    let config = ModelConfig::from_json(&json, &config_path)?;
+    if let Some(family) = &index.model_family
+        && family != config.model_type()
+    {
+        return Err(BridgeError::InvalidDistIndex {
+            path: index_path,
+            reason: format!(
+                "model_family is \"{family}\" but {} has model_type \"{}\": the config of \
+                 another model",
+                config_path.display(),
+                config.model_type()
+            ),
+        });
+    }
+    let registry = for_model_type(config.model_type(), &config_path)?;
+    let block = index
+        .fp8
+        .as_ref()
+        .map_or(DEFAULT_BLOCK_SIZE, |r| r.weight_block_size);
+    let expected = expected_hf_tensors(&config, ExpertLayout::PerExpert, &config_path, block)?;
+    let tied = json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    let mut stored = BTreeSet::new();
+    for (fqn, entry) in &index.tensors {
+        // Scales are checked against their weights (validate_fp8); a tied head is not exported.
+        let model_tensor = matches!(entry.kind, TensorKind::Param | TensorKind::Buffer);
+        if !model_tensor || (tied && fqn == "lm_head.weight") {
+            continue;
+        }
+        let (_, parts) = hf_parts(&registry, fqn, entry, &config_path)?;
+        for part in parts {
+            let Some(want) = expected.get(&part.name) else {
+                return Err(BridgeError::InvalidDistIndex {
+                    path: index_path,
+                    reason: format!(
+                        "`{fqn}` (HF `{}`) is not a tensor of the `{}` model {} describes",
+                        part.name,
+                        config.model_type(),
+                        config_path.display()
+                    ),
+                });
+            };
+            if want.shape != part.shape {
+                return Err(BridgeError::ConfigMismatch {
+                    path: index_path,
+                    config: config_path,
+                    tensor: part.name,
+                    expected: want.shape.clone(),
+                    found: part.shape,
+                });
+            }
+            stored.insert(part.name);
+        }
+    }
+    if let Some((name, want)) = expected
+        .iter()
+        .find(|(name, want)| want.required && !stored.contains(name.as_str()))
+    {
+        return Err(BridgeError::MissingWeight {
+            path: index_path,
+            config: config_path,
+            tensor: name.clone(),
+            expected: want.shape.clone(),
+        });
+    }
+    Ok(())
+}
+
 /// Reads every chunk file's header (not its data) and checks shape, dtype and `saved_offsets`
 /// of each chunk against the index, and that files hold nothing the index does not list.
 pub fn validate_files(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
@@ -115,6 +202,18 @@ pub fn validate_files(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
                 .entry(c.file.as_str())
                 .or_default()
                 .push((fqn.as_str(), entry, i));
+        }
+    }
+    // A file that is gone is the finding, not what the other files lack or hold extra.
+    for (file, chunks) in &by_file {
+        let path = dir.join(file);
+        if !path.is_file() {
+            return Err(BridgeError::MissingShard {
+                index: dir.join(INDEX_FILE),
+                shard: (*file).to_owned(),
+                tensor: chunks.first().map_or_else(String::new, |c| c.0.to_owned()),
+                path,
+            });
         }
     }
     for (file, chunks) in by_file {
@@ -142,11 +241,13 @@ pub fn validate_files(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
                 ));
             }
             if offsets.get(*fqn) != Some(&chunk.offsets) {
+                let saved = offsets
+                    .get(*fqn)
+                    .map_or_else(|| "none".to_owned(), |o| format!("{o:?}"));
                 return Err(corrupt(
                     fqn,
                     format!(
-                        "saved_offsets {:?}, index says {:?}",
-                        offsets.get(*fqn),
+                        "its DCP saved_offsets are {saved}, the index says {:?}",
                         chunk.offsets
                     ),
                 ));

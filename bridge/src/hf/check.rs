@@ -72,12 +72,19 @@ fn list(names: &[&str]) -> String {
 
 impl HfCheckpoint {
     /// Opens every shard (validating its header) and checks that the shard set is
-    /// unambiguous: no tensor stored in two shards ([`BridgeError::TensorInTwoShards`]), no
+    /// unambiguous: an index listing at least one tensor ([`BridgeError::InvalidIndex`]), no
+    /// tensor stored in two shards ([`BridgeError::TensorInTwoShards`]), no
     /// shard tensor missing from the index ([`BridgeError::UnindexedTensor`]), no index entry
     /// whose shard lacks the tensor ([`BridgeError::IndexedTensorMissing`]). Errors name the
     /// tensor and the files.
     pub fn verify_shards(&self) -> Result<(), BridgeError> {
         let index = &self.source;
+        if self.is_sharded() && self.weight_map.is_empty() {
+            return Err(BridgeError::InvalidIndex {
+                path: index.clone(),
+                reason: "`weight_map` lists no tensors".to_owned(),
+            });
+        }
         // Where each tensor physically is, in shard order.
         let mut stored: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         for (i, path) in self.shard_paths.iter().enumerate() {

@@ -27,7 +27,12 @@ pub fn parse_index(text: &str, path: &Path) -> Result<BTreeMap<String, String>, 
     };
     let map = match top.remove("weight_map") {
         Some(Value::Object(map)) => map,
-        Some(other) => return Err(invalid(format!("`weight_map` is {other}, not an object"))),
+        Some(other) => {
+            return Err(invalid(format!(
+                "`weight_map` is {}, not an object",
+                json_kind(&other)
+            )));
+        }
         None => return Err(invalid("missing `weight_map`".to_owned())),
     };
     map.into_iter()
@@ -37,10 +42,23 @@ pub fn parse_index(text: &str, path: &Path) -> Result<BTreeMap<String, String>, 
                 "tensor `{tensor}`: shard \"{s}\" is not a plain file name"
             ))),
             other => Err(invalid(format!(
-                "tensor `{tensor}`: shard is {other}, not a string"
+                "tensor `{tensor}`: shard is {}, not a string",
+                json_kind(&other)
             ))),
         })
         .collect()
+}
+
+/// What a JSON value is, for errors (a whole `weight_map` can be megabytes: never printed).
+fn json_kind(value: &Value) -> String {
+    match value {
+        Value::Null => "null".to_owned(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(_) => "a string".to_owned(),
+        Value::Array(items) => format!("an array of {} items", items.len()),
+        Value::Object(map) => format!("an object of {} entries", map.len()),
+    }
 }
 
 fn is_plain_file_name(s: &str) -> bool {

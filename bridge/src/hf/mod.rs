@@ -4,6 +4,8 @@
 //! ([`HfCheckpoint::check`]).
 
 mod check;
+#[cfg(feature = "hub")]
+mod download;
 mod index;
 mod resolve;
 
@@ -18,7 +20,7 @@ use crate::safetensors::{SafetensorsFile, TensorInfo, TensorView};
 
 pub use check::CheckReport;
 pub use index::{INDEX_FILE, SINGLE_FILE, parse_index};
-pub use resolve::{hub_cache_dir, resolve_in, resolve_model_dir};
+pub use resolve::{HubModelId, hub_cache_dir, resolve_in, resolve_model_dir};
 
 /// Name of the model config file.
 pub const CONFIG_FILE: &str = "config.json";

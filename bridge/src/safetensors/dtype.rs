@@ -1,8 +1,13 @@
-//! Element types of safetensors tensors.
+//! Element types of safetensors tensors: the subset of the `safetensors` crate's
+//! [`Dtype`](::safetensors::Dtype) that this crate converts.
 
 use std::fmt;
 
-/// A safetensors dtype this crate reads (sub-byte formats such as `F4` are not accepted).
+use ::safetensors::Dtype as St;
+
+/// A safetensors dtype this crate reads: every byte-sized dtype of the `safetensors` crate's
+/// [`Dtype`](::safetensors::Dtype) but `C64` and the FNUZ FP8 variants (sub-byte formats such as
+/// `F4` are not accepted either). Converts to and from the crate's type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Dtype {
     /// `BOOL`, one byte per element.
@@ -62,13 +67,7 @@ impl Dtype {
 
     /// Bytes per element.
     pub fn size(self) -> usize {
-        match self {
-            Dtype::Bool | Dtype::U8 | Dtype::I8 => 1,
-            Dtype::F8E5M2 | Dtype::F8E4M3 | Dtype::F8E8M0 => 1,
-            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 2,
-            Dtype::I32 | Dtype::U32 | Dtype::F32 => 4,
-            Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
-        }
+        St::from(self).bitsize() / 8
     }
 
     /// The header spelling, e.g. `"F8_E4M3"`.
@@ -104,6 +103,41 @@ impl Dtype {
     }
 }
 
+impl From<Dtype> for St {
+    fn from(d: Dtype) -> St {
+        match d {
+            Dtype::Bool => St::BOOL,
+            Dtype::U8 => St::U8,
+            Dtype::I8 => St::I8,
+            Dtype::F8E5M2 => St::F8_E5M2,
+            Dtype::F8E4M3 => St::F8_E4M3,
+            Dtype::F8E8M0 => St::F8_E8M0,
+            Dtype::I16 => St::I16,
+            Dtype::U16 => St::U16,
+            Dtype::F16 => St::F16,
+            Dtype::BF16 => St::BF16,
+            Dtype::I32 => St::I32,
+            Dtype::U32 => St::U32,
+            Dtype::F32 => St::F32,
+            Dtype::F64 => St::F64,
+            Dtype::I64 => St::I64,
+            Dtype::U64 => St::U64,
+        }
+    }
+}
+
+impl TryFrom<St> for Dtype {
+    /// The crate's dtype, which this crate does not read.
+    type Error = St;
+
+    fn try_from(d: St) -> Result<Dtype, St> {
+        Dtype::ALL
+            .into_iter()
+            .find(|&ours| St::from(ours) == d)
+            .ok_or(d)
+    }
+}
+
 impl fmt::Display for Dtype {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -124,6 +158,14 @@ mod tests {
         assert!(Dtype::F8E8M0.is_fp8() && !Dtype::U8.is_fp8());
         for bad in ["F4", "F6_E2M3", "f32", "", "Q8"] {
             assert_eq!(Dtype::from_header_str(bad), None, "{bad}");
+        }
+        // The crate's spelling and size agree with ours; its other dtypes are refused.
+        for d in Dtype::ALL {
+            assert_eq!(St::from(d).to_string(), d.as_str());
+            assert_eq!(Dtype::try_from(St::from(d)), Ok(d));
+        }
+        for other in [St::F4, St::F6_E2M3, St::C64, St::F8_E4M3FNUZ] {
+            assert_eq!(Dtype::try_from(other), Err(other));
         }
     }
 }

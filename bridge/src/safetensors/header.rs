@@ -1,7 +1,26 @@
 //! Parsing and validating a safetensors header (checkpoints.md §1).
 //!
-//! Everything read from the file is treated as untrusted: lengths are bounds-checked before any
-//! allocation, sizes use checked arithmetic, and every failure is a typed [`BridgeError`].
+//! Everything read from the file is treated as untrusted and every failure is a typed
+//! [`BridgeError`] naming the file and, where one is involved, the tensor.
+//!
+//! The `safetensors` crate does the format's validation: each entry is deserialised as its
+//! [`TensorInfo`](::safetensors::tensor::TensorInfo) (dtype spelling, `shape`, two
+//! `data_offsets`) and the entries are checked by its [`Metadata::new`] (offsets contiguous
+//! from 0, byte lengths equal to `product(shape) · dtype size`, checked arithmetic). Kept here,
+//! because the crate does not do it:
+//! - reading the header alone: [`read_header`] reads `8 + n` bytes, not the data section
+//!   (`SafeTensors::read_metadata` wants the whole file, to compare its length with the
+//!   offsets), so the length prefix is checked here against [`MAX_HEADER_LEN`] before
+//!   allocating and against the file size, and the offsets against the data section's length;
+//! - duplicate tensor names and a repeated `__metadata__` (the crate deserialises into a
+//!   `HashMap` and keeps the last one), and `__metadata__` values that are not strings, named
+//!   per key;
+//! - accepting only the dtypes this crate converts ([`Dtype`]: FP8 included, sub-byte, `C64`
+//!   and FNUZ not);
+//! - naming the tensor and what is wrong: the crate's [`SafeTensorError`] says
+//!   `InvalidOffset(name)` for overlaps, holes and reversed offsets alike, and
+//!   `TensorInvalidInfo` / `ValidationOverflow` without a name; `crate_error` turns them into
+//!   the matching [`BridgeError`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -10,13 +29,17 @@ use std::io::Read;
 use std::ops::Range;
 use std::path::Path;
 
+use ::safetensors::SafeTensorError;
+use ::safetensors::tensor::{Metadata, TensorInfo as StInfo};
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 
 use super::Dtype;
+use super::view::byte_len_of;
 use crate::BridgeError;
 
-/// Largest header accepted, in bytes (the limit of the reference `safetensors` crate).
+/// Largest header accepted, in bytes (the limit of the `safetensors` crate, which does not
+/// export it).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
 
 /// Where one tensor lives in a safetensors file.
@@ -186,7 +209,16 @@ fn parse_json(json: &[u8], file_len: u64, path: &Path) -> Result<SafetensorsHead
             metadata = Some(parse_metadata(value, path)?);
             continue;
         }
-        let info = parse_entry(&name, value, data_len, path)?;
+        let info = parse_entry(&name, value, path)?;
+        let end = info.data_offsets.1;
+        if end > data_len {
+            return Err(BridgeError::OffsetsOutOfBounds {
+                path: path.to_path_buf(),
+                tensor: name,
+                end,
+                data_len,
+            });
+        }
         if tensors.contains_key(&name) {
             return Err(BridgeError::DuplicateTensor {
                 path: path.to_path_buf(),
@@ -195,7 +227,32 @@ fn parse_json(json: &[u8], file_len: u64, path: &Path) -> Result<SafetensorsHead
         }
         tensors.insert(name, info);
     }
-    check_coverage(&tensors, data_len, path)?;
+
+    // The crate validates the entries in data order.
+    let entries = || {
+        let mut by_offset: Vec<(String, StInfo)> = tensors
+            .iter()
+            .map(|(name, info)| {
+                let st = StInfo {
+                    dtype: info.dtype.into(),
+                    shape: info.shape.clone(),
+                    data_offsets: info.data_offsets,
+                };
+                (name.clone(), st)
+            })
+            .collect();
+        by_offset.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
+        by_offset
+    };
+    let validated = Metadata::new(None, entries()).map_err(|e| crate_error(e, &entries(), path))?;
+    if validated.data_len() < data_len {
+        return Err(BridgeError::DataGap {
+            path: path.to_path_buf(),
+            start: validated.data_len(),
+            end: data_len,
+            next: "the end of the file".to_owned(),
+        });
+    }
     Ok(SafetensorsHeader {
         tensors,
         metadata: metadata.unwrap_or_default(),
@@ -210,6 +267,8 @@ fn bad_metadata(path: &Path, reason: impl Into<String>) -> BridgeError {
     }
 }
 
+/// `__metadata__`: `null` or an object of strings (the crate's `Option<HashMap<String,
+/// String>>`), checked per key so the error names it.
 fn parse_metadata(value: Value, path: &Path) -> Result<BTreeMap<String, String>, BridgeError> {
     match value {
         Value::Null => Ok(BTreeMap::new()),
@@ -230,145 +289,111 @@ fn parse_metadata(value: Value, path: &Path) -> Result<BTreeMap<String, String>,
     }
 }
 
-/// Parses and checks one tensor entry on its own (dtype, shape, byte length, bounds).
-fn parse_entry(
-    name: &str,
-    value: Value,
-    data_len: usize,
-    path: &Path,
-) -> Result<TensorInfo, BridgeError> {
-    let entry_err = |reason: String| BridgeError::InvalidTensorEntry {
+/// One tensor entry, deserialised as the crate's `TensorInfo`, with a dtype we read.
+fn parse_entry(name: &str, value: Value, path: &Path) -> Result<TensorInfo, BridgeError> {
+    let unsupported = |dtype: String| BridgeError::UnsupportedDtype {
         path: path.to_path_buf(),
         tensor: name.to_owned(),
-        reason,
-    };
-    let Value::Object(obj) = value else {
-        return Err(entry_err(format!("expected an object, found {value}")));
-    };
-    let dtype_str = match obj.get("dtype") {
-        Some(Value::String(s)) => s.as_str(),
-        Some(other) => return Err(entry_err(format!("`dtype` is {other}, not a string"))),
-        None => return Err(entry_err("missing `dtype`".to_owned())),
-    };
-    let dtype = Dtype::from_header_str(dtype_str).ok_or_else(|| BridgeError::UnsupportedDtype {
-        path: path.to_path_buf(),
-        tensor: name.to_owned(),
-        dtype: dtype_str.to_owned(),
-    })?;
-    let shape = usize_array(obj.get("shape"), "shape", None).map_err(entry_err)?;
-    let offsets =
-        usize_array(obj.get("data_offsets"), "data_offsets", Some(2)).map_err(entry_err)?;
-    let (begin, end) = match offsets.as_slice() {
-        &[begin, end] => (begin, end),
-        _ => return Err(entry_err("`data_offsets` must have 2 entries".to_owned())),
-    };
-
-    let expected = shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .and_then(|n| n.checked_mul(dtype.size()))
-        .ok_or_else(|| BridgeError::ShapeOverflow {
-            path: path.to_path_buf(),
-            tensor: name.to_owned(),
-            shape: shape.clone(),
-        })?;
-    let Some(actual) = end.checked_sub(begin) else {
-        return Err(BridgeError::InvalidOffsets {
-            path: path.to_path_buf(),
-            tensor: name.to_owned(),
-            begin,
-            end,
-        });
-    };
-    if actual != expected {
-        return Err(BridgeError::ByteLengthMismatch {
-            path: path.to_path_buf(),
-            tensor: name.to_owned(),
-            dtype: dtype.to_string(),
-            shape,
-            expected,
-            actual,
-        });
-    }
-    if end > data_len {
-        return Err(BridgeError::OffsetsOutOfBounds {
-            path: path.to_path_buf(),
-            tensor: name.to_owned(),
-            end,
-            data_len,
-        });
-    }
-    Ok(TensorInfo {
         dtype,
-        shape,
-        data_offsets: (begin, end),
+    };
+    // A dtype string that is not ours is reported as such, whatever else is wrong.
+    if let Some(s) = value.get("dtype").and_then(Value::as_str)
+        && Dtype::from_header_str(s).is_none()
+    {
+        return Err(unsupported(s.to_owned()));
+    }
+    let info: StInfo =
+        serde_json::from_value(value).map_err(|e| BridgeError::InvalidTensorEntry {
+            path: path.to_path_buf(),
+            tensor: name.to_owned(),
+            reason: e.to_string(),
+        })?;
+    Ok(TensorInfo {
+        dtype: Dtype::try_from(info.dtype).map_err(|d| unsupported(d.to_string()))?,
+        shape: info.shape,
+        data_offsets: info.data_offsets,
     })
 }
 
-/// An array of non-negative integers that fit in `usize`, optionally of a fixed length.
-fn usize_array(value: Option<&Value>, key: &str, len: Option<usize>) -> Result<Vec<usize>, String> {
-    let items = match value {
-        Some(Value::Array(items)) => items,
-        Some(other) => return Err(format!("`{key}` is {other}, not an array")),
-        None => return Err(format!("missing `{key}`")),
-    };
-    if let Some(len) = len.filter(|&l| l != items.len()) {
-        return Err(format!(
-            "`{key}` has {} entries, expected {len}",
-            items.len()
-        ));
-    }
-    items
-        .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|x| usize::try_from(x).ok())
-                .ok_or_else(|| format!("`{key}` holds {v}, not a non-negative integer"))
-        })
-        .collect()
-}
-
-/// Checks that the tensors tile `[0, data_len)` exactly: no overlap, no hole.
-fn check_coverage(
-    tensors: &BTreeMap<String, TensorInfo>,
-    data_len: usize,
-    path: &Path,
-) -> Result<(), BridgeError> {
-    let mut by_offset: Vec<(&String, &TensorInfo)> = tensors.iter().collect();
-    by_offset.sort_by_key(|(name, info)| (info.data_offsets, *name));
-    let mut cursor = 0usize;
-    let mut last: Option<&String> = None;
-    for (name, info) in by_offset {
-        let (begin, end) = info.data_offsets;
-        if begin < cursor {
-            return Err(BridgeError::OverlappingTensors {
-                path: path.to_path_buf(),
-                first: last.map_or_else(String::new, Clone::clone),
-                second: name.clone(),
-            });
+/// The typed error for the crate's rejection of the entries `by_offset` (in the order given to
+/// [`Metadata::new`]), naming the tensor at fault.
+fn crate_error(err: SafeTensorError, by_offset: &[(String, StInfo)], path: &Path) -> BridgeError {
+    let path_buf = path.to_path_buf();
+    match err {
+        // Not where the previous tensor ended: reversed offsets, an overlap or a hole.
+        SafeTensorError::InvalidOffset(failing) => {
+            let (mut cursor, mut last) = (0usize, "");
+            for (name, info) in by_offset {
+                let (begin, end) = info.data_offsets;
+                if *name == failing {
+                    let tensor = name.clone();
+                    return if end < begin {
+                        BridgeError::InvalidOffsets {
+                            path: path_buf,
+                            tensor,
+                            begin,
+                            end,
+                        }
+                    } else if begin < cursor {
+                        BridgeError::OverlappingTensors {
+                            path: path_buf,
+                            first: last.to_owned(),
+                            second: tensor,
+                        }
+                    } else {
+                        BridgeError::DataGap {
+                            path: path_buf,
+                            start: cursor,
+                            end: begin,
+                            next: format!("tensor `{tensor}`"),
+                        }
+                    };
+                }
+                if end > begin {
+                    last = name;
+                }
+                cursor = end;
+            }
+            BridgeError::InvalidTensorEntry {
+                path: path_buf,
+                tensor: failing,
+                reason: "invalid data_offsets".to_owned(),
+            }
         }
-        if begin > cursor {
-            return Err(BridgeError::DataGap {
-                path: path.to_path_buf(),
-                start: cursor,
-                end: begin,
-                next: format!("tensor `{name}`"),
-            });
-        }
-        if end > begin {
-            last = Some(name);
-        }
-        cursor = end;
+        // A byte length that does not match, or overflows: the first such tensor.
+        SafeTensorError::TensorInvalidInfo | SafeTensorError::ValidationOverflow => by_offset
+            .iter()
+            .find_map(|(name, info)| {
+                let dtype = Dtype::try_from(info.dtype).ok()?;
+                let actual = info.data_offsets.1.checked_sub(info.data_offsets.0)?;
+                let tensor = name.clone();
+                let shape = info.shape.clone();
+                match byte_len_of(dtype, &info.shape) {
+                    None => Some(BridgeError::ShapeOverflow {
+                        path: path_buf.clone(),
+                        tensor,
+                        shape,
+                    }),
+                    Some(expected) if expected != actual => Some(BridgeError::ByteLengthMismatch {
+                        path: path_buf.clone(),
+                        tensor,
+                        dtype: dtype.to_string(),
+                        shape,
+                        expected,
+                        actual,
+                    }),
+                    Some(_) => None,
+                }
+            })
+            .unwrap_or_else(|| BridgeError::InvalidHeaderJson {
+                path: path_buf,
+                reason: err.to_string(),
+            }),
+        other => BridgeError::InvalidHeaderJson {
+            path: path_buf,
+            reason: other.to_string(),
+        },
     }
-    if cursor < data_len {
-        return Err(BridgeError::DataGap {
-            path: path.to_path_buf(),
-            start: cursor,
-            end: data_len,
-            next: "the end of the file".to_owned(),
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,4 +1,10 @@
 //! Memory-mapped safetensors files: validated header, zero-copy tensor views.
+//!
+//! Kept on top of the `safetensors` crate, whose `SafeTensors` only borrows a buffer the caller
+//! keeps alive: [`SafetensorsFile`] owns the mapping together with the header (validated with
+//! the crate, [`SafetensorsHeader::parse`]) and hands out views that name the file and tensor in
+//! errors. Pages are read only when a view's bytes are touched, so reading part of a tensor
+//! does not read the rest.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

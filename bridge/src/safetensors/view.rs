@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use burn::tensor::{BoolStore, DType, TensorData, bf16, f16};
+use burn::tensor::{BoolStore, DType, TensorData};
+use half::{bf16, f16};
 
 use super::Dtype;
 use super::elem::{f8_e4m3_to_f32, f8_e5m2_to_f32, f8_e8m0_to_f32};
@@ -359,7 +360,7 @@ impl OwnedTensor {
                 .collect(),
             Dtype::BF16 => values
                 .iter()
-                .flat_map(|&v| super::elem::f32_to_bf16_bits(v).to_le_bytes())
+                .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
                 .collect(),
             Dtype::F16 => values
                 .iter()

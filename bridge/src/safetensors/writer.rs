@@ -1,16 +1,31 @@
-//! Writing safetensors files (checkpoints.md §1).
+//! Writing safetensors files (checkpoints.md §1) in the `safetensors` crate's layout.
 //!
-//! Like the reference writer, tensors are laid out by descending element size and then by name,
-//! so with the header padded to 8 bytes every tensor starts at an offset aligned to its element
-//! size. The header is padded with spaces and carries `__metadata__ = {"format": "pt"}`.
+//! The layout is the crate's `serialize` output byte for byte (tested): tensors in descending
+//! order of the crate's [`Dtype`](::safetensors::Dtype) (by alignment, then by name), the
+//! header the crate's JSON of each [`TensorInfo`](::safetensors::tensor::TensorInfo) after
+//! `__metadata__`, padded with spaces to a multiple of 8 so every tensor starts aligned to its
+//! element size. The metadata written is `{"format": "pt"}`.
+//!
+//! Why the bytes are not written by the crate: `safetensors::serialize` builds the whole file
+//! in one `Vec` (a multi-GB shard would be held in memory twice), and `serialize_to_file`,
+//! which streams tensor by tensor, only writes to a path through its own temporary file, without
+//! fsync, so it cannot write into a caller's [`Write`] (the shards of
+//! [`HfDirWriter`](super::HfDirWriter)) or give the fsync-then-rename of [`write_safetensors`].
+//! So [`write_safetensors_to`] streams the data itself after the crate-format header. The
+//! header map is serialised here rather than through the crate's `Metadata` because that keeps
+//! `__metadata__` in a `HashMap`, whose key order changes from run to run; ours is sorted.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::TensorView;
+use ::safetensors::Dtype as St;
+use ::safetensors::tensor::TensorInfo as StInfo;
+use serde::ser::{Serialize, SerializeMap, Serializer};
+
 use super::view::byte_len_of;
+use super::{MAX_HEADER_LEN, TensorView};
 use crate::BridgeError;
 
 /// The `__metadata__` that `save_pretrained` writes.
@@ -18,7 +33,26 @@ pub fn pt_metadata() -> BTreeMap<String, String> {
     BTreeMap::from([("format".to_owned(), "pt".to_owned())])
 }
 
-/// A planned file: the padded header bytes and the tensors in data order.
+/// The JSON header: `__metadata__` (when not empty), then the entries in data order.
+struct HeaderJson<'a> {
+    metadata: &'a BTreeMap<String, String>,
+    entries: Vec<(&'a str, StInfo)>,
+}
+
+impl Serialize for HeaderJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        if !self.metadata.is_empty() {
+            map.serialize_entry("__metadata__", self.metadata)?;
+        }
+        for (name, info) in &self.entries {
+            map.serialize_entry(name, info)?;
+        }
+        map.end()
+    }
+}
+
+/// A planned file: the header bytes (length prefix included) and the tensors in data order.
 struct Layout<'a, 'b> {
     header: Vec<u8>,
     order: Vec<&'b TensorView<'a>>,
@@ -58,47 +92,82 @@ fn layout<'a, 'b>(
             ));
         }
     }
+    // The crate's order (`safetensors::tensor::prepare`).
     let mut order: Vec<&TensorView<'a>> = tensors.iter().collect();
     order.sort_by(|a, b| {
-        b.dtype
-            .size()
-            .cmp(&a.dtype.size())
+        St::from(b.dtype)
+            .cmp(&St::from(a.dtype))
             .then_with(|| a.name.cmp(b.name))
     });
-
-    let json_str = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| format!("\"{s}\""));
-    let mut json = String::from("{");
-    if !metadata.is_empty() {
-        json.push_str("\"__metadata__\":{");
-        let entries: Vec<String> = metadata
-            .iter()
-            .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
-            .collect();
-        json.push_str(&entries.join(","));
-        json.push('}');
-    }
     let mut offset = 0usize;
-    for (i, t) in order.iter().enumerate() {
-        if i > 0 || !metadata.is_empty() {
-            json.push(',');
-        }
-        let end = offset + t.bytes.len();
-        let shape: Vec<String> = t.shape.iter().map(usize::to_string).collect();
-        json.push_str(&format!(
-            "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
-            json_str(t.name),
-            t.dtype,
-            shape.join(",")
-        ));
-        offset = end;
-    }
-    json.push('}');
-    while json.len() % 8 != 0 {
-        json.push(' ');
-    }
-    let mut header = (json.len() as u64).to_le_bytes().to_vec();
-    header.extend_from_slice(json.as_bytes());
+    let entries = order
+        .iter()
+        .map(|t| {
+            let begin = offset;
+            offset += t.bytes.len();
+            let info = StInfo {
+                dtype: t.dtype.into(),
+                shape: t.shape.to_vec(),
+                data_offsets: (begin, offset),
+            };
+            (t.name, info)
+        })
+        .collect();
+    let header = header_bytes(metadata, entries, path)?;
     Ok(Layout { header, order })
+}
+
+/// The header of a safetensors file (8-byte length, JSON, spaces to a multiple of 8) holding
+/// `entries` in this data order, each `(name, dtype, shape, byte length)`; returns it with
+/// each entry's `[begin, end)` data range. The one header encoder of the crate: single files,
+/// HF shards, live exports and distributed-checkpoint chunk files all use it. `path` names the
+/// output in errors.
+pub(crate) fn planned_header<'n>(
+    metadata: &BTreeMap<String, String>,
+    entries: impl IntoIterator<Item = (&'n str, super::Dtype, Vec<usize>, usize)>,
+    path: &Path,
+) -> Result<(Vec<u8>, Vec<(usize, usize)>), BridgeError> {
+    let mut offset = 0usize;
+    let mut ranges = Vec::new();
+    let entries = entries
+        .into_iter()
+        .map(|(name, dtype, shape, len)| {
+            let begin = offset;
+            offset += len;
+            ranges.push((begin, offset));
+            let info = StInfo {
+                dtype: dtype.into(),
+                shape,
+                data_offsets: (begin, offset),
+            };
+            (name, info)
+        })
+        .collect();
+    Ok((header_bytes(metadata, entries, path)?, ranges))
+}
+
+fn header_bytes(
+    metadata: &BTreeMap<String, String>,
+    entries: Vec<(&str, StInfo)>,
+    path: &Path,
+) -> Result<Vec<u8>, BridgeError> {
+    let invalid = |reason: String| BridgeError::InvalidWrite {
+        path: path.to_path_buf(),
+        tensor: String::new(),
+        reason,
+    };
+    let json = HeaderJson { metadata, entries };
+    let mut header = vec![0u8; 8];
+    serde_json::to_writer(&mut header, &json).map_err(|e| invalid(e.to_string()))?;
+    header.resize(8 + (header.len() - 8).next_multiple_of(8), b' ');
+    let n = header.len() as u64 - 8;
+    if n > MAX_HEADER_LEN {
+        return Err(invalid(format!(
+            "header of {n} bytes exceeds the limit of {MAX_HEADER_LEN}"
+        )));
+    }
+    header[..8].copy_from_slice(&n.to_le_bytes());
+    Ok(header)
 }
 
 /// Writes a safetensors file to `out`; returns the number of bytes written. `path` names the
@@ -224,6 +293,45 @@ mod tests {
                 t.bytes.as_slice()
             );
         }
+    }
+
+    #[test]
+    fn layout_is_the_reference_crates_byte_for_byte() {
+        let mut tensors = sample();
+        // Dtypes of equal size, which the crate orders by dtype before name.
+        for (name, dtype, bytes) in [
+            ("a.i32", Dtype::I32, vec![1, 0, 0, 0]),
+            ("a.u32", Dtype::U32, vec![2, 0, 0, 0]),
+            ("z.f16", Dtype::F16, vec![0, 0x3C]),
+            ("m.bool", Dtype::Bool, vec![1]),
+            ("m.e5m2", Dtype::F8E5M2, vec![0x3C]),
+            ("m.e8m0", Dtype::F8E8M0, vec![127]),
+            ("f.f64", Dtype::F64, 1f64.to_le_bytes().to_vec()),
+        ] {
+            tensors.push(
+                OwnedTensor::new(name, dtype, vec![bytes.len() / dtype.size()], bytes).unwrap(),
+            );
+        }
+        let views: Vec<TensorView<'_>> = tensors.iter().map(OwnedTensor::view).collect();
+        let reference_views = views.iter().map(|v| {
+            let view =
+                safetensors::tensor::TensorView::new(v.dtype.into(), v.shape.to_vec(), v.bytes);
+            (v.name, view.unwrap())
+        });
+        let metadata = std::collections::HashMap::from([("format".to_owned(), "pt".to_owned())]);
+        let reference = safetensors::serialize(reference_views, Some(metadata)).unwrap();
+        assert_eq!(serialize(&views).unwrap(), reference);
+        assert_eq!(
+            serialize(&[]).unwrap(),
+            safetensors::serialize(
+                Vec::<(&str, safetensors::tensor::TensorView<'_>)>::new(),
+                Some(std::collections::HashMap::from([(
+                    "format".to_owned(),
+                    "pt".to_owned()
+                )]))
+            )
+            .unwrap()
+        );
     }
 
     #[test]

@@ -3,14 +3,159 @@
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::json::JsonObject;
-use super::{RopeParameters, RopeScaling, rope};
+use super::rope::{self, RopeJson, RopeKeys};
+use super::{RopeParameters, RopeScaling, de};
 use crate::ModelError;
 
+/// HF `DeepseekV3Config` class defaults (transformers 5.23 `configuration_deepseek_v3.py`).
+mod hf_default {
+    super::de::hf_defaults! {
+        vocab_size: usize = 129280;
+        hidden_size: usize = 7168;
+        intermediate_size: usize = 18432;
+        moe_intermediate_size: usize = 2048;
+        num_hidden_layers: usize = 61;
+        num_attention_heads: usize = 128;
+        num_key_value_heads: Option<usize> = Some(128);
+        n_shared_experts: usize = 1;
+        n_routed_experts: usize = 256;
+        num_experts_per_tok: usize = 8;
+        n_group: usize = 8;
+        topk_group: usize = 4;
+        routed_scaling_factor: f64 = 2.5;
+        q_lora_rank: Option<usize> = Some(1536);
+        kv_lora_rank: usize = 512;
+        qk_nope_head_dim: usize = 128;
+        qk_rope_head_dim: usize = 64;
+        v_head_dim: usize = 128;
+        first_k_dense_replace: usize = 3;
+        max_position_embeddings: usize = 4096;
+        rms_norm_eps: f64 = 1e-6;
+        // Deliberately not HF's: 5.23 defaults `num_mtp_layers` to 1, but a config without the
+        // key describes a checkpoint without MTP weights (4.x had no MTP).
+        num_nextn_predict_layers: usize = 0;
+    }
+}
+
+/// A DeepSeek-V3 `config.json` field by field, as HF `DeepseekV3Config` reads and writes it,
+/// with the class defaults for absent keys. [`DeepseekV3Config`] is this with spellings
+/// merged, RoPE normalised and `null`s resolved. Keys 5.23 no longer reads (`scoring_func`,
+/// `topk_method`, `moe_layer_freq`) and `quantization_config` stay in `extra`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub(crate) struct DeepseekV3Json {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_type: Option<String>,
+    #[serde(default = "hf_default::vocab_size")]
+    vocab_size: usize,
+    #[serde(default = "hf_default::hidden_size")]
+    hidden_size: usize,
+    #[serde(default = "hf_default::intermediate_size")]
+    intermediate_size: usize,
+    #[serde(default = "hf_default::moe_intermediate_size")]
+    moe_intermediate_size: usize,
+    #[serde(default = "hf_default::num_hidden_layers")]
+    num_hidden_layers: usize,
+    #[serde(default = "hf_default::num_attention_heads")]
+    num_attention_heads: usize,
+    /// `null` ⇒ `num_attention_heads` (HF `__post_init__`).
+    #[serde(default = "hf_default::num_key_value_heads")]
+    num_key_value_heads: Option<usize>,
+    #[serde(default = "hf_default::n_shared_experts")]
+    n_shared_experts: usize,
+    /// Default 256, applied after merging with `num_local_experts`.
+    #[serde(
+        default,
+        deserialize_with = "de::present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    n_routed_experts: Option<usize>,
+    /// Alias of `n_routed_experts` (5.23 `attribute_map`).
+    #[serde(
+        default,
+        deserialize_with = "de::present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    num_local_experts: Option<usize>,
+    #[serde(default = "hf_default::num_experts_per_tok")]
+    num_experts_per_tok: usize,
+    #[serde(default = "hf_default::n_group")]
+    n_group: usize,
+    #[serde(default = "hf_default::topk_group")]
+    topk_group: usize,
+    #[serde(default = "hf_default::routed_scaling_factor")]
+    routed_scaling_factor: f64,
+    #[serde(default = "de::yes", deserialize_with = "de::null_as_true")]
+    norm_topk_prob: bool,
+    /// `null` ⇒ a plain `q_proj`.
+    #[serde(default = "hf_default::q_lora_rank")]
+    q_lora_rank: Option<usize>,
+    #[serde(default = "hf_default::kv_lora_rank")]
+    kv_lora_rank: usize,
+    #[serde(default = "hf_default::qk_nope_head_dim")]
+    qk_nope_head_dim: usize,
+    #[serde(default = "hf_default::qk_rope_head_dim")]
+    qk_rope_head_dim: usize,
+    #[serde(default = "hf_default::v_head_dim")]
+    v_head_dim: usize,
+    /// Derived by 5.23 (`qk_rope_head_dim`); ignored when read, written when serialized.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    head_dim: Option<Value>,
+    /// Derived by 5.23 (`qk_nope_head_dim + qk_rope_head_dim`); as `head_dim`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    qk_head_dim: Option<Value>,
+    #[serde(default = "hf_default::first_k_dense_replace")]
+    first_k_dense_replace: usize,
+    /// Only `"silu"` is supported (`null` ⇒ HF's default, `"silu"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hidden_act: Option<String>,
+    #[serde(default = "hf_default::max_position_embeddings")]
+    max_position_embeddings: usize,
+    #[serde(default = "hf_default::rms_norm_eps")]
+    rms_norm_eps: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_parameters: Option<RopeJson>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_scaling: Option<RopeJson>,
+    #[serde(default = "de::yes", deserialize_with = "de::null_as_true")]
+    rope_interleave: bool,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    attention_bias: bool,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    tie_word_embeddings: bool,
+    /// Default 0 (see `hf_default`), applied after merging with `num_mtp_layers`.
+    #[serde(
+        default,
+        deserialize_with = "de::present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    num_nextn_predict_layers: Option<usize>,
+    /// 5.23 spelling of `num_nextn_predict_layers` (its `attribute_map`).
+    #[serde(
+        default,
+        deserialize_with = "de::present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    num_mtp_layers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dtype: Option<String>,
+    /// Pre-5.0 spelling of `dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    torch_dtype: Option<String>,
+    #[serde(flatten)]
+    extra: Map<String, Value>,
+}
+
 /// DeepSeek-V3 configuration with HF `DeepseekV3Config` defaults.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// (De)serializes as HF's `config.json` (written in the transformers 5.23 spelling, `extra`
+/// keys included); deserializing validates like [`DeepseekV3Config::from_json_str`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(into = "DeepseekV3Json", try_from = "DeepseekV3Json")]
 pub struct DeepseekV3Config {
     /// Vocabulary size `V` (default 129280).
     pub vocab_size: usize,
@@ -76,33 +221,34 @@ pub struct DeepseekV3Config {
 impl Default for DeepseekV3Config {
     fn default() -> Self {
         Self {
-            vocab_size: 129280,
-            hidden_size: 7168,
-            intermediate_size: 18432,
-            moe_intermediate_size: 2048,
-            num_hidden_layers: 61,
-            num_attention_heads: 128,
-            num_key_value_heads: 128,
-            n_shared_experts: 1,
-            n_routed_experts: 256,
-            num_experts_per_tok: 8,
-            n_group: 8,
-            topk_group: 4,
-            routed_scaling_factor: 2.5,
+            vocab_size: hf_default::vocab_size(),
+            hidden_size: hf_default::hidden_size(),
+            intermediate_size: hf_default::intermediate_size(),
+            moe_intermediate_size: hf_default::moe_intermediate_size(),
+            num_hidden_layers: hf_default::num_hidden_layers(),
+            num_attention_heads: hf_default::num_attention_heads(),
+            num_key_value_heads: hf_default::num_key_value_heads()
+                .unwrap_or(hf_default::num_attention_heads()),
+            n_shared_experts: hf_default::n_shared_experts(),
+            n_routed_experts: hf_default::n_routed_experts(),
+            num_experts_per_tok: hf_default::num_experts_per_tok(),
+            n_group: hf_default::n_group(),
+            topk_group: hf_default::topk_group(),
+            routed_scaling_factor: hf_default::routed_scaling_factor(),
             norm_topk_prob: true,
-            q_lora_rank: Some(1536),
-            kv_lora_rank: 512,
-            qk_nope_head_dim: 128,
-            qk_rope_head_dim: 64,
-            v_head_dim: 128,
-            first_k_dense_replace: 3,
-            max_position_embeddings: 4096,
-            rms_norm_eps: 1e-6,
+            q_lora_rank: hf_default::q_lora_rank(),
+            kv_lora_rank: hf_default::kv_lora_rank(),
+            qk_nope_head_dim: hf_default::qk_nope_head_dim(),
+            qk_rope_head_dim: hf_default::qk_rope_head_dim(),
+            v_head_dim: hf_default::v_head_dim(),
+            first_k_dense_replace: hf_default::first_k_dense_replace(),
+            max_position_embeddings: hf_default::max_position_embeddings(),
+            rms_norm_eps: hf_default::rms_norm_eps(),
             rope_parameters: RopeParameters::default(),
             rope_interleave: true,
             attention_bias: false,
             tie_word_embeddings: false,
-            num_nextn_predict_layers: 0,
+            num_nextn_predict_layers: hf_default::num_nextn_predict_layers(),
             dtype: None,
             extra: Map::new(),
         }
@@ -125,80 +271,7 @@ impl DeepseekV3Config {
 
     /// Parses the text of a `config.json` and validates it.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let mut cfg = JsonObject::parse(text)?;
-        match cfg.string("model_type")? {
-            Some(t) if t == Self::MODEL_TYPE => {}
-            found => {
-                return Err(ModelError::WrongModelType {
-                    expected: Self::MODEL_TYPE,
-                    found: found.map_or_else(|| "absent".to_owned(), |t| format!("\"{t}\"")),
-                });
-            }
-        }
-        if let Some(act) = cfg.string("hidden_act")?.filter(|a| a != "silu") {
-            return Err(ModelError::invalid(
-                "hidden_act",
-                format!("\"{act}\" is not supported (only \"silu\")"),
-            ));
-        }
-        let d = Self::default();
-        let num_attention_heads = cfg.usize_or("num_attention_heads", d.num_attention_heads)?;
-        let num_key_value_heads = if cfg.is_null("num_key_value_heads") {
-            cfg.take("num_key_value_heads");
-            num_attention_heads
-        } else {
-            cfg.usize_or("num_key_value_heads", d.num_key_value_heads)?
-        };
-        let q_lora_rank = if cfg.contains("q_lora_rank") {
-            cfg.nullable_usize("q_lora_rank")?
-        } else {
-            d.q_lora_rank
-        };
-        // Derived values 5.23 writes; recomputed from the head dims.
-        cfg.take("head_dim");
-        cfg.take("qk_head_dim");
-        let max_position_embeddings =
-            cfg.usize_or("max_position_embeddings", d.max_position_embeddings)?;
-        let rope_parameters = rope::parse_rope(&mut cfg, max_position_embeddings)?;
-        let config = Self {
-            vocab_size: cfg.usize_or("vocab_size", d.vocab_size)?,
-            hidden_size: cfg.usize_or("hidden_size", d.hidden_size)?,
-            intermediate_size: cfg.usize_or("intermediate_size", d.intermediate_size)?,
-            moe_intermediate_size: cfg
-                .usize_or("moe_intermediate_size", d.moe_intermediate_size)?,
-            num_hidden_layers: cfg.usize_or("num_hidden_layers", d.num_hidden_layers)?,
-            num_attention_heads,
-            num_key_value_heads,
-            n_shared_experts: cfg.usize_or("n_shared_experts", d.n_shared_experts)?,
-            n_routed_experts: cfg
-                .either_usize("n_routed_experts", "num_local_experts")?
-                .unwrap_or(d.n_routed_experts),
-            num_experts_per_tok: cfg.usize_or("num_experts_per_tok", d.num_experts_per_tok)?,
-            n_group: cfg.usize_or("n_group", d.n_group)?,
-            topk_group: cfg.usize_or("topk_group", d.topk_group)?,
-            routed_scaling_factor: cfg.f64_or("routed_scaling_factor", d.routed_scaling_factor)?,
-            norm_topk_prob: cfg.bool_or("norm_topk_prob", d.norm_topk_prob)?,
-            q_lora_rank,
-            kv_lora_rank: cfg.usize_or("kv_lora_rank", d.kv_lora_rank)?,
-            qk_nope_head_dim: cfg.usize_or("qk_nope_head_dim", d.qk_nope_head_dim)?,
-            qk_rope_head_dim: cfg.usize_or("qk_rope_head_dim", d.qk_rope_head_dim)?,
-            v_head_dim: cfg.usize_or("v_head_dim", d.v_head_dim)?,
-            first_k_dense_replace: cfg
-                .usize_or("first_k_dense_replace", d.first_k_dense_replace)?,
-            max_position_embeddings,
-            rms_norm_eps: cfg.f64_or("rms_norm_eps", d.rms_norm_eps)?,
-            rope_parameters,
-            rope_interleave: cfg.bool_or("rope_interleave", d.rope_interleave)?,
-            attention_bias: cfg.bool_or("attention_bias", d.attention_bias)?,
-            tie_word_embeddings: cfg.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,
-            num_nextn_predict_layers: cfg
-                .either_usize("num_nextn_predict_layers", "num_mtp_layers")?
-                .unwrap_or(d.num_nextn_predict_layers),
-            dtype: cfg.either_string("dtype", "torch_dtype")?,
-            extra: cfg.into_remaining(),
-        };
-        config.validate()?;
-        Ok(config)
+        de::parse::<DeepseekV3Json>(text, Self::MODEL_TYPE)?.try_into()
     }
 
     /// Checks sizes and cross-field rules; errors name the offending field.
@@ -319,6 +392,113 @@ impl DeepseekV3Config {
             }
         }
         out
+    }
+}
+
+impl TryFrom<DeepseekV3Json> for DeepseekV3Config {
+    type Error = ModelError;
+
+    /// Merges spellings, normalises RoPE, resolves `null`s, then
+    /// [`DeepseekV3Config::validate`]s.
+    fn try_from(mut j: DeepseekV3Json) -> Result<Self, ModelError> {
+        de::check_model_type(j.model_type.as_deref(), Self::MODEL_TYPE)?;
+        de::check_silu(j.hidden_act.as_deref())?;
+        let rope = RopeKeys {
+            rope_theta: j.rope_theta,
+            rope_parameters: j.rope_parameters,
+            rope_scaling: j.rope_scaling,
+        };
+        let rope_parameters = rope::resolve(rope, &mut j.extra, j.max_position_embeddings)?;
+        let n_routed_experts = de::either(
+            ("n_routed_experts", j.n_routed_experts),
+            ("num_local_experts", j.num_local_experts),
+        )?;
+        let num_nextn_predict_layers = de::either(
+            ("num_nextn_predict_layers", j.num_nextn_predict_layers),
+            ("num_mtp_layers", j.num_mtp_layers),
+        )?;
+        let config = Self {
+            vocab_size: j.vocab_size,
+            hidden_size: j.hidden_size,
+            intermediate_size: j.intermediate_size,
+            moe_intermediate_size: j.moe_intermediate_size,
+            num_hidden_layers: j.num_hidden_layers,
+            num_attention_heads: j.num_attention_heads,
+            num_key_value_heads: j.num_key_value_heads.unwrap_or(j.num_attention_heads),
+            n_shared_experts: j.n_shared_experts,
+            n_routed_experts: n_routed_experts.unwrap_or_else(hf_default::n_routed_experts),
+            num_experts_per_tok: j.num_experts_per_tok,
+            n_group: j.n_group,
+            topk_group: j.topk_group,
+            routed_scaling_factor: j.routed_scaling_factor,
+            norm_topk_prob: j.norm_topk_prob,
+            q_lora_rank: j.q_lora_rank,
+            kv_lora_rank: j.kv_lora_rank,
+            qk_nope_head_dim: j.qk_nope_head_dim,
+            qk_rope_head_dim: j.qk_rope_head_dim,
+            v_head_dim: j.v_head_dim,
+            first_k_dense_replace: j.first_k_dense_replace,
+            max_position_embeddings: j.max_position_embeddings,
+            rms_norm_eps: j.rms_norm_eps,
+            rope_parameters,
+            rope_interleave: j.rope_interleave,
+            attention_bias: j.attention_bias,
+            tie_word_embeddings: j.tie_word_embeddings,
+            num_nextn_predict_layers: num_nextn_predict_layers
+                .unwrap_or_else(hf_default::num_nextn_predict_layers),
+            dtype: de::either(("dtype", j.dtype), ("torch_dtype", j.torch_dtype))?,
+            extra: j.extra,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+impl From<DeepseekV3Config> for DeepseekV3Json {
+    /// The 5.23 spelling (`dtype`, `rope_parameters`, derived `head_dim`/`qk_head_dim`) but
+    /// `num_nextn_predict_layers`, which every transformers version reads.
+    fn from(c: DeepseekV3Config) -> Self {
+        let qk_head_dim = c.qk_head_dim();
+        Self {
+            model_type: Some(DeepseekV3Config::MODEL_TYPE.to_owned()),
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            moe_intermediate_size: c.moe_intermediate_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: Some(c.num_key_value_heads),
+            n_shared_experts: c.n_shared_experts,
+            n_routed_experts: Some(c.n_routed_experts),
+            num_local_experts: None,
+            num_experts_per_tok: c.num_experts_per_tok,
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            routed_scaling_factor: c.routed_scaling_factor,
+            norm_topk_prob: c.norm_topk_prob,
+            q_lora_rank: c.q_lora_rank,
+            kv_lora_rank: c.kv_lora_rank,
+            qk_nope_head_dim: c.qk_nope_head_dim,
+            qk_rope_head_dim: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+            head_dim: Some(c.qk_rope_head_dim.into()),
+            qk_head_dim: Some(qk_head_dim.into()),
+            first_k_dense_replace: c.first_k_dense_replace,
+            hidden_act: Some("silu".to_owned()),
+            max_position_embeddings: c.max_position_embeddings,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: None,
+            rope_parameters: Some((&c.rope_parameters).into()),
+            rope_scaling: None,
+            rope_interleave: c.rope_interleave,
+            attention_bias: c.attention_bias,
+            tie_word_embeddings: c.tie_word_embeddings,
+            num_nextn_predict_layers: Some(c.num_nextn_predict_layers),
+            num_mtp_layers: None,
+            dtype: c.dtype,
+            torch_dtype: None,
+            extra: c.extra,
+        }
     }
 }
 

@@ -2,14 +2,86 @@
 
 use std::path::Path;
 
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::json::JsonObject;
-use super::{RopeParameters, rope};
+use super::rope::{self, RopeJson, RopeKeys};
+use super::{RopeParameters, de};
 use crate::ModelError;
 
+/// HF `Qwen3Config` class defaults (transformers 5.23 `configuration_qwen3.py`).
+mod hf_default {
+    super::de::hf_defaults! {
+        vocab_size: usize = 151936;
+        hidden_size: usize = 4096;
+        intermediate_size: usize = 22016;
+        num_hidden_layers: usize = 32;
+        num_attention_heads: usize = 32;
+        num_key_value_heads: Option<usize> = Some(32);
+        head_dim: usize = 128;
+        max_position_embeddings: usize = 32768;
+        rms_norm_eps: f64 = 1e-6;
+    }
+}
+
+/// A dense Qwen3 `config.json` field by field, as HF `Qwen3Config` reads and writes it, with
+/// the class defaults for absent keys. [`Qwen3Config`] is this with spellings merged, RoPE
+/// normalised and `null`s resolved.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub(crate) struct Qwen3Json {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_type: Option<String>,
+    #[serde(default = "hf_default::vocab_size")]
+    vocab_size: usize,
+    #[serde(default = "hf_default::hidden_size")]
+    hidden_size: usize,
+    #[serde(default = "hf_default::intermediate_size")]
+    intermediate_size: usize,
+    #[serde(default = "hf_default::num_hidden_layers")]
+    num_hidden_layers: usize,
+    #[serde(default = "hf_default::num_attention_heads")]
+    num_attention_heads: usize,
+    /// `null` ⇒ `num_attention_heads` (HF `__post_init__`).
+    #[serde(default = "hf_default::num_key_value_heads")]
+    num_key_value_heads: Option<usize>,
+    /// Absent or `null` ⇒ the class default 128 (not `hidden_size / num_attention_heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    head_dim: Option<usize>,
+    /// Only `"silu"` is supported (`null` ⇒ HF's default, `"silu"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hidden_act: Option<String>,
+    /// Must be false (`null` ⇒ false).
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    use_sliding_window: bool,
+    #[serde(default = "hf_default::max_position_embeddings")]
+    max_position_embeddings: usize,
+    #[serde(default = "hf_default::rms_norm_eps")]
+    rms_norm_eps: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_parameters: Option<RopeJson>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_scaling: Option<RopeJson>,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    tie_word_embeddings: bool,
+    #[serde(default, deserialize_with = "de::null_as_default")]
+    attention_bias: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dtype: Option<String>,
+    /// Pre-5.0 spelling of `dtype`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    torch_dtype: Option<String>,
+    #[serde(flatten)]
+    extra: Map<String, Value>,
+}
+
 /// Dense Qwen3 configuration with HF `Qwen3Config` defaults.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// (De)serializes as HF's `config.json` (written in the transformers 5.23 spelling, `extra`
+/// keys included); deserializing validates like [`Qwen3Config::from_json_str`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(into = "Qwen3Json", try_from = "Qwen3Json")]
 pub struct Qwen3Config {
     /// Vocabulary size `V` (default 151936).
     pub vocab_size: usize,
@@ -44,16 +116,17 @@ pub struct Qwen3Config {
 impl Default for Qwen3Config {
     fn default() -> Self {
         Self {
-            vocab_size: 151936,
-            hidden_size: 4096,
-            intermediate_size: 22016,
-            num_hidden_layers: 32,
-            num_attention_heads: 32,
-            num_key_value_heads: 32,
-            head_dim: 128,
-            rms_norm_eps: 1e-6,
+            vocab_size: hf_default::vocab_size(),
+            hidden_size: hf_default::hidden_size(),
+            intermediate_size: hf_default::intermediate_size(),
+            num_hidden_layers: hf_default::num_hidden_layers(),
+            num_attention_heads: hf_default::num_attention_heads(),
+            num_key_value_heads: hf_default::num_key_value_heads()
+                .unwrap_or(hf_default::num_attention_heads()),
+            head_dim: hf_default::head_dim(),
+            rms_norm_eps: hf_default::rms_norm_eps(),
             rope_parameters: RopeParameters::default(),
-            max_position_embeddings: 32768,
+            max_position_embeddings: hf_default::max_position_embeddings(),
             tie_word_embeddings: false,
             attention_bias: false,
             dtype: None,
@@ -78,57 +151,7 @@ impl Qwen3Config {
 
     /// Parses the text of a `config.json` and validates it.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
-        let mut cfg = JsonObject::parse(text)?;
-        match cfg.string("model_type")? {
-            Some(t) if t == Self::MODEL_TYPE => {}
-            found => {
-                return Err(ModelError::WrongModelType {
-                    expected: Self::MODEL_TYPE,
-                    found: found.map_or_else(|| "absent".to_owned(), |t| format!("\"{t}\"")),
-                });
-            }
-        }
-        if let Some(act) = cfg.string("hidden_act")?.filter(|a| a != "silu") {
-            return Err(ModelError::invalid(
-                "hidden_act",
-                format!("\"{act}\" is not supported (only \"silu\")"),
-            ));
-        }
-        if cfg.bool_or("use_sliding_window", false)? {
-            return Err(ModelError::invalid(
-                "use_sliding_window",
-                "sliding-window attention is not supported",
-            ));
-        }
-        let d = Self::default();
-        let num_attention_heads = cfg.usize_or("num_attention_heads", d.num_attention_heads)?;
-        let num_key_value_heads = if cfg.is_null("num_key_value_heads") {
-            cfg.take("num_key_value_heads");
-            num_attention_heads
-        } else {
-            cfg.usize_or("num_key_value_heads", d.num_key_value_heads)?
-        };
-        let max_position_embeddings =
-            cfg.usize_or("max_position_embeddings", d.max_position_embeddings)?;
-        let rope_parameters = rope::parse_rope(&mut cfg, max_position_embeddings)?;
-        let config = Self {
-            vocab_size: cfg.usize_or("vocab_size", d.vocab_size)?,
-            hidden_size: cfg.usize_or("hidden_size", d.hidden_size)?,
-            intermediate_size: cfg.usize_or("intermediate_size", d.intermediate_size)?,
-            num_hidden_layers: cfg.usize_or("num_hidden_layers", d.num_hidden_layers)?,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim: cfg.nullable_usize("head_dim")?.unwrap_or(d.head_dim),
-            rms_norm_eps: cfg.f64_or("rms_norm_eps", d.rms_norm_eps)?,
-            rope_parameters,
-            max_position_embeddings,
-            tie_word_embeddings: cfg.bool_or("tie_word_embeddings", d.tie_word_embeddings)?,
-            attention_bias: cfg.bool_or("attention_bias", d.attention_bias)?,
-            dtype: cfg.either_string("dtype", "torch_dtype")?,
-            extra: cfg.into_remaining(),
-        };
-        config.validate()?;
-        Ok(config)
+        de::parse::<Qwen3Json>(text, Self::MODEL_TYPE)?.try_into()
     }
 
     /// Checks sizes and cross-field rules; errors name the offending field.
@@ -166,6 +189,74 @@ impl Qwen3Config {
             ));
         }
         Ok(())
+    }
+}
+
+impl TryFrom<Qwen3Json> for Qwen3Config {
+    type Error = ModelError;
+
+    /// Merges spellings, normalises RoPE, resolves `null`s, then [`Qwen3Config::validate`]s.
+    fn try_from(mut j: Qwen3Json) -> Result<Self, ModelError> {
+        de::check_model_type(j.model_type.as_deref(), Self::MODEL_TYPE)?;
+        de::check_silu(j.hidden_act.as_deref())?;
+        if j.use_sliding_window {
+            return Err(ModelError::invalid(
+                "use_sliding_window",
+                "sliding-window attention is not supported",
+            ));
+        }
+        let rope = RopeKeys {
+            rope_theta: j.rope_theta,
+            rope_parameters: j.rope_parameters,
+            rope_scaling: j.rope_scaling,
+        };
+        let rope_parameters = rope::resolve(rope, &mut j.extra, j.max_position_embeddings)?;
+        let config = Self {
+            vocab_size: j.vocab_size,
+            hidden_size: j.hidden_size,
+            intermediate_size: j.intermediate_size,
+            num_hidden_layers: j.num_hidden_layers,
+            num_attention_heads: j.num_attention_heads,
+            num_key_value_heads: j.num_key_value_heads.unwrap_or(j.num_attention_heads),
+            head_dim: j.head_dim.unwrap_or_else(hf_default::head_dim),
+            rms_norm_eps: j.rms_norm_eps,
+            rope_parameters,
+            max_position_embeddings: j.max_position_embeddings,
+            tie_word_embeddings: j.tie_word_embeddings,
+            attention_bias: j.attention_bias,
+            dtype: de::either(("dtype", j.dtype), ("torch_dtype", j.torch_dtype))?,
+            extra: j.extra,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+impl From<Qwen3Config> for Qwen3Json {
+    /// The 5.23 spelling: `dtype`, `rope_parameters`, every interpreted field explicit.
+    fn from(c: Qwen3Config) -> Self {
+        Self {
+            model_type: Some(Qwen3Config::MODEL_TYPE.to_owned()),
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: Some(c.num_key_value_heads),
+            head_dim: Some(c.head_dim),
+            hidden_act: Some("silu".to_owned()),
+            use_sliding_window: false,
+            max_position_embeddings: c.max_position_embeddings,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: None,
+            rope_parameters: Some((&c.rope_parameters).into()),
+            rope_scaling: None,
+            tie_word_embeddings: c.tie_word_embeddings,
+            attention_bias: c.attention_bias,
+            dtype: c.dtype,
+            torch_dtype: None,
+            extra: c.extra,
+        }
     }
 }
 

@@ -2,9 +2,13 @@
 //!
 //! HF 5.23 writes `rope_parameters {rope_type, rope_theta, ...}`; older configs write a top-level
 //! `rope_theta` plus `rope_scaling {type | rope_type, ...}` (`null` meaning plain RoPE). Both
-//! become one [`RopeParameters`].
+//! become one [`RopeParameters`]. [`RopeJson`] is either object as written; [`RopeParameters`]
+//! serializes back as a 5.23 `rope_parameters` object.
 
-use super::json::JsonObject;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::de;
 use crate::ModelError;
 
 /// HF's default RoPE base when a config gives none.
@@ -69,24 +73,79 @@ pub struct YarnParameters {
     pub truncate: bool,
 }
 
-/// Takes the RoPE keys out of `cfg` and normalises them.
+/// A `rope_parameters` (HF 5.23) or legacy `rope_scaling` object, field by field as HF writes
+/// it. Every field is optional; HF applies the YaRN defaults where it reads them
+/// (`_compute_yarn_parameters`), and so does [`resolve`].
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+// Must stay `de::OBJECT_OR_NULL`, which turns it into a `WrongType` error.
+#[serde(expecting = "an object or null")]
+pub(crate) struct RopeJson {
+    /// `"default"` | `"yarn"` (5.23 spelling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_type: Option<String>,
+    /// Legacy spelling of `rope_type`.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub legacy_type: Option<String>,
+    /// RoPE base (5.23 keeps it here rather than at the top level).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// YaRN context extension factor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// YaRN pre-training context length.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+    /// YaRN fast correction boundary (`null` or 0 ⇒ 32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_fast: Option<f64>,
+    /// YaRN slow correction boundary (`null` or 0 ⇒ 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_slow: Option<f64>,
+    /// DeepSeek `mscale`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale: Option<f64>,
+    /// DeepSeek `mscale_all_dim`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale_all_dim: Option<f64>,
+    /// Explicit YaRN attention factor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_factor: Option<f64>,
+    /// Floor/ceil the YaRN correction range (`null` ⇒ `true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncate: Option<bool>,
+    /// Keys of other RoPE types (e.g. `low_freq_factor`); not interpreted.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// The RoPE keys of a config: top-level `rope_theta`, `rope_parameters`, legacy `rope_scaling`.
+#[derive(Debug)]
+pub(crate) struct RopeKeys {
+    /// Top-level `rope_theta` (legacy spelling).
+    pub rope_theta: Option<f64>,
+    /// `rope_parameters` (5.23 spelling).
+    pub rope_parameters: Option<RopeJson>,
+    /// `rope_scaling` (legacy spelling).
+    pub rope_scaling: Option<RopeJson>,
+}
+
+/// Normalises the RoPE keys of a config into [`RopeParameters`].
 ///
 /// `rope_parameters` wins over the legacy keys when both are present (a legacy `rope_scaling` is
-/// then ignored; a top-level `rope_theta` is only used if `rope_parameters` lacks one).
-pub(crate) fn parse_rope(
-    cfg: &mut JsonObject,
+/// then ignored; a top-level `rope_theta` is only used if `rope_parameters` lacks one). For YaRN
+/// a top-level `original_max_position_embeddings` is taken out of `extra` (it stays there
+/// otherwise).
+pub(crate) fn resolve(
+    keys: RopeKeys,
+    extra: &mut Map<String, Value>,
     max_position_embeddings: usize,
 ) -> Result<RopeParameters, ModelError> {
-    let top_theta = cfg.nullable_f64("rope_theta")?;
-    let top_orig = cfg.contains("original_max_position_embeddings");
-    let params = cfg.object("rope_parameters", "rope_parameters.")?;
-    let legacy = cfg.object("rope_scaling", "rope_scaling.")?;
-    let (mut obj, theta) = match (params, legacy) {
-        (Some(mut p), _) => {
-            let theta = p.nullable_f64("rope_theta")?.or(top_theta);
-            (Some(p), theta)
+    let (obj, prefix, theta) = match (keys.rope_parameters, keys.rope_scaling) {
+        (Some(p), _) => {
+            let theta = p.rope_theta.or(keys.rope_theta);
+            (Some(p), "rope_parameters.", theta)
         }
-        (None, legacy) => (legacy, top_theta),
+        (None, legacy) => (legacy, "rope_scaling.", keys.rope_theta),
     };
     let rope_theta = theta.unwrap_or(DEFAULT_ROPE_THETA);
     if !(rope_theta.is_finite() && rope_theta > 0.0) {
@@ -95,25 +154,26 @@ pub(crate) fn parse_rope(
             format!("must be a positive number, got {rope_theta}"),
         ));
     }
-    let Some(obj) = obj.as_mut() else {
+    let Some(mut obj) = obj else {
         return Ok(RopeParameters {
             rope_theta,
             scaling: RopeScaling::Default,
         });
     };
-    let type_key_is_legacy = !obj.contains("rope_type") && obj.contains("type");
-    let rope_type = obj
-        .either_string("rope_type", "type")?
-        .unwrap_or_else(|| "default".to_owned());
-    let scaling = match rope_type.as_str() {
+    let type_key_is_legacy = obj.rope_type.is_none() && obj.legacy_type.is_some();
+    let rope_type = de::either(
+        ("rope_type", obj.rope_type.take()),
+        ("type", obj.legacy_type.take()),
+    )?;
+    let scaling = match rope_type.as_deref().unwrap_or("default") {
         "default" => RopeScaling::Default,
         "yarn" => {
-            let orig_top = if top_orig {
-                cfg.opt_usize("original_max_position_embeddings")?
-            } else {
-                None
+            const TOP_ORIG: &str = "original_max_position_embeddings";
+            let orig_top = match extra.remove(TOP_ORIG) {
+                Some(v) => Some(de::deserialize::<usize>(TOP_ORIG, &v)?),
+                None => None,
             };
-            RopeScaling::Yarn(parse_yarn(obj, orig_top, max_position_embeddings)?)
+            RopeScaling::Yarn(yarn(&obj, prefix, orig_top, max_position_embeddings)?)
         }
         other => {
             let key = if type_key_is_legacy {
@@ -122,7 +182,7 @@ pub(crate) fn parse_rope(
                 "rope_type"
             };
             return Err(ModelError::invalid(
-                obj.field(key),
+                format!("{prefix}{key}"),
                 format!("\"{other}\" is not supported (expected \"default\" or \"yarn\")"),
             ));
         }
@@ -133,27 +193,29 @@ pub(crate) fn parse_rope(
     })
 }
 
-fn parse_yarn(
-    obj: &mut JsonObject,
+/// YaRN parameters with HF's defaults applied; `prefix` names the object in errors.
+fn yarn(
+    obj: &RopeJson,
+    prefix: &str,
     orig_top: Option<usize>,
     max_position_embeddings: usize,
 ) -> Result<YarnParameters, ModelError> {
     let orig = obj
-        .nullable_usize("original_max_position_embeddings")?
+        .original_max_position_embeddings
         .or(orig_top)
         .unwrap_or(max_position_embeddings);
     if orig == 0 {
         return Err(ModelError::invalid(
-            obj.field("original_max_position_embeddings"),
+            format!("{prefix}original_max_position_embeddings"),
             "must be positive",
         ));
     }
     let factor = obj
-        .nullable_f64("factor")?
+        .factor
         .unwrap_or(max_position_embeddings as f64 / orig as f64);
     if !(factor.is_finite() && factor > 0.0) {
         return Err(ModelError::invalid(
-            obj.field("factor"),
+            format!("{prefix}factor"),
             format!("must be a positive number, got {factor}"),
         ));
     }
@@ -161,11 +223,33 @@ fn parse_yarn(
     Ok(YarnParameters {
         factor,
         original_max_position_embeddings: orig,
-        beta_fast: nonzero_or(obj.nullable_f64("beta_fast")?, 32.0),
-        beta_slow: nonzero_or(obj.nullable_f64("beta_slow")?, 1.0),
-        mscale: obj.nullable_f64("mscale")?,
-        mscale_all_dim: obj.nullable_f64("mscale_all_dim")?,
-        attention_factor: obj.nullable_f64("attention_factor")?,
-        truncate: obj.bool_or("truncate", true)?,
+        beta_fast: nonzero_or(obj.beta_fast, 32.0),
+        beta_slow: nonzero_or(obj.beta_slow, 1.0),
+        mscale: obj.mscale,
+        mscale_all_dim: obj.mscale_all_dim,
+        attention_factor: obj.attention_factor,
+        truncate: obj.truncate.unwrap_or(true),
     })
+}
+
+impl From<&RopeParameters> for RopeJson {
+    /// The 5.23 `rope_parameters` object, every YaRN default written out.
+    fn from(p: &RopeParameters) -> Self {
+        let mut json = RopeJson {
+            rope_type: Some(p.rope_type().to_owned()),
+            rope_theta: Some(p.rope_theta),
+            ..RopeJson::default()
+        };
+        if let RopeScaling::Yarn(y) = &p.scaling {
+            json.factor = Some(y.factor);
+            json.original_max_position_embeddings = Some(y.original_max_position_embeddings);
+            json.beta_fast = Some(y.beta_fast);
+            json.beta_slow = Some(y.beta_slow);
+            json.mscale = y.mscale;
+            json.mscale_all_dim = y.mscale_all_dim;
+            json.attention_factor = y.attention_factor;
+            json.truncate = Some(y.truncate);
+        }
+        json
+    }
 }

@@ -331,3 +331,251 @@ fn from_file_names_the_path() {
     assert_eq!(Qwen3MoeConfig::from_file(&bad).unwrap().num_experts, 8);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Every HF default omitted: each family parses to the values transformers 5.23 gives the same
+/// minimal config. Expected numbers printed by `benches/.venv` (transformers 5.23.0) for
+/// `cls.from_dict({"model_type": cls.model_type})` with `cls` = `Qwen3Config`,
+/// `Qwen3MoeConfig`, `DeepseekV3Config`, reading each attribute named below; `rope_parameters`
+/// printed `{'rope_theta': 10000.0, 'rope_type': 'default'}` and `dtype` `None` for all three.
+#[test]
+fn minimal_configs_match_transformers_defaults() {
+    let hf_rope = RopeParameters {
+        rope_theta: 10000.0,
+        scaling: RopeScaling::Default,
+    };
+    let q = Qwen3Config::from_json_str(r#"{"model_type": "qwen3"}"#).unwrap();
+    let hf = Qwen3Config {
+        vocab_size: 151936,
+        hidden_size: 4096,
+        intermediate_size: 22016,
+        num_hidden_layers: 32,
+        num_attention_heads: 32,
+        num_key_value_heads: 32,
+        head_dim: 128,
+        rms_norm_eps: 1e-6,
+        rope_parameters: hf_rope.clone(),
+        max_position_embeddings: 32768,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        dtype: None,
+        extra: Map::new(),
+    };
+    assert_eq!(q, hf);
+    assert_eq!(q, Qwen3Config::default());
+
+    let m = Qwen3MoeConfig::from_json_str(r#"{"model_type": "qwen3_moe"}"#).unwrap();
+    let hf = Qwen3MoeConfig {
+        vocab_size: 151936,
+        hidden_size: 2048,
+        intermediate_size: 6144,
+        moe_intermediate_size: 768,
+        num_hidden_layers: 24,
+        num_attention_heads: 32,
+        num_key_value_heads: 4,
+        // No `head_dim` attribute in HF's Qwen3MoeConfig; its attention falls back to H / nh.
+        head_dim: 2048 / 32,
+        num_experts: 128,
+        num_experts_per_tok: 8,
+        norm_topk_prob: false,
+        decoder_sparse_step: 1,
+        mlp_only_layers: Vec::new(),
+        rms_norm_eps: 1e-6,
+        rope_parameters: hf_rope.clone(),
+        max_position_embeddings: 32768,
+        tie_word_embeddings: false,
+        router_aux_loss_coef: 0.001,
+        output_router_logits: false,
+        attention_bias: false,
+        dtype: None,
+        extra: Map::new(),
+    };
+    assert_eq!(m, hf);
+
+    let d = DeepseekV3Config::from_json_str(r#"{"model_type": "deepseek_v3"}"#).unwrap();
+    let hf = DeepseekV3Config {
+        vocab_size: 129280,
+        hidden_size: 7168,
+        intermediate_size: 18432,
+        moe_intermediate_size: 2048,
+        num_hidden_layers: 61,
+        num_attention_heads: 128,
+        num_key_value_heads: 128,
+        n_shared_experts: 1,
+        n_routed_experts: 256,
+        num_experts_per_tok: 8,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+        q_lora_rank: Some(1536),
+        kv_lora_rank: 512,
+        qk_nope_head_dim: 128,
+        qk_rope_head_dim: 64,
+        v_head_dim: 128,
+        first_k_dense_replace: 3,
+        max_position_embeddings: 4096,
+        rms_norm_eps: 1e-6,
+        rope_parameters: hf_rope,
+        rope_interleave: true,
+        attention_bias: false,
+        tie_word_embeddings: false,
+        // The one deliberate difference: 5.23 prints 1; a config without the key has no MTP
+        // weights, so we default to 0.
+        num_nextn_predict_layers: 0,
+        dtype: None,
+        extra: Map::new(),
+    };
+    assert_eq!(d, hf);
+    assert_eq!(d.qk_head_dim(), 192); // HF `qk_head_dim`
+}
+
+#[test]
+fn unknown_fields_survive_parse_and_serialize() {
+    let custom = r#"{"nested": [1, 2.5, null], "s": "x"}"#;
+    let text = tiny_with("my_custom_key", custom);
+    let c = Qwen3MoeConfig::from_json_str(&text).unwrap();
+    let custom: Value = serde_json::from_str(custom).unwrap();
+    assert_eq!(c.extra["my_custom_key"], custom);
+    let out = serde_json::to_value(&c).unwrap();
+    assert_eq!(out["my_custom_key"], custom);
+    assert_eq!(out["architectures"][0], "Qwen3MoeForCausalLM");
+    // Interpreted keys are written once, in the 5.23 spelling.
+    assert_eq!(out["num_experts"], 8);
+    assert_eq!(out["dtype"], "float32");
+    assert!(out.get("num_local_experts").is_none() && out.get("torch_dtype").is_none());
+    assert_eq!(
+        out["rope_parameters"],
+        serde_json::json!({"rope_type": "default", "rope_theta": 1e6})
+    );
+    // ... and read back to the same config, through `from_json_str` or serde.
+    assert_eq!(Qwen3MoeConfig::from_json_str(&out.to_string()).unwrap(), c);
+    assert_eq!(serde_json::from_value::<Qwen3MoeConfig>(out).unwrap(), c);
+
+    let q = Qwen3Config::from_json_str(
+        r#"{"model_type": "qwen3", "max_window_layers": 28, "layer_types": ["full_attention"]}"#,
+    )
+    .unwrap();
+    let out = serde_json::to_value(&q).unwrap();
+    assert_eq!(out["max_window_layers"], 28);
+    assert_eq!(out["layer_types"][0], "full_attention");
+    assert_eq!(serde_json::from_value::<Qwen3Config>(out).unwrap(), q);
+}
+
+#[test]
+fn deepseek_yarn_and_quantization_config_round_trip() {
+    let text = r#"{"model_type": "deepseek_v3", "q_lora_rank": null, "num_mtp_layers": 1,
+        "max_position_embeddings": 163840, "rope_theta": 10000, "head_dim": 64,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+        "scoring_func": "sigmoid"}"#;
+    let c = DeepseekV3Config::from_json_str(text).unwrap();
+    let RopeScaling::Yarn(y) = &c.rope_parameters.scaling else {
+        panic!("expected yarn");
+    };
+    assert_eq!((y.factor, y.original_max_position_embeddings), (40.0, 4096));
+    assert_eq!((y.mscale, y.attention_factor), (Some(1.0), None));
+    let out = serde_json::to_value(&c).unwrap();
+    assert_eq!(
+        out["q_lora_rank"],
+        Value::Null,
+        "null is not the same as absent here"
+    );
+    assert_eq!(out["num_nextn_predict_layers"], 1);
+    assert_eq!(
+        (&out["head_dim"], &out["qk_head_dim"]),
+        (&64.into(), &192.into())
+    );
+    assert_eq!(out["quantization_config"]["weight_block_size"][1], 128);
+    assert_eq!(out["scoring_func"], "sigmoid");
+    assert_eq!(out["rope_parameters"]["rope_type"], "yarn");
+    assert_eq!(out["rope_parameters"]["rope_theta"], 10000.0);
+    assert!(out.get("rope_scaling").is_none() && out.get("rope_theta").is_none());
+    assert_eq!(
+        DeepseekV3Config::from_json_str(&out.to_string()).unwrap(),
+        c
+    );
+}
+
+#[test]
+fn wrong_types_name_the_field_in_the_message() {
+    for (field, value, message) in [
+        (
+            "num_experts_per_tok",
+            "\"8\"",
+            "config field `num_experts_per_tok` must be a non-negative integer, found \"8\"",
+        ),
+        // Integer-valued floats are not integers (as before); integers are fine as floats.
+        (
+            "hidden_size",
+            "64.0",
+            "config field `hidden_size` must be a non-negative integer, found 64.0",
+        ),
+        (
+            "router_aux_loss_coef",
+            "null",
+            "config field `router_aux_loss_coef` must be a number, found null",
+        ),
+        (
+            "output_router_logits",
+            "\"no\"",
+            "config field `output_router_logits` must be a boolean, found \"no\"",
+        ),
+        (
+            "mlp_only_layers",
+            "[0, -1]",
+            "config field `mlp_only_layers` must be a non-negative integer, found -1 at index 1",
+        ),
+        (
+            "mlp_only_layers",
+            "3",
+            "config field `mlp_only_layers` must be a list, found 3",
+        ),
+        (
+            "rope_parameters",
+            r#"{"rope_type": "yarn", "factor": "4"}"#,
+            "config field `rope_parameters.factor` must be a number, found \"4\"",
+        ),
+        (
+            "rope_scaling",
+            "true",
+            "config field `rope_scaling` must be an object or null, found true",
+        ),
+        (
+            "num_local_experts",
+            "null",
+            "config field `num_local_experts` must be a non-negative integer, found null",
+        ),
+        (
+            "dtype",
+            "16",
+            "config field `dtype` must be a string, found 16",
+        ),
+    ] {
+        let err = Qwen3MoeConfig::from_json_str(&tiny_with(field, value)).unwrap_err();
+        assert_eq!(err.to_string(), message, "{field} = {value}");
+    }
+    let c = Qwen3MoeConfig::from_json_str(&tiny_with("rms_norm_eps", "1")).unwrap();
+    assert_eq!(c.rms_norm_eps, 1.0);
+
+    // A legacy top-level `original_max_position_embeddings` is read (and typed) only for YaRN.
+    let mut v: Value = serde_json::from_str(TINY_523).unwrap();
+    v["original_max_position_embeddings"] = "128".into();
+    let c = Qwen3MoeConfig::from_json_str(&v.to_string()).unwrap();
+    assert_eq!(c.extra["original_max_position_embeddings"], "128");
+    v["rope_parameters"] = serde_json::json!({"rope_type": "yarn"});
+    match Qwen3MoeConfig::from_json_str(&v.to_string()) {
+        Err(ModelError::WrongType { field, .. }) => {
+            assert_eq!(field, "original_max_position_embeddings")
+        }
+        other => panic!("expected WrongType, got {other:?}"),
+    }
+
+    // A config of another family is reported by its model_type, not its first odd field.
+    let err = DeepseekV3Config::from_json_str(&tiny_with("hidden_size", "\"x\"")).unwrap_err();
+    assert!(matches!(err, ModelError::WrongModelType { .. }), "{err:?}");
+    // Deserializing through serde validates too.
+    let err =
+        serde_json::from_str::<Qwen3MoeConfig>(&tiny_with("num_experts_per_tok", "9")).unwrap_err();
+    assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+}

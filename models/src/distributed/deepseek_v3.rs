@@ -105,7 +105,7 @@ impl ParallelDeepseekV3 {
         let normed = layer.post_attention_layernorm.forward(h.clone());
         let y = match &layer.mlp {
             DeepseekV3FeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-            DeepseekV3FeedForward::Moe(block) => rt.moe(&block.moe, normed, trace)?,
+            DeepseekV3FeedForward::Moe(block) => rt.moe(&block.moe, normed, batch, trace)?,
         };
         Ok(h + y)
     }

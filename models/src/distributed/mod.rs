@@ -325,7 +325,9 @@ impl ParallelQwen3Moe {
             let normed = layer.post_attention_layernorm.forward(h.clone());
             let y = match &layer.mlp {
                 Qwen3MoeFeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-                Qwen3MoeFeedForward::Sparse(block) => rt.moe(&block.moe, normed, &mut trace)?,
+                Qwen3MoeFeedForward::Sparse(block) => {
+                    rt.moe(&block.moe, normed, batch, &mut trace)?
+                }
             };
             x = h + y;
         }

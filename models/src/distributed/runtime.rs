@@ -219,13 +219,15 @@ impl SpRuntime {
         self.scatter(mlp.forward(self.gather(normed)?))
     }
 
-    /// The MoE block on this rank's SP tokens; its router logits and losses are appended to
-    /// `trace`. The router's load-balancing losses (if configured) use counts summed over
-    /// `tp_cp` / `tp_dp_cp` and are attached with `trace.aux_grad_scale`.
+    /// The MoE block on this rank's SP tokens (`batch` sequences in the replica's micro-batch);
+    /// its router logits and losses are appended to `trace`. The router's load-balancing
+    /// losses (if configured) use counts summed over `tp_cp` / `tp_dp_cp` and are attached
+    /// with `trace.aux_grad_scale`; `seq_aux_loss` groups the rows by their sequence.
     pub(crate) fn moe(
         &self,
         moe: &MoeLayer,
         normed: Tensor<2>,
+        batch: usize,
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
         let mut state = moe.router.init_state();
@@ -241,7 +243,10 @@ impl SpRuntime {
             state.replay.set_indices(idx);
             state.replay.set_mode(ReplayMode::ReplayForward);
         }
+        let rows = self.row_sequences(normed.dims()[0], batch)?;
         let options = RouteOptions::default()
+            .with_batch_size(batch)
+            .with_row_sequences(&rows)
             .with_count_reducer(&self.reducer)
             .with_grad_scale(trace.aux_grad_scale);
         let out = moe
@@ -254,6 +259,21 @@ impl SpRuntime {
         trace.losses.push(out.routing.losses);
         trace.expert_load.push(out.routing.state_update.expert_load);
         Ok(out.output)
+    }
+
+    /// The sequence (`0..batch`) of each of this rank's `local` sequence-parallel rows: the
+    /// replica's `[batch·S]` batch-major rows are cut into `tp` contiguous blocks.
+    fn row_sequences(&self, local: usize, batch: usize) -> Result<Vec<usize>, ModelError> {
+        let (rank, tp) = self.tp_rank_size();
+        let rows = local * tp;
+        if batch == 0 || !rows.is_multiple_of(batch) {
+            return Err(ModelError::InvalidInput {
+                what: "batch",
+                reason: format!("{rows} token rows do not split into {batch} sequences"),
+            });
+        }
+        let s = rows / batch;
+        Ok((rank * local..(rank + 1) * local).map(|r| r / s).collect())
     }
 
     /// Final norm, vocab-parallel head (tied to the embedding shard without `lm_head`) and

@@ -1,61 +1,65 @@
-//! Safetensors encoding of [`RouterReplayFile`] (see the parent module for the format). A
-//! self-contained reader/writer: moe-models does not depend on moe-bridge.
+//! Safetensors encoding of [`RouterReplayFile`] (see the parent module for the format) with the
+//! `safetensors` crate: it writes the file and validates the header (offsets contiguous, byte
+//! lengths); this module checks the length prefix, maps the layers to tensors and back, and
+//! names the tensor or field at fault.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
-use serde_json::{Map, Value, json};
+use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorInfo, TensorView};
 
 use super::{REPLAY_FORMAT, RouterReplayFile, replay_error, replay_tensor_name};
 use crate::ModelError;
 
-/// Largest header accepted (the file holds a few dozen tensor entries).
+/// Largest header accepted (the file holds a few dozen tensor entries), below the crate's
+/// 100 MB.
 const MAX_HEADER: u64 = 1 << 24;
 
-pub(super) fn encode(file: &RouterReplayFile) -> Vec<u8> {
-    let mut header = Map::new();
-    header.insert(
-        "__metadata__".to_owned(),
-        json!({
-            "format": REPLAY_FORMAT,
-            "version": "1",
-            "model_type": file.model_type,
-            "k": file.topk.to_string(),
-            "num_tokens": file.num_tokens.to_string(),
-        }),
-    );
-    let mut offset = 0usize;
-    for (&layer, ids) in &file.layers {
-        let end = offset + ids.len() * 4;
-        header.insert(
-            replay_tensor_name(layer),
-            json!({
-                "dtype": "I32",
-                "shape": [file.num_tokens, file.topk],
-                "data_offsets": [offset, end],
-            }),
-        );
-        offset = end;
-    }
-    let mut text = Value::Object(header).to_string();
-    while !text.len().is_multiple_of(8) {
-        text.push(' ');
-    }
-    let mut out = Vec::with_capacity(8 + text.len() + offset);
-    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
-    out.extend_from_slice(text.as_bytes());
-    for ids in file.layers.values() {
-        out.extend(ids.iter().flat_map(|v| v.to_le_bytes()));
-    }
-    out
+/// The file's bytes; an error when a layer does not hold `num_tokens · topk` ids (only
+/// editing [`RouterReplayFile::layers`] directly, not through `insert_layer`, can cause it).
+pub(super) fn encode(file: &RouterReplayFile) -> Result<Vec<u8>, ModelError> {
+    let metadata = HashMap::from([
+        ("format".to_owned(), REPLAY_FORMAT.to_owned()),
+        ("version".to_owned(), "1".to_owned()),
+        ("model_type".to_owned(), file.model_type.clone()),
+        ("k".to_owned(), file.topk.to_string()),
+        ("num_tokens".to_owned(), file.num_tokens.to_string()),
+    ]);
+    let bytes: Vec<(String, Vec<u8>)> = file
+        .layers
+        .iter()
+        .map(|(&layer, ids)| {
+            let bytes = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (replay_tensor_name(layer), bytes)
+        })
+        .collect();
+    let shape = vec![file.num_tokens, file.topk];
+    let tensors = bytes
+        .iter()
+        .map(|(name, data)| {
+            TensorView::new(Dtype::I32, shape.clone(), data)
+                .map(|view| (name, view))
+                .map_err(|e| {
+                    replay_error(format!(
+                        "`{name}`: {} ids do not fill [{}, {}] ({e})",
+                        data.len() / 4,
+                        file.num_tokens,
+                        file.topk
+                    ))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize(tensors, Some(metadata))
+        .map_err(|e| replay_error(format!("cannot serialise: {e}")))
 }
 
-fn metadata_usize(meta: &Map<String, Value>, key: &str) -> Result<usize, ModelError> {
+fn metadata_usize(meta: &HashMap<String, String>, key: &str) -> Result<usize, ModelError> {
     let text = meta
         .get(key)
         .ok_or_else(|| replay_error(format!("`__metadata__` lacks `{key}`")))?;
-    text.as_str().and_then(|t| t.parse().ok()).ok_or_else(|| {
+    text.parse().map_err(|_| {
         replay_error(format!(
-            "`__metadata__.{key}` must be a string holding an integer, found {text}"
+            "`__metadata__.{key}` must hold an integer, found \"{text}\""
         ))
     })
 }
@@ -71,99 +75,111 @@ fn layer_of(name: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
+/// The first entry whose `data_offsets` do not span `product(shape) · dtype size` bytes: the
+/// crate reports that case without naming the tensor.
+fn mis_sized(json: &[u8]) -> Option<String> {
+    let entries: HashMap<String, serde_json::Value> = serde_json::from_slice(json).ok()?;
+    entries.into_iter().find_map(|(name, entry)| {
+        let info: TensorInfo = serde_json::from_value(entry).ok()?;
+        let (begin, end) = info.data_offsets;
+        let needed = info
+            .shape
+            .iter()
+            .try_fold(info.dtype.bitsize() / 8, |n, &d| n.checked_mul(d));
+        (needed != end.checked_sub(begin)).then(|| {
+            format!(
+                "tensor `{name}`: data_offsets [{begin}, {end}] do not hold {} {:?}",
+                info.dtype, info.shape
+            )
+        })
+    })
+}
+
 pub(super) fn decode(bytes: &[u8]) -> Result<RouterReplayFile, ModelError> {
-    let len_bytes: [u8; 8] = bytes
-        .get(..8)
-        .and_then(|b| b.try_into().ok())
-        .ok_or_else(|| {
-            replay_error(format!(
-                "{} bytes: too short for a safetensors file",
-                bytes.len()
-            ))
-        })?;
-    let header_len = u64::from_le_bytes(len_bytes);
+    let Some(prefix) = bytes.first_chunk::<8>() else {
+        return Err(replay_error(format!(
+            "{} bytes: too short for a safetensors file",
+            bytes.len()
+        )));
+    };
+    let header_len = u64::from_le_bytes(*prefix);
     if header_len > MAX_HEADER || header_len > (bytes.len() - 8) as u64 {
         return Err(replay_error(format!(
             "header length {header_len} exceeds the file ({} bytes) or the {MAX_HEADER}-byte limit",
             bytes.len()
         )));
     }
-    let data = &bytes[8 + header_len as usize..];
-    let header: Map<String, Value> = serde_json::from_slice(&bytes[8..8 + header_len as usize])
-        .map_err(|e| replay_error(format!("header is not a JSON object: {e}")))?;
-    let meta = match header.get("__metadata__") {
-        Some(Value::Object(m)) => m.clone(),
-        _ => {
-            return Err(replay_error(
-                "`__metadata__` with `model_type` and `k` is missing",
-            ));
-        }
-    };
+    let (json, data) = bytes[8..].split_at(header_len as usize);
+    // The crate's `Metadata` checks the entries as it deserialises them.
+    let header: Metadata = serde_json::from_slice(json).map_err(|e| {
+        let culprit = mis_sized(json).map_or_else(String::new, |c| format!(" ({c})"));
+        replay_error(format!("invalid safetensors header: {e}{culprit}"))
+    })?;
+    let meta = header
+        .metadata()
+        .as_ref()
+        .ok_or_else(|| replay_error("`__metadata__` with `model_type` and `k` is missing"))?;
     let model_type = meta
         .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| replay_error("`__metadata__` lacks the string `model_type`"))?
-        .to_owned();
-    let topk = metadata_usize(&meta, "k")?;
+        .ok_or_else(|| replay_error("`__metadata__` lacks `model_type`"))?
+        .clone();
+    let topk = metadata_usize(meta, "k")?;
     let mut num_tokens: Option<usize> = match meta.contains_key("num_tokens") {
-        true => Some(metadata_usize(&meta, "num_tokens")?),
+        true => Some(metadata_usize(meta, "num_tokens")?),
         false => None,
     };
     let mut layers = BTreeMap::new();
-    for (name, entry) in header.iter().filter(|(n, _)| *n != "__metadata__") {
-        let bad = |reason: String| replay_error(format!("tensor `{name}`: {reason}"));
-        let layer = layer_of(name)
-            .ok_or_else(|| bad("unexpected name (expected `layers.{i}.topk_indices`)".into()))?;
-        let dtype = entry.get("dtype").and_then(Value::as_str);
-        if dtype != Some("I32") {
-            return Err(bad(format!("dtype {dtype:?}, expected \"I32\"")));
-        }
-        let dims: Option<Vec<usize>> = entry.get("shape").and_then(Value::as_array).map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_u64().and_then(|v| usize::try_from(v).ok()))
-                .collect()
-        });
-        let [t, k] = dims.as_deref().unwrap_or(&[]) else {
-            return Err(bad(format!("shape {:?} is not [T, k]", entry.get("shape"))));
+    // The crate checked that the offsets are contiguous and span each tensor's byte length.
+    for name in header.offset_keys() {
+        let Some(info) = header.info(&name) else {
+            continue;
         };
-        if *k != topk {
+        let TensorInfo {
+            dtype,
+            shape,
+            data_offsets: (begin, end),
+        } = info;
+        let bad = |reason: String| replay_error(format!("tensor `{name}`: {reason}"));
+        let layer = layer_of(&name)
+            .ok_or_else(|| bad("unexpected name (expected `layers.{i}.topk_indices`)".into()))?;
+        if *dtype != Dtype::I32 {
+            return Err(bad(format!("dtype {dtype}, expected I32")));
+        }
+        let &[t, k] = shape.as_slice() else {
+            return Err(bad(format!("shape {shape:?} is not [T, k]")));
+        };
+        if k != topk {
             return Err(bad(format!(
                 "k = {k} in the shape, `__metadata__.k` = {topk}"
             )));
         }
         match num_tokens {
-            Some(n) if n != *t => {
+            Some(n) if n != t => {
                 return Err(bad(format!(
                     "{t} tokens, expected {n} (every layer has the same T)"
                 )));
             }
-            _ => num_tokens = Some(*t),
+            _ => num_tokens = Some(t),
         }
-        let offsets: Vec<usize> = entry
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_u64().map(|v| v as usize))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let [begin, end] = offsets[..] else {
-            return Err(bad("`data_offsets` must be [begin, end]".into()));
-        };
-        let needed = t.checked_mul(*k).and_then(|n| n.checked_mul(4));
-        if end < begin || end > data.len() || Some(end - begin) != needed {
-            return Err(bad(format!(
-                "data_offsets [{begin}, {end}] do not hold [{t}, {k}] I32 values within the \
-                 {}-byte data section",
-                data.len()
-            )));
-        }
-        let ids = data[begin..end]
+        let ids = data
+            .get(*begin..*end)
+            .ok_or_else(|| {
+                bad(format!(
+                    "data_offsets [{begin}, {end}] lie outside the {}-byte data section",
+                    data.len()
+                ))
+            })?
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         layers.insert(layer, ids);
+    }
+    if header.data_len() != data.len() {
+        return Err(replay_error(format!(
+            "the {}-byte data section is longer than the {} bytes of the tensors",
+            data.len(),
+            header.data_len()
+        )));
     }
     Ok(RouterReplayFile {
         model_type,

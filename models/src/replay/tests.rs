@@ -69,7 +69,7 @@ fn record_replay_force<M: RouterReplayModel>(model: &M, num_experts: i32) {
         spec.moe_layers
     );
     assert_eq!((recorded.num_tokens, recorded.topk), (10, 2));
-    let reread = RouterReplayFile::from_bytes(&recorded.to_bytes()).unwrap();
+    let reread = RouterReplayFile::from_bytes(&recorded.to_bytes().unwrap()).unwrap();
     assert_eq!(reread, recorded);
 
     let (replayed, routing) = replay_routing(model, ids(), &reread).unwrap();
@@ -168,7 +168,7 @@ fn malformed_replays_are_rejected_with_clear_errors() {
 #[test]
 fn malformed_files_are_rejected_when_read() {
     let (_, good) = record_routing(&qwen(), ids()).unwrap();
-    let bytes = good.to_bytes();
+    let bytes = good.to_bytes().unwrap();
     let dir = std::env::temp_dir().join(format!("moe-replay-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("bad.safetensors");
@@ -199,7 +199,65 @@ fn malformed_files_are_rejected_when_read() {
     let msg = RouterReplayFile::read(&path).unwrap_err().to_string();
     assert!(msg.contains("k = 2 in the shape"), "{msg}");
 
+    // Header lengths past the file or past the limit.
+    for (claimed, needle) in [
+        (bytes.len() as u64, "exceeds the file"),
+        (u64::MAX, "limit"),
+    ] {
+        let mut patched = bytes.clone();
+        patched[..8].copy_from_slice(&claimed.to_le_bytes());
+        let msg = RouterReplayFile::from_bytes(&patched)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("header length") && msg.contains(needle),
+            "{msg}"
+        );
+    }
+
+    // Offsets that do not span the shape: the crate's error, with the tensor named.
+    let mut patched = bytes.clone();
+    let at = patched.windows(6).position(|w| w == b"[10,2]").unwrap();
+    patched[at + 4] = b'3';
+    let msg = RouterReplayFile::from_bytes(&patched)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("layers.1.topk_indices") && msg.contains("data_offsets"),
+        "{msg}"
+    );
+
+    // Trailing bytes after the last tensor.
+    let mut longer = bytes.clone();
+    longer.extend_from_slice(&[0; 4]);
+    let msg = RouterReplayFile::from_bytes(&longer)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("data section is longer"), "{msg}");
+
+    // A tensor of another dtype.
+    let mut patched = bytes.clone();
+    let at = patched.windows(5).position(|w| w == b"\"I32\"").unwrap();
+    patched[at + 1..at + 4].copy_from_slice(b"U32");
+    let msg = RouterReplayFile::from_bytes(&patched)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("topk_indices") && msg.contains("dtype U32"),
+        "{msg}"
+    );
+
     good.write(&path).unwrap();
     assert_eq!(RouterReplayFile::read(&path).unwrap(), good);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A layer edited to the wrong length is an error naming it, not a panic or a corrupt file.
+#[test]
+fn serialising_a_layer_of_the_wrong_length_is_an_error() {
+    let mut file = RouterReplayFile::new("qwen3_moe", 2, 3);
+    file.insert_layer(0, vec![0, 1, 1, 2, 2, 3]).unwrap();
+    file.layers.insert(1, vec![0, 1, 2]);
+    let err = file.to_bytes().unwrap_err().to_string();
+    assert!(err.contains("layers.1.topk_indices"), "{err}");
 }

@@ -179,13 +179,32 @@ pub struct LossContext<'a> {
     pub tp_cp_size: usize,
     /// `|tp_dp_cp|`.
     pub tp_dp_cp_size: usize,
-    /// Sequences `B` of the micro-batch (rows are `t = s·B + b`).
+    /// Sequences `B` of the micro-batch (rows are `t = s·B + b` unless
+    /// [`row_sequences`](Self::row_sequences) says otherwise).
     pub batch_size: usize,
+    /// The sequence (`0..B`) of each row, for row orders other than Megatron's `[S, B]`
+    /// (e.g. a sequence-parallel slice of batch-major rows).
+    pub row_sequences: Option<&'a [usize]>,
     /// Count reducer (required when a group size is > 1).
     pub reducer: Option<&'a dyn CountReducer>,
+    /// A padding mask was given (on every rank of the loss's group): the ranks may hold
+    /// different numbers of valid rows, so the token total `T` is taken from the reduced
+    /// counts (`Σ counts / k`: every valid row selects `k` experts in `M`) instead of
+    /// `num_valid × group size`. Equal to it when every rank holds `num_valid` valid rows.
+    pub padded: bool,
 }
 
 impl LossContext<'_> {
+    /// The token total `T` of the switch loss: `num_valid × group_size`, or with
+    /// [`padded`](Self::padded) the reduced `counts` over `k`.
+    fn total_tokens(&self, counts: &[f64], num_valid: usize, group_size: usize) -> f64 {
+        if self.padded {
+            counts.iter().sum::<f64>() / self.topk as f64
+        } else {
+            num_valid as f64 * group_size as f64
+        }
+    }
+
     fn reduce(&self, group: CountGroup, counts: &mut [f64]) -> Result<()> {
         let (size, field) = match group {
             CountGroup::TpCp => (self.tp_cp_size, "tp_cp_size"),
@@ -223,12 +242,11 @@ pub fn load_balancing_loss(
     global: GlobalCounts<'_>,
 ) -> Result<(Tensor<1>, Option<Vec<f64>>)> {
     let (e, k) = (ctx.num_experts, ctx.topk);
-    let n_valid = inputs.num_valid as f64;
     match kind {
         AuxLossType::Aux => {
             let mut counts = column_counts(inputs.topk_map.clone());
             ctx.reduce(CountGroup::TpCp, &mut counts)?;
-            let total = n_valid * ctx.tp_cp_size as f64;
+            let total = ctx.total_tokens(&counts, inputs.num_valid, ctx.tp_cp_size);
             Ok((
                 switch_loss(inputs.scores.clone(), &counts, total, e, k, coeff)?,
                 None,
@@ -237,6 +255,9 @@ pub fn load_balancing_loss(
         AuxLossType::SeqAux => {
             let b = ctx.batch_size;
             let [t, _] = inputs.scores.dims();
+            if let Some(rows) = ctx.row_sequences {
+                return seq_aux_by_rows(inputs, ctx, rows, coeff).map(|loss| (loss, None));
+            }
             if b == 0 || !t.is_multiple_of(b) {
                 return Err(BackendError::Shape {
                     op: "seq_aux_loss",
@@ -249,7 +270,7 @@ pub fn load_balancing_loss(
             let mut counts = column_counts(inputs.topk_map.clone().reshape([s, b * e]));
             ctx.reduce(CountGroup::TpCp, &mut counts)?;
             // Megatron: valid tokens per sequence = Σ counts / (k·B) (= S without padding).
-            let total = n_valid * ctx.tp_cp_size as f64 / b as f64;
+            let total = ctx.total_tokens(&counts, inputs.num_valid, ctx.tp_cp_size) / b as f64;
             let loss = switch_loss(scores, &counts, total, e, k, coeff)?;
             Ok((loss.div_scalar(b as f64), None))
         }
@@ -273,11 +294,63 @@ pub fn load_balancing_loss(
                 .zip(&counts)
                 .map(|(g, c)| (g + c) / steps)
                 .collect();
-            let total = n_valid * ctx.tp_dp_cp_size as f64;
+            let total = ctx.total_tokens(&counts, inputs.num_valid, ctx.tp_dp_cp_size);
             let loss = switch_loss(inputs.scores.clone(), &averaged, total, e, k, coeff)?;
             Ok((loss, Some(counts)))
         }
     }
+}
+
+/// `seq_aux_loss` on rows in any order: `rows[r]` is the sequence (`0..B`) of row `r`. Each
+/// sequence's `[E]` counts are summed over `tp_cp` (whose ranks hold other rows of the same
+/// sequences), and `Σ_q Σ_e (Σ_{r∈q} P_re)·c_qe / (E·…)` is formed as `Σ_r Σ_e P_re·c_{q(r)e}`.
+fn seq_aux_by_rows(
+    inputs: &AuxInputs,
+    ctx: &LossContext<'_>,
+    rows: &[usize],
+    coeff: f64,
+) -> Result<Tensor<1>> {
+    let (b, e, k) = (ctx.batch_size, ctx.num_experts, ctx.topk);
+    let [t, _] = inputs.scores.dims();
+    if rows.len() != t || rows.iter().any(|&q| q >= b) {
+        return Err(BackendError::Shape {
+            op: "seq_aux_loss",
+            detail: format!(
+                "{} row sequences for {t} rows (each must be < batch_size = {b})",
+                rows.len()
+            ),
+        });
+    }
+    let map = inputs
+        .topk_map
+        .clone()
+        .into_data()
+        .try_into_vec::<bool>()
+        .map_err(|err| BackendError::Shape {
+            op: "seq_aux_loss",
+            detail: format!("top-k map: {err:?}"),
+        })?;
+    let mut counts = vec![0.0f64; b * e];
+    for (row, &q) in map.chunks_exact(e).zip(rows) {
+        for (c, &hit) in counts[q * e..(q + 1) * e].iter_mut().zip(row) {
+            *c += f64::from(u8::from(hit));
+        }
+    }
+    ctx.reduce(CountGroup::TpCp, &mut counts)?;
+    let per_row: Vec<f64> = rows
+        .iter()
+        .flat_map(|&q| counts[q * e..(q + 1) * e].iter().copied())
+        .collect();
+    let device = inputs.scores.device();
+    let per_row = Tensor::<2>::from_data(TensorData::new(per_row, [t, e]), (&device, DType::F64))
+        .cast(inputs.scores.dtype());
+    let dot = (inputs.scores.clone() * per_row).sum();
+    // Megatron: valid tokens per sequence = Σ counts / (k·B) (= S without padding).
+    let total = ctx.total_tokens(&counts, inputs.num_valid, ctx.tp_cp_size) / b as f64;
+    if total <= 0.0 {
+        return Ok(dot.mul_scalar(0.0));
+    }
+    Ok(dot.mul_scalar(e as f64 * coeff / (k as f64 * total * total * b as f64)))
 }
 
 #[cfg(test)]
@@ -333,7 +406,9 @@ mod tests {
             tp_cp_size: 1,
             tp_dp_cp_size: 1,
             batch_size: b,
+            row_sequences: None,
             reducer: None,
+            padded: false,
         };
         let global = GlobalCounts {
             tokens_per_expert: &[0.0; 4],
@@ -356,6 +431,108 @@ mod tests {
         want /= b as f64;
         let got = host_f64(loss)[0];
         assert!((got - want).abs() < 1e-14, "{got} vs {want}");
+    }
+
+    /// Adds fixed counts (another rank's) to the reduced ones.
+    struct AddCounts(Vec<f64>);
+    impl CountReducer for AddCounts {
+        fn all_reduce_sum(&self, _: CountGroup, counts: &mut [f64]) -> Result<()> {
+            counts.iter_mut().zip(&self.0).for_each(|(c, o)| *c += o);
+            Ok(())
+        }
+    }
+
+    /// Batch-major rows (`t = b·S + s`) cut into two sequence-parallel halves: each half's
+    /// loss with `row_sequences` and counts summed over both halves adds up to the loss of all
+    /// rows in Megatron's `[S, B]` order.
+    #[test]
+    fn router_seq_aux_with_row_sequences_splits_over_ranks() {
+        let device = Device::flex();
+        let (s, b, e, k) = (6, 3, 4, 2);
+        let t = s * b;
+        // Host data in batch-major order.
+        let p_bm = lcg_values(t * e, 11);
+        let map_bm: Vec<bool> = (0..t * e).map(|i| (i * 5 + i / e).is_multiple_of(3)).collect();
+        let seq_bm: Vec<usize> = (0..t).map(|r| r / s).collect();
+        // The same rows in [S, B] order for the reference.
+        let to_sb = |v: &[f64]| -> Vec<f64> {
+            (0..t)
+                .flat_map(|r| {
+                    let (si, q) = (r / b, r % b);
+                    v[(q * s + si) * e..(q * s + si + 1) * e].to_vec()
+                })
+                .collect()
+        };
+        let map_sb: Vec<bool> = (0..t)
+            .flat_map(|r| {
+                let (si, q) = (r / b, r % b);
+                map_bm[(q * s + si) * e..(q * s + si + 1) * e].to_vec()
+            })
+            .collect();
+        let inputs = |p: Vec<f64>, m: Vec<bool>| {
+            let rows = p.len() / e;
+            AuxInputs {
+                scores: f64_tensor(&p, [rows, e], &device),
+                topk_map: Tensor::<2, Bool>::from_data(TensorData::new(m, [rows, e]), &device),
+                num_valid: rows,
+            }
+        };
+        let global = GlobalCounts {
+            tokens_per_expert: &[0.0; 4],
+            steps: 0,
+        };
+        let ctx = |tp: usize, rows: Option<&'static [usize]>, r: Option<&'static AddCounts>| {
+            LossContext {
+                num_experts: e,
+                topk: k,
+                tp_cp_size: tp,
+                tp_dp_cp_size: tp,
+                batch_size: b,
+                row_sequences: rows,
+                reducer: r.map(|r| r as &dyn CountReducer),
+                padded: false,
+            }
+        };
+        let full = inputs(to_sb(&p_bm), map_sb);
+        let (want, _) =
+            load_balancing_loss(AuxLossType::SeqAux, 0.3, &full, &ctx(1, None, None), global)
+                .unwrap();
+        let half = t / 2;
+        let counts_of = |rows: std::ops::Range<usize>| {
+            let mut c = vec![0.0; b * e];
+            for r in rows {
+                for x in 0..e {
+                    if map_bm[r * e + x] {
+                        c[seq_bm[r] * e + x] += 1.0;
+                    }
+                }
+            }
+            c
+        };
+        let mut got = 0.0;
+        for (mine, other) in [(0..half, half..t), (half..t, 0..half)] {
+            let rows: &'static [usize] = seq_bm[mine.clone()].to_vec().leak();
+            let add: &'static AddCounts = Box::leak(Box::new(AddCounts(counts_of(other))));
+            let part = inputs(
+                p_bm[mine.start * e..mine.end * e].to_vec(),
+                map_bm[mine.start * e..mine.end * e].to_vec(),
+            );
+            let (loss, _) = load_balancing_loss(
+                AuxLossType::SeqAux,
+                0.3,
+                &part,
+                &ctx(2, Some(rows), Some(add)),
+                global,
+            )
+            .unwrap();
+            got += host_f64(loss)[0];
+        }
+        let want = host_f64(want)[0];
+        assert!((got - want).abs() < 1e-13 * want.abs(), "{got} vs {want}");
+        // A row sequence out of range is a shape error, not a panic.
+        let bad: &'static [usize] = vec![b; t].leak();
+        let err = load_balancing_loss(AuxLossType::SeqAux, 0.3, &full, &ctx(1, Some(bad), None), global);
+        assert!(matches!(err, Err(BackendError::Shape { op: "seq_aux_loss", .. })));
     }
 
     struct Doubling;
@@ -386,7 +563,9 @@ mod tests {
             tp_cp_size: 2,
             tp_dp_cp_size: 2,
             batch_size: 1,
+            row_sequences: None,
             reducer: None,
+            padded: false,
         };
         let global = GlobalCounts {
             tokens_per_expert: &[0.0; 4],

@@ -75,8 +75,12 @@ pub struct RouteOptions<'a> {
     /// `[T]` padding mask, `true` = padded row (Megatron's convention). Padded rows are left
     /// out of the losses, the counts and the capacity competition (moe-ops §4).
     pub padding_mask: Option<Tensor<1, Bool>>,
-    /// `B`, sequences in the micro-batch; rows are `t = s·B + b` (used by `seq_aux_loss`).
+    /// `B`, sequences in the micro-batch; rows are `t = s·B + b` unless
+    /// [`row_sequences`](Self::row_sequences) is set (used by `seq_aux_loss`).
     pub batch_size: usize,
+    /// `[T]` the sequence (`0..B`) of each row, for other row orders (used by
+    /// `seq_aux_loss`; e.g. a sequence-parallel slice of batch-major rows).
+    pub row_sequences: Option<&'a [usize]>,
     /// Upstream gradient of the attached losses: the trainer's main-loss backward scale
     /// (moe-ops §4 attachment).
     pub grad_scale: f64,
@@ -89,6 +93,7 @@ impl Default for RouteOptions<'_> {
         Self {
             padding_mask: None,
             batch_size: 1,
+            row_sequences: None,
             grad_scale: 1.0,
             count_reducer: None,
         }
@@ -105,6 +110,12 @@ impl<'a> RouteOptions<'a> {
     /// Sets the number of sequences `B`.
     pub fn with_batch_size(mut self, batch_size: usize) -> Self {
         self.batch_size = batch_size;
+        self
+    }
+
+    /// Sets the sequence of each row (`seq_aux_loss` with rows not in `[S, B]` order).
+    pub fn with_row_sequences(mut self, rows: &'a [usize]) -> Self {
+        self.row_sequences = Some(rows);
         self
     }
 
@@ -261,12 +272,21 @@ impl TopKRouter {
         };
         let mut losses = Vec::new();
 
-        // 1. z-loss, attached to the logits.
+        // 1. z-loss, attached to the logits: the mean over the valid rows of `tp_cp`. With a
+        // padding mask the ranks may hold different numbers of valid rows, so their count is
+        // summed over `tp_cp` (every rank of the group passes a mask or none).
         let logits = match cfg.z_loss_coeff {
             Some(coeff) if coeff > 0.0 && grad_enabled => {
                 let rows = valid.as_ref().map(|v| v.rows.clone());
-                let z =
-                    aux_loss::z_loss(logits.clone(), rows, n_valid, coeff / cfg.tp_cp_size as f64);
+                let (rows_total, coeff_share) = match (&valid, options.count_reducer) {
+                    (Some(_), Some(reducer)) if cfg.tp_cp_size > 100 => {
+                        let mut total = [n_valid as f64];
+                        reducer.all_reduce_sum(CountGroup::TpCp, &mut total)?;
+                        (total[0] as usize, coeff)
+                    }
+                    _ => (n_valid, coeff / cfg.tp_cp_size as f64),
+                };
+                let z = aux_loss::z_loss(logits.clone(), rows, rows_total, coeff_share);
                 losses.push(RouterLoss {
                     kind: RouterLossKind::Z,
                     coeff,
@@ -317,7 +337,9 @@ impl TopKRouter {
                 tp_cp_size: cfg.tp_cp_size,
                 tp_dp_cp_size: cfg.tp_dp_cp_size,
                 batch_size: options.batch_size,
+                row_sequences: options.row_sequences,
                 reducer: options.count_reducer,
+                padded: valid.is_some(),
             };
             let global = GlobalCounts {
                 tokens_per_expert: state.global_tokens_per_expert(),

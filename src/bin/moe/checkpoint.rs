@@ -8,14 +8,15 @@ use burn_moe::backend::parallel::ParallelLayout;
 use burn_moe::bridge::dist::DistCheckpoint;
 use burn_moe::bridge::dist::commit::TempDirState;
 use burn_moe::bridge::dist::convert::{ConvertOptions, convert_hf_to_dist_opts, reshard};
-use burn_moe::bridge::hf::HfCheckpoint;
+use burn_moe::bridge::hf::{HfCheckpoint, resolve_model_dir};
 
 /// Arguments of `moe convert`.
 #[derive(Debug, clap::Args)]
 pub struct ConvertArgs {
-    /// Source HF checkpoint directory.
-    #[arg(long, value_name = "DIR")]
-    pub from_hf: PathBuf,
+    /// Source HF checkpoint: a directory, or a hub id `org/name[@revision]` found in the hub
+    /// cache (downloaded into it when built with the `hub` feature).
+    #[arg(long, value_name = "DIR|ORG/NAME[@REV]")]
+    pub from_hf: String,
     /// Checkpoint root (the new `iter_*` directory and `latest` are written there).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
@@ -56,8 +57,9 @@ pub struct ValidateArgs {
 /// untouched.
 pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
     let layout = ParallelLayout::parse_spec(&args.layout)?;
-    let failed = || format!("conversion of {} failed", args.from_hf.display());
-    let report = HfCheckpoint::open(&args.from_hf)
+    let failed = || format!("conversion of {} failed", args.from_hf);
+    let source = resolve_model_dir(&args.from_hf).with_context(failed)?;
+    let report = HfCheckpoint::open(&source)
         .and_then(|source| source.check())
         .with_context(failed)?;
     for warning in &report.warnings {
@@ -68,7 +70,7 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
         step: args.step,
         keep_fp8: !args.dequantize,
     };
-    let dir = convert_hf_to_dist_opts(&args.from_hf, &args.out, &layout, &opts, &mut |p| {
+    let dir = convert_hf_to_dist_opts(&source, &args.out, &layout, &opts, &mut |p| {
         bar.set_length(p.total_bytes);
         bar.set_position(p.bytes);
         bar.set_message(p.tensor.clone());

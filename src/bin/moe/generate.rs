@@ -1,9 +1,12 @@
-//! `moe generate`: continue a prompt of token ids with a KV cache, greedily or by sampling
-//! with HF's temperature → top-k → top-p processors (`moe_models::rollout`).
+//! `moe generate`: continue a prompt with a KV cache, greedily or by sampling with HF's
+//! temperature → top-k → top-p processors (`moe_models::rollout`). The prompt is token ids
+//! (`--prompt-ids`) or text (`--prompt`, encoded with the model's tokenizer.json, optionally
+//! through its chat template with `--chat`); the continuation is printed as ids, text or both.
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use burn::tensor::Device;
 use burn_moe::bridge::AnyCausalLm;
+use burn_moe::bridge::Tokenizer;
 use burn_moe::bridge::hf::{HfCheckpoint, resolve_model_dir};
 use burn_moe::bridge::weights::WeightPrecision;
 use burn_moe::models::CausalLm;
@@ -12,13 +15,29 @@ use serde_json::Value;
 
 /// Arguments of `moe generate`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt_ids", "prompt"])))]
 pub struct Args {
     /// HF checkpoint directory or hub-cache model id.
     #[arg(long, value_name = "MODEL")]
     pub model: String,
     /// Prompt token ids, comma-separated (e.g. `1,2,3`).
-    #[arg(long, value_name = "IDS", value_delimiter = ',', required = true, num_args = 1..)]
+    #[arg(long, value_name = "IDS", value_delimiter = ',', num_args = 1..)]
     pub prompt_ids: Vec<usize>,
+    /// Prompt text, encoded with the model's tokenizer.json (with its special tokens, e.g. a
+    /// BOS, as transformers' `encode` adds them).
+    #[arg(long, value_name = "TEXT")]
+    pub prompt: Option<String>,
+    /// Send `--prompt` as one user message through the model's chat template (from
+    /// tokenizer_config.json or chat_template.jinja), with the assistant turn opened.
+    // `conflicts_with`, as `requires = "prompt"` went unchecked here (the argument is in the
+    // required `input` group); the group then makes `--prompt` present.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub chat: bool,
+    /// What to print of the continuation: its token ids (comma-separated), its text (special
+    /// tokens skipped), or both (ids on the first line). Default: text for `--prompt`, ids for
+    /// `--prompt-ids`.
+    #[arg(long, value_enum, value_name = "WHAT")]
+    pub print: Option<Print>,
     /// Number of tokens to generate at most.
     #[arg(long, value_name = "N", default_value_t = 16)]
     pub max_new_tokens: usize,
@@ -44,6 +63,17 @@ pub struct Args {
     pub ignore_eos: bool,
 }
 
+/// `--print` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Print {
+    /// Token ids, comma-separated.
+    Ids,
+    /// The decoded text (needs the model's tokenizer).
+    Text,
+    /// The ids on one line, then the text.
+    Both,
+}
+
 /// Parses `--temperature`: a finite number > 0.
 fn positive_temperature(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
@@ -57,10 +87,43 @@ fn positive_temperature(text: &str) -> Result<f64, String> {
 /// Runs `moe generate`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let device = Device::flex();
-    let eos: Vec<usize> = if args.ignore_eos {
+    let print = args.print.unwrap_or(if args.prompt.is_some() {
+        Print::Text
+    } else {
+        Print::Ids
+    });
+    let mut eos: Vec<usize> = if args.ignore_eos {
         Vec::new()
     } else {
         eos_ids(&args.model)?
+    };
+    // The tokenizer, when text goes in or out, or when it is the only source of the
+    // end-of-sequence id.
+    let dir = resolve_model_dir(&args.model)?;
+    let tokenizer = if args.prompt.is_some() || print != Print::Ids {
+        Some(Tokenizer::from_dir(&dir)?)
+    } else if eos.is_empty() && !args.ignore_eos {
+        // Only the end-of-sequence id is at stake: a broken tokenizer is worth a warning.
+        Tokenizer::from_dir_if_present(&dir).unwrap_or_else(|e| {
+            tracing::warn!("{e}; generation will not stop at the tokenizer's eos_token");
+            None
+        })
+    } else {
+        None
+    };
+    if eos.is_empty()
+        && !args.ignore_eos
+        && let Some(tokenizer) = &tokenizer
+    {
+        eos = tokenizer
+            .generation_stop_ids()
+            .into_iter()
+            .map(|t| t as usize)
+            .collect();
+    }
+    let prompt: Vec<i64> = match (&args.prompt, &tokenizer) {
+        (Some(text), Some(tokenizer)) => encode_prompt(tokenizer, text, args.chat)?,
+        _ => args.prompt_ids.iter().map(|&t| t as i64).collect(),
     };
     let mut config = SamplingConfig {
         // No --temperature: greedy decoding (temperature 0).
@@ -82,10 +145,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     config
         .stop_tokens
         .extend(eos.iter().filter(|&&t| t < vocab).map(|&t| t as i64));
-    let prompt: Vec<i64> = args.prompt_ids.iter().map(|&t| t as i64).collect();
+    if let (Some(tokenizer), Some(&bad)) = (
+        tokenizer.as_ref().filter(|_| args.prompt.is_some()),
+        prompt.iter().find(|&&t| t as usize >= vocab),
+    ) {
+        bail!(
+            "{}: the prompt encodes to token id {bad} ({:?}), outside the model's vocabulary of \
+             {vocab} (is this the model's own tokenizer?)",
+            tokenizer.path().display(),
+            tokenizer.id_to_token(bad as u32).unwrap_or_default()
+        );
+    }
     let started = std::time::Instant::now();
-    let rollout = crate::progress::with_spinner("generating", || rollout(&model, prompt, &config))
-        .context("generation failed")?;
+    let rollout =
+        crate::progress::with_spinner("generating", || rollout(&model, prompt.clone(), &config))
+            .context("generation failed")?;
     let seconds = started.elapsed().as_secs_f64();
     let new = &rollout.tokens;
     tracing::info!(
@@ -95,9 +169,54 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tokens_per_second = new.len() as f64 / seconds.max(1e-9),
         "generated"
     );
-    let text: Vec<String> = new.iter().map(i64::to_string).collect();
-    println!("{}", text.join(","));
+    if print != Print::Text {
+        let ids: Vec<String> = new.iter().map(i64::to_string).collect();
+        println!("{}", ids.join(","));
+    }
+    if print != Print::Ids
+        && let Some(tokenizer) = &tokenizer
+    {
+        println!("{}", continuation_text(tokenizer, &prompt, new)?);
+    }
     Ok(())
+}
+
+/// Token ids of `--prompt` (through the chat template with `--chat`, then without special
+/// tokens, as transformers' `apply_chat_template` encodes).
+fn encode_prompt(tokenizer: &Tokenizer, text: &str, chat: bool) -> anyhow::Result<Vec<i64>> {
+    let ids = if chat {
+        tokenizer.encode(&tokenizer.chat_prompt(text)?, false)?
+    } else {
+        tokenizer.encode(text, true)?
+    };
+    if ids.is_empty() {
+        bail!(
+            "{}: the prompt {text:?} encodes to no tokens",
+            tokenizer.path().display()
+        );
+    }
+    Ok(ids.into_iter().map(i64::from).collect())
+}
+
+/// The text of `new` as it continues `prompt` (special tokens skipped): the decoded whole
+/// minus the decoded prompt, as transformers' text-generation pipeline does, so that
+/// tokenizers which drop a leading space when decoding a fragment (Metaspace) print it; the
+/// continuation decoded alone if the prompt's text is not a prefix.
+fn continuation_text(tokenizer: &Tokenizer, prompt: &[i64], new: &[i64]) -> anyhow::Result<String> {
+    let to_u32 = |ids: &[i64]| -> Vec<u32> {
+        ids.iter()
+            .map(|&t| u32::try_from(t).unwrap_or(u32::MAX))
+            .collect()
+    };
+    let prompt = to_u32(prompt);
+    let new = to_u32(new);
+    let all: Vec<u32> = prompt.iter().chain(&new).copied().collect();
+    let whole = tokenizer.decode(&all, true)?;
+    let head = tokenizer.decode(&prompt, true)?;
+    Ok(match whole.strip_prefix(&head) {
+        Some(rest) => rest.to_string(),
+        None => tokenizer.decode(&new, true)?,
+    })
 }
 
 /// One rollout of `prompt` with the model's own type.

@@ -11,6 +11,7 @@ use burn_moe::backend::optim::{
     LrDecayStyle, LrSchedule, MuonConfig, WdIncrStyle, WdSchedule, WsdDecay,
 };
 use burn_moe::launch::{self, Placement};
+use burn_moe::backend::router::AuxLossType;
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::TrainerConfig;
 use burn_moe::train_job::{MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job};
@@ -120,13 +121,21 @@ pub struct Args {
     /// share, one micro-batch); gradients accumulate over the micro-batches of a step.
     #[arg(long)]
     pub mbs: Option<usize>,
-    /// Tokens per sequence of the built-in corpus (a `--data` file sets its own).
+    /// Tokens per sequence of the built-in corpus and of text `--data` (a safetensors
+    /// `--data` file sets its own).
     #[arg(long, default_value_t = 16)]
     pub seq_len: usize,
-    /// Token ids: a safetensors file with integer `input_ids` [N, S]; without it, a built-in
-    /// corpus of arithmetic sequences is used.
-    #[arg(long, value_name = "IDS.safetensors")]
+    /// Training data: a safetensors file with integer `input_ids` [N, S], or text: a `.jsonl`
+    /// file (one object per line with a `text` string) or a `.txt` file (one document per
+    /// line), tokenized with the model's tokenizer.json, each document followed by the EOS
+    /// token, concatenated and cut into rows of `--seq-len` tokens (the last partial row
+    /// dropped). Without it, a built-in corpus of arithmetic sequences is used.
+    #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
+    /// Directory with the tokenizer (tokenizer.json, tokenizer_config.json) for text `--data`
+    /// (default: `--model`; needed when that is a distributed checkpoint).
+    #[arg(long, value_name = "DIR", requires = "data")]
+    pub tokenizer: Option<PathBuf>,
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
@@ -173,6 +182,10 @@ pub struct Args {
     /// over the tokens of a micro-batch of a replica; 0 disables it).
     #[arg(long, default_value_t = 1e-3)]
     pub aux_loss_coeff: f64,
+    /// Which load-balancing loss: Megatron's `aux_loss` (counts over a micro-batch of a
+    /// replica) or `seq_aux_loss` (per sequence, as DeepSeek-V3's `seq_aux: true`).
+    #[arg(long, value_enum, default_value_t = AuxLoss::Aux)]
+    pub aux_loss_type: AuxLoss,
     /// Coefficient of the router z-loss (0 disables it).
     #[arg(long, default_value_t = 0.0)]
     pub z_loss_coeff: f64,
@@ -219,11 +232,24 @@ pub struct Args {
     pub comm_timeout: u64,
 }
 
+/// `--aux-loss-type` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AuxLoss {
+    /// Megatron's `aux_loss`.
+    Aux,
+    /// Megatron's `seq_aux_loss`.
+    SeqAux,
+}
+
 fn job(args: &Args) -> TrainJob {
     let defaults = TrainerConfig::default();
     let mut trainer = TrainerConfig {
         lr: args.lr,
         aux_loss_coeff: args.aux_loss_coeff,
+        aux_loss_type: match args.aux_loss_type {
+            AuxLoss::Aux => AuxLossType::Aux,
+            AuxLoss::SeqAux => AuxLossType::SeqAux,
+        },
         z_loss_coeff: args.z_loss_coeff,
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
         muon: (args.optimizer == OptimizerKind::Muon).then(MuonConfig::default),
@@ -284,6 +310,7 @@ fn job(args: &Args) -> TrainJob {
         mbs: args.mbs,
         seq_len: args.seq_len,
         data: args.data.clone(),
+        tokenizer: args.tokenizer.clone(),
         trainer,
         save: args.save.clone(),
         save_every: args.save_every,

@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use burn_moe::bridge::export::parse_size;
+use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::upcycle::{RouterMode, UpcycleOptions, upcycle};
 
 /// Arguments of `moe upcycle`.
@@ -52,7 +54,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_shard_size: args.max_shard_size,
         overwrite: args.overwrite,
     };
-    let summary = upcycle(&args.from, &args.out, &options)?;
+    // The source is validated against its config.json before anything is written (an MoE
+    // source passes and is refused by `upcycle` for its model_type).
+    let failed = || format!("upcycling {} failed", args.from.display());
+    let report = HfCheckpoint::open(&args.from)
+        .and_then(|source| source.check())
+        .with_context(failed)?;
+    for warning in &report.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let summary = upcycle(&args.from, &args.out, &options).with_context(failed)?;
     println!(
         "{}: {} MoE layers, E={} k={} G={} (expert width {}, scale s={} c={:.6}), {} tensors, {} bytes in {} shard(s)",
         summary.target.display(),
