@@ -73,7 +73,10 @@ pub struct TopKRouter {
 #[derive(Clone)]
 pub struct RouteOptions<'a> {
     /// `[T]` padding mask, `true` = padded row (Megatron's convention). Padded rows are left
-    /// out of the losses, the counts and the capacity competition (moe-ops §4).
+    /// out of the losses, the counts and the capacity competition (moe-ops §4). In a group
+    /// whose counts are summed (`tp_cp`, `tp_dp_cp`) every rank passes a mask or none: with
+    /// masks the ranks may hold different numbers of valid rows, so the loss token totals come
+    /// from the summed counts and the z-loss sums its row count over `tp_cp`.
     pub padding_mask: Option<Tensor<1, Bool>>,
     /// `B`, sequences in the micro-batch; rows are `t = s·B + b` unless
     /// [`row_sequences`](Self::row_sequences) is set (used by `seq_aux_loss`).
@@ -279,7 +282,7 @@ impl TopKRouter {
             Some(coeff) if coeff > 0.0 && grad_enabled => {
                 let rows = valid.as_ref().map(|v| v.rows.clone());
                 let (rows_total, coeff_share) = match (&valid, options.count_reducer) {
-                    (Some(_), Some(reducer)) if cfg.tp_cp_size > 100 => {
+                    (Some(_), Some(reducer)) if cfg.tp_cp_size > 1 => {
                         let mut total = [n_valid as f64];
                         reducer.all_reduce_sum(CountGroup::TpCp, &mut total)?;
                         (total[0] as usize, coeff)
