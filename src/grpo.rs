@@ -10,8 +10,10 @@
 //!
 //! Every step runs the whole RL loop on the ranks of a parallel layout (threads, or processes
 //! under a launcher; experts sharded with EP):
-//! 1. **weight sync**: the trained shards are gathered into a full rollout model on every rank
-//!    (`gather_full_qwen3_moe`, then forward-only);
+//! 1. **weight sync**: the trained shards stream into every rank's forward-only rollout model
+//!    ([`moe_models::weight_sync`]: rank 0 assembles one HF tensor at a time from the shards
+//!    that hold its pieces and broadcasts the buckets, f32 so that the rollouts' log-probabilities
+//!    are the trainer's; no rank gathers the whole training model);
 //! 2. **rollouts**: each data-parallel replica samples `samples` answers for each of its
 //!    `prompts_per_replica` prompts ([`generate_batch`], with the behaviour log-probabilities);
 //! 3. **rewards → advantages**: the rule above, then GRPO's group-normalised advantages over
@@ -25,14 +27,17 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use moe_backend::comm::{ReduceOp, WorldConfig};
+use moe_backend::BackendError;
+use moe_backend::comm::{Comm, GroupComms, ReduceOp, WorldConfig};
 use moe_bridge::hf::HfCheckpoint;
-use moe_models::distributed::gather_full_qwen3_moe;
 use moe_models::rl::{
     LossAgg, PpoConfig, ResponseMask, aggregate, grpo_advantages, ppo_loss, token_advantages,
 };
 use moe_models::rollout::{SamplingConfig, generate_batch};
 use moe_models::train::{Trainer, TrainerConfig};
+use moe_models::weight_sync::{
+    ModelReceiver, SyncDest, SyncDtype, SyncOptions, WeightSyncError, sync_weights,
+};
 use moe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
 use crate::finetune::{FinetuneError, to_backend};
@@ -169,8 +174,11 @@ pub fn grpo_on(
             layout: layout.to_string(),
             ..GrpoReport::default()
         };
+        // This rank's rollout model (forward-only); every step's sync overwrites its weights.
+        let mut policy = full.clone().valid();
         for step in 0..options.steps {
-            let (mean, exact) = grpo_step(&mut trainer, &groups, options, step, replica, &device)
+            sync_policy(&trainer, &groups, &world, &mut policy)?;
+            let (mean, exact) = grpo_step(&mut trainer, &policy, options, step, replica, &device)
                 .map_err(to_backend)?;
             // Every TP rank of a replica holds the same rollouts: the world mean weights the
             // replicas equally.
@@ -199,17 +207,40 @@ pub fn grpo_on(
     })
 }
 
-/// One GRPO step of this rank; returns this replica's mean reward and exact-copy rate.
+/// Step 1, weight sync (collective): the trained shards stream into `policy`, this rank's
+/// rollout model, in f32 buckets that rank 0 assembles and broadcasts to every rank.
+fn sync_policy(
+    trainer: &Trainer,
+    groups: &GroupComms,
+    world: &Comm,
+    policy: &mut Qwen3MoeForCausalLM,
+) -> Result<(), BackendError> {
+    let options = SyncOptions {
+        dtype: SyncDtype::F32,
+        dest: SyncDest::Broadcast(world.clone()),
+        ..SyncOptions::default()
+    };
+    let mut receiver = ModelReceiver::new(policy, &Device::flex());
+    match sync_weights(&trainer.model().model, groups, options, Some(&mut receiver)) {
+        Ok(_) => Ok(()),
+        Err(WeightSyncError::Comm(e)) => Err(e),
+        Err(e) => Err(BackendError::Config {
+            field: "weight_sync",
+            detail: e.to_string(),
+        }),
+    }
+}
+
+/// Steps 2–4 of this rank (the policy synced); returns this replica's mean reward and
+/// exact-copy rate.
 fn grpo_step(
     trainer: &mut Trainer,
-    groups: &moe_backend::comm::GroupComms,
+    policy: &Qwen3MoeForCausalLM,
     options: &GrpoOptions,
     step: usize,
     replica: usize,
     device: &Device,
 ) -> Result<(f64, f64), moe_models::ModelError> {
-    // 1. Weight sync: the current policy as a full forward-only model on every rank.
-    let policy = gather_full_qwen3_moe(trainer.model(), groups)?.valid();
     // 2. Rollouts: `samples` answers per prompt, the same on every TP rank of the replica
     // (same model, same seed).
     let prompts: Vec<Vec<i64>> = (0..options.prompts_per_replica)
@@ -227,7 +258,7 @@ fn grpo_step(
         stop_tokens: Vec::new(),
         seed: options.seed ^ ((step as u64) << 20) ^ replica as u64,
     };
-    let rollouts = generate_batch(&policy, &repeated, &sampling)?;
+    let rollouts = generate_batch(policy, &repeated, &sampling)?;
     // 3. Rewards and group-normalised advantages.
     let rewards: Vec<f64> = repeated
         .iter()

@@ -392,12 +392,19 @@ fn convert_reads_a_model_from_the_hub_cache_by_id_and_revision() {
             .unwrap()
     };
     let out = run("acme/tiny-moe@v1", &base.join("ok"));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(base.join("ok").join("latest").exists());
     let out = run("acme/tiny-moe@v2", &base.join("missing"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("acme/tiny-moe@v2") && err.contains("refs"), "{err}");
+    assert!(
+        err.contains("acme/tiny-moe@v2") && err.contains("refs"),
+        "{err}"
+    );
     assert!(!base.join("missing").exists());
     let _ = std::fs::remove_dir_all(&base);
 }

@@ -141,9 +141,14 @@ fn plan_spec(spec: &HfTensorSpec, dtype: LiveDtype) -> Vec<Planned> {
 /// The safetensors header (with the 8-byte length prefix) of one shard, data in `entries`
 /// order.
 fn shard_header(entries: &[Planned], path: &Path) -> Result<Vec<u8>, BridgeError> {
-    let entries = entries
-        .iter()
-        .map(|p| (p.name.as_str(), p.dtype, p.shape.clone(), p.bytes() as usize));
+    let entries = entries.iter().map(|p| {
+        (
+            p.name.as_str(),
+            p.dtype,
+            p.shape.clone(),
+            p.bytes() as usize,
+        )
+    });
     Ok(planned_header(&pt_metadata(), entries, path)?.0)
 }
 

@@ -26,6 +26,7 @@ use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::mtp::MtpModule;
+use crate::packing::{PackedInputs, SequenceLayout};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl DeepseekV3Config {
@@ -215,10 +216,19 @@ impl DeepseekV3Moe {
         x: Tensor<3>,
         state: &RouterState,
     ) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
+        self.forward_with_options(x, state, &RouteOptions::default())
+    }
+
+    /// [`forward_with_state`](Self::forward_with_state) with the router's per-call `options`
+    /// (e.g. the `[B·S]` padding mask of a padded or packed batch).
+    pub fn forward_with_options(
+        &self,
+        x: Tensor<3>,
+        state: &RouterState,
+        options: &RouteOptions<'_>,
+    ) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
         let [b, s, h] = x.dims();
-        let out = self
-            .moe
-            .forward(x.reshape([b * s, h]), state, &RouteOptions::default())?;
+        let out = self.moe.forward(x.reshape([b * s, h]), state, options)?;
         let r = out.routing;
         let topk_weights = r.probs.gather(1, r.topk_indices.clone());
         Ok((
@@ -276,16 +286,40 @@ impl DeepseekV3DecoderLayer {
         cache: Option<&mut LayerCache>,
         state: Option<&RouterState>,
     ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), rope, cache);
+        self.forward_inner(x, rope, None, cache, state)
+    }
+
+    /// [`forward_with_state`](Self::forward_with_state) of a packed or padded batch (no
+    /// cache): attention under `packed.mask`, the router told which rows are padding.
+    pub fn forward_packed(
+        &self,
+        x: Tensor<3>,
+        packed: &PackedInputs,
+        state: Option<&RouterState>,
+    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
+        self.forward_inner(x, &packed.rope, Some(packed), None, state)
+    }
+
+    fn forward_inner(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        packed: Option<&PackedInputs>,
+        cache: Option<&mut LayerCache>,
+        state: Option<&RouterState>,
+    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
+        let normed = self.input_layernorm.forward(x.clone());
+        let h = x + match packed {
+            Some(p) => self.self_attn.forward_masked(normed, rope, Some(&p.mask)),
+            None => self.self_attn.forward(normed, rope, cache),
+        };
         let normed = self.post_attention_layernorm.forward(h.clone());
         let (y, routing) = match &self.mlp {
             DeepseekV3FeedForward::Dense(mlp) => (mlp.forward(normed), None),
             DeepseekV3FeedForward::Moe(moe) => {
                 let fresh = moe.moe.router.init_state();
-                let (y, r) = moe.forward_with_state(normed, state.unwrap_or(&fresh))?;
+                let options = packed.map_or_else(RouteOptions::default, |p| p.route_options());
+                let (y, r) = moe.forward_with_options(normed, state.unwrap_or(&fresh), &options)?;
                 (y, Some(r))
             }
         };
@@ -382,6 +416,22 @@ impl DeepseekV3ForCausalLM {
         self.run(input_ids, None, None)
     }
 
+    /// [`forward`](Self::forward) of a packed or padded batch (see [`crate::packing`]): MLA
+    /// stays within each document and skips padded keys, RoPE positions restart at every
+    /// document (HF `cumsum(mask) − 1` for padded rows), and the routers are told which rows
+    /// are padding. Each document's logits equal those of the document run alone. Errors if
+    /// `layout` is not `[B, S]`.
+    pub fn forward_packed(
+        &self,
+        input_ids: Tensor<2, Int>,
+        layout: &SequenceLayout,
+    ) -> Result<DeepseekV3Output, ModelError> {
+        let [b, s] = input_ids.dims();
+        layout.check_shape("input_ids", b, s)?;
+        let packed = PackedInputs::new(layout, &self.rope, &input_ids.device());
+        self.run_inner(input_ids, None, None, Some(&packed))
+    }
+
     /// MTP logits of every depth `j < D` (models.md §3.6): `[B, S − 1 − j, V]`, position `i`
     /// predicting token `i + j + 2`, from `input_ids [B, S]` and the main forward's
     /// final-normed `hidden` ([`DeepseekV3Output::hidden`]).
@@ -421,18 +471,36 @@ impl DeepseekV3ForCausalLM {
     pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
+        cache: Option<&mut KvCache>,
+        states: Option<&std::collections::BTreeMap<usize, RouterState>>,
+    ) -> Result<DeepseekV3Output, ModelError> {
+        self.run_inner(input_ids, cache, states, None)
+    }
+
+    /// The forward; with `packed` (and no cache) that of a packed or padded batch.
+    pub(crate) fn run_inner(
+        &self,
+        input_ids: Tensor<2, Int>,
         mut cache: Option<&mut KvCache>,
         states: Option<&std::collections::BTreeMap<usize, RouterState>>,
+        packed: Option<&PackedInputs>,
     ) -> Result<DeepseekV3Output, ModelError> {
         let [_, s] = input_ids.dims();
         let offset = cache.as_ref().map_or(0, |c| c.seq_len());
-        let rope = self.rope.tables(offset, s, &input_ids.device());
+        let plain;
+        let rope = match packed {
+            Some(p) => &p.rope,
+            None => {
+                plain = self.rope.tables(offset, s, &input_ids.device());
+                &plain
+            }
+        };
         let mut x = self.model.embed_tokens.forward(input_ids);
         let mut routing = Vec::new();
         for (i, layer) in self.model.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
             let state = states.and_then(|m| m.get(&i));
-            let (y, r) = layer.forward_with_state(x, &rope, layer_cache, state)?;
+            let (y, r) = layer.forward_inner(x, rope, packed, layer_cache, state)?;
             x = y;
             routing.extend(r);
         }

@@ -121,6 +121,9 @@ pub enum ModelError {
         /// Why it is rejected.
         reason: String,
     },
+    /// Packing information or an attention mask is unusable (the error names the field).
+    #[error("invalid packing: {0}")]
+    Packing(#[from] crate::packing::PackingError),
     /// An MoE layer of `moe-backend` reported an error.
     #[error("MoE layer: {0}")]
     Backend(#[from] moe_backend::BackendError),

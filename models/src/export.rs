@@ -17,11 +17,14 @@
 //! [`for_each_hf_tensor`] is the callback form; moe-bridge's `live_export` writes an HF
 //! directory from it (BF16/F32/FP8).
 //!
-//! **Scope: one rank holding the whole model.** Under TP/EP each rank holds a shard; a
-//! gathered export plugs in at the [`HfTensors`] level: the rank-local iterator's specs give
-//! the local shapes, a gatherer all-gathers each tensor along its split dimension
-//! (checkpoints.md §3 table: TP dim 0/1, experts by EP rank `r·L + i`) before yielding it,
-//! and only rank 0 consumes the stream, so memory stays one gathered tensor at a time.
+//! Routed experts come per expert by default; [`export_hf_tensors_as`] with
+//! [`ExpertNames::Fused`] yields HF's fused layout instead, one `…mlp.experts.gate_up_proj
+//! [E, 2·Im, H]` (rows `[gate; up]` per expert) and one `…mlp.experts.down_proj [E, H, Im]`
+//! per MoE layer (the canonical stacked tensors of checkpoints.md §3).
+//!
+//! **Scope: one rank holding the whole model.** Under TP/EP each rank holds a shard:
+//! [`crate::weight_sync`] streams the full tensors of a sharded model from this iterator's
+//! rank-local entries, gathering one tensor at a time to one rank.
 
 use std::collections::VecDeque;
 
@@ -53,12 +56,42 @@ impl HfTensorSpec {
     }
 }
 
-type Fetch = Box<dyn FnOnce() -> TensorData + Send>;
+/// How routed experts are named (and shaped) in HF layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertNames {
+    /// One tensor per expert and projection:
+    /// `…mlp.experts.{e}.{gate_proj,up_proj}.weight [Im, H]`, `…down_proj.weight [H, Im]`.
+    #[default]
+    PerExpert,
+    /// HF's fused layout, per MoE layer: `…mlp.experts.gate_up_proj [E, 2·Im, H]` (each
+    /// expert's gate rows, then its up rows) and `…mlp.experts.down_proj [E, H, Im]`.
+    Fused,
+}
+
+/// A device tensor the iterator pulls to the host only when asked (a cheap handle: the data
+/// stays on the device until [`fetch`](LazyTensor::fetch)).
+pub(crate) trait LazyTensor: Send {
+    /// The handle of `len` entries of `dim` from `start` (still lazy).
+    fn narrow(&self, dim: usize, start: usize, len: usize) -> Box<dyn LazyTensor>;
+    /// The values on the host (row-major, the parameter's dtype).
+    fn fetch(&self) -> TensorData;
+}
+
+impl<const D: usize> LazyTensor for Tensor<D> {
+    fn narrow(&self, dim: usize, start: usize, len: usize) -> Box<dyn LazyTensor> {
+        Box::new(self.clone().narrow(dim, start, len))
+    }
+
+    fn fetch(&self) -> TensorData {
+        self.clone().into_data()
+    }
+}
 
 /// Streaming iterator over `(hf_name, TensorData)`; see the module docs.
 pub struct HfTensors {
     specs: Vec<HfTensorSpec>,
-    pending: VecDeque<(usize, Fetch)>,
+    pending: VecDeque<(usize, Box<dyn LazyTensor>)>,
+    experts: ExpertNames,
 }
 
 impl std::fmt::Debug for HfTensors {
@@ -71,11 +104,22 @@ impl std::fmt::Debug for HfTensors {
 }
 
 impl HfTensors {
-    fn new() -> Self {
+    fn new(experts: ExpertNames) -> Self {
         Self {
             specs: Vec::new(),
             pending: VecDeque::new(),
+            experts,
         }
+    }
+
+    /// The tensors not yet yielded, each with its spec and its lazy device handle (the weight
+    /// sync slices and fetches them itself).
+    pub(crate) fn into_lazy(self) -> Vec<(HfTensorSpec, Box<dyn LazyTensor>)> {
+        let specs = self.specs;
+        self.pending
+            .into_iter()
+            .map(|(i, lazy)| (specs[i].clone(), lazy))
+            .collect()
     }
 
     /// Every tensor's spec, in yield order (including those already yielded).
@@ -95,7 +139,7 @@ impl HfTensors {
             dtype: tensor.dtype(),
         });
         self.pending
-            .push_back((self.specs.len() - 1, Box::new(move || tensor.into_data())));
+            .push_back((self.specs.len() - 1, Box::new(tensor)));
     }
 
     fn linear(&mut self, prefix: &str, linear: &Linear) {
@@ -138,9 +182,15 @@ impl HfTensors {
         }
     }
 
-    /// Per-expert HF tensors from stacked `fc1 [E, 2·Im, H]` (`[gate; up]`) and
-    /// `fc2 [E, H, Im]`; each slice is cut on the device when yielded.
+    /// HF tensors of stacked `fc1 [E, 2·Im, H]` (`[gate; up]`) and `fc2 [E, H, Im]`: per expert
+    /// (each slice is cut on the device when yielded) or fused (the stacked tensors as they
+    /// are), as [`ExpertNames`] says.
     fn experts(&mut self, prefix: &str, experts: &GroupedExperts) {
+        if self.experts == ExpertNames::Fused {
+            self.push(format!("{prefix}.gate_up_proj"), experts.fc1.val());
+            self.push(format!("{prefix}.down_proj"), experts.fc2.val());
+            return;
+        }
         let [e, two_im, h] = experts.fc1.dims();
         let im = two_im / 2;
         let (fc1, fc2) = (experts.fc1.val(), experts.fc2.val());
@@ -236,8 +286,8 @@ impl Iterator for HfTensors {
     type Item = (String, TensorData);
 
     fn next(&mut self) -> Option<Self::Item> {
-        let (i, fetch) = self.pending.pop_front()?;
-        Some((self.specs[i].name.clone(), fetch()))
+        let (i, lazy) = self.pending.pop_front()?;
+        Some((self.specs[i].name.clone(), lazy.fetch()))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -249,13 +299,19 @@ impl ExactSizeIterator for HfTensors {}
 
 /// A model that can stream its weights in HF layout.
 pub trait ExportHf {
-    /// The streaming iterator (see the module docs).
-    fn hf_tensors(&self) -> HfTensors;
+    /// The streaming iterator with routed experts named as `experts` says (see the module
+    /// docs; models without routed experts ignore it).
+    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors;
+
+    /// The streaming iterator, routed experts per expert (see the module docs).
+    fn hf_tensors(&self) -> HfTensors {
+        self.hf_tensors_as(ExpertNames::PerExpert)
+    }
 }
 
 impl ExportHf for Qwen3ForCausalLM {
-    fn hf_tensors(&self) -> HfTensors {
-        let mut out = HfTensors::new();
+    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors {
+        let mut out = HfTensors::new(experts);
         out.embedding(&self.model.embed_tokens);
         for (l, layer) in self.model.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
@@ -273,8 +329,8 @@ impl ExportHf for Qwen3ForCausalLM {
 }
 
 impl ExportHf for Qwen3MoeForCausalLM {
-    fn hf_tensors(&self) -> HfTensors {
-        let mut out = HfTensors::new();
+    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors {
+        let mut out = HfTensors::new(experts);
         out.embedding(&self.model.embed_tokens);
         for (l, layer) in self.model.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
@@ -301,8 +357,8 @@ impl ExportHf for Qwen3MoeForCausalLM {
 }
 
 impl ExportHf for DeepseekV3ForCausalLM {
-    fn hf_tensors(&self) -> HfTensors {
-        let mut out = HfTensors::new();
+    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors {
+        let mut out = HfTensors::new(experts);
         out.embedding(&self.model.embed_tokens);
         let n = self.model.layers.len();
         for (l, layer) in self.model.layers.iter().enumerate() {
@@ -324,6 +380,17 @@ impl ExportHf for DeepseekV3ForCausalLM {
 /// The streaming HF iterator of `model` (see the module docs).
 pub fn export_hf_tensors<M: ExportHf + ?Sized>(model: &M) -> HfTensors {
     model.hf_tensors()
+}
+
+/// [`export_hf_tensors`] with routed experts named as `experts` says.
+pub fn export_hf_tensors_as<M: ExportHf + ?Sized>(model: &M, experts: ExpertNames) -> HfTensors {
+    model.hf_tensors_as(experts)
+}
+
+/// Whether the HF tensor `name` is stored in F32 whatever the export dtype (checkpoints.md §1:
+/// DeepSeek-V3's `e_score_correction_bias`).
+pub fn keeps_f32(name: &str) -> bool {
+    name.ends_with("e_score_correction_bias")
 }
 
 /// Calls `f(hf_name, data)` for every tensor of `model` in turn (one tensor on the host at a

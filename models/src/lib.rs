@@ -9,7 +9,10 @@
 //! - [`qwen3`], [`qwen3_moe`], [`deepseek_v3`]: the models, with HF module/tensor names
 //!   (MLA in [`layers::mla`]).
 //! - [`causal_lm`]: loss, HF load-balancing loss, generation, parameter counting.
+//! - [`packing`]: packed sequences (document boundaries, `cu_seqlens`) and padding masks.
 //! - [`weights`]: the [`WeightSource`] trait through which checkpoints are loaded.
+//! - [`weight_sync`]: streaming, bucketed HF weights from any training layout to a rollout
+//!   model or engine (RL).
 //! - `testing` (feature `testing`): naive loop-based references used by the tests.
 //!
 //! Tensors are `Tensor<D>` on a runtime [`burn::tensor::Device`] (e.g. `Device::flex()`); wrap
@@ -24,6 +27,7 @@ mod error;
 pub mod export;
 pub mod layers;
 pub mod mtp;
+pub mod packing;
 pub mod plan;
 pub mod qwen3;
 pub mod qwen3_moe;
@@ -33,6 +37,7 @@ pub mod rollout;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;
+pub mod weight_sync;
 pub mod weights;
 
 pub use causal_lm::{CausalLm, GenerationConfig, ParamCount, Sampling, generate};

@@ -13,9 +13,11 @@ use burn::tensor::{Device, Int, Tensor};
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, lm_logits};
 use crate::config::Qwen3Config;
+use crate::layers::AttentionMask;
 use crate::layers::kv_cache::{KvCache, LayerCache};
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::packing::{PackedInputs, SequenceLayout};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3Config {
@@ -89,6 +91,21 @@ impl Qwen3DecoderLayer {
             + self
                 .self_attn
                 .forward(self.input_layernorm.forward(x), rope, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    }
+
+    /// [`forward`](Self::forward) without a cache, under an attention `mask` (packed
+    /// documents, padding; see [`AttentionMask`]).
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+    ) -> Tensor<3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward_masked(self.input_layernorm.forward(x), rope, mask);
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
     }
 }
@@ -171,14 +188,49 @@ impl Qwen3ForCausalLM {
         self.run(input_ids, None)
     }
 
-    fn run(&self, input_ids: Tensor<2, Int>, mut cache: Option<&mut KvCache>) -> Tensor<3> {
+    /// [`forward`](Self::forward) of a packed or padded batch (see [`crate::packing`]):
+    /// attention stays within each document and skips padded keys, RoPE positions restart at
+    /// every document. Errors if `layout` is not `[B, S]`.
+    pub fn forward_packed(
+        &self,
+        input_ids: Tensor<2, Int>,
+        layout: &SequenceLayout,
+    ) -> Result<Tensor<3>, ModelError> {
+        let [b, s] = input_ids.dims();
+        layout.check_shape("input_ids", b, s)?;
+        let packed = PackedInputs::new(layout, &self.rope, &input_ids.device());
+        Ok(self.run_inner(input_ids, None, Some(&packed)))
+    }
+
+    fn run(&self, input_ids: Tensor<2, Int>, cache: Option<&mut KvCache>) -> Tensor<3> {
+        self.run_inner(input_ids, cache, None)
+    }
+
+    fn run_inner(
+        &self,
+        input_ids: Tensor<2, Int>,
+        mut cache: Option<&mut KvCache>,
+        packed: Option<&PackedInputs>,
+    ) -> Tensor<3> {
         let [_, s] = input_ids.dims();
         let offset = cache.as_ref().map_or(0, |c| c.seq_len());
-        let rope = self.rope.tables(offset, s, &input_ids.device());
+        let plain;
+        let rope = match packed {
+            Some(p) => &p.rope,
+            None => {
+                plain = self.rope.tables(offset, s, &input_ids.device());
+                &plain
+            }
+        };
         let mut x = self.model.embed_tokens.forward(input_ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-            x = layer.forward(x, &rope, layer_cache);
+            x = match packed {
+                Some(p) => layer.forward_masked(x, rope, Some(&p.mask)),
+                None => {
+                    let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
+                    layer.forward(x, rope, layer_cache)
+                }
+            };
         }
         lm_logits(
             self.model.norm.forward(x),

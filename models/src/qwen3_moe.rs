@@ -23,6 +23,7 @@ use crate::config::Qwen3MoeConfig;
 use crate::layers::kv_cache::{KvCache, LayerCache};
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::packing::{PackedInputs, SequenceLayout};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3MoeConfig {
@@ -120,10 +121,19 @@ impl Qwen3MoeSparseMoeBlock {
         x: Tensor<3>,
         state: &RouterState,
     ) -> Result<(Tensor<3>, Qwen3MoeRouting), ModelError> {
+        self.forward_with_options(x, state, &RouteOptions::default())
+    }
+
+    /// [`forward_with_state`](Self::forward_with_state) with the router's per-call `options`
+    /// (e.g. the `[B·S]` padding mask of a padded or packed batch).
+    pub fn forward_with_options(
+        &self,
+        x: Tensor<3>,
+        state: &RouterState,
+        options: &RouteOptions<'_>,
+    ) -> Result<(Tensor<3>, Qwen3MoeRouting), ModelError> {
         let [b, s, h] = x.dims();
-        let out = self
-            .moe
-            .forward(x.reshape([b * s, h]), state, &RouteOptions::default())?;
+        let out = self.moe.forward(x.reshape([b * s, h]), state, options)?;
         Ok((
             out.output.reshape([b, s, h]),
             Qwen3MoeRouting {
@@ -189,16 +199,41 @@ impl Qwen3MoeDecoderLayer {
         cache: Option<&mut LayerCache>,
         state: Option<&RouterState>,
     ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), rope, cache);
+        self.forward_inner(x, rope, None, cache, state)
+    }
+
+    /// [`forward_with_state`](Self::forward_with_state) of a packed or padded batch (no
+    /// cache): attention under `packed.mask`, the router told which rows are padding.
+    pub fn forward_packed(
+        &self,
+        x: Tensor<3>,
+        packed: &PackedInputs,
+        state: Option<&RouterState>,
+    ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
+        self.forward_inner(x, &packed.rope, Some(packed), None, state)
+    }
+
+    fn forward_inner(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        packed: Option<&PackedInputs>,
+        cache: Option<&mut LayerCache>,
+        state: Option<&RouterState>,
+    ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
+        let normed = self.input_layernorm.forward(x.clone());
+        let h = x + match packed {
+            Some(p) => self.self_attn.forward_masked(normed, rope, Some(&p.mask)),
+            None => self.self_attn.forward(normed, rope, cache),
+        };
         let normed = self.post_attention_layernorm.forward(h.clone());
         let (y, routing) = match &self.mlp {
             Qwen3MoeFeedForward::Dense(mlp) => (mlp.forward(normed), None),
             Qwen3MoeFeedForward::Sparse(block) => {
                 let fresh = block.moe.router.init_state();
-                let (y, routing) = block.forward_with_state(normed, state.unwrap_or(&fresh))?;
+                let options = packed.map_or_else(RouteOptions::default, |p| p.route_options());
+                let (y, routing) =
+                    block.forward_with_options(normed, state.unwrap_or(&fresh), &options)?;
                 (y, Some(routing))
             }
         };
@@ -367,6 +402,22 @@ impl Qwen3MoeForCausalLM {
         self.run(input_ids, None, None)
     }
 
+    /// [`forward`](Self::forward) of a packed or padded batch (see [`crate::packing`]):
+    /// attention stays within each document and skips padded keys, RoPE positions restart at
+    /// every document (HF `cumsum(mask) − 1` for padded rows), and the routers are told which
+    /// rows are padding. Each document's logits equal those of the document run alone.
+    /// Errors if `layout` is not `[B, S]`.
+    pub fn forward_packed(
+        &self,
+        input_ids: Tensor<2, Int>,
+        layout: &SequenceLayout,
+    ) -> Result<Qwen3MoeOutput, ModelError> {
+        let [b, s] = input_ids.dims();
+        layout.check_shape("input_ids", b, s)?;
+        let packed = PackedInputs::new(layout, &self.rope, &input_ids.device());
+        self.run_inner(input_ids, None, None, Some(&packed))
+    }
+
     /// HF's labelled forward with `output_router_logits=True`: cross-entropy of `labels`
     /// (`[B, S]` host values, −100 ignored) plus `router_aux_loss_coef` × the load-balancing
     /// loss, with `attention_mask` (`[B, S]` host values, 1 = token) applied to the aux loss
@@ -399,18 +450,36 @@ impl Qwen3MoeForCausalLM {
     pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
+        cache: Option<&mut KvCache>,
+        states: Option<&BTreeMap<usize, RouterState>>,
+    ) -> Result<Qwen3MoeOutput, ModelError> {
+        self.run_inner(input_ids, cache, states, None)
+    }
+
+    /// The forward; with `packed` (and no cache) that of a packed or padded batch.
+    fn run_inner(
+        &self,
+        input_ids: Tensor<2, Int>,
         mut cache: Option<&mut KvCache>,
         states: Option<&BTreeMap<usize, RouterState>>,
+        packed: Option<&PackedInputs>,
     ) -> Result<Qwen3MoeOutput, ModelError> {
         let [_, s] = input_ids.dims();
         let offset = cache.as_ref().map_or(0, |c| c.seq_len());
-        let rope = self.rope.tables(offset, s, &input_ids.device());
+        let plain;
+        let rope = match packed {
+            Some(p) => &p.rope,
+            None => {
+                plain = self.rope.tables(offset, s, &input_ids.device());
+                &plain
+            }
+        };
         let mut x = self.model.embed_tokens.forward(input_ids);
         let (mut router_logits, mut topk_indices) = (Vec::new(), Vec::new());
         for (i, layer) in self.model.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
             let state = states.and_then(|m| m.get(&i));
-            let (y, routing) = layer.forward_with_state(x, &rope, layer_cache, state)?;
+            let (y, routing) = layer.forward_inner(x, rope, packed, layer_cache, state)?;
             x = y;
             if let Some(r) = routing {
                 router_logits.push(r.router_logits);

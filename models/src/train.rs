@@ -2,11 +2,15 @@
 //! wrapping the rank's shard of any [`ParallelCausalLm`] (Qwen3-MoE, DeepSeek-V3 with its MTP
 //! modules, dense Qwen3) and a ZeRO-1 [`DistributedAdamW`].
 //!
-//! Batches are token ids with HF-style labels ([`TrainBatch`]): padded batches mark padding
-//! with label −100; packed batches (several documents per row) mark each document's first
-//! token with −100 so no target crosses a boundary (attention itself stays causal over the
-//! whole row). The step returns the cross-entropy, the router load-balancing loss, the global
-//! gradient norm and throughput.
+//! Batches are token ids with HF-style labels ([`TrainBatch`]), optionally packed (several
+//! documents per row, Megatron THD `cu_seqlens` per row: [`TrainBatch::with_cu_seqlens`],
+//! [`TrainBatch::packed`]) or padded (HF `attention_mask`: [`TrainBatch::with_attention_mask`],
+//! [`TrainBatch::padded`]); see [`crate::packing`]. Attention then stays within each document
+//! and skips padding, RoPE positions restart at every document, labels across a boundary or on
+//! padding become −100, and the routers leave padded tokens out of their load-balancing losses
+//! and expert-bias counts, so a packed batch trains exactly as its documents unpacked. The
+//! step returns the cross-entropy, the router load-balancing loss, the global gradient norm and
+//! throughput.
 //!
 //! ```no_run
 //! # use moe_models::train::{Trainer, TrainerConfig, TrainBatch};
@@ -33,13 +37,16 @@ use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
-use crate::distributed::sharded::{roll_rows, scored_targets};
+use crate::distributed::sharded::{mtp_labels, scored_targets};
 use crate::distributed::{
     CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err, param_class,
 };
+use crate::packing::SequenceLayout;
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
-/// One replica's batch: `batch` rows of equal length, row-major.
+/// One replica's batch: `batch` rows of equal length, row-major; optionally packed (several
+/// documents per row, Megatron THD `cu_seqlens` per row) and/or padded (HF `attention_mask`),
+/// see [`crate::packing`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainBatch {
     /// Token ids `[batch, S]`.
@@ -48,6 +55,17 @@ pub struct TrainBatch {
     pub labels: Vec<i64>,
     /// Rows.
     pub batch: usize,
+    /// Document boundaries and padding of the rows (`None`: every row one unpadded sequence).
+    layout: Option<SequenceLayout>,
+}
+
+/// Which end of a row [`TrainBatch::padded`] fills with padding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PaddingSide {
+    /// Padding before the tokens (HF generation batches).
+    Left,
+    /// Padding after the tokens.
+    Right,
 }
 
 impl TrainBatch {
@@ -59,11 +77,15 @@ impl TrainBatch {
 
     /// A batch with explicit labels.
     pub fn new(input_ids: Vec<i64>, labels: Vec<i64>, batch: usize) -> Result<Self, ModelError> {
-        if batch == 0 || input_ids.len() != labels.len() || !input_ids.len().is_multiple_of(batch) {
+        if batch == 0
+            || input_ids.is_empty()
+            || input_ids.len() != labels.len()
+            || !input_ids.len().is_multiple_of(batch)
+        {
             return Err(ModelError::invalid(
                 "batch",
                 format!(
-                    "{} ids and {} labels do not form {batch} equal rows",
+                    "{} ids and {} labels do not form {batch} equal non-empty rows",
                     input_ids.len(),
                     labels.len()
                 ),
@@ -73,12 +95,54 @@ impl TrainBatch {
             input_ids,
             labels,
             batch,
+            layout: None,
         })
     }
 
-    /// Packs documents into `batch` rows of `seq_len` tokens: documents are concatenated,
-    /// each document's first token gets label −100, the tail is padded with `pad_id`
-    /// (label −100). Documents longer than the space left are split across rows.
+    /// The batch packed and/or padded as `layout` says (its shape must be the ids'): the
+    /// labels that are not next-token targets of their document (across a boundary, or
+    /// padding) become −100 ([`SequenceLayout::mask_labels`]), and the forwards mask attention
+    /// and route padding accordingly.
+    pub fn with_layout(mut self, layout: SequenceLayout) -> Result<Self, ModelError> {
+        layout.check_shape("input_ids", self.batch, self.seq_len())?;
+        layout.mask_labels(&mut self.labels);
+        self.layout = Some(layout);
+        Ok(self)
+    }
+
+    /// [`with_layout`](Self::with_layout) of packed rows: `cu_seqlens[b]` are row `b`'s
+    /// document boundaries (`[0, l₀, l₀+l₁, …]`, strictly increasing, ending at or before
+    /// `S`; the rest of the row is padding). Errors name the field.
+    pub fn with_cu_seqlens(self, cu_seqlens: Vec<Vec<usize>>) -> Result<Self, ModelError> {
+        let layout = SequenceLayout::from_cu_seqlens(self.batch, self.seq_len(), cu_seqlens)?;
+        self.with_layout(layout)
+    }
+
+    /// [`with_layout`](Self::with_layout) of padded rows: HF `attention_mask [batch, S]`
+    /// (1 = real token, 0 = padding; left or right). Errors name the field.
+    pub fn with_attention_mask(self, attention_mask: Vec<i64>) -> Result<Self, ModelError> {
+        let layout =
+            SequenceLayout::from_attention_mask(self.batch, self.seq_len(), attention_mask)?;
+        self.with_layout(layout)
+    }
+
+    /// The batch's packing / padding layout, if any.
+    pub fn layout(&self) -> Option<&SequenceLayout> {
+        self.layout.as_ref()
+    }
+
+    /// Tokens per row `S`.
+    pub fn seq_len(&self) -> usize {
+        self.input_ids.len() / self.batch.max(1)
+    }
+
+    /// Packs documents into `batch` rows of `seq_len` tokens: documents are concatenated
+    /// back to back and a document that does not fit the space left in a row continues at the
+    /// start of the next; the tail is padded with `pad_id`. The rows' document boundaries
+    /// (pieces of a split document count as documents) become the batch's layout, so
+    /// attention never crosses a boundary, positions restart at every document, and no label
+    /// crosses one (each document's first token and the padding get label −100). Documents
+    /// beyond `batch · seq_len` tokens are dropped.
     pub fn packed(
         documents: &[Vec<i64>],
         batch: usize,
@@ -87,6 +151,7 @@ impl TrainBatch {
     ) -> Result<Self, ModelError> {
         let total = batch * seq_len;
         let (mut ids, mut labels) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        let mut cu_seqlens: Vec<Vec<usize>> = vec![vec![0]; batch];
         for doc in documents {
             for (i, &t) in doc.iter().enumerate() {
                 if ids.len() == total {
@@ -94,18 +159,56 @@ impl TrainBatch {
                 }
                 ids.push(t);
                 labels.push(if i == 0 { IGNORE_INDEX } else { t });
+                // Close the piece at the end of the document or of the row.
+                let (row, col) = ((ids.len() - 1) / seq_len, (ids.len() - 1) % seq_len);
+                if i + 1 == doc.len() || col + 1 == seq_len {
+                    cu_seqlens[row].push(col + 1);
+                }
             }
         }
         while ids.len() < total {
             ids.push(pad_id);
             labels.push(IGNORE_INDEX);
         }
-        Self::new(ids, labels, batch)
+        Self::new(ids, labels, batch)?.with_cu_seqlens(cu_seqlens)
+    }
+
+    /// One document per row, padded with `pad_id` on `side` to `seq_len` tokens (labels = ids,
+    /// −100 on the padding), with the matching attention mask. Errors if a document is empty
+    /// or longer than `seq_len`.
+    pub fn padded(
+        documents: &[Vec<i64>],
+        seq_len: usize,
+        pad_id: i64,
+        side: PaddingSide,
+    ) -> Result<Self, ModelError> {
+        let mut ids = Vec::with_capacity(documents.len() * seq_len);
+        let mut mask = Vec::with_capacity(ids.capacity());
+        for (row, doc) in documents.iter().enumerate() {
+            if doc.is_empty() || doc.len() > seq_len {
+                return Err(ModelError::InvalidInput {
+                    what: "documents",
+                    reason: format!(
+                        "document {row} has {} tokens; padding needs 1..={seq_len}",
+                        doc.len()
+                    ),
+                });
+            }
+            let pad = seq_len - doc.len();
+            let (tokens, padding) = (doc.iter().map(|&t| (t, 1)), (0..pad).map(|_| (pad_id, 0)));
+            let row: Vec<(i64, i64)> = match side {
+                PaddingSide::Left => padding.chain(tokens).collect(),
+                PaddingSide::Right => tokens.chain(padding).collect(),
+            };
+            ids.extend(row.iter().map(|&(t, _)| t));
+            mask.extend(row.iter().map(|&(_, m)| m));
+        }
+        Self::causal(ids, documents.len())?.with_attention_mask(mask)
     }
 
     /// Target tokens counted by the loss.
     pub fn target_tokens(&self) -> usize {
-        scored_targets(&self.labels, self.input_ids.len() / self.batch)
+        scored_targets(&self.labels, self.seq_len())
     }
 }
 
@@ -400,18 +503,18 @@ impl<M: ParallelCausalLm> Trainer<M> {
             0
         };
         // Per micro-batch: target tokens of the main loss, then of each MTP depth.
-        let counts: Vec<Vec<usize>> =
-            micro
-                .iter()
-                .map(|b| {
-                    let s = b.input_ids.len() / b.batch;
-                    std::iter::once(b.target_tokens())
-                        .chain((0..depths).map(|j| {
-                            scored_targets(&roll_rows(&b.labels, s, j + 1, IGNORE_INDEX), s)
-                        }))
-                        .collect()
-                })
-                .collect();
+        let counts: Vec<Vec<usize>> = micro
+            .iter()
+            .map(|b| {
+                let s = b.seq_len();
+                std::iter::once(b.target_tokens())
+                    .chain(
+                        (0..depths)
+                            .map(|j| scored_targets(&mtp_labels(&b.labels, s, j, b.layout()), s)),
+                    )
+                    .collect()
+            })
+            .collect();
         let local: Vec<usize> = (0..=depths)
             .map(|d| counts.iter().map(|c| c[d]).sum())
             .collect();
@@ -433,14 +536,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
         let mut loads: Vec<Option<Vec<f64>>> = Vec::new();
         let n_micro = micro.len() as f64;
         for (batch, tokens) in micro.iter().zip(&counts) {
-            let out = self.model.forward_train(
-                &batch.input_ids,
-                &batch.labels,
-                batch.batch,
-                &self.device,
-                1.0 / n_micro,
-                depths > 0,
-            )?;
+            let out =
+                self.model
+                    .forward_train_batch(batch, &self.device, 1.0 / n_micro, depths > 0)?;
             let TrainForward {
                 loss,
                 mtp_losses,
@@ -789,6 +887,28 @@ fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_and_padded_batches_carry_their_layout() {
+        let docs = vec![vec![5, 6, 7], vec![8, 9]];
+        let b = TrainBatch::packed(&docs, 2, 4, 0).unwrap();
+        let layout = b.layout().unwrap();
+        assert_eq!(layout.cu_seqlens().unwrap(), &[vec![0, 3, 4], vec![0, 1]]);
+        assert_eq!(layout.position_ids(), vec![0, 1, 2, 0, 0, 0, 0, 0]);
+        let p = TrainBatch::padded(&docs, 4, 0, PaddingSide::Left).unwrap();
+        assert_eq!(p.input_ids, vec![0, 5, 6, 7, 0, 0, 8, 9]);
+        assert_eq!(p.labels, vec![-100, -100, 6, 7, -100, -100, -100, 9]);
+        assert_eq!(p.target_tokens(), 3);
+        let r = TrainBatch::padded(&docs, 4, 0, PaddingSide::Right).unwrap();
+        assert_eq!(r.labels, vec![5, 6, 7, -100, 8, 9, -100, -100]);
+        let e = TrainBatch::causal(vec![1; 8], 2)
+            .unwrap()
+            .with_cu_seqlens(vec![vec![0, 5], vec![0]])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`cu_seqlens` of row 0 ends at 5"), "{e}");
+        assert!(TrainBatch::padded(&[vec![]], 4, 0, PaddingSide::Right).is_err());
+    }
 
     #[test]
     fn packing_masks_document_starts_and_padding() {

@@ -24,22 +24,9 @@ use moe_backend::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGrou
 use super::region::TensorBox;
 use crate::BridgeError;
 
-/// How a canonical tensor is split.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShardRule {
-    /// Every rank of the owning stage holds the whole tensor.
-    Replicated,
-    /// Split over dense TP along `dim`.
-    Tp {
-        /// The split dimension.
-        dim: usize,
-    },
-    /// Routed experts: dim 0 split over EP, `etp_dim` over expert TP.
-    Expert {
-        /// The dimension split over ETP.
-        etp_dim: usize,
-    },
-}
+/// How a canonical tensor is split: the models' table ([`moe_models::distributed::shard_rule`]),
+/// shared with the weight sync.
+pub use moe_models::distributed::ShardRule;
 
 /// Prefixes of optimizer-state fqns (`optim.<state>.<param fqn>`).
 pub const OPTIM_STATES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
@@ -56,41 +43,10 @@ pub fn param_fqn(fqn: &str) -> &str {
     fqn
 }
 
-/// The split of canonical tensor (or optimizer state) `fqn` (see the module table).
+/// The split of canonical tensor (or optimizer state) `fqn` (see the module table): the rule
+/// of its parameter in [`moe_models::distributed::shard_rule`].
 pub fn shard_rule(fqn: &str) -> ShardRule {
-    let name = param_fqn(fqn);
-    if name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj") {
-        return ShardRule::Expert { etp_dim: 2 };
-    }
-    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
-        return ShardRule::Tp { dim: 0 };
-    }
-    // Column-parallel (output features, canonical dim 0) and row-parallel (input features,
-    // dim 1) tensors, matched as `.<suffix>`: `mlp.gate_proj.weight` is a dense MLP's, not the
-    // (replicated) `mlp.shared_experts.gate_proj.weight`.
-    const DIM0: [&str; 12] = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-        "self_attn.q_b_proj.weight",
-        "self_attn.q_b_proj.bias",
-        "self_attn.kv_b_proj.weight",
-        "self_attn.kv_b_proj.bias",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-    ];
-    const DIM1: [&str; 2] = ["self_attn.o_proj.weight", "mlp.down_proj.weight"];
-    let ends = |suffix: &&str| name.ends_with(&format!(".{suffix}"));
-    if DIM0.iter().any(ends) {
-        ShardRule::Tp { dim: 0 }
-    } else if DIM1.iter().any(ends) {
-        ShardRule::Tp { dim: 1 }
-    } else {
-        ShardRule::Replicated
-    }
+    moe_models::distributed::shard_rule(param_fqn(fqn))
 }
 
 /// The box one rank holds and whether it writes it.

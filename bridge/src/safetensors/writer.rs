@@ -117,6 +117,9 @@ fn layout<'a, 'b>(
     Ok(Layout { header, order })
 }
 
+/// Header bytes and each entry's `[begin, end)` data range.
+pub(crate) type PlannedHeader = (Vec<u8>, Vec<(usize, usize)>);
+
 /// The header of a safetensors file (8-byte length, JSON, spaces to a multiple of 8) holding
 /// `entries` in this data order, each `(name, dtype, shape, byte length)`; returns it with
 /// each entry's `[begin, end)` data range. The one header encoder of the crate: single files,
@@ -126,7 +129,7 @@ pub(crate) fn planned_header<'n>(
     metadata: &BTreeMap<String, String>,
     entries: impl IntoIterator<Item = (&'n str, super::Dtype, Vec<usize>, usize)>,
     path: &Path,
-) -> Result<(Vec<u8>, Vec<(usize, usize)>), BridgeError> {
+) -> Result<PlannedHeader, BridgeError> {
     let mut offset = 0usize;
     let mut ranges = Vec::new();
     let entries = entries

@@ -13,16 +13,17 @@ use moe_backend::parallel::replicate;
 use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_parallel_linear};
 use moe_backend::router::TopKRouter;
 
-use super::runtime::{RouterTrace, SpRuntime};
+use super::runtime::{Prepared, RouterTrace, SpRuntime};
 use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward, roll_rows};
-use super::{DispatcherKind, ParallelOutput, check_batch, err};
+use super::{DispatcherKind, ParallelOutput, err};
 use crate::ModelError;
-use crate::causal_lm::IGNORE_INDEX;
 use crate::deepseek_v3::{
     DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM, DeepseekV3Moe,
 };
 use crate::layers::mla::MlaQuery;
-use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::layers::rope::RotaryEmbedding;
+use crate::packing::SequenceLayout;
+use crate::train::TrainBatch;
 
 /// One rank's DeepSeek-V3 (see the module docs).
 #[derive(Debug, Clone)]
@@ -78,13 +79,13 @@ impl ParallelDeepseekV3 {
         &self,
         input_ids: &[i64],
         batch: usize,
-        rope: &RopeTables,
+        p: &Prepared<'_>,
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
         let model = &self.model.model;
         let mut x = self.rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
-            x = self.layer(layer, x, batch, rope, trace)?;
+            x = self.layer(layer, x, batch, p, trace)?;
         }
         Ok(x)
     }
@@ -95,12 +96,14 @@ impl ParallelDeepseekV3 {
         layer: &DeepseekV3DecoderLayer,
         x: Tensor<2>,
         batch: usize,
-        rope: &RopeTables,
+        p: &Prepared<'_>,
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
         let rt = &self.rt;
         let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-            layer.self_attn.forward(full, rope, None)
+            layer
+                .self_attn
+                .forward_masked(full, &p.rope, p.mask.as_ref())
         })?;
         let normed = layer.post_attention_layernorm.forward(h.clone());
         let y = match &layer.mlp {
@@ -119,21 +122,56 @@ impl ParallelDeepseekV3 {
         batch: usize,
         device: &Device,
     ) -> Result<ParallelOutput, ModelError> {
+        self.forward_loss_packed(input_ids, labels, batch, None, device, 1.0)
+    }
+
+    /// [`forward_loss`](Self::forward_loss) of a [`TrainBatch`], packed or padded when it
+    /// carries a [`SequenceLayout`] (see [`ParallelQwen3Moe::forward_loss_batch`](super::ParallelQwen3Moe::forward_loss_batch)), its router
+    /// losses attached with the upstream gradient `aux_grad_scale`.
+    pub fn forward_loss_batch(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<ParallelOutput, ModelError> {
+        self.forward_loss_packed(
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.layout(),
+            device,
+            aux_grad_scale,
+        )
+    }
+
+    fn forward_loss_packed(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        layout: Option<&SequenceLayout>,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<ParallelOutput, ModelError> {
         let rt = &self.rt;
-        let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
-        let rope = rt.rope(s, device);
-        let mut trace = RouterTrace::new(1.0);
-        let x = self.decoder(input_ids, batch, &rope, &mut trace)?;
+        let p = rt.prepare(input_ids, labels, batch, layout, device)?;
+        let mut trace = p.trace(aux_grad_scale);
+        let x = self.decoder(input_ids, batch, &p, &mut trace)?;
         let model = &self.model.model;
         rt.head_loss(
             x,
             &model.norm,
             self.model.lm_head.as_ref(),
             &model.embed_tokens,
-            labels,
-            s,
+            &p.labels,
+            p.s,
             trace,
         )
+    }
+
+    /// This rank's vocabulary columns and TP group (vocab-parallel log-probs).
+    pub(crate) fn runtime(&self) -> &SpRuntime {
+        &self.rt
     }
 }
 
@@ -216,24 +254,27 @@ impl CausalLmShard for ParallelDeepseekV3 {
     /// the sequence-parallel tokens (`h⁰` the main model's final-normed output), one decoder
     /// layer, `shared_head.norm`, and the shared vocab-parallel head and cross-entropy. Values
     /// at the real positions equal [`DeepseekV3ForCausalLM::forward_mtp`]'s.
-    fn forward_train(
+    /// With a packed or padded batch the ids are rolled within every document (Megatron's
+    /// `roll_tensor` of packed sequences: a document's tail gets id 0, as the document rolled
+    /// alone) and depth `j`'s target at position `i` (token `i + j + 2`) counts only when
+    /// positions `i ..= i + j + 2` are real tokens of one document.
+    fn forward_train_batch(
         &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
+        batch: &TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         mtp: bool,
     ) -> Result<TrainForward, ModelError> {
         let rt = &self.rt;
-        let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
-        let rope = rt.rope(s, device);
-        let mut trace = RouterTrace::new(aux_grad_scale);
-        let x = self.decoder(input_ids, batch, &rope, &mut trace)?;
+        let (input_ids, rows) = (&batch.input_ids, batch.batch);
+        let p = rt.prepare(input_ids, &batch.labels, rows, batch.layout(), device)?;
+        let s = p.s;
+        let mut trace = p.trace(aux_grad_scale);
+        let x = self.decoder(input_ids, rows, &p, &mut trace)?;
         let model = &self.model.model;
         let (head, embed) = (self.model.lm_head.as_ref(), &model.embed_tokens);
         let mut hidden = model.norm.forward(x);
-        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, labels, s)?;
+        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.labels, s)?;
         let mut mtp_losses = Vec::new();
         if mtp {
             for (j, module) in self.model.mtp.iter().enumerate() {
@@ -243,14 +284,19 @@ impl CausalLmShard for ParallelDeepseekV3 {
                         format!("{s} tokens are too few for MTP depth {}", j + 1),
                     ));
                 }
-                let ids = roll_rows(input_ids, s, j + 1, 0);
-                let targets = roll_rows(labels, s, j + 1, IGNORE_INDEX);
-                let embeds = rt.embed(embed, &ids, batch)?;
+                // Rolled per document for a packed batch (its tail filled as the document
+                // rolled alone).
+                let ids = match p.layout {
+                    Some(l) => l.roll_within_documents(input_ids, j + 1, 0),
+                    None => roll_rows(input_ids, s, j + 1, 0),
+                };
+                let targets = p.mtp_labels(j);
+                let embeds = rt.embed(embed, &ids, rows)?;
                 let u = module.eh_proj.forward(Tensor::cat(
                     vec![module.enorm.forward(embeds), module.hnorm.forward(hidden)],
                     1,
                 ));
-                let y = self.layer(&module.block, u, batch, &rope, &mut trace)?;
+                let y = self.layer(&module.block, u, rows, &p, &mut trace)?;
                 hidden = module.shared_head_norm.forward(y);
                 let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets, s)?;
                 mtp_losses.push(l);

@@ -6,7 +6,8 @@
 //! and TP-sharded columns/rows over `tp`; experts over `expt_tp` for their FFN blocks, then over
 //! `ep` for the expert axis) and every rank returns the full model, ready for
 //! [`crate::export::export_hf_tensors`]. Peak memory is the full model on each rank (fine for
-//! models that fit one host; a rank-0-only streaming gather would bound it by one tensor).
+//! models that fit one host); [`crate::weight_sync`] streams the same tensors to rank 0 one
+//! bucket at a time instead.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;

@@ -27,10 +27,11 @@ use burn::tensor::{DType, Device, Tensor};
 use moe_backend::comm::autograd::reduce_from_tensor_parallel_region;
 use moe_backend::comm::{Comm, ReduceOp};
 
-use super::{ParallelQwen3Moe, err};
+use super::{ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, err};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::rl::logprobs::{TokenLogProbs, check_ids, next_token_targets, target_columns};
+use crate::train::TrainBatch;
 
 /// Log-probabilities of `targets` and entropies, per row, of `logits [N, V/tp]` (this rank's
 /// vocabulary columns `vocab`, the rows identical in meaning on every rank of `tp`), computed
@@ -99,6 +100,64 @@ pub fn vocab_parallel_logprobs(
     Ok((logprobs, entropy))
 }
 
+/// Checks `input_ids` form `batch` rows of at least 2 ids in `0..vocab`; returns `S`.
+fn check_logprob_ids(input_ids: &[i64], batch: usize, vocab: usize) -> Result<usize, ModelError> {
+    let seq = input_ids.len().checked_div(batch).unwrap_or(0);
+    if batch == 0 || seq < 2 || input_ids.len() != batch * seq {
+        return Err(ModelError::InvalidInput {
+            what: "input_ids",
+            reason: format!(
+                "{} ids do not form {batch} sequences of at least 2 tokens",
+                input_ids.len()
+            ),
+        });
+    }
+    check_ids("input_ids", input_ids, seq, vocab)?;
+    Ok(seq)
+}
+
+/// [`vocab_parallel_logprobs`] of a sharded forward's `[B·S, V/tp]` logits at positions
+/// `0..S−1` of every row, against `targets [B·(S−1)]`; `[B, S − 1]` each.
+fn sharded_token_logprobs(
+    out: ParallelOutput,
+    targets: &[i64],
+    [batch, seq]: [usize; 2],
+    tp: &Comm,
+) -> Result<TokenLogProbs, ModelError> {
+    let vl = out.vocab.len();
+    let logits = out
+        .logits
+        .reshape([batch, seq, vl])
+        .narrow(1, 0, seq - 1)
+        .reshape([batch * (seq - 1), vl]);
+    let (logprobs, entropy) = vocab_parallel_logprobs(logits, targets, out.vocab, tp)?;
+    Ok(TokenLogProbs {
+        logprobs: logprobs.reshape([batch, seq - 1]),
+        entropy: entropy.reshape([batch, seq - 1]),
+    })
+}
+
+impl ParallelDeepseekV3 {
+    /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
+    /// [`TrainBatch`] (identical on its TP ranks; packed or padded when the batch carries a
+    /// layout), computed vocab-parallel from [`forward_loss_batch`](Self::forward_loss_batch)'s
+    /// logits as [`ParallelQwen3Moe::forward_logprobs_batch`] does. Router losses configured on
+    /// the shard's routers are attached with `aux_grad_scale`.
+    pub fn forward_logprobs_batch(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let vocab = self.model.config().vocab_size;
+        let (rows, ids) = (batch.batch, &batch.input_ids);
+        let seq = check_logprob_ids(ids, rows, vocab)?;
+        let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
+        let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
+        sharded_token_logprobs(out, &targets, [rows, seq], &self.runtime().tp)
+    }
+}
+
 impl ParallelQwen3Moe {
     /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
     /// batch `input_ids [batch, S]` (row-major host ids, identical on every TP rank of the
@@ -138,31 +197,29 @@ impl ParallelQwen3Moe {
         aux_grad_scale: f64,
     ) -> Result<TokenLogProbs, ModelError> {
         let vocab = self.model.config().vocab_size;
-        let seq = input_ids.len().checked_div(batch).unwrap_or(0);
-        if batch == 0 || seq < 2 || input_ids.len() != batch * seq {
-            return Err(ModelError::InvalidInput {
-                what: "input_ids",
-                reason: format!(
-                    "{} ids do not form {batch} sequences of at least 2 tokens",
-                    input_ids.len()
-                ),
-            });
-        }
-        check_ids("input_ids", input_ids, seq, vocab)?;
+        let seq = check_logprob_ids(input_ids, batch, vocab)?;
         let targets = next_token_targets(labels, batch, seq, vocab)?;
         let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
-        let vl = out.vocab.len();
-        let logits = out
-            .logits
-            .reshape([batch, seq, vl])
-            .narrow(1, 0, seq - 1)
-            .reshape([batch * (seq - 1), vl]);
-        let (logprobs, entropy) =
-            vocab_parallel_logprobs(logits, &targets, out.vocab, &self.rt.tp)?;
-        Ok(TokenLogProbs {
-            logprobs: logprobs.reshape([batch, seq - 1]),
-            entropy: entropy.reshape([batch, seq - 1]),
-        })
+        sharded_token_logprobs(out, &targets, [batch, seq], &self.rt.tp)
+    }
+
+    /// [`forward_logprobs_scaled`](Self::forward_logprobs_scaled) of a [`TrainBatch`], packed
+    /// or padded when it carries a [`SequenceLayout`](crate::packing::SequenceLayout) (see
+    /// [`forward_loss_batch`](Self::forward_loss_batch)): each document's log-probs equal
+    /// those of the document alone, and positions whose target lies across a document
+    /// boundary or in padding hold 0 (their labels are −100).
+    pub fn forward_logprobs_batch(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let vocab = self.model.config().vocab_size;
+        let (rows, ids) = (batch.batch, &batch.input_ids);
+        let seq = check_logprob_ids(ids, rows, vocab)?;
+        let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
+        let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
+        sharded_token_logprobs(out, &targets, [rows, seq], &self.rt.tp)
     }
 
     /// A forward-only copy of this rank's model (old and reference policies): parameters on the

@@ -29,7 +29,9 @@ use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, Mlp};
+use crate::packing::SequenceLayout;
 use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock};
+use crate::train::TrainBatch;
 
 mod deepseek_v3;
 mod gather;
@@ -37,6 +39,7 @@ pub mod logprobs;
 mod qwen3;
 pub mod replay;
 mod runtime;
+mod shard_rule;
 pub mod sharded;
 
 use runtime::{RouterTrace, SpRuntime};
@@ -45,6 +48,7 @@ pub use sharded::{CausalLmShard, ParallelCausalLm, TrainForward};
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
 pub use qwen3::ParallelQwen3;
+pub use shard_rule::{ShardRule, shard_rule};
 
 /// Output of the traced forward: the output, the recorded routing and the expert-bias counts.
 pub(crate) type ForwardTraced = (
@@ -303,6 +307,29 @@ impl ParallelQwen3Moe {
         .map(|(out, _, _)| out)
     }
 
+    /// [`forward_loss_scaled`](Self::forward_loss_scaled) of a [`TrainBatch`], packed or
+    /// padded when it carries a [`SequenceLayout`](crate::packing::SequenceLayout): attention
+    /// on the gathered sequence stays within each document and skips padded keys, RoPE
+    /// positions restart at every document, the loss skips targets across document boundaries
+    /// and padding, and the routers leave this rank's padded rows out of their losses and
+    /// expert-bias counts.
+    pub fn forward_loss_batch(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<ParallelOutput, ModelError> {
+        self.forward_traced_packed(
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.layout(),
+            device,
+            RouterTrace::new(aux_grad_scale),
+        )
+        .map(|(out, _, _)| out)
+    }
+
     /// The forward of [`forward_loss_scaled`](Self::forward_loss_scaled) with the routers
     /// driven by `trace` (replay / record); also returns the recorded per-layer indices.
     pub(crate) fn forward_traced(
@@ -311,16 +338,31 @@ impl ParallelQwen3Moe {
         labels: &[i64],
         batch: usize,
         device: &Device,
+        trace: RouterTrace,
+    ) -> Result<ForwardTraced, ModelError> {
+        self.forward_traced_packed(input_ids, labels, batch, None, device, trace)
+    }
+
+    /// [`forward_traced`](Self::forward_traced) of a batch with an optional packing layout.
+    pub(crate) fn forward_traced_packed(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        layout: Option<&SequenceLayout>,
+        device: &Device,
         mut trace: RouterTrace,
     ) -> Result<ForwardTraced, ModelError> {
         let rt = &self.rt;
-        let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
+        let p = rt.prepare(input_ids, labels, batch, layout, device)?;
+        trace.padding = p.padding.clone();
         let model = &self.model.model;
-        let rope = rt.rope(s, device);
         let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
             let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-                layer.self_attn.forward(full, &rope, None)
+                layer
+                    .self_attn
+                    .forward_masked(full, &p.rope, p.mask.as_ref())
             })?;
             let normed = layer.post_attention_layernorm.forward(h.clone());
             let y = match &layer.mlp {
@@ -338,8 +380,8 @@ impl ParallelQwen3Moe {
             &model.norm,
             self.model.lm_head.as_ref(),
             &model.embed_tokens,
-            labels,
-            s,
+            &p.labels,
+            p.s,
             trace,
         )?;
         Ok((out, selected, load))
@@ -386,19 +428,18 @@ impl CausalLmShard for ParallelQwen3Moe {
         self.rt.loss_groups
     }
 
-    fn forward_train(
+    fn forward_train_batch(
         &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
+        batch: &TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         _mtp: bool,
     ) -> Result<TrainForward, ModelError> {
-        let (out, _, load) = self.forward_traced(
-            input_ids,
-            labels,
-            batch,
+        let (out, _, load) = self.forward_traced_packed(
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.layout(),
             device,
             RouterTrace::new(aux_grad_scale),
         )?;

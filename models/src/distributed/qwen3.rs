@@ -9,12 +9,13 @@ use moe_backend::fp8::Fp8Recipe;
 use moe_backend::parallel::replicate;
 use moe_backend::router::TopKRouter;
 
-use super::runtime::{RouterTrace, SpRuntime};
+use super::runtime::SpRuntime;
 use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward};
-use super::{DispatcherKind, check_batch, shard_attention};
+use super::{DispatcherKind, shard_attention};
 use crate::ModelError;
 use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3::Qwen3ForCausalLM;
+use crate::train::TrainBatch;
 
 /// One rank's dense Qwen3.
 #[derive(Debug, Clone)]
@@ -89,23 +90,23 @@ impl CausalLmShard for ParallelQwen3 {
         self.rt.loss_groups
     }
 
-    fn forward_train(
+    fn forward_train_batch(
         &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
+        batch: &TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         _mtp: bool,
     ) -> Result<TrainForward, ModelError> {
         let rt = &self.rt;
-        let s = check_batch(input_ids, labels, batch, rt.tp.size())?;
-        let rope = rt.rope(s, device);
+        let (input_ids, rows) = (&batch.input_ids, batch.batch);
+        let p = rt.prepare(input_ids, &batch.labels, rows, batch.layout(), device)?;
         let model = &self.model.model;
-        let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
+        let mut x = rt.embed(&model.embed_tokens, input_ids, rows)?;
         for layer in &model.layers {
-            let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-                layer.self_attn.forward(full, &rope, None)
+            let h = rt.attention_residual(x, &layer.input_layernorm, rows, |full| {
+                layer
+                    .self_attn
+                    .forward_masked(full, &p.rope, p.mask.as_ref())
             })?;
             let normed = layer.post_attention_layernorm.forward(h.clone());
             x = h + rt.dense_mlp(&layer.mlp, normed)?;
@@ -115,9 +116,9 @@ impl CausalLmShard for ParallelQwen3 {
             &model.norm,
             self.model.lm_head.as_ref(),
             &model.embed_tokens,
-            labels,
-            s,
-            RouterTrace::new(aux_grad_scale),
+            &p.labels,
+            p.s,
+            p.trace(aux_grad_scale),
         )?;
         Ok(TrainForward {
             loss: out.loss,

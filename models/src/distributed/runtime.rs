@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor};
 use moe_backend::comm::autograd::{
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
@@ -21,14 +21,16 @@ use moe_backend::parallel::tensor_parallel::{
 use moe_backend::parallel::{GroupCountReducer, GroupFamily, replicate};
 use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
+use super::sharded::mtp_labels;
 use super::{
-    DispatcherKind, ParallelOutput, check_no_pp_cp, err, make_dispatcher, shard_mlp,
+    DispatcherKind, ParallelOutput, check_batch, check_no_pp_cp, err, make_dispatcher, shard_mlp,
     shifted_targets,
 };
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
-use crate::layers::{Mlp, RmsNorm};
+use crate::layers::{AttentionMask, Mlp, RmsNorm};
+use crate::packing::{PackedInputs, SequenceLayout};
 
 /// One rank's parallel context for a sharded model.
 #[derive(Debug, Clone)]
@@ -70,6 +72,46 @@ pub(crate) struct RouterTrace {
     /// Per MoE layer (forward order), this rank's expert-bias token counts of a grad-enabled
     /// forward (`None` for routers without an expert bias).
     pub(crate) expert_load: Vec<Option<Vec<f64>>>,
+    /// The routers' padding mask `[T_local]` (`true` = padded) of this rank's
+    /// sequence-parallel rows, for a padded or packed batch.
+    pub(crate) padding: Option<Tensor<1, Bool>>,
+}
+
+/// The per-forward inputs of one replica batch after its checks: the row length, RoPE tables
+/// (per row for a packed or padded batch), the attention mask and this rank's router padding
+/// rows of such a batch, and the labels the loss scores (masked by the layout).
+#[derive(Debug, Clone)]
+pub(crate) struct Prepared<'a> {
+    /// Tokens per row `S`.
+    pub(crate) s: usize,
+    /// RoPE tables of the batch's positions.
+    pub(crate) rope: RopeTables,
+    /// The attention mask of a packed or padded batch.
+    pub(crate) mask: Option<AttentionMask>,
+    /// This rank's router padding rows of a packed or padded batch.
+    pub(crate) padding: Option<Tensor<1, Bool>>,
+    /// The labels, with [`SequenceLayout::mask_labels`] applied.
+    pub(crate) labels: Vec<i64>,
+    /// The batch's layout.
+    pub(crate) layout: Option<&'a SequenceLayout>,
+}
+
+impl Prepared<'_> {
+    /// A fresh router trace carrying this batch's padding rows.
+    pub(crate) fn trace(&self, aux_grad_scale: f64) -> RouterTrace {
+        RouterTrace {
+            padding: self.padding.clone(),
+            ..RouterTrace::new(aux_grad_scale)
+        }
+    }
+
+    /// The labels of multi-token-prediction depth `j` on the full row length (Megatron's
+    /// rolled sequence): every row shifted left by `j + 1`, the freed tail −100, and with a
+    /// layout every target whose predicting position lies in another document (or is
+    /// padding) −100 as well.
+    pub(crate) fn mtp_labels(&self, j: usize) -> Vec<i64> {
+        mtp_labels(&self.labels, self.s, j, self.layout)
+    }
 }
 
 impl RouterTrace {
@@ -82,6 +124,7 @@ impl RouterTrace {
             record: false,
             selected: Vec::new(),
             expert_load: Vec::new(),
+            padding: None,
         }
     }
 }
@@ -181,6 +224,46 @@ impl SpRuntime {
         self.rope.tables(0, s, device)
     }
 
+    /// Checks a replica batch (`input_ids` and `labels [batch, S]`, `B·S` divisible by `tp`,
+    /// `layout` of the same shape) and builds its per-forward inputs. Attention runs on the
+    /// gathered full sequence, so the mask is the replica's; the router padding mask is this
+    /// rank's block of the batch-major `[B·S]` rows.
+    pub(crate) fn prepare<'a>(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        layout: Option<&'a SequenceLayout>,
+        device: &Device,
+    ) -> Result<Prepared<'a>, ModelError> {
+        let s = check_batch(input_ids, labels, batch, self.tp.size())?;
+        let mut labels = labels.to_vec();
+        let Some(l) = layout else {
+            return Ok(Prepared {
+                s,
+                rope: self.rope(s, device),
+                mask: None,
+                padding: None,
+                labels,
+                layout: None,
+            });
+        };
+        l.check_shape("input_ids", batch, s)?;
+        l.mask_labels(&mut labels);
+        let (rank, tp) = self.tp_rank_size();
+        let local = batch * s / tp;
+        let packed =
+            PackedInputs::for_rows(l, &self.rope, rank * local..(rank + 1) * local, device);
+        Ok(Prepared {
+            s,
+            rope: packed.rope,
+            mask: Some(packed.mask),
+            padding: Some(packed.padding),
+            labels,
+            layout: Some(l),
+        })
+    }
+
     /// This rank's sequence-parallel block `[B·S/tp, H]` of the embedded `ids`.
     pub(crate) fn embed(
         &self,
@@ -244,11 +327,14 @@ impl SpRuntime {
             state.replay.set_mode(ReplayMode::ReplayForward);
         }
         let rows = self.row_sequences(normed.dims()[0], batch)?;
-        let options = RouteOptions::default()
+        let mut options = RouteOptions::default()
             .with_batch_size(batch)
             .with_row_sequences(&rows)
             .with_count_reducer(&self.reducer)
             .with_grad_scale(trace.aux_grad_scale);
+        if let Some(padding) = &trace.padding {
+            options = options.with_padding_mask(padding.clone());
+        }
         let out = moe
             .forward_with(normed, &state, &options, self.dispatcher()?)
             .map_err(err)?;

@@ -11,6 +11,8 @@ use moe_backend::router::{AuxLossSpec, RouterLoss, TopKRouter};
 use super::DispatcherKind;
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
+use crate::packing::SequenceLayout;
+use crate::train::TrainBatch;
 
 /// A causal LM the trainer can shard and train (Qwen3-MoE, DeepSeek-V3, dense Qwen3).
 pub trait ParallelCausalLm: Module {
@@ -61,9 +63,23 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
     }
 
     /// The training forward of one micro-batch of this replica (identical on its TP ranks):
-    /// the causal-LM loss, with `mtp_scale > 0` the multi-token-prediction losses of models
-    /// that have MTP modules, router losses attached with the upstream gradient
-    /// `aux_grad_scale`, and the routers' expert-bias counts.
+    /// the causal-LM loss, with `mtp` the multi-token-prediction losses of models that have
+    /// MTP modules, router losses attached with the upstream gradient `aux_grad_scale`, and
+    /// the routers' expert-bias counts. A batch with a
+    /// [`SequenceLayout`](crate::packing::SequenceLayout) is packed or padded: attention stays
+    /// within each document and skips padding, RoPE positions restart at every document, no
+    /// target crosses a document boundary or is padding, and the routers leave padded rows out
+    /// of their losses and counts.
+    fn forward_train_batch(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+    ) -> Result<TrainForward, ModelError>;
+
+    /// [`forward_train_batch`](Self::forward_train_batch) of a plain (unpacked, unpadded)
+    /// batch `input_ids`, `labels [batch, S]`.
     fn forward_train(
         &self,
         input_ids: &[i64],
@@ -72,7 +88,10 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         device: &Device,
         aux_grad_scale: f64,
         mtp: bool,
-    ) -> Result<TrainForward, ModelError>;
+    ) -> Result<TrainForward, ModelError> {
+        let batch = TrainBatch::new(input_ids.to_vec(), labels.to_vec(), batch)?;
+        self.forward_train_batch(&batch, device, aux_grad_scale, mtp)
+    }
 
     /// Number of multi-token-prediction depths (MTP modules) the shard trains.
     fn mtp_depths(&self) -> usize {
@@ -107,6 +126,27 @@ pub(crate) fn roll_rows(values: &[i64], s: usize, by: usize, fill: i64) -> Vec<i
         .chunks(s)
         .flat_map(|row| (0..s).map(move |i| row.get(i + by).copied().unwrap_or(fill)))
         .collect()
+}
+
+/// The labels of multi-token-prediction depth `j` of `labels [B, S]` on the full row length
+/// (Megatron's rolled sequence): every row shifted left by `j + 1`, the freed tail −100, and
+/// with a `layout` every target whose predicting position lies in another document (or is
+/// padding) −100 as well ([`SequenceLayout::mask_labels_at_distance`] at distance `j + 2`).
+pub(crate) fn mtp_labels(
+    labels: &[i64],
+    s: usize,
+    j: usize,
+    layout: Option<&SequenceLayout>,
+) -> Vec<i64> {
+    match layout {
+        None => roll_rows(labels, s, j + 1, IGNORE_INDEX),
+        Some(l) => roll_rows(
+            &l.mask_labels_at_distance(labels, j + 2),
+            s,
+            j + 1,
+            IGNORE_INDEX,
+        ),
+    }
 }
 
 /// Targets the causal-LM loss of `labels [B, S]` scores (shifted by one inside).

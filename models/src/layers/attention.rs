@@ -5,7 +5,7 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, DType, Device, Tensor};
+use burn::tensor::{Bool, DType, Device, Int, Tensor};
 use moe_backend::fp8::{Fp8Recipe, linear_maybe_fp8};
 
 use super::kv_cache::LayerCache;
@@ -172,6 +172,28 @@ impl Attention {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
+        self.forward_inner(x, rope, None, cache)
+    }
+
+    /// [`forward`](Self::forward) without a cache, under `mask` (`[B, S, S]`, replacing the
+    /// causal mask: packed documents, padding; see [`AttentionMask`]; `None`: causal); `rope`
+    /// then usually holds per-row tables.
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+    ) -> Tensor<3> {
+        self.forward_inner(x, rope, mask, None)
+    }
+
+    fn forward_inner(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
         let [b, s, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
@@ -204,12 +226,54 @@ impl Attention {
             }
             None => (0, k, v),
         };
-        let out = causal_attention(q, k, v, (hd as f64).powf(-0.5), offset);
+        let scale = (hd as f64).powf(-0.5);
+        let out = match mask {
+            Some(mask) => masked_attention(q, k, v, scale, mask),
+            None => causal_attention(q, k, v, scale, offset),
+        };
         linear_maybe_fp8(
             &self.o_proj,
             out.swap_dims(1, 2).reshape([b, s, nh * hd]),
             fp8,
         )
+    }
+}
+
+/// Which keys each query may see, `[B, S, Sk]` (`true` = masked out), for batches whose rows
+/// are not one plain causal sequence: packed documents (block-diagonal causal) and padding
+/// (padded keys masked out; a padded query sees only itself, so its softmax row stays
+/// finite). Built once per forward and shared by every layer.
+#[derive(Debug, Clone)]
+pub struct AttentionMask {
+    blocked: Tensor<3, Bool>,
+}
+
+impl AttentionMask {
+    /// The causal mask within documents: `doc_ids [B, S]` gives every token's document (equal
+    /// ids = same document; give every padding token an id of its own); query `i` sees key
+    /// `j` iff `j ≤ i` and `doc_ids[b, j] = doc_ids[b, i]`.
+    pub fn from_document_ids(doc_ids: Tensor<2, Int>) -> Self {
+        let [b, s] = doc_ids.dims();
+        let device = doc_ids.device();
+        let queries = doc_ids.clone().reshape([b, s, 1]).expand([b, s, s]);
+        let keys = doc_ids.reshape([b, 1, s]).expand([b, s, s]);
+        let causal = Tensor::<2, Bool>::tril_mask([s, s], 0, &device)
+            .unsqueeze::<3>()
+            .expand([b, s, s]);
+        Self {
+            blocked: queries.not_equal(keys).bool_or(causal),
+        }
+    }
+
+    /// A mask from an explicit `[B, S, Sk]` tensor (`true` = masked out). Every query must see
+    /// at least one key.
+    pub fn from_blocked(blocked: Tensor<3, Bool>) -> Self {
+        Self { blocked }
+    }
+
+    /// `[B, S, Sk]`, `true` = masked out.
+    pub fn blocked(&self) -> &Tensor<3, Bool> {
+        &self.blocked
     }
 }
 
@@ -251,6 +315,35 @@ pub fn causal_attention(
     softmax(scores, 3).cast(dtype).matmul(v)
 }
 
+/// The attention core of [`causal_attention`] with an explicit [`AttentionMask`] `[B, S, Sk]`
+/// (shared by the heads) instead of the causal one: `softmax(q·kᵀ·scale + mask)` in f32, cast
+/// to q's dtype, `· v`. The mask is broadcast over the heads; nothing larger than the
+/// `[B, nh, S, Sk]` scores is built.
+pub fn masked_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    scale: f64,
+    mask: &AttentionMask,
+) -> Tensor<4> {
+    let [b, nh, s, _] = q.dims();
+    let [_, nkv, sk, _] = k.dims();
+    let rep = nh / nkv;
+    let k = repeat_kv(k, rep);
+    let v = repeat_kv(v, rep);
+    let dtype = q.dtype();
+    let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+    let blocked = mask
+        .blocked
+        .clone()
+        .unsqueeze_dim::<4>(1)
+        .expand([b, nh, s, sk]);
+    let scores = scores
+        .cast(DType::F32)
+        .mask_fill(blocked, f32::NEG_INFINITY);
+    softmax(scores, 3).cast(dtype).matmul(v)
+}
+
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Distribution, Tolerance};
@@ -285,6 +378,37 @@ mod tests {
         Tensor::cat(parts, 1)
             .into_data()
             .assert_approx_eq::<f32>(&full.into_data(), Tolerance::rel_abs(1e-5, 1e-5));
+    }
+
+    #[test]
+    fn packed_documents_attend_only_within_themselves() {
+        // Two documents (3 and 4 tokens) and one padding token in one row: each document's
+        // output equals the document run alone at positions 0.., whatever the padding holds.
+        let device = Device::flex();
+        let attn = AttentionConfig::new(16, 4, 2, 8).init(&device).unwrap();
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let x = Tensor::<3>::random([1, 8, 16], Distribution::Normal(0.0, 1.0), &device);
+        let layout =
+            crate::packing::SequenceLayout::from_cu_seqlens(1, 8, vec![vec![0, 3, 7]]).unwrap();
+        let packed = crate::packing::PackedInputs::new(&layout, &rope, &device);
+        let out = attn.forward_masked(x.clone(), &packed.rope, Some(&packed.mask));
+        for (start, len) in [(0, 3), (3, 4)] {
+            let alone = attn.forward(
+                x.clone().narrow(1, start, len),
+                &rope.tables(0, len, &device),
+                None,
+            );
+            out.clone()
+                .narrow(1, start, len)
+                .into_data()
+                .assert_approx_eq::<f32>(&alone.into_data(), Tolerance::rel_abs(1e-5, 1e-6));
+        }
+        let values = out
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap();
+        assert!(values.iter().all(|v| v.is_finite()), "padding stays finite");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
-use super::attention::causal_attention;
+use super::attention::{AttentionMask, causal_attention, masked_attention};
 use super::kv_cache::LayerCache;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use super::rope::{RopeTables, apply_rotary, apply_rotary_interleaved, yarn_get_mscale};
@@ -237,6 +237,27 @@ impl Mla {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
+        self.forward_inner(x, rope, None, cache)
+    }
+
+    /// [`forward`](Self::forward) without a cache, under `mask` (`[B, S, S]`, replacing the
+    /// causal mask: packed documents, padding; see [`AttentionMask`]; `None`: causal).
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+    ) -> Tensor<3> {
+        self.forward_inner(x, rope, mask, None)
+    }
+
+    fn forward_inner(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        cache: Option<&mut LayerCache>,
+    ) -> Tensor<3> {
         let [b, s, _] = x.dims();
         let (nh, nope, rot, dv) = (
             self.num_heads,
@@ -287,7 +308,10 @@ impl Mla {
         let v = kv.narrow(3, nope, dv);
         let key = Tensor::cat(vec![k_nope, k_rot.expand([b, nh, sk, rot])], 3);
         let query = Tensor::cat(vec![q_nope, q_rot], 3);
-        let out = causal_attention(query, key, v, self.softmax_scale, offset);
+        let out = match mask {
+            Some(mask) => masked_attention(query, key, v, self.softmax_scale, mask),
+            None => causal_attention(query, key, v, self.softmax_scale, offset),
+        };
         self.o_proj
             .forward(out.swap_dims(1, 2).reshape([b, s, nh * dv]))
     }
@@ -321,6 +345,35 @@ mod tests {
         let tiny = mla_softmax_scale(16, &yarn(4.0, 128));
         assert!((tiny - 0.32411924819517657).abs() < 1e-15, "{tiny}");
         assert_eq!(mla_softmax_scale(16, &RopeParameters::default()), 0.25);
+    }
+
+    #[test]
+    fn left_padded_rows_equal_their_unpadded_sequences() {
+        // Row 0 is left-padded by 2, row 1 is full: each row's real tokens equal the sequence
+        // run alone (HF positions cumsum(mask) − 1).
+        let device = Device::flex();
+        let mla = MlaConfig::new(16, 2, 6, 4, 4, 8, 0.3)
+            .with_q_lora_rank(Some(8))
+            .init(&device);
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 4).unwrap();
+        let x = Tensor::<3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let mask = vec![0, 0, 1, 1, 1, 1, 1, 1, 1, 1];
+        let layout = crate::packing::SequenceLayout::from_attention_mask(2, 5, mask).unwrap();
+        let packed = crate::packing::PackedInputs::new(&layout, &rope, &device);
+        let out = mla.forward_masked(x.clone(), &packed.rope, Some(&packed.mask));
+        for (row, start) in [(0, 2), (1, 0)] {
+            let len = 5 - start;
+            let alone = mla.forward(
+                x.clone().narrow(0, row, 1).narrow(1, start, len),
+                &rope.tables(0, len, &device),
+                None,
+            );
+            out.clone()
+                .narrow(0, row, 1)
+                .narrow(1, start, len)
+                .into_data()
+                .assert_approx_eq::<f32>(&alone.into_data(), Tolerance::rel_abs(1e-5, 1e-6));
+        }
     }
 
     #[test]

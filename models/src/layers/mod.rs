@@ -7,7 +7,9 @@ pub mod mlp;
 pub mod rms_norm;
 pub mod rope;
 
-pub use attention::{Attention, AttentionConfig, causal_attention, repeat_kv};
+pub use attention::{
+    Attention, AttentionConfig, AttentionMask, causal_attention, masked_attention, repeat_kv,
+};
 pub use kv_cache::{KvCache, LayerCache};
 pub use mla::{Mla, MlaConfig, mla_softmax_scale};
 pub use mlp::{Mlp, MlpConfig};

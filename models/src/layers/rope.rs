@@ -103,14 +103,30 @@ impl RotaryEmbedding {
         self.attention_factor
     }
 
-    /// cos/sin tables `[len, dim]` (`cat(freqs, freqs)`) for positions `offset..offset + len`.
+    /// cos/sin tables `[1, len, dim]` (`cat(freqs, freqs)`) for positions `offset..offset + len`
+    /// (the same for every row).
     pub fn tables(&self, offset: usize, len: usize, device: &Device) -> RopeTables {
+        let positions: Vec<usize> = (offset..offset + len).collect();
+        self.tables_at(&positions, [1, len], device)
+    }
+
+    /// cos/sin tables `[rows, len, dim]` for per-row positions (`positions [rows, len]`,
+    /// row-major), e.g. packed documents whose positions restart at 0
+    /// ([`crate::packing::SequenceLayout::position_ids`]).
+    pub fn tables_at(
+        &self,
+        positions: &[usize],
+        [rows, len]: [usize; 2],
+        device: &Device,
+    ) -> RopeTables {
         let half = self.inv_freq.len();
         let dim = 2 * half;
         let scale = self.attention_factor as f32;
-        let mut cos = Vec::with_capacity(len * dim);
-        let mut sin = Vec::with_capacity(len * dim);
-        for pos in offset..offset + len {
+        let mut cos = Vec::with_capacity(rows * len * dim);
+        let mut sin = Vec::with_capacity(rows * len * dim);
+        // Missing positions (a short slice) count as 0.
+        let all = positions.iter().copied().chain(std::iter::repeat(0));
+        for pos in all.take(rows * len) {
             let angles: Vec<f32> = self.inv_freq.iter().map(|f| pos as f32 * f).collect();
             for _ in 0..2 {
                 cos.extend(angles.iter().map(|a| a.cos() * scale));
@@ -118,19 +134,20 @@ impl RotaryEmbedding {
             }
         }
         RopeTables {
-            cos: Tensor::from_data(TensorData::new(cos, [len, dim]), device),
-            sin: Tensor::from_data(TensorData::new(sin, [len, dim]), device),
+            cos: Tensor::from_data(TensorData::new(cos, [rows, len, dim]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [rows, len, dim]), device),
         }
     }
 }
 
-/// cos and sin tables for a run of positions, each `[S, dim]`.
+/// cos and sin tables for a run of positions, each `[R, S, dim]`: `R = 1` when every row of the
+/// batch sits at the same positions, `R = B` for per-row positions (packed sequences).
 #[derive(Debug, Clone)]
 pub struct RopeTables {
     /// `cos(cat(freqs, freqs)) · attention_factor`.
-    pub cos: Tensor<2>,
+    pub cos: Tensor<3>,
     /// `sin(cat(freqs, freqs)) · attention_factor`.
-    pub sin: Tensor<2>,
+    pub sin: Tensor<3>,
 }
 
 /// `cat(−x[..., d/2:], x[..., :d/2])` on the last dimension.
@@ -141,11 +158,12 @@ fn rotate_half(x: Tensor<4>) -> Tensor<4> {
     Tensor::cat(vec![x2.neg(), x1], 3)
 }
 
-/// Rotate-half RoPE of `x [B, heads, S, dim]`: `x·cos + rotate_half(x)·sin`.
+/// Rotate-half RoPE of `x [B, heads, S, dim]`: `x·cos + rotate_half(x)·sin` (tables of one row
+/// broadcast over the batch, or one per row).
 pub fn apply_rotary(x: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
     let dtype = x.dtype();
-    let cos = tables.cos.clone().cast(dtype).unsqueeze::<4>();
-    let sin = tables.sin.clone().cast(dtype).unsqueeze::<4>();
+    let cos = tables.cos.clone().cast(dtype).unsqueeze_dim::<4>(1);
+    let sin = tables.sin.clone().cast(dtype).unsqueeze_dim::<4>(1);
     x.clone() * cos + rotate_half(x) * sin
 }
 
@@ -230,6 +248,23 @@ mod tests {
         interleaved
             .into_data()
             .assert_approx_eq::<f32>(&plain.into_data(), burn::tensor::Tolerance::default());
+    }
+
+    #[test]
+    fn per_row_tables_equal_offset_tables() {
+        let device = Device::flex();
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let rows = rope.tables_at(&[0, 1, 2, 5, 6, 7], [2, 3], &device);
+        assert_eq!(rows.cos.dims(), [2, 3, 8]);
+        for (row, offset) in [(0, 0), (1, 5)] {
+            let want = rope.tables(offset, 3, &device);
+            for (got, want) in [(&rows.cos, &want.cos), (&rows.sin, &want.sin)] {
+                got.clone()
+                    .narrow(0, row, 1)
+                    .into_data()
+                    .assert_eq(&want.clone().into_data(), true);
+            }
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use crate::ModelError;
 use crate::causal_lm::{IGNORE_INDEX, token_ids};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
+use crate::train::TrainBatch;
 
 /// Next-token log-probabilities and entropies of a batch, `[batch, S − 1]` each (see the
 /// [module docs](self) for the positions and the masking).
@@ -183,6 +184,32 @@ pub fn qwen3_moe_logprobs(
     next_token_targets(labels, batch, seq, vocab)?;
     let ids = token_ids(input_ids, [batch, seq], vocab, device)?;
     logprobs_from_logits(model.forward(ids)?.logits, labels)
+}
+
+/// [`qwen3_moe_logprobs`] of a [`TrainBatch`], packed or padded when it carries a
+/// [`SequenceLayout`](crate::packing::SequenceLayout)
+/// ([`Qwen3MoeForCausalLM::forward_packed`]): each document's log-probs equal those of the
+/// document alone; positions whose target lies across a document boundary or in padding hold
+/// 0 (their labels are −100).
+pub fn qwen3_moe_logprobs_batch(
+    model: &Qwen3MoeForCausalLM,
+    batch: &TrainBatch,
+    device: &Device,
+) -> Result<TokenLogProbs, ModelError> {
+    let Some(layout) = batch.layout() else {
+        return qwen3_moe_logprobs(model, &batch.input_ids, &batch.labels, batch.batch, device);
+    };
+    let vocab = model.config().vocab_size;
+    let (rows, seq) = (batch.batch, batch.seq_len());
+    if seq < 2 {
+        return Err(ModelError::InvalidInput {
+            what: "input_ids",
+            reason: format!("{rows} sequences of {seq} tokens; log-probs need at least 2"),
+        });
+    }
+    next_token_targets(&batch.labels, rows, seq, vocab)?;
+    let ids = token_ids(&batch.input_ids, [rows, seq], vocab, device)?;
+    logprobs_from_logits(model.forward_packed(ids, layout)?.logits, &batch.labels)
 }
 
 /// [`qwen3_moe_logprobs`] in forward-only mode, for reference and old policies: the model's

@@ -452,7 +452,9 @@ mod tests {
         let t = s * b;
         // Host data in batch-major order.
         let p_bm = lcg_values(t * e, 11);
-        let map_bm: Vec<bool> = (0..t * e).map(|i| (i * 5 + i / e).is_multiple_of(3)).collect();
+        let map_bm: Vec<bool> = (0..t * e)
+            .map(|i| (i * 5 + i / e).is_multiple_of(3))
+            .collect();
         let seq_bm: Vec<usize> = (0..t).map(|r| r / s).collect();
         // The same rows in [S, B] order for the reference.
         let to_sb = |v: &[f64]| -> Vec<f64> {
@@ -531,8 +533,20 @@ mod tests {
         assert!((got - want).abs() < 1e-13 * want.abs(), "{got} vs {want}");
         // A row sequence out of range is a shape error, not a panic.
         let bad: &'static [usize] = vec![b; t].leak();
-        let err = load_balancing_loss(AuxLossType::SeqAux, 0.3, &full, &ctx(1, Some(bad), None), global);
-        assert!(matches!(err, Err(BackendError::Shape { op: "seq_aux_loss", .. })));
+        let err = load_balancing_loss(
+            AuxLossType::SeqAux,
+            0.3,
+            &full,
+            &ctx(1, Some(bad), None),
+            global,
+        );
+        assert!(matches!(
+            err,
+            Err(BackendError::Shape {
+                op: "seq_aux_loss",
+                ..
+            })
+        ));
     }
 
     struct Doubling;

@@ -10,8 +10,8 @@ use anyhow::Context;
 use burn_moe::backend::optim::{
     LrDecayStyle, LrSchedule, MuonConfig, WdIncrStyle, WdSchedule, WsdDecay,
 };
-use burn_moe::launch::{self, Placement};
 use burn_moe::backend::router::AuxLossType;
+use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::TrainerConfig;
 use burn_moe::train_job::{MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job};

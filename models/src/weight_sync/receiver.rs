@@ -1,0 +1,256 @@
+//! Receivers: the [`WeightReceiver`] trait and [`ModelReceiver`], which updates a generation
+//! model in place through the models' HF loading path.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+
+use burn::tensor::{DType, Device};
+
+use super::bucket::{SyncManifest, WeightBucket};
+use super::host::decode_f32;
+use super::{ExpertNames, WeightSyncError};
+use crate::ModelError;
+use crate::deepseek_v3::DeepseekV3ForCausalLM;
+use crate::export::{ExportHf, export_hf_tensors_as};
+use crate::qwen3::Qwen3ForCausalLM;
+use crate::qwen3_moe::Qwen3MoeForCausalLM;
+use crate::weights::WeightSource;
+
+/// Consumes the buckets of a weight sync (an inference engine, a file writer, a model in the
+/// same process). Called in order: [`begin`](Self::begin) once with the plan,
+/// [`receive`](Self::receive) for every bucket, [`finish`](Self::finish) once.
+pub trait WeightReceiver {
+    /// A sync starts; `manifest` lists every tensor and bucket to come.
+    fn begin(&mut self, manifest: &SyncManifest) -> Result<(), WeightSyncError> {
+        let _ = manifest;
+        Ok(())
+    }
+
+    /// One bucket (buckets arrive in order, each once).
+    fn receive(&mut self, bucket: &WeightBucket) -> Result<(), WeightSyncError>;
+
+    /// Every bucket has been received.
+    fn finish(&mut self) -> Result<(), WeightSyncError> {
+        Ok(())
+    }
+}
+
+/// A model [`ModelReceiver`] can update: its HF export lists the names and shapes it takes, and
+/// it rebuilds itself from HF-named tensors with its own `from_weights` (same config).
+pub trait SyncTarget: ExportHf + Sized {
+    /// The model with the same configuration, every tensor loaded from `source`.
+    fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError>;
+}
+
+impl SyncTarget for Qwen3MoeForCausalLM {
+    fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError> {
+        Self::from_weights(self.config(), source, device)
+    }
+}
+
+impl SyncTarget for DeepseekV3ForCausalLM {
+    fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError> {
+        Self::from_weights(self.config(), source, device)
+    }
+}
+
+impl SyncTarget for Qwen3ForCausalLM {
+    fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError> {
+        Self::from_weights(self.config(), source, device)
+    }
+}
+
+/// Updates a generation model in place with the tensors of a sync.
+///
+/// Every received tensor is checked against the model's own HF export (both expert layouts
+/// are accepted, not mixed): an unknown name, a wrong shape or a tensor received twice is an
+/// error naming it; at [`finish`](WeightReceiver::finish) a missing tensor is one too. Each
+/// tensor is decoded to f32 as its bucket arrives and kept until `finish`, which rebuilds the
+/// model through its `from_weights` ([`SyncTarget`]) on `device`, handing over (not copying)
+/// each tensor's values as it is loaded, and replaces `*model`: the receiver holds about one
+/// model's f32 weights beside the model it updates. On error the model is left unchanged.
+pub struct ModelReceiver<'m, M: SyncTarget> {
+    model: &'m mut M,
+    device: Device,
+    /// Expected shape of every name of either expert layout, and whether it is fused-only /
+    /// per-expert-only.
+    expected: Option<Expected>,
+    store: Store,
+}
+
+impl<M: SyncTarget> std::fmt::Debug for ModelReceiver<'_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelReceiver")
+            .field("device", &self.device)
+            .field("received", &self.store.tensors.borrow().len())
+            .finish()
+    }
+}
+
+struct Expected {
+    shapes: HashMap<String, Vec<usize>>,
+    per_expert: Vec<String>,
+    fused: Vec<String>,
+    fused_only: HashSet<String>,
+}
+
+impl Expected {
+    fn of<M: ExportHf>(model: &M) -> Self {
+        let per = export_hf_tensors_as(model, ExpertNames::PerExpert);
+        let fused = export_hf_tensors_as(model, ExpertNames::Fused);
+        let per_names: Vec<String> = per.specs().iter().map(|s| s.name.clone()).collect();
+        let per_set: HashSet<&String> = per_names.iter().collect();
+        let fused_only = fused
+            .specs()
+            .iter()
+            .filter(|s| !per_set.contains(&s.name))
+            .map(|s| s.name.clone())
+            .collect();
+        let shapes = per
+            .specs()
+            .iter()
+            .chain(fused.specs())
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect();
+        Self {
+            shapes,
+            per_expert: per_names,
+            fused: fused.specs().iter().map(|s| s.name.clone()).collect(),
+            fused_only,
+        }
+    }
+}
+
+/// Received tensors (f32), handed to `from_weights` as a [`WeightSource`]; each is moved out
+/// when read.
+#[derive(Default)]
+struct Store {
+    tensors: RefCell<HashMap<String, Received>>,
+}
+
+struct Received {
+    shape: Vec<usize>,
+    /// `None` once read.
+    values: Option<Vec<f32>>,
+}
+
+impl WeightSource for Store {
+    fn tensor_f32(&self, hf_name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        let mut tensors = self.tensors.borrow_mut();
+        let t = tensors
+            .get_mut(hf_name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: hf_name.to_owned(),
+            })?;
+        let values = t.values.take().ok_or_else(|| ModelError::TensorRead {
+            name: hf_name.to_owned(),
+            reason: "already loaded once in this sync".to_owned(),
+        })?;
+        Ok((t.shape.clone(), values))
+    }
+
+    fn contains(&self, hf_name: &str) -> bool {
+        self.tensors.borrow().contains_key(hf_name)
+    }
+}
+
+impl<'m, M: SyncTarget> ModelReceiver<'m, M> {
+    /// A receiver updating `model`, rebuilt on `device`.
+    pub fn new(model: &'m mut M, device: &Device) -> Self {
+        Self {
+            model,
+            device: device.clone(),
+            expected: None,
+            store: Store::default(),
+        }
+    }
+
+    fn expected(&mut self) -> &Expected {
+        self.expected
+            .get_or_insert_with(|| Expected::of(&*self.model))
+    }
+
+    /// Checks one tensor's name, shape and dtype against the model.
+    fn check(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<(), WeightSyncError> {
+        let expected = self.expected();
+        let want = expected
+            .shapes
+            .get(name)
+            .ok_or_else(|| WeightSyncError::UnknownTensor {
+                name: name.to_owned(),
+            })?;
+        if want.as_slice() != shape {
+            return Err(WeightSyncError::ShapeMismatch {
+                name: name.to_owned(),
+                expected: want.clone(),
+                found: shape.to_vec(),
+            });
+        }
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(WeightSyncError::UnsupportedDtype {
+                name: name.to_owned(),
+                dtype,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl<M: SyncTarget> WeightReceiver for ModelReceiver<'_, M> {
+    /// Checks every tensor of the plan before any data moves, and forgets an earlier,
+    /// unfinished sync.
+    fn begin(&mut self, manifest: &SyncManifest) -> Result<(), WeightSyncError> {
+        self.store.tensors.borrow_mut().clear();
+        for t in manifest.tensors() {
+            self.check(&t.name, &t.shape, t.dtype)?;
+        }
+        Ok(())
+    }
+
+    fn receive(&mut self, bucket: &WeightBucket) -> Result<(), WeightSyncError> {
+        for item in bucket.iter() {
+            let (t, bytes) = item?;
+            self.check(&t.name, &t.shape, t.dtype)?;
+            let mut tensors = self.store.tensors.borrow_mut();
+            if tensors.contains_key(&t.name) {
+                return Err(WeightSyncError::DuplicateTensor {
+                    name: t.name.clone(),
+                });
+            }
+            tensors.insert(
+                t.name.clone(),
+                Received {
+                    shape: t.shape.clone(),
+                    values: Some(decode_f32(&t.name, bytes, t.dtype)?),
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<(), WeightSyncError> {
+        let store = std::mem::take(&mut self.store);
+        let expected = self.expected();
+        let received = store.tensors.borrow();
+        let fused = received.keys().any(|n| expected.fused_only.contains(n));
+        let required = if fused {
+            &expected.fused
+        } else {
+            &expected.per_expert
+        };
+        let missing: Vec<&String> = required
+            .iter()
+            .filter(|n| !received.contains_key(*n))
+            .collect();
+        if !missing.is_empty() {
+            return Err(WeightSyncError::MissingTensors {
+                count: missing.len(),
+                names: missing.iter().take(5).map(|n| (*n).clone()).collect(),
+            });
+        }
+        drop(received);
+        let model = self.model.reload(&store, &self.device)?;
+        *self.model = model;
+        Ok(())
+    }
+}

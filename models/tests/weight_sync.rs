@@ -1,0 +1,344 @@
+//! Weight sync from a training layout (issue 19, item 6): after one training step under
+//! `tp=2,ep=4`, `ep=2,etp=2` and `tp=2,ep=2,etp=2` (4 in-process ranks), the model a
+//! [`ModelReceiver`] rebuilds from the synced buckets equals the full model gathered from the
+//! same trainer — bit for bit in f32, the bf16 rounding of it in bf16 — for Qwen3-MoE and
+//! DeepSeek-V3 (MTP included), with per-expert and fused expert names, delivered to rank 0 or
+//! broadcast to every rank; and no rank holds more than one bucket plus one tensor's pieces.
+
+use burn::module::{ModuleMapper, Param};
+use burn::tensor::{Device, Tensor, bf16};
+use moe_backend::BackendError;
+use moe_backend::comm::{GroupComms, World};
+use moe_backend::parallel::ParallelLayout;
+use moe_models::distributed::{
+    CausalLmShard, ParallelCausalLm, gather_full_deepseek_v3, gather_full_qwen3_moe,
+};
+use moe_models::export::{ExportHf, export_hf_tensors};
+use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+use moe_models::weight_sync::{
+    ExpertNames, ModelReceiver, SyncDest, SyncDtype, SyncOptions, SyncStats, SyncTarget,
+    WeightSync, WeightSyncError, sync_weights,
+};
+use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, Qwen3MoeConfig};
+use moe_models::{Qwen3MoeForCausalLM, deepseek_v3::DeepseekV3FeedForward};
+
+const LAYOUTS: [(usize, &str); 3] = [(4, "tp=2,ep=4"), (4, "ep=2,etp=2"), (4, "tp=2,ep=2,etp=2")];
+const BUCKET: usize = 16 << 10;
+const S: usize = 8;
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/../tests/fixtures/{name}/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn be(e: impl std::fmt::Display) -> BackendError {
+    BackendError::Replay(e.to_string())
+}
+
+/// A model the test trains, gathers and syncs.
+trait Case: ParallelCausalLm + ExportHf + SyncTarget + Clone + Send + Sync {
+    fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError>;
+    fn shard_model(shard: &Self::Shard) -> &Self {
+        shard.model()
+    }
+}
+
+impl Case for Qwen3MoeForCausalLM {
+    fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
+        gather_full_qwen3_moe(shard, pg)
+    }
+}
+
+impl Case for DeepseekV3ForCausalLM {
+    fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
+        gather_full_deepseek_v3(shard, pg)
+    }
+}
+
+/// Zeroes every float parameter: the rollout model before its first sync.
+struct Zero;
+impl ModuleMapper for Zero {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, t, _) = param.consume();
+        Param::initialized(id, t.zeros_like())
+    }
+}
+
+type Tensors = Vec<(String, Vec<usize>, Vec<u8>)>;
+
+fn tensors<M: ExportHf>(m: &M) -> Tensors {
+    export_hf_tensors(m)
+        .map(|(name, data)| (name, data.shape().to_vec(), data.as_bytes().to_vec()))
+        .collect()
+}
+
+/// `t` (f32 bytes) rounded to bf16 and back, as a bf16 sync followed by an f32 model gives.
+fn bf16_rounded(t: &Tensors) -> Tensors {
+    t.iter()
+        .map(|(name, shape, bytes)| {
+            let rounded = bytes
+                .chunks_exact(4)
+                .flat_map(|b| {
+                    let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    let v = if name.ends_with("e_score_correction_bias") {
+                        v
+                    } else {
+                        bf16::from_f32(v).to_f32()
+                    };
+                    v.to_le_bytes()
+                })
+                .collect();
+            (name.clone(), shape.clone(), rounded)
+        })
+        .collect()
+}
+
+/// The batch of `replica` (8 tokens per row, 2 rows).
+fn batch(replica: usize, vocab: usize) -> TrainBatch {
+    let ids: Vec<i64> = (0..2 * S)
+        .map(|i| ((replica * 31 + i * 7 + 3) % vocab) as i64)
+        .collect();
+    TrainBatch::new(ids.clone(), ids, 2).expect("batch")
+}
+
+/// What one rank reports: its stats per sync, the model it received per sync (if any) and
+/// the gathered reference.
+type RankResult = (Vec<SyncStats>, Vec<Option<Tensors>>, Tensors);
+
+/// Trains `full` one step under `layout`, then syncs it with each of `options` into a zeroed
+/// rollout model (`dest` rank 0 unless the options say otherwise).
+fn train_and_sync<M: Case>(
+    full: &M,
+    layout: &ParallelLayout,
+    options: &[SyncOptions],
+    broadcast: &[bool],
+) -> Vec<RankResult> {
+    let vocab = full.hf_tensors().specs()[0].shape[0];
+    World::run(layout.world, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let world = ctx.world()?;
+        let device = Device::flex().autodiff();
+        let config = TrainerConfig {
+            lr: 1e-2,
+            expert_bias_update_rate: Some(1e-2),
+            ..TrainerConfig::default()
+        };
+        let mut trainer = Trainer::new(full, &pg, world.clone(), config, &device).map_err(be)?;
+        let replica = pg
+            .groups
+            .get(moe_backend::parallel::GroupFamily::DpCp)
+            .index;
+        trainer.step(&batch(replica, vocab)).map_err(be)?;
+        let gathered = tensors(&M::gather(trainer.model(), &pg).map_err(be)?);
+        let mut stats = Vec::new();
+        let mut received = Vec::new();
+        for (opts, &bcast) in options.iter().zip(broadcast) {
+            let mut opts = opts.clone();
+            if bcast {
+                opts.dest = SyncDest::Broadcast(world.clone());
+            }
+            let receives = ctx.rank() == 0 || bcast;
+            let mut rollout = full.clone().valid().map(&mut Zero);
+            let mut rx = ModelReceiver::new(&mut rollout, &Device::flex());
+            let s = sync_weights(
+                M::shard_model(trainer.model()),
+                &pg,
+                opts,
+                receives.then_some(&mut rx as &mut dyn moe_models::weight_sync::WeightReceiver),
+            )
+            .map_err(be)?;
+            stats.push(s);
+            received.push(receives.then(|| tensors(&rollout)));
+        }
+        Ok((stats, received, gathered))
+    })
+    .into_iter()
+    .map(|r| r.expect("rank"))
+    .collect()
+}
+
+fn options(dtype: SyncDtype, experts: ExpertNames) -> SyncOptions {
+    SyncOptions {
+        bucket_bytes: BUCKET,
+        dtype,
+        experts,
+        ..SyncOptions::default()
+    }
+}
+
+/// The largest synced tensor (in its sync dtype) and the largest in f32 (the pieces travel in
+/// the training dtype), from the full model's export.
+fn largest<M: ExportHf>(full: &M, experts: ExpertNames, dtype: SyncDtype) -> (u64, u64) {
+    let specs = moe_models::export::export_hf_tensors_as(full, experts);
+    let f32_max = specs
+        .specs()
+        .iter()
+        .map(|s| s.num_bytes())
+        .max()
+        .unwrap_or(0);
+    let out = match dtype {
+        SyncDtype::F32 => f32_max,
+        SyncDtype::Bf16 => f32_max / 2,
+    };
+    (out, f32_max)
+}
+
+fn check_model<M: Case>(full: &M, what: &str) {
+    let cases = [
+        (SyncDtype::F32, ExpertNames::PerExpert, false),
+        (SyncDtype::Bf16, ExpertNames::Fused, false),
+        (SyncDtype::F32, ExpertNames::Fused, true),
+        (SyncDtype::Bf16, ExpertNames::PerExpert, true),
+    ];
+    let opts: Vec<SyncOptions> = cases.iter().map(|&(d, e, _)| options(d, e)).collect();
+    let bcast: Vec<bool> = cases.iter().map(|c| c.2).collect();
+    let total_f32: u64 = full.hf_tensors().total_bytes();
+    for (world, spec) in LAYOUTS {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let results = train_and_sync(full, &layout, &opts, &bcast);
+        let reference = &results[0].2;
+        for (rank, (stats, received, gathered)) in results.iter().enumerate() {
+            assert!(gathered == reference, "{what} {spec}: gathers differ");
+            for (c, &(dtype, experts, bcast)) in cases.iter().enumerate() {
+                let label =
+                    format!("{what} {spec} rank {rank} {dtype:?} {experts:?} bcast={bcast}");
+                let want = match dtype {
+                    SyncDtype::F32 => reference.clone(),
+                    SyncDtype::Bf16 => bf16_rounded(reference),
+                };
+                match &received[c] {
+                    Some(got) => {
+                        assert_eq!(got.len(), want.len(), "{label}: tensor count");
+                        for (g, w) in got.iter().zip(&want) {
+                            assert!(g == w, "{label}: `{}` differs", w.0);
+                        }
+                        assert!(stats[c].buckets > 1, "{label}: {:?}", stats[c]);
+                    }
+                    None => assert!(rank != 0 && !bcast, "{label}: nothing received"),
+                }
+                // Memory: one bucket (twice while broadcasting) plus one tensor's pieces.
+                let (out_max, f32_max) = largest(full, experts, dtype);
+                let buckets = if bcast { 2 } else { 1 } * (BUCKET as u64).max(out_max);
+                let s = &stats[c];
+                assert!(
+                    s.peak_buffer_bytes <= buckets + f32_max,
+                    "{label}: peak {} > {buckets} + {f32_max}",
+                    s.peak_buffer_bytes
+                );
+                assert!(s.max_piece_bytes <= f32_max, "{label}: {s:?}");
+                assert!(
+                    s.peak_buffer_bytes * 2 < total_f32,
+                    "{label}: peak {} of a {total_f32}-byte model",
+                    s.peak_buffer_bytes
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn qwen3_moe_syncs_from_training_layouts() {
+    let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    let full = config.init(&Device::flex().autodiff()).unwrap();
+    check_model(&full, "qwen3-moe");
+}
+
+#[test]
+fn deepseek_v3_syncs_from_training_layouts() {
+    let config = DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap();
+    assert_eq!(config.num_nextn_predict_layers, 1);
+    let full = config.init(&Device::flex().autodiff()).unwrap();
+    assert!(
+        full.model
+            .layers
+            .iter()
+            .any(|l| matches!(l.mlp, DeepseekV3FeedForward::Moe(_)))
+    );
+    check_model(&full, "deepseek-v3");
+}
+
+/// The stream's names and order are the export's, and the fused names are HF's stacked
+/// experts; a receiver's error names the tensor, after the collective has completed on every
+/// rank.
+#[test]
+fn stream_order_and_receiver_errors() {
+    let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    let full = config.init(&Device::flex()).unwrap();
+    let layout = ParallelLayout::parse(4, "tp=2,ep=4").unwrap();
+    let export_names: Vec<String> = full
+        .hf_tensors()
+        .specs()
+        .iter()
+        .map(|s| s.name.clone())
+        .collect();
+    let (full_ref, layout_ref) = (&full, &layout);
+    let results = World::run(4, |ctx| {
+        let pg = ctx.process_groups(layout_ref)?;
+        let shard = moe_models::distributed::ParallelQwen3Moe::shard(
+            full_ref,
+            &pg,
+            moe_models::distributed::DispatcherKind::AllToAll,
+        )
+        .map_err(be)?;
+        let sync = WeightSync::new(&shard.model, &pg, SyncOptions::default()).map_err(be)?;
+        let names: Vec<String> = sync.manifest().tensors().map(|t| t.name.clone()).collect();
+        let fused = WeightSync::new(
+            &shard.model,
+            &pg,
+            SyncOptions {
+                experts: ExpertNames::Fused,
+                ..SyncOptions::default()
+            },
+        )
+        .map_err(be)?;
+        let fused_names: Vec<(String, Vec<usize>)> = fused
+            .manifest()
+            .tensors()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        // Drain both (collective).
+        let one_bucket = sync.run(None).map_err(be)?;
+        fused.run(None).map_err(be)?;
+        // A target of another shape: the receiver fails on rank 0, naming the tensor.
+        let mut other_cfg = full_ref.config().clone();
+        other_cfg.vocab_size = 128;
+        let mut other = other_cfg.init(&Device::flex()).map_err(be)?;
+        let mut rx = ModelReceiver::new(&mut other, &Device::flex());
+        let err = sync_weights(
+            &shard.model,
+            &pg,
+            SyncOptions::default(),
+            (ctx.rank() == 0)
+                .then_some(&mut rx as &mut dyn moe_models::weight_sync::WeightReceiver),
+        )
+        .err()
+        .map(|e: WeightSyncError| e.to_string());
+        Ok((names, fused_names, one_bucket, err))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (names, fused, stats, err) = r.expect("rank");
+        assert_eq!(names, export_names, "rank {rank}");
+        assert!(fused.contains(&(
+            "model.layers.1.mlp.experts.gate_up_proj".to_owned(),
+            vec![8, 32, 64]
+        )));
+        assert!(fused.contains(&(
+            "model.layers.1.mlp.experts.down_proj".to_owned(),
+            vec![8, 64, 16]
+        )));
+        assert!(!fused.iter().any(|(n, _)| n.contains("experts.0.")));
+        if rank == 0 {
+            assert_eq!(stats.buckets, 1, "the fixture fits one 512 MiB bucket");
+            let err = err.expect("rank 0 fails");
+            assert!(
+                err.contains("`model.embed_tokens.weight`") && err.contains("[256, 64]"),
+                "{err}"
+            );
+        } else {
+            assert_eq!(stats.buckets, 0);
+            assert!(err.is_none(), "rank {rank}: {err:?}");
+        }
+    }
+}
