@@ -308,7 +308,7 @@ impl ParallelQwen3Moe {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) of a [`TrainBatch`], packed or
-    /// padded when it carries a [`SequenceLayout`](crate::packing::SequenceLayout): attention
+    /// padded when it carries a [`SequenceLayout`]: attention
     /// on the gathered sequence stays within each document and skips padded keys, RoPE
     /// positions restart at every document, the loss skips targets across document boundaries
     /// and padding, and the routers leave this rank's padded rows out of their losses and

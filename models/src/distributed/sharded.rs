@@ -66,7 +66,7 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
     /// the causal-LM loss, with `mtp` the multi-token-prediction losses of models that have
     /// MTP modules, router losses attached with the upstream gradient `aux_grad_scale`, and
     /// the routers' expert-bias counts. A batch with a
-    /// [`SequenceLayout`](crate::packing::SequenceLayout) is packed or padded: attention stays
+    /// [`SequenceLayout`] is packed or padded: attention stays
     /// within each document and skips padding, RoPE positions restart at every document, no
     /// target crosses a document boundary or is padding, and the routers leave padded rows out
     /// of their losses and counts.
