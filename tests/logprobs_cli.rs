@@ -1,6 +1,7 @@
 //! `moe logprobs` end to end on the committed qwen3_moe fixture: the vocab-parallel run under
 //! `tp=2,ep=4` (4 in-process ranks, 2 replicas) writes the single-rank (`--layout ""`)
-//! log-probs and entropies, and bad inputs or layouts are clear errors.
+//! log-probs and entropies, and bad inputs or layouts are clear errors; the DeepSeek-V3
+//! fixtures (BF16 and FP8) agree across layouts and with the transformers goldens.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -42,8 +43,13 @@ fn path(p: &Path) -> &str {
 
 /// Runs `moe logprobs` on `input` with `layout`, writing `out`.
 fn logprobs(input: &Path, out: &Path, layout: &str) -> Output {
+    logprobs_of(FIXTURE, input, out, layout)
+}
+
+/// Runs `moe logprobs --model model` on `input` with `layout`, writing `out`.
+fn logprobs_of(model: &str, input: &Path, out: &Path, layout: &str) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moe"))
-        .args(["logprobs", "--model", FIXTURE, "--input", path(input)])
+        .args(["logprobs", "--model", model, "--input", path(input)])
         .args(["--out", path(out), "--layout", layout])
         .env("RUST_LOG", "warn")
         .output()
@@ -51,7 +57,11 @@ fn logprobs(input: &Path, out: &Path, layout: &str) -> Output {
 }
 
 fn ok(input: &Path, out: &Path, layout: &str) {
-    let o = logprobs(input, out, layout);
+    ok_of(FIXTURE, input, out, layout);
+}
+
+fn ok_of(model: &str, input: &Path, out: &Path, layout: &str) {
+    let o = logprobs_of(model, input, out, layout);
     assert!(
         o.status.success(),
         "layout {layout:?} failed ({}):\n{}",
@@ -174,4 +184,97 @@ fn bad_inputs_and_layouts_are_clear_errors() {
     write_ids(&input, Dtype::I64, vec![4, 10], &ids);
     let err = fails(&input, "tp=4");
     assert!(err.contains("heads") && err.contains("tp = 4"), "{err}");
+}
+
+/// A committed fixture directory.
+fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `max |a − b|`.
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// DeepSeek-V3 (and its FP8 release, dequantised on load): the single-rank and the
+/// `tp=2,ep=4` runs agree within 1e-5 of max|value|, and both equal `log_softmax` of the
+/// transformers golden logits (the FP8 release against the golden of its reference
+/// dequantisation) within 1e-4 of max|logit|.
+#[test]
+fn deepseek_v3_logprobs_equal_the_transformers_goldens_under_any_layout() {
+    let tmp = TempDir::new("deepseek");
+    for (model, golden) in [
+        ("deepseek_v3", "deepseek_v3"),
+        ("deepseek_v3_fp8", "deepseek_v3_fp8_dequant"),
+    ] {
+        let file =
+            SafetensorsFile::open(Path::new(&fixture(&format!("{golden}.golden.safetensors"))))
+                .expect("golden");
+        let ids = file.tensor("input_ids").expect("input_ids");
+        let shape = ids.shape.to_vec();
+        let ids: Vec<i64> = ids
+            .to_tensor_data()
+            .expect("ids")
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .expect("i64");
+        let logits_view = file.tensor("logits").expect("logits");
+        let v = logits_view.shape[2];
+        let logits = logits_view.to_f32_vec().expect("logits");
+        let (b, s) = (shape[0], shape[1]);
+        let input = tmp.join(&format!("{model}-ids.safetensors"));
+        write_ids(&input, Dtype::I64, shape, &ids);
+        let (mut want_lp, mut want_h) = (Vec::new(), Vec::new());
+        for row in 0..b {
+            for t in 0..s - 1 {
+                let l = &logits[(row * s + t) * v..(row * s + t + 1) * v];
+                let max = l.iter().fold(f64::MIN, |m, &x| m.max(f64::from(x)));
+                let lse = max
+                    + l.iter()
+                        .map(|&x| (f64::from(x) - max).exp())
+                        .sum::<f64>()
+                        .ln();
+                let target = ids[row * s + t + 1] as usize;
+                want_lp.push((f64::from(l[target]) - lse) as f32);
+                want_h.push(
+                    -l.iter()
+                        .map(|&x| (f64::from(x) - lse).exp() * (f64::from(x) - lse))
+                        .sum::<f64>() as f32,
+                );
+            }
+        }
+        let scale = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let dir = fixture(model);
+        let (one, sharded) = (
+            tmp.join(&format!("{model}-one.safetensors")),
+            tmp.join(&format!("{model}-tp2ep4.safetensors")),
+        );
+        ok_of(&dir, &input, &one, "");
+        ok_of(&dir, &input, &sharded, "tp=2,ep=4");
+        for (name, want) in [("logprobs", &want_lp), ("entropy", &want_h)] {
+            let (shape1, one) = read_f32(&one, name);
+            let (shape2, got) = read_f32(&sharded, name);
+            assert_eq!((shape1, shape2), (vec![b, s - 1], vec![b, s - 1]), "{name}");
+            let value_scale = one.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let layouts = max_err(&got, &one);
+            let (e_one, e_sharded) = (max_err(&one, want), max_err(&got, want));
+            println!(
+                "{model} {name}: tp=2,ep=4 vs world=1 {layouts:.3e} (max|value| \
+                 {value_scale:.4}); vs golden: world=1 {e_one:.3e}, tp=2,ep=4 {e_sharded:.3e} \
+                 (max|logit| {scale:.4})"
+            );
+            assert!(
+                layouts <= 1e-5 * value_scale,
+                "{model} {name}: layouts differ by {layouts}"
+            );
+            assert!(
+                e_one <= 1e-4 * scale && e_sharded <= 1e-4 * scale,
+                "{model} {name}: golden error {e_one} / {e_sharded} > 1e-4 · {scale}"
+            );
+        }
+    }
 }

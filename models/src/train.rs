@@ -349,14 +349,6 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(schedule) = &config.wd_schedule {
             schedule.validate()?;
         }
-        if config.aux_loss_type == AuxLossType::GlobalAux && config.aux_loss_coeff != 0.0 {
-            return Err(ModelError::invalid(
-                "aux_loss_type",
-                "global_aux_loss is not supported by the sharded forward yet (it needs the \
-                 router state across micro-batches); use aux_loss or seq_aux_loss"
-                    .to_owned(),
-            ));
-        }
         let aux_losses = vec![AuxLossSpec {
             kind: config.aux_loss_type,
             coeff: config.aux_loss_coeff,
@@ -496,6 +488,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 "a step needs at least one micro-batch",
             ));
         }
+        self.model.begin_global_batch();
         let mtp_scale = self.config.mtp_loss_scaling_factor;
         let depths = if mtp_scale != 0.0 {
             self.model.mtp_depths()
@@ -677,6 +670,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 "a step needs at least one micro-batch",
             ));
         }
+        self.model.begin_global_batch();
         let mut accumulator = GradientsAccumulator::<M>::new();
         let (mut value_sum, mut tokens) = (0.0f64, 0usize);
         let aux_grad_scale = 1.0 / micro.len() as f64;

@@ -442,6 +442,45 @@ fn seq_aux_loss_training_matches_one_rank() {
     layouts_match_one_rank(&qwen3_moe(&ad()), 256, 1e-3, AuxLossType::SeqAux, false);
 }
 
+/// Megatron's `global_aux_loss`: counts summed over `tp_dp_cp` and averaged over the step's
+/// micro-batches so far (router state carried across the micro-batches, cleared each step).
+/// The statistic depends on how many replicas share a micro-batch (as in Megatron), so the
+/// layouts compared with `world=1` are those with one data-parallel replica.
+#[test]
+fn global_aux_loss_training_matches_one_rank() {
+    let start = deepseek(&ad());
+    let reference = single_rank(&start, 256, 1, 1e-3, AuxLossType::GlobalAux);
+    for layout in [(2, "tp=2,ep=2"), (4, "tp=4,ep=4"), (4, "tp=4,ep=2,etp=2")] {
+        check(
+            layout,
+            &start,
+            256,
+            &reference,
+            1e-3,
+            AuxLossType::GlobalAux,
+            false,
+        );
+    }
+    // Not the plain aux loss: the second micro-batch sees the running average.
+    let aux = single_rank(&start, 256, 1, 1e-3, AuxLossType::Aux);
+    let (global, plain) = (reference.stats[0][0].aux_loss, aux.stats[0][0].aux_loss);
+    assert!(
+        global > 0.0 && (global - plain).abs() > 1e-6 * plain,
+        "{global} vs {plain}"
+    );
+    let start = qwen3_moe(&ad());
+    let reference = single_rank(&start, 256, 1, 1e-3, AuxLossType::GlobalAux);
+    check(
+        (2, "tp=2,ep=2"),
+        &start,
+        256,
+        &reference,
+        1e-3,
+        AuxLossType::GlobalAux,
+        false,
+    );
+}
+
 /// The training forward's MTP loss (Megatron's rolled sequence, world 1) equals the single-rank
 /// `forward_mtp` + `mtp_loss` (HF's truncated sequence), and its main loss the HF loss.
 #[test]

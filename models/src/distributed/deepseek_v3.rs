@@ -15,7 +15,7 @@ use moe_backend::router::TopKRouter;
 
 use super::runtime::{Prepared, RouterTrace, SpRuntime};
 use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward, roll_rows};
-use super::{DispatcherKind, ParallelOutput, err};
+use super::{DispatcherKind, ForwardTraced, ParallelOutput, err};
 use crate::ModelError;
 use crate::deepseek_v3::{
     DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM, DeepseekV3Moe,
@@ -144,6 +144,19 @@ impl ParallelDeepseekV3 {
         )
     }
 
+    /// [`forward_loss`](Self::forward_loss) whose router losses (attached to the graph) get
+    /// the upstream gradient `aux_grad_scale` (the trainer passes `1 / micro-batches`).
+    pub fn forward_loss_scaled(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<ParallelOutput, ModelError> {
+        self.forward_loss_packed(input_ids, labels, batch, None, device, aux_grad_scale)
+    }
+
     fn forward_loss_packed(
         &self,
         input_ids: &[i64],
@@ -153,12 +166,31 @@ impl ParallelDeepseekV3 {
         device: &Device,
         aux_grad_scale: f64,
     ) -> Result<ParallelOutput, ModelError> {
+        let trace = RouterTrace::new(aux_grad_scale);
+        self.forward_traced_packed(input_ids, labels, batch, layout, device, trace)
+            .map(|(out, _, _)| out)
+    }
+
+    /// The main model's forward and loss (no MTP) with the routers driven by `trace`
+    /// (replay / record; its padding rows are set from the batch's layout); also returns the
+    /// recorded per-layer indices and the expert-bias counts.
+    pub(crate) fn forward_traced_packed(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        layout: Option<&SequenceLayout>,
+        device: &Device,
+        mut trace: RouterTrace,
+    ) -> Result<ForwardTraced, ModelError> {
         let rt = &self.rt;
         let p = rt.prepare(input_ids, labels, batch, layout, device)?;
-        let mut trace = p.trace(aux_grad_scale);
+        trace.padding = p.padding.clone();
         let x = self.decoder(input_ids, batch, &p, &mut trace)?;
+        let selected = std::mem::take(&mut trace.selected);
+        let load = std::mem::take(&mut trace.expert_load);
         let model = &self.model.model;
-        rt.head_loss(
+        let out = rt.head_loss(
             x,
             &model.norm,
             self.model.lm_head.as_ref(),
@@ -166,7 +198,8 @@ impl ParallelDeepseekV3 {
             &p.labels,
             p.s,
             trace,
-        )
+        )?;
+        Ok((out, selected, load))
     }
 
     /// This rank's vocabulary columns and TP group (vocab-parallel log-probs).
@@ -237,6 +270,10 @@ impl CausalLmShard for ParallelDeepseekV3 {
 
     fn model(&self) -> &Self::Model {
         &self.model
+    }
+
+    fn begin_global_batch(&self) {
+        self.rt.reset_global_aux();
     }
 
     fn model_mut(&mut self) -> &mut Self::Model {

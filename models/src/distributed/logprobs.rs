@@ -1,5 +1,5 @@
-//! Per-token next-token log-probabilities and entropy of a sharded Qwen3-MoE, computed
-//! vocab-parallel (the inputs of [`crate::rl`]'s losses under any layout).
+//! Per-token next-token log-probabilities and entropy of a sharded Qwen3-MoE or DeepSeek-V3,
+//! computed vocab-parallel (the inputs of [`crate::rl`]'s losses under any layout).
 //!
 //! The head of [`ParallelQwen3Moe`] gathers the replica's sequence-parallel tokens and gives
 //! every TP rank the logits `[B·S, V/tp]` of its vocabulary columns only. From them,
@@ -155,6 +155,65 @@ impl ParallelDeepseekV3 {
         let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
         let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
         sharded_token_logprobs(out, &targets, [rows, seq], &self.runtime().tp)
+    }
+
+    /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
+    /// batch `input_ids [batch, S]` (row-major host ids, identical on every TP rank of the
+    /// replica), scoring HF-style `labels` (−100 ⇒ 0), as
+    /// [`ParallelQwen3Moe::forward_logprobs`]: the main model's sequence-parallel forward
+    /// (the MTP modules do not take part), its vocab-parallel head, and
+    /// [`vocab_parallel_logprobs`]. Identical on the TP ranks of a replica; differentiable on
+    /// an autodiff `device`.
+    ///
+    /// Errors if `S < 2`, an id is outside the vocabulary, a label is neither in it nor −100,
+    /// or `batch · S` does not split over `tp`.
+    pub fn forward_logprobs(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+    ) -> Result<TokenLogProbs, ModelError> {
+        self.forward_logprobs_scaled(input_ids, labels, batch, device, 1.0)
+    }
+
+    /// [`forward_logprobs`](Self::forward_logprobs) whose router losses (attached to the graph)
+    /// get the upstream gradient `aux_grad_scale`.
+    pub fn forward_logprobs_scaled(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let vocab = self.model.config().vocab_size;
+        let seq = check_logprob_ids(input_ids, batch, vocab)?;
+        let targets = next_token_targets(labels, batch, seq, vocab)?;
+        let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
+        sharded_token_logprobs(out, &targets, [batch, seq], &self.runtime().tp)
+    }
+
+    /// A forward-only copy of this rank's model (old and reference policies): parameters on the
+    /// device without autodiff ([`Module::valid`]), same groups and dispatcher.
+    pub fn valid(&self) -> Self {
+        let mut frozen = self.clone();
+        frozen.model = self.model.valid();
+        frozen
+    }
+
+    /// [`forward_logprobs`](Self::forward_logprobs) in forward-only mode on
+    /// [`valid`](Self::valid)'s copy (plain tensors, nothing recorded). Every rank of the
+    /// world must call it.
+    pub fn forward_logprobs_detached(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let frozen = self.valid();
+        let device = frozen.model.model.embed_tokens.weight.val().device();
+        frozen.forward_logprobs(input_ids, labels, batch, &device)
     }
 }
 

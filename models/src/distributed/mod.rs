@@ -420,6 +420,10 @@ impl CausalLmShard for ParallelQwen3Moe {
         &self.model
     }
 
+    fn begin_global_batch(&self) {
+        self.rt.reset_global_aux();
+    }
+
     fn model_mut(&mut self) -> &mut Self::Model {
         &mut self.model
     }

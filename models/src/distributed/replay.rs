@@ -4,7 +4,10 @@
 //! as `routed_experts [batch, seq, layers, topk]` (NeMo-RL / verl `router_replay`):
 //! [`RoutedExperts`]. [`ParallelQwen3Moe::forward_loss_replayed`] routes every MoE layer of
 //! every rank exactly as given, and [`ParallelQwen3Moe::forward_loss_recorded`] returns the
-//! routing of a natural forward in the same format.
+//! routing of a natural forward in the same format. [`ParallelDeepseekV3`] has the same two
+//! entry points (its group-limited router with `e_score_correction_bias` skips the selection
+//! under replay and recomputes the sigmoid weights at the replayed ids, normalised and scaled
+//! by `routed_scaling_factor`).
 //!
 //! # Layout of `routed_experts`
 //!
@@ -36,8 +39,8 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use super::runtime::RouterTrace;
-use super::{ParallelOutput, ParallelQwen3Moe, check_batch, err};
+use super::runtime::{RouterTrace, SpRuntime};
+use super::{ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, check_batch, err};
 use crate::ModelError;
 use crate::replay::{ReplaySpec, RouterReplayFile, RouterReplayModel};
 
@@ -280,7 +283,15 @@ impl ParallelQwen3Moe {
         aux_grad_scale: f64,
         routed: &RoutedExperts,
     ) -> Result<ParallelOutput, ModelError> {
-        let trace = self.replay_trace(input_ids, labels, batch, device, aux_grad_scale, routed)?;
+        let spec = self.replay_spec();
+        let trace = replay_trace(
+            &self.rt,
+            &spec,
+            (input_ids, labels, batch),
+            device,
+            aux_grad_scale,
+            routed,
+        )?;
         Ok(self
             .forward_traced(input_ids, labels, batch, device, trace)?
             .0)
@@ -300,30 +311,31 @@ impl ParallelQwen3Moe {
         aux_grad_scale: f64,
         replay: Option<&RoutedExperts>,
     ) -> Result<(ParallelOutput, RoutedExperts), ModelError> {
-        let mut trace = match replay {
-            Some(routed) => {
-                self.replay_trace(input_ids, labels, batch, device, aux_grad_scale, routed)?
-            }
-            None => RouterTrace::new(aux_grad_scale),
-        };
-        trace.record = true;
+        let spec = self.replay_spec();
+        let batch_ids = (input_ids, labels, batch);
+        let trace = record_trace(&self.rt, &spec, batch_ids, device, aux_grad_scale, replay)?;
         let (out, selected, _) = self.forward_traced(input_ids, labels, batch, device, trace)?;
-        let topk = self.replay_spec().topk;
-        let layers = selected
-            .into_iter()
-            .map(|local| {
-                let full = self.rt.tp.all_gather(local).map_err(err)?;
-                full.into_data()
-                    .try_into_vec_as::<i64>()
-                    .map_err(|e| invalid("routed_experts.indices", format!("{e:?}")))
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        let routed = RoutedExperts::from_layers(batch, input_ids.len() / batch, topk, &layers)?;
+        let routed = gather_routing(&self.rt, &spec, selected, batch, input_ids.len() / batch)?;
         Ok((out, routed))
     }
+}
 
-    /// The trace replaying `routed` on this rank's sequence-parallel rows.
-    fn replay_trace(
+impl ParallelDeepseekV3 {
+    /// What a routing for this model must match: the main model's MoE layers (decoder layers
+    /// from `first_k_dense_replace` on; the MTP modules, which the loss forward does not run,
+    /// have no entry), `k` (`num_experts_per_tok`), `E` (`n_routed_experts`).
+    pub fn replay_spec(&self) -> ReplaySpec {
+        self.model.replay_spec()
+    }
+
+    /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
+    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP ranks), as
+    /// [`ParallelQwen3Moe::forward_loss_replayed`]: the group-limited, bias-shifted selection
+    /// is skipped, and the routing weights are the sigmoid scores of the current logits at the
+    /// replayed ids (without `e_score_correction_bias`), normalised and multiplied by
+    /// `routed_scaling_factor` as in a natural forward. Errors if `routed` does not fit the
+    /// batch and the model ([`RoutedExperts::validate`]).
+    pub fn forward_loss_replayed(
         &self,
         input_ids: &[i64],
         labels: &[i64],
@@ -331,25 +343,109 @@ impl ParallelQwen3Moe {
         device: &Device,
         aux_grad_scale: f64,
         routed: &RoutedExperts,
-    ) -> Result<RouterTrace, ModelError> {
-        let (rank, tp) = (self.rt.tp.rank(), self.rt.tp.size());
-        let s = check_batch(input_ids, labels, batch, tp)?;
-        routed.validate(batch, s, &self.replay_spec())?;
-        let n = batch * s;
-        let rows = rank * n / tp..(rank + 1) * n / tp;
-        let k = routed.topk;
-        let local = (0..routed.layers)
-            .map(|layer| {
-                let ids: Vec<i32> = routed
-                    .layer_rows(layer, rows.clone())
-                    .into_iter()
-                    .map(|v| v as i32)
-                    .collect();
-                Tensor::<2, Int>::from_data(TensorData::new(ids, [rows.len(), k]), device)
-            })
-            .collect();
-        let mut trace = RouterTrace::new(aux_grad_scale);
-        trace.replay = Some(local);
-        Ok(trace)
+    ) -> Result<ParallelOutput, ModelError> {
+        let spec = self.replay_spec();
+        let rt = self.runtime();
+        let batch_ids = (input_ids, labels, batch);
+        let trace = replay_trace(rt, &spec, batch_ids, device, aux_grad_scale, routed)?;
+        Ok(self
+            .forward_traced_packed(input_ids, labels, batch, None, device, trace)?
+            .0)
     }
+
+    /// [`forward_loss_scaled`](Self::forward_loss_scaled) that also returns the replica's
+    /// routing `[batch, S, layers, k]` (every TP rank of the replica returns the whole
+    /// batch's), as [`ParallelQwen3Moe::forward_loss_recorded`]. With `replay`, the routers
+    /// are forced as in [`forward_loss_replayed`](Self::forward_loss_replayed) and the
+    /// returned routing is the one actually used.
+    pub fn forward_loss_recorded(
+        &self,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        device: &Device,
+        aux_grad_scale: f64,
+        replay: Option<&RoutedExperts>,
+    ) -> Result<(ParallelOutput, RoutedExperts), ModelError> {
+        let spec = self.replay_spec();
+        let rt = self.runtime();
+        let batch_ids = (input_ids, labels, batch);
+        let trace = record_trace(rt, &spec, batch_ids, device, aux_grad_scale, replay)?;
+        let (out, selected, _) =
+            self.forward_traced_packed(input_ids, labels, batch, None, device, trace)?;
+        let routed = gather_routing(rt, &spec, selected, batch, input_ids.len() / batch)?;
+        Ok((out, routed))
+    }
+}
+
+/// A replica batch: `(input_ids, labels, batch)`.
+type BatchIds<'a> = (&'a [i64], &'a [i64], usize);
+
+/// A recording trace, replaying `replay` when given.
+fn record_trace(
+    rt: &SpRuntime,
+    spec: &ReplaySpec,
+    batch: BatchIds<'_>,
+    device: &Device,
+    aux_grad_scale: f64,
+    replay: Option<&RoutedExperts>,
+) -> Result<RouterTrace, ModelError> {
+    let mut trace = match replay {
+        Some(routed) => replay_trace(rt, spec, batch, device, aux_grad_scale, routed)?,
+        None => RouterTrace::new(aux_grad_scale),
+    };
+    trace.record = true;
+    Ok(trace)
+}
+
+/// The replica's `[batch, seq, layers, k]` routing from every MoE layer's recorded
+/// `[T_local, k]` selections of this rank (all-gathered over TP, in rank order).
+fn gather_routing(
+    rt: &SpRuntime,
+    spec: &ReplaySpec,
+    selected: Vec<Tensor<2, Int>>,
+    batch: usize,
+    seq: usize,
+) -> Result<RoutedExperts, ModelError> {
+    let layers = selected
+        .into_iter()
+        .map(|local| {
+            let full = rt.tp.all_gather(local).map_err(err)?;
+            full.into_data()
+                .try_into_vec_as::<i64>()
+                .map_err(|e| invalid("routed_experts.indices", format!("{e:?}")))
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    RoutedExperts::from_layers(batch, seq, spec.topk, &layers)
+}
+
+/// The trace replaying `routed` on this rank's sequence-parallel rows (checked against the
+/// batch and `spec` first).
+fn replay_trace(
+    rt: &SpRuntime,
+    spec: &ReplaySpec,
+    (input_ids, labels, batch): BatchIds<'_>,
+    device: &Device,
+    aux_grad_scale: f64,
+    routed: &RoutedExperts,
+) -> Result<RouterTrace, ModelError> {
+    let (rank, tp) = rt.tp_rank_size();
+    let s = check_batch(input_ids, labels, batch, tp)?;
+    routed.validate(batch, s, spec)?;
+    let n = batch * s;
+    let rows = rank * n / tp..(rank + 1) * n / tp;
+    let k = routed.topk;
+    let local = (0..routed.layers)
+        .map(|layer| {
+            let ids: Vec<i32> = routed
+                .layer_rows(layer, rows.clone())
+                .into_iter()
+                .map(|v| v as i32)
+                .collect();
+            Tensor::<2, Int>::from_data(TensorData::new(ids, [rows.len(), k]), device)
+        })
+        .collect();
+    let mut trace = RouterTrace::new(aux_grad_scale);
+    trace.replay = Some(local);
+    Ok(trace)
 }

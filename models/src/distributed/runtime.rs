@@ -51,6 +51,26 @@ pub(crate) struct SpRuntime {
     reducer: GroupCountReducer,
     /// `|tp_cp|` and `|tp_dp_cp|` (the routers' loss groups).
     pub(crate) loss_groups: (usize, usize),
+    /// `global_aux_loss` running counts of the current global batch, per MoE layer.
+    global_aux: GlobalAuxCounts,
+}
+
+/// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global
+/// batch's micro-batches so far and their number `n` (moe-ops §4). Training forwards add to
+/// them; the trainer clears them at the start of each step. A clone starts from a copy.
+#[derive(Debug, Default)]
+struct GlobalAuxCounts(std::sync::Mutex<Vec<(Vec<f64>, usize)>>);
+
+impl GlobalAuxCounts {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(Vec<f64>, usize)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Clone for GlobalAuxCounts {
+    fn clone(&self) -> Self {
+        Self(std::sync::Mutex::new(self.lock().clone()))
+    }
 }
 
 /// What the MoE blocks of one forward report: router logits and the router losses of every
@@ -162,6 +182,7 @@ impl SpRuntime {
         Ok(Self {
             reducer: GroupCountReducer::new(groups),
             loss_groups,
+            global_aux: GlobalAuxCounts::default(),
             tp,
             dispatcher,
             vocab,
@@ -326,6 +347,10 @@ impl SpRuntime {
             state.replay.set_indices(idx);
             state.replay.set_mode(ReplayMode::ReplayForward);
         }
+        let layer = trace.logits.len();
+        if let Some((counts, steps)) = self.global_aux.lock().get(layer) {
+            state.set_global_aux(counts, *steps).map_err(err)?;
+        }
         let rows = self.row_sequences(normed.dims()[0], batch)?;
         let mut options = RouteOptions::default()
             .with_batch_size(batch)
@@ -344,7 +369,21 @@ impl SpRuntime {
         trace.logits.push(out.routing.logits);
         trace.losses.push(out.routing.losses);
         trace.expert_load.push(out.routing.state_update.expert_load);
+        if let Some(counts) = out.routing.state_update.global_aux_counts {
+            let mut store = self.global_aux.lock();
+            if store.len() <= layer {
+                store.resize(layer + 1, (vec![0.0; counts.len()], 0));
+            }
+            let (sum, steps) = &mut store[layer];
+            sum.iter_mut().zip(&counts).for_each(|(g, c)| *g += c);
+            *steps += 1;
+        }
         Ok(out.output)
+    }
+
+    /// Clears the `global_aux_loss` running counts (a new global batch starts).
+    pub(crate) fn reset_global_aux(&self) {
+        self.global_aux.lock().clear();
     }
 
     /// The sequence (`0..batch`) of each of this rank's `local` sequence-parallel rows: the

@@ -93,6 +93,10 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         self.forward_train_batch(&batch, device, aux_grad_scale, mtp)
     }
 
+    /// Starts a new global batch for the routers' state that spans micro-batches (the
+    /// `global_aux_loss` running counts); the trainer calls it at the start of every step.
+    fn begin_global_batch(&self) {}
+
     /// Number of multi-token-prediction depths (MTP modules) the shard trains.
     fn mtp_depths(&self) -> usize {
         0

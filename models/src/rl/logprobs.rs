@@ -19,6 +19,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::ModelError;
 use crate::causal_lm::{IGNORE_INDEX, token_ids};
+use crate::deepseek_v3::DeepseekV3ForCausalLM;
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 use crate::train::TrainBatch;
 
@@ -170,6 +171,19 @@ pub fn qwen3_moe_logprobs(
     device: &Device,
 ) -> Result<TokenLogProbs, ModelError> {
     let vocab = model.config().vocab_size;
+    let ids = checked_token_ids(input_ids, labels, batch, vocab, device)?;
+    logprobs_from_logits(model.forward(ids)?.logits, labels)
+}
+
+/// Checks `input_ids` (`batch` rows of `S ≥ 2` ids in `0..vocab`) and `labels`, and returns
+/// the ids as a `[batch, S]` tensor on `device`.
+fn checked_token_ids(
+    input_ids: &[i64],
+    labels: &[i64],
+    batch: usize,
+    vocab: usize,
+    device: &Device,
+) -> Result<Tensor<2, Int>, ModelError> {
     let seq = input_ids.len().checked_div(batch).unwrap_or(0);
     if batch == 0 || seq < 2 || input_ids.len() != batch * seq {
         return Err(ModelError::InvalidInput {
@@ -182,8 +196,37 @@ pub fn qwen3_moe_logprobs(
     }
     check_ids("input_ids", input_ids, seq, vocab)?;
     next_token_targets(labels, batch, seq, vocab)?;
-    let ids = token_ids(input_ids, [batch, seq], vocab, device)?;
+    token_ids(input_ids, [batch, seq], vocab, device)
+}
+
+/// [`logprobs_from_logits`] of a single-rank DeepSeek-V3's main-model forward (the MTP
+/// modules do not take part) over `input_ids [batch, S]` (host, row-major) on `device`, as
+/// [`qwen3_moe_logprobs`].
+///
+/// Errors on ids outside the vocabulary, a shape that is not `[batch, S ≥ 2]`, or bad labels.
+pub fn deepseek_v3_logprobs(
+    model: &DeepseekV3ForCausalLM,
+    input_ids: &[i64],
+    labels: &[i64],
+    batch: usize,
+    device: &Device,
+) -> Result<TokenLogProbs, ModelError> {
+    let vocab = model.config().vocab_size;
+    let ids = checked_token_ids(input_ids, labels, batch, vocab, device)?;
     logprobs_from_logits(model.forward(ids)?.logits, labels)
+}
+
+/// [`deepseek_v3_logprobs`] in forward-only mode (the model's [`valid`](Module::valid) copy,
+/// plain tensors), for reference and old policies.
+pub fn deepseek_v3_logprobs_detached(
+    model: &DeepseekV3ForCausalLM,
+    input_ids: &[i64],
+    labels: &[i64],
+    batch: usize,
+) -> Result<TokenLogProbs, ModelError> {
+    let model = model.valid();
+    let device = model.model.embed_tokens.weight.val().device();
+    deepseek_v3_logprobs(&model, input_ids, labels, batch, &device)
 }
 
 /// [`qwen3_moe_logprobs`] of a [`TrainBatch`], packed or padded when it carries a

@@ -103,6 +103,25 @@ impl RouterState {
         self.global_aux_steps
     }
 
+    /// Sets the running `global_aux_loss` counts `G` and their micro-batch count `n` (for
+    /// callers that keep them outside the state, e.g. across the fresh states of a sharded
+    /// forward).
+    pub fn set_global_aux(&mut self, tokens_per_expert: &[f64], steps: usize) -> Result<()> {
+        if tokens_per_expert.len() != self.num_experts() {
+            return Err(BackendError::Shape {
+                op: "RouterState::set_global_aux",
+                detail: format!(
+                    "{} counts for {} experts",
+                    tokens_per_expert.len(),
+                    self.num_experts()
+                ),
+            });
+        }
+        self.global_tokens_per_expert = tokens_per_expert.to_vec();
+        self.global_aux_steps = steps;
+        Ok(())
+    }
+
     /// Resets the global-aux-loss counts; call once per global batch.
     pub fn reset_global_aux(&mut self) {
         self.global_tokens_per_expert

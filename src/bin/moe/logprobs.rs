@@ -1,5 +1,5 @@
-//! `moe logprobs`: per-token next-token log-probabilities and entropies of a Qwen3-MoE
-//! checkpoint over a batch of token ids (RL reference / old-policy scoring), under any
+//! `moe logprobs`: per-token next-token log-probabilities and entropies of a Qwen3-MoE or
+//! DeepSeek-V3 checkpoint (FP8 releases are dequantised on load) over a batch of token ids (RL reference / old-policy scoring), under any
 //! parallel layout: in-process ranks (threads) by default, or one process per rank when a
 //! launcher (torchrun, mpirun, srun) started it. The sharded runs compute them vocab-parallel
 //! (`moe_models::distributed::logprobs`); `--layout ""` runs the single-rank model.
@@ -10,14 +10,15 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use burn::tensor::{Device, Tensor};
 use burn_moe::backend::BackendError;
+use burn_moe::backend::comm::GroupComms;
 use burn_moe::backend::parallel::{GroupFamily, ParallelLayout};
 use burn_moe::bridge::AnyCausalLm;
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, SafetensorsFile, write_safetensors};
 use burn_moe::bridge::weights::WeightPrecision;
 use burn_moe::launch::{Placement, Transport, run_spmd};
-use burn_moe::models::Qwen3MoeForCausalLM;
-use burn_moe::models::distributed::{DispatcherKind, ParallelQwen3Moe};
-use burn_moe::models::rl::logprobs::{TokenLogProbs, qwen3_moe_logprobs};
+use burn_moe::models::distributed::{DispatcherKind, ParallelDeepseekV3, ParallelQwen3Moe};
+use burn_moe::models::rl::logprobs::{TokenLogProbs, deepseek_v3_logprobs, qwen3_moe_logprobs};
+use burn_moe::models::{DeepseekV3ForCausalLM, ModelError, Qwen3MoeForCausalLM};
 
 /// Name of the token-id tensor read from `--input`.
 const INPUT_IDS: &str = "input_ids";
@@ -25,7 +26,8 @@ const INPUT_IDS: &str = "input_ids";
 /// Arguments of `moe logprobs`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// HF Qwen3-MoE checkpoint directory or hub-cache model id.
+    /// HF Qwen3-MoE or DeepSeek-V3 checkpoint directory or hub-cache model id (FP8
+    /// DeepSeek-V3 releases are dequantised to f32 on load).
     #[arg(long, value_name = "DIR")]
     pub model: String,
     /// Safetensors file holding integer (I64 or I32) `input_ids` of shape [batch, seq],
@@ -147,11 +149,66 @@ fn model_error(e: burn_moe::models::ModelError) -> BackendError {
     }
 }
 
+/// A checkpoint `moe logprobs` scores.
+enum Scored {
+    Qwen3Moe(Qwen3MoeForCausalLM),
+    DeepseekV3(DeepseekV3ForCausalLM),
+}
+
+impl Scored {
+    fn vocab_size(&self) -> usize {
+        match self {
+            Self::Qwen3Moe(m) => m.config().vocab_size,
+            Self::DeepseekV3(m) => m.config().vocab_size,
+        }
+    }
+
+    /// Single-rank log-probs of `ids [batch, S]` (scored against themselves).
+    fn logprobs(
+        &self,
+        ids: &[i64],
+        batch: usize,
+        device: &Device,
+    ) -> Result<TokenLogProbs, ModelError> {
+        match self {
+            Self::Qwen3Moe(m) => qwen3_moe_logprobs(m, ids, ids, batch, device),
+            Self::DeepseekV3(m) => deepseek_v3_logprobs(m, ids, ids, batch, device),
+        }
+    }
+
+    /// This rank's shard's log-probs of its replica's `ids`: `(replica, replicas, result)`.
+    fn sharded_logprobs(
+        &self,
+        groups: &GroupComms,
+        ids: &[i64],
+        [batch, seq]: [usize; 2],
+        device: &Device,
+    ) -> Result<(usize, TokenLogProbs), ModelError> {
+        let kind = DispatcherKind::AllToAll;
+        let mine = |replica: usize, replicas: usize| {
+            let rows = batch / replicas;
+            (rows, &ids[replica * rows * seq..(replica + 1) * rows * seq])
+        };
+        match self {
+            Self::Qwen3Moe(m) => {
+                let par = ParallelQwen3Moe::shard(m, groups, kind)?;
+                let (rows, mine) = mine(par.replica, par.replicas);
+                Ok((rows, par.forward_logprobs(mine, mine, rows, device)?))
+            }
+            Self::DeepseekV3(m) => {
+                let par = ParallelDeepseekV3::shard(m, groups, kind)?;
+                let (rows, mine) = mine(par.replica, par.replicas);
+                Ok((rows, par.forward_logprobs(mine, mine, rows, device)?))
+            }
+        }
+    }
+}
+
 /// Log-probs and entropies of the whole batch (row-major `[B, S-1]` each) on the ranks of
 /// `placement`: every rank shards `full`, scores its replica's rows, and the replicas' rows
 /// are all-gathered over `dp_cp` (in replica order).
 fn sharded(
-    full: &Qwen3MoeForCausalLM,
+    full: &Scored,
     ids: &[i64],
     [batch, seq]: [usize; 2],
     layout: &ParallelLayout,
@@ -161,12 +218,8 @@ fn sharded(
     let device = Device::flex();
     run_spmd(placement, timeout, |ctx| {
         let groups = ctx.process_groups(layout)?;
-        let par = ParallelQwen3Moe::shard(full, &groups, DispatcherKind::AllToAll)
-            .map_err(model_error)?;
-        let rows = batch / par.replicas;
-        let mine = &ids[par.replica * rows * seq..(par.replica + 1) * rows * seq];
-        let out = par
-            .forward_logprobs(mine, mine, rows, &device)
+        let (rows, out) = full
+            .sharded_logprobs(&groups, ids, [batch, seq], &device)
             .map_err(model_error)?;
         let dp_cp = groups.comm(GroupFamily::DpCp);
         let n = rows * (seq - 1);
@@ -199,19 +252,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let device = Device::flex();
     let full = match crate::progress::load_model(&args.model, WeightPrecision::F32, &device)? {
-        AnyCausalLm::Qwen3Moe(m) => m,
-        _ => bail!(
-            "{}: `moe logprobs` runs Qwen3-MoE checkpoints only",
+        AnyCausalLm::Qwen3Moe(m) => Scored::Qwen3Moe(m),
+        AnyCausalLm::DeepseekV3(m) => Scored::DeepseekV3(m),
+        AnyCausalLm::Qwen3(_) => bail!(
+            "{}: `moe logprobs` runs MoE checkpoints (Qwen3-MoE, DeepSeek-V3) only",
             args.model
         ),
     };
-    let vocab = full.config().vocab_size;
+    let vocab = full.vocab_size();
     check_vocab(&ids, seq, vocab, &args.input)?;
     tracing::info!(batch, seq, layout = %layout, "log-probs");
     let (logprobs, entropy) = crate::progress::with_spinner("log-probs", || {
         if layout.world == 1 {
-            let TokenLogProbs { logprobs, entropy } =
-                qwen3_moe_logprobs(&full, &ids, &ids, batch, &device)?;
+            let TokenLogProbs { logprobs, entropy } = full.logprobs(&ids, batch, &device)?;
             anyhow::Ok((host(logprobs)?, host(entropy)?))
         } else {
             let timeout = Duration::from_secs(args.comm_timeout);

@@ -183,7 +183,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1e-3)]
     pub aux_loss_coeff: f64,
     /// Which load-balancing loss: Megatron's `aux_loss` (counts over a micro-batch of a
-    /// replica) or `seq_aux_loss` (per sequence, as DeepSeek-V3's `seq_aux: true`).
+    /// replica), `seq_aux_loss` (per sequence, as DeepSeek-V3's `seq_aux: true`) or
+    /// `global_aux_loss` (over the global batch).
     #[arg(long, value_enum, default_value_t = AuxLoss::Aux)]
     pub aux_loss_type: AuxLoss,
     /// Coefficient of the router z-loss (0 disables it).
@@ -239,6 +240,9 @@ pub enum AuxLoss {
     Aux,
     /// Megatron's `seq_aux_loss`.
     SeqAux,
+    /// Megatron's `global_aux_loss` (counts over the data-parallel group, averaged over the
+    /// step's micro-batches).
+    GlobalAux,
 }
 
 fn job(args: &Args) -> TrainJob {
@@ -249,6 +253,7 @@ fn job(args: &Args) -> TrainJob {
         aux_loss_type: match args.aux_loss_type {
             AuxLoss::Aux => AuxLossType::Aux,
             AuxLoss::SeqAux => AuxLossType::SeqAux,
+            AuxLoss::GlobalAux => AuxLossType::GlobalAux,
         },
         z_loss_coeff: args.z_loss_coeff,
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
