@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use moe_backend::parallel::ParallelLayout;
+use moe_backend::testing::XorShift64;
 use moe_bridge::dist::DistCheckpoint;
 use moe_bridge::dist::convert::convert_hf_to_dist_with;
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
@@ -93,16 +94,13 @@ fn write_model(dir: &Path, layers: usize) -> (u64, u64) {
         .collect();
     let plan = ShardPlan::greedy(&sizes, 500_000_000);
     let mut writer = HfDirWriter::create(dir, plan, true).expect("create HF writer");
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rng = XorShift64::new(0x9E37_79B9_7F4A_7C15);
     for (name, shape) in &tensors {
         let n: usize = shape.iter().product();
         let mut bytes = Vec::with_capacity(n * 2);
         for _ in 0..n {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
             // Small BF16 values: sign + exponent around 2^-4, random mantissa.
-            let bits = 0x3D00u16 | (state as u16 & 0x807F);
+            let bits = 0x3D00u16 | (rng.next_u64() as u16 & 0x807F);
             bytes.extend_from_slice(&bits.to_le_bytes());
         }
         let t = OwnedTensor::new(name.clone(), Dtype::BF16, shape.clone(), bytes).expect("tensor");

@@ -209,6 +209,10 @@ pub fn train_steps(
 pub(crate) fn to_backend(e: moe_models::ModelError) -> moe_backend::BackendError {
     match e {
         moe_models::ModelError::Backend(b) => b,
+        moe_models::ModelError::Layout { field, reason } => moe_backend::BackendError::Layout {
+            field,
+            detail: reason,
+        },
         other => moe_backend::BackendError::Config {
             field: "model",
             detail: other.to_string(),

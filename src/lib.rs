@@ -4,9 +4,15 @@
 //! framework. This facade re-exports the three crates of the workspace:
 //!
 //! - [`backend`] (`moe-backend`): the MoE compute core — router, permutation, grouped GEMM,
-//!   experts and the single-rank [`backend::layer::MoeLayer`], as a Burn backend extension;
-//! - [`models`] (`moe-models`): model building blocks and HF configuration parsing;
-//! - [`bridge`] (`moe-bridge`): HuggingFace safetensors I/O.
+//!   experts and the single-rank [`backend::layer::MoeLayer`], as a Burn backend extension —
+//!   and what runs across ranks: parallel layouts and process groups, communicators (threads,
+//!   TCP, MPI, NCCL), token dispatchers, ZeRO-1 AdamW and Muon, FP8;
+//! - [`models`] (`moe-models`): dense Qwen3, Qwen3-MoE and DeepSeek-V3 (with MTP) beside their
+//!   HF twins, their sharded forms under any parallel layout, the [`models::train::Trainer`],
+//!   generation, rollouts, router replay, RL losses, weight sync and the layout planner;
+//! - [`bridge`] (`moe-bridge`): checkpoints — HuggingFace safetensors in and out (loading,
+//!   export, live export, upcycling), distributed checkpoints saved and resharded under any
+//!   layout, and the HF tokenizer and chat templates.
 //!
 //! [`finetune`] is the library side of `examples/finetune.rs`: a Qwen3-MoE fine-tuning job on
 //! in-process ranks under any parallel layout. [`quickstart`] is the main-job pipeline of
@@ -15,7 +21,8 @@
 //! [`grpo`] is the RL example: GRPO on a verifiable synthetic task, rollouts → rewards →
 //! advantages → policy update → weight sync on the ranks of a layout.
 //! [`train_job`] is the training job behind `moe train`, one rank's part of it on threads or
-//! processes.
+//! processes; [`launch`] picks the transport at start-up (threads, or one process per rank over
+//! TCP or MPI) and runs a rank closure on it.
 
 pub mod finetune;
 pub mod grpo;

@@ -3,8 +3,10 @@
 //! whether the ranks are threads of one process ([`World`](moe_backend::comm::World)) or processes (MPI,
 //! launched by `mpirun` / `srun`).
 //!
-//! - **Model**: an HF directory (every rank loads it and keeps its shard) or a distributed
-//!   checkpoint (each rank reads only its own boxes, under any layout).
+//! - **Model**: an HF directory or a distributed checkpoint; each rank reads only its own
+//!   boxes, under any layout, and never builds the full model (an HF directory is validated
+//!   against its config before any rank allocates its shard; a distributed checkpoint restores
+//!   into a zero skeleton of the rank's shard).
 //! - **Data**: a global batch of `gbs` sequences per step, independent of the layout: sequence
 //!   `i` of step `s` is row `(s·gbs + i) mod N` of `input_ids [N, S]` from `--data` (a
 //!   safetensors file, or text tokenized into such rows: [`TrainJob::data`]), or the
@@ -32,8 +34,8 @@ use moe_bridge::dist::placement::PlacedModel;
 use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
+use moe_bridge::weights::{HfShard, load_shard_checked};
 use moe_bridge::{BridgeError, Tokenizer};
-use moe_models::distributed::ParallelCausalLm;
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::{
@@ -571,78 +573,46 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
     Ok(())
 }
 
-/// A model family `moe train` can train: how to build it from an HF directory and an
-/// initial template for a distributed checkpoint (whose values are then restored).
-pub trait JobModel: ParallelCausalLm + PlacedModel + Sync {
+/// A model family `moe train` can train. Every rank builds only its own shard: read straight
+/// from an HF directory ([`load_shard_checked`]: validated first, then only this rank's boxes
+/// are read), or, for a distributed checkpoint, a zero skeleton at local shapes
+/// ([`LoadShard::shard_skeleton`](moe_models::distributed::LoadShard::shard_skeleton)) that [`restore_trainer`] fills. No rank builds the full
+/// model.
+pub trait JobModel: HfShard + PlacedModel + Sync {
     /// `model_type` of its `config.json` (also the checkpoints' model family).
     const FAMILY: &'static str;
 
-    /// The model of an HF directory and its vocabulary size.
-    fn from_hf(
-        checkpoint: &HfCheckpoint,
-        config: &Path,
-        device: &Device,
-    ) -> Result<(Self, usize), TrainJobError>;
-
-    /// A model of the configuration at `config` (values to be overwritten by a restore) and
-    /// its vocabulary size.
-    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError>;
+    /// The configuration at `config` and its vocabulary size.
+    fn read_config(config: &Path) -> Result<(Self::Config, usize), TrainJobError>;
 }
 
 impl JobModel for Qwen3MoeForCausalLM {
     const FAMILY: &'static str = "qwen3_moe";
 
-    fn from_hf(
-        checkpoint: &HfCheckpoint,
-        config: &Path,
-        device: &Device,
-    ) -> Result<(Self, usize), TrainJobError> {
+    fn read_config(config: &Path) -> Result<(Qwen3MoeConfig, usize), TrainJobError> {
         let config = Qwen3MoeConfig::from_file(config)?;
-        let model = Self::from_weights(&config, checkpoint, device)?;
-        Ok((model, config.vocab_size))
-    }
-
-    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError> {
-        let config = Qwen3MoeConfig::from_file(config)?;
-        Ok((config.init(device)?, config.vocab_size))
+        let vocab = config.vocab_size;
+        Ok((config, vocab))
     }
 }
 
 impl JobModel for Qwen3ForCausalLM {
     const FAMILY: &'static str = "qwen3";
 
-    fn from_hf(
-        checkpoint: &HfCheckpoint,
-        config: &Path,
-        device: &Device,
-    ) -> Result<(Self, usize), TrainJobError> {
+    fn read_config(config: &Path) -> Result<(Qwen3Config, usize), TrainJobError> {
         let config = Qwen3Config::from_file(config)?;
-        let model = Self::from_weights(&config, checkpoint, device)?;
-        Ok((model, config.vocab_size))
-    }
-
-    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError> {
-        let config = Qwen3Config::from_file(config)?;
-        Ok((config.init(device)?, config.vocab_size))
+        let vocab = config.vocab_size;
+        Ok((config, vocab))
     }
 }
 
 impl JobModel for DeepseekV3ForCausalLM {
     const FAMILY: &'static str = "deepseek_v3";
 
-    fn from_hf(
-        checkpoint: &HfCheckpoint,
-        config: &Path,
-        device: &Device,
-    ) -> Result<(Self, usize), TrainJobError> {
+    fn read_config(config: &Path) -> Result<(DeepseekV3Config, usize), TrainJobError> {
         let config = DeepseekV3Config::from_file(config)?;
-        let model = Self::from_weights(&config, checkpoint, device)?;
-        Ok((model, config.vocab_size))
-    }
-
-    fn template(config: &Path, device: &Device) -> Result<(Self, usize), TrainJobError> {
-        let config = DeepseekV3Config::from_file(config)?;
-        Ok((config.init(device)?, config.vocab_size))
+        let vocab = config.vocab_size;
+        Ok((config, vocab))
     }
 }
 
@@ -718,9 +688,11 @@ fn run_model<M: JobModel>(
         Some(path) => {
             let ckpt = DistCheckpoint::open(path)?;
             let config_path = ckpt.dir().join(moe_bridge::hf::CONFIG_FILE);
-            let (template, vocab) = M::template(&config_path, &device)?;
-            let mut trainer = Trainer::new(
-                &template,
+            // This rank's shard at local shapes, filled by the restore (no full template).
+            let (config, vocab) = M::read_config(&config_path)?;
+            let skeleton = M::shard_skeleton(&config, &groups, job.trainer.dispatcher, &device)?;
+            let mut trainer = Trainer::<M>::from_shard(
+                skeleton,
                 &groups,
                 world.clone(),
                 job.trainer.clone(),
@@ -732,13 +704,19 @@ fn run_model<M: JobModel>(
         }
         None => {
             let checkpoint = HfCheckpoint::open(&job.model)?;
-            // Config, shard set, presence, shapes and dtypes before any weight is read.
-            checkpoint.check()?;
             let config_path = job.model.join(moe_bridge::hf::CONFIG_FILE);
-            let (full, vocab) = M::from_hf(&checkpoint, &config_path, &device)?;
-            let trainer =
-                Trainer::new(&full, &groups, world.clone(), job.trainer.clone(), &device)?;
-            drop(full);
+            // Config, shard set, presence, shapes and dtypes before any weight is read; then
+            // only this rank's boxes.
+            let (shard, report) =
+                load_shard_checked::<M>(&checkpoint, &groups, job.trainer.dispatcher, &device)?;
+            let vocab = report.config.vocab_size();
+            let trainer = Trainer::<M>::from_shard(
+                shard,
+                &groups,
+                world.clone(),
+                job.trainer.clone(),
+                &device,
+            )?;
             let state = TrainState {
                 step: 0,
                 data_position: 0,

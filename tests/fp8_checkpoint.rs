@@ -13,7 +13,7 @@ use burn_moe::backend::fp8::Fp8Recipe;
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
 use burn_moe::bridge::dist::convert::export_dist_to_hf;
 use burn_moe::bridge::dist::fp8::scale_box;
-use burn_moe::bridge::dist::placement::qwen3_moe_placements;
+use burn_moe::bridge::dist::placement::PlacedModel;
 use burn_moe::bridge::dist::{
     DistCheckpoint, SaveMeta, ShardingPlan, TensorBox, TensorKind, TrainState, restore_trainer,
     save_trainer,
@@ -62,7 +62,9 @@ fn fp8_boxes(trainer: &Trainer) -> Fp8Boxes {
     let groups = trainer.process_groups();
     let plan =
         ShardingPlan::new(&groups.layout, Some(model.config().num_hidden_layers)).expect("plan");
-    let placed = qwen3_moe_placements(model, &plan, groups.rank, false).expect("placements");
+    let placed = model
+        .placements(&plan, groups.rank, false)
+        .expect("placements");
     placed
         .iter()
         .filter_map(|p| {

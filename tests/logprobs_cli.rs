@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, SafetensorsFile, write_safetensors};
+use moe_backend::testing::XorShift64;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_moe");
 
@@ -104,15 +105,7 @@ fn read_f32(file: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
 
 /// `[4, 10]` deterministic ids below 256 (the fixture's vocabulary).
 fn ids() -> Vec<i64> {
-    let mut x = 0x1234_5678_9abc_def1_u64;
-    (0..40)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 256) as i64
-        })
-        .collect()
+    XorShift64::new(0x1234_5678_9abc_def1).ids(40, 256)
 }
 
 #[test]

@@ -20,6 +20,7 @@ use burn_moe::bridge::dist::{
 use burn_moe::models::distributed::DispatcherKind;
 use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
 use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use moe_backend::testing::XorShift64;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_moe");
 /// Global batch rows per step and their length.
@@ -45,15 +46,7 @@ fn trainer_config() -> TrainerConfig {
 
 /// Replica `replica` of `replicas`'s rows of the global batch of `step`.
 fn batch(step: usize, replica: usize, replicas: usize, vocab: usize) -> TrainBatch {
-    let mut x = 0x9e37_79b9_u64.wrapping_mul(step as u64 + 7);
-    let ids: Vec<i64> = (0..G * S)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as i64
-        })
-        .collect();
+    let ids = XorShift64::new(0x9e37_79b9_u64.wrapping_mul(step as u64 + 7)).ids(G * S, vocab);
     let rows = G / replicas;
     let mine = ids[replica * rows * S..(replica + 1) * rows * S].to_vec();
     TrainBatch::causal(mine, rows).expect("batch")

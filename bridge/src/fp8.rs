@@ -17,7 +17,10 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::BridgeError;
+use crate::dist::TensorBox;
+use crate::dist::fp8::scale_box;
 use crate::hf::{CONFIG_FILE, HfCheckpoint};
+use crate::safetensors::elem::{bf16_bits_to_f32, f32_to_bf16_bits};
 use crate::safetensors::{Dtype, OwnedTensor, TensorView};
 
 pub use codec::{E4M3_MAX, f32_to_e4m3};
@@ -262,6 +265,97 @@ impl HfCheckpoint {
         }
         let values = t.to_f32_vec()?;
         Ok((t.shape, values))
+    }
+}
+
+impl HfCheckpoint {
+    /// The FP8 block size, read from `config.json` once.
+    fn cached_fp8_block(&self) -> Result<[usize; 2], BridgeError> {
+        match self.fp8_block.get() {
+            Some(block) => Ok(*block),
+            None => {
+                let block = self.fp8_block_size()?;
+                let _ = self.fp8_block.set(block);
+                Ok(block)
+            }
+        }
+    }
+
+    /// The box at `offsets` of extent `shape` of tensor `name` as f32 values, equal to the
+    /// same box of [`read_f32`](Self::read_f32) but reading only the box (positioned reads,
+    /// [`SafetensorsFile::read_box`](crate::safetensors::SafetensorsFile::read_box)): a
+    /// blockwise FP8 weight reads its codes in the box and the scales of the blocks the box
+    /// touches (any box works: every element is scaled by its own block's scale, in global
+    /// block coordinates), dequantises to BF16 and widens; other float tensors are widened.
+    ///
+    /// Errors: as [`read_f32`](Self::read_f32), and [`BridgeError::ShapeMismatch`] when the
+    /// box does not lie inside the tensor.
+    pub fn read_box_f32(
+        &self,
+        name: &str,
+        offsets: &[usize],
+        shape: &[usize],
+    ) -> Result<Vec<f32>, BridgeError> {
+        let file = self.shard_for(name)?;
+        let dtype = file.info(name)?.dtype;
+        let scale_name = scale_inv_name(name);
+        if should_dequantize(dtype, self.contains(&scale_name)) {
+            let block = self.cached_fp8_block()?;
+            let fail = |reason: String| BridgeError::Dequantize {
+                path: file.path().to_path_buf(),
+                tensor: name.to_owned(),
+                reason,
+            };
+            let global = file.info(name)?.shape.clone();
+            let expected = scale_shape(&global, block)
+                .ok_or_else(|| fail(format!("shape {global:?} has rank < 2")))?;
+            let scale_file = self.shard_for(&scale_name)?;
+            if scale_file.info(&scale_name)?.shape != expected {
+                return Err(fail(format!(
+                    "`{scale_name}` has shape {:?}, expected {expected:?} for {global:?} in \
+                     {block:?} blocks",
+                    scale_file.info(&scale_name)?.shape
+                )));
+            }
+            let request = TensorBox::new(offsets.to_vec(), shape.to_vec());
+            let sbox = scale_box(&request, block)
+                .ok_or_else(|| fail(format!("shape {global:?} has rank < 2")))?;
+            let codes = file.read_box(name, offsets, shape)?.to_f32_vec()?;
+            let scales = scale_file
+                .read_box(&scale_name, &sbox.offsets, &sbox.shape)?
+                .to_f32_vec()?;
+            let r = shape.len();
+            let (rows, cols) = (shape[r - 2], shape[r - 1]);
+            let (r0, c0) = (offsets[r - 2], offsets[r - 1]);
+            let (sr, sc) = (sbox.shape[r - 2], sbox.shape[r - 1]);
+            let per = (rows * cols).max(1);
+            return Ok(codes
+                .iter()
+                .enumerate()
+                .map(|(k, &v)| {
+                    let (m, rem) = (k / per, k % per);
+                    let (i, j) = (rem / cols.max(1), rem % cols.max(1));
+                    let bi = (r0 + i) / block[0] - r0 / block[0];
+                    let bj = (c0 + j) / block[1] - c0 / block[1];
+                    // Rounded once to BF16 as `read_f32` does, then widened.
+                    bf16_bits_to_f32(f32_to_bf16_bits(v * scales[(m * sr + bi) * sc + bj]))
+                })
+                .collect());
+        }
+        if !matches!(
+            dtype,
+            Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64 | Dtype::F8E4M3 | Dtype::F8E5M2
+        ) {
+            return Err(BridgeError::DtypeMismatch {
+                path: file.path().to_path_buf(),
+                tensor: name.to_owned(),
+                expected: "a float dtype".to_owned(),
+                actual: dtype.to_string(),
+            });
+        }
+        // FP8 without a scale: its values are exact in BF16, so `read_f32`'s value cast to BF16
+        // and widening equals the direct decode.
+        file.read_box(name, offsets, shape)?.to_f32_vec()
     }
 }
 

@@ -21,6 +21,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use moe_backend::fs::{sibling_temp_path, write_atomic_bytes};
 use moe_models::export::{ExportHf, HfTensorSpec, HfTensors};
 use serde_json::{Value, json};
 
@@ -28,7 +29,7 @@ use crate::BridgeError;
 use crate::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
 use crate::fp8::{quantize_blockwise, scale_inv_name};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
-use crate::safetensors::{Dtype, MEMORY, OwnedTensor, planned_header, pt_metadata};
+use crate::safetensors::{Dtype, MEMORY, OwnedTensor, commit_dir, planned_header, pt_metadata};
 
 /// dtype of the exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -272,7 +273,7 @@ pub fn write_hf_tensors(
     if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(io(parent))?;
     }
-    let tmp = sibling(target, "live-tmp");
+    let tmp = sibling_temp_path(target, "live-tmp");
     std::fs::create_dir(&tmp).map_err(io(&tmp))?;
     let mut guard = TempDirGuard {
         tmp: tmp.clone(),
@@ -319,7 +320,7 @@ pub fn write_hf_tensors(
     close(open.take())?;
     if shards.is_empty() {
         let path = tmp.join(SINGLE_FILE);
-        std::fs::write(&path, shard_header(&[], &path)?).map_err(io(&tmp))?;
+        write_atomic_bytes(&path, &shard_header(&[], &path)?)?;
     }
 
     let all: Vec<&Planned> = shards.iter().flatten().collect();
@@ -358,22 +359,7 @@ pub fn write_hf_tensors(
         .unwrap_or_else(|| default_generation_config(config));
     write_json(&tmp.join(GENERATION_CONFIG_FILE), &generation)?;
 
-    if target.exists() {
-        if !opts.overwrite {
-            return Err(BridgeError::TargetExists {
-                path: target.to_path_buf(),
-            });
-        }
-        let old = sibling(target, "live-old");
-        std::fs::rename(target, &old).map_err(io(target))?;
-        if let Err(e) = std::fs::rename(&tmp, target) {
-            let _ = std::fs::rename(&old, target);
-            return Err(io(target)(e));
-        }
-        std::fs::remove_dir_all(&old).map_err(io(&old))?;
-    } else {
-        std::fs::rename(&tmp, target).map_err(io(target))?;
-    }
+    commit_dir(&tmp, target, opts.overwrite)?;
     guard.committed = true;
     Ok(LiveExportSummary {
         target: target.to_path_buf(),
@@ -394,29 +380,13 @@ pub fn export_live_model<M: ExportHf + ?Sized>(
     write_hf_tensors(model.hf_tensors(), config, generation_config, target, opts)
 }
 
-fn sibling(path: &Path, tag: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
-    let hidden = format!(".{name}.{tag}-{}-{n}", std::process::id());
-    match path.parent() {
-        Some(parent) => parent.join(hidden),
-        None => PathBuf::from(hidden),
-    }
-}
-
 fn write_json(path: &Path, value: &Value) -> Result<(), BridgeError> {
     let mut text = serde_json::to_string_pretty(value).map_err(|e| BridgeError::InvalidJson {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
     text.push('\n');
-    let mut file = File::create(path).map_err(io(path))?;
-    file.write_all(text.as_bytes()).map_err(io(path))?;
-    file.sync_all().map_err(io(path))
+    Ok(write_atomic_bytes(path, text.as_bytes())?)
 }
 
 #[cfg(test)]

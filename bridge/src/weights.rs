@@ -21,6 +21,9 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
+use moe_backend::comm::GroupComms;
+use moe_models::distributed::{DispatcherKind, LoadShard};
+use moe_models::weights::check_box;
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, ParamCount, Qwen3Config, Qwen3ForCausalLM,
     Qwen3MoeConfig, Qwen3MoeForCausalLM, WeightSource,
@@ -57,6 +60,35 @@ impl WeightSource for HfCheckpoint {
 
     fn contains(&self, hf_name: &str) -> bool {
         HfCheckpoint::contains(self, hf_name)
+    }
+
+    /// [`HfCheckpoint::read_box_f32`]: only the box is read (positioned reads; an FP8 weight's
+    /// box with the scales of the blocks it touches). The stored shape must be `global`
+    /// ([`ModelError::TensorShape`] otherwise); read failures are [`ModelError::TensorRead`]
+    /// whose reason is the bridge error (naming the file).
+    fn tensor_box_f32(
+        &self,
+        hf_name: &str,
+        global: &[usize],
+        offsets: &[usize],
+        shape: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        check_box(hf_name, global, offsets, shape)?;
+        let stored = self.info(hf_name).map_err(|_| ModelError::MissingTensor {
+            name: hf_name.to_owned(),
+        })?;
+        if stored.shape != global {
+            return Err(ModelError::TensorShape {
+                name: hf_name.to_owned(),
+                expected: global.to_vec(),
+                found: stored.shape.clone(),
+            });
+        }
+        self.read_box_f32(hf_name, offsets, shape)
+            .map_err(|e| ModelError::TensorRead {
+                name: hf_name.to_owned(),
+                reason: e.to_string(),
+            })
     }
 }
 
@@ -111,6 +143,122 @@ impl WeightSource for CheckpointSource<'_> {
     fn contains(&self, hf_name: &str) -> bool {
         self.checkpoint.contains(hf_name)
     }
+
+    fn tensor_box_f32(
+        &self,
+        hf_name: &str,
+        global: &[usize],
+        offsets: &[usize],
+        shape: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        check_box(hf_name, global, offsets, shape)?;
+        let stored = self
+            .checkpoint
+            .info(hf_name)
+            .map_err(|_| ModelError::MissingTensor {
+                name: hf_name.to_owned(),
+            })?;
+        if stored.shape != global {
+            return Err(ModelError::TensorShape {
+                name: hf_name.to_owned(),
+                expected: global.to_vec(),
+                found: stored.shape.clone(),
+            });
+        }
+        match self.checkpoint.read_box_f32(hf_name, offsets, shape) {
+            Ok(mut values) => {
+                if self.precision == WeightPrecision::Bf16 {
+                    for v in &mut values {
+                        *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
+                    }
+                }
+                Ok(values)
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                self.first_error.borrow_mut().get_or_insert(e);
+                Err(ModelError::TensorRead {
+                    name: hf_name.to_owned(),
+                    reason,
+                })
+            }
+        }
+    }
+}
+
+/// A model family whose rank shards load straight from an HF directory: its
+/// [`LoadShard::Config`] is one variant of [`ModelConfig`].
+pub trait HfShard: LoadShard {
+    /// This family's configuration in `config`, `None` for another family.
+    fn config_of(config: &ModelConfig) -> Option<&Self::Config>;
+}
+
+impl HfShard for Qwen3MoeForCausalLM {
+    fn config_of(config: &ModelConfig) -> Option<&Qwen3MoeConfig> {
+        match config {
+            ModelConfig::Qwen3Moe(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+impl HfShard for DeepseekV3ForCausalLM {
+    fn config_of(config: &ModelConfig) -> Option<&DeepseekV3Config> {
+        match config {
+            ModelConfig::DeepseekV3(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+impl HfShard for Qwen3ForCausalLM {
+    fn config_of(config: &ModelConfig) -> Option<&Qwen3Config> {
+        match config {
+            ModelConfig::Qwen3(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// This rank's shard of model family `M` (layout of `groups`, dispatcher `kind`) read straight
+/// from `checkpoint` onto `device`, after validating the checkpoint against its config
+/// ([`HfCheckpoint::check`]: config, shard set, presence, shapes and dtypes of every tensor,
+/// reading nothing beyond the headers), so that a checkpoint that does not fit the model fails
+/// before any rank allocates its shard, with an error naming the tensor and what was expected.
+/// Only this rank's box of each tensor is read (an FP8 weight's box dequantised with the
+/// scales of its blocks): the rank holds its shard plus one box, never the whole model.
+/// Returns the shard and the validation report.
+///
+/// Errors: a config of another model family is [`BridgeError::InvalidConfig`] naming
+/// `model_type`; the rest as [`load_checked`].
+pub fn load_shard_checked<M: HfShard>(
+    checkpoint: &HfCheckpoint,
+    groups: &GroupComms,
+    kind: DispatcherKind,
+    device: &Device,
+) -> Result<(M::Shard, CheckReport), BridgeError> {
+    let report = checkpoint.check()?;
+    let config = M::config_of(&report.config).ok_or_else(|| BridgeError::InvalidConfig {
+        path: checkpoint.dir().join(CONFIG_FILE),
+        field: "model_type".to_owned(),
+        reason: format!(
+            "\"{}\" is not the model family being loaded",
+            report.config.model_type()
+        ),
+    })?;
+    let source = CheckpointSource {
+        checkpoint,
+        precision: WeightPrecision::F32,
+        first_error: RefCell::new(None),
+    };
+    let shard = M::load_shard(config, &source, groups, kind, device).map_err(|err| match source
+        .first_error
+        .take()
+    {
+        Some(read_error) => read_error,
+        None => load_error(err, checkpoint.dir()),
+    })?;
+    Ok((shard, report))
 }
 
 /// A parsed `config.json` of one of the supported model families.
@@ -338,6 +486,7 @@ fn load_error(err: ModelError, dir: &Path) -> BridgeError {
             path,
             summary: err.to_string(),
         },
+        ModelError::Layout { .. } | ModelError::Unsupported { .. } => BridgeError::Model(err),
         other => config_error(other, &dir.join(CONFIG_FILE)),
     }
 }

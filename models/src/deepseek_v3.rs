@@ -10,10 +10,9 @@
 //! The MTP modules (`model.layers.{N+j}`, [`crate::mtp`]) are loaded when
 //! `num_nextn_predict_layers > 0` but are not part of the main forward (models.md §3.6).
 
-use burn::module::{Module, Param};
+use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::tensor::{DType, Device, Int, Tensor};
-use moe_backend::experts::SharedExperts;
+use burn::tensor::{Device, Int, Tensor};
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 use moe_backend::router::RouterState;
 use moe_backend::router::{GroupLimitConfig, RouteOptions, ScoreFunction, TopKRouterConfig};
@@ -368,26 +367,38 @@ pub struct DeepseekV3ForCausalLM {
 impl DeepseekV3ForCausalLM {
     /// Loads every main-model tensor by its HF name (models.md §6); experts per expert or
     /// stacked, not mixed; `e_score_correction_bias` is kept in f32 and never trained.
+    /// Modules are built from the loaded tensors (nothing is initialised and overwritten).
     pub fn from_weights(
         config: &DeepseekV3Config,
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::from_loader(config, &WeightLoader::new(source, device))
+    }
+
+    /// Builds the model (with its MTP modules) from `w`: whole from an unsharded loader, one
+    /// rank's shard at local shapes from a sharded one ([`WeightLoader::sharded`]: MLA heads,
+    /// dense MLPs, embedding and head over TP, this rank's experts and their ETP block; norms,
+    /// latent projections, routers, shared experts and the MTP projections whole), zeros at
+    /// local shapes from a skeleton.
+    pub fn from_loader(
+        config: &DeepseekV3Config,
+        w: &WeightLoader<'_>,
+    ) -> Result<Self, ModelError> {
         config.validate()?;
-        let w = WeightLoader::new(source, device);
         let (h, eps) = (config.hidden_size, config.rms_norm_eps);
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
                 load_layer(
                     config,
-                    &w,
+                    w,
                     &format!("model.layers.{i}"),
                     config.is_moe_layer(i),
                 )
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         let mtp = (0..config.num_nextn_predict_layers)
-            .map(|j| MtpModule::load(config, &w, config.num_hidden_layers + j))
+            .map(|j| MtpModule::load(config, w, config.num_hidden_layers + j))
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(Self {
             model: DeepseekV3Model {
@@ -552,40 +563,14 @@ pub(crate) fn load_layer(
     })
 }
 
-/// Loads one MoE block under `prefix` (`model.layers.{i}.mlp`).
+/// Loads one MoE block under `prefix` (`model.layers.{i}.mlp`): router with its
+/// `e_score_correction_bias`, routed experts, shared experts ([`WeightLoader::moe`]).
 fn load_moe(
     config: &DeepseekV3Config,
     w: &WeightLoader<'_>,
     prefix: &str,
 ) -> Result<MoeLayer, ModelError> {
-    let (h, e, im) = (
-        config.hidden_size,
-        config.n_routed_experts,
-        config.moe_intermediate_size,
-    );
-    let mut moe = config.moe_layer_config()?.init(w.device())?;
-    moe.router.weight = Param::from_tensor(w.tensor(&format!("{prefix}.gate.weight"), [e, h])?);
-    let bias = w
-        .tensor(&format!("{prefix}.gate.e_score_correction_bias"), [e])?
-        .cast(DType::F32);
-    moe.router.expert_bias = Some(Param::from_tensor(bias).set_require_grad(false));
-    let (fc1, fc2) = w.experts(&format!("{prefix}.experts"), e, im, h)?;
-    moe.experts.fc1 = Param::from_tensor(fc1);
-    moe.experts.fc2 = Param::from_tensor(fc2);
-    if config.n_shared_experts > 0 {
-        let shared = w.mlp(
-            &format!("{prefix}.shared_experts"),
-            h,
-            im * config.n_shared_experts,
-        )?;
-        moe.shared_experts = Some(SharedExperts {
-            gate_proj: shared.gate_proj,
-            up_proj: shared.up_proj,
-            down_proj: shared.down_proj,
-            gate: None,
-        });
-    }
-    Ok(moe)
+    w.moe(&config.moe_layer_config()?, prefix)
 }
 
 impl CausalLm for DeepseekV3ForCausalLM {

@@ -2,10 +2,14 @@
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong while reading a model configuration or building a model.
+/// Everything that can go wrong while reading a model configuration, or building, sharding,
+/// running or training a model.
 ///
 /// Config errors name the offending `config.json` field (or fields), so a user can fix the file
-/// without reading our source.
+/// without reading our source; tensor errors name the tensor, input errors the input
+/// ([`InvalidInput`](Self::InvalidInput)), layout errors the parallel degree at fault
+/// ([`Layout`](Self::Layout)), and requests that are valid but not implemented say so
+/// ([`Unsupported`](Self::Unsupported)).
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// The config file could not be read.
@@ -121,12 +125,34 @@ pub enum ModelError {
         /// Why it is rejected.
         reason: String,
     },
+    /// A parallel layout this model cannot run under: a degree that does not divide what it
+    /// splits (`tp` and the attention heads, ...) or a kind of parallelism that is not
+    /// implemented (`pp`, `cp`).
+    #[error("invalid parallel layout (`{field}`): {reason}")]
+    Layout {
+        /// The layout degree at fault (`tp`, `ep`, `pp`/`cp`, ...).
+        field: &'static str,
+        /// Why the model cannot be split this way, with the numbers involved.
+        reason: String,
+    },
+    /// A valid request this model or code path does not implement (e.g. FP8 compute for a
+    /// model without it, or two options that cannot be combined).
+    #[error("`{feature}` is not supported: {reason}")]
+    Unsupported {
+        /// The feature or option asked for, as spelled in the API (`fp8`, `muon`, ...).
+        feature: &'static str,
+        /// What is missing.
+        reason: String,
+    },
     /// Packing information or an attention mask is unusable (the error names the field).
     #[error("invalid packing: {0}")]
     Packing(#[from] crate::packing::PackingError),
     /// An MoE layer of `moe-backend` reported an error.
     #[error("MoE layer: {0}")]
     Backend(#[from] moe_backend::BackendError),
+    /// A parameter that the model's parallel plan does not classify (or classifies twice).
+    #[error(transparent)]
+    Plan(#[from] crate::param_plan::PlanError),
 }
 
 impl ModelError {
@@ -135,6 +161,30 @@ impl ModelError {
         ModelError::InFile {
             path: path.into(),
             source: Box::new(self),
+        }
+    }
+
+    /// Shorthand for [`ModelError::Layout`].
+    pub(crate) fn layout(field: &'static str, reason: impl Into<String>) -> Self {
+        ModelError::Layout {
+            field,
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`ModelError::Unsupported`].
+    pub(crate) fn unsupported(feature: &'static str, reason: impl Into<String>) -> Self {
+        ModelError::Unsupported {
+            feature,
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`ModelError::InvalidInput`].
+    pub(crate) fn input(what: &'static str, reason: impl Into<String>) -> Self {
+        ModelError::InvalidInput {
+            what,
+            reason: reason.into(),
         }
     }
 

@@ -7,13 +7,31 @@
 //!   SwiGLU [`layers::Mlp`], RoPE/YaRN ([`layers::rope`]), GQA attention with QK-norm
 //!   ([`layers::Attention`]) and the KV cache.
 //! - [`qwen3`], [`qwen3_moe`], [`deepseek_v3`]: the models, with HF module/tensor names
-//!   (MLA in [`layers::mla`]).
+//!   (MLA in [`layers::mla`], multi-token prediction in [`mtp`]).
 //! - [`causal_lm`]: loss, HF load-balancing loss, generation, parameter counting.
 //! - [`packing`]: packed sequences (document boundaries, `cu_seqlens`) and padding masks.
 //! - [`weights`]: the [`WeightSource`] trait through which checkpoints are loaded.
+//! - [`distributed`]: each model's shard under any parallel layout on the ranks of a
+//!   moe-backend world (tensor and sequence parallel attention and MLPs, vocab-parallel
+//!   embedding, head and loss, expert-parallel experts behind a token dispatcher).
+//! - [`param_plan`]: each model's parallel plan, one table keyed by module path giving every
+//!   parameter's HF name, storage transform, split, gradient class and FP8 eligibility; the
+//!   trainer's gradient classes, gathering, FP8 primary weights and checkpoint placement read
+//!   it ([`param_plan::Planned`]).
+//! - [`train`]: the training step ([`train::Trainer`]: one rank's shard with ZeRO-1 AdamW or
+//!   Muon, micro-batches, packed or padded batches, router losses).
+//! - [`export`]: a live model's weights streamed in HF layout and names.
+//! - [`replay`]: router replay (record a forward's routing in a small file, force it later).
+//! - [`rollout`], [`rl`]: RL rollouts (batched sampling with log-probs and routed experts) and
+//!   policy-gradient losses (PPO, GSPO, KL, GRPO advantages).
 //! - [`weight_sync`]: streaming, bucketed HF weights from any training layout to a rollout
 //!   model or engine (RL).
+//! - [`plan`]: the layout planner's formulas (parameters, optimizer state and communication
+//!   volume per rank).
 //! - `testing` (feature `testing`): naive loop-based references used by the tests.
+//!
+//! Errors are one [`ModelError`] enum: config errors name the `config.json` field, tensor errors
+//! the tensor, input errors the input, layout errors the parallel degree at fault.
 //!
 //! Tensors are `Tensor<D>` on a runtime [`burn::tensor::Device`] (e.g. `Device::flex()`); wrap
 //! the device with `.autodiff()` for training. Compute is f32 by default; bf16 checkpoints are
@@ -28,6 +46,7 @@ pub mod export;
 pub mod layers;
 pub mod mtp;
 pub mod packing;
+pub mod param_plan;
 pub mod plan;
 pub mod qwen3;
 pub mod qwen3_moe;

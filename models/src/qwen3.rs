@@ -142,8 +142,14 @@ impl Qwen3ForCausalLM {
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::from_loader(config, &WeightLoader::new(source, device))
+    }
+
+    /// Builds the model from `w`: whole from an unsharded loader, one rank's shard at local
+    /// shapes from a sharded one ([`WeightLoader::sharded`]: attention heads, MLP widths,
+    /// embedding and head over TP), zeros at local shapes from a skeleton.
+    pub fn from_loader(config: &Qwen3Config, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
         config.validate()?;
-        let w = WeightLoader::new(source, device);
         let (h, eps) = (config.hidden_size, config.rms_norm_eps);
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
@@ -152,7 +158,7 @@ impl Qwen3ForCausalLM {
                     input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
                     self_attn: config
                         .attention_config()
-                        .load(&w, &format!("{p}.self_attn"))?,
+                        .load(w, &format!("{p}.self_attn"))?,
                     post_attention_layernorm: w.rms_norm(
                         &format!("{p}.post_attention_layernorm"),
                         h,

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{Module, Param};
+use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::fp8::Fp8Recipe;
@@ -290,44 +290,44 @@ pub struct Qwen3MoeForCausalLM {
 impl Qwen3MoeForCausalLM {
     /// Loads every tensor by its HF name (models.md §6). Experts may be stored per expert or
     /// stacked (`mlp.experts.gate_up_proj` / `down_proj`), not mixed; shapes are checked and
-    /// errors name the tensor.
+    /// errors name the tensor. Modules are built from the loaded tensors (nothing is
+    /// initialised and overwritten).
     pub fn from_weights(
         config: &Qwen3MoeConfig,
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::from_loader(config, &WeightLoader::new(source, device))
+    }
+
+    /// Builds the model from `w`: the whole model from an unsharded loader, one rank's shard
+    /// at local shapes from a sharded one ([`WeightLoader::sharded`]: TP slices of attention,
+    /// dense MLPs, embedding and head, this rank's experts and their ETP block), zeros at local
+    /// shapes from a skeleton.
+    pub fn from_loader(config: &Qwen3MoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
         config.validate()?;
-        let w = WeightLoader::new(source, device);
         let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+        let moe_config = (config.num_moe_layers() > 0)
+            .then(|| config.moe_layer_config())
+            .transpose()?;
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
-                let mlp = if config.is_moe_layer(i) {
-                    let mut moe = config.moe_layer_config()?.init(device)?;
-                    moe.router.weight = Param::from_tensor(
-                        w.tensor(&format!("{p}.mlp.gate.weight"), [config.num_experts, h])?,
-                    );
-                    let (fc1, fc2) = w.experts(
-                        &format!("{p}.mlp.experts"),
-                        config.num_experts,
-                        config.moe_intermediate_size,
-                        h,
-                    )?;
-                    moe.experts.fc1 = Param::from_tensor(fc1);
-                    moe.experts.fc2 = Param::from_tensor(fc2);
-                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock { moe })
-                } else {
-                    Qwen3MoeFeedForward::Dense(w.mlp(
+                let mlp = match (&moe_config, config.is_moe_layer(i)) {
+                    (Some(moe), true) => Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
+                        moe: w.moe(moe, &format!("{p}.mlp"))?,
+                    }),
+                    _ => Qwen3MoeFeedForward::Dense(w.mlp(
                         &format!("{p}.mlp"),
                         h,
                         config.intermediate_size,
-                    )?)
+                    )?),
                 };
                 Ok(Qwen3MoeDecoderLayer {
                     input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
                     self_attn: config
                         .attention_config()
-                        .load(&w, &format!("{p}.self_attn"))?,
+                        .load(w, &format!("{p}.self_attn"))?,
                     post_attention_layernorm: w.rms_norm(
                         &format!("{p}.post_attention_layernorm"),
                         h,

@@ -145,11 +145,13 @@ impl RouterReplayFile {
         format::decode(bytes)
     }
 
-    /// Writes the file (not atomically; it is small).
+    /// Writes the file atomically ([`moe_backend::fs::write_atomic`]: a reader sees the old
+    /// file or the new one, never part of it).
     pub fn write(&self, path: impl AsRef<Path>) -> Result<(), ModelError> {
         let path = path.as_ref();
-        std::fs::write(path, self.to_bytes().map_err(|e| e.in_file(path))?)
-            .map_err(|e| replay_error(format!("cannot write: {e}")).in_file(path))
+        let bytes = self.to_bytes().map_err(|e| e.in_file(path))?;
+        moe_backend::fs::write_atomic_bytes(path, &bytes)
+            .map_err(|e| replay_error(format!("cannot write: {}", e.source)).in_file(path))
     }
 
     /// Reads and parses a replay file; errors carry the path.

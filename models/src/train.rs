@@ -30,7 +30,7 @@ use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
     DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    MuonAdamW, MuonConfig, ParamInfo, WdSchedule, default_muon_select,
+    MuonAdamW, MuonConfig, ParamClass, ParamInfo, WdSchedule, default_muon_select,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
 use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
@@ -38,10 +38,9 @@ use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::distributed::sharded::{mtp_labels, scored_targets};
-use crate::distributed::{
-    CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err, param_class,
-};
+use crate::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err};
 use crate::packing::SequenceLayout;
+use crate::param_plan::GradClass;
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 /// One replica's batch: `batch` rows of equal length, row-major; optionally packed (several
@@ -82,7 +81,7 @@ impl TrainBatch {
             || input_ids.len() != labels.len()
             || !input_ids.len().is_multiple_of(batch)
         {
-            return Err(ModelError::invalid(
+            return Err(ModelError::input(
                 "batch",
                 format!(
                     "{} ids and {} labels do not form {batch} equal non-empty rows",
@@ -335,9 +334,29 @@ pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
 
 impl<M: ParallelCausalLm> Trainer<M> {
     /// Shards `full` for this rank (`groups`, all ranks in `world`) and sets up the optimizer
-    /// (with FP8 primary weights a collective: every rank calls it).
+    /// (with FP8 primary weights a collective: every rank calls it): [`from_shard`] of
+    /// [`ParallelCausalLm::shard`].
+    ///
+    /// [`from_shard`]: Self::from_shard
     pub fn new(
         full: &M,
+        groups: &GroupComms,
+        world: Comm,
+        config: TrainerConfig,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let shard = full.shard(groups, config.dispatcher)?;
+        Self::from_shard(shard, groups, world, config, device)
+    }
+
+    /// The trainer of this rank's `shard` (built for the layout of `groups` with
+    /// `config.dispatcher`, e.g. loaded straight from a checkpoint with
+    /// [`LoadShard::load_shard`](crate::distributed::LoadShard::load_shard), or a skeleton a
+    /// restore then fills): applies the FP8 settings and router-loss configuration and sets up
+    /// the optimizer (with FP8 primary weights a collective: every rank calls it). No rank
+    /// ever holds more than its shard.
+    pub fn from_shard(
+        mut model: M::Shard,
         groups: &GroupComms,
         world: Comm,
         config: TrainerConfig,
@@ -354,25 +373,26 @@ impl<M: ParallelCausalLm> Trainer<M> {
             coeff: config.aux_loss_coeff,
         }];
         let z_loss = (config.z_loss_coeff != 0.0).then_some(config.z_loss_coeff);
-        let mut model = match config.fp8 {
-            Some(recipe) => full
-                .clone()
-                .with_fp8(recipe, config.fp8_linears)?
-                .shard(groups, config.dispatcher)?,
-            None => full.shard(groups, config.dispatcher)?,
-        };
+        if let Some(recipe) = config.fp8 {
+            let fp8 = model.model().clone().with_fp8(recipe, config.fp8_linears)?;
+            *model.model_mut() = fp8;
+        }
         if let Some(rate) = config.expert_bias_update_rate {
             for router in model.routers_mut() {
                 router.set_expert_bias_update_rate(rate).map_err(err)?;
             }
         }
         model.set_router_losses(aux_losses, z_loss)?;
+        // Gradient classes from the model's parallel plan (an unplanned parameter is an error
+        // here, before any optimizer state exists).
+        let classes = model.model().param_classes()?;
+        let param_class = classes.classifier();
         let optimizer = match &config.muon {
             Some(muon) => {
                 if config.fp8_primary_weights {
-                    return Err(ModelError::invalid(
+                    return Err(ModelError::unsupported(
                         "muon",
-                        "Muon with FP8 primary weights is not supported (Muon keeps f32 masters)",
+                        "with FP8 primary weights (Muon keeps f32 masters)",
                     ));
                 }
                 Optimizer::Muon(Box::new(MuonAdamW::new(
@@ -483,7 +503,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
     pub fn step_micro_batches(&mut self, micro: &[TrainBatch]) -> Result<StepStats, ModelError> {
         let start = Instant::now();
         if micro.is_empty() {
-            return Err(ModelError::invalid(
+            return Err(ModelError::input(
                 "micro_batches",
                 "a step needs at least one micro-batch",
             ));
@@ -517,7 +537,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         let replicas = self.dp_cp.size();
         let global = self.global_counts(&local)?;
         if global[0] <= 0.0 {
-            return Err(ModelError::invalid(
+            return Err(ModelError::input(
                 "labels",
                 "the global batch has no target token (every label is -100)",
             ));
@@ -609,7 +629,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
     fn update_expert_bias(&mut self, loads: Vec<Option<Vec<f64>>>) -> Result<(), ModelError> {
         let routers = self.model.routers_mut().len();
         if routers != loads.len() && !loads.is_empty() {
-            return Err(ModelError::invalid(
+            return Err(ModelError::input(
                 "expert_load",
                 format!(
                     "{} routers report counts, the model has {routers}",
@@ -634,7 +654,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             .into_data()
             .convert::<f64>()
             .try_into_vec::<f64>()
-            .map_err(|e| ModelError::invalid("expert_load", format!("{e:?}")))?;
+            .map_err(|e| ModelError::input("expert_load", format!("{e:?}")))?;
         let mut offset = 0;
         for (router, load) in self.model.routers_mut().into_iter().zip(&loads) {
             if let Some(load) = load {
@@ -665,7 +685,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
     ) -> Result<StepStats, ModelError> {
         let start = Instant::now();
         if micro.is_empty() {
-            return Err(ModelError::invalid(
+            return Err(ModelError::input(
                 "micro_batches",
                 "a step needs at least one micro-batch",
             ));
@@ -758,10 +778,22 @@ fn enable_fp8_primary<M: ParallelCausalLm>(
             "FP8 primary weights need an FP8 recipe (`fp8`)",
         )
     })?;
-    let linears = config.fp8_linears;
+    // The dense linears' weights that `with_fp8(recipe, linears)` runs in FP8: the plan's
+    // FP8-eligible non-expert entries.
+    let fp8_linears: std::collections::HashSet<String> = if config.fp8_linears {
+        M::parallel_plan()
+            .walk(&module, module.main_layers())?
+            .into_iter()
+            .filter(|t| t.entry.fp8 && t.entry.grad != GradClass::Param(ParamClass::Expert))
+            .map(|t| t.path)
+            .collect()
+    } else {
+        Default::default()
+    };
     let select = move |info: &ParamInfo| {
         Fp8ParamLayout::experts(info).or_else(|| {
-            (linears && M::is_fp8_linear_weight(&info.path))
+            fp8_linears
+                .contains(&info.path)
                 .then(|| Fp8ParamLayout::linear(info))
                 .flatten()
         })
@@ -812,24 +844,6 @@ impl Optimizer {
     }
 }
 
-/// Whether the parameter at `path` is the weight of a linear that
-/// [`Qwen3MoeForCausalLM::with_fp8_linears`] runs in FP8 (attention and dense-MLP projections;
-/// not the router).
-pub(crate) fn is_fp8_linear_weight(path: &str) -> bool {
-    const PROJ: [&str; 7] = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        // Dense MLPs (the module path may carry the enum variant between `mlp` and the
-        // projection); Qwen3-MoE's routed experts are `fc1`/`fc2`.
-        ".gate_proj.weight",
-        ".up_proj.weight",
-        ".down_proj.weight",
-    ];
-    PROJ.iter().any(|p| path.ends_with(p))
-}
-
 /// Adds one forward's per-router counts into the step's running sums.
 fn add_loads(
     sums: &mut Vec<Option<Vec<f64>>>,
@@ -840,7 +854,7 @@ fn add_loads(
         return Ok(());
     }
     if sums.len() != loads.len() {
-        return Err(ModelError::invalid(
+        return Err(ModelError::input(
             "expert_load",
             "micro-batches report counts of different routers",
         ));
@@ -852,7 +866,7 @@ fn add_loads(
             }
             (None, None) => {}
             _ => {
-                return Err(ModelError::invalid(
+                return Err(ModelError::input(
                     "expert_load",
                     "micro-batches report counts of different routers",
                 ));
@@ -866,7 +880,7 @@ fn read_f32(t: Tensor<1>) -> Result<Vec<f32>, ModelError> {
     t.into_data()
         .convert::<f32>()
         .try_into_vec::<f32>()
-        .map_err(|e| ModelError::invalid("loss", format!("unreadable values: {e:?}")))
+        .map_err(|e| ModelError::input("loss", format!("unreadable values: {e:?}")))
 }
 
 fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {
@@ -875,7 +889,7 @@ fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {
         .try_into_vec::<f32>()
         .ok()
         .and_then(|v| v.first().copied())
-        .ok_or_else(|| ModelError::invalid("loss", "the loss tensor is empty"))
+        .ok_or_else(|| ModelError::input("loss", "the loss tensor is empty"))
 }
 
 #[cfg(test)]

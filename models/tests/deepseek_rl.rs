@@ -12,6 +12,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{FixtureSource, Golden, fixtures};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::testing::XorShift64;
 use moe_models::causal_lm::causal_lm_loss;
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::replay::RoutedExperts;
@@ -69,13 +70,7 @@ fn to_backend(e: ModelError) -> moe_backend::BackendError {
 fn batch_ids(vocab: usize) -> Vec<i64> {
     let (shape, mut ids) = Golden::open("deepseek_v3").i64("input_ids");
     assert_eq!(shape, vec![2, S]);
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
-    ids.extend((0..(B - 2) * S).map(|_| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % vocab as u64) as i64
-    }));
+    ids.extend(XorShift64::new(0x2545_f491_4f6c_dd1d).ids((B - 2) * S, vocab));
     ids
 }
 

@@ -7,6 +7,7 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::fp8::Fp8Recipe;
+use moe_backend::testing::XorShift64;
 use moe_models::config::Qwen3MoeConfig;
 use moe_models::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 
@@ -34,17 +35,13 @@ fn config() -> Qwen3MoeConfig {
 /// A learnable token stream: each row counts up from a random start with a random stride
 /// (mod V), so the next token is predictable from the previous two.
 fn batch(step: usize) -> Vec<i64> {
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut rng = XorShift64::new(
+        0x2545_F491_4F6C_DD1Du64 ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
     let v = config().vocab_size as u64;
     (0..BATCH)
         .flat_map(|_| {
-            let (start, stride) = (next() % v, 1 + next() % 3);
+            let (start, stride) = (rng.below(v), 1 + rng.below(3));
             (0..SEQ as u64).map(move |i| ((start + i * stride) % v) as i64)
         })
         .collect()

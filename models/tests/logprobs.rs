@@ -11,6 +11,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{FixtureSource, Golden, fixtures};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::testing::XorShift64;
 use moe_models::distributed::logprobs::vocab_parallel_logprobs;
 use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
 use moe_models::rl::logprobs::{qwen3_moe_logprobs, qwen3_moe_logprobs_detached};
@@ -74,13 +75,7 @@ fn columns(v: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
 fn batch(vocab: usize) -> (Vec<i64>, Vec<i64>) {
     let (shape, mut ids) = Golden::open("qwen3_moe").i64("input_ids");
     assert_eq!(shape, vec![2, S]);
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
-    ids.extend((0..(B - 2) * S).map(|_| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % vocab as u64) as i64
-    }));
+    ids.extend(XorShift64::new(0x2545_f491_4f6c_dd1d).ids((B - 2) * S, vocab));
     let mut labels = ids.clone();
     for at in [0, 1, 2, 3, 2 * S + 7, 4 * S - 1] {
         labels[at] = -100;
@@ -352,17 +347,11 @@ fn single_rank_logprobs_equal_log_softmax_of_the_transformers_goldens() {
 #[test]
 fn vocab_parallel_primitive_equals_log_softmax_with_gradients() {
     let (n, v) = (6, 16);
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut rng = XorShift64::new(0x9e37_79b9_7f4a_7c15);
     let logits: Vec<f32> = (0..n * v)
-        .map(|_| (next() % 10_000) as f32 / 1000.0 - 5.0)
+        .map(|_| rng.below(10_000) as f32 / 1000.0 - 5.0)
         .collect();
-    let mut targets: Vec<i64> = (0..n).map(|_| (next() % v as u64) as i64).collect();
+    let mut targets = rng.ids(n, v);
     targets[2] = -100;
     // Reference on one rank.
     let l = Tensor::<2>::from_data(TensorData::new(logits.clone(), [n, v]), &ad()).require_grad();

@@ -15,6 +15,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::testing::XorShift64;
 use moe_models::distributed::{
     CausalLmShard, DispatcherKind, ParallelCausalLm, ParallelDeepseekV3, ParallelQwen3Moe,
 };
@@ -49,17 +50,12 @@ fn be(e: ModelError) -> moe_backend::BackendError {
 
 /// The three documents (deterministic ids in `1..vocab`).
 fn documents(vocab: usize) -> Vec<Vec<i64>> {
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    let mut rng = XorShift64::new(0x2545_f491_4f6c_dd1d);
     LENGTHS
         .iter()
         .map(|&len| {
             (0..len)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    1 + (x % (vocab as u64 - 1)) as i64
-                })
+                .map(|_| 1 + rng.below(vocab as u64 - 1) as i64)
                 .collect()
         })
         .collect()

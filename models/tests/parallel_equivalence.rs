@@ -10,17 +10,19 @@ use moe_backend::comm::GroupComms;
 use moe_backend::comm::World;
 use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig, ParamTable, default_classify};
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::testing::XorShift64;
 use moe_models::causal_lm::causal_lm_loss;
 use moe_models::distributed::{
-    DispatcherKind, ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, param_class,
+    DispatcherKind, ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe,
 };
+use moe_models::param_plan::Planned;
 use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, Qwen3MoeConfig};
 use moe_models::{Qwen3MoeForCausalLM, causal_lm::CausalLm};
 
 /// What the test needs from a model family.
 trait Arch {
     /// The single-rank model (also the type of one rank's shard).
-    type Model: Module + Clone + Send + Sync + CausalLm + 'static;
+    type Model: Module + Clone + Send + Sync + CausalLm + Planned + 'static;
     /// One rank's sharded model.
     type Par: Send;
     fn init(device: &Device) -> Self::Model;
@@ -120,15 +122,7 @@ fn ad() -> Device {
 
 /// Deterministic token ids of replica `r` at `step`.
 fn batch(step: usize, r: usize, vocab: usize) -> Vec<i64> {
-    let mut x = 0x9e37_79b9_u64.wrapping_mul((step * 131 + r + 1) as u64);
-    (0..B * S)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as i64
-        })
-        .collect()
+    XorShift64::new(0x9e37_79b9_u64.wrapping_mul((step * 131 + r + 1) as u64)).ids(B * S, vocab)
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -249,12 +243,13 @@ fn check<A: Arch>(world: usize, spec: &str, kind: DispatcherKind) {
             epsilon: EPS,
             ..DistributedAdamWConfig::default()
         };
+        let classes = A::module(&mut par).param_classes().map_err(to_backend)?;
         let mut optim = DistributedAdamW::with_classes(
             A::module(&mut par),
             &pg,
             ctx.world()?,
             config,
-            &param_class,
+            &classes.classifier(),
         )?;
         let (mut losses, mut norms, mut logits0) = (Vec::new(), Vec::new(), Vec::new());
         // Every gradient at step 0, after the TP / DP reductions, against the single-rank

@@ -80,7 +80,7 @@ fn zero1_step_traffic_matches_the_planner() {
     use burn::optim::GradientsParams;
     use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig};
     use moe_backend::parallel::GroupFamily;
-    use moe_models::distributed::param_class;
+    use moe_models::param_plan::Planned;
     use moe_models::plan::zero1_step_bytes;
 
     let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
@@ -95,12 +95,16 @@ fn zero1_step_traffic_matches_the_planner() {
             let world_comm = ctx.world()?;
             let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
                 .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let classes = shard
+                .model
+                .param_classes()
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             let mut optim = DistributedAdamW::with_classes(
                 &shard.model,
                 &pg,
                 world_comm.clone(),
                 DistributedAdamWConfig::default(),
-                &param_class,
+                &classes.classifier(),
             )?;
             let ids: Vec<i64> = (0..32).map(|i| (i * 7 % 256) as i64).collect();
             let out = shard

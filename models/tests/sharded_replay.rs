@@ -7,6 +7,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::testing::XorShift64;
 use moe_models::causal_lm::causal_lm_loss;
 use moe_models::distributed::replay::RoutedExperts;
 use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
@@ -37,15 +38,7 @@ fn model() -> Qwen3MoeForCausalLM {
 }
 
 fn ids(vocab: usize) -> Vec<i64> {
-    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
-    (0..B * S)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as i64
-        })
-        .collect()
+    XorShift64::new(0x9e37_79b9_7f4a_7c15).ids(B * S, vocab)
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {

@@ -10,6 +10,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::router::AuxLossType;
+use moe_backend::testing::XorShift64;
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
 use moe_models::mtp::mtp_loss;
@@ -41,15 +42,7 @@ fn deepseek(device: &Device) -> DeepseekV3ForCausalLM {
 
 /// Deterministic ids of sequence `i` of step `step` (the global batch's order).
 fn sequence(step: usize, i: usize, vocab: usize) -> Vec<i64> {
-    let mut x = 0x9e37_79b9_u64.wrapping_mul((step * 977 + i + 1) as u64);
-    (0..S)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as i64
-        })
-        .collect()
+    XorShift64::new(0x9e37_79b9_u64.wrapping_mul((step * 977 + i + 1) as u64)).ids(S, vocab)
 }
 
 /// Micro-batch `m` of replica `r` (of `replicas`) at `step`: sequences

@@ -50,6 +50,43 @@ impl SplitMix {
         all.truncate(k);
         all
     }
+
+    /// A uniformly chosen element of `items` (non-empty).
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())]
+    }
+}
+
+/// xorshift64 (Marsaglia's `13, 7, 17` triple): the token-id stream of the integration tests.
+///
+/// The state is used as given (no seed mixing), so a test keeps its exact stream by passing the
+/// same initial state; it must not be zero. [`SplitMix`] is the generator for new tests.
+#[derive(Clone, Debug)]
+pub struct XorShift64(u64);
+
+impl XorShift64 {
+    /// New generator starting from `state` (non-zero).
+    pub fn new(state: u64) -> Self {
+        Self(state)
+    }
+
+    /// Next raw 64-bit value.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// The next value reduced modulo `n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// `n` token ids in `0..vocab`: `next_u64() % vocab` each.
+    pub fn ids(&mut self, n: usize, vocab: usize) -> Vec<i64> {
+        (0..n).map(|_| self.below(vocab as u64) as i64).collect()
+    }
 }
 
 /// A float tensor of `dtype` from f64 values.
@@ -197,4 +234,30 @@ pub fn finite_difference<F: Fn(&[f64]) -> f64>(f: F, x: &[f64], eps: f64) -> Vec
             (plus - minus) / (2.0 * eps)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::XorShift64;
+
+    /// The stream many tests' token ids are drawn from: pinned so an edit cannot silently
+    /// change every caller's data (values from an independent Python implementation).
+    #[test]
+    fn xorshift64_stream_is_pinned() {
+        let mut rng = XorShift64::new(0x2545_f491_4f6c_dd1d);
+        let first: Vec<u64> = (0..3).map(|_| rng.next_u64()).collect();
+        assert_eq!(
+            first,
+            [
+                0x7f6c_280b_eaa8_e3e7,
+                0xe471_1987_1cf9_abe0,
+                0x3517_4a41_58b8_a0b7
+            ]
+        );
+        let mut rng = XorShift64::new(0x2545_f491_4f6c_dd1d);
+        assert_eq!(
+            rng.ids(2, 1000),
+            [(0x7f6c_280b_eaa8_e3e7u64 % 1000) as i64, 408]
+        );
+    }
 }

@@ -7,10 +7,9 @@
 //! [`stale`] for the rules), and [`temp_dirs`] lists them for `moe validate`.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use moe_backend::fs::{sync_dir, write_atomic_bytes};
 use serde_json::Value;
 
 use super::files::SavedChunk;
@@ -35,11 +34,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> BridgeError + '_ {
         path: path.to_path_buf(),
         source,
     }
-}
-
-/// fsyncs a directory, so renames into it are durable.
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), BridgeError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
 /// A fresh nonce: process id, time and a counter.
@@ -94,13 +88,6 @@ pub fn begin_save_with(
 /// Removes an aborted save's temporary directory (best effort: loaders refuse it anyway).
 pub fn abort_save(tmp: &Path) {
     let _ = std::fs::remove_dir_all(tmp);
-}
-
-/// Writes `bytes` to `path` and fsyncs it.
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), BridgeError> {
-    let mut file = File::create(path).map_err(io(path))?;
-    file.write_all(bytes).map_err(io(path))?;
-    file.sync_all().map_err(io(path))
 }
 
 /// Merges the chunk records of every rank into `index.tensors`; tensors reported with
@@ -181,7 +168,7 @@ fn commit_inner(
         _ => {}
     }
     let index_path = tmp.join(INDEX_FILE);
-    write_synced(&index_path, index.to_json(&index_path)?.as_bytes())?;
+    write_atomic_bytes(&index_path, index.to_json(&index_path)?.as_bytes())?;
     let json_files = config
         .map(|c| (CONFIG_FILE.to_owned(), c))
         .into_iter()
@@ -194,9 +181,9 @@ fn commit_inner(
                 reason: e.to_string(),
             })?;
         text.push('\n');
-        write_synced(&path, text.as_bytes())?;
+        write_atomic_bytes(&path, text.as_bytes())?;
     }
-    write_synced(&tmp.join(COMPLETE_MARKER), b"")?;
+    write_atomic_bytes(&tmp.join(COMPLETE_MARKER), b"")?;
     sync_dir(tmp)?;
     let name = iter_dir_name(index.step);
     let target = root.join(&name);
@@ -205,10 +192,6 @@ fn commit_inner(
     }
     std::fs::rename(tmp, &target).map_err(io(&target))?;
     sync_dir(root)?;
-    let latest = root.join(LATEST_FILE);
-    let latest_tmp = root.join(format!("{LATEST_FILE}.tmp"));
-    write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
-    std::fs::rename(&latest_tmp, &latest).map_err(io(&latest))?;
-    sync_dir(root)?;
+    write_atomic_bytes(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
     Ok(target)
 }

@@ -2,33 +2,20 @@
 //! tensors of a distributed checkpoint (checkpoints.md §3): canonical fqn, global shape, the
 //! rank's box ([`ShardingPlan::rank_shard`]) and the orientation of Burn's storage.
 //!
-//! Supported ([`PlacedModel`]): the shards the [`moe_models::train::Trainer`] trains —
-//! Qwen3-MoE ([`moe_models::distributed::ParallelQwen3Moe`]`::model`) and DeepSeek-V3 with
-//! its MTP modules ([`moe_models::distributed::ParallelDeepseekV3`]`::model`). Burn `Linear`s
-//! store `[in, out]` (the block is their transpose); stacked experts store `fc1 [L, 2F, H]`,
-//! the same row-major order as the canonical `gate_up_proj [L, 2, F, H]` block; a router's
-//! aux-loss-free expert bias is the buffer `mlp.gate.e_score_correction_bias`.
-//!
-//! Each walk states how the model shards every tensor (replicated, TP along a dimension,
-//! routed experts) and checks that the checkpoint's rule ([`shard_rule`]) agrees: a tensor the
-//! rules would place differently, or one without a canonical tensor, is an error naming it.
+//! Every model the [`moe_models::train::Trainer`] trains is placed the same way
+//! ([`PlacedModel`], implemented for every [`Planned`] model): its parallel plan
+//! ([`moe_models::param_plan`]) gives each parameter's canonical name, how Burn stores it
+//! (`Linear`s `[in, out]` are the transpose of the block; stacked experts `fc1 [L, 2F, H]`
+//! have the row-major order of the canonical `gate_up_proj [L, 2, F, H]`) and how the model
+//! splits it; the checkpoint's rule ([`shard_rule`]) must agree. A parameter the plan does not
+//! classify, or one the rules would place differently, is an error naming it.
 
 use std::collections::HashMap;
 
-use burn::module::{Module, Param, ParamId};
-use burn::nn::{Embedding, Linear};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
-use moe_backend::experts::{GroupedExperts, SharedExperts};
-use moe_backend::layer::MoeLayer;
 use moe_backend::optim::{ParamPlacement, transpose_2d};
-use moe_models::deepseek_v3::{
-    DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM,
-};
-use moe_models::layers::mla::{Mla, MlaQuery};
-use moe_models::layers::{Attention, Mlp, RmsNorm};
-use moe_models::mtp::MtpModule;
-use moe_models::qwen3::Qwen3ForCausalLM;
-use moe_models::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
+use moe_models::param_plan::{ParallelPlan, Planned, Storage};
 
 use super::index::TensorKind;
 use super::sharding::{ShardRule, ShardingPlan, shard_rule};
@@ -44,7 +31,7 @@ pub trait PlacedModel: Module {
     /// The placement of every parameter and buffer of `self`, rank `rank`'s shard under
     /// `plan`'s layout, in module order; `with_values` also copies their values (canonical
     /// orientation). Errors name the tensor whose shard does not match the layout or the
-    /// checkpoint's sharding rules, or that has no canonical tensor.
+    /// checkpoint's sharding rules, or that the model's parallel plan does not classify.
     fn placements(
         &self,
         plan: &ShardingPlan,
@@ -53,9 +40,9 @@ pub trait PlacedModel: Module {
     ) -> Result<Vec<PlacedTensor>, BridgeError>;
 }
 
-impl PlacedModel for Qwen3MoeForCausalLM {
+impl<M: Planned> PlacedModel for M {
     fn num_main_layers(&self) -> usize {
-        self.config().num_hidden_layers
+        self.main_layers()
     }
 
     fn placements(
@@ -64,37 +51,19 @@ impl PlacedModel for Qwen3MoeForCausalLM {
         rank: usize,
         with_values: bool,
     ) -> Result<Vec<PlacedTensor>, BridgeError> {
-        qwen3_moe_placements(self, plan, rank, with_values)
-    }
-}
-
-impl PlacedModel for Qwen3ForCausalLM {
-    fn num_main_layers(&self) -> usize {
-        self.config().num_hidden_layers
-    }
-
-    fn placements(
-        &self,
-        plan: &ShardingPlan,
-        rank: usize,
-        with_values: bool,
-    ) -> Result<Vec<PlacedTensor>, BridgeError> {
-        qwen3_placements(self, plan, rank, with_values)
-    }
-}
-
-impl PlacedModel for DeepseekV3ForCausalLM {
-    fn num_main_layers(&self) -> usize {
-        self.config().num_hidden_layers
-    }
-
-    fn placements(
-        &self,
-        plan: &ShardingPlan,
-        rank: usize,
-        with_values: bool,
-    ) -> Result<Vec<PlacedTensor>, BridgeError> {
-        deepseek_v3_placements(self, plan, rank, with_values)
+        let mut w = Walk::new(plan, rank, with_values);
+        let mut visitor = PlanVisitor {
+            plan: M::parallel_plan(),
+            layers: self.main_layers(),
+            path: Vec::new(),
+            walk: &mut w,
+            error: None,
+        };
+        self.visit(&mut visitor);
+        match visitor.error {
+            Some(e) => Err(e),
+            None => Ok(w.out),
+        }
     }
 }
 
@@ -113,38 +82,11 @@ pub struct PlacedTensor {
     pub values: Option<Vec<f32>>,
 }
 
-/// How a Burn parameter relates to its canonical block.
-#[derive(Debug, Clone, Copy)]
-enum Storage {
-    /// Same shape and order.
-    Same,
-    /// 2-D transpose (`Linear` `[in, out]`).
-    Transposed,
-    /// Stacked gated experts `[L, 2F, H]` as `[L, 2, F, H]`.
-    GatedExperts,
-}
-
-/// Replicated on every rank of the stage.
-const REPLICATED: ShardRule = ShardRule::Replicated;
-/// Column-parallel (canonical `[out, in]`: output features) or vocab-parallel.
-const TP_OUT: ShardRule = ShardRule::Tp { dim: 0 };
-/// Row-parallel (canonical `[out, in]`: input features).
-const TP_IN: ShardRule = ShardRule::Tp { dim: 1 };
-/// Routed experts: experts over EP, FFN width over ETP.
-const EXPERTS: ShardRule = ShardRule::Expert { etp_dim: 2 };
-
 struct Walk<'a> {
     plan: &'a ShardingPlan,
     rank: usize,
     with_values: bool,
     out: Vec<PlacedTensor>,
-}
-
-fn unsupported(fqn: &str, what: &str) -> BridgeError {
-    BridgeError::Sharding {
-        tensor: fqn.to_owned(),
-        reason: format!("{what} has no canonical checkpoint tensor (not supported)"),
-    }
 }
 
 impl Walk<'_> {
@@ -260,304 +202,45 @@ impl Walk<'_> {
         });
         Ok(())
     }
-
-    /// A linear whose weight is sharded by `weight` and bias (if any) by `bias`.
-    fn linear_as(
-        &mut self,
-        prefix: &str,
-        linear: &Linear,
-        weight: ShardRule,
-        bias: ShardRule,
-    ) -> Result<(), BridgeError> {
-        self.add(
-            format!("{prefix}.weight"),
-            &linear.weight,
-            Storage::Transposed,
-            weight,
-        )?;
-        if let Some(b) = &linear.bias {
-            self.add(format!("{prefix}.bias"), b, Storage::Same, bias)?;
-        }
-        Ok(())
-    }
-
-    /// Column-parallel (output features over TP, the bias with them).
-    fn column_parallel(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
-        self.linear_as(prefix, linear, TP_OUT, TP_OUT)
-    }
-
-    /// Row-parallel (input features over TP; a bias is added once, replicated).
-    fn row_parallel(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
-        self.linear_as(prefix, linear, TP_IN, REPLICATED)
-    }
-
-    /// Replicated linear.
-    fn replicated(&mut self, prefix: &str, linear: &Linear) -> Result<(), BridgeError> {
-        self.linear_as(prefix, linear, REPLICATED, REPLICATED)
-    }
-
-    fn norm(&mut self, prefix: &str, norm: &RmsNorm) -> Result<(), BridgeError> {
-        self.add(
-            format!("{prefix}.weight"),
-            &norm.weight,
-            Storage::Same,
-            REPLICATED,
-        )
-    }
-
-    /// The vocab-parallel embedding.
-    fn embedding(&mut self, fqn: &str, e: &Embedding) -> Result<(), BridgeError> {
-        self.add(fqn.to_owned(), &e.weight, Storage::Same, TP_OUT)
-    }
-
-    /// Qwen attention: q/k/v column-parallel by head, `o_proj` row-parallel, QK-norms
-    /// replicated.
-    fn attention(&mut self, p: &str, a: &Attention) -> Result<(), BridgeError> {
-        for (name, linear) in [
-            ("q_proj", &a.q_proj),
-            ("k_proj", &a.k_proj),
-            ("v_proj", &a.v_proj),
-        ] {
-            self.column_parallel(&format!("{p}.{name}"), linear)?;
-        }
-        self.row_parallel(&format!("{p}.o_proj"), &a.o_proj)?;
-        if let Some(n) = &a.q_norm {
-            self.norm(&format!("{p}.q_norm"), n)?;
-        }
-        if let Some(n) = &a.k_norm {
-            self.norm(&format!("{p}.k_norm"), n)?;
-        }
-        Ok(())
-    }
-
-    /// MLA: the head-split up-projections (`q_proj` or `q_b_proj`, `kv_b_proj`)
-    /// column-parallel, `o_proj` row-parallel; the latent down-projections and their norms
-    /// replicated.
-    fn mla(&mut self, p: &str, a: &Mla) -> Result<(), BridgeError> {
-        match &a.query {
-            MlaQuery::Direct(q_proj) => self.column_parallel(&format!("{p}.q_proj"), q_proj)?,
-            MlaQuery::LowRank(q) => {
-                self.replicated(&format!("{p}.q_a_proj"), &q.q_a_proj)?;
-                self.norm(&format!("{p}.q_a_layernorm"), &q.q_a_layernorm)?;
-                self.column_parallel(&format!("{p}.q_b_proj"), &q.q_b_proj)?;
-            }
-        }
-        self.replicated(&format!("{p}.kv_a_proj_with_mqa"), &a.kv_a_proj_with_mqa)?;
-        self.norm(&format!("{p}.kv_a_layernorm"), &a.kv_a_layernorm)?;
-        self.column_parallel(&format!("{p}.kv_b_proj"), &a.kv_b_proj)?;
-        self.row_parallel(&format!("{p}.o_proj"), &a.o_proj)
-    }
-
-    /// A dense SwiGLU MLP: gate/up column-parallel, down row-parallel.
-    fn mlp(&mut self, p: &str, mlp: &Mlp) -> Result<(), BridgeError> {
-        self.column_parallel(&format!("{p}.gate_proj"), &mlp.gate_proj)?;
-        self.column_parallel(&format!("{p}.up_proj"), &mlp.up_proj)?;
-        self.row_parallel(&format!("{p}.down_proj"), &mlp.down_proj)
-    }
-
-    fn experts(&mut self, p: &str, experts: &GroupedExperts) -> Result<(), BridgeError> {
-        if !experts.activation.is_gated() {
-            return Err(unsupported(
-                &format!("{p}.gate_up_proj"),
-                "a non-gated expert fc1",
-            ));
-        }
-        if experts.fc1_bias.is_some() || experts.fc2_bias.is_some() {
-            return Err(unsupported(
-                &format!("{p}.fc1_bias"),
-                "an expert bias vector",
-            ));
-        }
-        self.add(
-            format!("{p}.gate_up_proj"),
-            &experts.fc1,
-            Storage::GatedExperts,
-            EXPERTS,
-        )?;
-        self.add(
-            format!("{p}.down_proj"),
-            &experts.fc2,
-            Storage::Same,
-            EXPERTS,
-        )
-    }
-
-    /// Shared experts: replicated (they run on the sequence-parallel tokens).
-    fn shared_experts(&mut self, p: &str, shared: &SharedExperts) -> Result<(), BridgeError> {
-        if shared.gate.is_some() {
-            return Err(unsupported(
-                &format!("{p}.gate.weight"),
-                "a shared-expert output gate",
-            ));
-        }
-        self.replicated(&format!("{p}.gate_proj"), &shared.gate_proj)?;
-        self.replicated(&format!("{p}.up_proj"), &shared.up_proj)?;
-        self.replicated(&format!("{p}.down_proj"), &shared.down_proj)
-    }
-
-    /// An MoE block: router weight and expert bias replicated, routed experts over EP × ETP,
-    /// shared experts (DeepSeek-V3 only) replicated.
-    fn moe(&mut self, p: &str, moe: &MoeLayer, shared_allowed: bool) -> Result<(), BridgeError> {
-        let router = &moe.router;
-        self.add(
-            format!("{p}.gate.weight"),
-            &router.weight,
-            Storage::Same,
-            REPLICATED,
-        )?;
-        if router.bias.is_some() {
-            return Err(unsupported(&format!("{p}.gate.bias"), "a router bias"));
-        }
-        if let Some(bias) = &router.expert_bias {
-            self.add(
-                format!("{p}.gate.e_score_correction_bias"),
-                bias,
-                Storage::Same,
-                REPLICATED,
-            )?;
-        }
-        match &moe.shared_experts {
-            Some(shared) if shared_allowed => {
-                self.shared_experts(&format!("{p}.shared_experts"), shared)?;
-            }
-            Some(_) => {
-                return Err(unsupported(
-                    &format!("{p}.shared_experts"),
-                    "Qwen3-MoE shared experts",
-                ));
-            }
-            None => {}
-        }
-        self.experts(&format!("{p}.experts"), &moe.experts)
-    }
-
-    /// One DeepSeek-V3 decoder layer under `p` (`model.layers.{l}`).
-    fn deepseek_layer(
-        &mut self,
-        p: &str,
-        layer: &DeepseekV3DecoderLayer,
-    ) -> Result<(), BridgeError> {
-        self.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm)?;
-        self.mla(&format!("{p}.self_attn"), &layer.self_attn)?;
-        self.norm(
-            &format!("{p}.post_attention_layernorm"),
-            &layer.post_attention_layernorm,
-        )?;
-        match &layer.mlp {
-            DeepseekV3FeedForward::Dense(mlp) => self.mlp(&format!("{p}.mlp"), mlp),
-            DeepseekV3FeedForward::Moe(block) => self.moe(&format!("{p}.mlp"), &block.moe, true),
-        }
-    }
-
-    /// One MTP module, stored as layer `p` (`model.layers.{N+j}`): `enorm`, `hnorm`,
-    /// `eh_proj` and `shared_head.norm` replicated, the block sharded like any layer.
-    fn mtp(&mut self, p: &str, m: &MtpModule) -> Result<(), BridgeError> {
-        self.norm(&format!("{p}.enorm"), &m.enorm)?;
-        self.norm(&format!("{p}.hnorm"), &m.hnorm)?;
-        self.replicated(&format!("{p}.eh_proj"), &m.eh_proj)?;
-        self.deepseek_layer(p, &m.block)?;
-        self.norm(&format!("{p}.shared_head.norm"), &m.shared_head_norm)
-    }
 }
 
-/// The placement of every parameter and buffer of `model`, rank `rank`'s shard of a Qwen3-MoE
-/// under `plan`'s layout, in module order; `with_values` also copies their values (canonical
-/// orientation). Errors name the tensor whose shard does not match the layout.
-pub fn qwen3_moe_placements(
-    model: &Qwen3MoeForCausalLM,
-    plan: &ShardingPlan,
-    rank: usize,
-    with_values: bool,
-) -> Result<Vec<PlacedTensor>, BridgeError> {
-    let mut w = Walk::new(plan, rank, with_values);
-    let m = &model.model;
-    w.embedding("model.embed_tokens.weight", &m.embed_tokens)?;
-    for (l, layer) in m.layers.iter().enumerate() {
-        let p = format!("model.layers.{l}");
-        w.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm)?;
-        w.attention(&format!("{p}.self_attn"), &layer.self_attn)?;
-        w.norm(
-            &format!("{p}.post_attention_layernorm"),
-            &layer.post_attention_layernorm,
-        )?;
-        match &layer.mlp {
-            Qwen3MoeFeedForward::Dense(mlp) => w.mlp(&format!("{p}.mlp"), mlp)?,
-            Qwen3MoeFeedForward::Sparse(block) => {
-                w.moe(&format!("{p}.mlp"), &block.moe, false)?;
+/// Visits a module's tensors with their paths and places each by its plan entry.
+struct PlanVisitor<'a, 'w> {
+    plan: ParallelPlan,
+    layers: usize,
+    path: Vec<String>,
+    walk: &'a mut Walk<'w>,
+    error: Option<BridgeError>,
+}
+
+impl ModuleVisitor for PlanVisitor<'_, '_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_owned());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.error.is_some() {
+            return;
+        }
+        let path = self.path.join(".");
+        let placed = match self.plan.resolve(&path, self.layers) {
+            Ok(r) => {
+                let (storage, rule) = (r.entry.storage, r.entry.split);
+                self.walk.add(r.hf_name, param, storage, rule)
             }
+            Err(e) => Err(BridgeError::Sharding {
+                tensor: path,
+                reason: e.to_string(),
+            }),
+        };
+        if let Err(e) = placed {
+            self.error = Some(e);
         }
     }
-    w.norm("model.norm", &m.norm)?;
-    if let Some(head) = &model.lm_head {
-        w.column_parallel("lm_head", head)?;
-    }
-    Ok(w.out)
-}
-
-/// The placement of every parameter of `model`, rank `rank`'s shard of a dense Qwen3
-/// ([`moe_models::distributed::ParallelQwen3`]) under `plan`'s layout, in module order.
-pub fn qwen3_placements(
-    model: &Qwen3ForCausalLM,
-    plan: &ShardingPlan,
-    rank: usize,
-    with_values: bool,
-) -> Result<Vec<PlacedTensor>, BridgeError> {
-    let mut w = Walk::new(plan, rank, with_values);
-    let m = &model.model;
-    w.embedding("model.embed_tokens.weight", &m.embed_tokens)?;
-    for (l, layer) in m.layers.iter().enumerate() {
-        let p = format!("model.layers.{l}");
-        w.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm)?;
-        w.attention(&format!("{p}.self_attn"), &layer.self_attn)?;
-        w.norm(
-            &format!("{p}.post_attention_layernorm"),
-            &layer.post_attention_layernorm,
-        )?;
-        w.mlp(&format!("{p}.mlp"), &layer.mlp)?;
-    }
-    w.norm("model.norm", &m.norm)?;
-    if let Some(head) = &model.lm_head {
-        w.column_parallel("lm_head", head)?;
-    }
-    Ok(w.out)
-}
-
-/// The placement of every parameter and buffer of `model`, rank `rank`'s shard of a
-/// DeepSeek-V3 ([`moe_models::distributed::ParallelDeepseekV3`]) under `plan`'s layout, in
-/// module order: the main model (MLA, dense MLPs, MoE blocks with their shared experts and
-/// `e_score_correction_bias`, embedding, final norm, untied head), then MTP module `j` as layer
-/// `num_hidden_layers + j`. `with_values` also copies the values (canonical orientation).
-/// Errors name the tensor whose shard does not match the layout or the sharding rules.
-pub fn deepseek_v3_placements(
-    model: &DeepseekV3ForCausalLM,
-    plan: &ShardingPlan,
-    rank: usize,
-    with_values: bool,
-) -> Result<Vec<PlacedTensor>, BridgeError> {
-    let mut w = Walk::new(plan, rank, with_values);
-    let m = &model.model;
-    let n = model.config().num_hidden_layers;
-    if m.layers.len() != n {
-        return Err(BridgeError::Sharding {
-            tensor: "model.layers".to_owned(),
-            reason: format!(
-                "the model has {} decoder layers, its config num_hidden_layers = {n}",
-                m.layers.len()
-            ),
-        });
-    }
-    w.embedding("model.embed_tokens.weight", &m.embed_tokens)?;
-    for (l, layer) in m.layers.iter().enumerate() {
-        w.deepseek_layer(&format!("model.layers.{l}"), layer)?;
-    }
-    w.norm("model.norm", &m.norm)?;
-    if let Some(head) = &model.lm_head {
-        w.column_parallel("lm_head", head)?;
-    }
-    for (j, module) in model.mtp.iter().enumerate() {
-        w.mtp(&format!("model.layers.{}", n + j), module)?;
-    }
-    Ok(w.out)
 }
 
 /// Placements by parameter id.
@@ -576,7 +259,7 @@ pub(crate) mod tests {
     use moe_backend::comm::World;
     use moe_backend::parallel::ParallelLayout;
     use moe_models::DeepseekV3Config;
-    use moe_models::deepseek_v3::DeepseekV3ForCausalLM;
+    use moe_models::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
     use moe_models::distributed::{DispatcherKind, ParallelDeepseekV3};
 
     use super::*;
@@ -776,7 +459,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn unknown_or_misruled_tensors_are_errors_naming_them() {
+    fn unplanned_tensors_are_errors_naming_them() {
         let config = tiny_deepseek_config(Some(8));
         let full = config.init(&Device::flex()).unwrap();
         let layout = ParallelLayout::parse(1, "").unwrap();
@@ -787,25 +470,25 @@ pub(crate) mod tests {
             let shared = block.moe.shared_experts.as_mut().unwrap();
             shared.gate = Some(burn::nn::LinearConfig::new(16, 1).init(&Device::flex()));
         }
-        let err = deepseek_v3_placements(&gated, &plan, 0, false).unwrap_err();
+        let err = gated.placements(&plan, 0, false).unwrap_err();
         assert!(
             err.to_string()
-                .contains("model.layers.2.mlp.shared_experts.gate.weight"),
+                .contains("`mtp.0.block.mlp.Moe.moe.shared_experts.gate.weight`"),
             "{err}"
         );
-        // A biased dense MLP projection: column-parallel by the model, replicated by the rules.
+        // A biased dense MLP projection: the plan has no entry for the bias.
         let mut biased = full.clone();
         if let DeepseekV3FeedForward::Dense(mlp) = &mut biased.model.layers[0].mlp {
             mlp.gate_proj = burn::nn::LinearConfig::new(16, 24).init(&Device::flex());
         }
-        let err = deepseek_v3_placements(&biased, &plan, 0, false).unwrap_err();
+        let err = biased.placements(&plan, 0, false).unwrap_err();
         assert!(
             err.to_string()
-                .contains("model.layers.0.mlp.gate_proj.bias"),
+                .contains("`model.layers.0.mlp.Dense.gate_proj.bias`"),
             "{err}"
         );
         // The values come in canonical orientation, one per element of the box.
-        let placed = deepseek_v3_placements(&full, &plan, 0, true).unwrap();
+        let placed = full.placements(&plan, 0, true).unwrap();
         for p in &placed {
             let n: usize = p.placement.shape.iter().product();
             assert_eq!(

@@ -200,7 +200,7 @@ impl ShardingPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::testing::{Rng, random_layout, tiny_moe_tensors};
+    use crate::dist::testing::{SplitMix, random_layout, tiny_moe_tensors};
     use crate::dist::validate::check_tiling;
 
     #[test]
@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn main_replicas_cover_every_element_once_for_random_layouts() {
-        let mut rng = Rng::new(7);
+        let mut rng = SplitMix::new(7);
         let tensors = tiny_moe_tensors();
         for _ in 0..60 {
             let layout = random_layout(&mut rng, 8);

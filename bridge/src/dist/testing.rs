@@ -1,39 +1,12 @@
-//! Test helpers: a tiny deterministic RNG, random layouts and a tiny MoE model's canonical
-//! tensors (every split dimension divisible by 8).
+//! Test helpers: random layouts and a tiny MoE model's canonical tensors (every split dimension
+//! divisible by 8), drawn with the workspace's seeded [`SplitMix`].
 
 use moe_backend::parallel::ParallelLayout;
+pub use moe_backend::testing::SplitMix;
 
 use super::files::TensorMeta;
 use super::index::TensorKind;
 use crate::safetensors::Dtype;
-
-/// xorshift64*.
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded generator.
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    /// Next value.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `0..n`.
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-
-    /// A random element.
-    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-}
 
 /// Power-of-two divisors of `n` (the tiny model's split dims are multiples of 8).
 fn divisors(n: usize) -> Vec<usize> {
@@ -44,7 +17,7 @@ fn divisors(n: usize) -> Vec<usize> {
 }
 
 /// A random valid layout of world 1..=`max_world` over tp, cp, pp, ep, etp (dp, edp derived).
-pub fn random_layout(rng: &mut Rng, max_world: usize) -> ParallelLayout {
+pub fn random_layout(rng: &mut SplitMix, max_world: usize) -> ParallelLayout {
     loop {
         let world = 1 + rng.below(max_world);
         let tp = rng.pick(&divisors(world));
@@ -172,6 +145,6 @@ pub fn synthetic_bytes(meta: &TensorMeta) -> Vec<u8> {
     let seed = meta.fqn.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     });
-    let mut rng = Rng::new(seed);
+    let mut rng = SplitMix::new(seed);
     (0..n).map(|_| rng.next_u64() as u8).collect()
 }

@@ -9,7 +9,8 @@ use moe_backend::parallel::ParallelLayout;
 
 use super::index::{INDEX_FILE, LATEST_FILE};
 use super::testing::{
-    Rng, TINY_LAYERS, random_layout, synthetic_bytes, tiny_moe_tensors, tiny_moe_with_optimizer,
+    SplitMix, TINY_LAYERS, random_layout, synthetic_bytes, tiny_moe_tensors,
+    tiny_moe_with_optimizer,
 };
 use super::*;
 use crate::BridgeError;
@@ -73,7 +74,7 @@ fn random_layout_pairs_reload_bit_exactly() {
         .iter()
         .map(|(m, b)| (m.clone(), b.as_slice()))
         .collect();
-    let mut rng = Rng::new(2024);
+    let mut rng = SplitMix::new(2024);
     let dir = TempDir::new("dist-pairs");
     for pair in 0..104 {
         let save_layout = random_layout(&mut rng, 8);

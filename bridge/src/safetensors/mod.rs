@@ -22,6 +22,7 @@ mod writer;
 pub use dtype::Dtype;
 pub use header::{MAX_HEADER_LEN, SafetensorsHeader, TensorInfo, read_header};
 pub use reader::SafetensorsFile;
+pub(crate) use sharded::commit_dir;
 pub use sharded::{HfDirWriter, ShardPlan, write_hf_checkpoint};
 pub use view::{MEMORY, OwnedTensor, TensorView};
 pub(crate) use writer::planned_header;

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::{SafetensorsHeader, TensorInfo, TensorView};
+use super::{OwnedTensor, SafetensorsHeader, TensorInfo, TensorView};
 use crate::BridgeError;
+use crate::dist::region::{TensorBox, for_each_run};
 
 /// An open, memory-mapped safetensors file whose header has been validated
 /// ([`SafetensorsHeader::parse`]: offsets inside the file, no overlaps or holes, byte lengths
@@ -127,6 +128,52 @@ impl SafetensorsFile {
             shape: &info.shape,
             bytes,
         })
+    }
+
+    /// The box at `offsets` of extent `shape` of tensor `name`, in the stored dtype, read with
+    /// positioned reads of its contiguous runs (one per row of the box that is not whole):
+    /// nothing outside the box is read, and the file mapping is not touched, so the pages read
+    /// never count towards this process's resident memory.
+    ///
+    /// Errors: [`BridgeError::TensorNotFound`], [`BridgeError::ShapeMismatch`] when the box
+    /// does not lie inside the tensor, [`BridgeError::Io`] when a read fails.
+    pub fn read_box(
+        &self,
+        name: &str,
+        offsets: &[usize],
+        shape: &[usize],
+    ) -> Result<OwnedTensor, BridgeError> {
+        use std::os::unix::fs::FileExt;
+
+        let info = self.info(name)?;
+        let request = TensorBox::new(offsets.to_vec(), shape.to_vec());
+        if !request.within(&info.shape) {
+            return Err(BridgeError::ShapeMismatch {
+                path: self.path.clone(),
+                tensor: format!("{name} (box at {offsets:?})"),
+                expected: info.shape.clone(),
+                actual: shape.to_vec(),
+            });
+        }
+        let elem = info.dtype.size();
+        let base = (self.header.data_start + info.data_offsets.0) as u64;
+        let io = |source| BridgeError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let file = File::open(&self.path).map_err(io)?;
+        let mut out = vec![0u8; request.numel() * elem];
+        let mut result = Ok(());
+        for_each_run(offsets, shape, &info.shape, |start, dense, run| {
+            if result.is_ok() {
+                result = file.read_exact_at(
+                    &mut out[dense * elem..(dense + run) * elem],
+                    base + (start * elem) as u64,
+                );
+            }
+        });
+        result.map_err(io)?;
+        OwnedTensor::new(name, info.dtype, shape.to_vec(), out)
     }
 
     /// All tensors in data order (ascending offsets).

@@ -6,14 +6,13 @@
 //! directory into place. A writer dropped before `finish` removes its temporary directory.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use moe_backend::fs::{sibling_temp_path, sync_dir, sync_parent, write_atomic, write_atomic_bytes};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::writer::{pt_metadata, sibling_temp_path, sync_dir, sync_parent, write_safetensors_to};
+use super::writer::{pt_metadata, write_safetensors_to};
 use super::{OwnedTensor, TensorView};
 use crate::BridgeError;
 use crate::hf::{INDEX_FILE, SINGLE_FILE};
@@ -205,14 +204,9 @@ impl HfDirWriter {
             return Err(self.invalid(missing, format!("missing from shard {file_name}")));
         }
         let path = self.tmp.join(&file_name);
-        let io = |source| BridgeError::Io {
-            path: path.clone(),
-            source,
-        };
-        let mut out = BufWriter::new(File::create(&path).map_err(io)?);
-        write_safetensors_to(&mut out, tensors, &pt_metadata(), &path)?;
-        let file = out.into_inner().map_err(|e| io(e.into_error()))?;
-        file.sync_all().map_err(io)?;
+        write_atomic(&path, |out| {
+            write_safetensors_to(out, tensors, &pt_metadata(), &path)
+        })?;
         self.written[i] = true;
         for t in tensors {
             self.total_size += t.bytes.len() as u64;
@@ -245,14 +239,7 @@ impl HfDirWriter {
         if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\\', '\0']) {
             return Err(self.invalid(name, "not a plain file name"));
         }
-        let path = self.tmp.join(name);
-        let io = |source| BridgeError::Io {
-            path: path.clone(),
-            source,
-        };
-        let mut file = File::create(&path).map_err(io)?;
-        file.write_all(bytes).map_err(io)?;
-        file.sync_all().map_err(io)
+        Ok(write_atomic_bytes(&self.tmp.join(name), bytes)?)
     }
 
     /// Writes `value` as `name` (pretty JSON, two-space indent, trailing newline), e.g.
@@ -294,45 +281,9 @@ impl HfDirWriter {
             let text = to_pretty_json(&index, &self.tmp.join(INDEX_FILE))?;
             self.write_file(INDEX_FILE, text.as_bytes())?;
         }
-        sync_dir(&self.tmp)?;
-        self.move_into_place()?;
+        commit_dir(&self.tmp, &self.target, self.overwrite)?;
         self.finished = true;
         Ok(self.target.clone())
-    }
-
-    fn move_into_place(&self) -> Result<(), BridgeError> {
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| BridgeError::Io { path, source }
-        };
-        let old = if self.target.exists() {
-            if !self.overwrite {
-                return Err(BridgeError::TargetExists {
-                    path: self.target.clone(),
-                });
-            }
-            let old = sibling_temp_path(&self.target, "old");
-            std::fs::rename(&self.target, &old).map_err(io(&self.target))?;
-            Some(old)
-        } else {
-            None
-        };
-        if let Err(e) = std::fs::rename(&self.tmp, &self.target) {
-            if let Some(old) = &old {
-                let _ = std::fs::rename(old, &self.target);
-            }
-            return Err(io(&self.target)(e));
-        }
-        sync_parent(&self.target)?;
-        if let Some(old) = old {
-            let remove = if old.is_dir() {
-                std::fs::remove_dir_all(&old)
-            } else {
-                std::fs::remove_file(&old)
-            };
-            remove.map_err(io(&old))?;
-        }
-        Ok(())
     }
 }
 
@@ -342,6 +293,47 @@ impl Drop for HfDirWriter {
             let _ = std::fs::remove_dir_all(&self.tmp);
         }
     }
+}
+
+/// Moves the finished temporary directory `tmp` (a sibling of `target`) into place: fsyncs it,
+/// renames it to `target`, fsyncs the parent and removes the replaced target. An existing
+/// `target` is refused with [`BridgeError::TargetExists`] unless `overwrite`; with it, the old
+/// target is first moved aside and put back if the rename fails. The directory-level
+/// counterpart of [`moe_backend::fs::write_atomic`], shared with the live export.
+pub(crate) fn commit_dir(tmp: &Path, target: &Path, overwrite: bool) -> Result<(), BridgeError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BridgeError::Io { path, source }
+    };
+    sync_dir(tmp)?;
+    let old = if target.exists() {
+        if !overwrite {
+            return Err(BridgeError::TargetExists {
+                path: target.to_path_buf(),
+            });
+        }
+        let old = sibling_temp_path(target, "old");
+        std::fs::rename(target, &old).map_err(io(target))?;
+        Some(old)
+    } else {
+        None
+    };
+    if let Err(e) = std::fs::rename(tmp, target) {
+        if let Some(old) = &old {
+            let _ = std::fs::rename(old, target);
+        }
+        return Err(io(target)(e));
+    }
+    sync_parent(target)?;
+    if let Some(old) = old {
+        let remove = if old.is_dir() {
+            std::fs::remove_dir_all(&old)
+        } else {
+            std::fs::remove_file(&old)
+        };
+        remove.map_err(io(&old))?;
+    }
+    Ok(())
 }
 
 /// Pretty JSON with a trailing newline (`json.dumps(indent=2)` layout).

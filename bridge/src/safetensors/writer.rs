@@ -16,12 +16,12 @@
 //! `__metadata__` in a `HashMap`, whose key order changes from run to run; ours is sorted.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::Path;
 
 use ::safetensors::Dtype as St;
 use ::safetensors::tensor::TensorInfo as StInfo;
+use moe_backend::fs::write_atomic;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 
 use super::view::byte_len_of;
@@ -202,65 +202,13 @@ pub fn serialize(tensors: &[TensorView<'_>]) -> Result<Vec<u8>, BridgeError> {
     Ok(out)
 }
 
-/// Writes `tensors` to `path` atomically: into a temporary file in the same directory, flushed
-/// and fsynced, then renamed over `path` (an existing file is replaced). Metadata is
-/// `{"format": "pt"}`.
+/// Writes `tensors` to `path` atomically ([`moe_backend::fs::write_atomic`]): into a
+/// temporary file in the same directory, flushed and fsynced, then renamed over `path` (an
+/// existing file is replaced) and the directory fsynced. Metadata is `{"format": "pt"}`.
 pub fn write_safetensors(path: &Path, tensors: &[TensorView<'_>]) -> Result<(), BridgeError> {
-    let tmp = sibling_temp_path(path, "tmp");
-    let result = (|| {
-        let io = |source| BridgeError::Io {
-            path: tmp.clone(),
-            source,
-        };
-        let file = File::create(&tmp).map_err(io)?;
-        let mut out = BufWriter::new(file);
-        write_safetensors_to(&mut out, tensors, &pt_metadata(), path)?;
-        let file = out.into_inner().map_err(|e| io(e.into_error()))?;
-        file.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(|source| BridgeError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        sync_parent(path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-/// `<dir>/.<file name>.<tag>-<pid>-<n>`: a unique hidden sibling of `path`.
-pub(crate) fn sibling_temp_path(path: &Path, tag: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = path
-        .file_name()
-        .map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
-    let hidden = format!(".{name}.{tag}-{}-{n}", std::process::id());
-    match path.parent() {
-        Some(parent) => parent.join(hidden),
-        None => PathBuf::from(hidden),
-    }
-}
-
-/// fsyncs the directory containing `path`, so a rename into it is durable.
-pub(crate) fn sync_parent(path: &Path) -> Result<(), BridgeError> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    sync_dir(parent)
-}
-
-/// fsyncs a directory.
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), BridgeError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|source| BridgeError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })
+    write_atomic(path, |out| {
+        write_safetensors_to(out, tensors, &pt_metadata(), path).map(|_| ())
+    })
 }
 
 #[cfg(test)]

@@ -9,21 +9,18 @@
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
-use moe_backend::parallel::replicate;
-use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_parallel_linear};
 use moe_backend::router::TopKRouter;
 
 use super::runtime::{Prepared, RouterTrace, SpRuntime};
-use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward, roll_rows};
-use super::{DispatcherKind, ForwardTraced, ParallelOutput, err};
+use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward, roll_rows};
+use super::{DispatcherKind, ForwardTraced, ParallelOutput};
 use crate::ModelError;
-use crate::deepseek_v3::{
-    DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM, DeepseekV3Moe,
-};
-use crate::layers::mla::MlaQuery;
+use crate::config::DeepseekV3Config;
+use crate::deepseek_v3::{DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM};
 use crate::layers::rope::RotaryEmbedding;
 use crate::packing::SequenceLayout;
 use crate::train::TrainBatch;
+use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids};
 
 /// One rank's DeepSeek-V3 (see the module docs).
 #[derive(Debug, Clone)]
@@ -38,39 +35,94 @@ pub struct ParallelDeepseekV3 {
 }
 
 impl ParallelDeepseekV3 {
-    /// This rank's shard of `full` (heads, vocabulary and FFN widths divisible by `tp`,
-    /// experts by `ep`, expert width by `etp`; `pp = cp = 1`).
-    pub fn shard(
-        full: &DeepseekV3ForCausalLM,
+    /// The parallel context of `config` under the layout of `groups`.
+    fn context(
+        config: &DeepseekV3Config,
         groups: &GroupComms,
         kind: DispatcherKind,
-    ) -> Result<Self, ModelError> {
-        let config = full.config();
+    ) -> Result<SpRuntime, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?;
-        let rt = SpRuntime::new(
+        SpRuntime::new(
             groups,
             kind,
             Some(config.n_routed_experts),
             config.vocab_size,
             rope,
-        )?;
-        let mut model = replicate(full);
-        (model.model.embed_tokens, model.lm_head) =
-            rt.shard_embeddings(&full.model.embed_tokens, full.lm_head.as_ref())?;
-        for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
-            shard_layer(&rt, dst, src)?;
-        }
-        for (dst, src) in model.mtp.iter_mut().zip(&full.mtp) {
-            // enorm, hnorm, eh_proj and the output norm stay replicated (they run on the
-            // sequence-parallel tokens); the block is sharded like any decoder layer.
-            shard_layer(&rt, &mut dst.block, &src.block)?;
-        }
-        Ok(Self {
+        )
+    }
+
+    /// The step every way of building a shard ends with: this rank's local `model` (built at
+    /// local shapes by [`DeepseekV3ForCausalLM::from_loader`]) joined with its parallel context.
+    fn from_local(model: DeepseekV3ForCausalLM, rt: SpRuntime) -> Self {
+        Self {
             model,
             replica: rt.replica,
             replicas: rt.replicas,
             rt,
-        })
+        }
+    }
+
+    /// This rank's shard (MTP modules included) read straight from `source`: only this rank's
+    /// box of every tensor is read (MLA heads, dense MLPs, embedding and head over TP; this
+    /// rank's experts and their ETP block; norms, latent projections, routers, shared experts
+    /// and the MTP projections whole). Requirements as [`shard`](Self::shard).
+    pub fn load(
+        config: &DeepseekV3Config,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rt = Self::context(config, groups, kind)?;
+        let spec = rt.shard_spec();
+        let model = DeepseekV3ForCausalLM::from_loader(
+            config,
+            &WeightLoader::sharded(source, device, &spec),
+        )?;
+        Ok(Self::from_local(model, rt))
+    }
+
+    /// This rank's shard at local shapes filled with zeros (nothing is read), for a restore
+    /// to overwrite.
+    pub fn skeleton(
+        config: &DeepseekV3Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rt = Self::context(config, groups, kind)?;
+        let spec = rt.shard_spec();
+        let model =
+            DeepseekV3ForCausalLM::from_loader(config, &WeightLoader::skeleton(device, &spec))?;
+        Ok(Self::from_local(model, rt))
+    }
+
+    /// This rank's shard of `full` (heads, vocabulary and FFN widths divisible by `tp`,
+    /// experts by `ep`, expert width by `etp`; `pp = cp = 1`): [`load`](Self::load) reading
+    /// `full`'s tensors box by box ([`ModuleWeights`]) on `full`'s device.
+    pub fn shard(
+        full: &DeepseekV3ForCausalLM,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<Self, ModelError> {
+        let device = full.model.embed_tokens.weight.device();
+        let source = ModuleWeights::new(full);
+        let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
+        // The full model's parameter ids identify the shard's parameters too.
+        shard.model = adopt_param_ids(shard.model, full)?;
+        let main = shard.model.model.layers.iter_mut().zip(&full.model.layers);
+        let mtp =
+            (shard.model.mtp.iter_mut().zip(&full.mtp)).map(|(d, s)| (&mut d.block, &s.block));
+        for (dst, src) in main.chain(mtp) {
+            match (&mut dst.mlp, &src.mlp) {
+                (DeepseekV3FeedForward::Dense(d), DeepseekV3FeedForward::Dense(s)) => d.fp8 = s.fp8,
+                (DeepseekV3FeedForward::Moe(d), DeepseekV3FeedForward::Moe(s)) => {
+                    d.moe.experts.fp8 = s.moe.experts.fp8;
+                }
+                _ => {}
+            }
+        }
+        Ok(shard)
     }
 
     /// The main decoder stack on this replica's (checked) batch: the final sequence-parallel
@@ -208,43 +260,6 @@ impl ParallelDeepseekV3 {
     }
 }
 
-/// Shards one decoder layer: MLA heads over TP (`q_b_proj` / `q_proj` and `kv_b_proj`
-/// column-parallel, `o_proj` row-parallel), dense MLP over TP, MoE block over EP × ETP.
-fn shard_layer(
-    rt: &SpRuntime,
-    dst: &mut DeepseekV3DecoderLayer,
-    src: &DeepseekV3DecoderLayer,
-) -> Result<(), ModelError> {
-    let (rank, tp) = rt.tp_rank_size();
-    let attn = &src.self_attn;
-    if !attn.num_heads.is_multiple_of(tp) {
-        return Err(ModelError::invalid(
-            "tp",
-            format!("{} heads cannot be split over tp = {tp}", attn.num_heads),
-        ));
-    }
-    let a = &mut dst.self_attn;
-    match (&mut a.query, &attn.query) {
-        (MlaQuery::Direct(q), MlaQuery::Direct(full_q)) => {
-            *q = column_parallel_linear(full_q, rank, tp).map_err(err)?;
-        }
-        (MlaQuery::LowRank(q), MlaQuery::LowRank(full_q)) => {
-            q.q_b_proj = column_parallel_linear(&full_q.q_b_proj, rank, tp).map_err(err)?;
-        }
-        _ => return Err(ModelError::invalid("q_lora_rank", "query layouts differ")),
-    }
-    a.kv_b_proj = column_parallel_linear(&attn.kv_b_proj, rank, tp).map_err(err)?;
-    a.o_proj = row_parallel_linear(&attn.o_proj, rank, tp).map_err(err)?;
-    a.num_heads = attn.num_heads / tp;
-    dst.mlp = match &src.mlp {
-        DeepseekV3FeedForward::Dense(mlp) => DeepseekV3FeedForward::Dense(rt.shard_mlp(mlp)?),
-        DeepseekV3FeedForward::Moe(block) => DeepseekV3FeedForward::Moe(DeepseekV3Moe {
-            moe: rt.shard_moe(&block.moe)?,
-        }),
-    };
-    Ok(())
-}
-
 impl ParallelCausalLm for DeepseekV3ForCausalLM {
     type Shard = ParallelDeepseekV3;
 
@@ -253,15 +268,34 @@ impl ParallelCausalLm for DeepseekV3ForCausalLM {
     }
 
     fn with_fp8(self, _recipe: Fp8Recipe, _linears: bool) -> Result<Self, ModelError> {
-        Err(ModelError::invalid(
+        Err(ModelError::unsupported(
             "fp8",
             "FP8 compute is not implemented for DeepSeek-V3 training (load FP8 releases \
              dequantised)",
         ))
     }
+}
 
-    fn is_fp8_linear_weight(_path: &str) -> bool {
-        false
+impl LoadShard for DeepseekV3ForCausalLM {
+    type Config = DeepseekV3Config;
+
+    fn load_shard(
+        config: &DeepseekV3Config,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError> {
+        ParallelDeepseekV3::load(config, source, groups, kind, device)
+    }
+
+    fn shard_skeleton(
+        config: &DeepseekV3Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError> {
+        ParallelDeepseekV3::skeleton(config, groups, kind, device)
     }
 }
 
@@ -316,7 +350,7 @@ impl CausalLmShard for ParallelDeepseekV3 {
         if mtp {
             for (j, module) in self.model.mtp.iter().enumerate() {
                 if j + 2 > s {
-                    return Err(ModelError::invalid(
+                    return Err(ModelError::input(
                         "input_ids",
                         format!("{s} tokens are too few for MTP depth {}", j + 1),
                     ));

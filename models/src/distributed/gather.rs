@@ -12,32 +12,22 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use moe_backend::comm::{Comm, GroupComms};
-use moe_backend::optim::ParamClass;
 use moe_backend::parallel::GroupFamily;
 
-use super::{ParallelDeepseekV3, ParallelQwen3Moe, err, param_class};
+use super::{ParallelCausalLm, ParallelDeepseekV3, ParallelQwen3Moe, ShardRule, err};
 use crate::ModelError;
 use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
+use crate::param_plan::{ParallelPlan, PlanError, Storage};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 struct Gatherer {
     tp: Comm,
     ep: Comm,
     expt_tp: Comm,
+    plan: ParallelPlan,
+    layers: usize,
     path: Vec<String>,
-    expert_depth: usize,
     error: Option<ModelError>,
-}
-
-/// How a TP-sharded Burn weight is split (Burn `Linear` is `[in, out]`).
-fn tp_split_dim(path: &str) -> usize {
-    // Row-parallel: o_proj, down_proj (input rows split); embeddings: vocabulary rows.
-    if path.contains("o_proj") || path.contains("down_proj") || path.contains("embed_tokens") {
-        0
-    } else {
-        // Column-parallel (q/k/v, q_b_proj, kv_b_proj, gate/up, lm_head): output columns.
-        1
-    }
 }
 
 fn gather_dim<const D: usize>(
@@ -52,40 +42,63 @@ fn gather_dim<const D: usize>(
     Ok(comm.all_gather(moved).map_err(err)?.swap_dims(0, dim))
 }
 
+/// The Burn dimension holding canonical dimension `dim` of a tensor stored as `storage`
+/// (`None` for the gate/up halves of gated experts, handled apart).
+fn burn_dim(storage: Storage, rank: usize, dim: usize) -> Option<usize> {
+    match storage {
+        Storage::Same => Some(dim),
+        Storage::Transposed => Some(rank - 1 - dim),
+        // Burn [E, 2F, H] is canonical [E, 2, F, H].
+        Storage::GatedExperts => match dim {
+            0 => Some(0),
+            3 => Some(2),
+            _ => None,
+        },
+    }
+}
+
 impl Gatherer {
+    /// The full tensor of this rank's block `t` at `path`, gathered over the groups its plan
+    /// entry splits it over.
     fn gather<const D: usize>(&self, path: &str, t: Tensor<D>) -> Result<Tensor<D>, ModelError> {
         let t = t.detach();
-        match param_class(path, self.expert_depth > 0) {
-            ParamClass::Expert if path.ends_with("fc1") => {
-                // [L, 2F/etp, H]: gate and up halves are gathered separately over ETP.
-                let rows = t.dims()[1];
-                let gate = gather_dim(&self.expt_tp, t.clone().narrow(1, 0, rows / 2), 1)?;
-                let up = gather_dim(&self.expt_tp, t.narrow(1, rows / 2, rows / 2), 1)?;
-                gather_dim(&self.ep, Tensor::cat(vec![gate, up], 1), 0)
+        let resolved = self.plan.resolve(path, self.layers)?;
+        let storage = resolved.entry.storage;
+        let dim_of = |canonical: usize| {
+            burn_dim(storage, D, canonical).ok_or_else(|| {
+                ModelError::from(PlanError::Mismatch {
+                    family: self.plan.family(),
+                    path: path.to_owned(),
+                    reason: format!("no canonical dim {canonical} in {storage:?} storage"),
+                })
+            })
+        };
+        match resolved.entry.split {
+            ShardRule::Replicated => Ok(t),
+            ShardRule::Tp { dim } => gather_dim(&self.tp, t, dim_of(dim)?),
+            ShardRule::Expert { etp_dim } => {
+                let t = if storage == Storage::GatedExperts && etp_dim == 2 {
+                    // [E, 2F/etp, H]: gate and up halves are gathered separately over ETP.
+                    let rows = t.dims()[1];
+                    let gate = gather_dim(&self.expt_tp, t.clone().narrow(1, 0, rows / 2), 1)?;
+                    let up = gather_dim(&self.expt_tp, t.narrow(1, rows / 2, rows / 2), 1)?;
+                    Tensor::cat(vec![gate, up], 1)
+                } else {
+                    gather_dim(&self.expt_tp, t, dim_of(etp_dim)?)?
+                };
+                gather_dim(&self.ep, t, dim_of(0)?)
             }
-            ParamClass::Expert if path.ends_with("fc2") => {
-                let t = gather_dim(&self.expt_tp, t, 2)?;
-                gather_dim(&self.ep, t, 0)
-            }
-            ParamClass::Expert => gather_dim(&self.ep, t, 0),
-            ParamClass::DenseTpSharded if D >= 2 => gather_dim(&self.tp, t, tp_split_dim(path)),
-            ParamClass::DenseTpSharded => gather_dim(&self.tp, t, 0),
-            _ => Ok(t),
         }
     }
 }
 
 impl ModuleMapper for Gatherer {
-    fn enter_module(&mut self, name: &str, container_type: &str) {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
-        if container_type == "Struct:GroupedExperts" || self.expert_depth > 0 {
-            self.expert_depth += 1;
-        }
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
         self.path.pop();
-        self.expert_depth = self.expert_depth.saturating_sub(1);
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -104,13 +117,14 @@ impl ModuleMapper for Gatherer {
     }
 }
 
-fn gatherer(groups: &GroupComms) -> Gatherer {
+fn gatherer<M: ParallelCausalLm>(groups: &GroupComms, model: &M) -> Gatherer {
     Gatherer {
         tp: groups.comm(GroupFamily::Tp).clone(),
         ep: groups.comm(GroupFamily::Ep).clone(),
         expt_tp: groups.comm(GroupFamily::ExptTp).clone(),
+        plan: M::parallel_plan(),
+        layers: model.main_layers(),
         path: Vec::new(),
-        expert_depth: 0,
         error: None,
     }
 }
@@ -120,7 +134,7 @@ pub fn gather_full_qwen3_moe(
     shard: &ParallelQwen3Moe,
     groups: &GroupComms,
 ) -> Result<Qwen3MoeForCausalLM, ModelError> {
-    let mut g = gatherer(groups);
+    let mut g = gatherer(groups, &shard.model);
     let mut full = shard.model.clone().map(&mut g);
     if let Some(e) = g.error {
         return Err(e);
@@ -150,7 +164,7 @@ pub fn gather_full_deepseek_v3(
     shard: &ParallelDeepseekV3,
     groups: &GroupComms,
 ) -> Result<DeepseekV3ForCausalLM, ModelError> {
-    let mut g = gatherer(groups);
+    let mut g = gatherer(groups, &shard.model);
     let mut full = shard.model.clone().map(&mut g);
     if let Some(e) = g.error {
         return Err(e);

@@ -9,9 +9,13 @@
 //! compute their head/column shard and reduce-scatter back; the MoE block routes this rank's
 //! tokens directly. Pipeline and context parallelism are not implemented (`pp = cp = 1`).
 //!
-//! Build one [`ParallelQwen3Moe`] per rank from the same full model with
-//! [`ParallelQwen3Moe::shard`]; train it with
-//! [`moe_backend::optim::DistributedAdamW::with_classes`] and [`param_class`].
+//! Build one [`ParallelQwen3Moe`] per rank straight from the weights with
+//! [`ParallelQwen3Moe::load`] (only the rank's boxes are read; [`LoadShard`] for every model),
+//! as a zero skeleton for a restore with [`ParallelQwen3Moe::skeleton`], or from a full model
+//! with [`ParallelQwen3Moe::shard`] (the same loading code reading the live model); train it
+//! with
+//! [`moe_backend::optim::DistributedAdamW::with_classes`] and the gradient classes of the
+//! model's parallel plan ([`crate::param_plan::Planned::param_classes`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -21,17 +25,16 @@ use moe_backend::comm::GroupComms;
 use moe_backend::dispatch::{
     AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, TokenDispatcher,
 };
-use moe_backend::optim::ParamClass;
-use moe_backend::parallel::tensor_parallel::{column_parallel_linear, row_parallel_linear};
-use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
+use moe_backend::parallel::{GroupFamily, ParallelLayout};
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
+use crate::config::Qwen3MoeConfig;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{Attention, Mlp};
 use crate::packing::SequenceLayout;
-use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock};
+use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 use crate::train::TrainBatch;
+use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids};
 
 mod deepseek_v3;
 mod gather;
@@ -43,7 +46,7 @@ mod shard_rule;
 pub mod sharded;
 
 use runtime::{RouterTrace, SpRuntime};
-pub use sharded::{CausalLmShard, ParallelCausalLm, TrainForward};
+pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
@@ -67,27 +70,6 @@ pub enum DispatcherKind {
     AllToAll,
     /// One copy per destination rank.
     Flex,
-}
-
-/// Parameter classes of a sharded model: routed experts; norms, QK-norms, routers, shared
-/// experts, MLA's down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and the MTP modules'
-/// `eh_proj` are replicated on the
-/// TP ranks with different gradients (sequence-parallel inputs or head-split consumers), so
-/// they are summed over TP; everything else is TP-sharded.
-pub fn param_class(path: &str, in_experts: bool) -> ParamClass {
-    if in_experts {
-        ParamClass::Expert
-    } else if path.contains("norm")
-        || path.contains("router")
-        || path.contains("shared_experts")
-        || path.contains("q_a_proj")
-        || path.contains("kv_a_proj")
-        || path.contains("eh_proj")
-    {
-        ParamClass::DenseSequenceParallel
-    } else {
-        ParamClass::DenseTpSharded
-    }
 }
 
 /// One rank's Qwen3-MoE: sharded parameters plus the groups and dispatcher to run them.
@@ -123,15 +105,6 @@ pub(crate) fn err(e: moe_backend::BackendError) -> ModelError {
     ModelError::from(e)
 }
 
-pub(crate) fn shard_mlp(mlp: &Mlp, rank: usize, tp: usize) -> Result<Mlp, ModelError> {
-    Ok(Mlp {
-        gate_proj: column_parallel_linear(&mlp.gate_proj, rank, tp).map_err(err)?,
-        up_proj: column_parallel_linear(&mlp.up_proj, rank, tp).map_err(err)?,
-        down_proj: row_parallel_linear(&mlp.down_proj, rank, tp).map_err(err)?,
-        fp8: mlp.fp8,
-    })
-}
-
 /// Checks `pp = cp = 1` and builds the dispatcher of `kind` for `num_experts` experts.
 pub(crate) fn make_dispatcher(
     groups: &GroupComms,
@@ -161,39 +134,13 @@ pub(crate) fn make_dispatcher(
     })
 }
 
-/// Shards grouped-query attention over TP: q/k/v column-parallel by head, `o_proj`
-/// row-parallel, QK-norms replicated; the local head counts follow the shard.
-pub(crate) fn shard_attention(
-    rt: &SpRuntime,
-    dst: &mut Attention,
-    src: &Attention,
-) -> Result<(), ModelError> {
-    let (rank, tp) = rt.tp_rank_size();
-    if !src.num_heads.is_multiple_of(tp) || !src.num_kv_heads.is_multiple_of(tp) {
-        return Err(ModelError::invalid(
-            "tp",
-            format!(
-                "{} query / {} KV heads cannot be split over tp = {tp}",
-                src.num_heads, src.num_kv_heads
-            ),
-        ));
-    }
-    dst.q_proj = column_parallel_linear(&src.q_proj, rank, tp).map_err(err)?;
-    dst.k_proj = column_parallel_linear(&src.k_proj, rank, tp).map_err(err)?;
-    dst.v_proj = column_parallel_linear(&src.v_proj, rank, tp).map_err(err)?;
-    dst.o_proj = row_parallel_linear(&src.o_proj, rank, tp).map_err(err)?;
-    dst.num_heads = src.num_heads / tp;
-    dst.num_kv_heads = src.num_kv_heads / tp;
-    Ok(())
-}
-
 /// Refuses layouts with pipeline or context parallelism (not implemented by the sharded
 /// forwards yet).
 pub(crate) fn check_no_pp_cp(groups: &GroupComms) -> Result<(), ModelError> {
     let layout = &groups.groups.layout;
     if layout.pp != 1 || layout.cp != 1 {
-        return Err(ModelError::invalid(
-            "layout",
+        return Err(ModelError::layout(
+            if layout.pp != 1 { "pp" } else { "cp" },
             "pipeline and context parallelism are not implemented (pp = cp = 1)",
         ));
     }
@@ -223,7 +170,7 @@ pub(crate) fn check_batch(
 ) -> Result<usize, ModelError> {
     let n = ids.len();
     if batch == 0 || !n.is_multiple_of(batch) || labels.len() != n || !n.is_multiple_of(tp) {
-        return Err(ModelError::invalid(
+        return Err(ModelError::input(
             "input_ids",
             format!(
                 "{n} ids / {} labels must form {batch} sequences whose B·S divides by tp = {tp}",
@@ -235,43 +182,93 @@ pub(crate) fn check_batch(
 }
 
 impl ParallelQwen3Moe {
-    /// This rank's shard of `full` under the layout of `groups` (requires `pp = cp = 1`,
-    /// heads, KV heads, vocabulary and FFN widths divisible by `tp`, experts by `ep`, expert
-    /// width by `etp`).
-    pub fn shard(
-        full: &Qwen3MoeForCausalLM,
+    /// The parallel context of `config` under the layout of `groups`.
+    fn context(
+        config: &Qwen3MoeConfig,
         groups: &GroupComms,
         kind: DispatcherKind,
-    ) -> Result<Self, ModelError> {
-        let config = full.config();
+    ) -> Result<SpRuntime, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
-        let rt = SpRuntime::new(
+        SpRuntime::new(
             groups,
             kind,
             Some(config.num_experts),
             config.vocab_size,
             rope,
-        )?;
-        let mut model = replicate(full);
-        (model.model.embed_tokens, model.lm_head) =
-            rt.shard_embeddings(&full.model.embed_tokens, full.lm_head.as_ref())?;
-        for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
-            shard_attention(&rt, &mut dst.self_attn, &src.self_attn)?;
-            dst.mlp = match &src.mlp {
-                Qwen3MoeFeedForward::Dense(mlp) => Qwen3MoeFeedForward::Dense(rt.shard_mlp(mlp)?),
-                Qwen3MoeFeedForward::Sparse(block) => {
-                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
-                        moe: rt.shard_moe(&block.moe)?,
-                    })
-                }
-            };
-        }
-        Ok(Self {
+        )
+    }
+
+    /// The step every way of building a shard ends with: this rank's local `model` (built at
+    /// local shapes by [`Qwen3MoeForCausalLM::from_loader`]) joined with its parallel context.
+    fn from_local(model: Qwen3MoeForCausalLM, rt: SpRuntime) -> Self {
+        Self {
             model,
             replica: rt.replica,
             replicas: rt.replicas,
             rt,
-        })
+        }
+    }
+
+    /// This rank's shard read straight from `source` (e.g. an HF checkpoint directory): only
+    /// this rank's box of every tensor is read (TP slices per
+    /// [`shard_rule`], this rank's experts and their ETP block), so the rank never holds more
+    /// than its shard plus one box. Requirements as [`shard`](Self::shard).
+    pub fn load(
+        config: &Qwen3MoeConfig,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rt = Self::context(config, groups, kind)?;
+        let spec = rt.shard_spec();
+        let model = Qwen3MoeForCausalLM::from_loader(
+            config,
+            &WeightLoader::sharded(source, device, &spec),
+        )?;
+        Ok(Self::from_local(model, rt))
+    }
+
+    /// This rank's shard at local shapes filled with zeros (nothing is read), for a restore
+    /// (e.g. from a distributed checkpoint) to overwrite.
+    pub fn skeleton(
+        config: &Qwen3MoeConfig,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rt = Self::context(config, groups, kind)?;
+        let spec = rt.shard_spec();
+        let model =
+            Qwen3MoeForCausalLM::from_loader(config, &WeightLoader::skeleton(device, &spec))?;
+        Ok(Self::from_local(model, rt))
+    }
+
+    /// This rank's shard of `full` under the layout of `groups` (requires `pp = cp = 1`,
+    /// heads, KV heads, vocabulary and FFN widths divisible by `tp`, experts by `ep`, expert
+    /// width by `etp`): [`load`](Self::load) reading `full`'s tensors box by box
+    /// ([`ModuleWeights`]), on `full`'s device, with `full`'s FP8 settings.
+    pub fn shard(
+        full: &Qwen3MoeForCausalLM,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<Self, ModelError> {
+        let device = full.model.embed_tokens.weight.device();
+        let source = ModuleWeights::new(full);
+        let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
+        // The full model's parameter ids identify the shard's parameters too.
+        shard.model = adopt_param_ids(shard.model, full)?;
+        for (dst, src) in shard.model.model.layers.iter_mut().zip(&full.model.layers) {
+            dst.self_attn.fp8 = src.self_attn.fp8;
+            match (&mut dst.mlp, &src.mlp) {
+                (Qwen3MoeFeedForward::Dense(d), Qwen3MoeFeedForward::Dense(s)) => d.fp8 = s.fp8,
+                (Qwen3MoeFeedForward::Sparse(d), Qwen3MoeFeedForward::Sparse(s)) => {
+                    d.moe.experts.fp8 = s.moe.experts.fp8;
+                }
+                _ => {}
+            }
+        }
+        Ok(shard)
     }
 
     /// Forward and causal-LM loss of this replica's batch `input_ids [batch, S]` (row-major
@@ -407,9 +404,28 @@ impl ParallelCausalLm for Qwen3MoeForCausalLM {
             Ok(model)
         }
     }
+}
 
-    fn is_fp8_linear_weight(path: &str) -> bool {
-        crate::train::is_fp8_linear_weight(path)
+impl LoadShard for Qwen3MoeForCausalLM {
+    type Config = Qwen3MoeConfig;
+
+    fn load_shard(
+        config: &Qwen3MoeConfig,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError> {
+        ParallelQwen3Moe::load(config, source, groups, kind, device)
+    }
+
+    fn shard_skeleton(
+        config: &Qwen3MoeConfig,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError> {
+        ParallelQwen3Moe::skeleton(config, groups, kind, device)
     }
 }
 

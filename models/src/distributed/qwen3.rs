@@ -6,16 +6,17 @@
 use burn::tensor::Device;
 use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
-use moe_backend::parallel::replicate;
 use moe_backend::router::TopKRouter;
 
+use super::DispatcherKind;
 use super::runtime::SpRuntime;
-use super::sharded::{CausalLmShard, ParallelCausalLm, TrainForward};
-use super::{DispatcherKind, shard_attention};
+use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 use crate::ModelError;
+use crate::config::Qwen3Config;
 use crate::layers::rope::RotaryEmbedding;
 use crate::qwen3::Qwen3ForCausalLM;
 use crate::train::TrainBatch;
+use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids};
 
 /// One rank's dense Qwen3.
 #[derive(Debug, Clone)]
@@ -30,29 +31,76 @@ pub struct ParallelQwen3 {
 }
 
 impl ParallelQwen3 {
+    /// The parallel context of `config` under the layout of `groups` (no dispatcher).
+    fn context(
+        config: &Qwen3Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<SpRuntime, ModelError> {
+        let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
+        SpRuntime::new(groups, kind, None, config.vocab_size, rope)
+    }
+
+    /// The step every way of building a shard ends with: this rank's local `model` (built at
+    /// local shapes by [`Qwen3ForCausalLM::from_loader`]) joined with its parallel context.
+    fn from_local(model: Qwen3ForCausalLM, rt: SpRuntime) -> Self {
+        Self {
+            model,
+            replica: rt.replica,
+            replicas: rt.replicas,
+            rt,
+        }
+    }
+
+    /// This rank's shard read straight from `source`: only this rank's box of every tensor
+    /// (attention heads, MLP widths, embedding and head over TP; norms whole).
+    /// Requirements as [`shard`](Self::shard).
+    pub fn load(
+        config: &Qwen3Config,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rt = Self::context(config, groups, kind)?;
+        let spec = rt.shard_spec();
+        let model =
+            Qwen3ForCausalLM::from_loader(config, &WeightLoader::sharded(source, device, &spec))?;
+        Ok(Self::from_local(model, rt))
+    }
+
+    /// This rank's shard at local shapes filled with zeros (nothing is read), for a restore
+    /// to overwrite.
+    pub fn skeleton(
+        config: &Qwen3Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rt = Self::context(config, groups, kind)?;
+        let spec = rt.shard_spec();
+        let model = Qwen3ForCausalLM::from_loader(config, &WeightLoader::skeleton(device, &spec))?;
+        Ok(Self::from_local(model, rt))
+    }
+
     /// This rank's shard of `full` (heads, KV heads, vocabulary and MLP width divisible by
-    /// `tp`; `pp = cp = 1`).
+    /// `tp`; `pp = cp = 1`): [`load`](Self::load) reading `full`'s tensors box by box
+    /// ([`ModuleWeights`]) on `full`'s device, with `full`'s FP8 settings.
     pub fn shard(
         full: &Qwen3ForCausalLM,
         groups: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
-        let config = full.config();
-        let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
-        let rt = SpRuntime::new(groups, kind, None, config.vocab_size, rope)?;
-        let mut model = replicate(full);
-        (model.model.embed_tokens, model.lm_head) =
-            rt.shard_embeddings(&full.model.embed_tokens, full.lm_head.as_ref())?;
-        for (dst, src) in model.model.layers.iter_mut().zip(&full.model.layers) {
-            shard_attention(&rt, &mut dst.self_attn, &src.self_attn)?;
-            dst.mlp = rt.shard_mlp(&src.mlp)?;
+        let device = full.model.embed_tokens.weight.device();
+        let source = ModuleWeights::new(full);
+        let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
+        // The full model's parameter ids identify the shard's parameters too.
+        shard.model = adopt_param_ids(shard.model, full)?;
+        for (dst, src) in shard.model.model.layers.iter_mut().zip(&full.model.layers) {
+            dst.self_attn.fp8 = src.self_attn.fp8;
+            dst.mlp.fp8 = src.mlp.fp8;
         }
-        Ok(Self {
-            model,
-            replica: rt.replica,
-            replicas: rt.replicas,
-            rt,
-        })
+        Ok(shard)
     }
 }
 
@@ -64,14 +112,33 @@ impl ParallelCausalLm for Qwen3ForCausalLM {
     }
 
     fn with_fp8(self, _recipe: Fp8Recipe, _linears: bool) -> Result<Self, ModelError> {
-        Err(ModelError::invalid(
+        Err(ModelError::unsupported(
             "fp8",
             "FP8 compute is not implemented for dense Qwen3 training",
         ))
     }
+}
 
-    fn is_fp8_linear_weight(_path: &str) -> bool {
-        false
+impl LoadShard for Qwen3ForCausalLM {
+    type Config = Qwen3Config;
+
+    fn load_shard(
+        config: &Qwen3Config,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError> {
+        ParallelQwen3::load(config, source, groups, kind, device)
+    }
+
+    fn shard_skeleton(
+        config: &Qwen3Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError> {
+        ParallelQwen3::skeleton(config, groups, kind, device)
     }
 }
 

@@ -14,16 +14,13 @@ use moe_backend::comm::autograd::{
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::dispatch::TokenDispatcher;
 use moe_backend::layer::MoeLayer;
-use moe_backend::parallel::tensor_parallel::{
-    column_parallel_linear, embed_vocab_parallel, vocab_parallel_cross_entropy,
-    vocab_parallel_embedding,
-};
-use moe_backend::parallel::{GroupCountReducer, GroupFamily, replicate};
+use moe_backend::parallel::tensor_parallel::{embed_vocab_parallel, vocab_parallel_cross_entropy};
+use moe_backend::parallel::{GroupCountReducer, GroupFamily};
 use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
 use super::sharded::mtp_labels;
 use super::{
-    DispatcherKind, ParallelOutput, check_batch, check_no_pp_cp, err, make_dispatcher, shard_mlp,
+    DispatcherKind, ParallelOutput, check_batch, check_no_pp_cp, err, make_dispatcher,
     shifted_targets,
 };
 use crate::ModelError;
@@ -31,6 +28,7 @@ use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{AttentionMask, Mlp, RmsNorm};
 use crate::packing::{PackedInputs, SequenceLayout};
+use crate::weights::ShardSpec;
 
 /// One rank's parallel context for a sharded model.
 #[derive(Debug, Clone)]
@@ -198,46 +196,25 @@ impl SpRuntime {
     fn dispatcher(&self) -> Result<&dyn TokenDispatcher, ModelError> {
         self.dispatcher
             .as_deref()
-            .ok_or_else(|| ModelError::invalid("model", "a dense model has no MoE block"))
+            .ok_or_else(|| ModelError::input("model", "a dense model has no MoE block"))
+    }
+
+    /// The part of every canonical tensor this rank holds: its TP coordinates, the
+    /// dispatcher's local experts (all of them for a dense model) and its ETP block.
+    pub(crate) fn shard_spec(&self) -> ShardSpec {
+        let (tp_rank, tp) = self.tp_rank_size();
+        ShardSpec {
+            tp_rank,
+            tp,
+            experts: self.dispatcher.as_ref().map(|d| d.local_experts()),
+            etp_rank: self.etp_rank,
+            etp: self.etp,
+        }
     }
 
     /// `(rank, size)` in the TP group.
     pub(crate) fn tp_rank_size(&self) -> (usize, usize) {
         (self.tp.rank(), self.tp.size())
-    }
-
-    /// Vocab-parallel shards of the embedding and the (untied) head.
-    pub(crate) fn shard_embeddings(
-        &self,
-        embed: &Embedding,
-        head: Option<&Linear>,
-    ) -> Result<(Embedding, Option<Linear>), ModelError> {
-        let (rank, tp) = self.tp_rank_size();
-        let (embed, _) = vocab_parallel_embedding(embed, rank, tp).map_err(err)?;
-        let head = head
-            .map(|h| column_parallel_linear(h, rank, tp))
-            .transpose()
-            .map_err(err)?;
-        Ok((embed, head))
-    }
-
-    /// TP shard of a dense SwiGLU MLP.
-    pub(crate) fn shard_mlp(&self, mlp: &Mlp) -> Result<Mlp, ModelError> {
-        let (rank, tp) = self.tp_rank_size();
-        shard_mlp(mlp, rank, tp)
-    }
-
-    /// This rank's MoE block: router and shared experts replicated (fed by sequence-parallel
-    /// tokens), routed experts cut to the dispatcher's local experts and this ETP block.
-    pub(crate) fn shard_moe(&self, moe: &MoeLayer) -> Result<MoeLayer, ModelError> {
-        let mut out = moe.clone();
-        out.router = replicate(&moe.router);
-        out.shared_experts = moe.shared_experts.as_ref().map(replicate);
-        out.experts = moe
-            .experts
-            .shard(self.dispatcher()?.local_experts(), self.etp_rank, self.etp)
-            .map_err(err)?;
-        Ok(out)
     }
 
     /// RoPE tables of positions `0..s`.

@@ -2,7 +2,6 @@
 //! rank's shard ([`ParallelCausalLm`], implemented by the full model type) and the training
 //! forward of that shard ([`CausalLmShard`]).
 
-use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
@@ -13,9 +12,10 @@ use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::packing::SequenceLayout;
 use crate::train::TrainBatch;
+use crate::weights::WeightSource;
 
 /// A causal LM the trainer can shard and train (Qwen3-MoE, DeepSeek-V3, dense Qwen3).
-pub trait ParallelCausalLm: Module {
+pub trait ParallelCausalLm: crate::param_plan::Planned {
     /// One rank's shard of this model.
     type Shard: CausalLmShard<Model = Self>;
 
@@ -25,10 +25,32 @@ pub trait ParallelCausalLm: Module {
     /// The model with its routed experts (and with `linears`, its dense linears) running in
     /// FP8 with `recipe`. Models without an FP8 path return an error naming the model.
     fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError>;
+}
 
-    /// Whether the parameter at `path` is a dense linear's weight that
-    /// [`with_fp8`](Self::with_fp8) with `linears` runs in FP8 (FP8 primary weights).
-    fn is_fp8_linear_weight(path: &str) -> bool;
+/// A [`ParallelCausalLm`] whose rank shard is built without the full model: read straight from
+/// a [`WeightSource`] (only this rank's boxes), or as a zero skeleton at local shapes that a
+/// restore fills.
+pub trait LoadShard: ParallelCausalLm {
+    /// The model's configuration.
+    type Config;
+
+    /// This rank's shard under the layout of `groups` with the `kind` dispatcher, reading only
+    /// this rank's box of every tensor of `source` onto `device`.
+    fn load_shard(
+        config: &Self::Config,
+        source: &dyn WeightSource,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError>;
+
+    /// This rank's shard at local shapes filled with zeros (nothing is read).
+    fn shard_skeleton(
+        config: &Self::Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+        device: &Device,
+    ) -> Result<Self::Shard, ModelError>;
 }
 
 /// One rank's shard of a [`ParallelCausalLm`].

@@ -78,8 +78,24 @@ impl AttentionConfig {
     }
 
     /// Loads `{prefix}.{q,k,v,o}_proj` and `{prefix}.{q,k}_norm` (models.md §6).
+    ///
+    /// With a sharded loader the projections are this rank's TP shard (q/k/v rows by head,
+    /// `o_proj` columns) and the local head counts follow from their shapes; the heads and KV
+    /// heads must divide by `tp`.
     pub fn load(&self, loader: &WeightLoader<'_>, prefix: &str) -> Result<Attention, ModelError> {
         self.check()?;
+        let tp = loader.shard().tp;
+        if !self.num_attention_heads.is_multiple_of(tp)
+            || !self.num_key_value_heads.is_multiple_of(tp)
+        {
+            return Err(ModelError::layout(
+                "tp",
+                format!(
+                    "{} query / {} KV heads cannot be split over tp = {tp}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
+        }
         let (h, q, kv) = self.widths();
         let b = self.attention_bias;
         let norm = |name: &str| -> Result<Option<RmsNorm>, ModelError> {
@@ -119,6 +135,10 @@ impl AttentionConfig {
         q_norm: Option<RmsNorm>,
         k_norm: Option<RmsNorm>,
     ) -> Attention {
+        // Local head counts from the (possibly sharded) projections' shapes (`lazy_shape`
+        // keeps a randomly initialised block lazy).
+        let num_heads = q_proj.weight.lazy_shape()[1] / self.head_dim.max(1);
+        let num_kv_heads = k_proj.weight.lazy_shape()[1] / self.head_dim.max(1);
         Attention {
             q_proj,
             k_proj,
@@ -126,8 +146,8 @@ impl AttentionConfig {
             o_proj,
             q_norm,
             k_norm,
-            num_heads: self.num_attention_heads,
-            num_kv_heads: self.num_key_value_heads,
+            num_heads,
+            num_kv_heads,
             head_dim: self.head_dim,
             fp8: None,
         }

@@ -104,7 +104,18 @@ impl MlaConfig {
     }
 
     /// Loads `{prefix}.*` by HF names (models.md §6).
+    ///
+    /// With a sharded loader the head-split projections (`q_proj` / `q_b_proj`, `kv_b_proj`,
+    /// `o_proj`) are this rank's TP shard, the latent down-projections and norms whole; the
+    /// local head count follows from `kv_b_proj`'s shape. The heads must divide by `tp`.
     pub fn load(&self, w: &WeightLoader<'_>, prefix: &str) -> Result<Mla, ModelError> {
+        let tp = w.shard().tp;
+        if !self.num_heads.is_multiple_of(tp) {
+            return Err(ModelError::layout(
+                "tp",
+                format!("{} heads cannot be split over tp = {tp}", self.num_heads),
+            ));
+        }
         let (h, nh, b) = (self.hidden_size, self.num_heads, self.attention_bias);
         let q_out = nh * self.qk_head_dim();
         let name = |n: &str| format!("{prefix}.{n}");
@@ -147,13 +158,17 @@ impl MlaConfig {
         [kv_a_proj_with_mqa, kv_b_proj, o_proj]: [Linear; 3],
         kv_a_layernorm: RmsNorm,
     ) -> Mla {
+        // The local head count of a (possibly sharded) `kv_b_proj` (`lazy_shape` keeps a
+        // randomly initialised block lazy).
+        let num_heads =
+            kv_b_proj.weight.lazy_shape()[1] / (self.qk_nope_head_dim + self.v_head_dim).max(1);
         Mla {
             query,
             kv_a_proj_with_mqa,
             kv_a_layernorm,
             kv_b_proj,
             o_proj,
-            num_heads: self.num_heads,
+            num_heads,
             kv_lora_rank: self.kv_lora_rank,
             qk_nope_head_dim: self.qk_nope_head_dim,
             qk_rope_head_dim: self.qk_rope_head_dim,

@@ -285,6 +285,53 @@ impl TopKRouterConfig {
     }
 }
 
+impl TopKRouterConfig {
+    /// Validates the configuration and builds the router around given parameters (e.g. loaded
+    /// from a checkpoint) instead of [`init`](Self::init)'s: gating weight `[E, H]`, the
+    /// optional gating bias `[E]` (iff [`bias`](Self::bias)) and the f32 expert bias `[E]`
+    /// (iff [`enable_expert_bias`](Self::enable_expert_bias); no gradient). Nothing is
+    /// initialised.
+    pub fn init_with_params(
+        &self,
+        weight: Param<Tensor<2>>,
+        bias: Option<Param<Tensor<1>>>,
+        expert_bias: Option<Param<Tensor<1>>>,
+    ) -> BackendResult<TopKRouter> {
+        self.validate()?;
+        let (e, h) = (self.num_experts, self.hidden_size);
+        if weight.dims() != [e, h] {
+            return Err(config_err(
+                "weight",
+                format!("has shape {:?}, expected [{e}, {h}]", weight.dims()),
+            ));
+        }
+        for (field, param, wanted) in [
+            ("bias", &bias, self.bias),
+            ("expert_bias", &expert_bias, self.enable_expert_bias),
+        ] {
+            match param {
+                Some(p) if p.dims() != [e] => {
+                    return Err(config_err(
+                        field,
+                        format!("has shape {:?}, expected [{e}]", p.dims()),
+                    ));
+                }
+                Some(_) if !wanted => {
+                    return Err(config_err(field, "given but not configured".into()));
+                }
+                None if wanted => return Err(config_err(field, "configured but not given".into())),
+                _ => {}
+            }
+        }
+        Ok(TopKRouter {
+            weight,
+            bias,
+            expert_bias: expert_bias.map(|b| b.set_require_grad(false)),
+            config: self.clone(),
+        })
+    }
+}
+
 fn validate_group_limit(g: &GroupLimitConfig, e: usize, k: usize) -> BackendResult<()> {
     let field = "group_limit";
     if g.num_groups == 0 || !e.is_multiple_of(g.num_groups) {

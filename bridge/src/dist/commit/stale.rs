@@ -124,17 +124,18 @@ impl TempDirOwner {
             })
     }
 
-    /// Writes this record as the owner file of `dir` (through a temporary file and a rename, so
-    /// readers never see half a record).
+    /// Writes this record as the owner file of `dir` atomically
+    /// ([`moe_backend::fs::write_atomic`]), so readers never see half a record.
     pub fn write(&self, dir: &Path) -> Result<(), BridgeError> {
         let path = dir.join(OWNER_FILE);
-        let part = dir.join(format!("{OWNER_FILE}.part"));
         let text = serde_json::to_string(self).map_err(|e| BridgeError::InvalidJson {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        std::fs::write(&part, format!("{text}\n")).map_err(io(&part))?;
-        std::fs::rename(&part, &path).map_err(io(&path))
+        Ok(moe_backend::fs::write_atomic_bytes(
+            &path,
+            format!("{text}\n").as_bytes(),
+        )?)
     }
 }
 

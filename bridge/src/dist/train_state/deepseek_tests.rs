@@ -21,6 +21,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::optim::DistributedAdamWConfig;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_backend::testing::XorShift64;
 use moe_models::DeepseekV3ForCausalLM;
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::gather_full_deepseek_v3;
@@ -54,15 +55,7 @@ fn trainer_config() -> TrainerConfig {
 
 /// Replica `replica` of `replicas`'s rows of the global batch of `step`.
 fn batch(step: usize, replica: usize, replicas: usize, vocab: usize) -> TrainBatch {
-    let mut x = 0x9e37_79b9_u64.wrapping_mul(step as u64 + 11);
-    let ids: Vec<i64> = (0..G * S)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as i64
-        })
-        .collect();
+    let ids = XorShift64::new(0x9e37_79b9_u64.wrapping_mul(step as u64 + 11)).ids(G * S, vocab);
     let rows = G / replicas;
     let mine = ids[replica * rows * S..(replica + 1) * rows * S].to_vec();
     TrainBatch::causal(mine, rows).expect("batch")

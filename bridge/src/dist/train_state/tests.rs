@@ -12,11 +12,12 @@ use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, 
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_models::Qwen3MoeConfig;
 use moe_models::Qwen3MoeForCausalLM;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe, param_class};
+use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
+use moe_models::param_plan::Planned;
 
 use super::*;
-use crate::dist::placement::qwen3_moe_placements;
-use crate::dist::testing::Rng;
+use crate::dist::placement::PlacedModel;
+use crate::dist::testing::SplitMix;
 use crate::test_util::TempDir;
 
 /// A Qwen3-MoE whose every split dimension divides by 8 (heads, KV heads, vocabulary, FFN
@@ -44,7 +45,7 @@ fn pow2_divisors(n: usize) -> Vec<usize> {
 
 /// A random layout the parallel model runs (pp = cp = 1) over world 1..=8: tp, ep, etp and the
 /// derived dp / edp.
-fn random_training_layout(rng: &mut Rng) -> ParallelLayout {
+fn random_training_layout(rng: &mut SplitMix) -> ParallelLayout {
     loop {
         let world = 1 + rng.below(8);
         let tp = rng.pick(&pow2_divisors(world));
@@ -119,16 +120,19 @@ fn save_fake_training(
         let world = ctx.world()?;
         let shard =
             ParallelQwen3Moe::shard(full, &groups, DispatcherKind::AllToAll).map_err(backend)?;
+        let classes = shard.model.param_classes().map_err(backend)?;
         let mut optim = DistributedAdamW::with_classes(
             &shard.model,
             &groups,
             world.clone(),
             optimizer_config(moments),
-            &param_class,
+            &classes.classifier(),
         )?;
         let plan = ShardingPlan::new(layout, Some(2)).map_err(backend)?;
-        let placed =
-            qwen3_moe_placements(&shard.model, &plan, ctx.rank(), false).map_err(backend)?;
+        let placed = shard
+            .model
+            .placements(&plan, ctx.rank(), false)
+            .map_err(backend)?;
         let ids = by_id(&placed);
         for piece in optim.state_pieces(&placer(&ids))? {
             for s in OptimState::ALL {
@@ -156,7 +160,8 @@ fn canonical(
     plan: &ShardingPlan,
     rank: usize,
 ) -> Vec<(String, Vec<usize>, Vec<u32>)> {
-    qwen3_moe_placements(model, plan, rank, true)
+    model
+        .placements(plan, rank, true)
         .unwrap()
         .into_iter()
         .map(|p| {
@@ -194,18 +199,22 @@ fn check_restore(
             canonical(&want.model, &plan, rank),
             "{layout} rank {rank}: parameters"
         );
+        let classes = shard.model.param_classes().map_err(backend)?;
         let mut optim = DistributedAdamW::with_classes(
             &shard.model,
             &groups,
             ctx.world()?,
             optimizer_config(moments),
-            &param_class,
+            &classes.classifier(),
         )?;
         let read =
             load_optimizer_state(ckpt, &mut optim, &shard.model, &plan, rank).map_err(backend)?;
         assert!(read);
         assert_eq!(optim.step_count(), state.step);
-        let placed = qwen3_moe_placements(&shard.model, &plan, rank, false).map_err(backend)?;
+        let placed = shard
+            .model
+            .placements(&plan, rank, false)
+            .map_err(backend)?;
         let ids = by_id(&placed);
         let pieces = optim.state_pieces(&placer(&ids))?;
         assert!(!pieces.is_empty() || layout.world > 1);
@@ -236,12 +245,12 @@ fn check_restore(
 fn training_state_reloads_bit_exactly_across_random_layout_pairs() {
     let device = Device::flex().autodiff();
     let full = replicate(&tiny_config().init(&device).unwrap());
-    let mut rng = Rng::new(606);
+    let mut rng = SplitMix::new(606);
     let dir = TempDir::new("train-state-pairs");
     for pair in 0..100u64 {
         let save = random_training_layout(&mut rng);
         let load = random_training_layout(&mut rng);
-        let pick = |rng: &mut Rng| rng.pick(&[MomentDtype::F32, MomentDtype::Bf16]);
+        let pick = |rng: &mut SplitMix| rng.pick(&[MomentDtype::F32, MomentDtype::Bf16]);
         let (save_moments, load_moments) = (pick(&mut rng), pick(&mut rng));
         let state = TrainState {
             step: pair + 1,
@@ -304,18 +313,21 @@ fn model_only_checkpoints_initialise_the_master_from_the_parameters() {
             ParallelQwen3Moe::shard(&other, &groups, DispatcherKind::AllToAll).map_err(backend)?;
         let plan = ShardingPlan::new(&load, Some(2)).map_err(backend)?;
         shard.model = load_model_state(&ckpt, shard.model, &plan, ctx.rank()).map_err(backend)?;
+        let classes = shard.model.param_classes().map_err(backend)?;
         let mut optim = DistributedAdamW::with_classes(
             &shard.model,
             &groups,
             ctx.world()?,
             optimizer_config(MomentDtype::F32),
-            &param_class,
+            &classes.classifier(),
         )?;
         let read = load_optimizer_state(&ckpt, &mut optim, &shard.model, &plan, ctx.rank())
             .map_err(backend)?;
         assert!(!read);
-        let placed =
-            qwen3_moe_placements(&shard.model, &plan, ctx.rank(), true).map_err(backend)?;
+        let placed = shard
+            .model
+            .placements(&plan, ctx.rank(), true)
+            .map_err(backend)?;
         let ids = by_id(&placed);
         for piece in optim.state_pieces(&placer(&ids))? {
             let master = optim.piece_values(&piece, OptimState::Master)?;

@@ -120,3 +120,26 @@ fn unreadable_inputs_are_errors() {
         Err(BridgeError::InvalidHeaderJson { .. })
     ));
 }
+
+#[test]
+fn read_box_reads_exactly_the_box() {
+    let dir = TempDir::new("reader-box");
+    let path = dir.join("model.safetensors");
+    std::fs::write(&path, reference_file()).unwrap();
+    let file = SafetensorsFile::open(&path).unwrap();
+    // `a` is F32 [2, 3] = 0..6: column 1..3 of both rows, then the second row whole.
+    let b = file.read_box("a", &[0, 1], &[2, 2]).unwrap();
+    assert_eq!(
+        (b.dtype, b.shape.as_slice()),
+        (Dtype::F32, &[2usize, 2][..])
+    );
+    assert_eq!(b.to_f32_vec().unwrap(), vec![1.0, 2.0, 4.0, 5.0]);
+    let row = file.read_box("a", &[1, 0], &[1, 3]).unwrap();
+    assert_eq!(row.to_f32_vec().unwrap(), vec![3.0, 4.0, 5.0]);
+    let err = file
+        .read_box("a", &[1, 1], &[2, 2])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains('a'), "{err}");
+    assert!(file.read_box("z", &[0], &[1]).is_err());
+}

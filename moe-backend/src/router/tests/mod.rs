@@ -44,3 +44,37 @@ fn route_with(
 fn padding_mask(flags: &[bool], device: &Device) -> Tensor<1, Bool> {
     Tensor::from_data(TensorData::new(flags.to_vec(), [flags.len()]), device)
 }
+
+/// A router built around given parameters keeps them (no initialisation) and checks their
+/// shapes and presence against the configuration.
+#[test]
+fn init_with_params_checks_shapes_and_presence() {
+    let device = Device::flex();
+    let cfg = TopKRouterConfig::new(3, 4, 2)
+        .with_score_function(super::ScoreFunction::Sigmoid)
+        .with_enable_expert_bias(true);
+    let weight = || Param::from_tensor(Tensor::<2>::ones([4, 3], &device));
+    let bias = |n: usize| Some(Param::from_tensor(Tensor::<1>::zeros([n], &device)));
+    let router = cfg.init_with_params(weight(), None, bias(4)).unwrap();
+    assert_eq!(
+        router.weight.val().into_data(),
+        Tensor::<2>::ones([4, 3], &device).into_data()
+    );
+    assert!(
+        cfg.init_with_params(weight(), None, bias(3)).is_err(),
+        "bias shape"
+    );
+    assert!(
+        cfg.init_with_params(weight(), None, None).is_err(),
+        "missing expert bias"
+    );
+    assert!(
+        cfg.init_with_params(weight(), bias(4), bias(4)).is_err(),
+        "unconfigured bias"
+    );
+    let wrong = Param::from_tensor(Tensor::<2>::ones([3, 4], &device));
+    assert!(
+        cfg.init_with_params(wrong, None, bias(4)).is_err(),
+        "weight shape"
+    );
+}

@@ -1,0 +1,640 @@
+//! Each model's **parallel plan** (next-architecture.md §1): one declarative table per model,
+//! keyed by Burn module path, that says for every parameter and buffer
+//!
+//! - its canonical HF name (checkpoints.md §3: HF names, routed experts stacked per MoE
+//!   layer) and how the Burn tensor relates to it ([`Storage`]: identity, `[in, out]`
+//!   transpose, gated experts `[E, 2F, H]` ≡ `[E, 2, F, H]`);
+//! - how it is split over the ranks of a stage ([`ShardRule`]: replicated, TP along a
+//!   canonical dimension (vocabulary rows for embeddings and the LM head), EP × ETP);
+//! - how its gradient is reduced ([`GradClass`]: a [`ParamClass`] of parallelism.md §5, or a
+//!   buffer that is not optimised, such as DeepSeek-V3's expert bias);
+//! - whether it may be held and computed in FP8 (fp8.md §3).
+//!
+//! Gradient classes, gathering a shard back to the full tensor, checkpoint placement and the
+//! FP8 primary-weight selection read the plan; a parameter the plan does not classify is an
+//! error naming its path ([`PlanError`] via [`ParallelPlan::resolve`]), never a default.
+//!
+//! Patterns are dotted Burn module paths (`model.layers.*.self_attn.q_proj.weight`); `*`
+//! matches one path segment and captures it. HF templates substitute captures: `{0}` is the
+//! first capture, `{0+L}` the first capture plus the model's number of main decoder layers
+//! (DeepSeek-V3 stores MTP module `j` as layer `num_hidden_layers + j`). Every parameter must
+//! match exactly one entry ([`ParallelPlan::resolve`] refuses ambiguity too).
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+use moe_backend::optim::ParamClass;
+
+use crate::ModelError;
+use crate::distributed::ShardRule;
+
+mod deepseek_v3;
+mod qwen3;
+mod qwen3_moe;
+
+pub use deepseek_v3::deepseek_v3_plan;
+pub use qwen3::qwen3_plan;
+pub use qwen3_moe::qwen3_moe_plan;
+
+/// A model with a parallel plan: the trainer, gathering, checkpoint placement and HF export
+/// read every parameter's entry from it. A user's own model implements it to get the same.
+pub trait Planned: Module {
+    /// The model's plan.
+    fn parallel_plan() -> ParallelPlan;
+
+    /// Number of main decoder layers (the `{0+L}` templates: DeepSeek-V3 stores MTP module
+    /// `j` as layer `main_layers + j`).
+    fn main_layers(&self) -> usize;
+
+    /// The gradient class of every trainable parameter, from the plan (what
+    /// [`moe_backend::optim::DistributedAdamW::with_classes`] asks); an unplanned parameter is
+    /// an error naming it.
+    fn param_classes(&self) -> Result<ParamClasses, ModelError>
+    where
+        Self: Sized,
+    {
+        Self::parallel_plan().classes(self, self.main_layers())
+    }
+}
+
+/// How a Burn parameter relates to its canonical (HF, PyTorch `[out, in]`) tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// Same shape and element order.
+    Same,
+    /// A 2-D transpose (Burn's `Linear` stores `[in, out]`).
+    Transposed,
+    /// Stacked gated experts: Burn `[E, 2F, H]` (gate rows then up rows per expert) is the
+    /// canonical `[E, 2, F, H]`.
+    GatedExperts,
+}
+
+/// How a tensor's gradient is reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradClass {
+    /// A trainable parameter of this class.
+    Param(ParamClass),
+    /// A buffer (no gradient, not optimised; e.g. the expert bias, which moves by its own
+    /// update rule). Replicated buffers are identical on every rank.
+    Buffer,
+}
+
+/// One row of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanEntry {
+    /// Burn module path pattern (`*` matches one segment).
+    pub module: String,
+    /// Canonical HF name template (`{0}`, `{0+L}`: see the module docs).
+    pub hf: String,
+    /// Burn tensor vs canonical tensor.
+    pub storage: Storage,
+    /// Split over the ranks of a stage (canonical dimensions).
+    pub split: ShardRule,
+    /// Gradient reduction.
+    pub grad: GradClass,
+    /// Whether FP8 primary weights and FP8 GEMMs may hold/use it.
+    pub fp8: bool,
+}
+
+/// The plan of one model family: every parameter's entry.
+#[derive(Debug, Clone)]
+pub struct ParallelPlan {
+    family: &'static str,
+    entries: Vec<PlanEntry>,
+}
+
+/// A parameter the plan does not cover, or covers twice.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// No entry matches the parameter's path.
+    #[error("the {family} parallel plan has no entry for parameter `{path}`")]
+    Unclassified {
+        /// Model family.
+        family: &'static str,
+        /// Burn module path of the parameter.
+        path: String,
+    },
+    /// Several entries match.
+    #[error("the {family} parallel plan matches parameter `{path}` with `{first}` and `{second}`")]
+    Ambiguous {
+        /// Model family.
+        family: &'static str,
+        /// Burn module path of the parameter.
+        path: String,
+        /// First matching pattern.
+        first: String,
+        /// Second matching pattern.
+        second: String,
+    },
+    /// The entry does not fit the tensor (a buffer that requires grad, a split of a
+    /// dimension the storage does not have).
+    #[error("the {family} plan entry for `{path}` does not fit the tensor: {reason}")]
+    Mismatch {
+        /// Model family.
+        family: &'static str,
+        /// The parameter's path.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A template refers to a capture the pattern does not have, or a capture is not a
+    /// number where the template adds to it.
+    #[error("the {family} plan entry `{pattern}` cannot name `{path}`: {reason}")]
+    Template {
+        /// Model family.
+        family: &'static str,
+        /// The entry's pattern.
+        pattern: String,
+        /// The parameter's path.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A parameter resolved against a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved<'a> {
+    /// The matching entry.
+    pub entry: &'a PlanEntry,
+    /// The canonical HF name.
+    pub hf_name: String,
+}
+
+impl ParallelPlan {
+    /// A plan of `family` from its entries.
+    pub fn new(family: &'static str, entries: Vec<PlanEntry>) -> Self {
+        Self { family, entries }
+    }
+
+    /// The model family (`qwen3_moe`, …).
+    pub fn family(&self) -> &'static str {
+        self.family
+    }
+
+    /// The entries, in table order.
+    pub fn entries(&self) -> &[PlanEntry] {
+        &self.entries
+    }
+
+    /// The entry of the parameter at Burn path `path` and its canonical HF name;
+    /// `main_layers` is the model's number of main decoder layers (`{0+L}` templates).
+    pub fn resolve(&self, path: &str, main_layers: usize) -> Result<Resolved<'_>, PlanError> {
+        let mut found: Option<(&PlanEntry, Vec<&str>)> = None;
+        for entry in &self.entries {
+            if let Some(captures) = match_pattern(&entry.module, path) {
+                if let Some((first, _)) = &found {
+                    return Err(PlanError::Ambiguous {
+                        family: self.family,
+                        path: path.to_owned(),
+                        first: first.module.clone(),
+                        second: entry.module.clone(),
+                    });
+                }
+                found = Some((entry, captures));
+            }
+        }
+        let (entry, captures) = found.ok_or_else(|| PlanError::Unclassified {
+            family: self.family,
+            path: path.to_owned(),
+        })?;
+        let hf_name =
+            render(&entry.hf, &captures, main_layers).map_err(|reason| PlanError::Template {
+                family: self.family,
+                pattern: entry.module.clone(),
+                path: path.to_owned(),
+                reason,
+            })?;
+        Ok(Resolved { entry, hf_name })
+    }
+
+    /// Every float parameter and buffer of `module` resolved against the plan, in visiting
+    /// order; the first one the plan does not classify is an error naming it.
+    pub fn walk<M: Module>(
+        &self,
+        module: &M,
+        main_layers: usize,
+    ) -> Result<Vec<PlannedTensor>, PlanError> {
+        let mut visitor = PathVisitor::default();
+        module.visit(&mut visitor);
+        visitor
+            .found
+            .into_iter()
+            .map(|(path, id, shape, trainable)| {
+                let resolved = self.resolve(&path, main_layers)?;
+                let hf_name = resolved.hf_name;
+                let entry = resolved.entry.clone();
+                // A lazy (not yet materialised) tensor will require grad as its plan says.
+                let trainable = trainable.unwrap_or(matches!(entry.grad, GradClass::Param(_)));
+                Ok(PlannedTensor {
+                    path,
+                    id,
+                    shape,
+                    trainable,
+                    hf_name,
+                    entry,
+                })
+            })
+            .collect()
+    }
+
+    /// The gradient class of every trainable parameter of `module` by Burn path (what
+    /// [`moe_backend::optim::DistributedAdamW::with_classes`] asks), checked complete: a
+    /// trainable parameter planned as a buffer, or a buffer planned as a parameter, is an
+    /// error as well.
+    pub fn classes<M: Module>(
+        &self,
+        module: &M,
+        main_layers: usize,
+    ) -> Result<ParamClasses, ModelError> {
+        let mut classes = HashMap::new();
+        for t in self.walk(module, main_layers)? {
+            match (t.entry.grad, t.trainable) {
+                (GradClass::Param(class), true) => {
+                    classes.insert(t.path, class);
+                }
+                (GradClass::Buffer, false) => {}
+                (GradClass::Param(_), false) => {
+                    // A frozen parameter (e.g. a Muon view) is simply not optimised.
+                }
+                (GradClass::Buffer, true) => {
+                    return Err(PlanError::Mismatch {
+                        family: self.family,
+                        reason: format!("{} requires grad but is planned as a buffer", t.hf_name),
+                        path: t.path,
+                    }
+                    .into());
+                }
+            }
+        }
+        Ok(ParamClasses {
+            family: self.family,
+            classes,
+        })
+    }
+}
+
+/// One tensor of a module resolved against its plan.
+#[derive(Debug, Clone)]
+pub struct PlannedTensor {
+    /// Burn module path.
+    pub path: String,
+    /// Burn parameter id.
+    pub id: ParamId,
+    /// Shape of the Burn tensor (this rank's shard when the module is one).
+    pub shape: Vec<usize>,
+    /// Whether it requires grad (a parameter rather than a buffer).
+    pub trainable: bool,
+    /// Canonical HF name.
+    pub hf_name: String,
+    /// The plan entry.
+    pub entry: PlanEntry,
+}
+
+/// Gradient classes of a module's trainable parameters, by Burn path.
+#[derive(Debug, Clone)]
+pub struct ParamClasses {
+    family: &'static str,
+    classes: HashMap<String, ParamClass>,
+}
+
+impl ParamClasses {
+    /// The class of the parameter at `path`.
+    pub fn get(&self, path: &str) -> Result<ParamClass, PlanError> {
+        self.classes
+            .get(path)
+            .copied()
+            .ok_or_else(|| PlanError::Unclassified {
+                family: self.family,
+                path: path.to_owned(),
+            })
+    }
+
+    /// A classifier for the optimizers. Every path the optimizers visit was resolved when
+    /// `self` was built from the same module; a path that was not (a module changed in
+    /// between) is classified `Dense` and reported by [`Self::check`].
+    pub fn classifier(&self) -> impl Fn(&str, bool) -> ParamClass + '_ {
+        move |path: &str, _in_experts: bool| self.get(path).unwrap_or(ParamClass::Dense)
+    }
+
+    /// Errors unless every trainable parameter of `module` has a class here.
+    pub fn check<M: Module>(&self, module: &M) -> Result<(), PlanError> {
+        let mut visitor = PathVisitor::default();
+        module.visit(&mut visitor);
+        for (path, _, _, trainable) in visitor.found {
+            if trainable != Some(false) {
+                self.get(&path)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Collects `(path, id, shape, requires_grad)` of every float tensor of a module.
+#[derive(Default)]
+struct PathVisitor {
+    path: Vec<String>,
+    /// `(path, id, shape, requires grad)`; `None` for a lazy parameter.
+    found: Vec<(String, ParamId, Vec<usize>, Option<bool>)>,
+}
+
+impl ModuleVisitor for PathVisitor {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_owned());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        // Shapes and gradient settings without materialising a lazy parameter (a skeleton
+        // model built at local shapes stays unallocated).
+        let trainable = param
+            .is_initialized()
+            .then(|| param.val().is_require_grad());
+        self.found.push((
+            self.path.join("."),
+            param.id,
+            param.lazy_shape().to_vec(),
+            trainable,
+        ));
+    }
+}
+
+/// The captures of `path` against `pattern` (`*` = one segment), or `None`.
+fn match_pattern<'p>(pattern: &str, path: &'p str) -> Option<Vec<&'p str>> {
+    let mut captures = Vec::new();
+    let mut pat = pattern.split('.');
+    let mut segs = path.split('.');
+    loop {
+        match (pat.next(), segs.next()) {
+            (None, None) => return Some(captures),
+            (Some("*"), Some(seg)) => captures.push(seg),
+            (Some(p), Some(seg)) if p == seg => {}
+            _ => return None,
+        }
+    }
+}
+
+/// `template` with `{i}` replaced by capture `i` and `{i+L}` by capture `i` plus `layers`.
+fn render(template: &str, captures: &[&str], layers: usize) -> Result<String, String> {
+    let mut out = String::with_capacity(template.len() + 8);
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let close = rest[open..]
+            .find('}')
+            .map(|c| open + c)
+            .ok_or_else(|| format!("unclosed `{{` in `{template}`"))?;
+        let spec = &rest[open + 1..close];
+        let (index, add_layers) = match spec.strip_suffix("+L") {
+            Some(i) => (i, true),
+            None => (spec, false),
+        };
+        let capture = index
+            .parse::<usize>()
+            .ok()
+            .and_then(|i| captures.get(i))
+            .ok_or_else(|| format!("no capture `{spec}`"))?;
+        if add_layers {
+            let n = capture
+                .parse::<usize>()
+                .map_err(|_| format!("capture `{capture}` is not an index"))?;
+            out.push_str(&(n + layers).to_string());
+        } else {
+            out.push_str(capture);
+        }
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Builders of plan entries shared by the model tables.
+pub(crate) mod rows {
+    use super::{GradClass, PlanEntry, ShardRule, Storage};
+    use moe_backend::optim::ParamClass;
+
+    fn entry(
+        module: String,
+        hf: String,
+        storage: Storage,
+        split: ShardRule,
+        grad: GradClass,
+        fp8: bool,
+    ) -> PlanEntry {
+        PlanEntry {
+            module,
+            hf,
+            storage,
+            split,
+            grad,
+            fp8,
+        }
+    }
+
+    /// Burn `{m}.weight` (+ `{m}.bias`) of a column-parallel linear: output features over TP
+    /// (the bias with them).
+    pub fn column(m: &str, hf: &str, bias: bool, fp8: bool) -> Vec<PlanEntry> {
+        let tp = ParamClass::DenseTpSharded;
+        let mut rows = vec![
+            entry(
+                format!("{m}.weight"),
+                format!("{hf}.weight"),
+                Storage::Transposed,
+                ShardRule::Tp { dim: 0 },
+                GradClass::Param(tp),
+                fp8,
+            ),
+            entry(
+                format!("{m}.bias"),
+                format!("{hf}.bias"),
+                Storage::Same,
+                ShardRule::Tp { dim: 0 },
+                GradClass::Param(tp),
+                false,
+            ),
+        ];
+        rows.truncate(if bias { 2 } else { 1 });
+        rows
+    }
+
+    /// A row-parallel linear: input features over TP; its bias is added once to the
+    /// sequence-parallel output, replicated with summed gradients.
+    pub fn row(m: &str, hf: &str, bias: bool, fp8: bool) -> Vec<PlanEntry> {
+        let mut rows = vec![
+            entry(
+                format!("{m}.weight"),
+                format!("{hf}.weight"),
+                Storage::Transposed,
+                ShardRule::Tp { dim: 1 },
+                GradClass::Param(ParamClass::DenseTpSharded),
+                fp8,
+            ),
+            entry(
+                format!("{m}.bias"),
+                format!("{hf}.bias"),
+                Storage::Same,
+                ShardRule::Replicated,
+                GradClass::Param(ParamClass::DenseSequenceParallel),
+                false,
+            ),
+        ];
+        rows.truncate(if bias { 2 } else { 1 });
+        rows
+    }
+
+    /// A linear replicated on every TP rank and fed sequence-parallel (or head-split)
+    /// activations: gradients summed over TP.
+    pub fn replicated(m: &str, hf: &str, bias: bool, fp8: bool) -> Vec<PlanEntry> {
+        let sp = GradClass::Param(ParamClass::DenseSequenceParallel);
+        let mut rows = vec![
+            entry(
+                format!("{m}.weight"),
+                format!("{hf}.weight"),
+                Storage::Transposed,
+                ShardRule::Replicated,
+                sp,
+                fp8,
+            ),
+            entry(
+                format!("{m}.bias"),
+                format!("{hf}.bias"),
+                Storage::Same,
+                ShardRule::Replicated,
+                sp,
+                false,
+            ),
+        ];
+        rows.truncate(if bias { 2 } else { 1 });
+        rows
+    }
+
+    /// An RMSNorm `{m}.weight`: replicated, gradients summed over TP.
+    pub fn norm(m: &str, hf: &str) -> Vec<PlanEntry> {
+        vec![entry(
+            format!("{m}.weight"),
+            format!("{hf}.weight"),
+            Storage::Same,
+            ShardRule::Replicated,
+            GradClass::Param(ParamClass::DenseSequenceParallel),
+            false,
+        )]
+    }
+
+    /// A vocab-parallel embedding (rows of the vocabulary over TP).
+    pub fn embedding(m: &str, hf: &str) -> Vec<PlanEntry> {
+        vec![entry(
+            format!("{m}.weight"),
+            format!("{hf}.weight"),
+            Storage::Same,
+            ShardRule::Tp { dim: 0 },
+            GradClass::Param(ParamClass::DenseTpSharded),
+            false,
+        )]
+    }
+
+    /// A dense SwiGLU MLP (`gate_proj`/`up_proj` column-, `down_proj` row-parallel).
+    pub fn mlp(m: &str, hf: &str) -> Vec<PlanEntry> {
+        let mut rows = column(
+            &format!("{m}.gate_proj"),
+            &format!("{hf}.gate_proj"),
+            false,
+            true,
+        );
+        rows.extend(column(
+            &format!("{m}.up_proj"),
+            &format!("{hf}.up_proj"),
+            false,
+            true,
+        ));
+        rows.extend(row(
+            &format!("{m}.down_proj"),
+            &format!("{hf}.down_proj"),
+            false,
+            true,
+        ));
+        rows
+    }
+
+    /// An MoE layer (`moe_backend::MoeLayer` at Burn path `m`, HF `mlp` module `hf`): the
+    /// router weight (HF `gate.weight`) replicated with summed gradients, the expert bias
+    /// (`gate.e_score_correction_bias`) a replicated buffer, routed experts stacked over
+    /// EP × ETP, and (with `shared`) the shared experts replicated.
+    pub fn moe(m: &str, hf: &str, shared: bool) -> Vec<PlanEntry> {
+        let expert = GradClass::Param(ParamClass::Expert);
+        let mut rows = vec![
+            entry(
+                format!("{m}.router.weight"),
+                format!("{hf}.gate.weight"),
+                Storage::Same,
+                ShardRule::Replicated,
+                GradClass::Param(ParamClass::DenseSequenceParallel),
+                false,
+            ),
+            entry(
+                format!("{m}.router.expert_bias"),
+                format!("{hf}.gate.e_score_correction_bias"),
+                Storage::Same,
+                ShardRule::Replicated,
+                GradClass::Buffer,
+                false,
+            ),
+            entry(
+                format!("{m}.experts.fc1"),
+                format!("{hf}.experts.gate_up_proj"),
+                Storage::GatedExperts,
+                ShardRule::Expert { etp_dim: 2 },
+                expert,
+                true,
+            ),
+            entry(
+                format!("{m}.experts.fc2"),
+                format!("{hf}.experts.down_proj"),
+                Storage::Same,
+                ShardRule::Expert { etp_dim: 2 },
+                expert,
+                true,
+            ),
+        ];
+        if shared {
+            for proj in ["gate_proj", "up_proj", "down_proj"] {
+                rows.extend(replicated(
+                    &format!("{m}.shared_experts.{proj}"),
+                    &format!("{hf}.shared_experts.{proj}"),
+                    false,
+                    true,
+                ));
+            }
+        }
+        rows
+    }
+
+    /// Qwen3 GQA attention at Burn path `m` (HF `self_attn` module `hf`): q/k/v
+    /// column-parallel by head, `o_proj` row-parallel, QK-norms replicated.
+    pub fn gqa(m: &str, hf: &str) -> Vec<PlanEntry> {
+        let mut rows = Vec::new();
+        for proj in ["q_proj", "k_proj", "v_proj"] {
+            rows.extend(column(
+                &format!("{m}.{proj}"),
+                &format!("{hf}.{proj}"),
+                true,
+                true,
+            ));
+        }
+        rows.extend(row(
+            &format!("{m}.o_proj"),
+            &format!("{hf}.o_proj"),
+            true,
+            true,
+        ));
+        rows.extend(norm(&format!("{m}.q_norm"), &format!("{hf}.q_norm")));
+        rows.extend(norm(&format!("{m}.k_norm"), &format!("{hf}.k_norm")));
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests;
