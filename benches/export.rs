@@ -99,10 +99,11 @@ fn main() {
     for pass in ["first pass", "second pass"] {
         let start = Instant::now();
         let mut bytes = 0u64;
-        let _ = for_each_hf_tensor(&model, |_, data| {
+        for_each_hf_tensor(&model, |_, data| {
             bytes += data.as_bytes().len() as u64;
-            Ok::<(), ()>(())
-        });
+            Ok::<(), moe_models::ModelError>(())
+        })
+        .expect("export");
         let secs = start.elapsed().as_secs_f64();
         println!(
             "iterator (callback, f32, {pass}): {:.1} MB in {secs:.3} s = {:.2} GB/s",

@@ -172,7 +172,9 @@ fn child(spec: &str) {
                 ParallelQwen3Moe::shard(&full, &pg, kind).map_err(|e| be(e.to_string()))?
             }
         };
-        Ok(export_hf_tensors_as(&shard.model, ExpertNames::Fused).total_bytes())
+        Ok(export_hf_tensors_as(&shard.model, ExpertNames::Fused)
+            .expect("export")
+            .total_bytes())
     });
     let seconds = t.elapsed().as_secs_f64();
     let shard = results

@@ -100,7 +100,10 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let params = moe_models::export::export_hf_tensors(&full).total_bytes() / 4;
+    let params = moe_models::export::export_hf_tensors(&full)
+        .expect("export")
+        .total_bytes()
+        / 4;
     println!(
         "Qwen3-MoE: {layers} layers, hidden {hidden}, {experts} experts of width {width}, vocab \
          {}: {:.1} M parameters; {world} ranks, {spec}",
@@ -221,9 +224,9 @@ fn main() {
             if ctx.rank() == 0 {
                 for_each_hf_tensor(&gathered, |_, data| {
                     std::hint::black_box(data.as_bytes().len());
-                    Ok::<(), ()>(())
+                    Ok::<(), moe_models::ModelError>(())
                 })
-                .map_err(|()| be(&"export"))?;
+                .map_err(|e| be(&e))?;
             }
             drop(gathered);
             world.barrier()?;
@@ -299,7 +302,7 @@ fn main() {
             m.max_tensor as f64 / 1e6,
         );
     }
-    let f32_bytes = full.hf_tensors().total_bytes();
+    let f32_bytes = full.hf_tensors().expect("export").total_bytes();
     let gather = gather_secs.first().copied().unwrap_or(f64::NAN);
     println!(
         "{:<40}: {:.1} MB in {gather:.3} s = {:.2} GB/s (every rank holds the full model)",

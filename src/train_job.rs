@@ -131,6 +131,9 @@ pub struct TrainJob {
     /// the inputs of memory-bound operations (element-wise ops, activations, norms) instead of
     /// their outputs and recomputes them in the backward pass. Results are bit-identical.
     pub recompute: bool,
+    /// Compute device of every rank (`cpu`: Flex; `vulkan` / `cuda` need the binary's Cargo
+    /// feature).
+    pub device: crate::device::DeviceChoice,
 }
 
 impl Default for TrainJob {
@@ -156,6 +159,7 @@ impl Default for TrainJob {
             resume: false,
             metrics_out: None,
             recompute: false,
+            device: crate::device::DeviceChoice::Cpu,
         }
     }
 }
@@ -658,10 +662,14 @@ fn run_model<M: JobModel>(
 ) -> Result<TrainJobReport, TrainJobError> {
     let layout = job_layout(job, Some(ctx.world_size()))?;
     check_job(job, &layout)?;
+    let base = job
+        .device
+        .device()
+        .map_err(|e| invalid("device", e.to_string()))?;
     let device = if job.recompute {
-        Device::flex().autodiff().gradient_checkpointing()
+        base.autodiff().gradient_checkpointing()
     } else {
-        Device::flex().autodiff()
+        base.autodiff()
     };
     let groups = ctx.process_groups(&layout)?;
     let world = ctx.world()?;

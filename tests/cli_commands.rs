@@ -408,3 +408,36 @@ fn convert_reads_a_model_from_the_hub_cache_by_id_and_revision() {
     assert!(!base.join("missing").exists());
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// `--device vulkan|cuda` on a binary built without the backend's feature fails with a message
+/// naming the feature, before touching the model (`moe train`, `moe logits`).
+#[test]
+fn gpu_devices_without_their_feature_are_rejected_clearly() {
+    let model = fixture("qwen3_moe");
+    let ids = std::env::temp_dir().join("moe-cli-device-ids.safetensors");
+    let out = std::env::temp_dir().join("moe-cli-device-out.safetensors");
+    let (ids, out) = (ids.to_string_lossy(), out.to_string_lossy());
+    for (device, feature) in [("vulkan", "vulkan"), ("cuda", "cuda")] {
+        if (feature == "vulkan" && cfg!(feature = "vulkan"))
+            || (feature == "cuda" && cfg!(feature = "cuda"))
+        {
+            continue;
+        }
+        let runs = [
+            moe(&[
+                "train", "--model", &model, "--steps", "1", "--device", device,
+            ]),
+            moe(&[
+                "logits", "--model", &model, "--input", &ids, "--out", &out, "--device", device,
+            ]),
+        ];
+        for run in runs {
+            let err = String::from_utf8_lossy(&run.stderr);
+            assert!(!run.status.success(), "--device {device} succeeded");
+            assert!(
+                err.contains(&format!("built without the `{feature}` feature")),
+                "--device {device}: {err}"
+            );
+        }
+    }
+}

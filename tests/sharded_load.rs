@@ -41,6 +41,7 @@ type Tensors = Vec<(String, Vec<usize>, DType, Vec<u8>)>;
 
 fn tensors<M: ExportHf>(model: &M) -> Tensors {
     export_hf_tensors_as(model, ExpertNames::Fused)
+        .expect("export")
         .map(|(name, data)| {
             (
                 name,

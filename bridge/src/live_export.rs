@@ -377,7 +377,7 @@ pub fn export_live_model<M: ExportHf + ?Sized>(
     target: &Path,
     opts: &LiveExportOptions,
 ) -> Result<LiveExportSummary, BridgeError> {
-    write_hf_tensors(model.hf_tensors(), config, generation_config, target, opts)
+    write_hf_tensors(model.hf_tensors()?, config, generation_config, target, opts)
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<(), BridgeError> {

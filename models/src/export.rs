@@ -28,15 +28,13 @@
 
 use std::collections::VecDeque;
 
-use burn::nn::{Embedding, Linear};
+use burn::module::{ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData};
-use moe_backend::experts::GroupedExperts;
 
-use crate::deepseek_v3::{DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM};
-use crate::layers::mla::MlaQuery;
-use crate::layers::{Attention, Mlp, RmsNorm};
-use crate::qwen3::Qwen3ForCausalLM;
-use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
+use crate::ModelError;
+use crate::deepseek_v3::DeepseekV3ForCausalLM;
+use crate::distributed::ShardRule;
+use crate::param_plan::{GradClass, ParallelPlan, PlanError, Planned, Storage};
 
 /// Name, shape and dtype of one exported tensor, known before its data is fetched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,125 +140,6 @@ impl HfTensors {
             .push_back((self.specs.len() - 1, Box::new(tensor)));
     }
 
-    fn linear(&mut self, prefix: &str, linear: &Linear) {
-        self.push(format!("{prefix}.weight"), linear.weight.val().transpose());
-        if let Some(bias) = &linear.bias {
-            self.push(format!("{prefix}.bias"), bias.val());
-        }
-    }
-
-    fn norm(&mut self, prefix: &str, norm: &RmsNorm) {
-        self.push(format!("{prefix}.weight"), norm.weight.val());
-    }
-
-    fn embedding(&mut self, embedding: &Embedding) {
-        self.push(
-            "model.embed_tokens.weight".to_owned(),
-            embedding.weight.val(),
-        );
-    }
-
-    fn mlp(&mut self, prefix: &str, mlp: &Mlp) {
-        self.linear(&format!("{prefix}.gate_proj"), &mlp.gate_proj);
-        self.linear(&format!("{prefix}.up_proj"), &mlp.up_proj);
-        self.linear(&format!("{prefix}.down_proj"), &mlp.down_proj);
-    }
-
-    fn attention(&mut self, prefix: &str, attn: &Attention) {
-        for (name, linear) in [
-            ("q_proj", &attn.q_proj),
-            ("k_proj", &attn.k_proj),
-            ("v_proj", &attn.v_proj),
-            ("o_proj", &attn.o_proj),
-        ] {
-            self.linear(&format!("{prefix}.{name}"), linear);
-        }
-        for (name, norm) in [("q_norm", &attn.q_norm), ("k_norm", &attn.k_norm)] {
-            if let Some(norm) = norm {
-                self.norm(&format!("{prefix}.{name}"), norm);
-            }
-        }
-    }
-
-    /// HF tensors of stacked `fc1 [E, 2·Im, H]` (`[gate; up]`) and `fc2 [E, H, Im]`: per expert
-    /// (each slice is cut on the device when yielded) or fused (the stacked tensors as they
-    /// are), as [`ExpertNames`] says.
-    fn experts(&mut self, prefix: &str, experts: &GroupedExperts) {
-        if self.experts == ExpertNames::Fused {
-            self.push(format!("{prefix}.gate_up_proj"), experts.fc1.val());
-            self.push(format!("{prefix}.down_proj"), experts.fc2.val());
-            return;
-        }
-        let [e, two_im, h] = experts.fc1.dims();
-        let im = two_im / 2;
-        let (fc1, fc2) = (experts.fc1.val(), experts.fc2.val());
-        for i in 0..e {
-            let p = format!("{prefix}.{i}");
-            let rows = fc1.clone().narrow(0, i, 1);
-            self.push(
-                format!("{p}.gate_proj.weight"),
-                rows.clone().narrow(1, 0, im).reshape([im, h]),
-            );
-            self.push(
-                format!("{p}.up_proj.weight"),
-                rows.narrow(1, im, im).reshape([im, h]),
-            );
-            self.push(
-                format!("{p}.down_proj.weight"),
-                fc2.clone().narrow(0, i, 1).reshape([h, im]),
-            );
-        }
-    }
-
-    fn head(&mut self, lm_head: Option<&Linear>, norm: &RmsNorm) {
-        self.norm("model.norm", norm);
-        if let Some(head) = lm_head {
-            self.linear("lm_head", head);
-        }
-    }
-
-    fn deepseek_layer(&mut self, p: &str, layer: &DeepseekV3DecoderLayer) {
-        self.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm);
-        let a = format!("{p}.self_attn");
-        let attn = &layer.self_attn;
-        match &attn.query {
-            MlaQuery::Direct(q) => self.linear(&format!("{a}.q_proj"), q),
-            MlaQuery::LowRank(q) => {
-                self.linear(&format!("{a}.q_a_proj"), &q.q_a_proj);
-                self.norm(&format!("{a}.q_a_layernorm"), &q.q_a_layernorm);
-                self.linear(&format!("{a}.q_b_proj"), &q.q_b_proj);
-            }
-        }
-        self.linear(&format!("{a}.kv_a_proj_with_mqa"), &attn.kv_a_proj_with_mqa);
-        self.norm(&format!("{a}.kv_a_layernorm"), &attn.kv_a_layernorm);
-        self.linear(&format!("{a}.kv_b_proj"), &attn.kv_b_proj);
-        self.linear(&format!("{a}.o_proj"), &attn.o_proj);
-        self.norm(
-            &format!("{p}.post_attention_layernorm"),
-            &layer.post_attention_layernorm,
-        );
-        match &layer.mlp {
-            DeepseekV3FeedForward::Dense(mlp) => self.mlp(&format!("{p}.mlp"), mlp),
-            DeepseekV3FeedForward::Moe(block) => {
-                let moe = &block.moe;
-                self.push(format!("{p}.mlp.gate.weight"), moe.router.weight.val());
-                if let Some(bias) = &moe.router.expert_bias {
-                    self.push(
-                        format!("{p}.mlp.gate.e_score_correction_bias"),
-                        bias.val().cast(DType::F32),
-                    );
-                }
-                self.experts(&format!("{p}.mlp.experts"), &moe.experts);
-                if let Some(shared) = &moe.shared_experts {
-                    let s = format!("{p}.mlp.shared_experts");
-                    self.linear(&format!("{s}.gate_proj"), &shared.gate_proj);
-                    self.linear(&format!("{s}.up_proj"), &shared.up_proj);
-                    self.linear(&format!("{s}.down_proj"), &shared.down_proj);
-                }
-            }
-        }
-    }
-
     /// Also emits DeepSeek-V3 MTP copies `model.layers.{N+j}.embed_tokens.weight` and
     /// `…shared_head.head.weight` (the release layout, checkpoints.md §1); call it on the
     /// iterator of a [`DeepseekV3ForCausalLM`] before consuming it. No-op for other models.
@@ -301,89 +180,161 @@ impl ExactSizeIterator for HfTensors {}
 pub trait ExportHf {
     /// The streaming iterator with routed experts named as `experts` says (see the module
     /// docs; models without routed experts ignore it).
-    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors;
+    /// An error names a parameter the model's plan does not place.
+    fn hf_tensors_as(&self, experts: ExpertNames) -> Result<HfTensors, ModelError>;
 
     /// The streaming iterator, routed experts per expert (see the module docs).
-    fn hf_tensors(&self) -> HfTensors {
+    fn hf_tensors(&self) -> Result<HfTensors, ModelError> {
         self.hf_tensors_as(ExpertNames::PerExpert)
     }
 }
 
-impl ExportHf for Qwen3ForCausalLM {
-    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors {
-        let mut out = HfTensors::new(experts);
-        out.embedding(&self.model.embed_tokens);
-        for (l, layer) in self.model.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            out.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm);
-            out.attention(&format!("{p}.self_attn"), &layer.self_attn);
-            out.norm(
-                &format!("{p}.post_attention_layernorm"),
-                &layer.post_attention_layernorm,
-            );
-            out.mlp(&format!("{p}.mlp"), &layer.mlp);
-        }
-        out.head(self.lm_head.as_ref(), &self.model.norm);
-        out
-    }
+/// Places each tensor of a module in the iterator by its plan entry (see the module docs).
+struct PlanExport {
+    plan: ParallelPlan,
+    layers: usize,
+    path: Vec<String>,
+    out: HfTensors,
+    /// A layer's stacked gate/up projections waiting for its `down_proj` (per-expert order).
+    gate_up: Option<(String, Tensor<3>)>,
+    error: Option<ModelError>,
 }
 
-impl ExportHf for Qwen3MoeForCausalLM {
-    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors {
-        let mut out = HfTensors::new(experts);
-        out.embedding(&self.model.embed_tokens);
-        for (l, layer) in self.model.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            out.norm(&format!("{p}.input_layernorm"), &layer.input_layernorm);
-            out.attention(&format!("{p}.self_attn"), &layer.self_attn);
-            out.norm(
-                &format!("{p}.post_attention_layernorm"),
-                &layer.post_attention_layernorm,
-            );
-            match &layer.mlp {
-                Qwen3MoeFeedForward::Dense(mlp) => out.mlp(&format!("{p}.mlp"), mlp),
-                Qwen3MoeFeedForward::Sparse(block) => {
-                    out.push(
-                        format!("{p}.mlp.gate.weight"),
-                        block.moe.router.weight.val(),
-                    );
-                    out.experts(&format!("{p}.mlp.experts"), &block.moe.experts);
+impl PlanExport {
+    /// Expert `i`'s `gate_proj` and `up_proj` rows of the stacked `[E, 2F, H]` `fc1`.
+    fn push_gate_up(&mut self, prefix: &str, i: usize, fc1: &Tensor<3>) {
+        let [_, rows, cols] = fc1.dims();
+        let one = fc1.clone().narrow(0, i, 1).reshape([rows, cols]);
+        let f = rows / 2;
+        self.out.push(
+            format!("{prefix}.{i}.gate_proj.weight"),
+            one.clone().narrow(0, 0, f),
+        );
+        self.out
+            .push(format!("{prefix}.{i}.up_proj.weight"), one.narrow(0, f, f));
+    }
+
+    /// Emits a waiting gate/up tensor on its own (a layer without a stacked `down_proj`).
+    fn flush_gate_up(&mut self) {
+        if let Some((prefix, fc1)) = self.gate_up.take() {
+            for i in 0..fc1.dims()[0] {
+                self.push_gate_up(&prefix, i, &fc1);
+            }
+        }
+    }
+
+    fn export<const D: usize>(&mut self, path: &str, t: Tensor<D>) -> Result<(), ModelError> {
+        let r = self.plan.resolve(path, self.layers)?;
+        let (name, entry) = (r.hf_name, r.entry);
+        let mismatch = |reason: String| {
+            ModelError::from(PlanError::Mismatch {
+                family: self.plan.family(),
+                path: path.to_owned(),
+                reason,
+            })
+        };
+        if entry.grad == GradClass::Buffer {
+            // Buffers (DeepSeek-V3's expert bias) are stored in F32 (checkpoints.md §1).
+            self.out.push(name, t.cast(DType::F32));
+            return Ok(());
+        }
+        let expert = matches!(entry.split, ShardRule::Expert { .. });
+        match entry.storage {
+            Storage::Transposed => self.out.push(name, t.transpose()),
+            Storage::Same | Storage::GatedExperts
+                if !expert || self.out.experts == ExpertNames::Fused =>
+            {
+                self.out.push(name, t);
+            }
+            storage => {
+                // Per expert: `…experts.gate_up_proj [E, 2F, H]` → `…experts.{e}.gate_proj
+                // .weight [F, H]` and `…up_proj.weight`; any other stacked `…experts.X
+                // [E, …]` → `…experts.{e}.X.weight`. HF's order is per expert (gate, up,
+                // down), so gate/up wait for the layer's `down_proj`.
+                let (prefix, proj) = name
+                    .rsplit_once('.')
+                    .ok_or_else(|| mismatch(format!("`{name}` has no expert prefix")))?;
+                let dims = t.dims();
+                if D != 3 {
+                    return Err(mismatch(format!("stacked experts of rank {D}")));
+                }
+                let t3: Tensor<3> = t.reshape([dims[0], dims[1], dims[2]]);
+                if storage == Storage::GatedExperts {
+                    self.flush_gate_up();
+                    self.gate_up = Some((prefix.to_owned(), t3));
+                } else {
+                    let gate_up = match self.gate_up.take() {
+                        Some((p, g)) if p == prefix => Some(g),
+                        other => {
+                            self.gate_up = other;
+                            self.flush_gate_up();
+                            None
+                        }
+                    };
+                    for i in 0..dims[0] {
+                        if let Some(g) = &gate_up {
+                            self.push_gate_up(prefix, i, g);
+                        }
+                        let one = t3.clone().narrow(0, i, 1).reshape([dims[1], dims[2]]);
+                        self.out.push(format!("{prefix}.{i}.{proj}.weight"), one);
+                    }
                 }
             }
         }
-        out.head(self.lm_head.as_ref(), &self.model.norm);
-        out
+        Ok(())
     }
 }
 
-impl ExportHf for DeepseekV3ForCausalLM {
-    fn hf_tensors_as(&self, experts: ExpertNames) -> HfTensors {
-        let mut out = HfTensors::new(experts);
-        out.embedding(&self.model.embed_tokens);
-        let n = self.model.layers.len();
-        for (l, layer) in self.model.layers.iter().enumerate() {
-            out.deepseek_layer(&format!("model.layers.{l}"), layer);
+impl ModuleVisitor for PlanExport {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_owned());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.error.is_none() {
+            let path = self.path.join(".");
+            if let Err(e) = self.export(&path, param.val()) {
+                self.error = Some(e);
+            }
         }
-        for (j, mtp) in self.mtp.iter().enumerate() {
-            let p = format!("model.layers.{}", n + j);
-            out.norm(&format!("{p}.enorm"), &mtp.enorm);
-            out.norm(&format!("{p}.hnorm"), &mtp.hnorm);
-            out.linear(&format!("{p}.eh_proj"), &mtp.eh_proj);
-            out.deepseek_layer(&p, &mtp.block);
-            out.norm(&format!("{p}.shared_head.norm"), &mtp.shared_head_norm);
+    }
+}
+
+/// Every model with a parallel plan exports through it: the plan names each tensor and says
+/// how Burn stores it.
+impl<M: Planned> ExportHf for M {
+    fn hf_tensors_as(&self, experts: ExpertNames) -> Result<HfTensors, ModelError> {
+        let mut v = PlanExport {
+            plan: M::parallel_plan(),
+            layers: self.main_layers(),
+            path: Vec::new(),
+            out: HfTensors::new(experts),
+            gate_up: None,
+            error: None,
+        };
+        self.visit(&mut v);
+        v.flush_gate_up();
+        match v.error {
+            Some(e) => Err(e),
+            None => Ok(v.out),
         }
-        out.head(self.lm_head.as_ref(), &self.model.norm);
-        out
     }
 }
 
 /// The streaming HF iterator of `model` (see the module docs).
-pub fn export_hf_tensors<M: ExportHf + ?Sized>(model: &M) -> HfTensors {
+pub fn export_hf_tensors<M: ExportHf + ?Sized>(model: &M) -> Result<HfTensors, ModelError> {
     model.hf_tensors()
 }
 
 /// [`export_hf_tensors`] with routed experts named as `experts` says.
-pub fn export_hf_tensors_as<M: ExportHf + ?Sized>(model: &M, experts: ExpertNames) -> HfTensors {
+pub fn export_hf_tensors_as<M: ExportHf + ?Sized>(
+    model: &M,
+    experts: ExpertNames,
+) -> Result<HfTensors, ModelError> {
     model.hf_tensors_as(experts)
 }
 
@@ -394,15 +345,17 @@ pub fn keeps_f32(name: &str) -> bool {
 }
 
 /// Calls `f(hf_name, data)` for every tensor of `model` in turn (one tensor on the host at a
-/// time); stops at the first error.
+/// time); stops at the first error (a parameter the plan does not place is one, converted by
+/// `From<ModelError>`).
 pub fn for_each_hf_tensor<M, E>(
     model: &M,
     mut f: impl FnMut(&str, TensorData) -> Result<(), E>,
 ) -> Result<(), E>
 where
     M: ExportHf + ?Sized,
+    E: From<ModelError>,
 {
-    for (name, data) in model.hf_tensors() {
+    for (name, data) in model.hf_tensors()? {
         f(&name, data)?;
     }
     Ok(())
@@ -414,6 +367,7 @@ mod tests {
 
     use super::*;
     use crate::config::Qwen3MoeConfig;
+    use crate::qwen3_moe::Qwen3MoeFeedForward;
 
     #[test]
     fn specs_match_the_yielded_data_and_experts_are_split() {
@@ -435,7 +389,7 @@ mod tests {
             ..Qwen3MoeConfig::default()
         };
         let model = cfg.init(&device).unwrap();
-        let iter = export_hf_tensors(&model);
+        let iter = export_hf_tensors(&model).unwrap();
         let specs = iter.specs().to_vec();
         assert_eq!(iter.len(), specs.len());
         assert!(specs.iter().all(|s| s.name != "lm_head.weight"), "tied");

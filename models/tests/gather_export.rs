@@ -29,6 +29,7 @@ fn fixture(name: &str) -> String {
 
 fn tensors<M: moe_models::export::ExportHf>(m: &M) -> Vec<(String, Vec<usize>, Vec<u8>)> {
     export_hf_tensors(m)
+        .expect("export")
         .map(|(name, data)| (name, data.shape().to_vec(), data.as_bytes().to_vec()))
         .collect()
 }

@@ -70,6 +70,7 @@ type Tensors = Vec<(String, Vec<usize>, Vec<u8>)>;
 
 fn tensors<M: ExportHf>(m: &M) -> Tensors {
     export_hf_tensors(m)
+        .expect("export")
         .map(|(name, data)| (name, data.shape().to_vec(), data.as_bytes().to_vec()))
         .collect()
 }
@@ -115,7 +116,7 @@ fn train_and_sync<M: Case>(
     options: &[SyncOptions],
     broadcast: &[bool],
 ) -> Vec<RankResult> {
-    let vocab = full.hf_tensors().specs()[0].shape[0];
+    let vocab = full.hf_tensors().expect("export").specs()[0].shape[0];
     World::run(layout.world, |ctx| {
         let pg = ctx.process_groups(layout)?;
         let world = ctx.world()?;
@@ -171,7 +172,7 @@ fn options(dtype: SyncDtype, experts: ExpertNames) -> SyncOptions {
 /// The largest synced tensor (in its sync dtype) and the largest in f32 (the pieces travel in
 /// the training dtype), from the full model's export.
 fn largest<M: ExportHf>(full: &M, experts: ExpertNames, dtype: SyncDtype) -> (u64, u64) {
-    let specs = moe_models::export::export_hf_tensors_as(full, experts);
+    let specs = moe_models::export::export_hf_tensors_as(full, experts).expect("export");
     let f32_max = specs
         .specs()
         .iter()
@@ -194,7 +195,7 @@ fn check_model<M: Case>(full: &M, what: &str) {
     ];
     let opts: Vec<SyncOptions> = cases.iter().map(|&(d, e, _)| options(d, e)).collect();
     let bcast: Vec<bool> = cases.iter().map(|c| c.2).collect();
-    let total_f32: u64 = full.hf_tensors().total_bytes();
+    let total_f32: u64 = full.hf_tensors().expect("export").total_bytes();
     for (world, spec) in LAYOUTS {
         let layout = ParallelLayout::parse(world, spec).unwrap();
         let results = train_and_sync(full, &layout, &opts, &bcast);
@@ -269,6 +270,7 @@ fn stream_order_and_receiver_errors() {
     let layout = ParallelLayout::parse(4, "tp=2,ep=4").unwrap();
     let export_names: Vec<String> = full
         .hf_tensors()
+        .expect("export")
         .specs()
         .iter()
         .map(|s| s.name.clone())

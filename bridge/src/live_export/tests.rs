@@ -93,7 +93,7 @@ fn f32_export_of_every_fixture_is_bit_identical() {
     assert_eq!(bias.dtype, Dtype::F32);
 
     // The release MTP copies on request.
-    let with_copies = model.hf_tensors().with_mtp_copies(&model);
+    let with_copies = model.hf_tensors().expect("export").with_mtp_copies(&model);
     let names: Vec<String> = with_copies.specs().iter().map(|s| s.name.clone()).collect();
     assert!(names.contains(&"model.layers.3.embed_tokens.weight".to_owned()));
     assert!(names.contains(&"model.layers.3.shared_head.head.weight".to_owned()));
@@ -113,7 +113,7 @@ fn bf16_export_equals_a_host_rne_cast_and_the_bf16_fixture() {
     let out = tmp.join("bf16");
     export_live_model(&model, &config, None, &out, &LiveExportOptions::default()).unwrap();
     let ck = HfCheckpoint::open(&out).unwrap();
-    for (name, data) in export_hf_tensors(&model) {
+    for (name, data) in export_hf_tensors(&model).expect("export") {
         let expected: Vec<u8> = data
             .try_into_vec_as::<f32>()
             .unwrap()

@@ -106,7 +106,7 @@ impl ParallelDeepseekV3 {
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
         let device = full.model.embed_tokens.weight.device();
-        let source = ModuleWeights::new(full);
+        let source = ModuleWeights::new(full)?;
         let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
         // The full model's parameter ids identify the shard's parameters too.
         shard.model = adopt_param_ids(shard.model, full)?;

@@ -214,6 +214,7 @@ mod tests {
 
     fn fingerprint(model: &DeepseekV3ForCausalLM) -> Fingerprint {
         let tensors = export_hf_tensors(model)
+            .expect("export")
             .map(|(name, data)| (name, data.shape().to_vec(), data.as_bytes().to_vec()))
             .collect();
         let ids = Tensor::<2, Int>::from_data([[1, 5, 9, 2, 7, 3]], &Device::flex());

@@ -175,7 +175,7 @@ impl WeightSync {
                 "bucket_bytes must be at least 1".to_owned(),
             ));
         }
-        let local = shard.hf_tensors_as(ExpertNames::Fused).into_lazy();
+        let local = shard.hf_tensors_as(ExpertNames::Fused)?.into_lazy();
         let (tensors, sources) = plan(&local, layout.tp, layout.ep, layout.etp, &options)?;
         let manifest = SyncManifest::pack(
             tensors,

@@ -95,9 +95,9 @@ struct Expected {
 }
 
 impl Expected {
-    fn of<M: ExportHf>(model: &M) -> Self {
-        let per = export_hf_tensors_as(model, ExpertNames::PerExpert);
-        let fused = export_hf_tensors_as(model, ExpertNames::Fused);
+    fn of<M: ExportHf>(model: &M) -> Result<Self, ModelError> {
+        let per = export_hf_tensors_as(model, ExpertNames::PerExpert)?;
+        let fused = export_hf_tensors_as(model, ExpertNames::Fused)?;
         let per_names: Vec<String> = per.specs().iter().map(|s| s.name.clone()).collect();
         let per_set: HashSet<&String> = per_names.iter().collect();
         let fused_only = fused
@@ -112,12 +112,12 @@ impl Expected {
             .chain(fused.specs())
             .map(|s| (s.name.clone(), s.shape.clone()))
             .collect();
-        Self {
+        Ok(Self {
             shapes,
             per_expert: per_names,
             fused: fused.specs().iter().map(|s| s.name.clone()).collect(),
             fused_only,
-        }
+        })
     }
 }
 
@@ -165,14 +165,18 @@ impl<'m, M: SyncTarget> ModelReceiver<'m, M> {
         }
     }
 
-    fn expected(&mut self) -> &Expected {
-        self.expected
-            .get_or_insert_with(|| Expected::of(&*self.model))
+    fn expected(&mut self) -> Result<&Expected, WeightSyncError> {
+        if self.expected.is_none() {
+            self.expected = Some(Expected::of(&*self.model)?);
+        }
+        self.expected.as_ref().ok_or_else(|| {
+            WeightSyncError::Unsupported("the target model's tensors are unknown".to_owned())
+        })
     }
 
     /// Checks one tensor's name, shape and dtype against the model.
     fn check(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<(), WeightSyncError> {
-        let expected = self.expected();
+        let expected = self.expected()?;
         let want = expected
             .shapes
             .get(name)
@@ -230,7 +234,7 @@ impl<M: SyncTarget> WeightReceiver for ModelReceiver<'_, M> {
 
     fn finish(&mut self) -> Result<(), WeightSyncError> {
         let store = std::mem::take(&mut self.store);
-        let expected = self.expected();
+        let expected = self.expected()?;
         let received = store.tensors.borrow();
         let fused = received.keys().any(|n| expected.fused_only.contains(n));
         let required = if fused {

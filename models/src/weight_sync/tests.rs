@@ -122,7 +122,7 @@ fn bucket_of(model: &crate::Qwen3MoeForCausalLM, fused: bool) -> WeightBucket {
     };
     let mut tensors = Vec::new();
     let mut data = Vec::new();
-    for (name, d) in crate::export::export_hf_tensors_as(model, experts) {
+    for (name, d) in crate::export::export_hf_tensors_as(model, experts).expect("export") {
         let bytes = d.as_bytes().to_vec();
         tensors.push(SyncedTensor {
             name,
@@ -146,6 +146,7 @@ fn model_receiver_loads_either_expert_layout() {
     let device = Device::flex();
     let source = tiny().init(&device).unwrap();
     let want: Vec<_> = export_hf_tensors(&source)
+        .expect("export")
         .map(|(n, d)| (n, d.as_bytes().to_vec()))
         .collect();
     for fused in [false, true] {
@@ -158,6 +159,7 @@ fn model_receiver_loads_either_expert_layout() {
             rx.finish().unwrap();
         }
         let got: Vec<_> = export_hf_tensors(&target)
+            .expect("export")
             .map(|(n, d)| (n, d.as_bytes().to_vec()))
             .collect();
         assert!(got == want, "fused = {fused}");
@@ -257,6 +259,7 @@ fn one_rank_sync_equals_the_export_in_both_dtypes() {
     let model = tiny().init(&device).unwrap();
     let layout = ParallelLayout::single();
     let want: Vec<(String, Vec<f32>)> = export_hf_tensors(&model)
+        .expect("export")
         .map(|(n, d)| (n, d.convert::<f32>().try_into_vec::<f32>().unwrap()))
         .collect();
     for dtype in [SyncDtype::F32, SyncDtype::Bf16] {
@@ -275,6 +278,7 @@ fn one_rank_sync_equals_the_export_in_both_dtypes() {
             Ok((
                 stats,
                 export_hf_tensors(&target)
+                    .expect("export")
                     .map(|(n, d)| (n, d.try_into_vec::<f32>().unwrap()))
                     .collect::<Vec<_>>(),
             ))

@@ -28,14 +28,15 @@ impl std::fmt::Debug for ModuleWeights {
 }
 
 impl ModuleWeights {
-    /// The tensors of `model` (cheap handles: nothing is copied until a box is read).
-    pub fn new<M: ExportHf + ?Sized>(model: &M) -> Self {
-        let tensors = export_hf_tensors_as(model, ExpertNames::Fused)
+    /// The tensors of `model` (cheap handles: nothing is copied until a box is read); an
+    /// error names a parameter the model's plan does not place.
+    pub fn new<M: ExportHf + ?Sized>(model: &M) -> Result<Self, ModelError> {
+        let tensors = export_hf_tensors_as(model, ExpertNames::Fused)?
             .into_lazy()
             .into_iter()
             .map(|(spec, lazy)| (spec.name, (spec.shape, lazy)))
             .collect();
-        Self { tensors }
+        Ok(Self { tensors })
     }
 
     fn values(name: &str, data: TensorData) -> Result<Vec<f32>, ModelError> {

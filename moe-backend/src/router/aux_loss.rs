@@ -5,12 +5,39 @@
 //! (no expert bias, no group limit, no dropping). Counts are host `f64` vectors so that
 //! distributed code can sum them over a process group through a [`CountReducer`].
 
-use burn::tensor::{Bool, DType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData, bf16, f16};
 
 use super::config::AuxLossType;
 use super::scoring::logsumexp_rows;
 use crate::error::{BackendError, Result};
 use crate::ops::int_tensor_to_usize;
+
+/// Host f64 `values` as a tensor of the float dtype `dtype` on `device`, each value rounded
+/// once on the host exactly as Flex casts f64 (`as f32`, `f16::from_f64`, `bf16::from_f64`), so
+/// the device never needs f64 support (WGSL has none).
+fn host_f64_as<const D: usize>(
+    values: Vec<f64>,
+    shape: [usize; D],
+    device: &Device,
+    dtype: DType,
+) -> Tensor<D> {
+    let data = match dtype {
+        DType::F64 => TensorData::new(values, shape),
+        DType::F16 => TensorData::new(
+            values.into_iter().map(f16::from_f64).collect::<Vec<_>>(),
+            shape,
+        ),
+        DType::BF16 => TensorData::new(
+            values.into_iter().map(bf16::from_f64).collect::<Vec<_>>(),
+            shape,
+        ),
+        _ => TensorData::new(
+            values.into_iter().map(|v| v as f32).collect::<Vec<_>>(),
+            shape,
+        ),
+    };
+    Tensor::from_data(data, (device, dtype))
+}
 
 /// Process group over which per-expert counts are summed (moe-ops §4 table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,10 +151,7 @@ pub fn switch_loss(
             detail: format!("{} counts for {c} probability columns", counts.len()),
         });
     }
-    let device = probs.device();
-    let counts =
-        Tensor::<1>::from_data(TensorData::new(counts.to_vec(), [c]), (&device, DType::F64))
-            .cast(probs.dtype());
+    let counts = host_f64_as(counts.to_vec(), [c], &probs.device(), probs.dtype());
     let per_expert = probs.sum_dim(0).reshape([c]);
     let dot = (per_expert * counts).sum();
     if total_tokens <= 0.0 {
@@ -341,9 +365,12 @@ fn seq_aux_by_rows(
         .iter()
         .flat_map(|&q| counts[q * e..(q + 1) * e].iter().copied())
         .collect();
-    let device = inputs.scores.device();
-    let per_row = Tensor::<2>::from_data(TensorData::new(per_row, [t, e]), (&device, DType::F64))
-        .cast(inputs.scores.dtype());
+    let per_row = host_f64_as(
+        per_row,
+        [t, e],
+        &inputs.scores.device(),
+        inputs.scores.dtype(),
+    );
     let dot = (inputs.scores.clone() * per_row).sum();
     // Megatron: valid tokens per sequence = Σ counts / (k·B) (= S without padding).
     let total = ctx.total_tokens(&counts, inputs.num_valid, ctx.tp_cp_size) / b as f64;

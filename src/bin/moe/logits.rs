@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use burn::tensor::Device;
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, SafetensorsFile, write_safetensors};
 use burn_moe::bridge::weights::WeightPrecision;
+use burn_moe::device::DeviceChoice;
 use burn_moe::models::CausalLm;
 use burn_moe::models::causal_lm::token_ids;
 
@@ -33,6 +33,10 @@ pub struct Args {
     /// `bf16` rounds every weight to bf16 first. Arithmetic is f32 either way.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub dtype: Precision,
+    /// Compute device: `cpu` (Flex), `vulkan` or `cuda` (the GPU backends need a binary built
+    /// with the `vulkan` / `cuda` feature).
+    #[arg(long, value_enum, default_value_t = crate::DeviceArg::Cpu)]
+    pub device: crate::DeviceArg,
 }
 
 /// `--dtype` values.
@@ -74,7 +78,7 @@ fn read_input_ids(path: &PathBuf) -> anyhow::Result<(Vec<i64>, [usize; 2])> {
 
 /// Runs `moe logits`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let device = Device::flex();
+    let device = DeviceChoice::from(args.device).device()?;
     let (ids, shape) = read_input_ids(&args.input)?;
     let model = crate::progress::load_model(&args.model, args.dtype.into(), &device)?;
     let input = token_ids(&ids, shape, model.vocab_size(), &device)

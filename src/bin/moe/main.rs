@@ -15,7 +15,29 @@ mod progress;
 mod train;
 mod upcycle;
 
+use burn_moe::device::DeviceChoice;
 use clap::{Parser, Subcommand};
+
+/// `--device` values of `moe train` and `moe logits`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DeviceArg {
+    /// Burn's Flex CPU backend.
+    Cpu,
+    /// Burn's Vulkan runtime (binary built with `--features vulkan`).
+    Vulkan,
+    /// Burn's CUDA runtime, GPU 0 (binary built with `--features cuda`).
+    Cuda,
+}
+
+impl From<DeviceArg> for DeviceChoice {
+    fn from(d: DeviceArg) -> Self {
+        match d {
+            DeviceArg::Cpu => DeviceChoice::Cpu,
+            DeviceArg::Vulkan => DeviceChoice::Vulkan,
+            DeviceArg::Cuda => DeviceChoice::Cuda,
+        }
+    }
+}
 
 /// Mixture-of-Experts models in Burn: inspect, run and export HuggingFace checkpoints.
 ///

@@ -225,6 +225,10 @@ pub struct Args {
     /// `grad_norm`, `lr`, `tokens_per_s`), written by rank 0 (appended to with `--resume`).
     #[arg(long, value_name = "FILE")]
     pub metrics_out: Option<PathBuf>,
+    /// Compute device of every rank: `cpu` (Flex), `vulkan` or `cuda` (the GPU backends need
+    /// a binary built with the `vulkan` / `cuda` feature).
+    #[arg(long, value_enum, default_value_t = crate::DeviceArg::Cpu)]
+    pub device: crate::DeviceArg,
     /// How the ranks run.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
     pub transport: Transport,
@@ -322,6 +326,7 @@ fn job(args: &Args) -> TrainJob {
         resume: args.resume,
         metrics_out: args.metrics_out.clone(),
         recompute: args.recompute == Recompute::MemoryBound,
+        device: args.device.into(),
     }
 }
 
@@ -346,6 +351,8 @@ fn print_summary(report: &TrainJobReport) {
 /// Runs `moe train`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let job = job(&args);
+    // A device this binary cannot provide fails here, before any rank starts.
+    job.device.device()?;
     let transport = match args.transport {
         Transport::Auto => launch::Transport::Auto,
         Transport::Threads => launch::Transport::Threads,

@@ -89,6 +89,7 @@ type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 
 fn tensors(model: &DeepseekV3ForCausalLM) -> Tensors {
     export_hf_tensors(model)
+        .expect("export")
         .map(|(name, data)| {
             let shape = data.shape().to_vec();
             let values = data
