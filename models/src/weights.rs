@@ -771,17 +771,24 @@ mod tests {
 
         // TP: q_proj rows, o_proj columns (Burn stores [in, out]); a norm whole.
         let mut dense = MapSource::default();
-        dense.put("x.self_attn.q_proj.weight", &[4, 2]);
-        dense.put("x.self_attn.o_proj.weight", &[2, 4]);
-        dense.put("x.norm.weight", &[2]);
+        dense.put("model.layers.0.self_attn.q_proj.weight", &[4, 2]);
+        dense.put("model.layers.0.self_attn.o_proj.weight", &[2, 4]);
+        dense.put("model.norm.weight", &[2]);
         let w = WeightLoader::sharded(&dense, &device, &spec);
-        let q = w.linear("x.self_attn.q_proj", 2, 4, false).unwrap();
+        let q = w
+            .linear("model.layers.0.self_attn.q_proj", 2, 4, false)
+            .unwrap();
         assert_eq!(values(q.weight.val()), [4.0, 6.0, 5.0, 7.0]);
-        let o = w.linear("x.self_attn.o_proj", 4, 2, false).unwrap();
+        let o = w
+            .linear("model.layers.0.self_attn.o_proj", 4, 2, false)
+            .unwrap();
         assert_eq!(values(o.weight.val()), [2.0, 6.0, 3.0, 7.0]);
-        assert_eq!(w.rms_norm("x.norm", 2, 1e-6).unwrap().weight.dims(), [2]);
+        assert_eq!(
+            w.rms_norm("model.norm", 2, 1e-6).unwrap().weight.dims(),
+            [2]
+        );
         let err = w
-            .linear("x.self_attn.o_proj", 4, 2, true)
+            .linear("model.layers.0.self_attn.o_proj", 4, 2, true)
             .unwrap_err()
             .to_string();
         assert!(err.contains("row-parallel"), "{err}");

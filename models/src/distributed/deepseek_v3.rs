@@ -13,7 +13,7 @@ use moe_backend::router::TopKRouter;
 
 use super::runtime::{Prepared, RouterTrace, SpRuntime};
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward, roll_rows};
-use super::{DispatcherKind, ForwardTraced, ParallelOutput};
+use super::{DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard};
 use crate::ModelError;
 use crate::config::DeepseekV3Config;
 use crate::deepseek_v3::{DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM};
@@ -34,8 +34,10 @@ pub struct ParallelDeepseekV3 {
     pub replicas: usize,
 }
 
-impl ParallelDeepseekV3 {
-    /// The parallel context of `config` under the layout of `groups`.
+impl ShardParts for ParallelDeepseekV3 {
+    type Config = DeepseekV3Config;
+    type Model = DeepseekV3ForCausalLM;
+
     fn context(
         config: &DeepseekV3Config,
         groups: &GroupComms,
@@ -51,8 +53,13 @@ impl ParallelDeepseekV3 {
         )
     }
 
-    /// The step every way of building a shard ends with: this rank's local `model` (built at
-    /// local shapes by [`DeepseekV3ForCausalLM::from_loader`]) joined with its parallel context.
+    fn from_loader(
+        config: &DeepseekV3Config,
+        loader: &WeightLoader<'_>,
+    ) -> Result<DeepseekV3ForCausalLM, ModelError> {
+        DeepseekV3ForCausalLM::from_loader(config, loader)
+    }
+
     fn from_local(model: DeepseekV3ForCausalLM, rt: SpRuntime) -> Self {
         Self {
             model,
@@ -61,7 +68,9 @@ impl ParallelDeepseekV3 {
             rt,
         }
     }
+}
 
+impl ParallelDeepseekV3 {
     /// This rank's shard (MTP modules included) read straight from `source`: only this rank's
     /// box of every tensor is read (MLA heads, dense MLPs, embedding and head over TP; this
     /// rank's experts and their ETP block; norms, latent projections, routers, shared experts
@@ -73,13 +82,7 @@ impl ParallelDeepseekV3 {
         kind: DispatcherKind,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let rt = Self::context(config, groups, kind)?;
-        let spec = rt.shard_spec();
-        let model = DeepseekV3ForCausalLM::from_loader(
-            config,
-            &WeightLoader::sharded(source, device, &spec),
-        )?;
-        Ok(Self::from_local(model, rt))
+        build_shard(config, Some(source), groups, kind, device)
     }
 
     /// This rank's shard at local shapes filled with zeros (nothing is read), for a restore
@@ -90,11 +93,7 @@ impl ParallelDeepseekV3 {
         kind: DispatcherKind,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let rt = Self::context(config, groups, kind)?;
-        let spec = rt.shard_spec();
-        let model =
-            DeepseekV3ForCausalLM::from_loader(config, &WeightLoader::skeleton(device, &spec))?;
-        Ok(Self::from_local(model, rt))
+        build_shard(config, None, groups, kind, device)
     }
 
     /// This rank's shard of `full` (heads, vocabulary and FFN widths divisible by `tp`,

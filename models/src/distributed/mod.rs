@@ -181,8 +181,51 @@ pub(crate) fn check_batch(
     Ok(n / batch)
 }
 
-impl ParallelQwen3Moe {
+/// What building any model's shard needs: its parallel context under a layout, its model
+/// built by a [`WeightLoader`] at local shapes, and the step joining the two.
+pub(crate) trait ShardParts: Sized {
+    /// The model's config.
+    type Config;
+    /// The model (a shard holds one at local shapes).
+    type Model;
     /// The parallel context of `config` under the layout of `groups`.
+    fn context(
+        config: &Self::Config,
+        groups: &GroupComms,
+        kind: DispatcherKind,
+    ) -> Result<SpRuntime, ModelError>;
+    /// The model built by `loader` (sharded or skeleton).
+    fn from_loader(
+        config: &Self::Config,
+        loader: &WeightLoader<'_>,
+    ) -> Result<Self::Model, ModelError>;
+    /// The shard of the local `model` and its context.
+    fn from_local(model: Self::Model, rt: SpRuntime) -> Self;
+}
+
+/// The shard of this rank: its boxes read from `source`, or with `None` a skeleton of zeros at
+/// local shapes (nothing is read).
+pub(crate) fn build_shard<S: ShardParts>(
+    config: &S::Config,
+    source: Option<&dyn WeightSource>,
+    groups: &GroupComms,
+    kind: DispatcherKind,
+    device: &Device,
+) -> Result<S, ModelError> {
+    let rt = S::context(config, groups, kind)?;
+    let spec = rt.shard_spec();
+    let loader = match source {
+        Some(source) => WeightLoader::sharded(source, device, &spec),
+        None => WeightLoader::skeleton(device, &spec),
+    };
+    let model = S::from_loader(config, &loader)?;
+    Ok(S::from_local(model, rt))
+}
+
+impl ShardParts for ParallelQwen3Moe {
+    type Config = Qwen3MoeConfig;
+    type Model = Qwen3MoeForCausalLM;
+
     fn context(
         config: &Qwen3MoeConfig,
         groups: &GroupComms,
@@ -198,8 +241,13 @@ impl ParallelQwen3Moe {
         )
     }
 
-    /// The step every way of building a shard ends with: this rank's local `model` (built at
-    /// local shapes by [`Qwen3MoeForCausalLM::from_loader`]) joined with its parallel context.
+    fn from_loader(
+        config: &Qwen3MoeConfig,
+        loader: &WeightLoader<'_>,
+    ) -> Result<Qwen3MoeForCausalLM, ModelError> {
+        Qwen3MoeForCausalLM::from_loader(config, loader)
+    }
+
     fn from_local(model: Qwen3MoeForCausalLM, rt: SpRuntime) -> Self {
         Self {
             model,
@@ -208,7 +256,9 @@ impl ParallelQwen3Moe {
             rt,
         }
     }
+}
 
+impl ParallelQwen3Moe {
     /// This rank's shard read straight from `source` (e.g. an HF checkpoint directory): only
     /// this rank's box of every tensor is read (TP slices per
     /// [`shard_rule`], this rank's experts and their ETP block), so the rank never holds more
@@ -220,13 +270,7 @@ impl ParallelQwen3Moe {
         kind: DispatcherKind,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let rt = Self::context(config, groups, kind)?;
-        let spec = rt.shard_spec();
-        let model = Qwen3MoeForCausalLM::from_loader(
-            config,
-            &WeightLoader::sharded(source, device, &spec),
-        )?;
-        Ok(Self::from_local(model, rt))
+        build_shard(config, Some(source), groups, kind, device)
     }
 
     /// This rank's shard at local shapes filled with zeros (nothing is read), for a restore
@@ -237,11 +281,7 @@ impl ParallelQwen3Moe {
         kind: DispatcherKind,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let rt = Self::context(config, groups, kind)?;
-        let spec = rt.shard_spec();
-        let model =
-            Qwen3MoeForCausalLM::from_loader(config, &WeightLoader::skeleton(device, &spec))?;
-        Ok(Self::from_local(model, rt))
+        build_shard(config, None, groups, kind, device)
     }
 
     /// This rank's shard of `full` under the layout of `groups` (requires `pp = cp = 1`,

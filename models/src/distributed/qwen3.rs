@@ -8,9 +8,9 @@ use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
-use super::DispatcherKind;
 use super::runtime::SpRuntime;
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
+use super::{DispatcherKind, ShardParts, build_shard};
 use crate::ModelError;
 use crate::config::Qwen3Config;
 use crate::layers::rope::RotaryEmbedding;
@@ -30,8 +30,10 @@ pub struct ParallelQwen3 {
     pub replicas: usize,
 }
 
-impl ParallelQwen3 {
-    /// The parallel context of `config` under the layout of `groups` (no dispatcher).
+impl ShardParts for ParallelQwen3 {
+    type Config = Qwen3Config;
+    type Model = Qwen3ForCausalLM;
+
     fn context(
         config: &Qwen3Config,
         groups: &GroupComms,
@@ -41,8 +43,13 @@ impl ParallelQwen3 {
         SpRuntime::new(groups, kind, None, config.vocab_size, rope)
     }
 
-    /// The step every way of building a shard ends with: this rank's local `model` (built at
-    /// local shapes by [`Qwen3ForCausalLM::from_loader`]) joined with its parallel context.
+    fn from_loader(
+        config: &Qwen3Config,
+        loader: &WeightLoader<'_>,
+    ) -> Result<Qwen3ForCausalLM, ModelError> {
+        Qwen3ForCausalLM::from_loader(config, loader)
+    }
+
     fn from_local(model: Qwen3ForCausalLM, rt: SpRuntime) -> Self {
         Self {
             model,
@@ -51,7 +58,9 @@ impl ParallelQwen3 {
             rt,
         }
     }
+}
 
+impl ParallelQwen3 {
     /// This rank's shard read straight from `source`: only this rank's box of every tensor
     /// (attention heads, MLP widths, embedding and head over TP; norms whole).
     /// Requirements as [`shard`](Self::shard).
@@ -62,11 +71,7 @@ impl ParallelQwen3 {
         kind: DispatcherKind,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let rt = Self::context(config, groups, kind)?;
-        let spec = rt.shard_spec();
-        let model =
-            Qwen3ForCausalLM::from_loader(config, &WeightLoader::sharded(source, device, &spec))?;
-        Ok(Self::from_local(model, rt))
+        build_shard(config, Some(source), groups, kind, device)
     }
 
     /// This rank's shard at local shapes filled with zeros (nothing is read), for a restore
@@ -77,10 +82,7 @@ impl ParallelQwen3 {
         kind: DispatcherKind,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let rt = Self::context(config, groups, kind)?;
-        let spec = rt.shard_spec();
-        let model = Qwen3ForCausalLM::from_loader(config, &WeightLoader::skeleton(device, &spec))?;
-        Ok(Self::from_local(model, rt))
+        build_shard(config, None, groups, kind, device)
     }
 
     /// This rank's shard of `full` (heads, KV heads, vocabulary and MLP width divisible by

@@ -1,17 +1,20 @@
-//! Which dimension of each canonical tensor the sharded models split (checkpoints.md §3): the
-//! one table the distributed checkpoint (moe-bridge's `dist::sharding`, which re-exports it)
-//! and the weight sync ([`crate::weight_sync`]) read.
+//! Which dimension of each canonical tensor the sharded models split (checkpoints.md §3),
+//! by canonical name: the rule the distributed checkpoint (moe-bridge's `dist::sharding`,
+//! which re-exports it) and the weight sync ([`crate::weight_sync`]) read when they have a
+//! tensor name but no model.
+//!
+//! The rules are the models' parallel plans ([`crate::param_plan`]) read backwards: a name
+//! takes the split of the plan entry whose HF template it matches (a `{…}` placeholder matches
+//! one numeric segment). The plans of the three families agree wherever their names meet (a
+//! test checks it). A name no plan knows is replicated.
 //!
 //! Canonical names are HF names, except routed experts, stacked per MoE layer
 //! (`…mlp.experts.gate_up_proj [E, 2, Im, H]` ≡ HF's fused `[E, 2·Im, H]`,
 //! `…mlp.experts.down_proj [E, H, Im]`); orientation is PyTorch `[out, in]`.
-//!
-//! | tensor | split |
-//! |---|---|
-//! | `embed_tokens`, `lm_head`, `q/k/v_proj` (+ biases; DeepSeek's `q_proj` when `q_lora_rank` is unset), `q_b_proj`, `kv_b_proj`, dense `gate_proj`/`up_proj` | TP dim 0 |
-//! | `o_proj.weight`, dense `down_proj` | TP dim 1 |
-//! | `experts.gate_up_proj [E,2,Im,H]`, `experts.down_proj [E,H,Im]` | EP dim 0, ETP dim 2 |
-//! | everything else: norms (incl. `q_a_layernorm`, `kv_a_layernorm`, MTP `enorm`/`hnorm`/`shared_head.norm`), router `gate.weight`, `e_score_correction_bias`, `q_a_proj`, `kv_a_proj_with_mqa`, `o_proj.bias`, the shared experts `mlp.shared_experts.*`, MTP `eh_proj` | replicated |
+
+use std::sync::OnceLock;
+
+use crate::param_plan::{deepseek_v3_plan, qwen3_moe_plan, qwen3_plan};
 
 /// How a canonical tensor is split over the ranks of one pipeline stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,41 +33,124 @@ pub enum ShardRule {
     },
 }
 
-/// The split of the canonical tensor `name` (see the module table).
+/// One HF template of a plan as segments (`None`: a placeholder) and its split.
+type Rule = (Vec<Option<String>>, ShardRule);
+
+fn rules() -> &'static [Rule] {
+    static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
+    RULES.get_or_init(|| {
+        [qwen3_plan(), qwen3_moe_plan(), deepseek_v3_plan()]
+            .iter()
+            .flat_map(|plan| plan.entries().iter())
+            .map(|e| {
+                let segments =
+                    e.hf.split('.')
+                        .map(|s| (!s.starts_with('{')).then(|| s.to_owned()))
+                        .collect();
+                (segments, e.split)
+            })
+            .collect()
+    })
+}
+
+/// The split of the canonical tensor `name` (see the module docs).
 pub fn shard_rule(name: &str) -> ShardRule {
-    if name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj") {
-        return ShardRule::Expert { etp_dim: 2 };
+    let segments: Vec<&str> = name.split('.').collect();
+    rules()
+        .iter()
+        .find(|(template, _)| {
+            template.len() == segments.len()
+                && template.iter().zip(&segments).all(|(t, s)| match t {
+                    Some(lit) => lit == s,
+                    None => !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()),
+                })
+        })
+        .map_or(ShardRule::Replicated, |(_, rule)| *rule)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::param_plan::ParallelPlan;
+
+    /// Every name any plan produces gets the same rule from every plan that produces it.
+    #[test]
+    fn the_plans_agree_on_every_name() {
+        let plans: Vec<ParallelPlan> = vec![qwen3_plan(), qwen3_moe_plan(), deepseek_v3_plan()];
+        for plan in &plans {
+            for e in plan.entries() {
+                let name = e.hf.replace("{0+L}", "7").replace("{0}", "3");
+                assert_eq!(shard_rule(&name), e.split, "{}: {name}", plan.family());
+            }
+        }
     }
-    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
-        return ShardRule::Tp { dim: 0 };
-    }
-    // Column-parallel (output features, canonical dim 0) and row-parallel (input features,
-    // dim 1) tensors, matched as `.<suffix>`: `mlp.gate_proj.weight` is a dense MLP's, not the
-    // (replicated) `mlp.shared_experts.gate_proj.weight`.
-    const DIM0: [&str; 12] = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-        "self_attn.q_b_proj.weight",
-        "self_attn.q_b_proj.bias",
-        "self_attn.kv_b_proj.weight",
-        "self_attn.kv_b_proj.bias",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-    ];
-    const DIM1: [&str; 2] = ["self_attn.o_proj.weight", "mlp.down_proj.weight"];
-    let ends = |suffix: &&str| {
-        name.strip_suffix(*suffix)
-            .is_some_and(|head| head.ends_with('.'))
-    };
-    if DIM0.iter().any(ends) {
-        ShardRule::Tp { dim: 0 }
-    } else if DIM1.iter().any(ends) {
-        ShardRule::Tp { dim: 1 }
-    } else {
-        ShardRule::Replicated
+
+    #[test]
+    fn canonical_names_get_the_checkpoint_splits() {
+        let cases = [
+            ("model.embed_tokens.weight", ShardRule::Tp { dim: 0 }),
+            ("lm_head.weight", ShardRule::Tp { dim: 0 }),
+            (
+                "model.layers.12.self_attn.q_proj.weight",
+                ShardRule::Tp { dim: 0 },
+            ),
+            (
+                "model.layers.0.self_attn.q_b_proj.weight",
+                ShardRule::Tp { dim: 0 },
+            ),
+            (
+                "model.layers.0.self_attn.kv_b_proj.weight",
+                ShardRule::Tp { dim: 0 },
+            ),
+            (
+                "model.layers.0.self_attn.o_proj.weight",
+                ShardRule::Tp { dim: 1 },
+            ),
+            (
+                "model.layers.0.mlp.down_proj.weight",
+                ShardRule::Tp { dim: 1 },
+            ),
+            (
+                "model.layers.0.mlp.gate_proj.weight",
+                ShardRule::Tp { dim: 0 },
+            ),
+            (
+                "model.layers.3.mlp.experts.gate_up_proj",
+                ShardRule::Expert { etp_dim: 2 },
+            ),
+            (
+                "model.layers.3.mlp.experts.down_proj",
+                ShardRule::Expert { etp_dim: 2 },
+            ),
+            // Replicated: norms, router and its bias, MLA down-projections, shared experts,
+            // MTP projections, and names no plan knows.
+            ("model.layers.3.mlp.gate.weight", ShardRule::Replicated),
+            (
+                "model.layers.3.mlp.gate.e_score_correction_bias",
+                ShardRule::Replicated,
+            ),
+            (
+                "model.layers.3.self_attn.q_a_proj.weight",
+                ShardRule::Replicated,
+            ),
+            (
+                "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+                ShardRule::Replicated,
+            ),
+            (
+                "model.layers.3.mlp.shared_experts.gate_proj.weight",
+                ShardRule::Replicated,
+            ),
+            ("model.layers.61.eh_proj.weight", ShardRule::Replicated),
+            ("model.norm.weight", ShardRule::Replicated),
+            (
+                "model.layers.x.self_attn.q_proj.weight",
+                ShardRule::Replicated,
+            ),
+            ("something.else", ShardRule::Replicated),
+        ];
+        for (name, rule) in cases {
+            assert_eq!(shard_rule(name), rule, "{name}");
+        }
     }
 }
