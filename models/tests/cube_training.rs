@@ -13,6 +13,9 @@
 //! `moe-backend/tests/cube.rs`), and Burn's own dense matmul and reductions use shared memory,
 //! so a model step cannot run there (the pipeline creation segfaults).
 //!
+//! With one rank no collective reaches the transport (counted per group): the step's
+//! collectives stay on the device.
+//!
 //! Tolerances (f32; the Cube kernels sum in other orders than Flex): losses and the aux loss
 //! `1e-5` relative, gradient norms `1e-4` relative, parameters after the last step `1e-3` in
 //! relative L2 norm per class (Adam's `m / √v` with ε = 1e-8 turns reduction-order noise on
@@ -92,8 +95,9 @@ fn be(e: moe_models::ModelError) -> moe_backend::BackendError {
     }
 }
 
-/// One rank's step statistics and final `(dense, expert)` parameters.
-type RankRun = (Vec<StepStats>, (Vec<f32>, Vec<f32>));
+/// One rank's step statistics, final `(dense, expert)` parameters, and the number of calls
+/// that reached a transport (world and every group family).
+type RankRun = (Vec<StepStats>, (Vec<f32>, Vec<f32>), u64);
 
 /// `STEPS` training steps on `device` under `spec` with `world` in-process ranks.
 fn train(device: &Device, world: usize, spec: &str, fp8: bool) -> Vec<RankRun> {
@@ -109,7 +113,8 @@ fn train(device: &Device, world: usize, spec: &str, fp8: bool) -> Vec<RankRun> {
             ..TrainerConfig::default()
         };
         let ad = device.clone().autodiff();
-        let mut trainer = Trainer::new(start, &pg, ctx.world()?, config, &ad).map_err(be)?;
+        let world_comm = ctx.world()?;
+        let mut trainer = Trainer::new(start, &pg, world_comm.clone(), config, &ad).map_err(be)?;
         let replica = pg.groups.get(GroupFamily::DpCp).index;
         let mut stats = Vec::new();
         for step in 0..STEPS {
@@ -122,7 +127,12 @@ fn train(device: &Device, world: usize, spec: &str, fp8: bool) -> Vec<RankRun> {
             .optimizer()
             .table()
             .flatten_values(trainer.model().model())?;
-        Ok((stats, params))
+        let calls = world_comm.traffic().calls
+            + GroupFamily::ALL
+                .iter()
+                .map(|&f| pg.comm(f).traffic().calls)
+                .sum::<u64>();
+        Ok((stats, params, calls))
     });
     out.into_iter()
         .enumerate()
@@ -174,6 +184,10 @@ fn compare(world: usize, spec: &str, fp8: bool) {
                 b.grad_norm
             );
             (loss, aux, norm) = (loss.max(l), aux.max(x), norm.max(n));
+        }
+        if world == 1 {
+            // A single rank never reaches a transport: no host round trip for collectives.
+            assert_eq!(g.2, 0, "world 1: collectives reached the transport");
         }
         let dense = rel_l2(&g.1.0, &w.1.0);
         let expert = rel_l2(&g.1.1, &w.1.1);

@@ -1,6 +1,7 @@
 //! `MoeOps` on Burn's Cube backend against the Flex implementation and the per-group references
 //! of `testing.rs`: every op forward, the differentiable ones backward through `Autodiff` on the
-//! Cube device.
+//! Cube device. Also the other backend extensions a training step needs: the differentiable
+//! collectives (`CollectiveOps`, 1 and 2 in-process ranks) and the FP8 GEMMs (`Fp8Ops`).
 //!
 //! Run: `cargo test -p moe-backend --features vulkan --test cube -- --test-threads=1` (any
 //! Vulkan device; `.ci/gpu-lavapipe` runs it on Mesa's lavapipe and llvmpipe).
@@ -507,4 +508,120 @@ fn attach_loss_is_identity_and_sends_constant_grad() {
     let grads = (y * 4.0).backward();
     assert_eq!(values(x.grad(&grads).expect("dx")), vec![4.0, 4.0]);
     assert_eq!(values(l_in.grad(&grads).expect("dl")), vec![3.0]);
+}
+
+/// Outputs and input gradients of a chain of differentiable collectives on `device`, for
+/// every rank of an in-process world of `world` ranks: `y = all_to_all_v(all_gather_v(x) ⊙
+/// w)` (backward: all-to-all back, then reduce-scatter) and `z = all_reduce(x[..3]) ⊙ u` (identity
+/// backward), each seeded with `backward()` on the full output. Also returns the number of
+/// transport calls each rank's world communicator saw.
+type CollectiveRun = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, u64);
+
+fn collectives_on(device: &Device, world: usize) -> Vec<CollectiveRun> {
+    use moe_backend::comm::{ReduceOp, World};
+    let out = World::run(world, |ctx| {
+        let comm = ctx.world()?;
+        let r = ctx.rank();
+        let ad = device.clone().autodiff();
+        let mut rng = SplitMix::new(100 + r as u64);
+        let rows = 3 + r;
+        let x = tensor(rng.values(rows * 4), [rows, 4], &ad, DType::F32).require_grad();
+        let (gathered, sizes) = comm.all_gather_v(x.clone())?;
+        let total: usize = sizes.iter().sum();
+        let w = tensor(rng.values(total * 4), [total, 4], &ad, DType::F32);
+        // Every rank splits the gathered rows alike: member j gets `send[j]` of them.
+        let mut send = vec![total / world; world];
+        send[0] += total % world;
+        let recv = vec![send[r]; world];
+        let y = comm.all_to_all_v(gathered * w, &send, &recv)?;
+        let up = tensor(
+            rng.values(world * send[r] * 4),
+            [world * send[r], 4],
+            &ad,
+            DType::F32,
+        );
+        let grads = (y.clone() * up).backward();
+        let dx1 = values(x.grad(&grads).expect("x grad (all-to-all chain)"));
+        let x2 = x.clone().slice([0..3, 0..4]);
+        let z = comm.all_reduce(x2, ReduceOp::Sum)?;
+        let u = tensor(rng.values(12), [3, 4], &ad, DType::F32);
+        let grads = (z.clone() * u).backward();
+        let dx2 = values(x.grad(&grads).expect("x grad (all-reduce)"));
+        Ok((values(y), dx1, values(z), dx2, comm.traffic().calls))
+    });
+    out.into_iter()
+        .enumerate()
+        .map(|(rank, r)| r.unwrap_or_else(|e| panic!("rank {rank}: {e}")))
+        .collect()
+}
+
+/// Differentiable collectives (`CollectiveOps` on the Cube backend) on the Cube device equal
+/// Flex (forward and backward), for 1 and 2 in-process ranks; with one rank no collective
+/// reaches the transport (no host round trip).
+#[test]
+fn collectives_forward_and_backward_equal_flex() {
+    for world in [1, 2] {
+        let got = collectives_on(&cube(), world);
+        let want = collectives_on(&flex(), world);
+        for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+            let what = |s: &str| format!("world {world} rank {rank}: {s}");
+            assert_close(
+                &g.0,
+                &w.0,
+                1e-6,
+                1e-7,
+                &what("all_to_all_v(all_gather_v(x) * w)"),
+            );
+            assert_close(&g.1, &w.1, 1e-6, 1e-7, &what("its x gradient"));
+            assert_close(&g.2, &w.2, 1e-6, 1e-7, &what("all_reduce"));
+            assert_close(&g.3, &w.3, 1e-6, 1e-7, &what("its x gradient"));
+            if world == 1 {
+                assert_eq!(g.4, 0, "{}", what("transport calls of a single rank"));
+            } else {
+                assert!(g.4 > 0, "{}", what("transport calls"));
+            }
+        }
+    }
+}
+
+/// Output and `(dx, dW)` of one FP8 grouped GEMM on `device`.
+fn fp8_on(
+    device: &Device,
+    xv: &[f64],
+    wv: &[f64],
+    sizes: &[usize],
+    dims: (usize, usize, usize),
+    upstream: &[f64],
+) -> [Vec<f64>; 3] {
+    use moe_backend::fp8::{Fp8Recipe, fp8_grouped_matmul};
+    let (n, k, m) = dims;
+    let g = sizes.len();
+    let ad = device.clone().autodiff();
+    let x = tensor(xv.to_vec(), [n, k], &ad, DType::F32).require_grad();
+    let w = tensor(wv.to_vec(), [g, m, k], &ad, DType::F32).require_grad();
+    let y =
+        fp8_grouped_matmul(x.clone(), w.clone(), sizes, &Fp8Recipe::default()).expect("fp8 gemm");
+    let grads = (y.clone() * tensor(upstream.to_vec(), [n, m], &ad, DType::F32)).backward();
+    [
+        values(y),
+        values(x.grad(&grads).expect("dx")),
+        values(w.grad(&grads).expect("dW")),
+    ]
+}
+
+/// `Fp8Ops` on the Cube backend (host-staged emulation) equals Flex bit for bit: fprop, dgrad
+/// and wgrad, with an empty group and partial 128-blocks.
+#[test]
+fn fp8_grouped_matmul_forward_and_backward_equal_flex() {
+    let mut rng = SplitMix::new(21);
+    let sizes = [5, 0, 9];
+    let (n, k, m) = (14, 160, 72);
+    let xv = rng.values(n * k);
+    let wv = rng.values(sizes.len() * m * k);
+    let up = rng.values(n * m);
+    let got = fp8_on(&cube(), &xv, &wv, &sizes, (n, k, m), &up);
+    let want = fp8_on(&flex(), &xv, &wv, &sizes, (n, k, m), &up);
+    for (i, what) in ["y", "dx", "dW"].iter().enumerate() {
+        assert_eq!(got[i], want[i], "fp8 {what}");
+    }
 }

@@ -6,17 +6,23 @@
 //! sequence-parallel tokens), vocab-parallel embedding, head and cross-entropy. The MTP
 //! modules train beside the main model ([`CausalLmShard::forward_train`]).
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
 use super::runtime::{Prepared, RouterTrace, SpRuntime};
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward, roll_rows};
-use super::{DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard};
+use super::{
+    DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard, check_decode_batch,
+    host_ids,
+};
 use crate::ModelError;
+use crate::causal_lm::CausalLm;
 use crate::config::DeepseekV3Config;
 use crate::deepseek_v3::{DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM};
+use crate::layers::KvCache;
+use crate::layers::mla::Mla;
 use crate::layers::rope::RotaryEmbedding;
 use crate::packing::SequenceLayout;
 use crate::train::TrainBatch;
@@ -136,25 +142,26 @@ impl ParallelDeepseekV3 {
         let model = &self.model.model;
         let mut x = self.rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
-            x = self.layer(layer, x, batch, p, trace)?;
+            x = self.layer(layer, x, batch, trace, |a, full| {
+                a.forward_masked(full, &p.rope, p.mask.as_ref())
+            })?;
         }
         Ok(x)
     }
 
-    /// One decoder layer on the sequence-parallel block `x`.
+    /// One decoder layer on the sequence-parallel block `x`; `attention` runs this rank's
+    /// heads on the gathered sequence (masked, or with a KV cache).
     fn layer(
         &self,
         layer: &DeepseekV3DecoderLayer,
         x: Tensor<2>,
         batch: usize,
-        p: &Prepared<'_>,
         trace: &mut RouterTrace,
+        attention: impl FnOnce(&Mla, Tensor<3>) -> Tensor<3>,
     ) -> Result<Tensor<2>, ModelError> {
         let rt = &self.rt;
         let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-            layer
-                .self_attn
-                .forward_masked(full, &p.rope, p.mask.as_ref())
+            attention(&layer.self_attn, full)
         })?;
         let normed = layer.post_attention_layernorm.forward(h.clone());
         let y = match &layer.mlp {
@@ -256,6 +263,54 @@ impl ParallelDeepseekV3 {
     /// This rank's vocabulary columns and TP group (vocab-parallel log-probs).
     pub(crate) fn runtime(&self) -> &SpRuntime {
         &self.rt
+    }
+}
+
+/// Generation under any layout, as for [`super::ParallelQwen3Moe`]: the KV cache holds this
+/// rank's MLA latents (the latent is not head-split, so every TP rank caches it whole), the
+/// logits are gathered to the full vocabulary on every rank. The MTP modules are not used.
+impl CausalLm for ParallelDeepseekV3 {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.model.model.layers.len())
+    }
+
+    fn forward_cached(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, ModelError> {
+        let [batch, s] = input_ids.dims();
+        let device = input_ids.device();
+        let ids = host_ids(input_ids)?;
+        let rt = &self.rt;
+        check_decode_batch(rt, batch, s)?;
+        let rope = rt.rope_at(cache.seq_len(), s, &device);
+        let model = &self.model.model;
+        let mut trace = RouterTrace::new(0.0);
+        let mut x = rt.embed(&model.embed_tokens, &ids, batch)?;
+        for (layer, layer_cache) in model.layers.iter().zip(cache.layers.iter_mut()) {
+            x = self.layer(layer, x, batch, &mut trace, |a, full| {
+                a.forward(full, &rope, Some(layer_cache))
+            })?;
+        }
+        let logits = rt.full_logits(
+            x,
+            &model.norm,
+            self.model.lm_head.as_ref(),
+            &model.embed_tokens,
+        )?;
+        let v = logits.dims()[1];
+        Ok(logits.reshape([batch, s, v]))
+    }
+}
+
+impl crate::rollout::RolloutModel for ParallelDeepseekV3 {
+    fn device(&self) -> Device {
+        self.model.model.embed_tokens.weight.device()
     }
 }
 
@@ -366,7 +421,9 @@ impl CausalLmShard for ParallelDeepseekV3 {
                     vec![module.enorm.forward(embeds), module.hnorm.forward(hidden)],
                     1,
                 ));
-                let y = self.layer(&module.block, u, rows, &p, &mut trace)?;
+                let y = self.layer(&module.block, u, rows, &mut trace, |a, full| {
+                    a.forward_masked(full, &p.rope, p.mask.as_ref())
+                })?;
                 hidden = module.shared_head_norm.forward(y);
                 let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets, s)?;
                 mtp_losses.push(l);

@@ -20,7 +20,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::dispatch::{
     AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, TokenDispatcher,
@@ -28,9 +28,10 @@ use moe_backend::dispatch::{
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
 
 use crate::ModelError;
-use crate::causal_lm::IGNORE_INDEX;
+use crate::causal_lm::{CausalLm, IGNORE_INDEX};
 use crate::config::Qwen3MoeConfig;
 use crate::layers::rope::RotaryEmbedding;
+use crate::layers::{Attention, KvCache};
 use crate::packing::SequenceLayout;
 use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 use crate::train::TrainBatch;
@@ -380,6 +381,28 @@ impl ParallelQwen3Moe {
         self.forward_traced_packed(input_ids, labels, batch, None, device, trace)
     }
 
+    /// One decoder layer on the sequence-parallel block `x`; `attention` runs this rank's
+    /// heads on the gathered sequence (masked, or with a KV cache).
+    fn layer(
+        &self,
+        layer: &crate::qwen3_moe::Qwen3MoeDecoderLayer,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        attention: impl FnOnce(&Attention, Tensor<3>) -> Tensor<3>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let rt = &self.rt;
+        let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
+            attention(&layer.self_attn, full)
+        })?;
+        let normed = layer.post_attention_layernorm.forward(h.clone());
+        let y = match &layer.mlp {
+            Qwen3MoeFeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
+            Qwen3MoeFeedForward::Sparse(block) => rt.moe(&block.moe, normed, batch, trace)?,
+        };
+        Ok(h + y)
+    }
+
     /// [`forward_traced`](Self::forward_traced) of a batch with an optional packing layout.
     pub(crate) fn forward_traced_packed(
         &self,
@@ -396,19 +419,9 @@ impl ParallelQwen3Moe {
         let model = &self.model.model;
         let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
         for layer in &model.layers {
-            let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-                layer
-                    .self_attn
-                    .forward_masked(full, &p.rope, p.mask.as_ref())
+            x = self.layer(layer, x, batch, &mut trace, |a, full| {
+                a.forward_masked(full, &p.rope, p.mask.as_ref())
             })?;
-            let normed = layer.post_attention_layernorm.forward(h.clone());
-            let y = match &layer.mlp {
-                Qwen3MoeFeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-                Qwen3MoeFeedForward::Sparse(block) => {
-                    rt.moe(&block.moe, normed, batch, &mut trace)?
-                }
-            };
-            x = h + y;
         }
         let selected = std::mem::take(&mut trace.selected);
         let load = std::mem::take(&mut trace.expert_load);
@@ -423,6 +436,76 @@ impl ParallelQwen3Moe {
         )?;
         Ok((out, selected, load))
     }
+}
+
+/// Generation under any layout: every rank of a replica runs the same loop (e.g.
+/// [`crate::generate`] or [`crate::rollout::generate_batch`]) on the same ids; the KV cache
+/// holds this rank's heads, the logits are gathered to the full vocabulary on every rank, so
+/// every rank samples the same tokens. `batch · S` must be divisible by `tp` at every call
+/// (sequence parallelism), e.g. an even batch under `tp = 2`.
+impl CausalLm for ParallelQwen3Moe {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.model.model.layers.len())
+    }
+
+    fn forward_cached(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, ModelError> {
+        let [batch, s] = input_ids.dims();
+        let device = input_ids.device();
+        let ids = host_ids(input_ids)?;
+        let rt = &self.rt;
+        check_decode_batch(rt, batch, s)?;
+        let rope = rt.rope_at(cache.seq_len(), s, &device);
+        let model = &self.model.model;
+        let mut trace = RouterTrace::new(0.0);
+        let mut x = rt.embed(&model.embed_tokens, &ids, batch)?;
+        for (layer, layer_cache) in model.layers.iter().zip(cache.layers.iter_mut()) {
+            x = self.layer(layer, x, batch, &mut trace, |a, full| {
+                a.forward(full, &rope, Some(layer_cache))
+            })?;
+        }
+        let logits = rt.full_logits(
+            x,
+            &model.norm,
+            self.model.lm_head.as_ref(),
+            &model.embed_tokens,
+        )?;
+        let v = logits.dims()[1];
+        Ok(logits.reshape([batch, s, v]))
+    }
+}
+
+impl crate::rollout::RolloutModel for ParallelQwen3Moe {
+    fn device(&self) -> Device {
+        self.model.model.embed_tokens.weight.device()
+    }
+}
+
+/// Errors unless `batch · s` tokens split over the TP ranks' sequence-parallel blocks.
+pub(crate) fn check_decode_batch(rt: &SpRuntime, batch: usize, s: usize) -> Result<(), ModelError> {
+    let (_, tp) = rt.tp_rank_size();
+    if !(batch * s).is_multiple_of(tp) {
+        return Err(ModelError::layout(
+            "tp",
+            format!("{batch} sequences × {s} positions do not split over tp = {tp}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Row-major host ids of an id tensor.
+pub(crate) fn host_ids(ids: Tensor<2, Int>) -> Result<Vec<i64>, ModelError> {
+    ids.into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .map_err(|e| ModelError::input("input_ids", format!("unreadable ids: {e:?}")))
 }
 
 impl ParallelCausalLm for Qwen3MoeForCausalLM {

@@ -3,18 +3,20 @@
 //! cross-entropy, data parallelism over the remaining ranks (expert-parallel sizes have no
 //! expert to split and only fold into the data-parallel ranks).
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Int, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
 use super::runtime::SpRuntime;
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
-use super::{DispatcherKind, ShardParts, build_shard};
+use super::{DispatcherKind, ShardParts, build_shard, check_decode_batch, host_ids};
 use crate::ModelError;
+use crate::causal_lm::CausalLm;
 use crate::config::Qwen3Config;
 use crate::layers::rope::RotaryEmbedding;
-use crate::qwen3::Qwen3ForCausalLM;
+use crate::layers::{Attention, KvCache};
+use crate::qwen3::{Qwen3DecoderLayer, Qwen3ForCausalLM};
 use crate::train::TrainBatch;
 use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids};
 
@@ -106,6 +108,70 @@ impl ParallelQwen3 {
     }
 }
 
+impl ParallelQwen3 {
+    /// One decoder layer on the sequence-parallel block `x`; `attention` runs this rank's
+    /// heads on the gathered sequence (masked, or with a KV cache).
+    fn layer(
+        &self,
+        layer: &Qwen3DecoderLayer,
+        x: Tensor<2>,
+        batch: usize,
+        attention: impl FnOnce(&Attention, Tensor<3>) -> Tensor<3>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let rt = &self.rt;
+        let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
+            attention(&layer.self_attn, full)
+        })?;
+        let normed = layer.post_attention_layernorm.forward(h.clone());
+        Ok(h + rt.dense_mlp(&layer.mlp, normed)?)
+    }
+}
+
+/// Generation under any layout, as for [`super::ParallelQwen3Moe`].
+impl CausalLm for ParallelQwen3 {
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.model.model.layers.len())
+    }
+
+    fn forward_cached(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor<3>, ModelError> {
+        let [batch, s] = input_ids.dims();
+        let device = input_ids.device();
+        let ids = host_ids(input_ids)?;
+        let rt = &self.rt;
+        check_decode_batch(rt, batch, s)?;
+        let rope = rt.rope_at(cache.seq_len(), s, &device);
+        let model = &self.model.model;
+        let mut x = rt.embed(&model.embed_tokens, &ids, batch)?;
+        for (layer, layer_cache) in model.layers.iter().zip(cache.layers.iter_mut()) {
+            x = self.layer(layer, x, batch, |a, full| {
+                a.forward(full, &rope, Some(layer_cache))
+            })?;
+        }
+        let logits = rt.full_logits(
+            x,
+            &model.norm,
+            self.model.lm_head.as_ref(),
+            &model.embed_tokens,
+        )?;
+        let v = logits.dims()[1];
+        Ok(logits.reshape([batch, s, v]))
+    }
+}
+
+impl crate::rollout::RolloutModel for ParallelQwen3 {
+    fn device(&self) -> Device {
+        self.model.model.embed_tokens.weight.device()
+    }
+}
+
 impl ParallelCausalLm for Qwen3ForCausalLM {
     type Shard = ParallelQwen3;
 
@@ -172,13 +238,9 @@ impl CausalLmShard for ParallelQwen3 {
         let model = &self.model.model;
         let mut x = rt.embed(&model.embed_tokens, input_ids, rows)?;
         for layer in &model.layers {
-            let h = rt.attention_residual(x, &layer.input_layernorm, rows, |full| {
-                layer
-                    .self_attn
-                    .forward_masked(full, &p.rope, p.mask.as_ref())
+            x = self.layer(layer, x, rows, |a, full| {
+                a.forward_masked(full, &p.rope, p.mask.as_ref())
             })?;
-            let normed = layer.post_attention_layernorm.forward(h.clone());
-            x = h + rt.dense_mlp(&layer.mlp, normed)?;
         }
         let out = rt.head_loss(
             x,

@@ -401,6 +401,37 @@ impl SpRuntime {
         })
     }
 
+    /// Final norm and vocab-parallel head on this rank's sequence-parallel block, gathered to
+    /// the replica's full logits `[B·S, V]` (identical on its TP ranks): what generation
+    /// samples from.
+    pub(crate) fn full_logits(
+        &self,
+        x: Tensor<2>,
+        norm: &RmsNorm,
+        lm_head: Option<&Linear>,
+        embed: &Embedding,
+    ) -> Result<Tensor<2>, ModelError> {
+        let full = self.gather(norm.forward(x))?;
+        let local = match lm_head {
+            Some(head) => head.forward(full),
+            None => full.matmul(embed.weight.val().transpose()),
+        };
+        if self.tp.size() == 1 {
+            return Ok(local);
+        }
+        // Vocabulary shards are contiguous in TP rank order.
+        Ok(self
+            .tp
+            .all_gather(local.swap_dims(0, 1))
+            .map_err(err)?
+            .swap_dims(0, 1))
+    }
+
+    /// RoPE tables of positions `offset..offset + s` (decoding after a KV cache).
+    pub(crate) fn rope_at(&self, offset: usize, s: usize, device: &Device) -> RopeTables {
+        self.rope.tables(offset, s, device)
+    }
+
     /// Vocab-parallel head and cross-entropy of the shifted `labels` on an already normed
     /// sequence-parallel block: `(mean loss [1], [B·S, V/tp] logits)`.
     pub(crate) fn normed_head_loss(

@@ -19,6 +19,15 @@
 //! | [`gather_from_sequence_parallel_region`] (all-gather, dim 0) | reduce-scatter, or own chunk |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | all-gather along dim 0 |
 //!
+//! Devices: the link op exists for Flex, `Autodiff` and (feature `cube`) Burn's CubeCL
+//! backend, so these collectives are differentiable on a GPU device too. With more than one
+//! member the data still travels as host [`TensorData`] (every [`Communicator`] transport takes
+//! host bytes: the tensor is read back from the device, exchanged, and uploaded again). A group
+//! of one member never leaves the device: every collective, region op and backward is then the
+//! identity (or its scale) on the tensor itself.
+//!
+//! [`Communicator`]: super::Communicator
+//!
 //! Collectives inside a backward pass must succeed: Burn's `backward()` cannot return an error,
 //! so a failure there panics with the collective's error message (the in-process
 //! [`World`](super::World) reports it as that rank's error and aborts the others).
@@ -136,6 +145,9 @@ impl GradCollective {
     /// Runs the backward collective on `grad` (panics on a communication failure; see the
     /// module docs).
     fn apply<B: Backend>(&self, grad: FloatTensor<B>) -> FloatTensor<B> {
+        if let Some(out) = self.apply_single_member::<B>(&grad) {
+            return out;
+        }
         let device = grad.device();
         let data = match self {
             GradCollective::Identity => return grad,
@@ -193,8 +205,37 @@ impl GradCollective {
     }
 }
 
+impl GradCollective {
+    /// The backward of a group of one member, on the device (no host read): every transposed
+    /// collective is then the identity (times the `AllGather` scale). `None` for a larger group.
+    fn apply_single_member<B: Backend>(&self, grad: &FloatTensor<B>) -> Option<FloatTensor<B>> {
+        let comm = match self {
+            GradCollective::Identity
+            | GradCollective::Scale(_)
+            | GradCollective::NotDifferentiable(_) => return None,
+            GradCollective::AllReduce { comm, .. }
+            | GradCollective::ReduceScatter { comm, .. }
+            | GradCollective::AllGather { comm, .. }
+            | GradCollective::AllToAll { comm, .. }
+            | GradCollective::ReduceToRoot { comm, .. }
+            | GradCollective::SplitRows { comm, .. }
+            | GradCollective::GatherLastDim { comm, .. }
+            | GradCollective::SplitLastDim { comm } => comm,
+        };
+        if comm.size() != 1 {
+            return None;
+        }
+        Some(match self {
+            GradCollective::AllGather { scale, .. } if *scale != 1.0 => {
+                B::float_mul_scalar(grad.clone(), (*scale).into())
+            }
+            _ => grad.clone(),
+        })
+    }
+}
+
 /// Backend op attaching a collective's output to the autodiff graph of its input.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "cube"))]
 pub trait CollectiveOps: Backend {
     /// Returns `output`; under autodiff its gradient flows to `input` through `grad`.
     fn collective_link(
@@ -205,6 +246,19 @@ pub trait CollectiveOps: Backend {
 }
 
 impl CollectiveOps for Flex {
+    fn collective_link(
+        _input: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        _grad: GradCollective,
+    ) -> FloatTensor<Self> {
+        output
+    }
+}
+
+/// Burn's CubeCL backend (every CubeCL runtime): the link is free, as on Flex; the collective
+/// itself ran before (host-staged for groups of several members, on the device for one).
+#[cfg(feature = "cube")]
+impl CollectiveOps for burn_cubecl::CubeBackend {
     fn collective_link(
         _input: FloatTensor<Self>,
         output: FloatTensor<Self>,
@@ -360,6 +414,9 @@ fn detached_from<const D: usize>(data: TensorData, like: &Tensor<D>) -> Tensor<D
 /// (input of a column-parallel linear).
 #[track_caller]
 pub fn copy_to_tensor_parallel_region<const D: usize>(comm: &Comm, x: Tensor<D>) -> Tensor<D> {
+    if comm.size() == 1 {
+        return x;
+    }
     let site = Location::caller();
     let out = x.clone().detach();
     link(
@@ -389,6 +446,9 @@ pub fn scatter_to_tensor_parallel_region<const D: usize>(
     comm: &Comm,
     x: Tensor<D>,
 ) -> Result<Tensor<D>> {
+    if comm.size() == 1 {
+        return Ok(x);
+    }
     let site = Location::caller();
     let data = split_last_dim(comm, &x.to_data(), site)?;
     let out = detached_from(data, &x);
@@ -409,6 +469,9 @@ pub fn gather_from_tensor_parallel_region<const D: usize>(
     comm: &Comm,
     x: Tensor<D>,
 ) -> Result<Tensor<D>> {
+    if comm.size() == 1 {
+        return Ok(x);
+    }
     let site = Location::caller();
     let data = gather_last_dim(comm, x.to_data(), site)?;
     let out = detached_from(data, &x);
@@ -426,6 +489,9 @@ pub fn scatter_to_sequence_parallel_region<const D: usize>(
     comm: &Comm,
     x: Tensor<D>,
 ) -> Result<Tensor<D>> {
+    if comm.size() == 1 {
+        return Ok(x);
+    }
     let site = Location::caller();
     let n = comm.size();
     let rows = x.dims().first().copied().unwrap_or(1);
@@ -458,6 +524,9 @@ pub fn gather_from_sequence_parallel_region<const D: usize>(
     x: Tensor<D>,
     tensor_parallel_output_grad: bool,
 ) -> Result<Tensor<D>> {
+    if comm.size() == 1 {
+        return Ok(x);
+    }
     let site = Location::caller();
     let (data, sizes) = comm.inner.all_gather_v(x.to_data(), site)?;
     let out = detached_from(data, &x);

@@ -25,6 +25,14 @@
 //! failing collective there panics with the error message; [`World::run`] turns the panic into
 //! that rank's error and aborts the other ranks' collectives.
 //!
+//! # Devices
+//!
+//! Tensors may live on any device (Flex, or a Cube device with feature `cube`). A group of
+//! several members exchanges host bytes: the tensor is read back, passed to the
+//! [`Communicator`] and the result uploaded to the tensor's device. A group of one member
+//! never touches the host: every collective returns its input (after the same argument
+//! checks), so a single-rank run stays on the device.
+//!
 //! # Transports
 //!
 //! - [`World`]: ranks as threads of one process (tests, the embedded default).
@@ -248,6 +256,36 @@ impl Comm {
         Ok(())
     }
 
+    /// Whether the group has one member: every collective is then the identity and runs
+    /// without a host round trip.
+    fn single(&self) -> bool {
+        self.size() == 1
+    }
+
+    /// Argument check of a single-member collective taking dim-0 `splits` (one entry, the
+    /// row count).
+    fn check_single_splits<const D: usize, K: CollectiveKind>(
+        &self,
+        op: &'static str,
+        tensor: &Tensor<D, K>,
+        what: &str,
+        splits: &[usize],
+        site: CallSite,
+    ) -> Result<()> {
+        let rows = tensor.dims().first().copied();
+        if D == 0 || splits.len() != 1 || Some(splits[0]) != rows {
+            return Err(BackendError::Collective {
+                op,
+                group: self.group_name(),
+                detail: format!(
+                    "{what} {splits:?} for 1 member and a tensor of shape {:?} (at {site})",
+                    tensor.dims()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn group_name(&self) -> String {
         format!("{:?}", self.inner.ranks())
     }
@@ -264,6 +302,9 @@ impl Comm {
     ) -> Result<Tensor<D, K>> {
         let site = Location::caller();
         self.check_differentiable("all_reduce", &tensor, op, site)?;
+        if self.single() {
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let out = self.inner.all_reduce(tensor.to_data(), op, site)?;
         let grad = match op {
@@ -310,6 +351,17 @@ impl Comm {
         tensor: Tensor<D, K>,
         site: CallSite,
     ) -> Result<(Tensor<D, K>, Vec<usize>)> {
+        if self.single() {
+            if D == 0 {
+                return Err(BackendError::Collective {
+                    op: "all_gather",
+                    group: self.group_name(),
+                    detail: format!("a 0-d tensor has no dim 0 (at {site})"),
+                });
+            }
+            let rows = tensor.dims().first().copied().unwrap_or(0);
+            return Ok((tensor, vec![rows]));
+        }
         let device = tensor.device();
         let (out, sizes) = self.inner.all_gather_v(tensor.to_data(), site)?;
         let grad = autograd::GradCollective::ReduceScatter {
@@ -364,6 +416,10 @@ impl Comm {
         site: CallSite,
     ) -> Result<Tensor<D, K>> {
         self.check_differentiable("reduce_scatter", &tensor, op, site)?;
+        if self.single() {
+            self.check_single_splits("reduce_scatter", &tensor, "splits", splits, site)?;
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let out = self
             .inner
@@ -394,6 +450,12 @@ impl Comm {
         recv_splits: &[usize],
     ) -> Result<Tensor<D, K>> {
         let site = Location::caller();
+        if self.single() {
+            const OP: &str = "all_to_all_v";
+            self.check_single_splits(OP, &tensor, "send_splits", send_splits, site)?;
+            self.check_single_splits(OP, &tensor, "recv_splits", recv_splits, site)?;
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let out = self
             .inner
@@ -416,6 +478,16 @@ impl Comm {
         root: usize,
     ) -> Result<Tensor<D, K>> {
         let site = Location::caller();
+        if self.single() {
+            if root != 0 {
+                return Err(BackendError::Collective {
+                    op: "broadcast",
+                    group: self.group_name(),
+                    detail: format!("root {root} out of range for 1 member (at {site})"),
+                });
+            }
+            return Ok(tensor);
+        }
         let device = tensor.device();
         let out = self.inner.broadcast(tensor.to_data(), root, site)?;
         let grad = autograd::GradCollective::ReduceToRoot {

@@ -2,11 +2,16 @@
 //! recipe, and the user-facing differentiable [`fp8_grouped_matmul`] / [`fp8_linear`].
 //!
 //! On Flex the kernels quantise the operands and run the tiled emulation of [`super::gemm`];
+//! on Burn's CubeCL backend (feature `cube`) the same emulation runs on the host copies of the
+//! device tensors (a host round trip per GEMM until device kernels exist; results equal
+//! Flex's bit for bit);
 //! for `Autodiff<B>` the forward saves `x` and `W` and the backward calls the FP8 dgrad and
 //! wgrad (straight-through: quantisation is treated as the identity in the gradient, as in
 //! Transformer Engine).
 
 mod autodiff;
+#[cfg(feature = "cube")]
+mod cube;
 mod flex;
 
 use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
@@ -21,7 +26,7 @@ use crate::error::{BackendError, Result};
 /// `group_sizes` are host row counts per group (they must sum to the row count; the
 /// user-facing functions check this). Outputs have the dtype of the first tensor argument,
 /// accumulated in f32.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "cube"))]
 pub trait Fp8Ops: Backend {
     /// fprop: `x [N, K]` in segments of `group_sizes`, `weights [G, M, K]` (`[out, in]`):
     /// `y_g = dq(q(x_g)) · dq(q(W_g))ᵀ`, `[N, M]`. Differentiable in `x` and `weights`.
