@@ -28,6 +28,7 @@ use std::time::Duration;
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
+use moe_backend::router::AuxLossType;
 use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
 use moe_bridge::dist::index::{INDEX_FILE, LATEST_FILE};
 use moe_bridge::dist::placement::PlacedModel;
@@ -134,6 +135,12 @@ pub struct TrainJob {
     /// Compute device of every rank (`cpu`: Flex; `vulkan` / `cuda` need the binary's Cargo
     /// feature).
     pub device: crate::device::DeviceChoice,
+    /// Load-balancing loss coefficient; `None`: the model's `config.json` (Qwen3-MoE
+    /// `router_aux_loss_coef`, DeepSeek's `aux_loss_alpha`), else `trainer.aux_loss_coeff`.
+    pub aux_loss_coeff: Option<f64>,
+    /// Load-balancing loss type; `None`: `seq_aux_loss` when `config.json` says `seq_aux:
+    /// true` (DeepSeek-V3's release config), else `trainer.aux_loss_type`.
+    pub aux_loss_type: Option<AuxLossType>,
 }
 
 impl Default for TrainJob {
@@ -160,8 +167,31 @@ impl Default for TrainJob {
             metrics_out: None,
             recompute: false,
             device: crate::device::DeviceChoice::Cpu,
+            aux_loss_coeff: None,
+            aux_loss_type: None,
         }
     }
+}
+
+/// The trainer settings of `job` with the router-loss settings it leaves open taken from the
+/// model's `config.json` (`config`), as Megatron's HF bridges do: the coefficient from
+/// `router_aux_loss_coef` (Qwen3-MoE) or `aux_loss_alpha` (DeepSeek), the sequence-level loss
+/// when `seq_aux` is true (DeepSeek-V3); explicit job settings win.
+pub fn router_loss_settings(job: &TrainJob, config: &Value) -> TrainerConfig {
+    let mut trainer = job.trainer.clone();
+    let from_config = ["router_aux_loss_coef", "aux_loss_alpha"]
+        .iter()
+        .find_map(|key| config.get(key).and_then(Value::as_f64));
+    if let Some(coeff) = job.aux_loss_coeff.or(from_config) {
+        trainer.aux_loss_coeff = coeff;
+    }
+    let seq_aux = config.get("seq_aux").and_then(Value::as_bool) == Some(true);
+    trainer.aux_loss_type = match job.aux_loss_type {
+        Some(kind) => kind,
+        None if seq_aux => AuxLossType::SeqAux,
+        None => trainer.aux_loss_type,
+    };
+    trainer
 }
 
 /// One step's metrics (rank 0's view of the whole job).
@@ -698,14 +728,10 @@ fn run_model<M: JobModel>(
             let config_path = ckpt.dir().join(moe_bridge::hf::CONFIG_FILE);
             // This rank's shard at local shapes, filled by the restore (no full template).
             let (config, vocab) = M::read_config(&config_path)?;
+            let settings = router_loss_settings(job, &read_json(&config_path)?);
             let skeleton = M::shard_skeleton(&config, &groups, job.trainer.dispatcher, &device)?;
-            let mut trainer = Trainer::<M>::from_shard(
-                skeleton,
-                &groups,
-                world.clone(),
-                job.trainer.clone(),
-                &device,
-            )?;
+            let mut trainer =
+                Trainer::<M>::from_shard(skeleton, &groups, world.clone(), settings, &device)?;
             let state = restore_trainer(&ckpt, &mut trainer)?;
             let family = ckpt.index().model_family.clone();
             (trainer, state, read_json(&config_path)?, family, vocab)
@@ -718,13 +744,9 @@ fn run_model<M: JobModel>(
             let (shard, report) =
                 load_shard_checked::<M>(&checkpoint, &groups, job.trainer.dispatcher, &device)?;
             let vocab = report.config.vocab_size();
-            let trainer = Trainer::<M>::from_shard(
-                shard,
-                &groups,
-                world.clone(),
-                job.trainer.clone(),
-                &device,
-            )?;
+            let settings = router_loss_settings(job, &read_json(&config_path)?);
+            let trainer =
+                Trainer::<M>::from_shard(shard, &groups, world.clone(), settings, &device)?;
             let state = TrainState {
                 step: 0,
                 data_position: 0,
@@ -952,4 +974,46 @@ pub fn run_job(
         let own = job_error.into_inner().unwrap_or_else(|p| p.into_inner());
         own.unwrap_or(TrainJobError::Backend(e))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn router_losses_default_to_the_model_config_and_explicit_settings_win() {
+        let job = TrainJob::default();
+        // DeepSeek-V3's release config.
+        let deepseek =
+            json!({"model_type": "deepseek_v3", "aux_loss_alpha": 0.002, "seq_aux": true});
+        let t = router_loss_settings(&job, &deepseek);
+        assert_eq!(
+            (t.aux_loss_coeff, t.aux_loss_type),
+            (0.002, AuxLossType::SeqAux)
+        );
+        // Qwen3-MoE's HF config.
+        let qwen = json!({"model_type": "qwen3_moe", "router_aux_loss_coef": 0.01});
+        let t = router_loss_settings(&job, &qwen);
+        assert_eq!(
+            (t.aux_loss_coeff, t.aux_loss_type),
+            (0.01, AuxLossType::Aux)
+        );
+        // Nothing in the config: the trainer's defaults (Megatron's 1e-3, `aux_loss`).
+        let t = router_loss_settings(&job, &json!({"model_type": "qwen3"}));
+        assert_eq!(
+            (t.aux_loss_coeff, t.aux_loss_type),
+            (1e-3, AuxLossType::Aux)
+        );
+        // Explicit settings win over the config.
+        let explicit = TrainJob {
+            aux_loss_coeff: Some(0.0),
+            aux_loss_type: Some(AuxLossType::GlobalAux),
+            ..TrainJob::default()
+        };
+        let t = router_loss_settings(&explicit, &deepseek);
+        assert_eq!(
+            (t.aux_loss_coeff, t.aux_loss_type),
+            (0.0, AuxLossType::GlobalAux)
+        );
+    }
 }

@@ -178,15 +178,17 @@ pub struct Args {
     /// Gradient clipping by global norm (0 disables it).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad: f64,
-    /// Coefficient of the routers' load-balancing loss (Megatron's `aux_loss`, counts summed
-    /// over the tokens of a micro-batch of a replica; 0 disables it).
-    #[arg(long, default_value_t = 1e-3)]
-    pub aux_loss_coeff: f64,
+    /// Coefficient of the routers' load-balancing loss (0 disables it). Default: the model's
+    /// config.json (`router_aux_loss_coef` of Qwen3-MoE, `aux_loss_alpha` of DeepSeek), else
+    /// 1e-3.
+    #[arg(long)]
+    pub aux_loss_coeff: Option<f64>,
     /// Which load-balancing loss: Megatron's `aux_loss` (counts over a micro-batch of a
-    /// replica), `seq_aux_loss` (per sequence, as DeepSeek-V3's `seq_aux: true`) or
-    /// `global_aux_loss` (over the global batch).
-    #[arg(long, value_enum, default_value_t = AuxLoss::Aux)]
-    pub aux_loss_type: AuxLoss,
+    /// replica), `seq_aux_loss` (per sequence) or `global_aux_loss` (over the global batch).
+    /// Default: `seq-aux` when config.json says `seq_aux: true` (DeepSeek-V3 releases), else
+    /// `aux`.
+    #[arg(long, value_enum)]
+    pub aux_loss_type: Option<AuxLoss>,
     /// Coefficient of the router z-loss (0 disables it).
     #[arg(long, default_value_t = 0.0)]
     pub z_loss_coeff: f64,
@@ -253,12 +255,6 @@ fn job(args: &Args) -> TrainJob {
     let defaults = TrainerConfig::default();
     let mut trainer = TrainerConfig {
         lr: args.lr,
-        aux_loss_coeff: args.aux_loss_coeff,
-        aux_loss_type: match args.aux_loss_type {
-            AuxLoss::Aux => AuxLossType::Aux,
-            AuxLoss::SeqAux => AuxLossType::SeqAux,
-            AuxLoss::GlobalAux => AuxLossType::GlobalAux,
-        },
         z_loss_coeff: args.z_loss_coeff,
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
         muon: (args.optimizer == OptimizerKind::Muon).then(MuonConfig::default),
@@ -327,6 +323,12 @@ fn job(args: &Args) -> TrainJob {
         metrics_out: args.metrics_out.clone(),
         recompute: args.recompute == Recompute::MemoryBound,
         device: args.device.into(),
+        aux_loss_coeff: args.aux_loss_coeff,
+        aux_loss_type: args.aux_loss_type.map(|kind| match kind {
+            AuxLoss::Aux => AuxLossType::Aux,
+            AuxLoss::SeqAux => AuxLossType::SeqAux,
+            AuxLoss::GlobalAux => AuxLossType::GlobalAux,
+        }),
     }
 }
 
