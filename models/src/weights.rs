@@ -187,7 +187,7 @@ impl ShardSpec {
     };
 
     /// `[r·n/p, (r+1)·n/p)`, or an error naming `name` and `group` when `p ∤ n`.
-    fn part(
+    pub(crate) fn part(
         name: &str,
         group: &'static str,
         n: usize,

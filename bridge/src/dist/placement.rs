@@ -7,8 +7,8 @@
 //! ([`moe_models::param_plan`]) gives each parameter's canonical name, how Burn stores it
 //! (`Linear`s `[in, out]` are the transpose of the block; stacked experts `fc1 [L, 2F, H]`
 //! have the row-major order of the canonical `gate_up_proj [L, 2, F, H]`) and how the model
-//! splits it; the checkpoint's rule ([`shard_rule`]) must agree. A parameter the plan does not
-//! classify, or one the rules would place differently, is an error naming it.
+//! splits it, which decides each rank's box. A parameter the plan does not classify is an
+//! error naming it.
 
 use std::collections::HashMap;
 
@@ -18,7 +18,7 @@ use moe_backend::optim::{ParamPlacement, transpose_2d};
 use moe_models::param_plan::{ParallelPlan, Planned, Storage};
 
 use super::index::TensorKind;
-use super::sharding::{ShardRule, ShardingPlan, shard_rule};
+use super::sharding::{ShardRule, ShardingPlan};
 use crate::BridgeError;
 
 /// A model whose rank shards a distributed checkpoint can place: the training checkpoint
@@ -99,8 +99,9 @@ impl Walk<'_> {
         }
     }
 
-    /// Places `param` as canonical `fqn`, which the model shards by `rule` (checked against
-    /// the checkpoint's [`shard_rule`]).
+    /// Places `param` as canonical `fqn`, which the model's plan splits by `rule` (the rule
+    /// decides this rank's box, so a model whose names the built-in plans do not know is
+    /// placed by its own plan).
     fn add<const D: usize>(
         &mut self,
         fqn: String,
@@ -108,15 +109,6 @@ impl Walk<'_> {
         storage: Storage,
         rule: ShardRule,
     ) -> Result<(), BridgeError> {
-        let stored_rule = shard_rule(&fqn);
-        if stored_rule != rule {
-            return Err(BridgeError::Sharding {
-                tensor: fqn,
-                reason: format!(
-                    "the model shards it as {rule:?}, the checkpoint rules as {stored_rule:?}"
-                ),
-            });
-        }
         let burn_shape = param.shape().to_vec();
         let shape = match (storage, burn_shape.as_slice()) {
             (Storage::Same, _) => burn_shape.clone(),
@@ -151,7 +143,7 @@ impl Walk<'_> {
         }
         let shard = self
             .plan
-            .rank_shard(&fqn, &global_shape, self.rank)?
+            .rank_shard_by(&fqn, &global_shape, self.rank, rule)?
             .ok_or_else(|| BridgeError::Sharding {
                 tensor: fqn.clone(),
                 reason: format!("rank {} does not own it under {layout}", self.rank),

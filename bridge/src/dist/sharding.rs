@@ -129,6 +129,19 @@ impl ShardingPlan {
         global_shape: &[usize],
         rank: usize,
     ) -> Result<Option<RankShard>, BridgeError> {
+        self.rank_shard_by(fqn, global_shape, rank, shard_rule(fqn))
+    }
+
+    /// [`rank_shard`](Self::rank_shard) with the split `rule` given by the caller (a model's
+    /// parallel plan) instead of read from the name: how a model whose tensor names the
+    /// built-in plans do not know (a user's own model) is placed.
+    pub fn rank_shard_by(
+        &self,
+        fqn: &str,
+        global_shape: &[usize],
+        rank: usize,
+        rule: ShardRule,
+    ) -> Result<Option<RankShard>, BridgeError> {
         let fail = |reason: String| BridgeError::Sharding {
             tensor: fqn.to_owned(),
             reason,
@@ -160,7 +173,7 @@ impl ShardingPlan {
             b.offsets[dim] = part * (extent / parts);
             Ok(())
         };
-        let main_replica = match shard_rule(fqn) {
+        let main_replica = match rule {
             ShardRule::Replicated => index(GroupFamily::Tp) == 0 && index(GroupFamily::DpCp) == 0,
             ShardRule::Tp { dim } => {
                 split(dim, self.layout.tp, index(GroupFamily::Tp), "tp")?;

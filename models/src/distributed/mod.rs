@@ -46,7 +46,11 @@ mod runtime;
 mod shard_rule;
 pub mod sharded;
 
-use runtime::{RouterTrace, SpRuntime};
+use runtime::SpRuntime;
+/// One rank's parallel context: what a model's forward is written against (see
+/// [`SpRuntime`]'s methods; the built-in models use it too).
+pub use runtime::SpRuntime as ParallelContext;
+pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 
 pub use deepseek_v3::ParallelDeepseekV3;

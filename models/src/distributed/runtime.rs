@@ -30,9 +30,20 @@ use crate::layers::{AttentionMask, Mlp, RmsNorm};
 use crate::packing::{PackedInputs, SequenceLayout};
 use crate::weights::ShardSpec;
 
-/// One rank's parallel context for a sharded model.
+/// One rank's parallel context for a sharded model (public as
+/// [`ParallelContext`](crate::distributed::ParallelContext)): the TP group, the MoE blocks'
+/// token dispatcher, this rank's vocabulary shard and RoPE tables, and the pieces of a
+/// sequence-parallel forward. A model's forward written against it is the same code under
+/// every layout; at `world = 1` every collective is the identity and the dispatcher local.
+///
+/// Activations between blocks are this rank's sequence-parallel block `[B·S/tp, H]` of the
+/// replica's batch-major `B·S` token rows: [`embed`](Self::embed) produces it,
+/// [`attention_residual`](Self::attention_residual), [`dense_mlp`](Self::dense_mlp) and
+/// [`moe`](Self::moe) map it, [`head_loss`](Self::head_loss) ends the forward. Cut the
+/// model's shard for [`shard_spec`](Self::shard_spec) (e.g. with
+/// [`crate::param_plan::shard_by_plan`]).
 #[derive(Debug, Clone)]
-pub(crate) struct SpRuntime {
+pub struct SpRuntime {
     pub(crate) tp: Comm,
     /// The MoE blocks' token dispatcher (`None` for a dense model).
     dispatcher: Option<Arc<dyn TokenDispatcher>>,
@@ -74,49 +85,51 @@ impl Clone for GlobalAuxCounts {
 /// What the MoE blocks of one forward report: router logits and the router losses of every
 /// sparse layer (in layer order), and the gradient scale of the attached router losses.
 #[derive(Debug, Clone)]
-pub(crate) struct RouterTrace {
-    pub(crate) logits: Vec<Tensor<2>>,
-    pub(crate) losses: Vec<Vec<RouterLoss>>,
+pub struct RouterTrace {
+    /// Router logits `[T_local, E]` of every MoE layer so far.
+    pub logits: Vec<Tensor<2>>,
+    /// Router losses of every MoE layer so far.
+    pub losses: Vec<Vec<RouterLoss>>,
     /// Upstream gradient of the attached losses (`1 / micro-batches` in training).
-    pub(crate) aux_grad_scale: f64,
+    pub aux_grad_scale: f64,
     /// Router replay: per sparse layer (layer order), this rank's forced `[T_local, k]`
     /// expert ids (the routers run in `ReplayForward` mode).
-    pub(crate) replay: Option<Vec<Tensor<2, Int>>>,
+    pub replay: Option<Vec<Tensor<2, Int>>>,
     /// Whether [`selected`](Self::selected) collects the routing of every sparse layer.
-    pub(crate) record: bool,
+    pub record: bool,
     /// Per sparse layer (layer order), this rank's selected `[T_local, k]` expert ids, when
     /// [`record`](Self::record) is set.
-    pub(crate) selected: Vec<Tensor<2, Int>>,
+    pub selected: Vec<Tensor<2, Int>>,
     /// Per MoE layer (forward order), this rank's expert-bias token counts of a grad-enabled
     /// forward (`None` for routers without an expert bias).
-    pub(crate) expert_load: Vec<Option<Vec<f64>>>,
+    pub expert_load: Vec<Option<Vec<f64>>>,
     /// The routers' padding mask `[T_local]` (`true` = padded) of this rank's
     /// sequence-parallel rows, for a padded or packed batch.
-    pub(crate) padding: Option<Tensor<1, Bool>>,
+    pub padding: Option<Tensor<1, Bool>>,
 }
 
 /// The per-forward inputs of one replica batch after its checks: the row length, RoPE tables
 /// (per row for a packed or padded batch), the attention mask and this rank's router padding
 /// rows of such a batch, and the labels the loss scores (masked by the layout).
 #[derive(Debug, Clone)]
-pub(crate) struct Prepared<'a> {
+pub struct Prepared<'a> {
     /// Tokens per row `S`.
-    pub(crate) s: usize,
+    pub s: usize,
     /// RoPE tables of the batch's positions.
-    pub(crate) rope: RopeTables,
+    pub rope: RopeTables,
     /// The attention mask of a packed or padded batch.
-    pub(crate) mask: Option<AttentionMask>,
+    pub mask: Option<AttentionMask>,
     /// This rank's router padding rows of a packed or padded batch.
-    pub(crate) padding: Option<Tensor<1, Bool>>,
+    pub padding: Option<Tensor<1, Bool>>,
     /// The labels, with [`SequenceLayout::mask_labels`] applied.
-    pub(crate) labels: Vec<i64>,
+    pub labels: Vec<i64>,
     /// The batch's layout.
-    pub(crate) layout: Option<&'a SequenceLayout>,
+    pub layout: Option<&'a SequenceLayout>,
 }
 
 impl Prepared<'_> {
     /// A fresh router trace carrying this batch's padding rows.
-    pub(crate) fn trace(&self, aux_grad_scale: f64) -> RouterTrace {
+    pub fn trace(&self, aux_grad_scale: f64) -> RouterTrace {
         RouterTrace {
             padding: self.padding.clone(),
             ..RouterTrace::new(aux_grad_scale)
@@ -133,7 +146,9 @@ impl Prepared<'_> {
 }
 
 impl RouterTrace {
-    pub(crate) fn new(aux_grad_scale: f64) -> Self {
+    /// An empty trace whose attached router losses get the upstream gradient
+    /// `aux_grad_scale` (the trainer passes `1 / micro-batches`).
+    pub fn new(aux_grad_scale: f64) -> Self {
         Self {
             logits: Vec::new(),
             losses: Vec::new(),
@@ -150,7 +165,7 @@ impl RouterTrace {
 impl SpRuntime {
     /// The context of this rank (checks `pp = cp = 1`); `vocab_size` fixes the vocab shard;
     /// `num_experts` is `None` for a dense model (no dispatcher).
-    pub(crate) fn new(
+    pub fn new(
         groups: &GroupComms,
         kind: DispatcherKind,
         num_experts: Option<usize>,
@@ -192,6 +207,27 @@ impl SpRuntime {
         })
     }
 
+    /// Sizes of this rank's `tp_cp` and `tp_dp_cp` groups (the routers' count groups, what
+    /// [`crate::distributed::CausalLmShard::loss_groups`] returns).
+    pub fn loss_groups(&self) -> (usize, usize) {
+        self.loss_groups
+    }
+
+    /// This rank's vocabulary rows of the embedding / columns of the LM head.
+    pub fn vocab(&self) -> Range<usize> {
+        self.vocab.clone()
+    }
+
+    /// This rank's data-parallel replica (index in `dp_cp`).
+    pub fn replica(&self) -> usize {
+        self.replica
+    }
+
+    /// Number of data-parallel replicas (`|dp_cp|`).
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
     /// The token dispatcher (an error for a dense model's context).
     fn dispatcher(&self) -> Result<&dyn TokenDispatcher, ModelError> {
         self.dispatcher
@@ -201,7 +237,7 @@ impl SpRuntime {
 
     /// The part of every canonical tensor this rank holds: its TP coordinates, the
     /// dispatcher's local experts (all of them for a dense model) and its ETP block.
-    pub(crate) fn shard_spec(&self) -> ShardSpec {
+    pub fn shard_spec(&self) -> ShardSpec {
         let (tp_rank, tp) = self.tp_rank_size();
         ShardSpec {
             tp_rank,
@@ -213,12 +249,12 @@ impl SpRuntime {
     }
 
     /// `(rank, size)` in the TP group.
-    pub(crate) fn tp_rank_size(&self) -> (usize, usize) {
+    pub fn tp_rank_size(&self) -> (usize, usize) {
         (self.tp.rank(), self.tp.size())
     }
 
     /// RoPE tables of positions `0..s`.
-    pub(crate) fn rope(&self, s: usize, device: &Device) -> RopeTables {
+    pub fn rope(&self, s: usize, device: &Device) -> RopeTables {
         self.rope.tables(0, s, device)
     }
 
@@ -226,7 +262,7 @@ impl SpRuntime {
     /// `layout` of the same shape) and builds its per-forward inputs. Attention runs on the
     /// gathered full sequence, so the mask is the replica's; the router padding mask is this
     /// rank's block of the batch-major `[B·S]` rows.
-    pub(crate) fn prepare<'a>(
+    pub fn prepare<'a>(
         &self,
         input_ids: &[i64],
         labels: &[i64],
@@ -263,7 +299,7 @@ impl SpRuntime {
     }
 
     /// This rank's sequence-parallel block `[B·S/tp, H]` of the embedded `ids`.
-    pub(crate) fn embed(
+    pub fn embed(
         &self,
         embed: &Embedding,
         ids: &[i64],
@@ -282,7 +318,7 @@ impl SpRuntime {
 
     /// `x + attention(norm(x))`: the normed SP block is all-gathered to `[batch, S, H]`, the
     /// head shard runs `attention`, and its partial output is reduce-scattered back.
-    pub(crate) fn attention_residual(
+    pub fn attention_residual(
         &self,
         x: Tensor<2>,
         norm: &RmsNorm,
@@ -296,7 +332,7 @@ impl SpRuntime {
     }
 
     /// A TP-sharded dense MLP on the SP block (gather, column/row shard, reduce-scatter).
-    pub(crate) fn dense_mlp(&self, mlp: &Mlp, normed: Tensor<2>) -> Result<Tensor<2>, ModelError> {
+    pub fn dense_mlp(&self, mlp: &Mlp, normed: Tensor<2>) -> Result<Tensor<2>, ModelError> {
         self.scatter(mlp.forward(self.gather(normed)?))
     }
 
@@ -304,7 +340,7 @@ impl SpRuntime {
     /// its router logits and losses are appended to `trace`. The router's load-balancing
     /// losses (if configured) use counts summed over `tp_cp` / `tp_dp_cp` and are attached
     /// with `trace.aux_grad_scale`; `seq_aux_loss` groups the rows by their sequence.
-    pub(crate) fn moe(
+    pub fn moe(
         &self,
         moe: &MoeLayer,
         normed: Tensor<2>,
@@ -359,7 +395,7 @@ impl SpRuntime {
     }
 
     /// Clears the `global_aux_loss` running counts (a new global batch starts).
-    pub(crate) fn reset_global_aux(&self) {
+    pub fn reset_global_aux(&self) {
         self.global_aux.lock().clear();
     }
 
@@ -381,7 +417,7 @@ impl SpRuntime {
     /// Final norm, vocab-parallel head (tied to the embedding shard without `lm_head`) and
     /// vocab-parallel cross-entropy of the shifted `labels`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn head_loss(
+    pub fn head_loss(
         &self,
         x: Tensor<2>,
         norm: &RmsNorm,
@@ -404,7 +440,7 @@ impl SpRuntime {
     /// Final norm and vocab-parallel head on this rank's sequence-parallel block, gathered to
     /// the replica's full logits `[B·S, V]` (identical on its TP ranks): what generation
     /// samples from.
-    pub(crate) fn full_logits(
+    pub fn full_logits(
         &self,
         x: Tensor<2>,
         norm: &RmsNorm,
@@ -428,13 +464,13 @@ impl SpRuntime {
     }
 
     /// RoPE tables of positions `offset..offset + s` (decoding after a KV cache).
-    pub(crate) fn rope_at(&self, offset: usize, s: usize, device: &Device) -> RopeTables {
+    pub fn rope_at(&self, offset: usize, s: usize, device: &Device) -> RopeTables {
         self.rope.tables(offset, s, device)
     }
 
     /// Vocab-parallel head and cross-entropy of the shifted `labels` on an already normed
     /// sequence-parallel block: `(mean loss [1], [B·S, V/tp] logits)`.
-    pub(crate) fn normed_head_loss(
+    pub fn normed_head_loss(
         &self,
         normed: Tensor<2>,
         lm_head: Option<&Linear>,

@@ -183,6 +183,33 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// The block with its head counts recomputed from its projections' shapes: after a
+    /// generic sharding ([`crate::param_plan::shard_by_plan`]) narrowed `q_proj`/`k_proj` to
+    /// this rank's heads, `num_heads` / `num_kv_heads` become the local counts. An error when
+    /// a projection width is not a multiple of `head_dim`, or the local query heads are not a
+    /// multiple of the local KV heads.
+    pub fn with_local_heads(mut self) -> Result<Self, ModelError> {
+        let hd = self.head_dim;
+        let q = self.q_proj.weight.lazy_shape()[1];
+        let kv = self.k_proj.weight.lazy_shape()[1];
+        if hd == 0 || !q.is_multiple_of(hd) || !kv.is_multiple_of(hd) {
+            return Err(ModelError::invalid(
+                "head_dim",
+                format!("projection widths {q} (q) / {kv} (kv) are not multiples of {hd}"),
+            ));
+        }
+        let (heads, kv_heads) = (q / hd, kv / hd);
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(ModelError::invalid(
+                "num_key_value_heads",
+                format!("{kv_heads} local KV heads must divide {heads} local query heads"),
+            ));
+        }
+        self.num_heads = heads;
+        self.num_kv_heads = kv_heads;
+        Ok(self)
+    }
+
     /// `x [B, S, H] → [B, S, H]` for positions `cache.seq_len()..` (0 without a cache);
     /// `rope` holds the tables of exactly those `S` positions. New keys/values are appended to
     /// `cache`.

@@ -30,12 +30,16 @@ use crate::ModelError;
 use crate::distributed::ShardRule;
 
 mod deepseek_v3;
+mod load;
 mod qwen3;
 mod qwen3_moe;
+mod shard;
 
 pub use deepseek_v3::deepseek_v3_plan;
+pub use load::{load_by_plan, load_planned};
 pub use qwen3::qwen3_plan;
 pub use qwen3_moe::qwen3_moe_plan;
+pub use shard::{shard_by_plan, shard_planned};
 
 /// A model with a parallel plan: the trainer, gathering, checkpoint placement and HF export
 /// read every parameter's entry from it. A user's own model implements it to get the same.
@@ -412,8 +416,24 @@ fn render(template: &str, captures: &[&str], layers: usize) -> Result<String, St
     Ok(out)
 }
 
-/// Builders of plan entries shared by the model tables.
-pub(crate) mod rows {
+/// Builders of plan entries: the rows of the built-in tables, public so that a user's own
+/// model ([`Planned`]) declares its plan the same way, e.g.
+///
+/// ```
+/// use moe_models::param_plan::{ParallelPlan, rows};
+///
+/// let mut entries = rows::embedding("embed_tokens", "model.embed_tokens");
+/// entries.extend(rows::gqa("layers.*.self_attn", "model.layers.{0}.self_attn"));
+/// entries.extend(rows::moe("layers.*.mlp", "model.layers.{0}.mlp", false));
+/// entries.extend(rows::column("lm_head", "lm_head", false, false));
+/// let plan = ParallelPlan::new("my_moe", entries);
+/// assert!(plan.resolve("layers.3.mlp.experts.fc1", 0).is_ok());
+/// ```
+///
+/// Every builder takes the Burn module path pattern `m` (`*` matches one segment) and the HF
+/// module name template `hf` (`{0}`: the first capture), and returns the entries of that
+/// module's parameters.
+pub mod rows {
     use super::{GradClass, PlanEntry, ShardRule, Storage};
     use moe_backend::optim::ParamClass;
 

@@ -1,0 +1,381 @@
+//! Sharded loading by a model's parallel plan: one rank's shard of any [`Planned`] model (a
+//! user's own included) read straight from a [`WeightSource`] (an HF checkpoint directory, a
+//! live model through [`crate::weights::ModuleWeights`]), only this rank's box of every tensor.
+//!
+//! The caller passes a *template*: the full model as its own `init` builds it, ideally with
+//! Burn's lazily initialised parameters (then nothing at full size is ever allocated). Each
+//! parameter's HF name, canonical shape and split come from its plan entry and the template's
+//! (lazy) shape; the loaded parameter keeps the template's id. Routed experts are read through
+//! [`WeightLoader::experts`] (stacked or per-expert HF names); every other tensor through
+//! [`WeightSource::tensor_box_f32`].
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::{GradClass, ParallelPlan, PlanError, Planned, Storage};
+use crate::ModelError;
+use crate::distributed::ShardRule;
+use crate::weights::{ShardSpec, WeightLoader, WeightSource};
+
+/// This rank's shard (`spec`, e.g.
+/// [`ParallelContext::shard_spec`](crate::distributed::ParallelContext::shard_spec)) of the
+/// model shaped like `template`, read from `source` by the entries of `plan` (`main_layers`:
+/// the `{0+L}` templates); see the module docs. Parameters are created on `device` in f32,
+/// trainable unless their entry is a buffer. A tensor the source lacks, or holds at another
+/// shape, and a parameter the plan does not classify are errors naming it.
+///
+/// Fields derived from tensor shapes keep the template's values: fix them with the module's
+/// own helper ([`Attention::with_local_heads`](crate::layers::Attention::with_local_heads)).
+pub fn load_by_plan<M: Module>(
+    template: &M,
+    plan: &ParallelPlan,
+    main_layers: usize,
+    source: &dyn WeightSource,
+    spec: &ShardSpec,
+    device: &Device,
+) -> Result<M, ModelError> {
+    let mut mapper = Loader {
+        plan,
+        main_layers,
+        source,
+        spec,
+        device,
+        path: Vec::new(),
+        pending: HashMap::new(),
+        error: None,
+    };
+    let shard = template.clone().map(&mut mapper);
+    match mapper.error {
+        Some(e) => Err(e),
+        None => Ok(shard),
+    }
+}
+
+/// [`load_by_plan`] with the model's own plan ([`Planned::parallel_plan`]) and layer count.
+pub fn load_planned<M: Planned>(
+    template: &M,
+    source: &dyn WeightSource,
+    spec: &ShardSpec,
+    device: &Device,
+) -> Result<M, ModelError> {
+    load_by_plan(
+        template,
+        &M::parallel_plan(),
+        template.main_layers(),
+        source,
+        spec,
+        device,
+    )
+}
+
+struct Loader<'a> {
+    plan: &'a ParallelPlan,
+    main_layers: usize,
+    source: &'a dyn WeightSource,
+    spec: &'a ShardSpec,
+    device: &'a Device,
+    path: Vec<String>,
+    /// The other half of an expert pair already read (`fc2` when `fc1` was visited first, or
+    /// the reverse), by HF name.
+    pending: HashMap<String, TensorData>,
+    error: Option<ModelError>,
+}
+
+impl Loader<'_> {
+    fn mismatch(&self, path: &str, reason: String) -> ModelError {
+        PlanError::Mismatch {
+            family: self.plan.family(),
+            path: path.to_owned(),
+            reason,
+        }
+        .into()
+    }
+
+    /// This rank's routed-expert tensor `hf` (`….gate_up_proj` stored `[E, 2F, H]` or
+    /// `….down_proj` stored `[E, H, F]`) whose full Burn shape is `full`.
+    fn expert(&mut self, path: &str, hf: &str, full: &[usize]) -> Result<TensorData, ModelError> {
+        if let Some(data) = self.pending.remove(hf) {
+            return Ok(data);
+        }
+        let (prefix, fc1, other) = match (
+            hf.strip_suffix(".gate_up_proj"),
+            hf.strip_suffix(".down_proj"),
+        ) {
+            (Some(p), _) => (p, true, format!("{p}.down_proj")),
+            (None, Some(p)) => (p, false, format!("{p}.gate_up_proj")),
+            (None, None) => {
+                return Err(self.mismatch(
+                    path,
+                    format!(
+                        "routed experts must be named `….gate_up_proj` / `….down_proj`, not `{hf}`"
+                    ),
+                ));
+            }
+        };
+        let (e, f, h) = match (fc1, full) {
+            (true, [e, f2, h]) if f2 % 2 == 0 => (*e, f2 / 2, *h),
+            (false, [e, h, f]) => (*e, *f, *h),
+            _ => {
+                return Err(self.mismatch(path, format!("unexpected routed-expert shape {full:?}")));
+            }
+        };
+        let loader = WeightLoader::sharded(self.source, self.device, self.spec);
+        let (gate_up, down) = loader.experts(prefix, e, f, h)?;
+        let (mine, theirs) = if fc1 {
+            (gate_up.into_data(), down.into_data())
+        } else {
+            (down.into_data(), gate_up.into_data())
+        };
+        self.pending.insert(other, theirs);
+        Ok(mine)
+    }
+
+    /// This rank's box of the dense tensor `hf` whose full Burn shape is `full`, in Burn
+    /// layout.
+    fn dense(
+        &self,
+        path: &str,
+        hf: &str,
+        full: &[usize],
+        storage: Storage,
+        split: ShardRule,
+    ) -> Result<TensorData, ModelError> {
+        let global: Vec<usize> = match (storage, full) {
+            (Storage::Same, _) => full.to_vec(),
+            (Storage::Transposed, [a, b]) => vec![*b, *a],
+            _ => {
+                return Err(self.mismatch(
+                    path,
+                    format!("a {storage:?} tensor of shape {full:?} must be a routed expert"),
+                ));
+            }
+        };
+        let mut offsets = vec![0; global.len()];
+        let mut shape = global.clone();
+        if let ShardRule::Tp { dim } = split {
+            let n = *global.get(dim).ok_or_else(|| {
+                self.mismatch(path, format!("no dim {dim} in {global:?} to split over tp"))
+            })?;
+            let r = ShardSpec::part(hf, "tp", n, self.spec.tp_rank, self.spec.tp)?;
+            offsets[dim] = r.start;
+            shape[dim] = r.len();
+        }
+        let values = self.source.tensor_box_f32(hf, &global, &offsets, &shape)?;
+        Ok(match (storage, shape.as_slice()) {
+            (Storage::Transposed, &[rows, cols]) => {
+                // Canonical `[out, in]` box to Burn's contiguous `[in, out]`.
+                let mut t = vec![0.0f32; values.len()];
+                for (r, row) in values.chunks_exact(cols.max(1)).enumerate() {
+                    for (c, &v) in row.iter().enumerate() {
+                        t[c * rows + r] = v;
+                    }
+                }
+                TensorData::new(t, [cols, rows])
+            }
+            _ => TensorData::new(values, shape),
+        })
+    }
+
+    fn load<const D: usize>(
+        &mut self,
+        path: &str,
+        full: &[usize],
+    ) -> Result<(Tensor<D>, GradClass), ModelError> {
+        let resolved = self.plan.resolve(path, self.main_layers)?;
+        let (entry, hf) = (resolved.entry.clone(), resolved.hf_name);
+        let data = match entry.split {
+            ShardRule::Expert { etp_dim: 2 } => self.expert(path, &hf, full)?,
+            ShardRule::Expert { etp_dim } => {
+                return Err(self.mismatch(
+                    path,
+                    format!("routed experts split over etp along canonical dim {etp_dim} (the expert loader splits dim 2)"),
+                ));
+            }
+            split => self.dense(path, &hf, full, entry.storage, split)?,
+        };
+        if data.rank() != D {
+            return Err(self.mismatch(
+                path,
+                format!(
+                    "read a rank-{} tensor for a rank-{D} parameter",
+                    data.rank()
+                ),
+            ));
+        }
+        Ok((Tensor::from_data(data, self.device), entry.grad))
+    }
+}
+
+impl ModuleMapper for Loader<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_owned());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let path = self.path.join(".");
+        // The template's shape without materialising a lazy parameter.
+        let full = param.lazy_shape().to_vec();
+        match self.load::<D>(&path, &full) {
+            Ok((tensor, grad)) => {
+                let mut loaded = Param::from_tensor(tensor);
+                if grad == GradClass::Buffer {
+                    loaded = loaded.set_require_grad(false);
+                }
+                loaded.id = param.id;
+                loaded
+            }
+            Err(e) => {
+                self.error = Some(e);
+                param
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::ModuleVisitor;
+    use moe_backend::BackendError;
+    use moe_backend::comm::World;
+    use moe_backend::parallel::ParallelLayout;
+
+    use super::*;
+    use crate::Qwen3MoeConfig;
+    use crate::distributed::{DispatcherKind, ParallelContext, ParallelQwen3Moe};
+    use crate::layers::RotaryEmbedding;
+    use crate::qwen3_moe::Qwen3MoeForCausalLM;
+    use crate::weights::ModuleWeights;
+
+    /// `(path, shape, requires grad, values)` of every float tensor.
+    type Fingerprint = Vec<(String, Vec<usize>, bool, Vec<f32>)>;
+
+    #[derive(Default)]
+    struct Values {
+        path: Vec<String>,
+        found: Fingerprint,
+    }
+
+    impl ModuleVisitor for Values {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_owned());
+        }
+
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            self.found.push((
+                self.path.join("."),
+                t.dims().to_vec(),
+                t.is_require_grad(),
+                t.into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .expect("f32"),
+            ));
+        }
+    }
+
+    fn fingerprint<M: Module>(m: &M) -> Fingerprint {
+        let mut v = Values::default();
+        m.visit(&mut v);
+        v.found
+    }
+
+    /// Loading the Qwen3-MoE fixture's shard by its plan from a weight source equals the
+    /// built-in loader's shard bit for bit (paths, shapes, gradient settings, values, head
+    /// counts), under TP, EP and ETP layouts; the template's parameter ids are kept.
+    #[test]
+    fn plan_loading_equals_the_builtin_qwen3_moe_loader() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/qwen3_moe/config.json"
+        );
+        let config = Qwen3MoeConfig::from_file(path).expect("config");
+        let device = Device::flex().autodiff();
+        let full = config.init(&device).expect("init");
+        for (world, spec) in [
+            (4, "tp=2,ep=4"),
+            (4, "tp=2,ep=2,etp=2"),
+            (2, "ep=2"),
+            (1, ""),
+        ] {
+            let layout = ParallelLayout::parse(world, spec).expect("layout");
+            let (config, layout, full, device) = (&config, &layout, &full, &device);
+            let results = World::run(world, |rank| {
+                let pg = rank.process_groups(layout)?;
+                let be = |e: ModelError| BackendError::Replay(e.to_string());
+                let kind = DispatcherKind::AllToAll;
+                let source = &ModuleWeights::new(full).map_err(be)?;
+                let builtin =
+                    ParallelQwen3Moe::load(config, source, &pg, kind, device).map_err(be)?;
+                let rope =
+                    RotaryEmbedding::new(&config.rope_parameters, config.head_dim).map_err(be)?;
+                let ctx = ParallelContext::new(
+                    &pg,
+                    kind,
+                    Some(config.num_experts),
+                    config.vocab_size,
+                    rope,
+                )
+                .map_err(be)?;
+                let template = config.init(device).map_err(be)?;
+                let mut generic: Qwen3MoeForCausalLM =
+                    load_planned(&template, source, &ctx.shard_spec(), device).map_err(be)?;
+                for layer in &mut generic.model.layers {
+                    layer.self_attn = layer.self_attn.clone().with_local_heads().map_err(be)?;
+                }
+                let ids = |m: &Qwen3MoeForCausalLM| {
+                    let mut v = Vec::new();
+                    m.visit(&mut IdVisitor(&mut v));
+                    v
+                };
+                let heads = |m: &Qwen3MoeForCausalLM| -> Vec<(usize, usize)> {
+                    m.model
+                        .layers
+                        .iter()
+                        .map(|l| (l.self_attn.num_heads, l.self_attn.num_kv_heads))
+                        .collect()
+                };
+                Ok((
+                    fingerprint(&builtin.model),
+                    fingerprint(&generic),
+                    heads(&builtin.model) == heads(&generic),
+                    ids(&template) == ids(&generic),
+                ))
+            });
+            for (rank, got) in results.into_iter().enumerate() {
+                let (want, got, heads, ids) =
+                    got.unwrap_or_else(|e| panic!("{spec} rank {rank}: {e}"));
+                assert_eq!(got.len(), want.len(), "{spec} rank {rank}: tensor count");
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(g.0, w.0, "{spec} rank {rank}: path");
+                    assert_eq!(g.1, w.1, "{spec} rank {rank}: shape of {}", g.0);
+                    assert_eq!(g.2, w.2, "{spec} rank {rank}: grad of {}", g.0);
+                    assert!(g.3 == w.3, "{spec} rank {rank}: values of {}", g.0);
+                }
+                assert!(heads, "{spec} rank {rank}: head counts");
+                assert!(ids, "{spec} rank {rank}: parameter ids");
+            }
+        }
+    }
+
+    struct IdVisitor<'a>(&'a mut Vec<burn::module::ParamId>);
+
+    impl ModuleVisitor for IdVisitor<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+}
