@@ -344,3 +344,26 @@ fn the_user_model_loads_its_shard_from_a_weight_source() {
         }
     }
 }
+
+/// The user's shards gather back to the full model by the plan (every tensor bit for bit),
+/// under TP, EP and ETP.
+#[test]
+fn the_user_model_gathers_back_by_its_plan() {
+    use burn_moe::models::distributed::gather_planned;
+
+    let start = start();
+    let want = values(&start);
+    for (world, spec) in [(4, "tp=2,ep=4"), (4, "tp=2,ep=2,etp=2")] {
+        let layout = ParallelLayout::parse(world, spec).expect("layout");
+        let results = World::run(world, |rank| {
+            let pg = rank.process_groups(&layout)?;
+            let shard = start.shard(&pg, DispatcherKind::AllToAll).map_err(be)?;
+            let full = gather_planned(shard.model(), &pg).map_err(be)?;
+            Ok(values(&full))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let got = r.unwrap_or_else(|e| panic!("{spec} rank {rank}: {e}"));
+            assert!(got == want, "{spec} rank {rank}: gathered model differs");
+        }
+    }
+}

@@ -9,15 +9,15 @@
 //! models that fit one host); [`crate::weight_sync`] streams the same tensors to rank 0 one
 //! bucket at a time instead.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{ModuleMapper, Param};
 use burn::tensor::Tensor;
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::parallel::GroupFamily;
 
-use super::{ParallelCausalLm, ParallelDeepseekV3, ParallelQwen3Moe, ShardRule, err};
+use super::{ParallelDeepseekV3, ParallelQwen3Moe, ShardRule, err};
 use crate::ModelError;
 use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
-use crate::param_plan::{ParallelPlan, PlanError, Storage};
+use crate::param_plan::{ParallelPlan, PlanError, Planned, Storage};
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 struct Gatherer {
@@ -117,8 +117,13 @@ impl ModuleMapper for Gatherer {
     }
 }
 
-fn gatherer<M: ParallelCausalLm>(groups: &GroupComms, model: &M) -> Gatherer {
-    Gatherer {
+/// The full tensors of any planned model reassembled from every rank's shard `model`
+/// (collective: call on every rank), each gathered over the groups its plan entry splits it
+/// over; replicated tensors are this rank's copies. Only tensors change: fields derived from
+/// shapes (e.g. [`crate::layers::Attention::with_local_heads`]) and the routers' training
+/// losses are the caller's to reset (as [`gather_full_qwen3_moe`] does).
+pub fn gather_planned<M: Planned>(model: &M, groups: &GroupComms) -> Result<M, ModelError> {
+    let mut g = Gatherer {
         tp: groups.comm(GroupFamily::Tp).clone(),
         ep: groups.comm(GroupFamily::Ep).clone(),
         expt_tp: groups.comm(GroupFamily::ExptTp).clone(),
@@ -126,6 +131,11 @@ fn gatherer<M: ParallelCausalLm>(groups: &GroupComms, model: &M) -> Gatherer {
         layers: model.main_layers(),
         path: Vec::new(),
         error: None,
+    };
+    let full = model.clone().map(&mut g);
+    match g.error {
+        Some(e) => Err(e),
+        None => Ok(full),
     }
 }
 
@@ -134,11 +144,7 @@ pub fn gather_full_qwen3_moe(
     shard: &ParallelQwen3Moe,
     groups: &GroupComms,
 ) -> Result<Qwen3MoeForCausalLM, ModelError> {
-    let mut g = gatherer(groups, &shard.model);
-    let mut full = shard.model.clone().map(&mut g);
-    if let Some(e) = g.error {
-        return Err(e);
-    }
+    let mut full = gather_planned(&shard.model, groups)?;
     let config = full.config().clone();
     for layer in &mut full.model.layers {
         layer.self_attn.num_heads = config.num_attention_heads;
@@ -164,11 +170,7 @@ pub fn gather_full_deepseek_v3(
     shard: &ParallelDeepseekV3,
     groups: &GroupComms,
 ) -> Result<DeepseekV3ForCausalLM, ModelError> {
-    let mut g = gatherer(groups, &shard.model);
-    let mut full = shard.model.clone().map(&mut g);
-    if let Some(e) = g.error {
-        return Err(e);
-    }
+    let mut full = gather_planned(&shard.model, groups)?;
     let heads = full.config().num_attention_heads;
     let mtp_blocks = full.mtp.iter_mut().map(|m| &mut m.block);
     for layer in full.model.layers.iter_mut().chain(mtp_blocks) {

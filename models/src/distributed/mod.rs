@@ -54,7 +54,7 @@ pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 
 pub use deepseek_v3::ParallelDeepseekV3;
-pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe};
+pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe, gather_planned};
 pub use qwen3::ParallelQwen3;
 pub use shard_rule::{ShardRule, shard_rule};
 
