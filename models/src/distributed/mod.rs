@@ -461,28 +461,19 @@ impl CausalLm for ParallelQwen3Moe {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        let [batch, s] = input_ids.dims();
-        let device = input_ids.device();
-        let ids = host_ids(input_ids)?;
-        let rt = &self.rt;
-        check_decode_batch(rt, batch, s)?;
-        let rope = rt.rope_at(cache.seq_len(), s, &device);
         let model = &self.model.model;
-        let mut trace = RouterTrace::new(0.0);
-        let mut x = rt.embed(&model.embed_tokens, &ids, batch)?;
-        for (layer, layer_cache) in model.layers.iter().zip(cache.layers.iter_mut()) {
-            x = self.layer(layer, x, batch, &mut trace, |a, full| {
-                a.forward(full, &rope, Some(layer_cache))
-            })?;
-        }
-        let logits = rt.full_logits(
-            x,
+        self.rt.cached_logits(
+            input_ids,
+            cache,
+            &model.embed_tokens,
             &model.norm,
             self.model.lm_head.as_ref(),
-            &model.embed_tokens,
-        )?;
-        let v = logits.dims()[1];
-        Ok(logits.reshape([batch, s, v]))
+            |i, x, batch, rope, layer_cache, trace| {
+                self.layer(&model.layers[i], x, batch, trace, |a, full| {
+                    a.forward(full, rope, Some(layer_cache))
+                })
+            },
+        )
     }
 }
 
@@ -490,26 +481,6 @@ impl crate::rollout::RolloutModel for ParallelQwen3Moe {
     fn device(&self) -> Device {
         self.model.model.embed_tokens.weight.device()
     }
-}
-
-/// Errors unless `batch · s` tokens split over the TP ranks' sequence-parallel blocks.
-pub(crate) fn check_decode_batch(rt: &SpRuntime, batch: usize, s: usize) -> Result<(), ModelError> {
-    let (_, tp) = rt.tp_rank_size();
-    if !(batch * s).is_multiple_of(tp) {
-        return Err(ModelError::layout(
-            "tp",
-            format!("{batch} sequences × {s} positions do not split over tp = {tp}"),
-        ));
-    }
-    Ok(())
-}
-
-/// Row-major host ids of an id tensor.
-pub(crate) fn host_ids(ids: Tensor<2, Int>) -> Result<Vec<i64>, ModelError> {
-    ids.into_data()
-        .convert::<i64>()
-        .try_into_vec::<i64>()
-        .map_err(|e| ModelError::input("input_ids", format!("unreadable ids: {e:?}")))
 }
 
 impl ParallelCausalLm for Qwen3MoeForCausalLM {

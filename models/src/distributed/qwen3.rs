@@ -10,7 +10,7 @@ use moe_backend::router::TopKRouter;
 
 use super::runtime::SpRuntime;
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
-use super::{DispatcherKind, ShardParts, build_shard, check_decode_batch, host_ids};
+use super::{DispatcherKind, ShardParts, build_shard};
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
 use crate::config::Qwen3Config;
@@ -142,27 +142,19 @@ impl CausalLm for ParallelQwen3 {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        let [batch, s] = input_ids.dims();
-        let device = input_ids.device();
-        let ids = host_ids(input_ids)?;
-        let rt = &self.rt;
-        check_decode_batch(rt, batch, s)?;
-        let rope = rt.rope_at(cache.seq_len(), s, &device);
         let model = &self.model.model;
-        let mut x = rt.embed(&model.embed_tokens, &ids, batch)?;
-        for (layer, layer_cache) in model.layers.iter().zip(cache.layers.iter_mut()) {
-            x = self.layer(layer, x, batch, |a, full| {
-                a.forward(full, &rope, Some(layer_cache))
-            })?;
-        }
-        let logits = rt.full_logits(
-            x,
+        self.rt.cached_logits(
+            input_ids,
+            cache,
+            &model.embed_tokens,
             &model.norm,
             self.model.lm_head.as_ref(),
-            &model.embed_tokens,
-        )?;
-        let v = logits.dims()[1];
-        Ok(logits.reshape([batch, s, v]))
+            |i, x, batch, rope, layer_cache, _| {
+                self.layer(&model.layers[i], x, batch, |a, full| {
+                    a.forward(full, rope, Some(layer_cache))
+                })
+            },
+        )
     }
 }
 

@@ -437,6 +437,54 @@ impl SpRuntime {
         })
     }
 
+    /// Logits `[batch, S, V]` (full vocabulary, identical on the replica's TP ranks) of the
+    /// next `S` positions after those in `cache`, for generation: the ids are embedded
+    /// vocab-parallel, `layer(i, x, batch, rope, layer_cache, trace)` runs decoder layer `i` on
+    /// the sequence-parallel block with this rank's part of the KV cache, and the head's
+    /// logits are gathered ([`full_logits`](Self::full_logits)). `batch · S` must split over
+    /// `tp`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cached_logits(
+        &self,
+        input_ids: Tensor<2, Int>,
+        cache: &mut crate::layers::KvCache,
+        embed: &Embedding,
+        norm: &RmsNorm,
+        lm_head: Option<&Linear>,
+        mut layer: impl FnMut(
+            usize,
+            Tensor<2>,
+            usize,
+            &RopeTables,
+            &mut crate::layers::LayerCache,
+            &mut RouterTrace,
+        ) -> Result<Tensor<2>, ModelError>,
+    ) -> Result<Tensor<3>, ModelError> {
+        let [batch, s] = input_ids.dims();
+        let (_, tp) = self.tp_rank_size();
+        if !(batch * s).is_multiple_of(tp) {
+            return Err(ModelError::layout(
+                "tp",
+                format!("{batch} sequences × {s} positions do not split over tp = {tp}"),
+            ));
+        }
+        let device = input_ids.device();
+        let ids = input_ids
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| ModelError::input("input_ids", format!("unreadable ids: {e:?}")))?;
+        let rope = self.rope_at(cache.seq_len(), s, &device);
+        let mut trace = RouterTrace::new(0.0);
+        let mut x = self.embed(embed, &ids, batch)?;
+        for (i, layer_cache) in cache.layers.iter_mut().enumerate() {
+            x = layer(i, x, batch, &rope, layer_cache, &mut trace)?;
+        }
+        let logits = self.full_logits(x, norm, lm_head, embed)?;
+        let v = logits.dims()[1];
+        Ok(logits.reshape([batch, s, v]))
+    }
+
     /// Final norm and vocab-parallel head on this rank's sequence-parallel block, gathered to
     /// the replica's full logits `[B·S, V]` (identical on its TP ranks): what generation
     /// samples from.
