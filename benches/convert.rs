@@ -26,6 +26,7 @@ use moe_backend::testing::XorShift64;
 use moe_bridge::dist::DistCheckpoint;
 use moe_bridge::dist::convert::convert_hf_to_dist_with;
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
+use moe_models::hf::ModelConfig;
 use serde_json::json;
 
 const HIDDEN: usize = 1024;
@@ -167,7 +168,7 @@ fn child(spec: &str) {
     let layout = ParallelLayout::parse_spec(layout).expect("layout");
     let rss_start = status_bytes("VmRSS:").unwrap_or(0);
     let t = Instant::now();
-    convert_hf_to_dist_with(Path::new(hf), Path::new(out), &layout, 0, &mut |_| {})
+    convert_hf_to_dist_with::<ModelConfig>(Path::new(hf), Path::new(out), &layout, 0, &mut |_| {})
         .expect("conversion");
     let seconds = t.elapsed().as_secs_f64();
     let peak = status_bytes("VmHWM:").unwrap_or(0);
@@ -242,7 +243,7 @@ fn main() {
             .unwrap_or(f64::NAN)
     };
     let (convert_s, peak, rss_start) = (field("seconds="), field("peak="), field("rss_start="));
-    let ckpt = DistCheckpoint::open(&out).expect("open result");
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&out).expect("open result");
     let chunks: usize = ckpt.index().tensors.values().map(|e| e.chunks.len()).sum();
     println!(
         "convert:     {} canonical tensors, {chunks} chunks under `{layout_spec}` in \

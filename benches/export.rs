@@ -1,6 +1,6 @@
 //! Live-model HF export throughput and memory (issue 7): streams a randomly initialised
 //! Qwen3-MoE through `moe_models::export` into an HF directory with
-//! `moe_bridge::live_export`, and compares with a plain copy of the same files.
+//! `moe_models::hf::live_export`, and compares with a plain copy of the same files.
 //!
 //! Run: `cargo bench --bench export` (sizes via `EXPORT_BENCH_LAYERS`, `EXPORT_BENCH_HIDDEN`,
 //! `EXPORT_BENCH_EXPERTS`; defaults 4 layers, hidden 512, 32 experts of width 512 ≈ 0.4 GB f32).
@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::Device;
-use moe_bridge::live_export::{LiveDtype, LiveExportOptions, export_live_model};
 use moe_models::Qwen3MoeConfig;
 use moe_models::export::for_each_hf_tensor;
+use moe_models::hf::live_export::{LiveDtype, LiveExportOptions, export_live_model};
 use serde_json::json;
 
 fn env_usize(name: &str, default: usize) -> usize {

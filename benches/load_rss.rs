@@ -7,7 +7,7 @@
 //! hidden by the generator's allocations) and reads its `VmHWM` from `/proc/self/status`:
 //!
 //! - `shard`: rank 0 of the layout validates the directory and reads only its own boxes
-//!   (`moe_bridge::weights::load_shard_checked`), as `moe train` does;
+//!   (`moe_models::hf::load_shard_checked`), as `moe train` does;
 //! - `full`: the path `moe train` took before sharded loading, on rank 0: the whole model
 //!   (`Qwen3MoeForCausalLM::from_weights`), then its shard (`ParallelQwen3Moe::shard`).
 //!
@@ -29,13 +29,12 @@ use moe_backend::BackendError;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 use moe_backend::testing::XorShift64;
-use moe_bridge::ModelConfig;
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
-use moe_bridge::weights::load_shard_checked;
 use moe_models::Qwen3MoeForCausalLM;
 use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
 use moe_models::export::{ExpertNames, export_hf_tensors_as};
+use moe_models::hf::{ModelConfig, load_shard_checked};
 use serde_json::json;
 
 const HIDDEN: usize = 1024;

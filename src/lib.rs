@@ -7,12 +7,15 @@
 //!   experts and the single-rank [`backend::layer::MoeLayer`], as a Burn backend extension —
 //!   and what runs across ranks: parallel layouts and process groups, communicators (threads,
 //!   TCP, MPI, NCCL), token dispatchers, ZeRO-1 AdamW and Muon, FP8;
-//! - [`models`] (`moe-models`): dense Qwen3, Qwen3-MoE and DeepSeek-V3 (with MTP) beside their
-//!   HF twins, their sharded forms under any parallel layout, the [`models::train::Trainer`],
-//!   generation, rollouts, router replay, RL losses, weight sync and the layout planner;
-//! - [`bridge`] (`moe-bridge`): checkpoints — HuggingFace safetensors in and out (loading,
-//!   export, live export, upcycling), distributed checkpoints saved and resharded under any
-//!   layout, and the HF tokenizer and chat templates.
+//! - [`bridge`] (`moe-bridge`): the checkpoint formats, which know no model — HuggingFace
+//!   safetensors in and out (validation, export, upcycling), the name-mapping engine,
+//!   distributed checkpoints saved and resharded under any layout, and the HF tokenizer and
+//!   chat templates; model knowledge comes in through [`bridge::ModelSchema`];
+//! - [`models`] (`moe-models`, on top of the other two): dense Qwen3, Qwen3-MoE and DeepSeek-V3
+//!   (with MTP) beside their HF twins, their sharded forms under any parallel layout, the
+//!   [`models::train::Trainer`], generation, rollouts, router replay, RL losses, weight sync and
+//!   the layout planner; each model's mapping table and plan, model loading and live export
+//!   ([`models::hf`]) and training checkpoints ([`models::checkpoint`]).
 //!
 //! [`finetune`] is the library side of `examples/finetune.rs`: a Qwen3-MoE fine-tuning job on
 //! in-process ranks under any parallel layout. [`quickstart`] is the main-job pipeline of

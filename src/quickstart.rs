@@ -10,7 +10,7 @@
 //!    the same checkpoint root (atomic, every rank writes its own file);
 //! 4. **reshard** to the export layout (default EP2 × ETP2);
 //! 5. **export** the resharded checkpoint to an HF directory (F32);
-//! 6. **check** that the export loads with [`moe_bridge::load_causal_lm`] and gives the trained
+//! 6. **check** that the export loads with [`moe_models::hf::load_causal_lm`] and gives the trained
 //!    model's logits (gathered from the ranks at the end of training) within a tolerance.
 
 use std::path::{Path, PathBuf};
@@ -22,11 +22,13 @@ use moe_backend::parallel::ParallelLayout;
 use moe_bridge::dist::convert::{
     ConvertProgress, checkpoint_meta, convert_hf_to_dist_with, export_dist_to_hf, reshard,
 };
-use moe_bridge::dist::{DistCheckpoint, TrainState, restore_trainer, save_trainer};
+use moe_bridge::dist::{DistCheckpoint, TrainState};
 use moe_bridge::export::{ExportOptions, ExportSummary};
 use moe_bridge::safetensors::Dtype;
 use moe_models::Qwen3MoeConfig;
+use moe_models::checkpoint::{restore_trainer, save_trainer};
 use moe_models::distributed::gather_full_qwen3_moe;
+use moe_models::hf::ModelConfig;
 use moe_models::train::Trainer;
 
 use crate::finetune::{FinetuneOptions, FinetuneReport, corpus_batch, to_backend, train_steps};
@@ -182,7 +184,7 @@ pub fn quickstart(
 
     // 1. HF -> distributed (training layout).
     let clock = Instant::now();
-    let converted = convert_hf_to_dist_with(
+    let converted = convert_hf_to_dist_with::<ModelConfig>(
         &options.train.model_dir,
         &dist_root,
         &train_layout,
@@ -194,7 +196,7 @@ pub fn quickstart(
 
     // 2-3. Restore every rank's shard, train, save with optimizer state.
     let clock = Instant::now();
-    let ckpt = DistCheckpoint::open(&converted)?;
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&converted)?;
     let config = Qwen3MoeConfig::from_file(ckpt.dir().join(moe_bridge::hf::CONFIG_FILE))?;
     let vocab = config.vocab_size;
     let device = Device::flex().autodiff();
@@ -251,8 +253,8 @@ pub fn quickstart(
 
     // 4. Reshard to the export layout.
     let clock = Instant::now();
-    let resharded = reshard(
-        &DistCheckpoint::open(&trained)?,
+    let resharded = reshard::<ModelConfig>(
+        &DistCheckpoint::open::<ModelConfig>(&trained)?,
         &resharded_root,
         &export_layout,
     )?;
@@ -265,14 +267,18 @@ pub fn quickstart(
         dtype: Some(Dtype::F32),
         ..ExportOptions::default()
     };
-    let summary = export_dist_to_hf(&DistCheckpoint::open(&resharded)?, &hf_dir, &export)?;
+    let summary = export_dist_to_hf::<ModelConfig>(
+        &DistCheckpoint::open::<ModelConfig>(&resharded)?,
+        &hf_dir,
+        &export,
+    )?;
     on_event(QuickstartEvent::Exported(&summary));
     seconds[3] = clock.elapsed().as_secs_f64();
 
     // 6. Reload the export and compare logits with the trained model's.
     let clock = Instant::now();
     let host = Device::flex();
-    let model = moe_bridge::load_causal_lm(&summary.target, &host)?;
+    let model = moe_models::hf::load_causal_lm(&summary.target, &host)?;
     let logits = logits_values(model.logits(ids_tensor(&probe, 2, &host))?)?;
     let max_abs_diff = if logits.len() == trained_logits.len() {
         logits

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use burn_moe::bridge::dist::DistCheckpoint;
 use burn_moe::bridge::hf::{CONFIG_FILE, HfCheckpoint, INDEX_FILE, SINGLE_FILE};
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_safetensors};
+use burn_moe::models::hf::ModelConfig;
 use serde_json::{Map, Value, json};
 
 /// Longest a failing command may run before it counts as hung (and is killed).
@@ -1311,7 +1312,7 @@ fn tolerated_extras_warn_and_are_left_out() {
             cmd.name()
         );
     }
-    let converted = DistCheckpoint::open(scratch.join("dist")).expect("converted");
+    let converted = DistCheckpoint::open::<ModelConfig>(scratch.join("dist")).expect("converted");
     let fqns = &converted.index().tensors;
     assert!(!fqns.contains_key("model.layers.7.input_layernorm.weight"));
     assert!(fqns.keys().all(|k| !k.contains("inv_freq")));

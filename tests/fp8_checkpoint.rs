@@ -13,14 +13,15 @@ use burn_moe::backend::fp8::Fp8Recipe;
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
 use burn_moe::bridge::dist::convert::export_dist_to_hf;
 use burn_moe::bridge::dist::fp8::scale_box;
-use burn_moe::bridge::dist::placement::PlacedModel;
 use burn_moe::bridge::dist::{
-    DistCheckpoint, SaveMeta, ShardingPlan, TensorBox, TensorKind, TrainState, restore_trainer,
-    save_trainer,
+    DistCheckpoint, SaveMeta, ShardingPlan, TensorBox, TensorKind, TrainState,
 };
 use burn_moe::bridge::export::ExportOptions;
 use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::safetensors::Dtype;
+use burn_moe::models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
+use burn_moe::models::distributed::shard_rule;
+use burn_moe::models::hf::ModelConfig;
 use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
 use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
@@ -60,8 +61,12 @@ type Fp8Boxes = BTreeMap<(String, Vec<usize>), (Vec<usize>, Vec<u8>, Vec<f32>)>;
 fn fp8_boxes(trainer: &Trainer) -> Fp8Boxes {
     let model = &trainer.model().model;
     let groups = trainer.process_groups();
-    let plan =
-        ShardingPlan::new(&groups.layout, Some(model.config().num_hidden_layers)).expect("plan");
+    let plan = ShardingPlan::new(
+        &groups.layout,
+        Some(model.config().num_hidden_layers),
+        shard_rule,
+    )
+    .expect("plan");
     let placed = model
         .placements(&plan, groups.rank, false)
         .expect("placements");
@@ -88,7 +93,7 @@ fn run(
 ) -> Vec<Fp8Boxes> {
     let device = Device::flex().autodiff();
     let start = model(&device);
-    let ckpt = resume.map(|p| DistCheckpoint::open(p).expect("open"));
+    let ckpt = resume.map(|p| DistCheckpoint::open::<ModelConfig>(p).expect("open"));
     let config_json: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(format!("{FIXTURE}/config.json")).expect("config"),
     )
@@ -164,8 +169,8 @@ fn fp8_primary_weights_save_export_and_reshard_bit_exactly() {
     let dir = temp("ckpt");
     let a = ParallelLayout::parse_spec("world=4,tp=2,ep=2").expect("layout");
     let saved = run(&a, 8, 2, None, Some(&dir));
-    let ckpt = DistCheckpoint::open(&dir).expect("checkpoint");
-    ckpt.validate().expect("valid");
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&dir).expect("checkpoint");
+    ckpt.validate::<ModelConfig>().expect("valid");
     let fqn = "model.layers.1.mlp.experts.gate_up_proj";
     assert_eq!(ckpt.entry(fqn).expect("experts").dtype, Dtype::F8E4M3);
     let scale = ckpt.entry(&format!("{fqn}_scale_inv")).expect("scale");
@@ -179,7 +184,7 @@ fn fp8_primary_weights_save_export_and_reshard_bit_exactly() {
     }
     // HF export keeps FP8: per-expert codes and `weight_scale_inv` are the trained ones.
     let hf_dir = temp("hf");
-    export_dist_to_hf(&ckpt, &hf_dir, &ExportOptions::default()).expect("export");
+    export_dist_to_hf::<ModelConfig>(&ckpt, &hf_dir, &ExportOptions::default()).expect("export");
     let hf = HfCheckpoint::open(&hf_dir).expect("hf");
     let config = hf.config_json().expect("config");
     assert_eq!(

@@ -1,5 +1,5 @@
 //! HF checkpoints through `moe-bridge` end to end (no Python): every committed fixture loads
-//! with [`moe_bridge::load_causal_lm`] and matches the transformers 5.23 goldens (models.md §7:
+//! with [`moe_models::hf::load_causal_lm`] and matches the transformers 5.23 goldens (models.md §7:
 //! `max|ours − golden| ≤ 1e-4 · max|golden|`, losses to 1e-5 relative, greedy continuations
 //! token for token); sharded and single-file copies give bit-identical logits; an FP8
 //! checkpoint loads like its exact dequantisation; and an export reloads with the same key set
@@ -12,8 +12,8 @@ use burn_moe::bridge::export::{ExportOptions, export_hf};
 use burn_moe::bridge::fp8::is_scale_inv;
 use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::safetensors::{Dtype, SafetensorsFile};
-use burn_moe::bridge::{AnyCausalLm, load_causal_lm};
 use burn_moe::models::causal_lm::token_ids;
+use burn_moe::models::hf::{AnyCausalLm, ModelConfig, load_causal_lm};
 use burn_moe::models::{CausalLm, GenerationConfig};
 
 fn fixtures() -> PathBuf {
@@ -235,7 +235,7 @@ fn export_then_reload_gives_identical_keys_and_bit_identical_tensors() {
             max_shard_size: 200_000,
             ..ExportOptions::default()
         };
-        let summary = export_hf(&source, &target, &options).expect("export");
+        let summary = export_hf::<ModelConfig>(&source, &target, &options).expect("export");
         assert!(
             summary.dropped.is_empty(),
             "{name}: dropped {:?}",
@@ -259,7 +259,7 @@ fn fp8_exported_as_bf16_drops_scales_and_equals_the_reference_dequantisation() {
         dtype: Some(Dtype::BF16),
         ..ExportOptions::default()
     };
-    export_hf(&source, &target, &options).expect("export");
+    export_hf::<ModelConfig>(&source, &target, &options).expect("export");
     let exported = HfCheckpoint::open(&target).expect("reload");
     let scales: Vec<&str> = exported
         .tensor_names()
@@ -291,7 +291,7 @@ fn f32_export_of_a_bf16_checkpoint_gives_bit_identical_logits() {
         dtype: Some(Dtype::F32),
         ..ExportOptions::default()
     };
-    export_hf(&source, &target, &options).expect("export");
+    export_hf::<ModelConfig>(&source, &target, &options).expect("export");
     let exported = HfCheckpoint::open(&target).expect("reload");
     assert!(
         exported

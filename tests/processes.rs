@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 
 use burn_moe::backend::parallel::ParallelLayout;
 use burn_moe::bridge::dist::DistCheckpoint;
+use burn_moe::models::hf::ModelConfig;
 use common::*;
 
 /// How the processes of a job are started.
@@ -388,8 +389,8 @@ fn kill_mid_save(launcher: Launcher) {
     kill_9(pid);
     let outputs = job.wait(Duration::from_secs(60));
     assert!(outputs.iter().all(|(ok, _)| !ok), "the job must fail");
-    let ckpt = DistCheckpoint::open(&root).expect("the previous checkpoint opens");
-    ckpt.validate().expect("and validates");
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&root).expect("the previous checkpoint opens");
+    ckpt.validate::<ModelConfig>().expect("and validates");
     assert!(ckpt.dir().join(".complete").is_file());
     let status = Command::new(MOE)
         .args(["validate", &root.display().to_string()])
@@ -397,7 +398,7 @@ fn kill_mid_save(launcher: Launcher) {
         .expect("moe validate");
     check(status, "moe validate");
     // A new run resuming there removes the killed save's temporary directory.
-    let step = DistCheckpoint::open(&root)
+    let step = DistCheckpoint::open::<ModelConfig>(&root)
         .expect("checkpoint")
         .index()
         .step as usize;

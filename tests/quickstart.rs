@@ -5,6 +5,7 @@
 use std::sync::Mutex;
 
 use burn_moe::bridge::dist::{DistCheckpoint, read_train_state};
+use burn_moe::models::hf::ModelConfig;
 use burn_moe::quickstart::{QuickstartEvent, QuickstartOptions, quickstart};
 
 #[test]
@@ -23,7 +24,8 @@ fn quickstart_pipeline_round_trips_the_trained_model() {
     assert!(report.max_abs_diff <= options.tolerance, "{report:?}");
     assert!(report.train.losses.iter().all(|l| l.is_finite()));
     assert!(report.trained.ends_with("dist/iter_0000004"));
-    let trained = DistCheckpoint::open(&report.resharded).expect("resharded checkpoint");
+    let trained =
+        DistCheckpoint::open::<ModelConfig>(&report.resharded).expect("resharded checkpoint");
     assert_eq!(trained.index().layout.ep, 2);
     assert_eq!(trained.index().layout.etp, 2);
     assert_eq!(trained.index().optimizer.as_ref().map(|o| o.step), Some(4));

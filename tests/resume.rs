@@ -14,10 +14,10 @@ use burn::tensor::Device;
 use burn_moe::backend::comm::World;
 use burn_moe::backend::optim::DistributedAdamWConfig;
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
-use burn_moe::bridge::dist::{
-    DistCheckpoint, SaveMeta, TrainState, read_train_state, restore_trainer, save_trainer,
-};
+use burn_moe::bridge::dist::{DistCheckpoint, SaveMeta, TrainState, read_train_state};
+use burn_moe::models::checkpoint::{restore_trainer, save_trainer};
 use burn_moe::models::distributed::DispatcherKind;
+use burn_moe::models::hf::ModelConfig;
 use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
 use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
 use moe_backend::testing::XorShift64;
@@ -71,7 +71,7 @@ fn run(
 ) -> Vec<RankEnd> {
     let device = Device::flex().autodiff();
     let vocab = start.config().vocab_size;
-    let ckpt = resume.map(|p| DistCheckpoint::open(p).expect("open checkpoint"));
+    let ckpt = resume.map(|p| DistCheckpoint::open::<ModelConfig>(p).expect("open checkpoint"));
     let config_json: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(format!("{FIXTURE}/config.json")).expect("config"),
     )
@@ -144,8 +144,8 @@ fn resume_matches_uninterrupted(a: &str, b: &str) {
     ));
     let _ = std::fs::remove_dir_all(&dir);
     run(&layout_a, &start, 0..3, None, Some(&dir));
-    let ckpt = DistCheckpoint::open(&dir).expect("checkpoint");
-    ckpt.validate().expect("valid checkpoint");
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&dir).expect("checkpoint");
+    ckpt.validate::<ModelConfig>().expect("valid checkpoint");
     assert_eq!(ckpt.index().step, 3);
     assert_eq!(ckpt.index().optimizer.as_ref().map(|o| o.step), Some(3));
     assert_eq!(

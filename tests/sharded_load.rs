@@ -9,12 +9,11 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device};
 use burn_moe::bridge::hf::HfCheckpoint;
-use burn_moe::bridge::weights::load_shard_checked;
-use burn_moe::bridge::{BridgeError, ModelConfig};
 use burn_moe::models::distributed::{
     DispatcherKind, LoadShard, ParallelDeepseekV3, ParallelQwen3, ParallelQwen3Moe,
 };
 use burn_moe::models::export::{ExpertNames, ExportHf, export_hf_tensors_as};
+use burn_moe::models::hf::{ModelConfig, load_shard_checked};
 use burn_moe::models::{DeepseekV3ForCausalLM, ModelError, Qwen3ForCausalLM, Qwen3MoeForCausalLM};
 use moe_backend::BackendError;
 use moe_backend::comm::World;
@@ -292,7 +291,7 @@ fn a_mis_shaped_checkpoint_fails_before_any_shard_is_built() {
     });
     std::fs::remove_dir_all(&dir).ok();
     for result in results {
-        let err: BridgeError = result.expect("rank").expect_err("mis-shaped");
+        let err: ModelError = result.expect("rank").expect_err("mis-shaped");
         let text = err.to_string();
         assert!(text.contains(bad), "{text}");
         assert!(text.contains("16"), "expected shape in: {text}");

@@ -314,12 +314,6 @@ pub enum BridgeError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A model error that is neither about a config field nor about a checkpoint tensor (those
-    /// become [`InvalidConfig`](Self::InvalidConfig) and
-    /// [`IncompleteCheckpoint`](Self::IncompleteCheckpoint), which add the file): e.g. a
-    /// parallel layout the model cannot run under, or an MoE layer rejecting its settings.
-    #[error(transparent)]
-    Model(#[from] moe_models::ModelError),
     /// A model id or path resolves to no local directory or hub-cache snapshot.
     #[error(
         "model `{id}` not found locally; looked in: {searched:?} (downloading needs a build \

@@ -22,8 +22,9 @@ use serde_json::{Value, json};
 use crate::BridgeError;
 use crate::fp8::{OutDtype, is_scale_inv};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, INDEX_FILE};
-use crate::mapping::{HfTarget, Registry, for_config};
+use crate::mapping::{HfTarget, Registry};
 use crate::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan, TensorView};
+use crate::schema::ModelSchema;
 
 /// The default shard limit of `save_pretrained`: 5 GB (10⁹ bytes per GB).
 pub const DEFAULT_MAX_SHARD_SIZE: u64 = 5_000_000_000;
@@ -156,12 +157,12 @@ fn is_float(dtype: Dtype) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
 }
 
-/// Exports `src` to `target` (see the module docs).
+/// Exports `src`, a model whose config is `C`, to `target` (see the module docs).
 ///
 /// The source is validated against its `config.json` first ([`HfCheckpoint::check`]); on
 /// failure nothing is written. Tensors the model does not use are dropped with a warning
 /// ([`ExportSummary::warnings`]).
-pub fn export_hf(
+pub fn export_hf<C: ModelSchema>(
     src: &HfCheckpoint,
     target: &Path,
     opts: &ExportOptions,
@@ -173,10 +174,10 @@ pub fn export_hf(
             reason: format!("{d} is not a float dtype"),
         });
     }
-    let report = src.check()?;
+    let report = src.check::<C>()?;
     let config_path = src.dir().join(CONFIG_FILE);
     let config = src.config_json()?;
-    let registry = for_config(&config, &config_path)?;
+    let registry = C::registry_of(&config, &config_path)?;
     let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
     let mut plan: BTreeMap<String, Planned> = BTreeMap::new();
     let mut dropped = Vec::new();
@@ -431,6 +432,3 @@ fn copy_other_files(dir: &Path, writer: &mut HfDirWriter) -> Result<(), BridgeEr
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests;

@@ -153,6 +153,10 @@ pub enum ModelError {
     /// A parameter that the model's parallel plan does not classify (or classifies twice).
     #[error(transparent)]
     Plan(#[from] crate::param_plan::PlanError),
+    /// A checkpoint-format error of moe-bridge (reading, validating or writing a checkpoint),
+    /// as the bridge reported it: its message names the file and tensor.
+    #[error(transparent)]
+    Bridge(#[from] moe_bridge::BridgeError),
 }
 
 impl ModelError {

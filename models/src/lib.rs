@@ -1,6 +1,11 @@
 //! Model definitions for burn-moe: dense Qwen3, Qwen3-MoE and DeepSeek-V3 written
 //! against Burn 0.22.1, each readable beside its HF transformers 5.23 twin.
 //!
+//! Layering: this crate sits on `moe-backend` (ops, parallel layouts, optimizers) and
+//! `moe-bridge` (checkpoint formats, which know no model); it declares each model's plan and
+//! name mapping and hands them to the formats. The `burn-moe` facade and the `moe` CLI sit on
+//! top.
+//!
 //! - [`config`]: HF `config.json` parsing with HF defaults, both accepted spellings of renamed
 //!   keys, unknown keys preserved for export, and validation errors that name the field.
 //! - [`layers`]: building blocks shared by the model families — [`layers::RmsNorm`], the dense
@@ -11,6 +16,14 @@
 //! - [`causal_lm`]: loss, HF load-balancing loss, generation, parameter counting.
 //! - [`packing`]: packed sequences (document boundaries, `cu_seqlens`) and padding masks.
 //! - [`weights`]: the [`WeightSource`] trait through which checkpoints are loaded.
+//! - [`hf`]: HF checkpoints as these models, on moe-bridge's formats: [`ModelConfig`] (the
+//!   parsed `config.json` of any family, moe-bridge's
+//!   [`ModelSchema`](moe_bridge::ModelSchema)), each family's name-mapping table and expected
+//!   HF tensors, [`load_causal_lm`] and sharded loading, and a live model's export as an HF
+//!   directory.
+//! - [`checkpoint`]: training checkpoints on moe-bridge's distributed format: where each
+//!   parameter of a rank's shard lies in the canonical tensors (from the model's parallel
+//!   plan), and saving / restoring a trainer's parameters and optimizer state.
 //! - [`distributed`]: each model's shard under any parallel layout on the ranks of a
 //!   moe-backend world (tensor and sequence parallel attention and MLPs, vocab-parallel
 //!   embedding, head and loss, expert-parallel experts behind a token dispatcher).
@@ -31,18 +44,21 @@
 //! - `testing` (feature `testing`): naive loop-based references used by the tests.
 //!
 //! Errors are one [`ModelError`] enum: config errors name the `config.json` field, tensor errors
-//! the tensor, input errors the input, layout errors the parallel degree at fault.
+//! the tensor, input errors the input, layout errors the parallel degree at fault; a format
+//! error of moe-bridge passes through unchanged ([`ModelError::Bridge`]).
 //!
 //! Tensors are `Tensor<D>` on a runtime [`burn::tensor::Device`] (e.g. `Device::flex()`); wrap
 //! the device with `.autodiff()` for training. Compute is f32 by default; bf16 checkpoints are
 //! upcast on load (models.md §7 arithmetic policy).
 
 pub mod causal_lm;
+pub mod checkpoint;
 pub mod config;
 pub mod deepseek_v3;
 pub mod distributed;
 mod error;
 pub mod export;
+pub mod hf;
 pub mod layers;
 pub mod mtp;
 pub mod packing;
@@ -53,6 +69,8 @@ pub mod qwen3_moe;
 pub mod replay;
 pub mod rl;
 pub mod rollout;
+#[cfg(test)]
+mod test_util;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;
@@ -63,6 +81,7 @@ pub use causal_lm::{CausalLm, GenerationConfig, ParamCount, Sampling, generate};
 pub use config::{DeepseekV3Config, Qwen3Config, Qwen3MoeConfig};
 pub use deepseek_v3::DeepseekV3ForCausalLM;
 pub use error::ModelError;
+pub use hf::{AnyCausalLm, ModelConfig, load_causal_lm};
 pub use qwen3::Qwen3ForCausalLM;
 pub use qwen3_moe::Qwen3MoeForCausalLM;
 pub use weights::{WeightLoader, WeightSource};

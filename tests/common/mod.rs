@@ -11,6 +11,7 @@ use burn_moe::bridge::dist::convert::export_dist_to_hf;
 use burn_moe::bridge::export::ExportOptions;
 use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::safetensors::Dtype;
+use burn_moe::models::hf::ModelConfig;
 use serde_json::Value;
 
 pub const MOE: &str = env!("CARGO_BIN_EXE_moe");
@@ -93,15 +94,15 @@ pub fn field(m: &Value, key: &str) -> f64 {
 
 /// Every parameter of the latest checkpoint under `dir`, exported to HF as F32.
 pub fn params(dir: &Path) -> BTreeMap<String, Vec<f32>> {
-    let ckpt = DistCheckpoint::open(dir.join("ckpt")).expect("checkpoint");
-    ckpt.validate().expect("valid checkpoint");
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.join("ckpt")).expect("checkpoint");
+    ckpt.validate::<ModelConfig>().expect("valid checkpoint");
     let hf = dir.join("hf");
     let _ = std::fs::remove_dir_all(&hf);
     let opts = ExportOptions {
         dtype: Some(Dtype::F32),
         ..ExportOptions::default()
     };
-    export_dist_to_hf(&ckpt, &hf, &opts).expect("export");
+    export_dist_to_hf::<ModelConfig>(&ckpt, &hf, &opts).expect("export");
     let hf = HfCheckpoint::open(&hf).expect("export opens");
     let names: Vec<String> = hf.tensor_names().map(str::to_string).collect();
     names

@@ -37,8 +37,9 @@ use crate::BridgeError;
 use crate::export::{ExportOptions, ExportSummary, default_generation_config, export_config};
 use crate::fp8::{OutDtype, scale_inv_name, scale_shape, should_dequantize};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, read_json};
-use crate::mapping::{ExpertLayout, Registry, canonical_tensors, for_config};
+use crate::mapping::{ExpertLayout, Registry, canonical_tensors};
 use crate::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan, TensorView};
+use crate::schema::ModelSchema;
 
 /// Progress of a conversion, reported after each canonical tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -332,19 +333,20 @@ impl PieceReader<'_> {
     }
 }
 
-/// Converts the HF checkpoint in `hf_dir` to a distributed checkpoint of step 0 under
-/// `layout` in `out_root` (see the module docs); returns the `iter_*` directory.
-pub fn convert_hf_to_dist(
+/// Converts the HF checkpoint in `hf_dir` (a model whose config is `C`) to a distributed
+/// checkpoint of step 0 under `layout` in `out_root` (see the module docs); returns the
+/// `iter_*` directory.
+pub fn convert_hf_to_dist<C: ModelSchema>(
     hf_dir: &Path,
     out_root: &Path,
     layout: &ParallelLayout,
 ) -> Result<PathBuf, BridgeError> {
-    convert_hf_to_dist_with(hf_dir, out_root, layout, 0, &mut |_| {})
+    convert_hf_to_dist_with::<C>(hf_dir, out_root, layout, 0, &mut |_| {})
 }
 
 /// [`convert_hf_to_dist`] with the step to record and a progress callback (FP8 weights kept
 /// in FP8).
-pub fn convert_hf_to_dist_with(
+pub fn convert_hf_to_dist_with<C: ModelSchema>(
     hf_dir: &Path,
     out_root: &Path,
     layout: &ParallelLayout,
@@ -355,18 +357,18 @@ pub fn convert_hf_to_dist_with(
         step,
         ..ConvertOptions::default()
     };
-    convert_hf_to_dist_opts(hf_dir, out_root, layout, &opts, progress)
+    convert_hf_to_dist_opts::<C>(hf_dir, out_root, layout, &opts, progress)
 }
 
 /// [`convert_hf_to_dist`] with [`ConvertOptions`] and a progress callback.
-pub fn convert_hf_to_dist_opts(
+pub fn convert_hf_to_dist_opts<C: ModelSchema>(
     hf_dir: &Path,
     out_root: &Path,
     layout: &ParallelLayout,
     opts: &ConvertOptions,
     progress: &mut dyn FnMut(&ConvertProgress),
 ) -> Result<PathBuf, BridgeError> {
-    convert_hf_to_dist_report(hf_dir, out_root, layout, opts, progress).map(|r| r.dir)
+    convert_hf_to_dist_report::<C>(hf_dir, out_root, layout, opts, progress).map(|r| r.dir)
 }
 
 /// What [`convert_hf_to_dist_report`] wrote, and what it found.
@@ -386,7 +388,7 @@ pub struct ConvertReport {
 /// ([`HfCheckpoint::check`]: typed config, unambiguous shards, every implied tensor present
 /// with its shape and a float or scaled-FP8 dtype); on failure `out_root` is left untouched.
 /// Tensors the model does not use are skipped with a warning.
-pub fn convert_hf_to_dist_report(
+pub fn convert_hf_to_dist_report<C: ModelSchema>(
     hf_dir: &Path,
     out_root: &Path,
     layout: &ParallelLayout,
@@ -395,10 +397,10 @@ pub fn convert_hf_to_dist_report(
 ) -> Result<ConvertReport, BridgeError> {
     let step = opts.step;
     let ckpt = HfCheckpoint::open(hf_dir)?;
-    let report = ckpt.check()?;
+    let report = ckpt.check::<C>()?;
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = ckpt.config_json()?;
-    let registry = for_config(&config, &config_path)?;
+    let registry = C::registry_of(&config, &config_path)?;
     let expert_layout = report.expert_layout.unwrap_or(ExpertLayout::PerExpert);
     let used = ckpt.tensor_names().filter(|n| !report.unused.contains(*n));
     let canon = canonical_tensors(&registry, used);
@@ -424,7 +426,7 @@ pub fn convert_hf_to_dist_report(
     }
     let kept_fp8 = !scales.is_empty();
     sources.extend(scales);
-    let plan = ShardingPlan::new(layout, Some(report.config.num_layers()))?;
+    let plan = ShardingPlan::new(layout, Some(report.config.num_layers()), C::shard_rule)?;
     let dequantized = !kept_fp8
         && (ckpt.tensor_names().any(crate::fp8::is_scale_inv)
             || config.get("quantization_config").is_some());
@@ -527,18 +529,19 @@ pub(crate) fn meta_num_layers(meta: &SaveMeta) -> Option<usize> {
         .and_then(|n| usize::try_from(n).ok())
 }
 
-/// Rewrites the checkpoint `ckpt` under `layout` into `out_root` (`moe reshard`): every
+/// Rewrites the checkpoint `ckpt` (of a model whose config is `C`, which gives the split of
+/// every tensor) under `layout` into `out_root` (`moe reshard`): every
 /// tensor, optimizer state included, is read one target chunk at a time from the overlapping
 /// stored chunks. Index metadata (step, optimizer, objects, FP8) and the JSON files next to
 /// the index are kept. Returns the new `iter_*` directory.
-pub fn reshard(
+pub fn reshard<C: ModelSchema>(
     ckpt: &DistCheckpoint,
     out_root: &Path,
     layout: &ParallelLayout,
 ) -> Result<PathBuf, BridgeError> {
     let index = ckpt.index();
     let meta = checkpoint_meta(ckpt, layout)?;
-    let plan = ShardingPlan::new(layout, meta_num_layers(&meta))?;
+    let plan = ShardingPlan::new(layout, meta_num_layers(&meta), C::shard_rule)?;
     let metas: Vec<TensorMeta> = index
         .tensors
         .iter()
@@ -640,20 +643,21 @@ pub(crate) fn hf_parts(
     Ok((resolved.export_dtype, parts))
 }
 
-/// Exports the model tensors of a distributed checkpoint as an HF checkpoint in `target`
+/// Exports the model tensors of a distributed checkpoint (of a model whose config is `C`) as
+/// an HF checkpoint in `target`
 /// (per-expert names; `generation_config.json` copied or defaulted; optimizer state is not
 /// exported). `opts.dtype` casts float tensors (rule overrides such as the F32 router bias win)
 /// and dequantises FP8 weights, dropping their scales and `quantization_config`; `None` keeps
 /// the stored dtypes, so FP8 weights leave as their stored bytes with `<name>_scale_inv` and the
 /// config keeps `quantization_config` (the release format, bit for bit).
-pub fn export_dist_to_hf(
+pub fn export_dist_to_hf<C: ModelSchema>(
     ckpt: &DistCheckpoint,
     target: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportSummary, BridgeError> {
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = read_json(&config_path)?;
-    let registry = for_config(&config, &config_path)?;
+    let registry = C::registry_of(&config, &config_path)?;
     let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
     let index = ckpt.index();
     let dequantize_fp8 = opts.dtype.is_some();
@@ -763,6 +767,3 @@ pub fn export_dist_to_hf(
         warnings: Vec::new(),
     })
 }
-
-#[cfg(test)]
-mod tests;

@@ -151,7 +151,7 @@ fn misalignment(offsets: &[usize], shape: &[usize], grid: &BlockGrid) -> Option<
 
 /// The FP8 chunks a rank saves for its FP8 primary weight `w` placed at `pl`: the codes in
 /// canonical order (the box of the weight) and the scale box with its values.
-pub(crate) fn fp8_chunks(
+pub fn fp8_chunks(
     pl: &ParamPlacement,
     w: &Fp8Weight,
 ) -> Result<(Vec<u8>, TensorBox, Vec<f32>), BridgeError> {
@@ -180,7 +180,7 @@ pub(crate) fn fp8_chunks(
 /// Whether every rank's box of FP8 parameter `fqn` (global shape `global`) under `plan` maps
 /// onto whole blocks of `grid`'s size, so the stored FP8 bytes and scales can be adopted as
 /// they are. Independent of the calling rank, so all ranks decide alike.
-pub(crate) fn every_box_aligned(
+pub fn every_box_aligned(
     plan: &ShardingPlan,
     fqn: &str,
     global: &[usize],
@@ -199,7 +199,7 @@ pub(crate) fn every_box_aligned(
 /// The FP8 weight of a rank's parameter at `pl` (blocked like `grid`) as stored in `ckpt`:
 /// the codes of its box in storage order and the scales of the box's blocks. `None` when the
 /// checkpoint does not store the tensor in FP8 with `grid`'s block size.
-pub(crate) fn read_fp8_weight(
+pub fn read_fp8_weight(
     ckpt: &DistCheckpoint,
     pl: &ParamPlacement,
     grid: BlockGrid,

@@ -20,6 +20,7 @@ use super::region::{TensorBox, copy_box};
 use super::validate::{validate_config, validate_files, validate_index};
 use crate::BridgeError;
 use crate::safetensors::{Dtype, OwnedTensor, SafetensorsFile};
+use crate::schema::ModelSchema;
 
 /// Resolves `path` (a checkpoint root with `latest`, or an `iter_*` directory) to a complete
 /// checkpoint directory, refusing partial saves with [`BridgeError::NotACheckpoint`].
@@ -89,13 +90,14 @@ pub struct DistCheckpoint {
 
 impl DistCheckpoint {
     /// Opens `path` (see [`resolve_checkpoint_dir`]) and validates the index (§8 coverage,
-    /// FP8 scales) and its agreement with the directory's `config.json`, when there is one
-    /// ([`validate_config`]); chunk files are opened on first read.
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, BridgeError> {
+    /// FP8 scales) and its agreement with the directory's `config.json`, when there is one,
+    /// read as the model config `C` ([`validate_config`]); chunk files are opened on first
+    /// read.
+    pub fn open<C: ModelSchema>(path: impl AsRef<Path>) -> Result<Self, BridgeError> {
         let dir = resolve_checkpoint_dir(path.as_ref())?;
         let index = DcpIndex::read(&dir.join(INDEX_FILE))?;
         validate_index(&dir, &index)?;
-        validate_config(&dir, &index)?;
+        validate_config::<C>(&dir, &index)?;
         let files = index
             .tensors
             .values()
@@ -133,13 +135,13 @@ impl DistCheckpoint {
     }
 
     /// Full offline validation (`moe validate`): index coverage, the index against
-    /// `config.json`, every chunk file's header against the index, and the `train_state`
-    /// object.
-    pub fn validate(&self) -> Result<(), BridgeError> {
+    /// `config.json` (read as the model config `C`), every chunk file's header against the
+    /// index, and the `train_state` object.
+    pub fn validate<C: ModelSchema>(&self) -> Result<(), BridgeError> {
         validate_index(&self.dir, &self.index)?;
-        validate_config(&self.dir, &self.index)?;
+        validate_config::<C>(&self.dir, &self.index)?;
         validate_files(&self.dir, &self.index)?;
-        super::train_state::read_train_state(self).map(|_| ())
+        super::train_record::read_train_state(self).map(|_| ())
     }
 
     /// Chunk file `name`, mapped (and its DCP metadata parsed) on first use.

@@ -3,8 +3,8 @@
 //!
 //! - [`index`]: the `moe_dcp.index.json` schema and the per-file DCP `__metadata__`.
 //! - [`sharding`]: the box each rank holds of each canonical tensor under a
-//!   [`ParallelLayout`](moe_backend::parallel::ParallelLayout), and which copy is the main
-//!   replica that writes it.
+//!   [`ParallelLayout`](moe_backend::parallel::ParallelLayout), given the model's split rule
+//!   ([`ShardRule`]), and which copy is the main replica that writes it.
 //! - [`region`]: boxes, strided copies and DistOpt flat-range decomposition.
 //! - [`save`]: the SPMD save every rank calls ([`save::save_spmd`]) and the offline writer for
 //!   conversion ([`save::OfflineWriter`]); the commit is atomic ([`commit`]).
@@ -14,10 +14,12 @@
 //! - [`convert`]: streaming HF → distributed conversion and distributed → HF export.
 //! - [`fp8`]: FP8 weights kept as bytes plus `<fqn>_scale_inv` block scales, and their
 //!   dequantisation on read.
-//! - [`placement`]: where each parameter of a rank's model shard lies in the canonical tensors.
-//! - [`train_state`]: training checkpoints — parameters, ZeRO-1 optimizer state
-//!   (`optim.<state>.<fqn>`) and [`TrainState`] — saved by every rank and restored under any
-//!   layout.
+//! - [`train_record`]: the training state object ([`TrainState`]) of a training checkpoint.
+//!
+//! The bridge knows no model: what it must know of one (its config, name-mapping rules,
+//! expected tensors, split rule) it is handed as a [`ModelSchema`](crate::schema::ModelSchema).
+//! Where a model shard's parameters lie in the canonical tensors, and saving and restoring a
+//! trainer's parameters and optimizer state, are moe-models' (`moe_models::checkpoint`).
 //!
 //! Layout on disk: `<root>/iter_{step:07}/{moe_dcp.index.json, config.json, .complete,
 //! shard-{rank:05}-model-{j:05}-of-{n:05}.safetensors}` and `<root>/latest`.
@@ -28,7 +30,6 @@ mod files;
 pub mod fp8;
 pub mod index;
 pub mod load;
-pub mod placement;
 pub mod region;
 pub mod save;
 pub mod sharding;
@@ -36,17 +37,13 @@ pub mod sharding;
 pub(crate) mod testing;
 #[cfg(test)]
 mod tests;
-pub mod train_state;
+pub mod train_record;
 pub mod validate;
 
 pub use files::{SavedChunk, TensorMeta};
 pub use index::{DcpIndex, TensorEntry, TensorKind};
 pub use load::DistCheckpoint;
-pub use placement::PlacedModel;
 pub use region::TensorBox;
 pub use save::{LocalChunk, OfflineWriter, SaveMeta, save_offline, save_spmd};
-pub use sharding::{RankShard, ShardRule, ShardingPlan};
-pub use train_state::{
-    TrainState, load_model_state, load_optimizer_state, read_train_state, restore_trainer,
-    save_trainer, save_training_state,
-};
+pub use sharding::{RankShard, ShardRule, ShardRuleFn, ShardingPlan};
+pub use train_record::{TRAIN_STATE_OBJECT, TrainState, read_train_state};

@@ -2,6 +2,11 @@
 //! that copy is the main replica that writes it (checkpoints.md §3 sharding table, §6 writer
 //! rules).
 //!
+//! How each tensor is split ([`ShardRule`]) is the models' knowledge: a [`ShardingPlan`] is
+//! built with the split rule of the model it places ([`ShardRuleFn`]; moe-models'
+//! `distributed::shard_rule`, read from the models' parallel plans). For the built-in models
+//! that table is:
+//!
 //! | tensor | split |
 //! |---|---|
 //! | `embed_tokens`, `lm_head`, `q/k/v_proj` (+ biases; DeepSeek's `q_proj` when `q_lora_rank` is unset), `q_b_proj`, `kv_b_proj`, dense `gate_proj`/`up_proj` | TP dim 0 |
@@ -24,9 +29,27 @@ use moe_backend::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGrou
 use super::region::TensorBox;
 use crate::BridgeError;
 
-/// How a canonical tensor is split: the models' table ([`moe_models::distributed::shard_rule`]),
-/// shared with the weight sync.
-pub use moe_models::distributed::ShardRule;
+/// How a canonical tensor is split over the ranks of one pipeline stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardRule {
+    /// Every rank of the owning stage holds the whole tensor.
+    Replicated,
+    /// Split over dense TP along `dim`.
+    Tp {
+        /// The split dimension.
+        dim: usize,
+    },
+    /// Routed experts: dim 0 split over EP, `etp_dim` over expert TP.
+    Expert {
+        /// The dimension split over ETP.
+        etp_dim: usize,
+    },
+}
+
+/// The split of a canonical parameter (or buffer) by name: the model's table (moe-models'
+/// `distributed::shard_rule` for the built-in models). Optimizer-state names reach it as the
+/// name of their parameter ([`param_fqn`]).
+pub type ShardRuleFn = fn(&str) -> ShardRule;
 
 /// Prefixes of optimizer-state fqns (`optim.<state>.<param fqn>`).
 pub const OPTIM_STATES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
@@ -41,12 +64,6 @@ pub fn param_fqn(fqn: &str) -> &str {
         }
     }
     fqn
-}
-
-/// The split of canonical tensor (or optimizer state) `fqn` (see the module table): the rule
-/// of its parameter in [`moe_models::distributed::shard_rule`].
-pub fn shard_rule(fqn: &str) -> ShardRule {
-    moe_models::distributed::shard_rule(param_fqn(fqn))
 }
 
 /// The box one rank holds and whether it writes it.
@@ -64,12 +81,17 @@ pub struct ShardingPlan {
     layout: ParallelLayout,
     ranks: Vec<ProcessGroups>,
     num_layers: Option<usize>,
+    rule: ShardRuleFn,
 }
 
 impl ShardingPlan {
-    /// The plan for `layout`; `num_layers` (the config's `num_hidden_layers`) is required when
-    /// `pp > 1` to assign layers to stages.
-    pub fn new(layout: &ParallelLayout, num_layers: Option<usize>) -> Result<Self, BridgeError> {
+    /// The plan for `layout` of a model whose tensors `rule` splits; `num_layers` (the
+    /// config's `num_hidden_layers`) is required when `pp > 1` to assign layers to stages.
+    pub fn new(
+        layout: &ParallelLayout,
+        num_layers: Option<usize>,
+        rule: ShardRuleFn,
+    ) -> Result<Self, BridgeError> {
         let fail = |reason: String| BridgeError::Sharding {
             tensor: String::new(),
             reason,
@@ -89,7 +111,14 @@ impl ShardingPlan {
             layout: layout.clone(),
             ranks,
             num_layers,
+            rule,
         })
+    }
+
+    /// The split of canonical tensor (or optimizer state) `fqn`: the plan's rule for its
+    /// parameter ([`param_fqn`]).
+    pub fn rule_of(&self, fqn: &str) -> ShardRule {
+        (self.rule)(param_fqn(fqn))
     }
 
     /// The layout.
@@ -129,12 +158,12 @@ impl ShardingPlan {
         global_shape: &[usize],
         rank: usize,
     ) -> Result<Option<RankShard>, BridgeError> {
-        self.rank_shard_by(fqn, global_shape, rank, shard_rule(fqn))
+        self.rank_shard_by(fqn, global_shape, rank, self.rule_of(fqn))
     }
 
     /// [`rank_shard`](Self::rank_shard) with the split `rule` given by the caller (a model's
-    /// parallel plan) instead of read from the name: how a model whose tensor names the
-    /// built-in plans do not know (a user's own model) is placed.
+    /// parallel plan) instead of the plan's rule for the name: how a model whose tensor names
+    /// the plan's rule does not know (a user's own model) is placed.
     pub fn rank_shard_by(
         &self,
         fqn: &str,
@@ -213,81 +242,30 @@ impl ShardingPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::testing::{SplitMix, random_layout, tiny_moe_tensors};
+    use crate::dist::testing::{SplitMix, random_layout, tiny_moe_tensors, tiny_rule};
     use crate::dist::validate::check_tiling;
 
     #[test]
-    fn rules_follow_the_table() {
-        use ShardRule::*;
-        for (name, rule) in [
-            ("model.embed_tokens.weight", Tp { dim: 0 }),
-            ("lm_head.weight", Tp { dim: 0 }),
-            ("model.layers.0.self_attn.q_proj.weight", Tp { dim: 0 }),
-            ("model.layers.0.self_attn.kv_b_proj.weight", Tp { dim: 0 }),
-            ("model.layers.0.self_attn.q_a_proj.weight", Replicated),
-            (
-                "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
-                Replicated,
-            ),
-            ("model.layers.0.self_attn.o_proj.weight", Tp { dim: 1 }),
-            ("model.layers.0.self_attn.q_a_layernorm.weight", Replicated),
-            ("model.layers.0.self_attn.kv_a_layernorm.weight", Replicated),
-            ("model.layers.0.self_attn.q_b_proj.weight", Tp { dim: 0 }),
-            ("model.layers.0.self_attn.o_proj.bias", Replicated),
-            (
-                "model.layers.0.mlp.shared_experts.gate_proj.weight",
-                Replicated,
-            ),
-            (
-                "model.layers.0.mlp.shared_experts.up_proj.weight",
-                Replicated,
-            ),
-            (
-                "model.layers.0.mlp.shared_experts.down_proj.weight",
-                Replicated,
-            ),
-            // MTP module 0 of a 3-layer model is layer 3.
-            ("model.layers.3.enorm.weight", Replicated),
-            ("model.layers.3.hnorm.weight", Replicated),
-            ("model.layers.3.eh_proj.weight", Replicated),
-            ("model.layers.3.shared_head.norm.weight", Replicated),
-            ("model.layers.3.self_attn.kv_b_proj.weight", Tp { dim: 0 }),
-            ("model.layers.3.self_attn.o_proj.weight", Tp { dim: 1 }),
-            (
-                "model.layers.3.mlp.experts.gate_up_proj",
-                Expert { etp_dim: 2 },
-            ),
-            ("model.layers.0.mlp.down_proj.weight", Tp { dim: 1 }),
-            (
-                "model.layers.1.mlp.experts.gate_up_proj",
-                Expert { etp_dim: 2 },
-            ),
-            (
-                "optim.exp_avg.model.layers.1.mlp.experts.down_proj",
-                Expert { etp_dim: 2 },
-            ),
-            (
-                "optim.master.model.layers.0.mlp.up_proj.weight",
-                Tp { dim: 0 },
-            ),
-            ("model.layers.1.mlp.gate.weight", Replicated),
-            (
-                "model.layers.1.mlp.gate.e_score_correction_bias",
-                Replicated,
-            ),
-            ("model.layers.1.input_layernorm.weight", Replicated),
-        ] {
-            assert_eq!(shard_rule(name), rule, "{name}");
-        }
+    fn optimizer_states_take_their_parameters_rule() {
         assert_eq!(param_fqn("optim.exp_avg_sq.a.b"), "a.b");
         assert_eq!(param_fqn("optim.other.a"), "optim.other.a");
+        let layout = ParallelLayout::parse(1, "").unwrap();
+        let plan = ShardingPlan::new(&layout, None, tiny_rule).unwrap();
+        assert_eq!(
+            plan.rule_of("optim.master.model.layers.0.mlp.up_proj.weight"),
+            ShardRule::Tp { dim: 0 }
+        );
+        assert_eq!(
+            plan.rule_of("optim.other.lm_head.weight"),
+            ShardRule::Replicated
+        );
     }
 
     #[test]
     fn expert_boxes_follow_ep_and_etp_ranks() {
         // world 8, etp 2, ep 2, edp 2 (parallelism.md §4 vectors): ep [[0,2],[1,3],..].
         let layout = ParallelLayout::parse(8, "tp=2,etp=2,ep=2").unwrap();
-        let plan = ShardingPlan::new(&layout, None).unwrap();
+        let plan = ShardingPlan::new(&layout, None, tiny_rule).unwrap();
         let shape = [8, 2, 32, 64];
         let fqn = "model.layers.1.mlp.experts.gate_up_proj";
         let r2 = plan.rank_shard(fqn, &shape, 2).unwrap().unwrap();
@@ -312,8 +290,8 @@ mod tests {
     #[test]
     fn pipeline_stages_own_their_layers() {
         let layout = ParallelLayout::parse(4, "pp=2,tp=2").unwrap();
-        assert!(ShardingPlan::new(&layout, None).is_err());
-        let plan = ShardingPlan::new(&layout, Some(4)).unwrap();
+        assert!(ShardingPlan::new(&layout, None, tiny_rule).is_err());
+        let plan = ShardingPlan::new(&layout, Some(4), tiny_rule).unwrap();
         assert_eq!(plan.stage_of("model.embed_tokens.weight"), 0);
         assert_eq!(plan.stage_of("model.layers.1.mlp.gate.weight"), 0);
         assert_eq!(plan.stage_of("model.layers.2.mlp.gate.weight"), 1);
@@ -329,7 +307,7 @@ mod tests {
     fn mtp_layers_beyond_num_layers_are_placed_without_pipeline() {
         // MTP module 0 of a 2-layer model is layer 2: every rank of a pp = 1 plan holds it.
         let layout = ParallelLayout::parse(4, "tp=2,ep=2").unwrap();
-        let plan = ShardingPlan::new(&layout, Some(2)).unwrap();
+        let plan = ShardingPlan::new(&layout, Some(2), tiny_rule).unwrap();
         for (fqn, shape) in [
             ("model.layers.2.eh_proj.weight", vec![16, 32]),
             ("model.layers.2.self_attn.q_b_proj.weight", vec![16, 8]),
@@ -355,7 +333,7 @@ mod tests {
         let tensors = tiny_moe_tensors();
         for _ in 0..60 {
             let layout = random_layout(&mut rng, 8);
-            let plan = ShardingPlan::new(&layout, Some(3)).unwrap();
+            let plan = ShardingPlan::new(&layout, Some(3), tiny_rule).unwrap();
             for t in &tensors {
                 let boxes: Vec<TensorBox> = plan
                     .main_boxes(&t.fqn, &t.global_shape)

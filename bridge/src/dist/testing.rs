@@ -6,7 +6,11 @@ pub use moe_backend::testing::SplitMix;
 
 use super::files::TensorMeta;
 use super::index::TensorKind;
+use super::sharding::ShardRule;
+use crate::BridgeError;
+use crate::mapping::{ExpectedTable, ExpertLayout, Registry};
 use crate::safetensors::Dtype;
+use crate::schema::ModelSchema;
 
 /// Power-of-two divisors of `n` (the tiny model's split dims are multiples of 8).
 fn divisors(n: usize) -> Vec<usize> {
@@ -147,4 +151,79 @@ pub fn synthetic_bytes(meta: &TensorMeta) -> Vec<u8> {
     });
     let mut rng = SplitMix::new(seed);
     (0..n).map(|_| rng.next_u64() as u8).collect()
+}
+
+/// The split of the tiny model's tensors (the models' table for these names: TP rows of the
+/// embedding, head, `q/k/v_proj`, `q_b_proj`, `kv_b_proj` and dense `gate/up_proj`, TP columns
+/// of `o_proj` and dense `down_proj`, EP × ETP of the routed experts, the rest replicated).
+pub fn tiny_rule(name: &str) -> ShardRule {
+    const ROWS: [&str; 7] = [
+        ".q_proj.weight",
+        ".k_proj.weight",
+        ".v_proj.weight",
+        ".q_b_proj.weight",
+        ".kv_b_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+    ];
+    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+        ShardRule::Tp { dim: 0 }
+    } else if name.contains(".shared_experts.") {
+        ShardRule::Replicated
+    } else if name.contains(".mlp.experts.") {
+        ShardRule::Expert { etp_dim: 2 }
+    } else if ROWS.iter().any(|s| name.ends_with(s)) {
+        ShardRule::Tp { dim: 0 }
+    } else if name.ends_with(".o_proj.weight") || name.ends_with("mlp.down_proj.weight") {
+        ShardRule::Tp { dim: 1 }
+    } else {
+        ShardRule::Replicated
+    }
+}
+
+/// The tiny model as a [`ModelSchema`]: split by [`tiny_rule`]; it has no `config.json` (the
+/// format tests write none), so parsing one is an error.
+#[derive(Debug, Clone)]
+pub struct TinyModel;
+
+impl TinyModel {
+    /// What reading a `config.json` as the tiny model gives.
+    fn no_config(path: &std::path::Path) -> BridgeError {
+        BridgeError::UnknownModelType {
+            path: path.to_path_buf(),
+            model_type: "tiny".to_owned(),
+            known: String::new(),
+        }
+    }
+}
+
+impl ModelSchema for TinyModel {
+    fn from_config(_: &serde_json::Value, path: &std::path::Path) -> Result<Self, BridgeError> {
+        Err(Self::no_config(path))
+    }
+
+    fn registry_of(_: &serde_json::Value, path: &std::path::Path) -> Result<Registry, BridgeError> {
+        Err(Self::no_config(path))
+    }
+
+    fn shard_rule(name: &str) -> ShardRule {
+        tiny_rule(name)
+    }
+
+    fn model_type(&self) -> &str {
+        "tiny"
+    }
+
+    fn num_layers(&self) -> usize {
+        TINY_LAYERS
+    }
+
+    fn expected_hf_tensors(
+        &self,
+        _: ExpertLayout,
+        _: &std::path::Path,
+        _: [usize; 2],
+    ) -> Result<ExpectedTable, BridgeError> {
+        Ok(ExpectedTable::new())
+    }
 }

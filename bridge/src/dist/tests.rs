@@ -9,8 +9,8 @@ use moe_backend::parallel::ParallelLayout;
 
 use super::index::{INDEX_FILE, LATEST_FILE};
 use super::testing::{
-    SplitMix, TINY_LAYERS, random_layout, synthetic_bytes, tiny_moe_tensors,
-    tiny_moe_with_optimizer,
+    SplitMix, TINY_LAYERS, TinyModel, random_layout, synthetic_bytes, tiny_moe_tensors,
+    tiny_moe_with_optimizer, tiny_rule,
 };
 use super::*;
 use crate::BridgeError;
@@ -43,7 +43,7 @@ fn slice(meta: &TensorMeta, bytes: &[u8], b: &TensorBox) -> OwnedTensor {
 
 /// Every rank of `layout` loads its box of every tensor and compares with the source.
 fn check_reload(ckpt: &DistCheckpoint, layout: &ParallelLayout, tensors: &[(TensorMeta, Vec<u8>)]) {
-    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS)).unwrap();
+    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS), tiny_rule).unwrap();
     for (meta, bytes) in tensors {
         for rank in 0..layout.world {
             let Some(shard) = plan
@@ -79,14 +79,14 @@ fn random_layout_pairs_reload_bit_exactly() {
     for pair in 0..104 {
         let save_layout = random_layout(&mut rng, 8);
         let load_layout = random_layout(&mut rng, 8);
-        let plan = ShardingPlan::new(&save_layout, Some(TINY_LAYERS)).unwrap();
+        let plan = ShardingPlan::new(&save_layout, Some(TINY_LAYERS), tiny_rule).unwrap();
         let root = dir.join(&format!("pair{pair}"));
         let meta = SaveMeta::new(pair, &save_layout);
         let saved = save_offline(&root, meta, &plan, &views).unwrap();
-        let ckpt = DistCheckpoint::open(&root).unwrap();
+        let ckpt = DistCheckpoint::open::<TinyModel>(&root).unwrap();
         assert_eq!(ckpt.dir(), saved);
         if pair % 16 == 0 {
-            ckpt.validate().unwrap();
+            ckpt.validate::<TinyModel>().unwrap();
         }
         check_reload(&ckpt, &load_layout, &tensors);
         std::fs::remove_dir_all(&root).unwrap();
@@ -132,8 +132,8 @@ fn optimizer_flat_ranges_save_as_several_files_and_reshard() {
             .any(|n| n.starts_with("shard-00001-model-00002-of-")),
         "{names:?}"
     );
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
-    ckpt.validate().unwrap();
+    let ckpt = DistCheckpoint::open::<TinyModel>(dir.path()).unwrap();
+    ckpt.validate::<TinyModel>().unwrap();
     check_reload(
         &ckpt,
         &ParallelLayout::parse(4, "tp=2,ep=2,etp=2").unwrap(),
@@ -168,7 +168,7 @@ fn spmd_save(
     tensors: &[(TensorMeta, Vec<u8>)],
     fail_rank: Option<usize>,
 ) -> Vec<Result<std::path::PathBuf, BackendError>> {
-    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS)).unwrap();
+    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS), tiny_rule).unwrap();
     World::run(layout.world, |ctx| {
         let comm = ctx.world()?;
         let owned = local_chunks(&plan, ctx.rank(), tensors);
@@ -214,13 +214,13 @@ fn spmd_save_on_four_ranks_reloads_under_other_layouts() {
     let results = spmd_save(dir.path(), &layout, 3, &tensors, None);
     let dirs: Vec<_> = results.into_iter().map(Result::unwrap).collect();
     assert!(dirs.iter().all(|d| d == &dir.join("iter_0000003")));
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
-    ckpt.validate().unwrap();
+    let ckpt = DistCheckpoint::open::<TinyModel>(dir.path()).unwrap();
+    ckpt.validate::<TinyModel>().unwrap();
     assert_eq!(ckpt.index().objects["data_position"], 30);
     assert_eq!(ckpt.index().layout.ep, 4);
     // Load on an in-process world of 4 ranks under EP2 × ETP2, each rank its own boxes.
     let load_layout = ParallelLayout::parse(4, "tp=4,ep=2,etp=2").unwrap();
-    let plan = ShardingPlan::new(&load_layout, Some(TINY_LAYERS)).unwrap();
+    let plan = ShardingPlan::new(&load_layout, Some(TINY_LAYERS), tiny_rule).unwrap();
     let results = World::run(4, |ctx| {
         for (meta, bytes) in &tensors {
             let shard = plan
@@ -255,14 +255,14 @@ fn aborted_saves_leave_the_previous_checkpoint_loadable() {
             results.iter().all(Result::is_err),
             "step {step}: {results:?}"
         );
-        let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+        let ckpt = DistCheckpoint::open::<TinyModel>(dir.path()).unwrap();
         assert_eq!(ckpt.index().step, 1);
         assert!(!dir.join(&format!("iter_{step:07}")).exists());
     }
     let latest = std::fs::read_to_string(dir.join(LATEST_FILE)).unwrap();
     assert_eq!(latest.trim(), "iter_0000001");
     // A save killed before its commit leaves a .tmp-* directory, refused by name.
-    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS)).unwrap();
+    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule).unwrap();
     let metas: Vec<TensorMeta> = tensors.iter().map(|(m, _)| m.clone()).collect();
     let mut writer =
         OfflineWriter::create(dir.path(), SaveMeta::new(9, &layout), &plan, &metas).unwrap();
@@ -272,10 +272,16 @@ fn aborted_saves_leave_the_previous_checkpoint_loadable() {
         .unwrap();
     let tmp = writer.tmp_dir().to_path_buf();
     std::mem::forget(writer); // like a killed process: no cleanup
-    let err = DistCheckpoint::open(&tmp).unwrap_err();
+    let err = DistCheckpoint::open::<TinyModel>(&tmp).unwrap_err();
     assert!(matches!(err, BridgeError::NotACheckpoint { .. }));
     assert!(err.to_string().contains(".tmp-"), "{err}");
-    assert_eq!(DistCheckpoint::open(dir.path()).unwrap().index().step, 1);
+    assert_eq!(
+        DistCheckpoint::open::<TinyModel>(dir.path())
+            .unwrap()
+            .index()
+            .step,
+        1
+    );
     // A directory with files and index but no .complete is refused too.
     let fake = dir.join("iter_0000009");
     std::fs::create_dir(&fake).unwrap();
@@ -284,9 +290,9 @@ fn aborted_saves_leave_the_previous_checkpoint_loadable() {
         fake.join(INDEX_FILE),
     )
     .unwrap();
-    let err = DistCheckpoint::open(&fake).unwrap_err();
+    let err = DistCheckpoint::open::<TinyModel>(&fake).unwrap_err();
     assert!(err.to_string().contains(".complete"), "{err}");
-    let err = DistCheckpoint::open(dir.join("nothing")).unwrap_err();
+    let err = DistCheckpoint::open::<TinyModel>(dir.join("nothing")).unwrap_err();
     assert!(matches!(err, BridgeError::NotACheckpoint { .. }));
 }
 
@@ -299,22 +305,22 @@ fn corrupt_or_truncated_chunk_files_are_named() {
         .collect();
     let dir = TempDir::new("dist-corrupt");
     let layout = ParallelLayout::parse(2, "tp=2").unwrap();
-    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS)).unwrap();
+    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule).unwrap();
     let saved = save_offline(dir.path(), SaveMeta::new(1, &layout), &plan, &views).unwrap();
     let file = saved.join("shard-00001-model-00001-of-00001.safetensors");
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() - 10]).unwrap();
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    let ckpt = DistCheckpoint::open::<TinyModel>(dir.path()).unwrap();
     let err = ckpt.read_tensor("lm_head.weight").unwrap_err();
     assert!(
         err.to_string().contains("shard-00001-model-00001-of-00001"),
         "{err}"
     );
-    let err = ckpt.validate().unwrap_err();
+    let err = ckpt.validate::<TinyModel>().unwrap_err();
     assert!(err.to_string().contains("shard-00001"), "{err}");
     // Header garbage.
     std::fs::write(&file, b"\xff\xff\xff\xff\x00\x00\x00\x00garbage").unwrap();
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    let ckpt = DistCheckpoint::open::<TinyModel>(dir.path()).unwrap();
     let err = ckpt.read_tensor("lm_head.weight").unwrap_err();
     assert!(err.to_string().contains("shard-00001-model-00001"), "{err}");
     // Missing keys and mismatched models.
@@ -358,6 +364,6 @@ fn corrupt_or_truncated_chunk_files_are_named() {
         .chunks
         .pop();
     std::fs::write(&index_path, index.to_json(&index_path).unwrap()).unwrap();
-    let err = DistCheckpoint::open(dir.path()).unwrap_err();
+    let err = DistCheckpoint::open::<TinyModel>(dir.path()).unwrap_err();
     assert!(matches!(err, BridgeError::Coverage { .. }), "{err}");
 }

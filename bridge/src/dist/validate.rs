@@ -16,9 +16,9 @@ use super::region::TensorBox;
 use crate::BridgeError;
 use crate::fp8::DEFAULT_BLOCK_SIZE;
 use crate::hf::{CONFIG_FILE, read_json};
-use crate::mapping::{ExpertLayout, expected_hf_tensors, for_model_type};
+use crate::mapping::ExpertLayout;
 use crate::safetensors::read_header;
-use crate::weights::ModelConfig;
+use crate::schema::ModelSchema;
 
 /// Checks that `boxes` tile a tensor of `global` shape exactly once; the reason otherwise.
 pub fn check_tiling(boxes: &[TensorBox], global: &[usize]) -> Result<(), String> {
@@ -113,19 +113,20 @@ pub fn validate_index(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
     Ok(())
 }
 
-/// The index against the `config.json` of checkpoint directory `dir` (nothing to check
-/// without one): the config is valid and of the index's `model_family`, every stored
+/// The index against the `config.json` of checkpoint directory `dir`, read as the model
+/// config `C` (nothing to check without one): the config is valid and of the index's
+/// `model_family`, every stored
 /// parameter and buffer is a tensor of that model with the shape the config implies (as HF
 /// tensors, per expert), and every tensor the model requires is stored. What a checkpoint whose
 /// `config.json` (or index) belongs to another model fails.
-pub fn validate_config(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
+pub fn validate_config<C: ModelSchema>(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
     let config_path = dir.join(CONFIG_FILE);
     if !config_path.is_file() {
         return Ok(());
     }
     let index_path = dir.join(INDEX_FILE);
     let json = read_json(&config_path)?;
-    let config = ModelConfig::from_json(&json, &config_path)?;
+    let config = C::from_config(&json, &config_path)?;
     if let Some(family) = &index.model_family
         && family != config.model_type()
     {
@@ -139,12 +140,12 @@ pub fn validate_config(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> 
             ),
         });
     }
-    let registry = for_model_type(config.model_type(), &config_path)?;
+    let registry = C::registry_of(&json, &config_path)?;
     let block = index
         .fp8
         .as_ref()
         .map_or(DEFAULT_BLOCK_SIZE, |r| r.weight_block_size);
-    let expected = expected_hf_tensors(&config, ExpertLayout::PerExpert, &config_path, block)?;
+    let expected = config.expected_hf_tensors(ExpertLayout::PerExpert, &config_path, block)?;
     let tied = json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
     let mut stored = BTreeSet::new();
     for (fqn, entry) in &index.tensors {

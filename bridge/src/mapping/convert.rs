@@ -270,6 +270,3 @@ pub fn canonical_to_hf(
         })
         .collect()
 }
-
-#[cfg(test)]
-mod tests;

@@ -9,27 +9,25 @@
 //! - [`LoadReport`]: missing / unexpected / mismatched / duplicate tensors; strict or not.
 //! - Conversion: [`read_canonical`] stacks per-expert HF tensors (through the FP8 hook),
 //!   [`read_canonical_experts`] reads one EP rank's experts, [`canonical_to_hf`] splits for export.
-//! - Tables for [`qwen3`], [`qwen3_moe`] and [`deepseek_v3`] ([`for_model_type`]).
 //! - The HF tensors (names, shapes, FP8 scale companions) a config implies
-//!   ([`expected_hf_tensors`]), the shape source of checkpoint validation.
+//!   ([`ExpectedTable`], built with the checked [`ExpectedBuilder`]), the shape source of
+//!   checkpoint validation.
+//!
+//! The per-model tables (rules and expected tensors of Qwen3, Qwen3-MoE and DeepSeek-V3) are
+//! moe-models'; the formats receive them through a [`ModelSchema`](crate::schema::ModelSchema).
 //!
 //! The FP8 load hook (dequantising each HF tensor read by a rule) is
 //! [`HfCheckpoint::read_dequantized`](crate::hf::HfCheckpoint::read_dequantized).
 
 mod convert;
 mod expected;
-mod models;
 mod pattern;
 mod registry;
 mod report;
 mod rule;
 
 pub use convert::{canonical_tensors, canonical_to_hf, read_canonical, read_canonical_experts};
-pub use expected::{
-    ExpectedHf, ExpectedTable, HfRole, MAX_ELEMENTS, MAX_TENSORS, deepseek_v3_expected,
-    expected_hf_tensors, qwen3_expected, qwen3_moe_expected,
-};
-pub use models::{KNOWN_MODEL_TYPES, deepseek_v3, for_config, for_model_type, qwen3, qwen3_moe};
+pub use expected::{ExpectedBuilder, ExpectedHf, ExpectedTable, HfRole, MAX_ELEMENTS, MAX_TENSORS};
 pub use pattern::{CaptureKind, Captures, Pattern};
 pub use registry::{ExpertLayout, Registry};
 pub use report::{ExpectedTensor, LoadReport, Mismatch};

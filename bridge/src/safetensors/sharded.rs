@@ -300,7 +300,7 @@ impl Drop for HfDirWriter {
 /// `target` is refused with [`BridgeError::TargetExists`] unless `overwrite`; with it, the old
 /// target is first moved aside and put back if the rename fails. The directory-level
 /// counterpart of [`moe_backend::fs::write_atomic`], shared with the live export.
-pub(crate) fn commit_dir(tmp: &Path, target: &Path, overwrite: bool) -> Result<(), BridgeError> {
+pub fn commit_dir(tmp: &Path, target: &Path, overwrite: bool) -> Result<(), BridgeError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| BridgeError::Io { path, source }

@@ -125,7 +125,7 @@ pub(crate) type PlannedHeader = (Vec<u8>, Vec<(usize, usize)>);
 /// each entry's `[begin, end)` data range. The one header encoder of the crate: single files,
 /// HF shards, live exports and distributed-checkpoint chunk files all use it. `path` names the
 /// output in errors.
-pub(crate) fn planned_header<'n>(
+pub fn planned_header<'n>(
     metadata: &BTreeMap<String, String>,
     entries: impl IntoIterator<Item = (&'n str, super::Dtype, Vec<usize>, usize)>,
     path: &Path,

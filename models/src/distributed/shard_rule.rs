@@ -1,7 +1,8 @@
 //! Which dimension of each canonical tensor the sharded models split (checkpoints.md §3),
-//! by canonical name: the rule the distributed checkpoint (moe-bridge's `dist::sharding`,
-//! which re-exports it) and the weight sync ([`crate::weight_sync`]) read when they have a
-//! tensor name but no model.
+//! by canonical name: the rule the distributed checkpoint (handed to moe-bridge's
+//! `dist::ShardingPlan`, and through [`ModelConfig`](crate::hf::ModelConfig)'s
+//! `ModelSchema::shard_rule` to its conversions) and the weight sync ([`crate::weight_sync`])
+//! read when they have a tensor name but no model.
 //!
 //! The rules are the models' parallel plans ([`crate::param_plan`]) read backwards: a name
 //! takes the split of the plan entry whose HF template it matches (a `{…}` placeholder matches
@@ -16,22 +17,9 @@ use std::sync::OnceLock;
 
 use crate::param_plan::{deepseek_v3_plan, qwen3_moe_plan, qwen3_plan};
 
-/// How a canonical tensor is split over the ranks of one pipeline stage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShardRule {
-    /// Every rank of the owning stage holds the whole tensor.
-    Replicated,
-    /// Split over dense TP along `dim`.
-    Tp {
-        /// The split dimension.
-        dim: usize,
-    },
-    /// Routed experts: dim 0 split over EP, `etp_dim` over expert TP.
-    Expert {
-        /// The dimension split over ETP.
-        etp_dim: usize,
-    },
-}
+/// How a canonical tensor is split over the ranks of one pipeline stage: moe-bridge's plain
+/// data type, which the distributed checkpoint's resharding takes as its input.
+pub use moe_bridge::dist::ShardRule;
 
 /// One HF template of a plan as segments (`None`: a placeholder) and its split.
 type Rule = (Vec<Option<String>>, ShardRule);
@@ -151,6 +139,75 @@ mod tests {
         ];
         for (name, rule) in cases {
             assert_eq!(shard_rule(name), rule, "{name}");
+        }
+    }
+
+    /// The checkpoint table (moe-bridge's `dist::sharding` docs) through a `ShardingPlan` built
+    /// with this rule: optimizer states take their parameter's split.
+    #[test]
+    fn sharding_plans_follow_the_table() {
+        let layout = moe_backend::parallel::ParallelLayout::parse(1, "").unwrap();
+        let plan = moe_bridge::dist::ShardingPlan::new(&layout, None, shard_rule).unwrap();
+        use ShardRule::*;
+        for (name, rule) in [
+            ("model.embed_tokens.weight", Tp { dim: 0 }),
+            ("lm_head.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.q_proj.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.kv_b_proj.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.q_a_proj.weight", Replicated),
+            (
+                "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                Replicated,
+            ),
+            ("model.layers.0.self_attn.o_proj.weight", Tp { dim: 1 }),
+            ("model.layers.0.self_attn.q_a_layernorm.weight", Replicated),
+            ("model.layers.0.self_attn.kv_a_layernorm.weight", Replicated),
+            ("model.layers.0.self_attn.q_b_proj.weight", Tp { dim: 0 }),
+            ("model.layers.0.self_attn.o_proj.bias", Replicated),
+            (
+                "model.layers.0.mlp.shared_experts.gate_proj.weight",
+                Replicated,
+            ),
+            (
+                "model.layers.0.mlp.shared_experts.up_proj.weight",
+                Replicated,
+            ),
+            (
+                "model.layers.0.mlp.shared_experts.down_proj.weight",
+                Replicated,
+            ),
+            // MTP module 0 of a 3-layer model is layer 3.
+            ("model.layers.3.enorm.weight", Replicated),
+            ("model.layers.3.hnorm.weight", Replicated),
+            ("model.layers.3.eh_proj.weight", Replicated),
+            ("model.layers.3.shared_head.norm.weight", Replicated),
+            ("model.layers.3.self_attn.kv_b_proj.weight", Tp { dim: 0 }),
+            ("model.layers.3.self_attn.o_proj.weight", Tp { dim: 1 }),
+            (
+                "model.layers.3.mlp.experts.gate_up_proj",
+                Expert { etp_dim: 2 },
+            ),
+            ("model.layers.0.mlp.down_proj.weight", Tp { dim: 1 }),
+            (
+                "model.layers.1.mlp.experts.gate_up_proj",
+                Expert { etp_dim: 2 },
+            ),
+            (
+                "optim.exp_avg.model.layers.1.mlp.experts.down_proj",
+                Expert { etp_dim: 2 },
+            ),
+            (
+                "optim.master.model.layers.0.mlp.up_proj.weight",
+                Tp { dim: 0 },
+            ),
+            ("model.layers.1.mlp.gate.weight", Replicated),
+            (
+                "model.layers.1.mlp.gate.e_score_correction_bias",
+                Replicated,
+            ),
+            ("model.layers.1.input_layernorm.weight", Replicated),
+        ] {
+            assert_eq!(plan.rule_of(name), rule, "{name}");
         }
     }
 }

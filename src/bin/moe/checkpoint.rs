@@ -9,6 +9,7 @@ use burn_moe::bridge::dist::DistCheckpoint;
 use burn_moe::bridge::dist::commit::TempDirState;
 use burn_moe::bridge::dist::convert::{ConvertOptions, convert_hf_to_dist_opts, reshard};
 use burn_moe::bridge::hf::{HfCheckpoint, resolve_model_dir};
+use burn_moe::models::hf::ModelConfig;
 
 /// Arguments of `moe convert`.
 #[derive(Debug, clap::Args)]
@@ -60,7 +61,7 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
     let failed = || format!("conversion of {} failed", args.from_hf);
     let source = resolve_model_dir(&args.from_hf).with_context(failed)?;
     let report = HfCheckpoint::open(&source)
-        .and_then(|source| source.check())
+        .and_then(|source| source.check::<ModelConfig>())
         .with_context(failed)?;
     for warning in &report.warnings {
         eprintln!("warning: {warning}");
@@ -70,12 +71,13 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
         step: args.step,
         keep_fp8: !args.dequantize,
     };
-    let dir = convert_hf_to_dist_opts(&source, &args.out, &layout, &opts, &mut |p| {
-        bar.set_length(p.total_bytes);
-        bar.set_position(p.bytes);
-        bar.set_message(p.tensor.clone());
-    })
-    .with_context(failed)?;
+    let dir =
+        convert_hf_to_dist_opts::<ModelConfig>(&source, &args.out, &layout, &opts, &mut |p| {
+            bar.set_length(p.total_bytes);
+            bar.set_position(p.bytes);
+            bar.set_message(p.tensor.clone());
+        })
+        .with_context(failed)?;
     bar.finish_and_clear();
     println!("wrote {} ({layout})", dir.display());
     Ok(())
@@ -84,8 +86,10 @@ pub fn convert(args: ConvertArgs) -> anyhow::Result<()> {
 /// Runs `moe reshard`.
 pub fn reshard_cmd(args: ReshardArgs) -> anyhow::Result<()> {
     let layout = ParallelLayout::parse_spec(&args.layout)?;
-    let ckpt = DistCheckpoint::open(&args.checkpoint)?;
-    let dir = crate::progress::with_spinner("resharding", || reshard(&ckpt, &args.out, &layout))?;
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&args.checkpoint)?;
+    let dir = crate::progress::with_spinner("resharding", || {
+        reshard::<ModelConfig>(&ckpt, &args.out, &layout)
+    })?;
     println!("wrote {} ({layout})", dir.display());
     Ok(())
 }
@@ -94,7 +98,7 @@ pub fn reshard_cmd(args: ReshardArgs) -> anyhow::Result<()> {
 /// directories of its root (saves in progress, or left by saves that died); those do not make
 /// the checkpoint invalid.
 pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
-    let opened = DistCheckpoint::open(&args.checkpoint);
+    let opened = DistCheckpoint::open::<ModelConfig>(&args.checkpoint);
     // The root is the parent of the resolved `iter_*` directory; when nothing resolves, the
     // path given may still be a root holding only temporary directories.
     let root = match &opened {
@@ -105,7 +109,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
         warn_temp_dirs(&root);
     }
     let ckpt = opened?;
-    ckpt.validate()?;
+    ckpt.validate::<ModelConfig>()?;
     println!(
         "{}: valid ({} tensors, every element covered exactly once)",
         ckpt.dir().display(),

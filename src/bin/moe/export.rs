@@ -7,6 +7,7 @@ use anyhow::Context;
 use burn_moe::bridge::export::{ExportOptions, export_hf, parse_size};
 use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::safetensors::Dtype;
+use burn_moe::models::hf::ModelConfig;
 
 /// Arguments of `moe export`.
 #[derive(Debug, clap::Args)]
@@ -63,9 +64,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         emit_mtp_copies: args.emit_mtp_copies,
     };
     if let Some(checkpoint) = &args.checkpoint {
-        let ckpt = burn_moe::bridge::dist::DistCheckpoint::open(checkpoint)?;
+        let ckpt = burn_moe::bridge::dist::DistCheckpoint::open::<ModelConfig>(checkpoint)?;
         let summary = crate::progress::with_spinner("exporting", || {
-            burn_moe::bridge::dist::convert::export_dist_to_hf(&ckpt, &args.out, &options)
+            burn_moe::bridge::dist::convert::export_dist_to_hf::<ModelConfig>(
+                &ckpt, &args.out, &options,
+            )
         })
         .with_context(|| format!("export of {} failed", checkpoint.display()))?;
         println!(
@@ -81,7 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let failed = || format!("export of {model} failed");
     let source = HfCheckpoint::open_model(&model).with_context(failed)?;
     // Validated before anything is written (export_hf checks again; headers only).
-    let report = source.check().with_context(failed)?;
+    let report = source.check::<ModelConfig>().with_context(failed)?;
     for warning in &report.warnings {
         eprintln!("warning: {warning}");
     }
@@ -91,9 +94,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tensors = source.len(),
         "exporting"
     );
-    let summary =
-        crate::progress::with_spinner("exporting", || export_hf(&source, &args.out, &options))
-            .with_context(failed)?;
+    let summary = crate::progress::with_spinner("exporting", || {
+        export_hf::<ModelConfig>(&source, &args.out, &options)
+    })
+    .with_context(failed)?;
     if !summary.dropped.is_empty() {
         tracing::info!(
             dropped = summary.dropped.len(),

@@ -5,11 +5,11 @@
 
 use anyhow::{Context, bail};
 use burn::tensor::Device;
-use burn_moe::bridge::AnyCausalLm;
 use burn_moe::bridge::Tokenizer;
 use burn_moe::bridge::hf::{HfCheckpoint, resolve_model_dir};
-use burn_moe::bridge::weights::WeightPrecision;
 use burn_moe::models::CausalLm;
+use burn_moe::models::hf::AnyCausalLm;
+use burn_moe::models::hf::WeightPrecision;
 use burn_moe::models::rollout::{Rollout, SamplingConfig, generate_batch};
 use serde_json::Value;
 

@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use burn_moe::bridge::ModelConfig;
 use burn_moe::bridge::fp8::{is_scale_inv, scale_inv_name};
 use burn_moe::bridge::hf::{CONFIG_FILE, HfCheckpoint, resolve_model_dir};
 use burn_moe::models::ParamCount;
+use burn_moe::models::hf::ModelConfig;
 
 /// Arguments of `moe inspect`.
 #[derive(Debug, clap::Args)]
@@ -64,7 +64,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     checkpoint.verify_shards()?;
     print_weights(&checkpoint)?;
     // The weights against the config: shard set, presence, shapes, dtypes.
-    let report = checkpoint.check().with_context(|| {
+    let report = checkpoint.check::<ModelConfig>().with_context(|| {
         format!(
             "{} does not hold a valid {} checkpoint",
             dir.display(),

@@ -4,10 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, SafetensorsFile, write_safetensors};
-use burn_moe::bridge::weights::WeightPrecision;
 use burn_moe::device::DeviceChoice;
 use burn_moe::models::CausalLm;
 use burn_moe::models::causal_lm::token_ids;
+use burn_moe::models::hf::WeightPrecision;
 
 /// Name of the token-id tensor read from `--input`.
 pub const INPUT_IDS: &str = "input_ids";

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use burn_moe::backend::parallel::{LayoutSpec, ParallelLayout};
-use burn_moe::bridge::weights::ModelConfig;
+use burn_moe::models::hf::ModelConfig;
 use burn_moe::models::plan::comm::Dispatcher;
 use burn_moe::models::plan::search::{Hardware, search};
 use burn_moe::models::plan::shape::PlannedModel;

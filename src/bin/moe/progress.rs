@@ -6,8 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use burn::tensor::Device;
 use burn_moe::bridge::hf::HfCheckpoint;
-use burn_moe::bridge::weights::{WeightPrecision, load_checked};
-use burn_moe::bridge::{AnyCausalLm, ModelConfig};
+use burn_moe::models::hf::{AnyCausalLm, ModelConfig, WeightPrecision, load_checked};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Runs `work` under a spinner labelled `message`, clearing it afterwards.

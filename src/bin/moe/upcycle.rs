@@ -6,6 +6,7 @@ use anyhow::Context;
 use burn_moe::bridge::export::parse_size;
 use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::upcycle::{RouterMode, UpcycleOptions, upcycle};
+use burn_moe::models::hf::ModelConfig;
 
 /// Arguments of `moe upcycle`.
 #[derive(Debug, clap::Args)]
@@ -58,7 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // source passes and is refused by `upcycle` for its model_type).
     let failed = || format!("upcycling {} failed", args.from.display());
     let report = HfCheckpoint::open(&args.from)
-        .and_then(|source| source.check())
+        .and_then(|source| source.check::<ModelConfig>())
         .with_context(failed)?;
     for warning in &report.warnings {
         eprintln!("warning: {warning}");

@@ -7,7 +7,7 @@ use moe_backend::parallel::ParallelLayout;
 
 use super::stale::process_start_time;
 use super::*;
-use crate::dist::testing::{TINY_LAYERS, synthetic_bytes, tiny_moe_tensors};
+use crate::dist::testing::{TINY_LAYERS, TinyModel, synthetic_bytes, tiny_moe_tensors, tiny_rule};
 use crate::dist::{DistCheckpoint, SaveMeta, ShardingPlan, TensorMeta, save_offline};
 use crate::test_util::TempDir;
 
@@ -72,7 +72,7 @@ fn save_tiny(root: &Path, step: u64) -> PathBuf {
         .zip(bytes.iter().map(Vec::as_slice))
         .collect();
     let layout = ParallelLayout::parse(2, "tp=2").unwrap();
-    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS)).unwrap();
+    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule).unwrap();
     save_offline(root, SaveMeta::new(step, &layout), &plan, &views).unwrap()
 }
 
@@ -103,9 +103,9 @@ fn the_owner_file_marks_a_save_in_progress_and_is_gone_after_the_commit() {
     // A committed checkpoint holds no owner file and validates.
     let saved = save_tiny(dir.path(), 5);
     assert!(!names(&saved).contains(&OWNER_FILE.to_owned()));
-    DistCheckpoint::open(dir.path())
+    DistCheckpoint::open::<TinyModel>(dir.path())
         .unwrap()
-        .validate()
+        .validate::<TinyModel>()
         .unwrap();
     assert!(DistCheckpoint::temp_dirs(dir.path()).unwrap().is_empty());
     // A root that does not exist has no temporary directories.
@@ -137,9 +137,9 @@ fn a_dead_owners_temp_dir_is_removed_by_the_next_save_and_a_live_ones_kept() {
         assert!(!dead.exists());
     }
     assert!(live.join(OWNER_FILE).is_file());
-    let ckpt = DistCheckpoint::open(root).unwrap();
+    let ckpt = DistCheckpoint::open::<TinyModel>(root).unwrap();
     assert_eq!(ckpt.index().step, 3);
-    ckpt.validate().unwrap();
+    ckpt.validate::<TinyModel>().unwrap();
     // The cleanup report names what was removed and kept.
     let again = fake_tmp(root, ".tmp-iter_0000004-dead", Some(&dead_owner()));
     let start = begin_save_with(root, 4, &StalePolicy::default()).unwrap();
@@ -217,7 +217,10 @@ fn owners_that_cannot_be_checked_and_missing_owner_files_age_out() {
     save_tiny(root, 2);
     assert!(young.exists() && garbage.exists() && foreign.exists() && other.exists());
     assert!(!old.exists() && !foreign_old.exists());
-    DistCheckpoint::open(root).unwrap().validate().unwrap();
+    DistCheckpoint::open::<TinyModel>(root)
+        .unwrap()
+        .validate::<TinyModel>()
+        .unwrap();
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! Per-model mapping tables: Qwen3 (dense), Qwen3-MoE and DeepSeek-V3 (models.md §6).
+//! Per-model mapping tables: Qwen3 (dense), Qwen3-MoE and DeepSeek-V3 (models.md §6), as
+//! rules of moe-bridge's name-mapping engine ([`Registry`], [`Rule`]).
 //!
 //! Every table lists the HF names explicitly (no catch-all), so a key no rule knows is reported
 //! as unexpected. Canonical names equal HF names except routed experts, which are stacked per
@@ -7,12 +8,10 @@
 
 use std::path::Path;
 
+use moe_bridge::BridgeError;
+use moe_bridge::mapping::{Registry, Rule};
+use moe_bridge::safetensors::Dtype;
 use serde_json::Value;
-
-use super::registry::Registry;
-use super::rule::Rule;
-use crate::BridgeError;
-use crate::safetensors::Dtype;
 
 /// The `model_type`s with a table.
 pub const KNOWN_MODEL_TYPES: [&str; 3] = ["qwen3", "qwen3_moe", "deepseek_v3"];

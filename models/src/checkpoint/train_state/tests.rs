@@ -6,19 +6,20 @@
 //! own [`StatePiece`]s with values that are a function of (state, fqn, global element index),
 //! so the restoring rank can check its pieces without a reference run.
 
+use crate::Qwen3MoeConfig;
+use crate::Qwen3MoeForCausalLM;
+use crate::distributed::{DispatcherKind, ParallelQwen3Moe};
+use crate::param_plan::Planned;
 use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, OptimState};
 use moe_backend::parallel::{ParallelLayout, replicate};
-use moe_models::Qwen3MoeConfig;
-use moe_models::Qwen3MoeForCausalLM;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
-use moe_models::param_plan::Planned;
 
 use super::*;
-use crate::dist::placement::PlacedModel;
-use crate::dist::testing::SplitMix;
+use crate::checkpoint::placement::PlacedModel;
+use crate::hf::ModelConfig;
 use crate::test_util::TempDir;
+use moe_backend::testing::SplitMix;
 
 /// A Qwen3-MoE whose every split dimension divides by 8 (heads, KV heads, vocabulary, FFN
 /// widths, experts): layer 0 dense, layer 1 MoE.
@@ -71,7 +72,7 @@ fn fake(state: OptimState, fqn: &str, index: usize) -> f32 {
 /// Global row-major indices of the elements of `piece`'s box, in box order.
 fn global_indices(piece: &StatePiece) -> Vec<usize> {
     let n = piece.shape.len();
-    let strides = super::super::region::strides(&piece.global_shape);
+    let strides = moe_bridge::dist::region::strides(&piece.global_shape);
     let mut out = Vec::with_capacity(piece.numel());
     let mut idx = vec![0usize; n];
     for _ in 0..piece.numel() {
@@ -128,7 +129,7 @@ fn save_fake_training(
             optimizer_config(moments),
             &classes.classifier(),
         )?;
-        let plan = ShardingPlan::new(layout, Some(2)).map_err(backend)?;
+        let plan = ShardingPlan::new(layout, Some(2), shard_rule).map_err(backend)?;
         let placed = shard
             .model
             .placements(&plan, ctx.rank(), false)
@@ -187,7 +188,7 @@ fn check_restore(
         let kind = DispatcherKind::AllToAll;
         let want = ParallelQwen3Moe::shard(full, &groups, kind).map_err(backend)?;
         let mut shard = ParallelQwen3Moe::shard(&other, &groups, kind).map_err(backend)?;
-        let plan = ShardingPlan::new(layout, Some(2)).map_err(backend)?;
+        let plan = ShardingPlan::new(layout, Some(2), shard_rule).map_err(backend)?;
         let rank = ctx.rank();
         assert_ne!(
             canonical(&shard.model, &plan, rank),
@@ -260,10 +261,10 @@ fn training_state_reloads_bit_exactly_across_random_layout_pairs() {
         };
         let root = dir.join(&format!("pair{pair}"));
         let saved = save_fake_training(&root, &full, &save, save_moments, &state);
-        let ckpt = DistCheckpoint::open(&root).unwrap();
+        let ckpt = DistCheckpoint::open::<ModelConfig>(&root).unwrap();
         assert_eq!(ckpt.dir(), saved);
         if pair % 10 == 0 {
-            ckpt.validate().unwrap();
+            ckpt.validate::<ModelConfig>().unwrap();
             let record = ckpt.index().optimizer.clone().unwrap();
             let moments = if save_moments == MomentDtype::Bf16 {
                 "BF16"
@@ -297,7 +298,7 @@ fn model_only_checkpoints_initialise_the_master_from_the_parameters() {
     .for_each(|r| {
         r.unwrap();
     });
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.path()).unwrap();
     assert!(ckpt.index().optimizer.is_none());
     assert!(
         ckpt.index()
@@ -311,7 +312,7 @@ fn model_only_checkpoints_initialise_the_master_from_the_parameters() {
         let groups = ctx.process_groups(&load)?;
         let mut shard =
             ParallelQwen3Moe::shard(&other, &groups, DispatcherKind::AllToAll).map_err(backend)?;
-        let plan = ShardingPlan::new(&load, Some(2)).map_err(backend)?;
+        let plan = ShardingPlan::new(&load, Some(2), shard_rule).map_err(backend)?;
         shard.model = load_model_state(&ckpt, shard.model, &plan, ctx.rank()).map_err(backend)?;
         let classes = shard.model.param_classes().map_err(backend)?;
         let mut optim = DistributedAdamW::with_classes(
@@ -368,12 +369,13 @@ fn a_trainer_checkpoint_names_what_does_not_match() {
     .for_each(|r| {
         r.unwrap();
     });
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.path()).unwrap();
     // A model with another vocabulary: the embedding's global shape differs.
     let mut config = tiny_config();
     config.vocab_size = 32;
     let small = replicate(&config.init(&device).unwrap());
-    let plan = ShardingPlan::new(&ParallelLayout::parse(1, "").unwrap(), Some(2)).unwrap();
+    let plan =
+        ShardingPlan::new(&ParallelLayout::parse(1, "").unwrap(), Some(2), shard_rule).unwrap();
     let err = load_model_state(&ckpt, small, &plan, 0).unwrap_err();
     assert!(matches!(err, BridgeError::ShapeMismatch { .. }), "{err}");
     assert!(
@@ -381,13 +383,13 @@ fn a_trainer_checkpoint_names_what_does_not_match() {
         "{err}"
     );
     // A corrupt train_state object is named.
-    let index_path = ckpt.dir().join(super::super::index::INDEX_FILE);
-    let mut index = super::super::index::DcpIndex::read(&index_path).unwrap();
+    let index_path = ckpt.dir().join(moe_bridge::dist::index::INDEX_FILE);
+    let mut index = moe_bridge::dist::index::DcpIndex::read(&index_path).unwrap();
     index
         .objects
         .insert(TRAIN_STATE_OBJECT.to_owned(), json!({"step": "three"}));
     std::fs::write(&index_path, index.to_json(&index_path).unwrap()).unwrap();
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.path()).unwrap();
     let err = read_train_state(&ckpt).unwrap_err();
     assert!(err.to_string().contains("objects.train_state"), "{err}");
 }
@@ -401,11 +403,11 @@ fn muon_and_adamw_checkpoints_do_not_restore_into_each_other() {
     let errors = World::run(1, |ctx| {
         let groups = ctx.process_groups(&layout)?;
         let trainer = |muon: bool| {
-            let config = moe_models::train::TrainerConfig {
+            let config = crate::train::TrainerConfig {
                 muon: muon.then(moe_backend::optim::MuonConfig::default),
                 ..Default::default()
             };
-            moe_models::train::Trainer::new(&full, &groups, ctx.world().unwrap(), config, &device)
+            crate::train::Trainer::new(&full, &groups, ctx.world().unwrap(), config, &device)
                 .map_err(backend)
         };
         let (mut muon, mut adamw) = (trainer(true)?, trainer(false)?);
@@ -414,7 +416,7 @@ fn muon_and_adamw_checkpoints_do_not_restore_into_each_other() {
             let meta = SaveMeta::new(0, &layout);
             save_trainer(&ctx.world()?, dir.path(), meta, t, &state).map_err(backend)?;
         }
-        let open = |d: &TempDir| DistCheckpoint::open(d.path()).map_err(backend);
+        let open = |d: &TempDir| DistCheckpoint::open::<ModelConfig>(d.path()).map_err(backend);
         let into_adamw = restore_trainer(&open(&muon_dir)?, &mut adamw).err();
         let into_muon = restore_trainer(&open(&adamw_dir)?, &mut muon).err();
         // Each restores into its own kind.

@@ -1,9 +1,15 @@
+//! moe-bridge's mapping conversion (`read_canonical`, `canonical_to_hf`, …) through the
+//! models' tables, on their fixtures.
+
 use std::path::PathBuf;
 
-use super::*;
-use crate::fp8::is_scale_inv;
-use crate::mapping::{deepseek_v3, qwen3_moe};
-use crate::safetensors::{TensorView, write_hf_checkpoint};
+use moe_bridge::BridgeError;
+use moe_bridge::fp8::{OutDtype, is_scale_inv};
+use moe_bridge::hf::HfCheckpoint;
+use moe_bridge::mapping::*;
+use moe_bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_hf_checkpoint};
+
+use crate::hf::mapping::{deepseek_v3, qwen3_moe};
 use crate::test_util::TempDir;
 
 fn fixture(name: &str) -> HfCheckpoint {

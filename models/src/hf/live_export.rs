@@ -2,17 +2,18 @@
 //! (checkpoints.md §1, §2; issue 7 "weight export during training").
 //!
 //! The input is moe-models' streaming iterator ([`HfTensors`], from
-//! [`moe_models::export::export_hf_tensors`]), whose specs give every name, shape and dtype
+//! [`crate::export::export_hf_tensors`]), whose specs give every name, shape and dtype
 //! before any data moves. From them the shards are planned **in yield order** (greedy up to
 //! `max_shard_size`), and each shard file is streamed: its safetensors header is written
 //! first, then every tensor's bytes as the tensor arrives, so at most one tensor (plus its
 //! converted copy) is in memory. Shards go into a hidden temporary directory that is renamed
-//! into place after the index and configs are written (atomic like [`crate::safetensors::HfDirWriter`];
+//! into place after the index and configs are written (atomic like
+//! [`moe_bridge::safetensors::HfDirWriter`];
 //! the temporary directory is removed on error).
 //!
 //! Output dtypes ([`LiveDtype`]): F32, BF16 (RNE from f32), or FP8 blockwise: every 2-D
 //! projection (attention, dense/shared MLP, experts, MTP `eh_proj`) becomes `F8_E4M3` plus an
-//! F32 `<name>_scale_inv` with the release recipe ([`crate::fp8::quantize_blockwise`]) and
+//! F32 `<name>_scale_inv` with the release recipe ([`moe_bridge::fp8::quantize_blockwise`]) and
 //! `quantization_config` is written; embeddings, `lm_head`, norms and routers stay BF16.
 //! `e_score_correction_bias` is always F32.
 
@@ -22,14 +23,17 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use moe_backend::fs::{sibling_temp_path, write_atomic_bytes};
-use moe_models::export::{ExportHf, HfTensorSpec, HfTensors};
+use moe_bridge::BridgeError;
+use moe_bridge::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
+use moe_bridge::fp8::{quantize_blockwise, scale_inv_name};
+use moe_bridge::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+use moe_bridge::safetensors::{
+    Dtype, MEMORY, OwnedTensor, commit_dir, planned_header, pt_metadata,
+};
 use serde_json::{Value, json};
 
-use crate::BridgeError;
-use crate::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
-use crate::fp8::{quantize_blockwise, scale_inv_name};
-use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
-use crate::safetensors::{Dtype, MEMORY, OwnedTensor, commit_dir, planned_header, pt_metadata};
+use crate::ModelError;
+use crate::export::{ExportHf, HfTensorSpec, HfTensors};
 
 /// dtype of the exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -369,15 +373,22 @@ pub fn write_hf_tensors(
     })
 }
 
-/// [`write_hf_tensors`] of `model`'s streaming iterator.
+/// [`write_hf_tensors`] of `model`'s streaming iterator. Errors: the model's own (e.g. a
+/// shard that cannot be gathered), or the writer's [`BridgeError`] as [`ModelError::Bridge`].
 pub fn export_live_model<M: ExportHf + ?Sized>(
     model: &M,
     config: &Value,
     generation_config: Option<&Value>,
     target: &Path,
     opts: &LiveExportOptions,
-) -> Result<LiveExportSummary, BridgeError> {
-    write_hf_tensors(model.hf_tensors()?, config, generation_config, target, opts)
+) -> Result<LiveExportSummary, ModelError> {
+    Ok(write_hf_tensors(
+        model.hf_tensors()?,
+        config,
+        generation_config,
+        target,
+        opts,
+    )?)
 }
 
 fn write_json(path: &Path, value: &Value) -> Result<(), BridgeError> {

@@ -1,8 +1,17 @@
-use std::path::PathBuf;
+//! HF → HF export (moe-bridge's [`export_hf`]) of the models' fixtures.
 
-use super::*;
-use crate::mapping::{ExpertLayout, qwen3_moe, read_canonical};
-use crate::safetensors::write_hf_checkpoint;
+use std::path::{Path, PathBuf};
+
+use moe_bridge::BridgeError;
+use moe_bridge::export::*;
+use moe_bridge::fp8::{OutDtype, is_scale_inv};
+use moe_bridge::hf::{CONFIG_FILE, HfCheckpoint, INDEX_FILE};
+use moe_bridge::mapping::{ExpertLayout, read_canonical};
+use moe_bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_hf_checkpoint};
+use serde_json::{Value, json};
+
+use crate::hf::ModelConfig;
+use crate::hf::mapping::qwen3_moe;
 use crate::test_util::TempDir;
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -47,7 +56,7 @@ fn export_then_reload_is_bit_identical() {
             max_shard_size: 100_000,
             ..ExportOptions::default()
         };
-        let summary = export_hf(&src, &tmp.join("out"), &opts).unwrap();
+        let summary = export_hf::<ModelConfig>(&src, &tmp.join("out"), &opts).unwrap();
         assert!(summary.shards > 1, "{name}");
         assert!(summary.dropped.is_empty(), "{name}: {:?}", summary.dropped);
         let out = HfCheckpoint::open(&summary.target).unwrap();
@@ -72,7 +81,8 @@ fn fp8_export_is_bf16_without_scales_or_quantization_config() {
     let src = fixture("deepseek_v3_fp8");
     let reference = fixture("deepseek_v3_fp8_dequant");
     let tmp = TempDir::new("export-fp8");
-    let summary = export_hf(&src, &tmp.join("out"), &ExportOptions::default()).unwrap();
+    let summary =
+        export_hf::<ModelConfig>(&src, &tmp.join("out"), &ExportOptions::default()).unwrap();
     assert_eq!(summary.shards, 1);
     assert!(summary.dropped.iter().all(|n| is_scale_inv(n)));
     assert!(!summary.dropped.is_empty());
@@ -95,7 +105,12 @@ fn bf16_export_keeps_the_router_bias_f32() {
         dtype: Some(Dtype::BF16),
         ..ExportOptions::default()
     };
-    let out = HfCheckpoint::open(export_hf(&src, &tmp.join("o"), &opts).unwrap().target).unwrap();
+    let out = HfCheckpoint::open(
+        export_hf::<ModelConfig>(&src, &tmp.join("o"), &opts)
+            .unwrap()
+            .target,
+    )
+    .unwrap();
     for n in out.tensor_names() {
         let t = out.tensor(n).unwrap();
         let want = if n.ends_with("e_score_correction_bias") {
@@ -112,7 +127,7 @@ fn bf16_export_keeps_the_router_bias_f32() {
         dtype: Some(Dtype::I32),
         ..ExportOptions::default()
     };
-    assert!(export_hf(&src, &tmp.join("bad"), &bad).is_err());
+    assert!(export_hf::<ModelConfig>(&src, &tmp.join("bad"), &bad).is_err());
 }
 
 #[test]
@@ -138,7 +153,8 @@ fn tied_head_is_dropped_and_extra_files_copied() {
     std::fs::write(src_dir.join(CONFIG_FILE), config.to_string()).unwrap();
     std::fs::write(src_dir.join("tokenizer.json"), "{\"version\": \"1.0\"}").unwrap();
     let src = HfCheckpoint::open(&src_dir).unwrap();
-    let summary = export_hf(&src, &tmp.join("out"), &ExportOptions::default()).unwrap();
+    let summary =
+        export_hf::<ModelConfig>(&src, &tmp.join("out"), &ExportOptions::default()).unwrap();
     assert_eq!(summary.dropped, ["lm_head.weight"]);
     let out = HfCheckpoint::open(&summary.target).unwrap();
     assert!(!out.contains("lm_head.weight"));
@@ -146,13 +162,14 @@ fn tied_head_is_dropped_and_extra_files_copied() {
     let tokenizer = std::fs::read_to_string(summary.target.join("tokenizer.json")).unwrap();
     assert_eq!(tokenizer, "{\"version\": \"1.0\"}");
     // The target exists now: exporting again needs `overwrite`.
-    let err = export_hf(&src, &summary.target, &ExportOptions::default()).unwrap_err();
+    let err =
+        export_hf::<ModelConfig>(&src, &summary.target, &ExportOptions::default()).unwrap_err();
     assert!(matches!(err, BridgeError::TargetExists { .. }));
     let again = ExportOptions {
         overwrite: true,
         ..ExportOptions::default()
     };
-    export_hf(&src, &summary.target, &again).unwrap();
+    export_hf::<ModelConfig>(&src, &summary.target, &again).unwrap();
 }
 
 #[test]
@@ -184,7 +201,8 @@ fn stacked_source_exports_per_expert_names() {
     )
     .unwrap();
     let stacked = HfCheckpoint::open(&stacked_dir).unwrap();
-    let summary = export_hf(&stacked, &tmp.join("out"), &ExportOptions::default()).unwrap();
+    let summary =
+        export_hf::<ModelConfig>(&stacked, &tmp.join("out"), &ExportOptions::default()).unwrap();
     let out = HfCheckpoint::open(&summary.target).unwrap();
     assert_same_tensors(&src, &out);
 }
@@ -197,7 +215,12 @@ fn mtp_copies_are_emitted_on_request() {
         emit_mtp_copies: true,
         ..ExportOptions::default()
     };
-    let out = HfCheckpoint::open(export_hf(&src, &tmp.join("o"), &opts).unwrap().target).unwrap();
+    let out = HfCheckpoint::open(
+        export_hf::<ModelConfig>(&src, &tmp.join("o"), &opts)
+            .unwrap()
+            .target,
+    )
+    .unwrap();
     assert_eq!(out.len(), src.len() + 2);
     let copy = out.tensor("model.layers.3.embed_tokens.weight").unwrap();
     assert_eq!(
@@ -219,7 +242,8 @@ fn unknown_model_type_is_a_clear_error() {
     write_hf_checkpoint(&dir, &[t], 1 << 20, false).unwrap();
     std::fs::write(dir.join(CONFIG_FILE), r#"{"model_type": "llama"}"#).unwrap();
     let ckpt = HfCheckpoint::open(&dir).unwrap();
-    let err = export_hf(&ckpt, &tmp.join("out"), &ExportOptions::default()).unwrap_err();
+    let err =
+        export_hf::<ModelConfig>(&ckpt, &tmp.join("out"), &ExportOptions::default()).unwrap_err();
     assert!(matches!(err, BridgeError::UnknownModelType { .. }), "{err}");
     assert!(err.to_string().contains("llama"));
     assert!(!tmp.join("out").exists());

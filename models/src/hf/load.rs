@@ -1,4 +1,4 @@
-//! HF checkpoints as model weights: [`HfCheckpoint`] implements `moe-models`'
+//! HF checkpoints as model weights: moe-bridge's [`HfCheckpoint`] implements
 //! [`WeightSource`], and [`load_causal_lm`] builds whichever model `config.json` names.
 //!
 //! - Every tensor goes through the FP8 load hook of checkpoints.md §2 (dequantised iff one
@@ -8,12 +8,14 @@
 //!   `deepseek_v3`) without touching the weights: enough for shape-only parameter counts.
 //! - [`AnyCausalLm`] is one of the three models, with forward, losses and generation
 //!   delegated to the concrete model.
-//! - Loading validates first ([`HfCheckpoint::check`]): errors are [`BridgeError`]s naming the
-//!   file and tensor: a corrupt or truncated shard is reported as the reader saw it, an
-//!   ambiguous shard set as [`BridgeError::TensorInTwoShards`] and its siblings, a missing
-//!   weight as [`BridgeError::MissingWeight`], a shape contradicting the config as
+//! - Loading validates first ([`HfCheckpoint::check`]): errors are [`BridgeError`]s (as
+//!   [`ModelError::Bridge`]) naming the file and tensor: a corrupt or truncated shard is
+//!   reported as the reader saw it, an ambiguous shard set as
+//!   [`BridgeError::TensorInTwoShards`] and its siblings, a missing weight as
+//!   [`BridgeError::MissingWeight`], a shape contradicting the config as
 //!   [`BridgeError::ConfigMismatch`], an integer weight as [`BridgeError::DtypeMismatch`], a
-//!   bad config as [`BridgeError::InvalidConfig`] or [`BridgeError::UnknownModelType`].
+//!   bad config as [`BridgeError::InvalidConfig`] or [`BridgeError::UnknownModelType`]; a
+//!   parallel layout the model cannot run under stays a [`ModelError`].
 
 mod any_lm;
 
@@ -22,24 +24,27 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 use moe_backend::comm::GroupComms;
-use moe_models::distributed::{DispatcherKind, LoadShard};
-use moe_models::weights::check_box;
-use moe_models::{
+use moe_bridge::BridgeError;
+use moe_bridge::fp8::DEFAULT_BLOCK_SIZE;
+use moe_bridge::hf::{CONFIG_FILE, HfCheckpoint, read_json};
+use moe_bridge::mapping::ExpertLayout;
+use moe_bridge::safetensors::elem::{bf16_bits_to_f32, f32_to_bf16_bits};
+use serde_json::Value;
+
+use super::expected::expected_hf_tensors;
+use super::mapping::KNOWN_MODEL_TYPES;
+use crate::distributed::{DispatcherKind, LoadShard};
+use crate::weights::check_box;
+use crate::{
     DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, ParamCount, Qwen3Config, Qwen3ForCausalLM,
     Qwen3MoeConfig, Qwen3MoeForCausalLM, WeightSource,
 };
-use serde_json::Value;
-
-use crate::BridgeError;
-use crate::fp8::DEFAULT_BLOCK_SIZE;
-use crate::hf::{CONFIG_FILE, CheckReport, HfCheckpoint, read_json};
-use crate::mapping::{ExpertLayout, expected_hf_tensors};
-use crate::safetensors::elem::{bf16_bits_to_f32, f32_to_bf16_bits};
 
 pub use any_lm::{AnyCausalLm, LmLosses};
 
-/// The `model_type` values [`ModelConfig`] understands.
-pub const KNOWN_MODEL_TYPES: [&str; 3] = ["qwen3", "qwen3_moe", "deepseek_v3"];
+/// The outcome of [`HfCheckpoint::check`] for these models: the parsed [`ModelConfig`], the
+/// expert layout, the expected tensors, unused tensors and warnings.
+pub type CheckReport = moe_bridge::hf::CheckReport<ModelConfig>;
 
 impl WeightSource for HfCheckpoint {
     /// [`HfCheckpoint::read_f32`]: FP8 weights dequantised per checkpoints.md §2 (to BF16, then
@@ -236,8 +241,8 @@ pub fn load_shard_checked<M: HfShard>(
     groups: &GroupComms,
     kind: DispatcherKind,
     device: &Device,
-) -> Result<(M::Shard, CheckReport), BridgeError> {
-    let report = checkpoint.check()?;
+) -> Result<(M::Shard, CheckReport), ModelError> {
+    let report = checkpoint.check::<ModelConfig>()?;
     let config = M::config_of(&report.config).ok_or_else(|| BridgeError::InvalidConfig {
         path: checkpoint.dir().join(CONFIG_FILE),
         field: "model_type".to_owned(),
@@ -255,7 +260,7 @@ pub fn load_shard_checked<M: HfShard>(
         .first_error
         .take()
     {
-        Some(read_error) => read_error,
+        Some(read_error) => read_error.into(),
         None => load_error(err, checkpoint.dir()),
     })?;
     Ok((shard, report))
@@ -424,7 +429,7 @@ fn config_error(err: ModelError, path: &Path) -> BridgeError {
 /// `config.json` names, with f32 weights on `device`.
 ///
 /// Errors: see the module docs; no input makes this panic.
-pub fn load_causal_lm(dir: impl AsRef<Path>, device: &Device) -> Result<AnyCausalLm, BridgeError> {
+pub fn load_causal_lm(dir: impl AsRef<Path>, device: &Device) -> Result<AnyCausalLm, ModelError> {
     let checkpoint = HfCheckpoint::open(dir)?;
     load_from_checkpoint(&checkpoint, WeightPrecision::F32, device)
 }
@@ -436,7 +441,7 @@ pub fn load_from_checkpoint(
     checkpoint: &HfCheckpoint,
     precision: WeightPrecision,
     device: &Device,
-) -> Result<AnyCausalLm, BridgeError> {
+) -> Result<AnyCausalLm, ModelError> {
     load_checked(checkpoint, precision, device).map(|(model, _)| model)
 }
 
@@ -450,8 +455,8 @@ pub fn load_checked(
     checkpoint: &HfCheckpoint,
     precision: WeightPrecision,
     device: &Device,
-) -> Result<(AnyCausalLm, CheckReport), BridgeError> {
-    let report = checkpoint.check()?;
+) -> Result<(AnyCausalLm, CheckReport), ModelError> {
+    let report = checkpoint.check::<ModelConfig>()?;
     let source = CheckpointSource {
         checkpoint,
         precision,
@@ -469,14 +474,17 @@ pub fn load_checked(
         }
     };
     let model = built.map_err(|err| match source.first_error.into_inner() {
-        Some(read_error) => read_error,
+        Some(read_error) => read_error.into(),
         None => load_error(err, checkpoint.dir()),
     })?;
     Ok((model, report))
 }
 
-/// A model-building error that is not a read error: the checkpoint lacks or mis-shapes a tensor.
-fn load_error(err: ModelError, dir: &Path) -> BridgeError {
+/// A model-building error that is not a read error: the checkpoint lacks or mis-shapes a
+/// tensor ([`BridgeError::IncompleteCheckpoint`]), the config is at fault
+/// ([`BridgeError::InvalidConfig`] naming the field), or the model cannot run as asked (a
+/// parallel layout, an unsupported setting: the model's own error).
+fn load_error(err: ModelError, dir: &Path) -> ModelError {
     let path: PathBuf = dir.to_path_buf();
     match err {
         ModelError::MissingTensor { .. }
@@ -485,9 +493,10 @@ fn load_error(err: ModelError, dir: &Path) -> BridgeError {
         | ModelError::MixedExpertLayout { .. } => BridgeError::IncompleteCheckpoint {
             path,
             summary: err.to_string(),
-        },
-        ModelError::Layout { .. } | ModelError::Unsupported { .. } => BridgeError::Model(err),
-        other => config_error(other, &dir.join(CONFIG_FILE)),
+        }
+        .into(),
+        ModelError::Layout { .. } | ModelError::Unsupported { .. } | ModelError::Bridge(_) => err,
+        other => config_error(other, &dir.join(CONFIG_FILE)).into(),
     }
 }
 

@@ -1,9 +1,17 @@
+//! HF ↔ distributed conversion and resharding (moe-bridge's `dist::convert`) of the models'
+//! fixtures.
+
 use std::path::{Path, PathBuf};
 
 use moe_backend::parallel::ParallelLayout;
+use moe_bridge::dist::convert::*;
+use moe_bridge::dist::{DistCheckpoint, TensorBox, TensorKind};
+use moe_bridge::export::ExportOptions;
+use moe_bridge::fp8::OutDtype;
+use moe_bridge::hf::{CONFIG_FILE, HfCheckpoint, read_json};
+use moe_bridge::safetensors::Dtype;
 
-use super::*;
-use crate::export::ExportOptions;
+use crate::hf::ModelConfig;
 use crate::test_util::TempDir;
 
 fn fixture(name: &str) -> PathBuf {
@@ -32,21 +40,24 @@ fn round_trip(source: &str, reference: &str, layout: &str) {
     let dir = TempDir::new("dist-convert");
     let layout = ParallelLayout::parse_spec(layout).unwrap();
     let mut calls = Vec::new();
-    let saved =
-        convert_hf_to_dist_with(&fixture(source), &dir.join("ckpt"), &layout, 7, &mut |p| {
-            calls.push((p.done, p.total))
-        })
-        .unwrap();
+    let saved = convert_hf_to_dist_with::<ModelConfig>(
+        &fixture(source),
+        &dir.join("ckpt"),
+        &layout,
+        7,
+        &mut |p| calls.push((p.done, p.total)),
+    )
+    .unwrap();
     assert_eq!(saved, dir.join("ckpt").join("iter_0000007"));
     assert!(calls.last().is_some_and(|(d, t)| d == t && *t > 0));
-    let ckpt = DistCheckpoint::open(dir.join("ckpt")).unwrap();
-    ckpt.validate().unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.join("ckpt")).unwrap();
+    ckpt.validate::<ModelConfig>().unwrap();
     assert!(ckpt.index().tensors.values().all(|e| !e.hf.is_empty()));
     // Resharding to another layout keeps every tensor.
     let other = ParallelLayout::parse_spec("world=2,tp=2,etp=2").unwrap();
-    let resharded = reshard(&ckpt, &dir.join("resharded"), &other).unwrap();
-    let again = DistCheckpoint::open(&resharded).unwrap();
-    again.validate().unwrap();
+    let resharded = reshard::<ModelConfig>(&ckpt, &dir.join("resharded"), &other).unwrap();
+    let again = DistCheckpoint::open::<ModelConfig>(&resharded).unwrap();
+    again.validate::<ModelConfig>().unwrap();
     assert_eq!(again.index().layout.tp, 2);
     for fqn in ckpt.index().tensors.keys() {
         assert_eq!(
@@ -55,7 +66,7 @@ fn round_trip(source: &str, reference: &str, layout: &str) {
         );
     }
     let out = dir.join("hf");
-    let summary = export_dist_to_hf(&ckpt, &out, &ExportOptions::default()).unwrap();
+    let summary = export_dist_to_hf::<ModelConfig>(&ckpt, &out, &ExportOptions::default()).unwrap();
     assert_eq!(summary.target, out);
     assert_same_tensors(&fixture(reference), &out);
     let config = read_json(&out.join(CONFIG_FILE)).unwrap();
@@ -85,9 +96,10 @@ fn deepseek_v3_round_trips_bit_exactly() {
 fn fp8_source_round_trips_bit_exactly_in_fp8() {
     let dir = TempDir::new("dist-convert-fp8");
     let layout = ParallelLayout::parse_spec("world=4,tp=2,ep=2").unwrap();
-    convert_hf_to_dist(&fixture("deepseek_v3_fp8"), &dir.join("ckpt"), &layout).unwrap();
-    let ckpt = DistCheckpoint::open(dir.join("ckpt")).unwrap();
-    ckpt.validate().unwrap();
+    convert_hf_to_dist::<ModelConfig>(&fixture("deepseek_v3_fp8"), &dir.join("ckpt"), &layout)
+        .unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.join("ckpt")).unwrap();
+    ckpt.validate::<ModelConfig>().unwrap();
     let index = ckpt.index();
     assert_eq!(
         index.fp8.as_ref().map(|r| r.weight_block_size),
@@ -105,11 +117,11 @@ fn fp8_source_round_trips_bit_exactly_in_fp8() {
         vec![4, 4]
     );
     let other = ParallelLayout::parse_spec("world=8,tp=2,ep=4,etp=2").unwrap();
-    let resharded = reshard(&ckpt, &dir.join("resharded"), &other).unwrap();
-    let again = DistCheckpoint::open(&resharded).unwrap();
-    again.validate().unwrap();
+    let resharded = reshard::<ModelConfig>(&ckpt, &dir.join("resharded"), &other).unwrap();
+    let again = DistCheckpoint::open::<ModelConfig>(&resharded).unwrap();
+    again.validate::<ModelConfig>().unwrap();
     let out = dir.join("hf");
-    export_dist_to_hf(&again, &out, &ExportOptions::default()).unwrap();
+    export_dist_to_hf::<ModelConfig>(&again, &out, &ExportOptions::default()).unwrap();
     assert_same_tensors(&fixture("deepseek_v3_fp8"), &out);
     let source = read_json(&fixture("deepseek_v3_fp8").join(CONFIG_FILE)).unwrap();
     let config = read_json(&out.join(CONFIG_FILE)).unwrap();
@@ -125,13 +137,14 @@ fn fp8_source_round_trips_bit_exactly_in_fp8() {
 fn fp8_source_exports_the_reference_dequantisation() {
     let dir = TempDir::new("dist-convert-fp8-dequant");
     let layout = ParallelLayout::parse_spec("world=4,tp=2,ep=2").unwrap();
-    convert_hf_to_dist(&fixture("deepseek_v3_fp8"), &dir.join("fp8"), &layout).unwrap();
-    let ckpt = DistCheckpoint::open(dir.join("fp8")).unwrap();
+    convert_hf_to_dist::<ModelConfig>(&fixture("deepseek_v3_fp8"), &dir.join("fp8"), &layout)
+        .unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.join("fp8")).unwrap();
     let opts = ExportOptions {
         dtype: Some(Dtype::BF16),
         ..ExportOptions::default()
     };
-    let summary = export_dist_to_hf(&ckpt, &dir.join("hf"), &opts).unwrap();
+    let summary = export_dist_to_hf::<ModelConfig>(&ckpt, &dir.join("hf"), &opts).unwrap();
     assert!(summary.dropped.iter().any(|d| d.ends_with("_scale_inv")));
     assert_same_tensors(&fixture("deepseek_v3_fp8_dequant"), &dir.join("hf"));
     let config = read_json(&dir.join("hf").join(CONFIG_FILE)).unwrap();
@@ -160,7 +173,7 @@ fn fp8_source_exports_the_reference_dequantisation() {
         step: 0,
         keep_fp8: false,
     };
-    convert_hf_to_dist_opts(
+    convert_hf_to_dist_opts::<ModelConfig>(
         &fixture("deepseek_v3_fp8"),
         &dir.join("bf16"),
         &layout,
@@ -168,7 +181,7 @@ fn fp8_source_exports_the_reference_dequantisation() {
         &mut |_| {},
     )
     .unwrap();
-    let bf16 = DistCheckpoint::open(dir.join("bf16")).unwrap();
+    let bf16 = DistCheckpoint::open::<ModelConfig>(dir.join("bf16")).unwrap();
     assert!(bf16.index().fp8.is_none());
     assert!(
         bf16.index()
@@ -176,7 +189,7 @@ fn fp8_source_exports_the_reference_dequantisation() {
             .keys()
             .all(|k| !k.ends_with("_scale_inv"))
     );
-    export_dist_to_hf(&bf16, &dir.join("hf2"), &ExportOptions::default()).unwrap();
+    export_dist_to_hf::<ModelConfig>(&bf16, &dir.join("hf2"), &ExportOptions::default()).unwrap();
     assert_same_tensors(&fixture("deepseek_v3_fp8_dequant"), &dir.join("hf2"));
 }
 
@@ -186,8 +199,8 @@ fn experts_are_read_per_expert_and_reshard() {
     // box reads back from a checkpoint saved under another layout.
     let dir = TempDir::new("dist-convert-experts");
     let layout = ParallelLayout::parse_spec("world=4,ep=4").unwrap();
-    convert_hf_to_dist(&fixture("qwen3_moe"), dir.path(), &layout).unwrap();
-    let ckpt = DistCheckpoint::open(dir.path()).unwrap();
+    convert_hf_to_dist::<ModelConfig>(&fixture("qwen3_moe"), dir.path(), &layout).unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(dir.path()).unwrap();
     let hf = HfCheckpoint::open(fixture("qwen3_moe")).unwrap();
     let fqn = "model.layers.1.mlp.experts.gate_up_proj";
     let entry = ckpt.entry(fqn).unwrap();

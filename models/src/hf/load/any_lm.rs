@@ -1,13 +1,13 @@
 //! [`AnyCausalLm`]: one of the supported models behind one type, for tools (the `moe` CLI)
 //! that pick the model from `config.json` at run time.
 
-use burn::tensor::{Device, Int, Tensor};
-use moe_models::causal_lm::causal_lm_loss;
-use moe_models::layers::KvCache;
-use moe_models::{
+use crate::causal_lm::causal_lm_loss;
+use crate::layers::KvCache;
+use crate::{
     CausalLm, DeepseekV3ForCausalLM, GenerationConfig, ModelError, ParamCount, Qwen3ForCausalLM,
     Qwen3MoeForCausalLM, generate,
 };
+use burn::tensor::{Device, Int, Tensor};
 
 /// A loaded causal LM of any supported family.
 #[derive(Debug)]
@@ -62,7 +62,7 @@ impl AnyCausalLm {
     /// Logits `[B, S, V]` of `input_ids [B, S]` (positions `0..S`, no cache).
     pub fn logits(&self, input_ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
         match self {
-            Self::Qwen3(m) => Ok(m.forward(input_ids)),
+            Self::Qwen3(m) => m.forward(input_ids),
             Self::Qwen3Moe(m) => Ok(m.forward(input_ids)?.logits),
             Self::DeepseekV3(m) => Ok(m.forward(input_ids)?.logits),
         }

@@ -28,7 +28,7 @@ fn fp8_tensors_are_dequantised_bit_equal_to_the_reference() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let mut quantised = 0;
     for name in reference.tensor_names() {
-        quantised += usize::from(fp8.contains(&crate::fp8::scale_inv_name(name)));
+        quantised += usize::from(fp8.contains(&moe_bridge::fp8::scale_inv_name(name)));
         let (shape, got) = WeightSource::tensor_f32(&fp8, name).unwrap();
         let (want_shape, want) = WeightSource::tensor_f32(&reference, name).unwrap();
         assert_eq!(shape, want_shape, "{name}");
@@ -95,7 +95,7 @@ fn loads_a_fixture_and_reports_its_type() {
             .unwrap()
             .param_count()
     );
-    assert_eq!(moe_models::CausalLm::vocab_size(&model), 256);
+    assert_eq!(crate::CausalLm::vocab_size(&model), 256);
 }
 
 #[test]

@@ -17,21 +17,22 @@
 
 use std::ops::Range;
 
+use crate::DeepseekV3ForCausalLM;
+use crate::deepseek_v3::DeepseekV3FeedForward;
+use crate::distributed::gather_full_deepseek_v3;
+use crate::export::export_hf_tensors;
+use crate::train::{TrainBatch, Trainer, TrainerConfig};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::optim::DistributedAdamWConfig;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
-use moe_models::DeepseekV3ForCausalLM;
-use moe_models::deepseek_v3::DeepseekV3FeedForward;
-use moe_models::distributed::gather_full_deepseek_v3;
-use moe_models::export::export_hf_tensors;
-use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 
 use super::*;
-use crate::dist::placement::tests::tiny_deepseek_config;
-use crate::dist::region::TensorBox;
+use crate::checkpoint::placement::tests::tiny_deepseek_config;
+use crate::hf::ModelConfig;
 use crate::test_util::TempDir;
+use moe_bridge::dist::region::TensorBox;
 
 /// Global batch rows per step and their length.
 const G: usize = 4;
@@ -263,8 +264,8 @@ fn resume_across_layouts(q_lora_rank: Option<usize>, a: (usize, &str), b: (usize
     let (first, second) = (dir.join("a"), dir.join("b"));
 
     let saved = run(&layout_a, &start, 0..2, None, Some(&first));
-    let ckpt = DistCheckpoint::open(&first).unwrap();
-    ckpt.validate().unwrap();
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&first).unwrap();
+    ckpt.validate::<ModelConfig>().unwrap();
     let index = ckpt.index();
     assert_eq!(index.optimizer.as_ref().map(|o| o.step), Some(2));
     // The MTP module (layer 2), its expert bias (a buffer, without optimizer state) and the
@@ -295,7 +296,10 @@ fn resume_across_layouts(q_lora_rank: Option<usize>, a: (usize, &str), b: (usize
         bits(restored) == bits(&saved.last),
         "{layout_a} -> {layout_b}: the restored model differs from the saved one"
     );
-    same_tensors(&ckpt, &DistCheckpoint::open(&second).unwrap());
+    same_tensors(
+        &ckpt,
+        &DistCheckpoint::open::<ModelConfig>(&second).unwrap(),
+    );
 
     // Resumed under B = uninterrupted under A.
     let straight = run(&layout_a, &start, 0..4, None, None);

@@ -10,7 +10,8 @@
 //!   ([`DistributedAdamW::state_pieces`]; TP-replicated parameters by TP rank 0 only), the
 //!   master in F32 and the moments in their storage dtype. The index's `optimizer` record
 //!   carries the step count, the hyper-parameters and the state dtypes.
-//! - [`TrainState`] is stored in the index's `objects` under [`TRAIN_STATE_OBJECT`].
+//! - moe-bridge's [`TrainState`] is stored in the index's `objects` under
+//!   [`TRAIN_STATE_OBJECT`].
 //!
 //! Restoring reads, on every rank, only the boxes of its own shard and of its own optimizer
 //! flat range under the new layout. A model-only checkpoint (e.g. right after HF import)
@@ -19,6 +20,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use crate::distributed::{CausalLmShard, ParallelCausalLm};
+use crate::train::Trainer;
 use burn::module::{ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use moe_backend::BackendError;
@@ -27,39 +30,22 @@ use moe_backend::optim::{
     DistributedAdamW, DistributedMuon, MomentDtype, MuonAdamW, OptimState, ParamInfo,
     ParamPlacement, StatePiece, transpose_2d,
 };
-use moe_models::distributed::{CausalLmShard, ParallelCausalLm};
-use moe_models::train::Trainer;
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::json;
 
-use super::files::TensorMeta;
-use super::fp8::{every_box_aligned, fp8_chunks, read_fp8_weight, scale_fqn};
-use super::index::{Fp8Record, OptimizerRecord, TensorKind};
-use super::load::DistCheckpoint;
 use super::placement::{PlacedModel, PlacedTensor, by_id};
-use super::region::TensorBox;
-use super::save::{LocalChunk, SaveMeta, save_spmd};
-use super::sharding::ShardingPlan;
-use crate::BridgeError;
-use crate::fp8::{OutDtype, scale_shape};
-use crate::safetensors::{Dtype, OwnedTensor};
+use moe_bridge::dist::TensorMeta;
+use moe_bridge::dist::fp8::{every_box_aligned, fp8_chunks, read_fp8_weight, scale_fqn};
+use moe_bridge::dist::index::{Fp8Record, OptimizerRecord, TensorKind};
+use moe_bridge::dist::load::DistCheckpoint;
+use moe_bridge::dist::region::TensorBox;
+use moe_bridge::dist::save::{LocalChunk, SaveMeta, save_spmd};
+use moe_bridge::dist::sharding::ShardingPlan;
+use moe_bridge::dist::{TRAIN_STATE_OBJECT, TrainState, read_train_state};
 
-/// Key of [`TrainState`] in the index's `objects`.
-pub const TRAIN_STATE_OBJECT: &str = "train_state";
-
-/// Small JSON training state saved with the tensors.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct TrainState {
-    /// Optimizer steps taken.
-    pub step: u64,
-    /// Position of the data loader: global batches consumed (the next batch's index).
-    pub data_position: u64,
-    /// Seed of the run's random streams (data order, sampling).
-    pub rng_seed: u64,
-    /// Anything else the training loop needs to resume (scheduler, router statistics, …).
-    #[serde(default)]
-    pub extra: BTreeMap<String, Value>,
-}
+use crate::distributed::shard_rule;
+use moe_bridge::BridgeError;
+use moe_bridge::fp8::{OutDtype, scale_shape};
+use moe_bridge::safetensors::{Dtype, OwnedTensor};
 
 /// `optim.<state>.<fqn>`.
 pub fn optim_fqn(state: OptimState, fqn: &str) -> String {
@@ -172,8 +158,9 @@ fn optimizer_chunks(
 /// world) calls it with its shard `model` (any [`PlacedModel`]: Qwen3-MoE, DeepSeek-V3 with its
 /// MTP modules) and optimizer. `meta` supplies the
 /// layout (which must be the one `model` was sharded under), `config.json`, model family and
-/// extra JSON files (e.g. from [`super::convert::checkpoint_meta`]); its step, optimizer record
-/// and [`TRAIN_STATE_OBJECT`] are set here. Without an optimizer the checkpoint is model-only.
+/// extra JSON files (e.g. from
+/// [`checkpoint_meta`](moe_bridge::dist::convert::checkpoint_meta)); its step, optimizer
+/// record and [`TRAIN_STATE_OBJECT`] are set here. Without an optimizer the checkpoint is model-only.
 /// Atomic like [`save_spmd`]; returns the committed `iter_*` directory on every rank.
 pub fn save_training_state<M: PlacedModel>(
     comm: &Comm,
@@ -202,7 +189,7 @@ fn save_state<M: PlacedModel>(
         .get(comm.rank())
         .copied()
         .unwrap_or(comm.rank());
-    let plan = ShardingPlan::new(&meta.layout, Some(model.num_main_layers()))?;
+    let plan = ShardingPlan::new(&meta.layout, Some(model.num_main_layers()), shard_rule)?;
     let placed = model.placements(&plan, rank, true)?;
     let mut owned = Vec::new();
     // FP8 primary weights are saved as their FP8 bytes with `<fqn>_scale_inv` (the checkpoint
@@ -418,20 +405,6 @@ fn load_adamw_state<M: PlacedModel>(
     Ok(true)
 }
 
-/// The [`TrainState`] stored in `ckpt`, if any.
-pub fn read_train_state(ckpt: &DistCheckpoint) -> Result<Option<TrainState>, BridgeError> {
-    let Some(value) = ckpt.index().objects.get(TRAIN_STATE_OBJECT) else {
-        return Ok(None);
-    };
-    serde_json::from_value(value.clone())
-        .map(Some)
-        .map_err(|e| BridgeError::TrainState {
-            path: ckpt.dir().to_path_buf(),
-            field: format!("objects.{TRAIN_STATE_OBJECT}"),
-            reason: e.to_string(),
-        })
-}
-
 /// [`save_training_state`] of a [`Trainer`] of any placed model (its shard and optimizer).
 pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
     comm: &Comm,
@@ -522,7 +495,7 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     let groups = trainer.process_groups().clone();
     if let Some((shard, optimizer)) = trainer.muon_parts_mut() {
         let model = shard.model_mut();
-        let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()))?;
+        let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()), shard_rule)?;
         *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
         let dir = ckpt.dir().to_path_buf();
         let kind = muon::MUON_KIND;
@@ -550,7 +523,7 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     }
     let (shard, optimizer) = trainer.parts_mut();
     let model = shard.model_mut();
-    let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()))?;
+    let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()), shard_rule)?;
     *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
     load_optimizer_state(ckpt, optimizer, &*model, &plan, groups.rank)?;
     if optimizer.fp8_config().is_some() {

@@ -1,4 +1,4 @@
-//! Muon's part of a training checkpoint ([`Trainer`](moe_models::train::Trainer) with
+//! Muon's part of a training checkpoint ([`Trainer`](crate::train::Trainer) with
 //! `TrainerConfig::muon`): the AdamW side is saved as any AdamW (`optim.master`,
 //! `optim.exp_avg`, `optim.exp_avg_sq` of the non-Muon parameters) under the optimizer type
 //! [`MUON_KIND`]; each Muon matrix adds its momentum as `optim.muon_momentum.<fqn>`, a tensor
@@ -12,14 +12,14 @@ use std::path::Path;
 use moe_backend::optim::{DistributedMuon, MuonSharding, transpose_2d};
 use serde_json::json;
 
-use super::super::files::TensorMeta;
-use super::super::index::{OptimizerRecord, TensorKind};
-use super::super::load::DistCheckpoint;
-use super::super::placement::PlacedTensor;
-use super::super::region::TensorBox;
 use super::{OwnedChunk, backend_error};
-use crate::BridgeError;
-use crate::safetensors::{Dtype, OwnedTensor};
+use crate::checkpoint::placement::PlacedTensor;
+use moe_bridge::BridgeError;
+use moe_bridge::dist::TensorMeta;
+use moe_bridge::dist::index::{OptimizerRecord, TensorKind};
+use moe_bridge::dist::load::DistCheckpoint;
+use moe_bridge::dist::region::TensorBox;
+use moe_bridge::safetensors::{Dtype, OwnedTensor};
 
 /// Optimizer type of a Muon + AdamW checkpoint.
 pub const MUON_KIND: &str = "muon_adamw";

@@ -2,8 +2,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use super::*;
-use crate::hf::HfCheckpoint;
-use crate::mapping::{
+use moe_bridge::hf::HfCheckpoint;
+use moe_bridge::mapping::{
     CaptureKind, Captures, ExpectedTensor, ExpertLayout, HfTarget, LoadReport, RuleKind,
 };
 

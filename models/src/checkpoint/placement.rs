@@ -2,9 +2,9 @@
 //! tensors of a distributed checkpoint (checkpoints.md §3): canonical fqn, global shape, the
 //! rank's box ([`ShardingPlan::rank_shard`]) and the orientation of Burn's storage.
 //!
-//! Every model the [`moe_models::train::Trainer`] trains is placed the same way
+//! Every model the [`Trainer`](crate::train::Trainer) trains is placed the same way
 //! ([`PlacedModel`], implemented for every [`Planned`] model): its parallel plan
-//! ([`moe_models::param_plan`]) gives each parameter's canonical name, how Burn stores it
+//! ([`crate::param_plan`]) gives each parameter's canonical name, how Burn stores it
 //! (`Linear`s `[in, out]` are the transpose of the block; stacked experts `fc1 [L, 2F, H]`
 //! have the row-major order of the canonical `gate_up_proj [L, 2, F, H]`) and how the model
 //! splits it, which decides each rank's box. A parameter the plan does not classify is an
@@ -15,11 +15,11 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use moe_backend::optim::{ParamPlacement, transpose_2d};
-use moe_models::param_plan::{ParallelPlan, Planned, Storage};
+use moe_bridge::BridgeError;
+use moe_bridge::dist::index::TensorKind;
+use moe_bridge::dist::sharding::{ShardRule, ShardingPlan};
 
-use super::index::TensorKind;
-use super::sharding::{ShardRule, ShardingPlan};
-use crate::BridgeError;
+use crate::param_plan::{ParallelPlan, Planned, Storage};
 
 /// A model whose rank shards a distributed checkpoint can place: the training checkpoint
 /// functions ([`super::train_state`]) save and restore any such model's shard.
@@ -245,20 +245,23 @@ pub(crate) mod tests {
     use std::collections::{BTreeMap, HashMap};
     use std::path::Path;
 
+    use crate::DeepseekV3Config;
+    use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
+    use crate::distributed::{DispatcherKind, ParallelDeepseekV3};
     use burn::module::{ModuleVisitor, Param, ParamId};
     use burn::tensor::{Device, Tensor};
     use moe_backend::BackendError;
     use moe_backend::comm::World;
     use moe_backend::parallel::ParallelLayout;
-    use moe_models::DeepseekV3Config;
-    use moe_models::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
-    use moe_models::distributed::{DispatcherKind, ParallelDeepseekV3};
 
     use super::*;
-    use crate::dist::region::TensorBox;
-    use crate::dist::validate::check_tiling;
-    use crate::fp8::DEFAULT_BLOCK_SIZE;
-    use crate::mapping::{ExpertLayout, HfRole, canonical_tensors, deepseek_v3_expected};
+    use moe_bridge::dist::region::TensorBox;
+    use moe_bridge::dist::validate::check_tiling;
+    use moe_bridge::fp8::DEFAULT_BLOCK_SIZE;
+    use moe_bridge::mapping::{ExpertLayout, HfRole, canonical_tensors};
+
+    use crate::distributed::shard_rule;
+    use crate::hf::expected::deepseek_v3_expected;
 
     /// A random DeepSeek-V3 with every part the walk knows: a dense layer, an MoE layer with a
     /// shared expert and group-limited routing, one MTP module; the low-rank or the plain
@@ -310,7 +313,8 @@ pub(crate) mod tests {
             let groups = ctx.process_groups(layout)?;
             let shard =
                 ParallelDeepseekV3::shard(full, &groups, DispatcherKind::AllToAll).map_err(be)?;
-            let plan = ShardingPlan::new(layout, Some(full.num_main_layers())).map_err(be)?;
+            let plan =
+                ShardingPlan::new(layout, Some(full.num_main_layers()), shard_rule).map_err(be)?;
             let placed = shard
                 .model
                 .placements(&plan, ctx.rank(), false)
@@ -366,7 +370,7 @@ pub(crate) mod tests {
             .filter(|(_, e)| e.required && e.role == HfRole::Weight)
             .map(|(n, e)| (n, &e.shape))
             .collect();
-        let registry = crate::mapping::deepseek_v3();
+        let registry = crate::hf::mapping::deepseek_v3();
         canonical_tensors(&registry, hf.iter().map(|(n, _)| n.as_str()))
             .into_iter()
             .map(|(canon, experts)| {
@@ -455,7 +459,7 @@ pub(crate) mod tests {
         let config = tiny_deepseek_config(Some(8));
         let full = config.init(&Device::flex()).unwrap();
         let layout = ParallelLayout::parse(1, "").unwrap();
-        let plan = ShardingPlan::new(&layout, Some(2)).unwrap();
+        let plan = ShardingPlan::new(&layout, Some(2), shard_rule).unwrap();
         // A shared-expert output gate has no canonical tensor.
         let mut gated = full.clone();
         if let DeepseekV3FeedForward::Moe(block) = &mut gated.mtp[0].block.mlp {

@@ -1,17 +1,17 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use burn::tensor::Device;
-use moe_models::export::export_hf_tensors;
-use moe_models::{
+use crate::export::export_hf_tensors;
+use crate::{
     DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 };
+use burn::tensor::Device;
 
 use super::*;
-use crate::hf::HfCheckpoint;
-use crate::safetensors::elem::f32_to_bf16_bits;
 use crate::test_util::TempDir;
+use moe_bridge::hf::HfCheckpoint;
+use moe_bridge::safetensors::elem::f32_to_bf16_bits;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -100,7 +100,10 @@ fn f32_export_of_every_fixture_is_bit_identical() {
 
     // The target exists now.
     let err = export_live_model(&model, &config, None, &out, &f32_opts()).unwrap_err();
-    assert!(matches!(err, BridgeError::TargetExists { .. }), "{err}");
+    assert!(
+        matches!(err, ModelError::Bridge(BridgeError::TargetExists { .. })),
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,0 +1,57 @@
+//! What the formats need to know about the model a checkpoint holds, supplied by the crate
+//! that defines the models (moe-models implements [`ModelSchema`] for its `ModelConfig`).
+//!
+//! The bridge knows no model: checkpoint validation ([`HfCheckpoint::check`]), HF ↔
+//! distributed conversion, export and resharding, and the distributed checkpoint's config
+//! check are generic over a [`ModelSchema`], which parses a `config.json`, names the
+//! name-mapping [`Registry`] of its model, lists the HF tensors it implies
+//! ([`ExpectedTable`]) and gives the split of every canonical tensor ([`ShardRule`]).
+//!
+//! [`HfCheckpoint::check`]: crate::hf::HfCheckpoint::check
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::BridgeError;
+use crate::dist::ShardRule;
+use crate::mapping::{ExpectedTable, ExpertLayout, Registry};
+
+/// A parsed, validated `config.json` of a model the formats can check, convert, export and
+/// reshard: the model knowledge the bridge is handed (see the module docs).
+pub trait ModelSchema: Sized {
+    /// Parses and validates a `config.json` read as JSON (typed fields, ranges, cross-field
+    /// rules, plausible sizes); `path` names it in errors.
+    ///
+    /// Errors: [`BridgeError::InvalidConfig`] naming the field, or
+    /// [`BridgeError::UnknownModelType`].
+    fn from_config(config: &Value, path: &Path) -> Result<Self, BridgeError>;
+
+    /// The name-mapping rules of the model `config` describes, read from its `model_type`
+    /// alone (the rest of the config is not validated); `path` names it in errors.
+    fn registry_of(config: &Value, path: &Path) -> Result<Registry, BridgeError>;
+
+    /// The split of canonical parameter (or buffer) `name` over the ranks of one pipeline
+    /// stage; a name the models do not know is [`ShardRule::Replicated`].
+    fn shard_rule(name: &str) -> ShardRule;
+
+    /// HF `model_type`.
+    fn model_type(&self) -> &str;
+
+    /// `num_hidden_layers` of the main model (what pipeline stages split).
+    fn num_layers(&self) -> usize;
+
+    /// The HF tensors this config implies, routed experts in `layout`, FP8 scale companions
+    /// for `block`; `path` names the config in errors.
+    fn expected_hf_tensors(
+        &self,
+        layout: ExpertLayout,
+        path: &Path,
+        block: [usize; 2],
+    ) -> Result<ExpectedTable, BridgeError>;
+
+    /// Configuration findings worth showing a user (none by default).
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
