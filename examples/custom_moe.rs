@@ -275,6 +275,10 @@ impl CausalLmShard for ParallelBlockMoeShard {
         self.ctx.reset_global_aux();
     }
 
+    fn sequence_positions(&self, s: usize) -> Vec<usize> {
+        self.ctx.sequence_positions(s)
+    }
+
     fn forward_train_batch(
         &self,
         batch: &TrainBatch,
@@ -286,14 +290,13 @@ impl CausalLmShard for ParallelBlockMoeShard {
         let p = ctx.prepare(&batch.input_ids, &batch.labels, b, batch.layout(), device)?;
         let mut trace = p.trace(aux_grad_scale);
         // This rank's sequence-parallel block of the embedded tokens.
-        let mut x = ctx.embed(&m.embed_tokens, &batch.input_ids, b)?;
+        // (Under context parallelism `p.ids` are this rank's two chunks of every row.)
+        let mut x = ctx.embed(&m.embed_tokens, &p.ids, b)?;
         for block in &m.layers {
-            // x + attn(norm(x)): attention on the gathered sequence, this rank's heads.
-            let attn = ctx.attention_residual(x.clone(), &block.norm, b, |full| {
-                block
-                    .self_attn
-                    .forward_masked(full, &p.rope, p.mask.as_ref())
-            })?;
+            // x + attn(norm(x)): attention on the gathered sequence, this rank's heads (and
+            // the keys of the other context-parallel ranks).
+            let inputs = ctx.masked_inputs(&p);
+            let attn = ctx.attention_block(x.clone(), &block.norm, &block.self_attn, b, inputs)?;
             // + moe(norm(x)): this rank's tokens dispatched to the experts' ranks.
             let moe = ctx.moe(&block.moe, block.norm.forward(x), b, &mut trace)?;
             x = attn + moe;
@@ -304,8 +307,7 @@ impl CausalLmShard for ParallelBlockMoeShard {
             &m.norm,
             Some(&m.lm_head),
             &m.embed_tokens,
-            &p.labels,
-            p.s,
+            &p.targets,
             trace,
         )?;
         Ok(TrainForward {
@@ -388,7 +390,7 @@ pub fn train(
     config: &TrainerConfig,
 ) -> Result<Vec<(usize, Vec<StepStats>, ParallelBlockMoe)>, BackendError> {
     let layout = ParallelLayout::parse(world, spec)?;
-    let replicas = layout.dp * layout.cp;
+    let replicas = layout.dp;
     let vocab = start.config.vocab_size;
     let device = Device::flex().autodiff();
     World::run(world, |rank| {

@@ -111,7 +111,7 @@ fn main() -> Result<()> {
     let dense_dir = fixtures().join("qwen3");
     let cfg = Qwen3Config::from_file(dense_dir.join("config.json"))?;
     let dense = Qwen3ForCausalLM::from_weights(&cfg, &HfCheckpoint::open(&dense_dir)?, &device)?;
-    let (_, dense_logits) = host(dense.forward(input_ids(&device)?))?;
+    let (_, dense_logits) = host(dense.forward(input_ids(&device)?)?)?;
 
     match out {
         Some(out) => {

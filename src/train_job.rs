@@ -31,12 +31,12 @@ use moe_backend::parallel::{GroupFamily, ParallelLayout};
 use moe_backend::router::AuxLossType;
 use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
 use moe_bridge::dist::index::{INDEX_FILE, LATEST_FILE};
-use moe_bridge::dist::placement::PlacedModel;
-use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer};
+use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState};
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
-use moe_bridge::weights::{HfShard, load_shard_checked};
 use moe_bridge::{BridgeError, Tokenizer};
+use moe_models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
+use moe_models::hf::{HfShard, ModelConfig, load_shard_checked};
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::{
@@ -489,7 +489,7 @@ fn read_json(path: &Path) -> Result<Value, TrainJobError> {
 /// The `config.json` of a model path: an HF directory, or a distributed checkpoint's.
 fn config_path(path: &Path) -> Result<PathBuf, TrainJobError> {
     if is_dist_checkpoint(path) {
-        Ok(DistCheckpoint::open(path)?
+        Ok(DistCheckpoint::open::<ModelConfig>(path)?
             .dir()
             .join(moe_bridge::hf::CONFIG_FILE))
     } else {
@@ -572,7 +572,8 @@ pub fn job_layout(job: &TrainJob, world: Option<usize>) -> Result<ParallelLayout
 
 /// Checks the settings that do not need the model, before any rank starts.
 pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJobError> {
-    let replicas = layout.dp * layout.cp;
+    // The context-parallel ranks of a replica share its sequences.
+    let replicas = layout.dp;
     if job.gbs == 0 || !job.gbs.is_multiple_of(replicas) {
         return Err(invalid(
             "gbs",
@@ -724,7 +725,7 @@ fn run_model<M: JobModel>(
         .or_else(|| is_dist_checkpoint(&job.model).then_some(job.model.as_path()))
     {
         Some(path) => {
-            let ckpt = DistCheckpoint::open(path)?;
+            let ckpt = DistCheckpoint::open::<ModelConfig>(path)?;
             let config_path = ckpt.dir().join(moe_bridge::hf::CONFIG_FILE);
             // This rank's shard at local shapes, filled by the restore (no full template).
             let (config, vocab) = M::read_config(&config_path)?;
@@ -772,10 +773,10 @@ fn run_model<M: JobModel>(
             ),
         ));
     }
-    let replicas = layout.dp * layout.cp;
+    let replicas = layout.dp;
     let per_replica = job.gbs / replicas;
     let mbs = job.mbs.unwrap_or(per_replica);
-    let replica = groups.groups.get(GroupFamily::DpCp).index;
+    let replica = groups.groups.get(GroupFamily::Dp).index;
     if let (Some(root), 0) = (&job.save, ctx.rank()) {
         clean_stale_saves(root);
     }
@@ -841,9 +842,9 @@ fn reduce_metrics(
     step: usize,
     stats: &moe_models::train::StepStats,
 ) -> Result<StepMetrics, TrainJobError> {
-    // Every TP / EP rank of a replica reports its replica's loss and tokens: dividing by the
+    // Every TP / CP / EP rank of a replica reports its replica's loss and tokens: dividing by the
     // world size averages over replicas; tokens count once per replica.
-    let ranks_per_replica = (layout.world / (layout.dp * layout.cp)) as f32;
+    let ranks_per_replica = (layout.world / layout.dp) as f32;
     let local = Tensor::<1>::from_data(
         [
             stats.loss,
@@ -861,7 +862,7 @@ fn reduce_metrics(
         .map_err(|e| invalid("metrics", format!("{e:?}")))?;
     let n = layout.world as f32;
     // The router loss of a replica is the sum of its ranks' parts.
-    let replicas = (layout.dp * layout.cp) as f32;
+    let replicas = layout.dp as f32;
     Ok(StepMetrics {
         step,
         loss: sums[0] / n,

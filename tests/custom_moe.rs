@@ -1,6 +1,6 @@
 //! A user's own MoE model (the parallel-block model of `examples/custom_moe.rs`, none of the
 //! built-in families) trained by the [`Trainer`] under `world = 4`, `tp=2,ep=4` (and
-//! `tp=2,ep=2,etp=2`) equals the `world = 1` run: per-step losses and gradient norms, and
+//! `tp=2,ep=2,etp=2`, and `tp=2,cp=2,ep=2` on 8 ranks) equals the `world = 1` run: per-step losses and gradient norms, and
 //! every rank's parameters against the same rank's shard of the `world = 1` result, within
 //! `1e-5·max|x| + 1e-6` (f32).
 
@@ -199,6 +199,9 @@ fn custom_moe_under_tp_and_ep_matches_one_rank() {
     let start = start();
     check(&start, 4, "tp=2,ep=4", 1e-3, false);
     check(&start, 4, "tp=2,ep=2,etp=2", 1e-3, false);
+    // Context parallelism: the user's attention takes the context's inputs and exchanges
+    // keys over `cp` with no change to the model.
+    check(&start, 8, "tp=2,cp=2,ep=2", 1e-3, false);
 }
 
 /// The real Adam default ε = 1e-8 (losses and gradient norms as tight; parameters with the
@@ -238,9 +241,9 @@ fn the_user_model_exports_hf_tensors_through_its_plan() {
 /// trained 2 more steps, equals 4 uninterrupted `world = 1` steps.
 #[test]
 fn the_user_model_resumes_under_another_layout() {
-    use burn_moe::bridge::dist::{
-        DistCheckpoint, SaveMeta, TrainState, restore_trainer, save_trainer,
-    };
+    use burn_moe::bridge::dist::{DistCheckpoint, SaveMeta, TrainState};
+    use burn_moe::models::checkpoint::{restore_trainer, save_trainer};
+    use burn_moe::models::hf::ModelConfig;
     use burn_moe::models::train::Trainer;
     use example::replica_batches;
 
@@ -254,7 +257,7 @@ fn the_user_model_resumes_under_another_layout() {
     let run = |spec: &str, steps: std::ops::Range<usize>, resume: bool| {
         let layout = ParallelLayout::parse(4, spec).expect("layout");
         let replicas = layout.dp * layout.cp;
-        let ckpt = resume.then(|| DistCheckpoint::open(&dir).expect("open"));
+        let ckpt = resume.then(|| DistCheckpoint::open::<ModelConfig>(&dir).expect("open"));
         World::run(4, |rank| {
             let pg = rank.process_groups(&layout)?;
             let world = rank.world()?;

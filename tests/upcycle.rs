@@ -55,7 +55,7 @@ fn dense_logits(dir: &Path, device: &Device) -> Vec<f32> {
     let cfg = Qwen3Config::from_file(dir.join("config.json")).unwrap();
     let ck = HfCheckpoint::open(dir).unwrap();
     let model = Qwen3ForCausalLM::from_weights(&cfg, &ck, device).unwrap();
-    host(model.forward(input_ids(device)))
+    host(model.forward(input_ids(device)).expect("forward"))
 }
 
 fn moe_logits(dir: &Path, device: &Device) -> Vec<f32> {

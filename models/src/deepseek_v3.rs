@@ -14,18 +14,18 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::RouterState;
-use moe_backend::router::{GroupLimitConfig, RouteOptions, ScoreFunction, TopKRouterConfig};
+use moe_backend::router::{GroupLimitConfig, ScoreFunction, TopKRouterConfig};
 
 use crate::ModelError;
-use crate::causal_lm::{CausalLm, ParamCount, lm_logits};
+use crate::causal_lm::{CausalLm, ParamCount};
 use crate::config::DeepseekV3Config;
-use crate::layers::kv_cache::{KvCache, LayerCache};
+use crate::distributed::{AttentionInputs, DecoderStack, ParallelContext, RouterTrace};
+use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
-use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::mtp::MtpModule;
-use crate::packing::{PackedInputs, SequenceLayout};
+use crate::packing::SequenceLayout;
 use crate::weights::{WeightLoader, WeightSource};
 
 impl DeepseekV3Config {
@@ -203,44 +203,6 @@ pub struct DeepseekV3Moe {
     pub moe: MoeLayer,
 }
 
-impl DeepseekV3Moe {
-    /// `x [B, S, H] → ([B, S, H], routing)`.
-    pub fn forward(&self, x: Tensor<3>) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
-        self.forward_with_state(x, &self.moe.router.init_state())
-    }
-
-    /// [`forward`](Self::forward) reading the router `state` (router replay, moe-ops §10).
-    pub fn forward_with_state(
-        &self,
-        x: Tensor<3>,
-        state: &RouterState,
-    ) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
-        self.forward_with_options(x, state, &RouteOptions::default())
-    }
-
-    /// [`forward_with_state`](Self::forward_with_state) with the router's per-call `options`
-    /// (e.g. the `[B·S]` padding mask of a padded or packed batch).
-    pub fn forward_with_options(
-        &self,
-        x: Tensor<3>,
-        state: &RouterState,
-        options: &RouteOptions<'_>,
-    ) -> Result<(Tensor<3>, DeepseekV3Routing), ModelError> {
-        let [b, s, h] = x.dims();
-        let out = self.moe.forward(x.reshape([b * s, h]), state, options)?;
-        let r = out.routing;
-        let topk_weights = r.probs.gather(1, r.topk_indices.clone());
-        Ok((
-            out.output.reshape([b, s, h]),
-            DeepseekV3Routing {
-                router_logits: r.logits,
-                topk_indices: r.topk_indices,
-                topk_weights,
-            },
-        ))
-    }
-}
-
 /// The feed-forward part of a decoder layer.
 // One value per layer: the size difference between variants is immaterial, and boxing would
 // hide the module from Burn's derive.
@@ -267,62 +229,26 @@ pub struct DeepseekV3DecoderLayer {
 }
 
 impl DeepseekV3DecoderLayer {
-    /// `x [B, S, H] → ([B, S, H], routing of an MoE layer)`.
-    pub fn forward(
+    /// The layer on this rank's sequence-parallel block `x [B·S/tp, H]` of `batch` sequences
+    /// under `ctx` (the whole `[B·S, H]` at `world = 1`): `h = x + mla(norm(x))` with MLA
+    /// heads TP-sharded, then `h + ffn(norm(h))` with the dense MLP TP-sharded or the MoE
+    /// block (shared experts on the local rows) behind the context's dispatcher, its routing
+    /// reported to `trace`.
+    pub fn forward_in(
         &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        cache: Option<&mut LayerCache>,
-    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
-        self.forward_with_state(x, rope, cache, None)
-    }
-
-    /// [`forward`](Self::forward) with a router `state` for an MoE layer (fresh when `None`).
-    pub fn forward_with_state(
-        &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        cache: Option<&mut LayerCache>,
-        state: Option<&RouterState>,
-    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
-        self.forward_inner(x, rope, None, cache, state)
-    }
-
-    /// [`forward_with_state`](Self::forward_with_state) of a packed or padded batch (no
-    /// cache): attention under `packed.mask`, the router told which rows are padding.
-    pub fn forward_packed(
-        &self,
-        x: Tensor<3>,
-        packed: &PackedInputs,
-        state: Option<&RouterState>,
-    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
-        self.forward_inner(x, &packed.rope, Some(packed), None, state)
-    }
-
-    fn forward_inner(
-        &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        packed: Option<&PackedInputs>,
-        cache: Option<&mut LayerCache>,
-        state: Option<&RouterState>,
-    ) -> Result<(Tensor<3>, Option<DeepseekV3Routing>), ModelError> {
-        let normed = self.input_layernorm.forward(x.clone());
-        let h = x + match packed {
-            Some(p) => self.self_attn.forward_masked(normed, rope, Some(&p.mask)),
-            None => self.self_attn.forward(normed, rope, cache),
-        };
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let h = ctx.attention_block(x, &self.input_layernorm, &self.self_attn, batch, inputs)?;
         let normed = self.post_attention_layernorm.forward(h.clone());
-        let (y, routing) = match &self.mlp {
-            DeepseekV3FeedForward::Dense(mlp) => (mlp.forward(normed), None),
-            DeepseekV3FeedForward::Moe(moe) => {
-                let fresh = moe.moe.router.init_state();
-                let options = packed.map_or_else(RouteOptions::default, |p| p.route_options());
-                let (y, r) = moe.forward_with_options(normed, state.unwrap_or(&fresh), &options)?;
-                (y, Some(r))
-            }
+        let y = match &self.mlp {
+            DeepseekV3FeedForward::Dense(mlp) => ctx.dense_mlp(mlp, normed)?,
+            DeepseekV3FeedForward::Moe(block) => ctx.moe(&block.moe, normed, batch, trace)?,
         };
-        Ok((h + y, routing))
+        Ok(h + y)
     }
 }
 
@@ -424,7 +350,7 @@ impl DeepseekV3ForCausalLM {
 
     /// Logits and per-MoE-layer routing of `input_ids [B, S]` (positions `0..S`, no cache).
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<DeepseekV3Output, ModelError> {
-        self.run(input_ids, None, None)
+        self.run(input_ids, None, None, None)
     }
 
     /// [`forward`](Self::forward) of a packed or padded batch (see [`crate::packing`]): MLA
@@ -437,10 +363,7 @@ impl DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         layout: &SequenceLayout,
     ) -> Result<DeepseekV3Output, ModelError> {
-        let [b, s] = input_ids.dims();
-        layout.check_shape("input_ids", b, s)?;
-        let packed = PackedInputs::new(layout, &self.rope, &input_ids.device());
-        self.run_inner(input_ids, None, None, Some(&packed))
+        self.run(input_ids, None, None, Some(layout))
     }
 
     /// MTP logits of every depth `j < D` (models.md §3.6): `[B, S − 1 − j, V]`, position `i`
@@ -451,9 +374,12 @@ impl DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         hidden: Tensor<3>,
     ) -> Result<Vec<Tensor<3>>, ModelError> {
-        let [_, s] = input_ids.dims();
+        let [b, s] = input_ids.dims();
+        let h = hidden.dims()[2];
         let device = input_ids.device();
-        let mut h = hidden;
+        let ctx = self.local_context()?;
+        let mut trace = RouterTrace::new(1.0);
+        let mut hidden = hidden;
         let mut logits = Vec::with_capacity(self.mtp.len());
         for (j, module) in self.mtp.iter().enumerate() {
             let len = s.checked_sub(j + 1).filter(|&l| l > 0).ok_or_else(|| {
@@ -462,70 +388,102 @@ impl DeepseekV3ForCausalLM {
                     reason: format!("{s} tokens are too few for MTP depth {}", j + 1),
                 }
             })?;
-            let embeds = self
-                .model
-                .embed_tokens
-                .forward(input_ids.clone().narrow(1, j + 1, len));
+            let embeds = ctx.embed_ids(
+                &self.model.embed_tokens,
+                input_ids.clone().narrow(1, j + 1, len),
+            )?;
+            let prev = hidden.narrow(1, 0, len).reshape([b * len, h]);
             // Positions of the shifted tokens (HF's drafter); RoPE only sees differences.
-            let rope = self.rope.tables(j + 1, len, &device);
-            h = module.forward(embeds, h.narrow(1, 0, len), &rope)?;
-            logits.push(lm_logits(
-                h.clone(),
+            let rope = ctx.rope_at(j + 1, len, &device);
+            let inputs = AttentionInputs::Masked {
+                rope: &rope,
+                mask: None,
+                exchange: None,
+            };
+            let next = module.forward_in(&ctx, embeds, prev, b, &mut trace, inputs)?;
+            let out = ctx.head_logits(
+                next.clone(),
                 self.lm_head.as_ref(),
                 &self.model.embed_tokens,
-            ));
+            )?;
+            let v = out.dims()[1];
+            logits.push(out.reshape([b, len, v]));
+            hidden = next.reshape([b, len, h]);
         }
         Ok(logits)
     }
 
-    /// The forward; `states`: router states by decoder-layer index ([`crate::replay`]).
+    /// The parallel context of this model at `world = 1` (identity collectives, local
+    /// dispatcher): the single-rank forward is the parallel forward on it.
+    pub fn local_context(&self) -> Result<ParallelContext, ModelError> {
+        ParallelContext::local(
+            Some(self.config.n_routed_experts),
+            self.config.vocab_size,
+            self.rope.clone(),
+        )
+    }
+
+    /// The single-rank forward ([`DecoderStack`] on [`local_context`](Self::local_context)):
+    /// after the positions in `cache`, or of a packed/padded batch with `layout`; `replay`
+    /// forces every MoE layer's experts (per MoE layer, [`crate::replay`]).
     pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
         cache: Option<&mut KvCache>,
-        states: Option<&std::collections::BTreeMap<usize, RouterState>>,
+        replay: Option<Vec<Tensor<2, Int>>>,
+        layout: Option<&SequenceLayout>,
     ) -> Result<DeepseekV3Output, ModelError> {
-        self.run_inner(input_ids, cache, states, None)
-    }
-
-    /// The forward; with `packed` (and no cache) that of a packed or padded batch.
-    pub(crate) fn run_inner(
-        &self,
-        input_ids: Tensor<2, Int>,
-        mut cache: Option<&mut KvCache>,
-        states: Option<&std::collections::BTreeMap<usize, RouterState>>,
-        packed: Option<&PackedInputs>,
-    ) -> Result<DeepseekV3Output, ModelError> {
-        let [_, s] = input_ids.dims();
-        let offset = cache.as_ref().map_or(0, |c| c.seq_len());
-        let plain;
-        let rope = match packed {
-            Some(p) => &p.rope,
-            None => {
-                plain = self.rope.tables(offset, s, &input_ids.device());
-                &plain
-            }
-        };
-        let mut x = self.model.embed_tokens.forward(input_ids);
-        let mut routing = Vec::new();
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-            let state = states.and_then(|m| m.get(&i));
-            let (y, r) = layer.forward_inner(x, rope, packed, layer_cache, state)?;
-            x = y;
-            routing.extend(r);
-        }
-        let hidden = self.model.norm.forward(x);
-        let logits = lm_logits(
-            hidden.clone(),
-            self.lm_head.as_ref(),
-            &self.model.embed_tokens,
-        );
+        let [b, s] = input_ids.dims();
+        let ctx = self.local_context()?;
+        let mut trace = RouterTrace::recording(1.0, replay);
+        let out = ctx.logits(self, input_ids, layout, cache, &mut trace)?;
+        let h = out.hidden.dims()[1];
+        let routing = (trace.logits.into_iter())
+            .zip(trace.selected)
+            .zip(trace.selected_weights)
+            .map(
+                |((router_logits, topk_indices), topk_weights)| DeepseekV3Routing {
+                    router_logits,
+                    topk_indices,
+                    topk_weights,
+                },
+            )
+            .collect();
         Ok(DeepseekV3Output {
-            logits,
-            hidden,
+            logits: out.logits,
+            hidden: out.hidden.reshape([b, s, h]),
             routing,
         })
+    }
+}
+
+impl DecoderStack for DeepseekV3ForCausalLM {
+    fn embed_tokens(&self) -> &Embedding {
+        &self.model.embed_tokens
+    }
+
+    fn final_norm(&self) -> &RmsNorm {
+        &self.model.norm
+    }
+
+    fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn layer_forward(
+        &self,
+        i: usize,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
     }
 }
 
@@ -587,7 +545,7 @@ impl CausalLm for DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        Ok(self.run(input_ids, Some(cache), None)?.logits)
+        Ok(self.run(input_ids, Some(cache), None, None)?.logits)
     }
 }
 

@@ -16,7 +16,7 @@ use crate::ModelError;
 use crate::causal_lm::causal_lm_loss;
 use crate::config::DeepseekV3Config;
 use crate::deepseek_v3::{DeepseekV3DecoderLayer, load_layer};
-use crate::layers::rope::RopeTables;
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::{RmsNorm, RmsNormConfig};
 use crate::weights::WeightLoader;
 
@@ -70,19 +70,24 @@ impl MtpModule {
         })
     }
 
-    /// `embeds [B, S', H]` (tokens `i + j + 1`) and `hidden [B, S', H]` (`hʲᵢ`) → normed
-    /// `hʲ⁺¹ [B, S', H]`; `rope` holds the tables of the `S'` shifted positions.
-    pub fn forward(
+    /// This rank's sequence-parallel rows `[T, H]` of `embeds` (tokens `i + j + 1`) and of
+    /// `hidden` (`hʲᵢ`) → normed `hʲ⁺¹ [T, H]` under `ctx` (`batch` sequences; the whole
+    /// `[B·S', H]` at `world = 1`): `eh_proj([enorm(emb) ; hnorm(h)])`, one decoder layer
+    /// (its routing reported to `trace`), `shared_head.norm`.
+    pub fn forward_in(
         &self,
-        embeds: Tensor<3>,
-        hidden: Tensor<3>,
-        rope: &RopeTables,
-    ) -> Result<Tensor<3>, ModelError> {
+        ctx: &ParallelContext,
+        embeds: Tensor<2>,
+        hidden: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
         let u = self.eh_proj.forward(Tensor::cat(
             vec![self.enorm.forward(embeds), self.hnorm.forward(hidden)],
-            2,
+            1,
         ));
-        let (y, _) = self.block.forward(u, rope, None)?;
+        let y = self.block.forward_in(ctx, u, batch, trace, inputs)?;
         Ok(self.shared_head_norm.forward(y))
     }
 }

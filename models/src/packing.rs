@@ -320,6 +320,17 @@ impl SequenceLayout {
         self.segments.iter().filter(|&&s| s >= 0).count()
     }
 
+    /// [`position_ids`](Self::position_ids) as stored.
+    pub(crate) fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+
+    /// `[B·S]` document of every token (row-major; `< 0` for padding, each padded token its
+    /// own id).
+    pub(crate) fn segment_ids(&self) -> &[i64] {
+        &self.segments
+    }
+
     /// `[B·S]` RoPE positions (row-major): restarting at 0 for every document, counting only
     /// real tokens (HF `cumsum(mask) − 1`); 0 on padding.
     pub fn position_ids(&self) -> Vec<i64> {

@@ -11,13 +11,13 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 
 use crate::ModelError;
-use crate::causal_lm::{CausalLm, lm_logits};
+use crate::causal_lm::CausalLm;
 use crate::config::Qwen3Config;
-use crate::layers::AttentionMask;
-use crate::layers::kv_cache::{KvCache, LayerCache};
-use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::distributed::{AttentionInputs, DecoderStack, ParallelContext, RouterTrace};
+use crate::layers::kv_cache::KvCache;
+use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
-use crate::packing::{PackedInputs, SequenceLayout};
+use crate::packing::SequenceLayout;
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3Config {
@@ -80,33 +80,19 @@ pub struct Qwen3DecoderLayer {
 }
 
 impl Qwen3DecoderLayer {
-    /// `h = x + Attn(norm(x))`; `out = h + MLP(norm(h))`, `x [B, S, H]`.
-    pub fn forward(
+    /// The layer on this rank's sequence-parallel block `x [B·S/tp, H]` of `batch` sequences
+    /// under `ctx` (the whole `[B·S, H]` at `world = 1`): `h = x + attn(norm(x))`, then
+    /// `h + mlp(norm(h))` with attention heads and MLP columns TP-sharded.
+    pub fn forward_in(
         &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        cache: Option<&mut LayerCache>,
-    ) -> Tensor<3> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), rope, cache);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
-    }
-
-    /// [`forward`](Self::forward) without a cache, under an attention `mask` (packed
-    /// documents, padding; see [`AttentionMask`]).
-    pub fn forward_masked(
-        &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        mask: Option<&AttentionMask>,
-    ) -> Tensor<3> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward_masked(self.input_layernorm.forward(x), rope, mask);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let h = ctx.attention_block(x, &self.input_layernorm, &self.self_attn, batch, inputs)?;
+        let normed = self.post_attention_layernorm.forward(h.clone());
+        Ok(h + ctx.dense_mlp(&self.mlp, normed)?)
     }
 }
 
@@ -190,8 +176,8 @@ impl Qwen3ForCausalLM {
     }
 
     /// Logits `[B, S, V]` of `input_ids [B, S]` (positions `0..S`, no cache).
-    pub fn forward(&self, input_ids: Tensor<2, Int>) -> Tensor<3> {
-        self.run(input_ids, None)
+    pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
+        self.run(input_ids, None, None)
     }
 
     /// [`forward`](Self::forward) of a packed or padded batch (see [`crate::packing`]):
@@ -202,47 +188,58 @@ impl Qwen3ForCausalLM {
         input_ids: Tensor<2, Int>,
         layout: &SequenceLayout,
     ) -> Result<Tensor<3>, ModelError> {
-        let [b, s] = input_ids.dims();
-        layout.check_shape("input_ids", b, s)?;
-        let packed = PackedInputs::new(layout, &self.rope, &input_ids.device());
-        Ok(self.run_inner(input_ids, None, Some(&packed)))
+        self.run(input_ids, None, Some(layout))
     }
 
-    fn run(&self, input_ids: Tensor<2, Int>, cache: Option<&mut KvCache>) -> Tensor<3> {
-        self.run_inner(input_ids, cache, None)
+    /// The parallel context of this model at `world = 1` (identity collectives): the
+    /// single-rank forward is the parallel forward on it.
+    pub fn local_context(&self) -> Result<ParallelContext, ModelError> {
+        ParallelContext::local(None, self.config.vocab_size, self.rope.clone())
     }
 
-    fn run_inner(
+    /// The single-rank forward ([`DecoderStack`] on [`local_context`](Self::local_context)),
+    /// after the positions in `cache` or of a packed/padded batch with `layout`.
+    fn run(
         &self,
         input_ids: Tensor<2, Int>,
-        mut cache: Option<&mut KvCache>,
-        packed: Option<&PackedInputs>,
-    ) -> Tensor<3> {
-        let [_, s] = input_ids.dims();
-        let offset = cache.as_ref().map_or(0, |c| c.seq_len());
-        let plain;
-        let rope = match packed {
-            Some(p) => &p.rope,
-            None => {
-                plain = self.rope.tables(offset, s, &input_ids.device());
-                &plain
-            }
-        };
-        let mut x = self.model.embed_tokens.forward(input_ids);
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            x = match packed {
-                Some(p) => layer.forward_masked(x, rope, Some(&p.mask)),
-                None => {
-                    let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-                    layer.forward(x, rope, layer_cache)
-                }
-            };
-        }
-        lm_logits(
-            self.model.norm.forward(x),
-            self.lm_head.as_ref(),
-            &self.model.embed_tokens,
-        )
+        cache: Option<&mut KvCache>,
+        layout: Option<&SequenceLayout>,
+    ) -> Result<Tensor<3>, ModelError> {
+        let ctx = self.local_context()?;
+        let mut trace = RouterTrace::new(1.0);
+        Ok(ctx
+            .logits(self, input_ids, layout, cache, &mut trace)?
+            .logits)
+    }
+}
+
+impl DecoderStack for Qwen3ForCausalLM {
+    fn embed_tokens(&self) -> &Embedding {
+        &self.model.embed_tokens
+    }
+
+    fn final_norm(&self) -> &RmsNorm {
+        &self.model.norm
+    }
+
+    fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn layer_forward(
+        &self,
+        i: usize,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        _trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        self.model.layers[i].forward_in(ctx, x, batch, inputs)
     }
 }
 
@@ -260,7 +257,7 @@ impl CausalLm for Qwen3ForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        Ok(self.run(input_ids, Some(cache)))
+        self.run(input_ids, Some(cache), None)
     }
 }
 
@@ -305,7 +302,9 @@ mod tests {
         assert_eq!(sampled(11).len(), 6);
         // The first greedy token is the argmax of the full forward's last position.
         let greedy = generate(&model, &[3, 1, 4], &GenerationConfig::greedy(1), &device).unwrap();
-        let logits = model.forward(Tensor::<2, Int>::from_data([[3, 1, 4]], &device));
+        let logits = model
+            .forward(Tensor::<2, Int>::from_data([[3, 1, 4]], &device))
+            .unwrap();
         let last = logits
             .narrow(1, 2, 1)
             .reshape([32])
@@ -328,7 +327,7 @@ mod tests {
         let model = tiny().init(&device).unwrap();
         assert!(model.lm_head.is_none());
         let ids = Tensor::<2, Int>::from_data([[1, 5, 7, 2, 9]], &device);
-        let full = model.forward(ids.clone());
+        let full = model.forward(ids.clone()).unwrap();
         assert_eq!(full.dims(), [1, 5, 32]);
         let mut cache = model.new_cache();
         let a = model

@@ -8,22 +8,21 @@
 //! (post-softmax routing, equal to HF's softmax → top-k → divide up to rounding), no shared
 //! expert, no scaling factor.
 
-use std::collections::BTreeMap;
-
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::{RouteOptions, RouterState, ScoreFunction, TopKRouterConfig};
+use moe_backend::router::{ScoreFunction, TopKRouterConfig};
 
 use crate::ModelError;
-use crate::causal_lm::{CausalLm, hf_load_balancing_loss, lm_logits};
+use crate::causal_lm::{CausalLm, hf_load_balancing_loss};
 use crate::config::Qwen3MoeConfig;
-use crate::layers::kv_cache::{KvCache, LayerCache};
-use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::distributed::{AttentionInputs, DecoderStack, ParallelContext, RouterTrace};
+use crate::layers::kv_cache::KvCache;
+use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
-use crate::packing::{PackedInputs, SequenceLayout};
+use crate::packing::SequenceLayout;
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3MoeConfig {
@@ -107,52 +106,6 @@ pub struct Qwen3MoeSparseMoeBlock {
     pub moe: MoeLayer,
 }
 
-impl Qwen3MoeSparseMoeBlock {
-    /// `x [B, S, H] → ([B, S, H], router logits [B·S, E])`.
-    pub fn forward(&self, x: Tensor<3>) -> Result<(Tensor<3>, Tensor<2>), ModelError> {
-        let (y, routing) = self.forward_with_state(x, &self.moe.router.init_state())?;
-        Ok((y, routing.router_logits))
-    }
-
-    /// [`forward`](Self::forward) reading the router `state` (e.g. router replay, moe-ops
-    /// §10); also returns the selected experts `[B·S, k]`.
-    pub fn forward_with_state(
-        &self,
-        x: Tensor<3>,
-        state: &RouterState,
-    ) -> Result<(Tensor<3>, Qwen3MoeRouting), ModelError> {
-        self.forward_with_options(x, state, &RouteOptions::default())
-    }
-
-    /// [`forward_with_state`](Self::forward_with_state) with the router's per-call `options`
-    /// (e.g. the `[B·S]` padding mask of a padded or packed batch).
-    pub fn forward_with_options(
-        &self,
-        x: Tensor<3>,
-        state: &RouterState,
-        options: &RouteOptions<'_>,
-    ) -> Result<(Tensor<3>, Qwen3MoeRouting), ModelError> {
-        let [b, s, h] = x.dims();
-        let out = self.moe.forward(x.reshape([b * s, h]), state, options)?;
-        Ok((
-            out.output.reshape([b, s, h]),
-            Qwen3MoeRouting {
-                router_logits: out.routing.logits,
-                topk_indices: out.routing.topk_indices,
-            },
-        ))
-    }
-}
-
-/// Routing decisions of one sparse layer.
-#[derive(Debug, Clone)]
-pub struct Qwen3MoeRouting {
-    /// `[B·S, E]` router logits (rows `b·S + s`).
-    pub router_logits: Tensor<2>,
-    /// `[B·S, k]` selected experts (descending score, or as replayed).
-    pub topk_indices: Tensor<2, Int>,
-}
-
 /// The feed-forward part of a decoder layer.
 // One value per layer: the size difference between variants is immaterial, and boxing would
 // hide the module from Burn's derive.
@@ -179,65 +132,25 @@ pub struct Qwen3MoeDecoderLayer {
 }
 
 impl Qwen3MoeDecoderLayer {
-    /// `x [B, S, H] → ([B, S, H], router logits of a sparse layer)`.
-    pub fn forward(
+    /// The layer on this rank's sequence-parallel block `x [B·S/tp, H]` of `batch` sequences
+    /// under `ctx` (the whole `[B·S, H]` at `world = 1`): `h = x + attn(norm(x))`, then
+    /// `h + mlp(norm(h))` with the dense MLP TP-sharded or the MoE block behind the context's
+    /// dispatcher (its routing reported to `trace`).
+    pub fn forward_in(
         &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        cache: Option<&mut LayerCache>,
-    ) -> Result<(Tensor<3>, Option<Tensor<2>>), ModelError> {
-        let (y, routing) = self.forward_with_state(x, rope, cache, None)?;
-        Ok((y, routing.map(|r| r.router_logits)))
-    }
-
-    /// [`forward`](Self::forward) with an optional router `state` for a sparse layer (a fresh
-    /// one when `None`), returning the full routing.
-    pub fn forward_with_state(
-        &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        cache: Option<&mut LayerCache>,
-        state: Option<&RouterState>,
-    ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
-        self.forward_inner(x, rope, None, cache, state)
-    }
-
-    /// [`forward_with_state`](Self::forward_with_state) of a packed or padded batch (no
-    /// cache): attention under `packed.mask`, the router told which rows are padding.
-    pub fn forward_packed(
-        &self,
-        x: Tensor<3>,
-        packed: &PackedInputs,
-        state: Option<&RouterState>,
-    ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
-        self.forward_inner(x, &packed.rope, Some(packed), None, state)
-    }
-
-    fn forward_inner(
-        &self,
-        x: Tensor<3>,
-        rope: &RopeTables,
-        packed: Option<&PackedInputs>,
-        cache: Option<&mut LayerCache>,
-        state: Option<&RouterState>,
-    ) -> Result<(Tensor<3>, Option<Qwen3MoeRouting>), ModelError> {
-        let normed = self.input_layernorm.forward(x.clone());
-        let h = x + match packed {
-            Some(p) => self.self_attn.forward_masked(normed, rope, Some(&p.mask)),
-            None => self.self_attn.forward(normed, rope, cache),
-        };
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let h = ctx.attention_block(x, &self.input_layernorm, &self.self_attn, batch, inputs)?;
         let normed = self.post_attention_layernorm.forward(h.clone());
-        let (y, routing) = match &self.mlp {
-            Qwen3MoeFeedForward::Dense(mlp) => (mlp.forward(normed), None),
-            Qwen3MoeFeedForward::Sparse(block) => {
-                let fresh = block.moe.router.init_state();
-                let options = packed.map_or_else(RouteOptions::default, |p| p.route_options());
-                let (y, routing) =
-                    block.forward_with_options(normed, state.unwrap_or(&fresh), &options)?;
-                (y, Some(routing))
-            }
+        let y = match &self.mlp {
+            Qwen3MoeFeedForward::Dense(mlp) => ctx.dense_mlp(mlp, normed)?,
+            Qwen3MoeFeedForward::Sparse(block) => ctx.moe(&block.moe, normed, batch, trace)?,
         };
-        Ok((h + y, routing))
+        Ok(h + y)
     }
 }
 
@@ -399,7 +312,7 @@ impl Qwen3MoeForCausalLM {
 
     /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Result<Qwen3MoeOutput, ModelError> {
-        self.run(input_ids, None, None)
+        self.run(input_ids, None, None, None)
     }
 
     /// [`forward`](Self::forward) of a packed or padded batch (see [`crate::packing`]):
@@ -412,10 +325,7 @@ impl Qwen3MoeForCausalLM {
         input_ids: Tensor<2, Int>,
         layout: &SequenceLayout,
     ) -> Result<Qwen3MoeOutput, ModelError> {
-        let [b, s] = input_ids.dims();
-        layout.check_shape("input_ids", b, s)?;
-        let packed = PackedInputs::new(layout, &self.rope, &input_ids.device());
-        self.run_inner(input_ids, None, None, Some(&packed))
+        self.run(input_ids, None, None, Some(layout))
     }
 
     /// HF's labelled forward with `output_router_logits=True`: cross-entropy of `labels`
@@ -445,57 +355,64 @@ impl Qwen3MoeForCausalLM {
         })
     }
 
-    /// The forward pass; `states` are per-MoE-layer router states by decoder-layer index
-    /// (router replay, [`crate::replay`]).
+    /// The parallel context of this model at `world = 1` (identity collectives, local
+    /// dispatcher): the single-rank forward is the parallel forward on it.
+    pub fn local_context(&self) -> Result<ParallelContext, ModelError> {
+        ParallelContext::local(
+            Some(self.config.num_experts),
+            self.config.vocab_size,
+            self.rope.clone(),
+        )
+    }
+
+    /// The single-rank forward ([`DecoderStack`] on [`local_context`](Self::local_context)):
+    /// after the positions in `cache`, or of a packed/padded batch with `layout`; `replay`
+    /// forces every sparse layer's experts (per sparse layer, [`crate::replay`]).
     pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
         cache: Option<&mut KvCache>,
-        states: Option<&BTreeMap<usize, RouterState>>,
+        replay: Option<Vec<Tensor<2, Int>>>,
+        layout: Option<&SequenceLayout>,
     ) -> Result<Qwen3MoeOutput, ModelError> {
-        self.run_inner(input_ids, cache, states, None)
+        let ctx = self.local_context()?;
+        let mut trace = RouterTrace::recording(1.0, replay);
+        let out = ctx.logits(self, input_ids, layout, cache, &mut trace)?;
+        Ok(Qwen3MoeOutput {
+            logits: out.logits,
+            router_logits: trace.logits,
+            topk_indices: trace.selected,
+        })
+    }
+}
+
+impl DecoderStack for Qwen3MoeForCausalLM {
+    fn embed_tokens(&self) -> &Embedding {
+        &self.model.embed_tokens
     }
 
-    /// The forward; with `packed` (and no cache) that of a packed or padded batch.
-    fn run_inner(
+    fn final_norm(&self) -> &RmsNorm {
+        &self.model.norm
+    }
+
+    fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    fn layer_forward(
         &self,
-        input_ids: Tensor<2, Int>,
-        mut cache: Option<&mut KvCache>,
-        states: Option<&BTreeMap<usize, RouterState>>,
-        packed: Option<&PackedInputs>,
-    ) -> Result<Qwen3MoeOutput, ModelError> {
-        let [_, s] = input_ids.dims();
-        let offset = cache.as_ref().map_or(0, |c| c.seq_len());
-        let plain;
-        let rope = match packed {
-            Some(p) => &p.rope,
-            None => {
-                plain = self.rope.tables(offset, s, &input_ids.device());
-                &plain
-            }
-        };
-        let mut x = self.model.embed_tokens.forward(input_ids);
-        let (mut router_logits, mut topk_indices) = (Vec::new(), Vec::new());
-        for (i, layer) in self.model.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().and_then(|c| c.layers.get_mut(i));
-            let state = states.and_then(|m| m.get(&i));
-            let (y, routing) = layer.forward_inner(x, rope, packed, layer_cache, state)?;
-            x = y;
-            if let Some(r) = routing {
-                router_logits.push(r.router_logits);
-                topk_indices.push(r.topk_indices);
-            }
-        }
-        let logits = lm_logits(
-            self.model.norm.forward(x),
-            self.lm_head.as_ref(),
-            &self.model.embed_tokens,
-        );
-        Ok(Qwen3MoeOutput {
-            logits,
-            router_logits,
-            topk_indices,
-        })
+        i: usize,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
     }
 }
 
@@ -513,7 +430,7 @@ impl CausalLm for Qwen3MoeForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        Ok(self.run(input_ids, Some(cache), None)?.logits)
+        Ok(self.run(input_ids, Some(cache), None, None)?.logits)
     }
 }
 

@@ -35,7 +35,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use moe_backend::router::{ReplayMode, RouterState};
 
 use crate::ModelError;
 use crate::deepseek_v3::DeepseekV3ForCausalLM;
@@ -214,20 +213,14 @@ impl RouterReplayFile {
         Ok(())
     }
 
-    /// One router state per MoE layer in `ReplayForward` mode holding the ids, on `device`.
-    pub fn router_states(
-        &self,
-        num_experts: usize,
-        device: &Device,
-    ) -> BTreeMap<usize, RouterState> {
+    /// The forced ids `[T, k]` of every MoE layer (ascending layer), on `device`: what the
+    /// routers replay (`ReplayForward`).
+    pub fn layer_indices(&self, device: &Device) -> Vec<Tensor<2, Int>> {
         self.layers
-            .iter()
-            .map(|(&layer, ids)| {
-                let mut state = RouterState::new(num_experts);
+            .values()
+            .map(|ids| {
                 let data = TensorData::new(ids.clone(), [self.num_tokens, self.topk]);
-                state.replay.set_indices(Tensor::from_data(data, device));
-                state.replay.set_mode(ReplayMode::ReplayForward);
-                (layer, state)
+                Tensor::from_data(data, device)
             })
             .collect()
     }
@@ -239,11 +232,11 @@ pub trait RouterReplayModel {
     fn replay_spec(&self) -> ReplaySpec;
 
     /// Logits `[B, S, V]` and the `[B·S, k]` selected experts of every MoE layer (ascending
-    /// layer), with per-layer router `states` (keyed by decoder-layer index) when given.
+    /// layer); with `replay`, every MoE layer's routers forced to its ids (ascending layer).
     fn forward_routing(
         &self,
         input_ids: Tensor<2, Int>,
-        states: Option<&BTreeMap<usize, RouterState>>,
+        replay: Option<Vec<Tensor<2, Int>>>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError>;
 }
 
@@ -263,9 +256,9 @@ impl RouterReplayModel for Qwen3MoeForCausalLM {
     fn forward_routing(
         &self,
         input_ids: Tensor<2, Int>,
-        states: Option<&BTreeMap<usize, RouterState>>,
+        replay: Option<Vec<Tensor<2, Int>>>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
-        let out = self.run(input_ids, None, states)?;
+        let out = self.run(input_ids, None, replay, None)?;
         Ok((out.logits, out.topk_indices))
     }
 }
@@ -286,9 +279,9 @@ impl RouterReplayModel for DeepseekV3ForCausalLM {
     fn forward_routing(
         &self,
         input_ids: Tensor<2, Int>,
-        states: Option<&BTreeMap<usize, RouterState>>,
+        replay: Option<Vec<Tensor<2, Int>>>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
-        let out = self.run(input_ids, None, states)?;
+        let out = self.run(input_ids, None, replay, None)?;
         Ok((
             out.logits,
             out.routing.into_iter().map(|r| r.topk_indices).collect(),
@@ -323,8 +316,8 @@ pub fn replay_routing<M: RouterReplayModel>(
     let [b, s] = input_ids.dims();
     let spec = model.replay_spec();
     replay.check(&spec, b * s)?;
-    let states = replay.router_states(spec.num_experts, &input_ids.device());
-    model.forward_routing(input_ids, Some(&states))
+    let forced = replay.layer_indices(&input_ids.device());
+    model.forward_routing(input_ids, Some(forced))
 }
 
 #[cfg(test)]

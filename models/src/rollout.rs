@@ -241,7 +241,7 @@ impl RolloutModel for Qwen3MoeForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut crate::layers::kv_cache::KvCache,
     ) -> Result<CachedForward, ModelError> {
-        let out = self.run(input_ids, Some(cache), None)?;
+        let out = self.run(input_ids, Some(cache), None, None)?;
         Ok(CachedForward {
             logits: out.logits,
             topk_indices: Some(out.topk_indices),
@@ -259,7 +259,7 @@ impl RolloutModel for DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut crate::layers::kv_cache::KvCache,
     ) -> Result<CachedForward, ModelError> {
-        let out = self.run(input_ids, Some(cache), None)?;
+        let out = self.run(input_ids, Some(cache), None, None)?;
         let routing = out.routing.into_iter().map(|r| r.topk_indices).collect();
         Ok(CachedForward {
             logits: out.logits,

@@ -37,7 +37,7 @@ use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
-use crate::distributed::sharded::{mtp_labels, scored_targets};
+use crate::distributed::sharded::{mtp_labels, scored_targets, scored_targets_at};
 use crate::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err};
 use crate::packing::SequenceLayout;
 use crate::param_plan::GradClass;
@@ -328,6 +328,8 @@ pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
     groups: ProcessGroups,
     /// The dense data-parallel group (token counts of the global batch).
     dp_cp: Comm,
+    /// The context-parallel group (a replica's logged loss and token counts).
+    cp: Comm,
     /// The routers' count group (expert-bias updates).
     tp_dp_cp: Comm,
 }
@@ -427,6 +429,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             device: device.clone(),
             groups: groups.groups.clone(),
             dp_cp: groups.comm(GroupFamily::DpCp).clone(),
+            cp: groups.comm(GroupFamily::Cp).clone(),
             tp_dp_cp: groups.comm(GroupFamily::TpDpCp).clone(),
         })
     }
@@ -516,15 +519,16 @@ impl<M: ParallelCausalLm> Trainer<M> {
             0
         };
         // Per micro-batch: target tokens of the main loss, then of each MTP depth.
+        // Under context parallelism each rank counts the targets of its own positions.
         let counts: Vec<Vec<usize>> = micro
             .iter()
             .map(|b| {
                 let s = b.seq_len();
-                std::iter::once(b.target_tokens())
-                    .chain(
-                        (0..depths)
-                            .map(|j| scored_targets(&mtp_labels(&b.labels, s, j, b.layout()), s)),
-                    )
+                let at = self.model.sequence_positions(s);
+                std::iter::once(scored_targets_at(&b.labels, s, &at))
+                    .chain((0..depths).map(|j| {
+                        scored_targets_at(&mtp_labels(&b.labels, s, j, b.layout()), s, &at)
+                    }))
                     .collect()
             })
             .collect();
@@ -592,6 +596,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
             accumulator.accumulate(self.model.model(), grads);
         }
         let grads = accumulator.grads();
+        // The replica's logged sums and token counts: under context parallelism its ranks
+        // hold different tokens of the same sequences, so they are summed over `cp`.
+        let (logged, local) = self.replica_sums(logged, local)?;
         let sums: Vec<f64> = match logged {
             Some(t) => read_f32(t)?.into_iter().map(f64::from).collect(),
             None => Vec::new(),
@@ -610,6 +617,42 @@ impl<M: ParallelCausalLm> Trainer<M> {
         }
         stats.tokens_per_second = stats.tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
         Ok(stats)
+    }
+
+    /// The logged sums (token-summed cross-entropy, aux loss, token-summed MTP losses) and
+    /// target counts of this rank, summed over its context-parallel group (unchanged without
+    /// context parallelism; the aux loss stays this rank's part of its `tp_cp` group's loss,
+    /// as under TP).
+    fn replica_sums(
+        &self,
+        logged: Option<Tensor<1>>,
+        local: Vec<usize>,
+    ) -> Result<(Option<Tensor<1>>, Vec<usize>), ModelError> {
+        if self.cp.size() == 1 {
+            return Ok((logged, local));
+        }
+        let logged = match logged {
+            Some(t) => {
+                // Entry 1 (the aux loss) stays this rank's part, as under TP.
+                let n = t.dims()[0];
+                let keep: Vec<f32> = (0..n).map(|i| if i == 1 { 1.0 } else { 0.0 }).collect();
+                let keep =
+                    Tensor::<1>::from_data(burn::tensor::TensorData::new(keep, [n]), &self.device);
+                let summed = (self.cp)
+                    .all_reduce(
+                        t.clone() * keep.clone().neg().add_scalar(1.0),
+                        ReduceOp::Sum,
+                    )
+                    .map_err(err)?;
+                Some(summed + t * keep)
+            }
+            None => None,
+        };
+        let values: Vec<f32> = local.iter().map(|&n| n as f32).collect();
+        let n = values.len();
+        let t = Tensor::<1>::from_data(burn::tensor::TensorData::new(values, [n]), &self.device);
+        let summed = read_f32(self.cp.all_reduce(t, ReduceOp::Sum).map_err(err)?)?;
+        Ok((logged, summed.into_iter().map(|v| v as usize).collect()))
     }
 
     /// `local` token counts summed over the data-parallel replicas (one collective).

@@ -124,7 +124,7 @@ fn qwen3_dense_tied_matches_transformers() {
         .expect("load");
     let golden = Golden::open("qwen3");
     let (ids, t) = input_ids(&golden, config.vocab_size, &device);
-    let logits = model.forward(t);
+    let logits = model.forward(t).expect("forward");
     let loss = moe_models::causal_lm::causal_lm_loss(logits.clone(), &ids).expect("loss");
     assert_logits("qwen3", logits, &golden);
     let (_, want) = golden.f32("loss");

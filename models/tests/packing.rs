@@ -336,7 +336,9 @@ fn dense_qwen3_packed_logits_equal_each_document_alone() {
         .expect("packed forward");
     for (d, start) in starts().into_iter().enumerate() {
         let doc = &docs[d];
-        let want = model.forward(ids_tensor(doc, [1, doc.len()], &device));
+        let want = model
+            .forward(ids_tensor(doc, [1, doc.len()], &device))
+            .expect("forward");
         close(
             &f32s(logits.clone().narrow(1, start, doc.len())),
             &f32s(want),
@@ -514,7 +516,8 @@ fn train<M: Family>(
 /// one row each: same token-mean cross-entropy, the router aux loss and the expert-bias counts
 /// over the same (unpadded) tokens, the same gradients, parameters and expert biases — at
 /// `world=1` and under `world=4, tp=2, ep=4` (whose sequence-parallel halves of the packed row
-/// hold different numbers of padded rows).
+/// hold different numbers of padded rows), and under `cp=2` (context parallelism of a packed
+/// row: document masks across the gathered keys).
 fn training_step_matches<M: Family>() {
     let start = M::load(&ad());
     let docs = documents(start.vocab());
@@ -527,10 +530,13 @@ fn training_step_matches<M: Family>() {
     );
     let reference = train(&start, &unpacked, (1, ""));
     let (ref_run, ref_model) = &reference[0];
-    for (world, spec) in [(1, ""), (4, "tp=2,ep=4")] {
-        let runs = train(&start, &packed, (world, spec));
-        let twins = (world > 1).then(|| train(&start, &unpacked, (world, spec)));
+    // `cp=2`: the packed rows cut into four chunks of 4, two per rank (the padded twin's rows
+    // of 6 do not split; its parameters are laid out as at world 1, so the world-1 run is
+    // the reference).
+    for (world, spec) in [(1, ""), (4, "tp=2,ep=4"), (2, "cp=2")] {
         let layout = ParallelLayout::parse(world, spec).expect("layout");
+        let runs = train(&start, &packed, (world, spec));
+        let twins = (world > 1 && layout.cp == 1).then(|| train(&start, &unpacked, (world, spec)));
         let layout_ref = &layout;
         // The reference's final parameters in each rank's shard layout.
         let want_params = World::run(world, |ctx| {
@@ -545,8 +551,10 @@ fn training_step_matches<M: Family>() {
         for (rank, ((run, _), want)) in runs.iter().zip(want_params).enumerate() {
             let want = want.expect("reference shard");
             let what = |s: &str| format!("{spec} rank {rank}: {s}");
-            {
-                // Gradients first: they say most about a mismatch.
+            // Gradients first: they say most about a mismatch. (Under context parallelism
+            // the recorded objective is each rank's own token mean, not the trainer's
+            // token-weighted one; the steps below compare what the trainer does.)
+            if layout.cp == 1 {
                 let grads_want = match &twins {
                     Some(t) => &t[rank].0.grads,
                     None => &ref_run.grads,

@@ -147,8 +147,9 @@ fn step_traffic_matches_the_planner() {
     use moe_models::plan::shape::ModelShape;
     use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 
-    const FAMILIES: [GroupFamily; 6] = [
+    const FAMILIES: [GroupFamily; 7] = [
         GroupFamily::Tp,
+        GroupFamily::Cp,
         GroupFamily::Ep,
         GroupFamily::ExptTp,
         GroupFamily::TpEp,
@@ -166,6 +167,9 @@ fn step_traffic_matches_the_planner() {
         (4, "tp=2,ep=2,etp=2", DispatcherKind::AllToAll),
         (2, "", DispatcherKind::AllToAll),
         (4, "tp=2,ep=4", DispatcherKind::AllGather),
+        (2, "cp=2", DispatcherKind::AllToAll),
+        (8, "tp=2,cp=2,ep=2", DispatcherKind::AllToAll),
+        (8, "cp=2,ep=4", DispatcherKind::AllToAll),
     ];
     for (world, spec, kind) in cases {
         let layout = ParallelLayout::parse(world, spec).unwrap();
@@ -180,7 +184,8 @@ fn step_traffic_matches_the_planner() {
             };
             let mut trainer = Trainer::new(full_ref, &pg, world_comm.clone(), trainer_config, dev)
                 .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
-            let replica = trainer.model().replica;
+            // The context-parallel ranks of a replica share its batch.
+            let replica = pg.groups.get(GroupFamily::Dp).index;
             let ids: Vec<i64> = (0..batch * seq)
                 .map(|i| ((i * 37 + replica * 101 + 11) % 256) as i64)
                 .collect();
@@ -254,6 +259,7 @@ fn step_traffic_matches_the_planner() {
                 .total;
             let planned = [
                 plan.tp,
+                plan.cp,
                 plan.ep,
                 plan.expt_tp,
                 plan.tp_ep,
@@ -264,7 +270,7 @@ fn step_traffic_matches_the_planner() {
             let planned: Vec<u64> = planned.iter().map(|&b| b as u64).collect();
             assert_eq!(
                 &planned, measured,
-                "{spec} {kind:?} rank {rank}: [tp, ep, expt_tp, tp_ep, dp_cp, expt_dp, world]"
+                "{spec} {kind:?} rank {rank}: [tp, cp, ep, expt_tp, tp_ep, dp_cp, expt_dp, world]"
             );
         }
     }

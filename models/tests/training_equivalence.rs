@@ -198,17 +198,15 @@ fn check<M: ParallelCausalLm + Sync>(
     loose: bool,
 ) {
     let layout = ParallelLayout::parse(world, spec).expect("layout");
-    let replicas = layout.dp * layout.cp;
+    // The context-parallel ranks of a data-parallel replica share its batch.
+    let replicas = layout.dp;
     let final_ref = &reference.final_model;
     let layout_ref = &layout;
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
         let mut trainer =
             Trainer::new(start, &pg, ctx.world()?, config(eps, aux), &ad()).map_err(be)?;
-        let replica = pg
-            .groups
-            .get(moe_backend::parallel::GroupFamily::DpCp)
-            .index;
+        let replica = pg.groups.get(moe_backend::parallel::GroupFamily::Dp).index;
         let mut stats = Vec::new();
         for step in 0..STEPS {
             let micro: Vec<TrainBatch> = (0..MICRO)
@@ -385,6 +383,45 @@ fn qwen3_moe_training_with_real_defaults_matches_one_rank() {
     );
 }
 
+/// Context parallelism (each sequence cut into `2·cp` chunks, two per rank, keys and values
+/// all-gathered along the sequence) alone and with TP, EP and DP: the same training run as
+/// `world=1` (losses, MTP losses, gradient norms, parameters, expert biases).
+const CP_LAYOUTS: [(usize, &str); 3] = [(2, "cp=2"), (8, "tp=2,cp=2,ep=2"), (8, "cp=2,ep=4")];
+
+fn cp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
+    let mut references: Vec<(usize, Run<M>)> = Vec::new();
+    for (world, spec) in CP_LAYOUTS {
+        let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
+        if !references.iter().any(|(r, _)| *r == replicas) {
+            let run = single_rank(start, vocab, replicas, 1e-3, AuxLossType::Aux);
+            references.push((replicas, run));
+        }
+        let (_, reference) = references
+            .iter()
+            .find(|(r, _)| *r == replicas)
+            .expect("reference");
+        check(
+            (world, spec),
+            start,
+            vocab,
+            reference,
+            1e-3,
+            AuxLossType::Aux,
+            false,
+        );
+    }
+}
+
+#[test]
+fn qwen3_moe_context_parallel_training_matches_one_rank() {
+    cp_layouts_match_one_rank(&qwen3_moe(&ad()), 256);
+}
+
+#[test]
+fn deepseek_v3_context_parallel_training_with_mtp_matches_one_rank() {
+    cp_layouts_match_one_rank(&deepseek(&ad()), 256);
+}
+
 #[test]
 fn dense_qwen3_training_matches_one_rank() {
     let dir = common::fixtures().join("qwen3");
@@ -517,4 +554,58 @@ fn training_mtp_loss_equals_single_rank_forward_mtp() {
         (mtp - want_mtp).abs() <= 1e-5 * want_mtp,
         "{mtp} vs {want_mtp}"
     );
+}
+
+/// Context-parallel inputs the layout cannot take are refused with an error naming the
+/// field, before anything runs: a sequence length not divisible by `2·cp`, and forwards that
+/// need whole sequences on every rank (generation, per-token log-probs).
+#[test]
+fn impossible_context_parallel_inputs_are_refused() {
+    use moe_models::causal_lm::CausalLm;
+    let start = qwen3_moe(&ad());
+    let layout = ParallelLayout::parse(2, "cp=2").expect("layout");
+    let (start_ref, layout_ref) = (&start, &layout);
+    let results = World::run(2, |ctx| {
+        let pg = ctx.process_groups(layout_ref)?;
+        let mut trainer = Trainer::new(
+            start_ref,
+            &pg,
+            ctx.world()?,
+            config(1e-3, AuxLossType::Aux),
+            &ad(),
+        )
+        .map_err(be)?;
+        // Rows of 6 tokens do not cut into 2·cp = 4 chunks.
+        let ids: Vec<i64> = (0..12).map(|i| (i * 7 + 3) % 256).collect();
+        let step = trainer
+            .step(&TrainBatch::causal(ids, 2).expect("batch"))
+            .expect_err("S = 6 under cp = 2")
+            .to_string();
+        let shard = trainer.model();
+        let logits = shard
+            .forward_cached(
+                Tensor::<2, Int>::from_data([[1, 2, 3, 4]], &ad()),
+                &mut shard.new_cache(),
+            )
+            .expect_err("generation under cp = 2")
+            .to_string();
+        let logprobs = shard
+            .forward_logprobs(&[1, 2, 3, 4], &[1, 2, 3, 4], 1, &ad())
+            .expect_err("log-probs under cp = 2")
+            .to_string();
+        Ok((step, logits, logprobs))
+    });
+    for (rank, res) in results.into_iter().enumerate() {
+        let (step, logits, logprobs) = res.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(step.contains("cp") && step.contains("2·cp = 4"), "{step}");
+        assert!(step.contains("sequence length 6"), "{step}");
+        assert!(
+            logits.contains("cp") && logits.contains("generation"),
+            "{logits}"
+        );
+        assert!(
+            logprobs.contains("cp") && logprobs.contains("log-probs"),
+            "{logprobs}"
+        );
+    }
 }

@@ -11,15 +11,14 @@ use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
-use super::runtime::{Prepared, RouterTrace, SpRuntime};
+use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward, roll_rows};
 use super::{DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard};
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
 use crate::config::DeepseekV3Config;
-use crate::deepseek_v3::{DeepseekV3DecoderLayer, DeepseekV3FeedForward, DeepseekV3ForCausalLM};
+use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
 use crate::layers::KvCache;
-use crate::layers::mla::Mla;
 use crate::layers::rope::RotaryEmbedding;
 use crate::packing::SequenceLayout;
 use crate::train::TrainBatch;
@@ -31,7 +30,7 @@ pub struct ParallelDeepseekV3 {
     /// This rank's shard of the model (hand it to the optimizer).
     pub model: DeepseekV3ForCausalLM,
     rt: SpRuntime,
-    /// This rank's data-parallel replica (index in `dp_cp`).
+    /// This rank's data-parallel replica (index in `dp`; its context-parallel ranks share it).
     pub replica: usize,
     /// Number of data-parallel replicas.
     pub replicas: usize,
@@ -127,47 +126,6 @@ impl ParallelDeepseekV3 {
         Ok(shard)
     }
 
-    /// The main decoder stack on this replica's (checked) batch: the final sequence-parallel
-    /// hidden block, before the final norm.
-    fn decoder(
-        &self,
-        input_ids: &[i64],
-        batch: usize,
-        p: &Prepared<'_>,
-        trace: &mut RouterTrace,
-    ) -> Result<Tensor<2>, ModelError> {
-        let model = &self.model.model;
-        let mut x = self.rt.embed(&model.embed_tokens, input_ids, batch)?;
-        for layer in &model.layers {
-            x = self.layer(layer, x, batch, trace, |a, full| {
-                a.forward_masked(full, &p.rope, p.mask.as_ref())
-            })?;
-        }
-        Ok(x)
-    }
-
-    /// One decoder layer on the sequence-parallel block `x`; `attention` runs this rank's
-    /// heads on the gathered sequence (masked, or with a KV cache).
-    fn layer(
-        &self,
-        layer: &DeepseekV3DecoderLayer,
-        x: Tensor<2>,
-        batch: usize,
-        trace: &mut RouterTrace,
-        attention: impl FnOnce(&Mla, Tensor<3>) -> Tensor<3>,
-    ) -> Result<Tensor<2>, ModelError> {
-        let rt = &self.rt;
-        let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-            attention(&layer.self_attn, full)
-        })?;
-        let normed = layer.post_attention_layernorm.forward(h.clone());
-        let y = match &layer.mlp {
-            DeepseekV3FeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-            DeepseekV3FeedForward::Moe(block) => rt.moe(&block.moe, normed, batch, trace)?,
-        };
-        Ok(h + y)
-    }
-
     /// Forward and causal-LM loss of this replica's `input_ids [batch, S]` (same on every TP
     /// rank of the replica); `labels` as in HF (−100 ignored, shifted inside).
     pub fn forward_loss(
@@ -236,25 +194,9 @@ impl ParallelDeepseekV3 {
         batch: usize,
         layout: Option<&SequenceLayout>,
         device: &Device,
-        mut trace: RouterTrace,
+        trace: RouterTrace,
     ) -> Result<ForwardTraced, ModelError> {
-        let rt = &self.rt;
-        let p = rt.prepare(input_ids, labels, batch, layout, device)?;
-        trace.padding = p.padding.clone();
-        let x = self.decoder(input_ids, batch, &p, &mut trace)?;
-        let selected = std::mem::take(&mut trace.selected);
-        let load = std::mem::take(&mut trace.expert_load);
-        let model = &self.model.model;
-        let out = rt.head_loss(
-            x,
-            &model.norm,
-            self.model.lm_head.as_ref(),
-            &model.embed_tokens,
-            &p.labels,
-            p.s,
-            trace,
-        )?;
-        Ok((out, selected, load))
+        (self.rt).loss_forward(&self.model, input_ids, labels, batch, layout, device, trace)
     }
 
     /// This rank's vocabulary columns and TP group (vocab-parallel log-probs).
@@ -280,19 +222,9 @@ impl CausalLm for ParallelDeepseekV3 {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        let model = &self.model.model;
-        self.rt.cached_logits(
-            input_ids,
-            cache,
-            &model.embed_tokens,
-            &model.norm,
-            self.model.lm_head.as_ref(),
-            |i, x, batch, rope, layer_cache, trace| {
-                self.layer(&model.layers[i], x, batch, trace, |a, full| {
-                    a.forward(full, rope, Some(layer_cache))
-                })
-            },
-        )
+        let mut trace = RouterTrace::new(0.0);
+        let out = (self.rt).logits(&self.model, input_ids, None, Some(cache), &mut trace)?;
+        Ok(out.logits)
     }
 }
 
@@ -360,6 +292,10 @@ impl CausalLmShard for ParallelDeepseekV3 {
         self.rt.loss_groups
     }
 
+    fn sequence_positions(&self, s: usize) -> Vec<usize> {
+        self.rt.sequence_positions(s)
+    }
+
     /// The main causal-LM loss and, with `mtp`, the loss of every MTP depth `j` on the full
     /// sequence length as Megatron computes it: the ids and labels of each row are rolled left
     /// by `j + 1` (the freed tail is masked out of the loss; attention being causal it never
@@ -383,11 +319,20 @@ impl CausalLmShard for ParallelDeepseekV3 {
         let p = rt.prepare(input_ids, &batch.labels, rows, batch.layout(), device)?;
         let s = p.s;
         let mut trace = p.trace(aux_grad_scale);
-        let x = self.decoder(input_ids, rows, &p, &mut trace)?;
         let model = &self.model.model;
+        let x = rt.embed(&model.embed_tokens, &p.ids, rows)?;
+        let x = rt.decode(
+            &self.model,
+            x,
+            rows,
+            &p.rope,
+            p.mask.as_ref(),
+            None,
+            &mut trace,
+        )?;
         let (head, embed) = (self.model.lm_head.as_ref(), &model.embed_tokens);
         let mut hidden = model.norm.forward(x);
-        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.labels, s)?;
+        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.targets)?;
         let mut mtp_losses = Vec::new();
         if mtp {
             for (j, module) in self.model.mtp.iter().enumerate() {
@@ -403,17 +348,11 @@ impl CausalLmShard for ParallelDeepseekV3 {
                     Some(l) => l.roll_within_documents(input_ids, j + 1, 0),
                     None => roll_rows(input_ids, s, j + 1, 0),
                 };
-                let targets = p.mtp_labels(j);
-                let embeds = rt.embed(embed, &ids, rows)?;
-                let u = module.eh_proj.forward(Tensor::cat(
-                    vec![module.enorm.forward(embeds), module.hnorm.forward(hidden)],
-                    1,
-                ));
-                let y = self.layer(&module.block, u, rows, &mut trace, |a, full| {
-                    a.forward_masked(full, &p.rope, p.mask.as_ref())
-                })?;
-                hidden = module.shared_head_norm.forward(y);
-                let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets, s)?;
+                let targets = p.local_targets(&p.mtp_labels(j));
+                let embeds = rt.embed(embed, &p.local(&ids), rows)?;
+                let inputs = rt.masked_inputs(&p);
+                hidden = module.forward_in(rt, embeds, hidden, rows, &mut trace, inputs)?;
+                let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets)?;
                 mtp_losses.push(l);
             }
         }

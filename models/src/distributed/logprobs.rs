@@ -154,6 +154,8 @@ impl ParallelDeepseekV3 {
         let seq = check_logprob_ids(ids, rows, vocab)?;
         let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
         let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
+        self.runtime()
+            .require_whole_sequence("per-token log-probs")?;
         sharded_token_logprobs(out, &targets, [rows, seq], &self.runtime().tp)
     }
 
@@ -191,6 +193,8 @@ impl ParallelDeepseekV3 {
         let seq = check_logprob_ids(input_ids, batch, vocab)?;
         let targets = next_token_targets(labels, batch, seq, vocab)?;
         let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
+        self.runtime()
+            .require_whole_sequence("per-token log-probs")?;
         sharded_token_logprobs(out, &targets, [batch, seq], &self.runtime().tp)
     }
 
@@ -259,6 +263,7 @@ impl ParallelQwen3Moe {
         let seq = check_logprob_ids(input_ids, batch, vocab)?;
         let targets = next_token_targets(labels, batch, seq, vocab)?;
         let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
+        self.rt.require_whole_sequence("per-token log-probs")?;
         sharded_token_logprobs(out, &targets, [batch, seq], &self.rt.tp)
     }
 
@@ -278,6 +283,7 @@ impl ParallelQwen3Moe {
         let seq = check_logprob_ids(ids, rows, vocab)?;
         let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
         let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
+        self.rt.require_whole_sequence("per-token log-probs")?;
         sharded_token_logprobs(out, &targets, [rows, seq], &self.rt.tp)
     }
 

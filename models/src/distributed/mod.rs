@@ -23,20 +23,21 @@ use std::sync::Arc;
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::comm::GroupComms;
 use moe_backend::dispatch::{
-    AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, TokenDispatcher,
+    AllGatherDispatcher, AllToAllDispatcher, FlexDispatcher, LocalDispatcher, TokenDispatcher,
 };
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
 
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, IGNORE_INDEX};
 use crate::config::Qwen3MoeConfig;
+use crate::layers::KvCache;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{Attention, KvCache};
 use crate::packing::SequenceLayout;
 use crate::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 use crate::train::TrainBatch;
 use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids};
 
+mod context_parallel;
 mod deepseek_v3;
 mod gather;
 pub mod logprobs;
@@ -45,6 +46,7 @@ pub mod replay;
 mod runtime;
 mod shard_rule;
 pub mod sharded;
+mod stack;
 
 use runtime::SpRuntime;
 /// One rank's parallel context: what a model's forward is written against (see
@@ -52,6 +54,7 @@ use runtime::SpRuntime;
 pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
+pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe, gather_planned};
@@ -83,9 +86,9 @@ pub struct ParallelQwen3Moe {
     /// This rank's shard of the model (a regular module: hand it to the optimizer).
     pub model: Qwen3MoeForCausalLM,
     rt: SpRuntime,
-    /// This rank's data-parallel replica (index in `dp_cp`).
+    /// This rank's data-parallel replica (index in `dp`; its context-parallel ranks share it).
     pub replica: usize,
-    /// Number of data-parallel replicas (`|dp_cp|`).
+    /// Number of data-parallel replicas (`|dp|`).
     pub replicas: usize,
 }
 
@@ -117,9 +120,14 @@ pub(crate) fn make_dispatcher(
     num_experts: usize,
 ) -> Result<Arc<dyn TokenDispatcher>, ModelError> {
     let layout: &ParallelLayout = &groups.groups.layout;
-    check_no_pp_cp(groups)?;
+    check_no_pp(groups)?;
     let tp_ep = groups.comm(GroupFamily::TpEp).clone();
     let e = num_experts;
+    if tp_ep.size() == 1 {
+        // Every expert is local and no token leaves the rank: the single-rank dispatcher,
+        // whatever the kind.
+        return Ok(Arc::new(LocalDispatcher::new(e)));
+    }
     Ok(match kind {
         DispatcherKind::AllGather => {
             Arc::new(AllGatherDispatcher::new(tp_ep, e, layout.ep, layout.etp).map_err(err)?)
@@ -139,14 +147,13 @@ pub(crate) fn make_dispatcher(
     })
 }
 
-/// Refuses layouts with pipeline or context parallelism (not implemented by the sharded
-/// forwards yet).
-pub(crate) fn check_no_pp_cp(groups: &GroupComms) -> Result<(), ModelError> {
+/// Refuses layouts with pipeline parallelism (not implemented by the sharded forwards yet).
+pub(crate) fn check_no_pp(groups: &GroupComms) -> Result<(), ModelError> {
     let layout = &groups.groups.layout;
-    if layout.pp != 1 || layout.cp != 1 {
+    if layout.pp != 1 {
         return Err(ModelError::layout(
-            if layout.pp != 1 { "pp" } else { "cp" },
-            "pipeline and context parallelism are not implemented (pp = cp = 1)",
+            "pp",
+            "pipeline parallelism is not implemented (pp = 1)",
         ));
     }
     Ok(())
@@ -385,28 +392,6 @@ impl ParallelQwen3Moe {
         self.forward_traced_packed(input_ids, labels, batch, None, device, trace)
     }
 
-    /// One decoder layer on the sequence-parallel block `x`; `attention` runs this rank's
-    /// heads on the gathered sequence (masked, or with a KV cache).
-    fn layer(
-        &self,
-        layer: &crate::qwen3_moe::Qwen3MoeDecoderLayer,
-        x: Tensor<2>,
-        batch: usize,
-        trace: &mut RouterTrace,
-        attention: impl FnOnce(&Attention, Tensor<3>) -> Tensor<3>,
-    ) -> Result<Tensor<2>, ModelError> {
-        let rt = &self.rt;
-        let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-            attention(&layer.self_attn, full)
-        })?;
-        let normed = layer.post_attention_layernorm.forward(h.clone());
-        let y = match &layer.mlp {
-            Qwen3MoeFeedForward::Dense(mlp) => rt.dense_mlp(mlp, normed)?,
-            Qwen3MoeFeedForward::Sparse(block) => rt.moe(&block.moe, normed, batch, trace)?,
-        };
-        Ok(h + y)
-    }
-
     /// [`forward_traced`](Self::forward_traced) of a batch with an optional packing layout.
     pub(crate) fn forward_traced_packed(
         &self,
@@ -415,30 +400,10 @@ impl ParallelQwen3Moe {
         batch: usize,
         layout: Option<&SequenceLayout>,
         device: &Device,
-        mut trace: RouterTrace,
+        trace: RouterTrace,
     ) -> Result<ForwardTraced, ModelError> {
-        let rt = &self.rt;
-        let p = rt.prepare(input_ids, labels, batch, layout, device)?;
-        trace.padding = p.padding.clone();
-        let model = &self.model.model;
-        let mut x = rt.embed(&model.embed_tokens, input_ids, batch)?;
-        for layer in &model.layers {
-            x = self.layer(layer, x, batch, &mut trace, |a, full| {
-                a.forward_masked(full, &p.rope, p.mask.as_ref())
-            })?;
-        }
-        let selected = std::mem::take(&mut trace.selected);
-        let load = std::mem::take(&mut trace.expert_load);
-        let out = rt.head_loss(
-            x,
-            &model.norm,
-            self.model.lm_head.as_ref(),
-            &model.embed_tokens,
-            &p.labels,
-            p.s,
-            trace,
-        )?;
-        Ok((out, selected, load))
+        self.rt
+            .loss_forward(&self.model, input_ids, labels, batch, layout, device, trace)
     }
 }
 
@@ -461,19 +426,9 @@ impl CausalLm for ParallelQwen3Moe {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        let model = &self.model.model;
-        self.rt.cached_logits(
-            input_ids,
-            cache,
-            &model.embed_tokens,
-            &model.norm,
-            self.model.lm_head.as_ref(),
-            |i, x, batch, rope, layer_cache, trace| {
-                self.layer(&model.layers[i], x, batch, trace, |a, full| {
-                    a.forward(full, rope, Some(layer_cache))
-                })
-            },
-        )
+        let mut trace = RouterTrace::new(0.0);
+        let out = (self.rt).logits(&self.model, input_ids, None, Some(cache), &mut trace)?;
+        Ok(out.logits)
     }
 }
 
@@ -544,6 +499,10 @@ impl CausalLmShard for ParallelQwen3Moe {
 
     fn loss_groups(&self) -> (usize, usize) {
         self.rt.loss_groups
+    }
+
+    fn sequence_positions(&self, s: usize) -> Vec<usize> {
+        self.rt.sequence_positions(s)
     }
 
     fn forward_train_batch(

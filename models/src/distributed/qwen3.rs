@@ -8,15 +8,15 @@ use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
-use super::runtime::SpRuntime;
+use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 use super::{DispatcherKind, ShardParts, build_shard};
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
 use crate::config::Qwen3Config;
+use crate::layers::KvCache;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{Attention, KvCache};
-use crate::qwen3::{Qwen3DecoderLayer, Qwen3ForCausalLM};
+use crate::qwen3::Qwen3ForCausalLM;
 use crate::train::TrainBatch;
 use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids};
 
@@ -26,7 +26,7 @@ pub struct ParallelQwen3 {
     /// This rank's shard of the model (hand it to the optimizer).
     pub model: Qwen3ForCausalLM,
     rt: SpRuntime,
-    /// This rank's data-parallel replica (index in `dp_cp`).
+    /// This rank's data-parallel replica (index in `dp`; its context-parallel ranks share it).
     pub replica: usize,
     /// Number of data-parallel replicas.
     pub replicas: usize,
@@ -108,26 +108,6 @@ impl ParallelQwen3 {
     }
 }
 
-impl ParallelQwen3 {
-    /// One decoder layer on the sequence-parallel block `x`; `attention` runs this rank's
-    /// heads on the gathered sequence (masked, or with a KV cache).
-    fn layer(
-        &self,
-        layer: &Qwen3DecoderLayer,
-        x: Tensor<2>,
-        batch: usize,
-        attention: impl FnOnce(&Attention, Tensor<3>) -> Tensor<3>,
-    ) -> Result<Tensor<2>, ModelError> {
-        let rt = &self.rt;
-        let h = rt.attention_residual(x, &layer.input_layernorm, batch, |full| {
-            attention(&layer.self_attn, full)
-        })?;
-        let normed = layer.post_attention_layernorm.forward(h.clone());
-        Ok(h + rt.dense_mlp(&layer.mlp, normed)?)
-    }
-}
-
-/// Generation under any layout, as for [`super::ParallelQwen3Moe`].
 impl CausalLm for ParallelQwen3 {
     fn vocab_size(&self) -> usize {
         self.model.config().vocab_size
@@ -142,19 +122,9 @@ impl CausalLm for ParallelQwen3 {
         input_ids: Tensor<2, Int>,
         cache: &mut KvCache,
     ) -> Result<Tensor<3>, ModelError> {
-        let model = &self.model.model;
-        self.rt.cached_logits(
-            input_ids,
-            cache,
-            &model.embed_tokens,
-            &model.norm,
-            self.model.lm_head.as_ref(),
-            |i, x, batch, rope, layer_cache, _| {
-                self.layer(&model.layers[i], x, batch, |a, full| {
-                    a.forward(full, rope, Some(layer_cache))
-                })
-            },
-        )
+        let mut trace = RouterTrace::new(0.0);
+        let out = (self.rt).logits(&self.model, input_ids, None, Some(cache), &mut trace)?;
+        Ok(out.logits)
     }
 }
 
@@ -217,6 +187,10 @@ impl CausalLmShard for ParallelQwen3 {
         self.rt.loss_groups
     }
 
+    fn sequence_positions(&self, s: usize) -> Vec<usize> {
+        self.rt.sequence_positions(s)
+    }
+
     fn forward_train_batch(
         &self,
         batch: &TrainBatch,
@@ -224,24 +198,14 @@ impl CausalLmShard for ParallelQwen3 {
         aux_grad_scale: f64,
         _mtp: bool,
     ) -> Result<TrainForward, ModelError> {
-        let rt = &self.rt;
-        let (input_ids, rows) = (&batch.input_ids, batch.batch);
-        let p = rt.prepare(input_ids, &batch.labels, rows, batch.layout(), device)?;
-        let model = &self.model.model;
-        let mut x = rt.embed(&model.embed_tokens, input_ids, rows)?;
-        for layer in &model.layers {
-            x = self.layer(layer, x, rows, |a, full| {
-                a.forward_masked(full, &p.rope, p.mask.as_ref())
-            })?;
-        }
-        let out = rt.head_loss(
-            x,
-            &model.norm,
-            self.model.lm_head.as_ref(),
-            &model.embed_tokens,
-            &p.labels,
-            p.s,
-            p.trace(aux_grad_scale),
+        let (out, _, _) = self.rt.loss_forward(
+            &self.model,
+            &batch.input_ids,
+            &batch.labels,
+            batch.batch,
+            batch.layout(),
+            device,
+            RouterTrace::new(aux_grad_scale),
         )?;
         Ok(TrainForward {
             loss: out.loss,

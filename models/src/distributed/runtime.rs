@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use moe_backend::comm::autograd::{
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
@@ -18,16 +18,18 @@ use moe_backend::parallel::tensor_parallel::{embed_vocab_parallel, vocab_paralle
 use moe_backend::parallel::{GroupCountReducer, GroupFamily};
 use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
+use super::context_parallel::{
+    check_sequence, cp_positions, gathered_positions, position_mask, select_positions,
+};
 use super::sharded::mtp_labels;
 use super::{
-    DispatcherKind, ParallelOutput, check_batch, check_no_pp_cp, err, make_dispatcher,
-    shifted_targets,
+    DispatcherKind, ParallelOutput, check_batch, check_no_pp, err, make_dispatcher, shifted_targets,
 };
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{AttentionMask, Mlp, RmsNorm};
-use crate::packing::{PackedInputs, SequenceLayout};
+use crate::packing::SequenceLayout;
 use crate::weights::ShardSpec;
 
 /// One rank's parallel context for a sharded model (public as
@@ -45,16 +47,18 @@ use crate::weights::ShardSpec;
 #[derive(Debug, Clone)]
 pub struct SpRuntime {
     pub(crate) tp: Comm,
+    /// The context-parallel group (one member without context parallelism).
+    pub(crate) cp: Comm,
     /// The MoE blocks' token dispatcher (`None` for a dense model).
     dispatcher: Option<Arc<dyn TokenDispatcher>>,
     /// This rank's vocabulary rows of the embedding / columns of the head.
     pub(crate) vocab: Range<usize>,
-    rope: RotaryEmbedding,
+    pub(super) rope: RotaryEmbedding,
     etp_rank: usize,
     etp: usize,
-    /// Index in `dp_cp`.
+    /// Index in `dp` (the data-parallel replica).
     pub(crate) replica: usize,
-    /// `|dp_cp|`.
+    /// `|dp|`.
     pub(crate) replicas: usize,
     /// Sums the routers' aux-loss counts over `tp_cp` / `tp_dp_cp`.
     reducer: GroupCountReducer,
@@ -100,6 +104,10 @@ pub struct RouterTrace {
     /// Per sparse layer (layer order), this rank's selected `[T_local, k]` expert ids, when
     /// [`record`](Self::record) is set.
     pub selected: Vec<Tensor<2, Int>>,
+    /// Per sparse layer (layer order), the router weights `[T_local, k]` of the selected
+    /// experts (their probabilities, in [`selected`](Self::selected)'s order), when
+    /// [`record`](Self::record) is set.
+    pub selected_weights: Vec<Tensor<2>>,
     /// Per MoE layer (forward order), this rank's expert-bias token counts of a grad-enabled
     /// forward (`None` for routers without an expert bias).
     pub expert_load: Vec<Option<Vec<f64>>>,
@@ -115,14 +123,24 @@ pub struct RouterTrace {
 pub struct Prepared<'a> {
     /// Tokens per row `S`.
     pub s: usize,
-    /// RoPE tables of the batch's positions.
+    /// The positions of every row this rank holds (`0..S`, or its two chunks under context
+    /// parallelism).
+    pub positions: Vec<usize>,
+    /// This rank's ids `[B, positions]` (row-major): the replica's ids at
+    /// [`positions`](Self::positions).
+    pub ids: Vec<i64>,
+    /// RoPE tables of this rank's positions.
     pub rope: RopeTables,
-    /// The attention mask of a packed or padded batch.
+    /// The attention mask of a packed or padded batch, or of this rank's positions against
+    /// the gathered keys under context parallelism.
     pub mask: Option<AttentionMask>,
     /// This rank's router padding rows of a packed or padded batch.
     pub padding: Option<Tensor<1, Bool>>,
-    /// The labels, with [`SequenceLayout::mask_labels`] applied.
+    /// The labels `[B, S]`, with [`SequenceLayout::mask_labels`] applied.
     pub labels: Vec<i64>,
+    /// The next-token targets of this rank's positions (the labels shifted by one within
+    /// every row, −100 at the end, taken at [`positions`](Self::positions)).
+    pub targets: Vec<i64>,
     /// The batch's layout.
     pub layout: Option<&'a SequenceLayout>,
 }
@@ -143,6 +161,16 @@ impl Prepared<'_> {
     pub(crate) fn mtp_labels(&self, j: usize) -> Vec<i64> {
         mtp_labels(&self.labels, self.s, j, self.layout)
     }
+
+    /// The next-token targets of full-length `labels [B, S]` at this rank's positions.
+    pub(crate) fn local_targets(&self, labels: &[i64]) -> Vec<i64> {
+        select_positions(&shifted_targets(labels, self.s), self.s, &self.positions)
+    }
+
+    /// Full-length row-major `values [B, S]` at this rank's positions.
+    pub(crate) fn local(&self, values: &[i64]) -> Vec<i64> {
+        select_positions(values, self.s, &self.positions)
+    }
 }
 
 impl RouterTrace {
@@ -156,8 +184,20 @@ impl RouterTrace {
             replay: None,
             record: false,
             selected: Vec::new(),
+            selected_weights: Vec::new(),
             expert_load: Vec::new(),
             padding: None,
+        }
+    }
+
+    /// [`new`](Self::new) collecting every sparse layer's routing
+    /// ([`record`](Self::record)), with `replay`'s forced expert ids (per sparse layer) when
+    /// given: what a single-rank forward reports.
+    pub fn recording(aux_grad_scale: f64, replay: Option<Vec<Tensor<2, Int>>>) -> Self {
+        Self {
+            record: true,
+            replay,
+            ..Self::new(aux_grad_scale)
         }
     }
 }
@@ -175,7 +215,7 @@ impl SpRuntime {
         let dispatcher = match num_experts {
             Some(e) => Some(make_dispatcher(groups, kind, e)?),
             None => {
-                check_no_pp_cp(groups)?;
+                check_no_pp(groups)?;
                 None
             }
         };
@@ -187,7 +227,8 @@ impl SpRuntime {
             tp.size(),
         )
         .map_err(err)?;
-        let dp_cp = groups.groups.get(GroupFamily::DpCp);
+        // The context-parallel ranks of a data-parallel replica share its batch.
+        let dp = groups.groups.get(GroupFamily::Dp);
         let loss_groups = (
             groups.groups.get(GroupFamily::TpCp).size(),
             groups.groups.get(GroupFamily::TpDpCp).size(),
@@ -197,13 +238,14 @@ impl SpRuntime {
             loss_groups,
             global_aux: GlobalAuxCounts::default(),
             tp,
+            cp: groups.comm(GroupFamily::Cp).clone(),
             dispatcher,
             vocab,
             rope,
             etp_rank: groups.groups.get(GroupFamily::ExptTp).index,
             etp: groups.groups.layout.etp,
-            replica: dp_cp.index,
-            replicas: dp_cp.size(),
+            replica: dp.index,
+            replicas: dp.size(),
         })
     }
 
@@ -218,12 +260,13 @@ impl SpRuntime {
         self.vocab.clone()
     }
 
-    /// This rank's data-parallel replica (index in `dp_cp`).
+    /// This rank's data-parallel replica (index in `dp`; the context-parallel ranks of a
+    /// replica share its batch).
     pub fn replica(&self) -> usize {
         self.replica
     }
 
-    /// Number of data-parallel replicas (`|dp_cp|`).
+    /// Number of data-parallel replicas (`|dp|`).
     pub fn replicas(&self) -> usize {
         self.replicas
     }
@@ -258,10 +301,12 @@ impl SpRuntime {
         self.rope.tables(0, s, device)
     }
 
-    /// Checks a replica batch (`input_ids` and `labels [batch, S]`, `B·S` divisible by `tp`,
-    /// `layout` of the same shape) and builds its per-forward inputs. Attention runs on the
-    /// gathered full sequence, so the mask is the replica's; the router padding mask is this
-    /// rank's block of the batch-major `[B·S]` rows.
+    /// Checks a replica batch (`input_ids` and `labels [batch, S]`, `layout` of the same
+    /// shape; `S` divisible by `2·cp` and this rank's `B·S/cp` tokens by `tp`) and builds
+    /// its per-forward inputs: this rank's positions (its two chunks under context
+    /// parallelism) with their ids, RoPE tables and next-token targets; the attention mask
+    /// of a packed or padded batch, or of this rank's queries against the gathered keys under
+    /// context parallelism; the router padding rows of this rank's sequence-parallel block.
     pub fn prepare<'a>(
         &self,
         input_ids: &[i64],
@@ -270,32 +315,97 @@ impl SpRuntime {
         layout: Option<&'a SequenceLayout>,
         device: &Device,
     ) -> Result<Prepared<'a>, ModelError> {
-        let s = check_batch(input_ids, labels, batch, self.tp.size())?;
+        let s = check_batch(input_ids, labels, batch, 1)?;
+        let (cp_rank, cp) = (self.cp.rank(), self.cp.size());
+        check_sequence(s, cp)?;
+        let positions = cp_positions(s, cp, cp_rank);
+        let (_, tp) = self.tp_rank_size();
+        let local_tokens = batch * positions.len();
+        if !local_tokens.is_multiple_of(tp) {
+            return Err(ModelError::layout(
+                "tp",
+                format!(
+                    "{batch} sequences × {} positions per rank do not split over tp = {tp}",
+                    positions.len()
+                ),
+            ));
+        }
         let mut labels = labels.to_vec();
-        let Some(l) = layout else {
-            return Ok(Prepared {
-                s,
-                rope: self.rope(s, device),
-                mask: None,
-                padding: None,
-                labels,
-                layout: None,
-            });
+        if let Some(l) = layout {
+            l.check_shape("input_ids", batch, s)?;
+            l.mask_labels(&mut labels);
+        }
+        let targets = select_positions(&shifted_targets(&labels, s), s, &positions);
+        let ids = select_positions(input_ids, s, &positions);
+        let (rope, mask, padding) = match (layout, cp) {
+            (None, 1) => (self.rope(s, device), None, None),
+            (Some(l), 1) => {
+                let packed = self.packed_inputs(l, batch * s, device);
+                (packed.rope, Some(packed.mask), Some(packed.padding))
+            }
+            (layout, _) => {
+                let keys = gathered_positions(s, cp);
+                let documents = layout.map(|l| l.segment_ids());
+                let mask = position_mask(batch, s, &positions, &keys, documents, device);
+                let rope = match layout {
+                    Some(l) => {
+                        let local = select_positions(l.positions(), s, &positions);
+                        self.rope
+                            .tables_at(&local, [batch, positions.len()], device)
+                    }
+                    None => self
+                        .rope
+                        .tables_at(&positions, [1, positions.len()], device),
+                };
+                // The router padding of this rank's sequence-parallel block of its tokens.
+                let padding = documents.map(|d| {
+                    let (rank, tp) = self.tp_rank_size();
+                    let block = local_tokens / tp;
+                    let flags: Vec<bool> = select_positions(d, s, &positions)
+                        [rank * block..(rank + 1) * block]
+                        .iter()
+                        .map(|&doc| doc < 0)
+                        .collect();
+                    Tensor::<1, Bool>::from_data(TensorData::new(flags, [block]), device)
+                });
+                (rope, Some(mask), padding)
+            }
         };
-        l.check_shape("input_ids", batch, s)?;
-        l.mask_labels(&mut labels);
-        let (rank, tp) = self.tp_rank_size();
-        let local = batch * s / tp;
-        let packed =
-            PackedInputs::for_rows(l, &self.rope, rank * local..(rank + 1) * local, device);
         Ok(Prepared {
             s,
-            rope: packed.rope,
-            mask: Some(packed.mask),
-            padding: Some(packed.padding),
+            positions,
+            ids,
+            rope,
+            mask,
+            padding,
             labels,
-            layout: Some(l),
+            targets,
+            layout,
         })
+    }
+
+    /// The positions of a row of `s` tokens this rank holds: `0..s`, or its two chunks
+    /// under context parallelism.
+    pub fn sequence_positions(&self, s: usize) -> Vec<usize> {
+        cp_positions(s, self.cp.size(), self.cp.rank())
+    }
+
+    /// The context-parallel group, when it has more than one member: what attention
+    /// exchanges keys and values over.
+    pub fn cp_exchange(&self) -> Option<&Comm> {
+        (self.cp.size() > 1).then_some(&self.cp)
+    }
+
+    /// Refuses a forward that needs every position of the sequence on this rank (generation,
+    /// per-token log-probs, router replay) under context parallelism.
+    pub(crate) fn require_whole_sequence(&self, what: &str) -> Result<(), ModelError> {
+        if self.cp.size() > 1 {
+            return Err(ModelError::unsupported(
+                "cp",
+                format!("{what} needs whole sequences on every rank; run it with cp = 1"),
+            ));
+        }
+        Ok(())
     }
 
     /// This rank's sequence-parallel block `[B·S/tp, H]` of the embedded `ids`.
@@ -325,9 +435,20 @@ impl SpRuntime {
         batch: usize,
         attention: impl FnOnce(Tensor<3>) -> Tensor<3>,
     ) -> Result<Tensor<2>, ModelError> {
+        self.try_attention_residual(x, norm, batch, |full| Ok(attention(full)))
+    }
+
+    /// [`attention_residual`](Self::attention_residual) with a fallible `attention`.
+    pub fn try_attention_residual(
+        &self,
+        x: Tensor<2>,
+        norm: &RmsNorm,
+        batch: usize,
+        attention: impl FnOnce(Tensor<3>) -> Result<Tensor<3>, ModelError>,
+    ) -> Result<Tensor<2>, ModelError> {
         let full = self.gather(norm.forward(x.clone()))?;
         let [n, h] = full.dims();
-        let out = attention(full.reshape([batch, n / batch, h]));
+        let out = attention(full.reshape([batch, n / batch, h]))?;
         Ok(x + self.scatter(out.reshape([n, h]))?)
     }
 
@@ -369,7 +490,10 @@ impl SpRuntime {
             .with_batch_size(batch)
             .with_row_sequences(&rows)
             .with_count_reducer(&self.reducer)
-            .with_grad_scale(trace.aux_grad_scale);
+            // Megatron's `loss_scale·|cp|/num_microbatches` (moe-ops §4): the data-parallel
+            // gradient average runs over `dp_cp`, while the context-parallel ranks' router
+            // losses are parts of one replica's loss.
+            .with_grad_scale(trace.aux_grad_scale * self.cp.size() as f64);
         if let Some(padding) = &trace.padding {
             options = options.with_padding_mask(padding.clone());
         }
@@ -377,7 +501,10 @@ impl SpRuntime {
             .forward_with(normed, &state, &options, self.dispatcher()?)
             .map_err(err)?;
         if trace.record {
-            trace.selected.push(out.routing.topk_indices.clone());
+            let r = &out.routing;
+            trace.selected.push(r.topk_indices.clone());
+            let weights = r.probs.clone().gather(1, r.topk_indices.clone());
+            trace.selected_weights.push(weights);
         }
         trace.logits.push(out.routing.logits);
         trace.losses.push(out.routing.losses);
@@ -415,19 +542,18 @@ impl SpRuntime {
     }
 
     /// Final norm, vocab-parallel head (tied to the embedding shard without `lm_head`) and
-    /// vocab-parallel cross-entropy of the shifted `labels`.
-    #[allow(clippy::too_many_arguments)]
+    /// vocab-parallel cross-entropy of this rank's next-token `targets`
+    /// ([`Prepared::targets`]).
     pub fn head_loss(
         &self,
         x: Tensor<2>,
         norm: &RmsNorm,
         lm_head: Option<&Linear>,
         embed: &Embedding,
-        labels: &[i64],
-        s: usize,
+        targets: &[i64],
         trace: RouterTrace,
     ) -> Result<ParallelOutput, ModelError> {
-        let (loss, logits) = self.normed_head_loss(norm.forward(x), lm_head, embed, labels, s)?;
+        let (loss, logits) = self.normed_head_loss(norm.forward(x), lm_head, embed, targets)?;
         Ok(ParallelOutput {
             loss,
             logits,
@@ -437,65 +563,16 @@ impl SpRuntime {
         })
     }
 
-    /// Logits `[batch, S, V]` (full vocabulary, identical on the replica's TP ranks) of the
-    /// next `S` positions after those in `cache`, for generation: the ids are embedded
-    /// vocab-parallel, `layer(i, x, batch, rope, layer_cache, trace)` runs decoder layer `i` on
-    /// the sequence-parallel block with this rank's part of the KV cache, and the head's
-    /// logits are gathered ([`full_logits`](Self::full_logits)). `batch · S` must split over
-    /// `tp`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn cached_logits(
+    /// The head on this rank's already normed sequence-parallel block, gathered to the
+    /// replica's full-vocabulary logits `[B·S, V]` (identical on its TP ranks): what
+    /// generation samples from.
+    pub fn head_logits(
         &self,
-        input_ids: Tensor<2, Int>,
-        cache: &mut crate::layers::KvCache,
-        embed: &Embedding,
-        norm: &RmsNorm,
-        lm_head: Option<&Linear>,
-        mut layer: impl FnMut(
-            usize,
-            Tensor<2>,
-            usize,
-            &RopeTables,
-            &mut crate::layers::LayerCache,
-            &mut RouterTrace,
-        ) -> Result<Tensor<2>, ModelError>,
-    ) -> Result<Tensor<3>, ModelError> {
-        let [batch, s] = input_ids.dims();
-        let (_, tp) = self.tp_rank_size();
-        if !(batch * s).is_multiple_of(tp) {
-            return Err(ModelError::layout(
-                "tp",
-                format!("{batch} sequences × {s} positions do not split over tp = {tp}"),
-            ));
-        }
-        let device = input_ids.device();
-        let ids = input_ids
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .map_err(|e| ModelError::input("input_ids", format!("unreadable ids: {e:?}")))?;
-        let rope = self.rope_at(cache.seq_len(), s, &device);
-        let mut trace = RouterTrace::new(0.0);
-        let mut x = self.embed(embed, &ids, batch)?;
-        for (i, layer_cache) in cache.layers.iter_mut().enumerate() {
-            x = layer(i, x, batch, &rope, layer_cache, &mut trace)?;
-        }
-        let logits = self.full_logits(x, norm, lm_head, embed)?;
-        let v = logits.dims()[1];
-        Ok(logits.reshape([batch, s, v]))
-    }
-
-    /// Final norm and vocab-parallel head on this rank's sequence-parallel block, gathered to
-    /// the replica's full logits `[B·S, V]` (identical on its TP ranks): what generation
-    /// samples from.
-    pub fn full_logits(
-        &self,
-        x: Tensor<2>,
-        norm: &RmsNorm,
+        normed: Tensor<2>,
         lm_head: Option<&Linear>,
         embed: &Embedding,
     ) -> Result<Tensor<2>, ModelError> {
-        let full = self.gather(norm.forward(x))?;
+        let full = self.gather(normed)?;
         let local = match lm_head {
             Some(head) => head.forward(full),
             None => full.matmul(embed.weight.val().transpose()),
@@ -516,15 +593,15 @@ impl SpRuntime {
         self.rope.tables(offset, s, device)
     }
 
-    /// Vocab-parallel head and cross-entropy of the shifted `labels` on an already normed
+    /// Vocab-parallel head and cross-entropy of this rank's next-token `targets` (one per
+    /// token of the replica's rows this rank holds, −100 ignored) on an already normed
     /// sequence-parallel block: `(mean loss [1], [B·S, V/tp] logits)`.
     pub fn normed_head_loss(
         &self,
         normed: Tensor<2>,
         lm_head: Option<&Linear>,
         embed: &Embedding,
-        labels: &[i64],
-        s: usize,
+        targets: &[i64],
     ) -> Result<(Tensor<1>, Tensor<2>), ModelError> {
         let full = self.gather(normed)?;
         let logits = match lm_head {
@@ -533,7 +610,7 @@ impl SpRuntime {
         };
         let loss = vocab_parallel_cross_entropy(
             logits.clone(),
-            &shifted_targets(labels, s),
+            targets,
             IGNORE_INDEX,
             self.vocab.clone(),
             &self.tp,

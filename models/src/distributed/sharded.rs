@@ -124,6 +124,13 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         0
     }
 
+    /// The positions of a row of `s` tokens whose targets this rank's losses score: all of
+    /// them, or this rank's two chunks under context parallelism. The trainer normalises the
+    /// loss by the targets counted there.
+    fn sequence_positions(&self, s: usize) -> Vec<usize> {
+        (0..s).collect()
+    }
+
     /// Every router of the shard, in the order [`TrainForward::expert_load`] lists them.
     fn routers_mut(&mut self) -> Vec<&mut TopKRouter>;
 }
@@ -180,6 +187,19 @@ pub(crate) fn scored_targets(labels: &[i64], s: usize) -> usize {
     labels
         .chunks(s)
         .map(|row| row[1..].iter().filter(|&&t| t != IGNORE_INDEX).count())
+        .sum()
+}
+
+/// Targets the causal-LM loss of `labels [B, S]` scores at the predicting `positions` of
+/// every row (position `i` scores `labels[i + 1]`).
+pub(crate) fn scored_targets_at(labels: &[i64], s: usize, positions: &[usize]) -> usize {
+    labels
+        .chunks(s)
+        .map(|row| {
+            (positions.iter())
+                .filter(|&&i| row.get(i + 1).is_some_and(|&t| t != IGNORE_INDEX))
+                .count()
+        })
         .sum()
 }
 

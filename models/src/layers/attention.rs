@@ -1,6 +1,8 @@
 //! Grouped-query attention with per-head QK RMSNorm (Qwen3 / Qwen3-MoE, models.md §4) and the
 //! shared causal attention core (models.md §1).
 
+use std::convert::Infallible;
+
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
@@ -219,7 +221,8 @@ impl Attention {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        self.forward_inner(x, rope, None, cache)
+        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>);
+        out
     }
 
     /// [`forward`](Self::forward) without a cache, under `mask` (`[B, S, S]`, replacing the
@@ -231,16 +234,31 @@ impl Attention {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
     ) -> Tensor<3> {
-        self.forward_inner(x, rope, mask, None)
+        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>);
+        out
     }
 
-    fn forward_inner(
+    /// [`forward_masked`](Self::forward_masked) whose keys and values are passed through
+    /// `exchange` (`[B, nkv, S, d] → [B, nkv, Sk, d]`, e.g. the context-parallel all-gather
+    /// along the sequence) before the attention; `mask` is then `[B, S, Sk]`.
+    pub fn forward_exchanged<E>(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+    ) -> Result<Tensor<3>, E> {
+        self.forward_inner(x, rope, mask, None, exchange)
+    }
+
+    fn forward_inner<E>(
         &self,
         x: Tensor<3>,
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
         cache: Option<&mut LayerCache>,
-    ) -> Tensor<3> {
+        mut exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+    ) -> Result<Tensor<3>, E> {
         let [b, s, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
@@ -271,18 +289,18 @@ impl Attention {
                 let (k, v) = cache.append(k, v);
                 (offset, k, v)
             }
-            None => (0, k, v),
+            None => (0, exchange(k)?, exchange(v)?),
         };
         let scale = (hd as f64).powf(-0.5);
         let out = match mask {
             Some(mask) => masked_attention(q, k, v, scale, mask),
             None => causal_attention(q, k, v, scale, offset),
         };
-        linear_maybe_fp8(
+        Ok(linear_maybe_fp8(
             &self.o_proj,
             out.swap_dims(1, 2).reshape([b, s, nh * hd]),
             fp8,
-        )
+        ))
     }
 }
 

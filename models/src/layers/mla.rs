@@ -5,6 +5,8 @@
 //! rotary key `k_rot` shared by all heads. The cache holds the latents (`kv_c`, rotated
 //! `k_rot`), which `kv_b_proj` expands per call, as HF 5.23 does.
 
+use std::convert::Infallible;
+
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
@@ -252,7 +254,8 @@ impl Mla {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        self.forward_inner(x, rope, None, cache)
+        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>);
+        out
     }
 
     /// [`forward`](Self::forward) without a cache, under `mask` (`[B, S, S]`, replacing the
@@ -263,16 +266,32 @@ impl Mla {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
     ) -> Tensor<3> {
-        self.forward_inner(x, rope, mask, None)
+        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>);
+        out
     }
 
-    fn forward_inner(
+    /// [`forward_masked`](Self::forward_masked) whose compressed latents (`kv_c [B, 1, S, r]`
+    /// and the shared rotary key `[B, 1, S, rot]`) are passed through `exchange` (e.g. the
+    /// context-parallel all-gather along the sequence) before the per-head keys and values
+    /// are formed; `mask` is then `[B, S, Sk]`.
+    pub fn forward_exchanged<E>(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+    ) -> Result<Tensor<3>, E> {
+        self.forward_inner(x, rope, mask, None, exchange)
+    }
+
+    fn forward_inner<E>(
         &self,
         x: Tensor<3>,
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
         cache: Option<&mut LayerCache>,
-    ) -> Tensor<3> {
+        mut exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+    ) -> Result<Tensor<3>, E> {
         let [b, s, _] = x.dims();
         let (nh, nope, rot, dv) = (
             self.num_heads,
@@ -311,7 +330,7 @@ impl Mla {
                 let (c, r) = cache.append(kv_c, k_rot);
                 (offset, c, r)
             }
-            None => (0, kv_c, k_rot),
+            None => (0, exchange(kv_c)?, exchange(k_rot)?),
         };
         let sk = kv_c.dims()[2];
         let kv = self
@@ -327,8 +346,9 @@ impl Mla {
             Some(mask) => masked_attention(query, key, v, self.softmax_scale, mask),
             None => causal_attention(query, key, v, self.softmax_scale, offset),
         };
-        self.o_proj
-            .forward(out.swap_dims(1, 2).reshape([b, s, nh * dv]))
+        Ok(self
+            .o_proj
+            .forward(out.swap_dims(1, 2).reshape([b, s, nh * dv])))
     }
 }
 

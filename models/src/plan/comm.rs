@@ -18,8 +18,12 @@
 //!   (dense) and `expt_dp` (experts); the f64 gradient-norm all-reduce over the world; the f32
 //!   target-token count of the global batch all-reduced over `dp_cp`.
 //! - PP (estimate; not implemented in-process): each chunk sends its `[N/(tp·cp), h]` output
-//!   forward and its input gradient backward. CP (estimate): ring attention passes the local
-//!   keys and values `cp − 1` times forward and keys, values and their gradients backward.
+//!   forward and its input gradient backward.
+//! - CP: every attention layer all-gathers this rank's keys and values (GQA: its heads'
+//!   `k`, `v` of the rank's `N/cp` tokens; MLA: the compressed latent and the shared rotary
+//!   key, not head-split) over `cp` forward, and reduce-scatters their gradients backward;
+//!   the step sums the replica's logged loss values (cross-entropy, aux) and target count
+//!   over `cp` (one more f32 of each per MTP depth, which the shape does not carry).
 
 use moe_backend::parallel::ParallelLayout;
 
@@ -261,6 +265,8 @@ pub fn optimizer_traffic(params: &RankParams, layout: &ParallelLayout) -> Family
             layout.dp * layout.cp,
         ) + ((layout.dp * layout.cp - 1) * 4) as f64,
         expt_dp: ring(params.expert, layout.edp),
+        // The replica's logged loss sums (two f32) and target count (one f32) over `cp`.
+        cp: ((layout.cp - 1) * 12) as f64,
         tp: ((layout.tp - 1) as u64 * params.dense_replicated * 4) as f64,
         world: ((layout.world - 1) * 8) as f64,
         ..FamilyBytes::default()
@@ -287,8 +293,8 @@ pub fn step_traffic(
     let sp_block = n / tp;
     // One SP all-gather (or reduce-scatter) of `[N, h]`.
     let sp = (tp - 1.0) * sp_block * h * a;
-    let (_, k, v, _) = shape.attention.qkvo();
-    let kv_local = n * (k + v) as f64 / tp * a;
+    // What each attention layer all-gathers over `cp` per token of the rank.
+    let kv_local = n * shape.attention.cp_exchange_width(layout.tp) * a;
     let measured = match routing {
         Routing::Measured(layers) => {
             let moe_count = shape.moe_layers.iter().filter(|&&m| m).count();
@@ -316,7 +322,7 @@ pub fn step_traffic(
         let moe = shape.moe_layers[layer];
         let mut b = FamilyBytes {
             tp: 4.0 * sp,
-            cp: 3.0 * (cp - 1.0) * kv_local,
+            cp: 2.0 * (cp - 1.0) * kv_local,
             ..FamilyBytes::default()
         };
         if moe {

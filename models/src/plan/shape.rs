@@ -45,6 +45,22 @@ impl AttentionShape {
         }
     }
 
+    /// Per-token elements a context-parallel rank all-gathers per attention layer under
+    /// `tp`: GQA its heads' keys and values, MLA the compressed latent and the shared rotary
+    /// key (computed whole on every TP rank).
+    pub fn cp_exchange_width(&self, tp: usize) -> f64 {
+        match *self {
+            Self::Gqa {
+                kv_heads, head_dim, ..
+            } => (2 * kv_heads * head_dim) as f64 / tp as f64,
+            Self::Mla {
+                kv_lora_rank,
+                qk_rope,
+                ..
+            } => (kv_lora_rank + qk_rope) as f64,
+        }
+    }
+
     /// Per-token elements of `(query, key, value, output)` over all heads.
     pub fn qkvo(&self) -> (usize, usize, usize, usize) {
         match *self {

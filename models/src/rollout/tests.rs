@@ -575,7 +575,7 @@ fn assert_cache_matches_full_forward<M: RolloutModel>(
 #[test]
 fn kv_cache_decode_matches_full_recompute_qwen3() {
     let m = qwen3();
-    assert_cache_matches_full_forward("qwen3", &m, |ids| m.forward(ids));
+    assert_cache_matches_full_forward("qwen3", &m, |ids| m.forward(ids).unwrap());
 }
 
 #[test]
@@ -622,7 +622,7 @@ fn logprobs_are_log_softmax_of_the_full_forward() {
     let m = qwen3_moe();
     assert_logprobs_match_full_forward("qwen3_moe", &m, |ids| m.forward(ids).unwrap().logits);
     let m = qwen3();
-    assert_logprobs_match_full_forward("qwen3", &m, |ids| m.forward(ids));
+    assert_logprobs_match_full_forward("qwen3", &m, |ids| m.forward(ids).unwrap());
     let m = deepseek();
     assert_logprobs_match_full_forward("deepseek_v3", &m, |ids| m.forward(ids).unwrap().logits);
 }

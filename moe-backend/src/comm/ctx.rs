@@ -162,6 +162,13 @@ pub struct GroupComms {
 }
 
 impl GroupComms {
+    /// The groups of a world of one rank (`ParallelLayout::single()`), on the calling thread:
+    /// every group has this rank alone and every collective is the identity. What a model's
+    /// single-rank forward runs on (the parallel forward at `world = 1`).
+    pub fn single() -> Result<Self> {
+        local::single_ctx().process_groups(&ParallelLayout::single())
+    }
+
     /// The communicator of `family`.
     pub fn comm(&self, family: GroupFamily) -> &Comm {
         let at = GroupFamily::ALL

@@ -12,11 +12,11 @@ use burn::tensor::{Device, Tensor};
 use burn_moe::backend::BackendError;
 use burn_moe::backend::comm::GroupComms;
 use burn_moe::backend::parallel::{GroupFamily, ParallelLayout};
-use burn_moe::bridge::AnyCausalLm;
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, SafetensorsFile, write_safetensors};
-use burn_moe::bridge::weights::WeightPrecision;
 use burn_moe::launch::{Placement, Transport, run_spmd};
 use burn_moe::models::distributed::{DispatcherKind, ParallelDeepseekV3, ParallelQwen3Moe};
+use burn_moe::models::hf::AnyCausalLm;
+use burn_moe::models::hf::WeightPrecision;
 use burn_moe::models::rl::logprobs::{TokenLogProbs, deepseek_v3_logprobs, qwen3_moe_logprobs};
 use burn_moe::models::{DeepseekV3ForCausalLM, ModelError, Qwen3MoeForCausalLM};
 
@@ -102,7 +102,7 @@ fn layout_for(spec: &str, placement: &Placement) -> anyhow::Result<ParallelLayou
 /// Checks that a `[batch, seq]` batch splits over the replicas of `layout` and the sequence-
 /// parallel blocks of their TP groups.
 fn check_split(layout: &ParallelLayout, [batch, seq]: [usize; 2]) -> anyhow::Result<()> {
-    let replicas = layout.dp * layout.cp;
+    let replicas = layout.dp;
     if !batch.is_multiple_of(replicas) {
         bail!(
             "the batch of {batch} sequences does not split over the {replicas} data-parallel \

@@ -174,6 +174,21 @@ impl World {
     }
 }
 
+/// The context of a world of one rank on the calling thread: every group has one member, so
+/// every collective is the identity and nothing ever waits on the rendezvous.
+pub(crate) fn single_ctx() -> RankCtx {
+    let shared = Arc::new(Shared {
+        size: 1,
+        config: WorldConfig::default(),
+        state: Mutex::new(State {
+            exited: vec![false],
+            ..State::default()
+        }),
+        wake: Condvar::new(),
+    });
+    RankCtx::new(0, 1, Transport::Local(shared))
+}
+
 fn run_rank<T, F>(shared: Arc<Shared>, rank: usize, f: &F) -> Result<T>
 where
     F: Fn(&RankCtx) -> Result<T> + Sync,

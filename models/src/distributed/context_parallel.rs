@@ -1,0 +1,151 @@
+//! Context parallelism (parallelism.md §1, the Megatron Core MoE report §6.3): the `cp` ranks
+//! of a replica share its sequences. Every row of `S` positions is cut into `2·cp` equal
+//! chunks and rank `r` holds chunks `r` and `2·cp − 1 − r` (causal load balance: each rank
+//! gets one early and one late chunk, so the attention work is even). Everything but
+//! attention is per token; attention all-gathers the keys and values (GQA) or the compressed
+//! latents (MLA) of the group along the sequence, and each query sees the gathered keys by
+//! their global positions (causal, and within its document for a packed batch). The
+//! all-gather's backward reduce-scatters the keys' gradients back to the ranks that own them.
+
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+use moe_backend::comm::Comm;
+use moe_backend::comm::autograd::gather_from_sequence_parallel_region;
+
+use super::err;
+use crate::ModelError;
+use crate::layers::AttentionMask;
+
+/// The global positions rank `rank` of `cp` holds of a row of `s` positions (its two chunks,
+/// in order); `0..s` when `cp = 1`. `s` must be divisible by `2·cp`
+/// ([`check_sequence`]).
+pub(crate) fn cp_positions(s: usize, cp: usize, rank: usize) -> Vec<usize> {
+    if cp == 1 {
+        return (0..s).collect();
+    }
+    let c = s / (2 * cp);
+    let early = rank * c..(rank + 1) * c;
+    let late = (2 * cp - 1 - rank) * c..(2 * cp - rank) * c;
+    early.chain(late).collect()
+}
+
+/// The positions of the keys after the all-gather: every rank's [`cp_positions`], in rank
+/// order.
+pub(crate) fn gathered_positions(s: usize, cp: usize) -> Vec<usize> {
+    (0..cp).flat_map(|r| cp_positions(s, cp, r)).collect()
+}
+
+/// Refuses a row length that does not split into `2·cp` chunks.
+pub(crate) fn check_sequence(s: usize, cp: usize) -> Result<(), ModelError> {
+    if cp > 1 && !s.is_multiple_of(2 * cp) {
+        return Err(ModelError::layout(
+            "cp",
+            format!(
+                "context parallelism cuts every sequence into 2·cp = {} chunks; the sequence \
+                 length {s} is not divisible by it",
+                2 * cp
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Row-major `values [B, s]` at `positions` of every row: `[B, positions.len()]`.
+pub(crate) fn select_positions<T: Copy>(values: &[T], s: usize, positions: &[usize]) -> Vec<T> {
+    values
+        .chunks(s)
+        .flat_map(|row| positions.iter().map(move |&p| row[p]))
+        .collect()
+}
+
+/// The attention mask `[B, Sq, Sk]` of queries at global positions `queries` against keys at
+/// `keys` (`true` = masked out): a key is seen when it is not later than the query and, with
+/// `documents` (`[B·S]` row-major document id per position, `< 0` = padding), belongs to the
+/// query's document (a padding query sees only itself).
+pub(crate) fn position_mask(
+    batch: usize,
+    s: usize,
+    queries: &[usize],
+    keys: &[usize],
+    documents: Option<&[i64]>,
+    device: &Device,
+) -> AttentionMask {
+    let (sq, sk) = (queries.len(), keys.len());
+    let mut blocked = Vec::with_capacity(batch * sq * sk);
+    for b in 0..batch {
+        let doc = |p: usize| documents.map(|d| d[b * s + p]);
+        for &q in queries {
+            for &k in keys {
+                let visible = match doc(q) {
+                    Some(dq) if dq < 0 => k == q,
+                    dq => k <= q && dq == doc(k),
+                };
+                blocked.push(!visible);
+            }
+        }
+    }
+    AttentionMask::from_blocked(Tensor::<3, Bool>::from_data(
+        TensorData::new(blocked, [batch, sq, sk]),
+        device,
+    ))
+}
+
+/// All-gathers `x [B, n, S_local, d]` along the sequence over the context-parallel group
+/// (rank order, [`gathered_positions`]); the backward sums every rank's gradient of the
+/// gathered keys and returns this rank's block.
+pub fn gather_sequence(cp: &Comm, x: Tensor<4>) -> Result<Tensor<4>, ModelError> {
+    if cp.size() == 1 {
+        return Ok(x);
+    }
+    let gathered =
+        gather_from_sequence_parallel_region(cp, x.swap_dims(0, 2), true).map_err(err)?;
+    Ok(gathered.swap_dims(0, 2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_balance_the_causal_work() {
+        assert_eq!(cp_positions(8, 2, 0), [0, 1, 6, 7]);
+        assert_eq!(cp_positions(8, 2, 1), [2, 3, 4, 5]);
+        assert_eq!(gathered_positions(8, 2), [0, 1, 6, 7, 2, 3, 4, 5]);
+        assert_eq!(cp_positions(5, 1, 0), [0, 1, 2, 3, 4]);
+        // Each rank's queries see the same number of (query, key) pairs.
+        let work = |r| -> usize { cp_positions(12, 3, r).iter().map(|p| p + 1).sum() };
+        assert_eq!(work(0), work(1));
+        assert_eq!(work(1), work(2));
+        assert!(check_sequence(12, 3).is_ok());
+        let e = check_sequence(10, 3).unwrap_err().to_string();
+        assert!(e.contains("cp") && e.contains("10"), "{e}");
+    }
+
+    #[test]
+    fn the_mask_follows_global_positions_and_documents() {
+        let device = Device::flex();
+        let m = position_mask(1, 4, &[0, 3], &[0, 3, 1, 2], None, &device);
+        let got = m
+            .blocked()
+            .clone()
+            .into_data()
+            .try_into_vec::<bool>()
+            .unwrap();
+        assert_eq!(got, [false, true, true, true, false, false, false, false]);
+        // Two documents [0, 1] and [2, 3]; position 3 is padding in the second row.
+        let docs = [0, 0, 1, 1, 0, 0, 0, -1];
+        let m = position_mask(2, 4, &[1, 3], &[0, 1, 2, 3], Some(&docs), &device);
+        let got = m
+            .blocked()
+            .clone()
+            .into_data()
+            .try_into_vec::<bool>()
+            .unwrap();
+        let want = [
+            [false, false, true, true],
+            [true, true, false, false],
+            [false, false, true, true],
+            [true, true, true, false],
+        ];
+        assert_eq!(got, want.concat());
+    }
+}

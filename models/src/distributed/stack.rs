@@ -1,0 +1,312 @@
+//! A decoder-only causal LM written once against a [`ParallelContext`]: the built-in models
+//! implement [`DecoderStack`] (their embedding, layers, final norm and head) and every forward
+//! (the single-rank HF forward, the sharded training forward, cached generation, MTP) runs the
+//! same layers through the context. At `world = 1` the context's collectives are the identity
+//! and its dispatcher is local ([`ParallelContext::local`]): the single-rank model *is* the
+//! parallel model at world 1.
+
+use burn::nn::{Embedding, Linear};
+use burn::tensor::{Device, Int, Tensor};
+use moe_backend::comm::{Comm, GroupComms};
+
+use super::context_parallel::gather_sequence;
+use super::runtime::{RouterTrace, SpRuntime};
+use super::{DispatcherKind, ForwardTraced, err};
+use crate::ModelError;
+use crate::layers::mla::Mla;
+use crate::layers::rope::{RopeTables, RotaryEmbedding};
+use crate::layers::{Attention, AttentionMask, KvCache, LayerCache, RmsNorm};
+use crate::packing::{PackedInputs, SequenceLayout};
+
+/// What a decoder layer's attention reads besides its input: the RoPE tables of the
+/// positions, and either the attention mask of a (packed) batch or this layer's KV cache.
+#[derive(Debug)]
+pub enum AttentionInputs<'a> {
+    /// A whole sequence: causal, or under a packed/padded batch's mask.
+    Masked {
+        /// RoPE tables of the positions.
+        rope: &'a RopeTables,
+        /// The mask of a packed or padded batch, or of this rank's positions against the
+        /// gathered keys under context parallelism (`None`: plain causal).
+        mask: Option<&'a AttentionMask>,
+        /// The context-parallel group whose keys and values (or MLA latents) this rank's
+        /// queries also see, all-gathered along the sequence (`None`: no context
+        /// parallelism).
+        exchange: Option<&'a Comm>,
+    },
+    /// Decoding after the positions held in `cache` (which the call extends).
+    Cached {
+        /// RoPE tables of the new positions.
+        rope: &'a RopeTables,
+        /// This layer's cache of this rank's heads (or MLA latents).
+        cache: &'a mut LayerCache,
+    },
+}
+
+/// A self-attention module this rank runs on the gathered sequence `[B, S, H]`.
+pub trait SelfAttention {
+    /// This rank's heads' (partial, for TP) output `[B, S, H]` of `x`.
+    fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError>;
+}
+
+impl SelfAttention for Attention {
+    fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError> {
+        Ok(match inputs {
+            AttentionInputs::Masked {
+                rope,
+                mask,
+                exchange: Some(cp),
+            } => self.forward_exchanged(x, rope, mask, |t| gather_sequence(cp, t))?,
+            AttentionInputs::Masked { rope, mask, .. } => self.forward_masked(x, rope, mask),
+            AttentionInputs::Cached { rope, cache } => self.forward(x, rope, Some(cache)),
+        })
+    }
+}
+
+impl SelfAttention for Mla {
+    fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError> {
+        Ok(match inputs {
+            AttentionInputs::Masked {
+                rope,
+                mask,
+                exchange: Some(cp),
+            } => self.forward_exchanged(x, rope, mask, |t| gather_sequence(cp, t))?,
+            AttentionInputs::Masked { rope, mask, .. } => self.forward_masked(x, rope, mask),
+            AttentionInputs::Cached { rope, cache } => self.forward(x, rope, Some(cache)),
+        })
+    }
+}
+
+/// A decoder-only causal LM as the context runs it: token embedding, decoder layers on the
+/// sequence-parallel block, final norm and head (tied to the embedding without `lm_head`).
+/// The same value is the whole model at `world = 1` and one rank's shard under any layout.
+pub trait DecoderStack {
+    /// Token embedding (this rank's vocabulary rows).
+    fn embed_tokens(&self) -> &Embedding;
+    /// Final norm.
+    fn final_norm(&self) -> &RmsNorm;
+    /// Output projection (this rank's vocabulary columns); `None` when tied.
+    fn lm_head(&self) -> Option<&Linear>;
+    /// Number of decoder layers (of the main model).
+    fn num_layers(&self) -> usize;
+    /// Decoder layer `i` on this rank's sequence-parallel block `x [B·S/tp, H]` of `batch`
+    /// sequences; MoE blocks report to `trace`.
+    fn layer_forward(
+        &self,
+        i: usize,
+        ctx: &SpRuntime,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError>;
+}
+
+/// What a logits forward returns: this rank's final-normed sequence-parallel block
+/// `[B·S/tp, H]` and the logits `[B, S, V]` over the full vocabulary.
+#[derive(Debug, Clone)]
+pub struct StackLogits {
+    /// Final-normed hidden states of this rank's sequence-parallel rows.
+    pub hidden: Tensor<2>,
+    /// Full-vocabulary logits `[B, S, V]` (identical on the replica's TP ranks).
+    pub logits: Tensor<3>,
+}
+
+impl SpRuntime {
+    /// The context of a single rank (`world = 1`): every collective is the identity, the
+    /// MoE blocks dispatch locally. What a model's single-rank forward runs on.
+    pub fn local(
+        num_experts: Option<usize>,
+        vocab_size: usize,
+        rope: RotaryEmbedding,
+    ) -> Result<Self, ModelError> {
+        let groups = GroupComms::single().map_err(err)?;
+        Self::new(
+            &groups,
+            DispatcherKind::default(),
+            num_experts,
+            vocab_size,
+            rope,
+        )
+    }
+
+    /// `x + attention(norm(x))` of a decoder layer on the sequence-parallel block `x`: the
+    /// normed block is gathered to `[batch, S, H]`, `attention` runs this rank's heads with
+    /// `inputs`, and its partial output is reduce-scattered back.
+    pub fn attention_block(
+        &self,
+        x: Tensor<2>,
+        norm: &RmsNorm,
+        attention: &impl SelfAttention,
+        batch: usize,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        self.try_attention_residual(x, norm, batch, |full| attention.attend(full, inputs))
+    }
+
+    /// This rank's sequence-parallel block `[B·S/tp, H]` of the embedded device ids
+    /// `[B, S]`: on the device under `tp = 1`, through the host ids' vocab-parallel lookup
+    /// otherwise.
+    pub fn embed_ids(
+        &self,
+        embed: &Embedding,
+        input_ids: Tensor<2, Int>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let [b, s] = input_ids.dims();
+        if self.tp.size() == 1 {
+            let h = embed.weight.dims()[1];
+            return Ok(embed.forward(input_ids).reshape([b * s, h]));
+        }
+        let ids = input_ids
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .map_err(|e| ModelError::input("input_ids", format!("unreadable ids: {e:?}")))?;
+        self.embed(embed, &ids, b)
+    }
+
+    /// The decoder layers of `model` on the sequence-parallel block `x`: every layer with
+    /// `rope` and `mask`, or with its part of `cache` when decoding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        mut x: Tensor<2>,
+        batch: usize,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        mut cache: Option<&mut KvCache>,
+        trace: &mut RouterTrace,
+    ) -> Result<Tensor<2>, ModelError> {
+        for i in 0..model.num_layers() {
+            let inputs = match cache.as_deref_mut() {
+                Some(c) => {
+                    let have = c.layers.len();
+                    let cache = c.layers.get_mut(i).ok_or_else(|| {
+                        ModelError::input(
+                            "cache",
+                            format!("a KV cache of {have} layers for a model of more"),
+                        )
+                    })?;
+                    AttentionInputs::Cached { rope, cache }
+                }
+                None => AttentionInputs::Masked {
+                    rope,
+                    mask,
+                    exchange: self.cp_exchange(),
+                },
+            };
+            x = model.layer_forward(i, self, x, batch, trace, inputs)?;
+        }
+        Ok(x)
+    }
+
+    /// Full-vocabulary logits of `input_ids [B, S]` (device ids) under `model`: positions
+    /// after those in `cache` when decoding, restarting at every document of `layout` for a
+    /// packed or padded batch (no cache then), plain `0..S` otherwise. The routers report to
+    /// `trace` (replay, record); a layout's padding rows are set on it. `B·S` must split over
+    /// `tp`.
+    pub fn logits<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        input_ids: Tensor<2, Int>,
+        layout: Option<&SequenceLayout>,
+        cache: Option<&mut KvCache>,
+        trace: &mut RouterTrace,
+    ) -> Result<StackLogits, ModelError> {
+        self.require_whole_sequence("a logits forward (generation)")?;
+        let [batch, s] = input_ids.dims();
+        let (_, tp) = self.tp_rank_size();
+        if !(batch * s).is_multiple_of(tp) {
+            return Err(ModelError::layout(
+                "tp",
+                format!("{batch} sequences × {s} positions do not split over tp = {tp}"),
+            ));
+        }
+        let device = input_ids.device();
+        let (rope, mask) = match (layout, &cache) {
+            (Some(_), Some(_)) => {
+                return Err(ModelError::input(
+                    "layout",
+                    "a packed or padded batch cannot be decoded with a KV cache",
+                ));
+            }
+            (Some(l), None) => {
+                l.check_shape("input_ids", batch, s)?;
+                let packed = self.packed_inputs(l, batch * s, &device);
+                trace.padding = Some(packed.padding);
+                (packed.rope, Some(packed.mask))
+            }
+            (None, _) => {
+                let offset = cache.as_ref().map_or(0, |c| c.seq_len());
+                (self.rope_at(offset, s, &device), None)
+            }
+        };
+        let x = self.embed_ids(model.embed_tokens(), input_ids)?;
+        let x = self.decode(model, x, batch, &rope, mask.as_ref(), cache, trace)?;
+        let hidden = model.final_norm().forward(x);
+        let logits = self.head_logits(hidden.clone(), model.lm_head(), model.embed_tokens())?;
+        let v = logits.dims()[1];
+        Ok(StackLogits {
+            hidden,
+            logits: logits.reshape([batch, s, v]),
+        })
+    }
+
+    /// The attention inputs of a prepared training batch: its RoPE tables and mask, and the
+    /// context-parallel group to exchange keys over.
+    pub fn masked_inputs<'a>(&'a self, p: &'a super::Prepared<'_>) -> AttentionInputs<'a> {
+        AttentionInputs::Masked {
+            rope: &p.rope,
+            mask: p.mask.as_ref(),
+            exchange: self.cp_exchange(),
+        }
+    }
+
+    /// The device inputs of a packed or padded batch of `rows` token rows: RoPE tables and
+    /// mask of the whole batch, router padding of this rank's sequence-parallel rows.
+    pub(crate) fn packed_inputs(
+        &self,
+        layout: &SequenceLayout,
+        rows: usize,
+        device: &Device,
+    ) -> PackedInputs {
+        let (rank, tp) = self.tp_rank_size();
+        let local = rows / tp;
+        PackedInputs::for_rows(layout, &self.rope, rank * local..(rank + 1) * local, device)
+    }
+
+    /// Forward and causal-LM loss of this replica's batch (host `input_ids`/`labels
+    /// [batch, S]`, packed or padded with `layout`) under `model`, the routers driven by
+    /// `trace`: the output, the recorded routing and the expert-bias counts.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn loss_forward<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        input_ids: &[i64],
+        labels: &[i64],
+        batch: usize,
+        layout: Option<&SequenceLayout>,
+        device: &Device,
+        mut trace: RouterTrace,
+    ) -> Result<ForwardTraced, ModelError> {
+        if trace.record || trace.replay.is_some() {
+            self.require_whole_sequence("router replay")?;
+        }
+        let p = self.prepare(input_ids, labels, batch, layout, device)?;
+        trace.padding = p.padding.clone();
+        let x = self.embed(model.embed_tokens(), &p.ids, batch)?;
+        let x = self.decode(model, x, batch, &p.rope, p.mask.as_ref(), None, &mut trace)?;
+        let selected = std::mem::take(&mut trace.selected);
+        let load = std::mem::take(&mut trace.expert_load);
+        let out = self.head_loss(
+            x,
+            model.final_norm(),
+            model.lm_head(),
+            model.embed_tokens(),
+            &p.targets,
+            trace,
+        )?;
+        Ok((out, selected, load))
+    }
+}
