@@ -763,6 +763,18 @@ fn run_model<M: JobModel>(
         }
     };
     let data = Data::open(job, vocab)?;
+    let seq_len = match &data {
+        Data::Corpus { seq_len } | Data::Ids { seq_len, .. } => *seq_len,
+    };
+    if layout.cp > 1 && !seq_len.is_multiple_of(2 * layout.cp) {
+        return Err(invalid(
+            "seq_len",
+            format!(
+                "context parallelism cuts every sequence into 2·cp = {} chunks; sequences of                  {seq_len} tokens do not split (layout {layout})",
+                2 * layout.cp
+            ),
+        ));
+    }
     let first_step = usize::try_from(state.step).unwrap_or(usize::MAX);
     if first_step > job.steps {
         return Err(invalid(

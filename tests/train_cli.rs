@@ -123,6 +123,12 @@ fn bad_input_is_refused_before_any_step() {
     // 4 attention heads (world 3 and 8).
     refused(&dir, &with("ep=3", &[]), &["ep", "3"]);
     refused(&dir, &with("tp=8", &["--gbs", "8"]), &["8"]);
+    // Sequences of 12 tokens do not cut into 2·cp = 8 chunks.
+    refused(
+        &dir,
+        &with("world=4,cp=4", &[]),
+        &["seq_len", "2·cp = 8", "12 tokens"],
+    );
     // Data without `input_ids`, of a float dtype, or with ids outside the vocabulary.
     let data = dir.join("bad.safetensors");
     write_ids(&data, "tokens", Dtype::I64, 2, 4, &[1, 2, 3, 4, 5, 6, 7, 8]);

@@ -26,6 +26,7 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::mtp::MtpModule;
 use crate::packing::SequenceLayout;
+use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl DeepseekV3Config {
@@ -312,35 +313,16 @@ impl DeepseekV3ForCausalLM {
         w: &WeightLoader<'_>,
     ) -> Result<Self, ModelError> {
         config.validate()?;
-        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| {
-                load_layer(
-                    config,
-                    w,
-                    &format!("model.layers.{i}"),
-                    config.is_moe_layer(i),
-                )
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        let mtp = (0..config.num_nextn_predict_layers)
-            .map(|j| MtpModule::load(config, w, config.num_hidden_layers + j))
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(Self {
-            model: DeepseekV3Model {
-                embed_tokens: w.embedding("model.embed_tokens.weight", config.vocab_size, h)?,
-                layers,
-                norm: w.rms_norm("model.norm", h, eps)?,
-            },
-            lm_head: if config.tie_word_embeddings {
-                None
-            } else {
-                Some(w.linear("lm_head", h, config.vocab_size, false)?)
-            },
-            mtp,
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?,
-            config: config.clone(),
-        })
+        config.mla_config().check_split(w.shard().tp)?;
+        // The model's structure from its own (lazy: nothing is allocated) initialisation,
+        // every parameter then read by its plan entry (the MTP modules as layers `N + j`).
+        let template = config.init(w.device())?;
+        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
+        let main = model.model.layers.iter_mut();
+        for layer in main.chain(model.mtp.iter_mut().map(|m| &mut m.block)) {
+            layer.self_attn = layer.self_attn.clone().with_local_heads();
+        }
+        Ok(model)
     }
 
     /// The configuration the model was built from.
@@ -485,50 +467,6 @@ impl DecoderStack for DeepseekV3ForCausalLM {
     ) -> Result<Tensor<2>, ModelError> {
         self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
     }
-}
-
-/// Loads one decoder layer under `prefix` (`model.layers.{i}`), with an MoE block or a dense
-/// MLP.
-pub(crate) fn load_layer(
-    config: &DeepseekV3Config,
-    w: &WeightLoader<'_>,
-    prefix: &str,
-    moe: bool,
-) -> Result<DeepseekV3DecoderLayer, ModelError> {
-    let (h, eps) = (config.hidden_size, config.rms_norm_eps);
-    let mlp = if moe {
-        DeepseekV3FeedForward::Moe(DeepseekV3Moe {
-            moe: load_moe(config, w, &format!("{prefix}.mlp"))?,
-        })
-    } else {
-        DeepseekV3FeedForward::Dense(w.mlp(
-            &format!("{prefix}.mlp"),
-            h,
-            config.intermediate_size,
-        )?)
-    };
-    Ok(DeepseekV3DecoderLayer {
-        input_layernorm: w.rms_norm(&format!("{prefix}.input_layernorm"), h, eps)?,
-        self_attn: config
-            .mla_config()
-            .load(w, &format!("{prefix}.self_attn"))?,
-        post_attention_layernorm: w.rms_norm(
-            &format!("{prefix}.post_attention_layernorm"),
-            h,
-            eps,
-        )?,
-        mlp,
-    })
-}
-
-/// Loads one MoE block under `prefix` (`model.layers.{i}.mlp`): router with its
-/// `e_score_correction_bias`, routed experts, shared experts ([`WeightLoader::moe`]).
-fn load_moe(
-    config: &DeepseekV3Config,
-    w: &WeightLoader<'_>,
-    prefix: &str,
-) -> Result<MoeLayer, ModelError> {
-    w.moe(&config.moe_layer_config()?, prefix)
 }
 
 impl CausalLm for DeepseekV3ForCausalLM {

@@ -15,10 +15,9 @@ use burn::tensor::{Device, Tensor};
 use crate::ModelError;
 use crate::causal_lm::causal_lm_loss;
 use crate::config::DeepseekV3Config;
-use crate::deepseek_v3::{DeepseekV3DecoderLayer, load_layer};
+use crate::deepseek_v3::DeepseekV3DecoderLayer;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::{RmsNorm, RmsNormConfig};
-use crate::weights::WeightLoader;
 
 /// One MTP module (HF `MtpLayer`; release names `model.layers.{N+j}.*`).
 #[derive(Module, Debug)]
@@ -50,23 +49,6 @@ impl MtpModule {
             eh_proj: LinearConfig::new(2 * h, h).with_bias(false).init(device),
             block: config.init_layer(true, device)?,
             shared_head_norm: norm(),
-        })
-    }
-
-    /// Loads `model.layers.{layer}.*` (`layer = N + j`).
-    pub fn load(
-        config: &DeepseekV3Config,
-        w: &WeightLoader<'_>,
-        layer: usize,
-    ) -> Result<Self, ModelError> {
-        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
-        let p = format!("model.layers.{layer}");
-        Ok(Self {
-            enorm: w.rms_norm(&format!("{p}.enorm"), h, eps)?,
-            hnorm: w.rms_norm(&format!("{p}.hnorm"), h, eps)?,
-            eh_proj: w.linear(&format!("{p}.eh_proj"), 2 * h, h, false)?,
-            block: load_layer(config, w, &p, true)?,
-            shared_head_norm: w.rms_norm(&format!("{p}.shared_head.norm"), h, eps)?,
         })
     }
 

@@ -23,6 +23,7 @@ use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
+use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3MoeConfig {
@@ -219,51 +220,15 @@ impl Qwen3MoeForCausalLM {
     /// shapes from a skeleton.
     pub fn from_loader(config: &Qwen3MoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
         config.validate()?;
-        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
-        let moe_config = (config.num_moe_layers() > 0)
-            .then(|| config.moe_layer_config())
-            .transpose()?;
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                let mlp = match (&moe_config, config.is_moe_layer(i)) {
-                    (Some(moe), true) => Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
-                        moe: w.moe(moe, &format!("{p}.mlp"))?,
-                    }),
-                    _ => Qwen3MoeFeedForward::Dense(w.mlp(
-                        &format!("{p}.mlp"),
-                        h,
-                        config.intermediate_size,
-                    )?),
-                };
-                Ok(Qwen3MoeDecoderLayer {
-                    input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
-                    self_attn: config
-                        .attention_config()
-                        .load(w, &format!("{p}.self_attn"))?,
-                    post_attention_layernorm: w.rms_norm(
-                        &format!("{p}.post_attention_layernorm"),
-                        h,
-                        eps,
-                    )?,
-                    mlp,
-                })
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(Self {
-            model: Qwen3MoeModel {
-                embed_tokens: w.embedding("model.embed_tokens.weight", config.vocab_size, h)?,
-                layers,
-                norm: w.rms_norm("model.norm", h, eps)?,
-            },
-            lm_head: if config.tie_word_embeddings {
-                None
-            } else {
-                Some(w.linear("lm_head", h, config.vocab_size, false)?)
-            },
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
-            config: config.clone(),
-        })
+        config.attention_config().check_split(w.shard().tp)?;
+        // The model's structure from its own (lazy: nothing is allocated) initialisation,
+        // every parameter then read by its plan entry.
+        let template = config.init(w.device())?;
+        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
+        for layer in &mut model.model.layers {
+            layer.self_attn = layer.self_attn.clone().with_local_heads()?;
+        }
+        Ok(model)
     }
 
     /// The configuration the model was built from.

@@ -1,33 +1,27 @@
-//! Loading modules from HF tensor names (models.md §6), whole or as one rank's shard.
+//! Reading model weights from HF tensor names (models.md §6), whole or as one rank's shard.
 //!
 //! The models do not read files themselves: a [`WeightSource`] hands out named f32 tensors, or
 //! boxes of them (the bridge implements it for HF checkpoint directories with positioned reads
-//! of the box alone; tests implement it over fixture files), and [`WeightLoader`] turns them
-//! into Burn modules with shape checks whose errors name the tensor. Checkpoint linears are
-//! `[out, in]`; Burn's [`Linear`] stores `[in, out]`, so the loader transposes.
-//!
-//! Modules are built from the loaded tensors directly ([`Param::from_tensor`]): nothing is
-//! initialised randomly and then overwritten.
+//! of the box alone; tests implement it over fixture files). A model is built by its parallel
+//! plan ([`crate::param_plan::load_with`]): its own lazily initialised structure (nothing is
+//! allocated) is walked parameter by parameter, each read by the HF name, storage and split
+//! of its plan entry through a [`WeightLoader`], with shape checks whose errors name the
+//! tensor. Checkpoint linears are `[out, in]`; Burn's `Linear` stores `[in, out]`, so the
+//! loader transposes.
 //!
 //! **Sharded loading.** A loader made with [`WeightLoader::sharded`] reads, for every tensor,
-//! only this rank's box as the canonical split table says ([`crate::distributed::shard_rule`]:
-//! TP rows or columns, the EP range of the routed experts and their ETP block), so the modules
-//! it builds are the rank's shard at local shapes and nothing larger than one box is ever
-//! materialised. Local sizes (heads, widths, vocabulary rows, local experts) follow from the
-//! boxes. [`WeightLoader::skeleton`] builds the same local shapes filled with zeros, without a
-//! source (a skeleton that a distributed-checkpoint restore then fills).
+//! only this rank's box (TP rows or columns, the EP range of the routed experts and their ETP
+//! block), so the modules built are the rank's shard at local shapes and nothing larger than
+//! one box is ever materialised. Local sizes (heads, widths, vocabulary rows, local experts)
+//! follow from the boxes. [`WeightLoader::skeleton`] builds the same local shapes filled with
+//! zeros, without a source (a skeleton that a distributed-checkpoint restore then fills).
 
 use std::ops::Range;
 
-use burn::module::Param;
-use burn::nn::{Embedding, Linear};
-use burn::tensor::{DType, Device, Tensor, TensorData};
-use moe_backend::experts::{GroupedExperts, SharedExperts};
-use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::ModelError;
 use crate::distributed::{ShardRule, shard_rule};
-use crate::layers::{Mlp, RmsNorm};
 
 mod module;
 
@@ -342,150 +336,6 @@ impl<'a> WeightLoader<'a> {
         Tensor::from_data(TensorData::new(values, shape), self.device)
     }
 
-    /// This rank's box of the tensor `name` whose whole shape is `expected` (the whole tensor
-    /// for an unsharded loader; see [`ShardSpec::box_of`]).
-    pub fn tensor<const D: usize>(
-        &self,
-        name: &str,
-        expected: [usize; D],
-    ) -> Result<Tensor<D>, ModelError> {
-        let (offsets, shape) = self.shard.box_of(name, &expected)?;
-        let values = self.host_box(name, &expected, &offsets, &shape)?;
-        let mut local = [0; D];
-        local.copy_from_slice(&shape);
-        Ok(self.device_tensor(values, local))
-    }
-
-    /// A linear `d_in → d_out` from `{prefix}.weight` `[d_out, d_in]` (and `{prefix}.bias`
-    /// `[d_out]` when `bias`): this rank's rows (column-parallel) or columns (row-parallel)
-    /// when sharded. A row-parallel linear with a bias cannot be split (the bias would be
-    /// added once per rank).
-    pub fn linear(
-        &self,
-        prefix: &str,
-        d_in: usize,
-        d_out: usize,
-        bias: bool,
-    ) -> Result<Linear, ModelError> {
-        let weight_name = format!("{prefix}.weight");
-        if bias && self.shard.tp > 1 && shard_rule(&weight_name) == (ShardRule::Tp { dim: 1 }) {
-            return Err(ModelError::layout(
-                "tp",
-                format!("`{prefix}` is row-parallel with a bias, which tp > 1 does not support"),
-            ));
-        }
-        // `[out, in]` box, transposed on the host so that the Burn weight is a contiguous
-        // `[in, out]` tensor (the layout `init` and the TP slicing helpers produce).
-        let (offsets, shape) = self.shard.box_of(&weight_name, &[d_out, d_in])?;
-        let values = self.host_box(&weight_name, &[d_out, d_in], &offsets, &shape)?;
-        let (rows, cols) = (shape[0], shape[1]);
-        let mut transposed = vec![0.0f32; values.len()];
-        for (r, row) in values.chunks_exact(cols.max(1)).enumerate() {
-            for (c, &v) in row.iter().enumerate() {
-                transposed[c * rows + r] = v;
-            }
-        }
-        drop(values);
-        let weight = self.device_tensor(transposed, [cols, rows]);
-        let bias = if bias {
-            Some(Param::from_tensor(
-                self.tensor(&format!("{prefix}.bias"), [d_out])?,
-            ))
-        } else {
-            None
-        };
-        Ok(Linear {
-            weight: Param::from_tensor(weight),
-            bias,
-        })
-    }
-
-    /// An RMSNorm from `{prefix}.weight` `[size]`.
-    pub fn rms_norm(&self, prefix: &str, size: usize, epsilon: f64) -> Result<RmsNorm, ModelError> {
-        Ok(RmsNorm {
-            weight: Param::from_tensor(self.tensor(&format!("{prefix}.weight"), [size])?),
-            epsilon,
-        })
-    }
-
-    /// A dense SwiGLU MLP from `{prefix}.{gate_proj,up_proj,down_proj}.weight`.
-    pub fn mlp(&self, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp, ModelError> {
-        Ok(Mlp {
-            gate_proj: self.linear(&format!("{prefix}.gate_proj"), hidden, inter, false)?,
-            up_proj: self.linear(&format!("{prefix}.up_proj"), hidden, inter, false)?,
-            down_proj: self.linear(&format!("{prefix}.down_proj"), inter, hidden, false)?,
-            fp8: None,
-        })
-    }
-
-    /// An embedding table from `name` `[vocab, hidden]` (this rank's vocabulary rows when
-    /// sharded).
-    pub fn embedding(
-        &self,
-        name: &str,
-        vocab: usize,
-        hidden: usize,
-    ) -> Result<Embedding, ModelError> {
-        Ok(Embedding {
-            weight: Param::from_tensor(self.tensor(name, [vocab, hidden])?),
-        })
-    }
-
-    /// An MoE block of `config` under `prefix` (`…mlp`), built from its tensors: router
-    /// `{prefix}.gate.weight [E, H]` (replicated; with an expert bias also
-    /// `{prefix}.gate.e_score_correction_bias [E]`, kept in f32 without gradient), this rank's
-    /// routed experts `{prefix}.experts` ([`experts`](Self::experts)) and, when configured, the
-    /// shared experts `{prefix}.shared_experts.*` (replicated).
-    pub fn moe(&self, config: &MoeLayerConfig, prefix: &str) -> Result<MoeLayer, ModelError> {
-        let r = &config.router;
-        let (e, h) = (r.num_experts, r.hidden_size);
-        let weight = Param::from_tensor(self.tensor(&format!("{prefix}.gate.weight"), [e, h])?);
-        let bias = r
-            .bias
-            .then(|| self.tensor(&format!("{prefix}.gate.bias"), [e]))
-            .transpose()?
-            .map(Param::from_tensor);
-        let expert_bias = r
-            .enable_expert_bias
-            .then(|| self.tensor(&format!("{prefix}.gate.e_score_correction_bias"), [e]))
-            .transpose()?
-            .map(|b| Param::from_tensor(b.cast(DType::F32)).set_require_grad(false));
-        let router = r.init_with_params(weight, bias, expert_bias)?;
-        let (fc1, fc2) =
-            self.experts(&format!("{prefix}.experts"), e, config.ffn_hidden_size, h)?;
-        let experts = GroupedExperts {
-            fc1: Param::from_tensor(fc1),
-            fc2: Param::from_tensor(fc2),
-            fc1_bias: None,
-            fc2_bias: None,
-            activation: config.activation,
-            fp8: config.fp8,
-        };
-        let shared_experts = match config.shared_ffn_hidden_size {
-            Some(width) => {
-                if config.shared_gate {
-                    return Err(ModelError::unsupported(
-                        "shared_gate",
-                        "loading a gated shared expert is not supported",
-                    ));
-                }
-                let mlp = self.mlp(&format!("{prefix}.shared_experts"), h, width)?;
-                Some(SharedExperts {
-                    gate_proj: mlp.gate_proj,
-                    up_proj: mlp.up_proj,
-                    down_proj: mlp.down_proj,
-                    gate: None,
-                })
-            }
-            None => None,
-        };
-        Ok(MoeLayer {
-            router,
-            experts,
-            shared_experts,
-        })
-    }
-
     /// Routed experts under `prefix` (`...mlp.experts`) as moe-backend's stacked weights:
     /// `fc1 [L, 2·Im', H]` (rows `[gate; up]` per expert) and `fc2 [L, H, Im']` for this
     /// rank's `L` experts ([`ShardSpec::expert_range`]) and FFN block `Im'`
@@ -632,23 +482,6 @@ mod tests {
     }
 
     #[test]
-    fn linear_is_transposed_and_shapes_are_checked() {
-        let device = Device::flex();
-        let mut src = MapSource::default();
-        src.put("a.weight", &[3, 2]);
-        let loader = WeightLoader::new(&src, &device);
-        let lin = loader.linear("a", 2, 3, false).unwrap();
-        assert_eq!(lin.weight.dims(), [2, 3]);
-        let err = loader.linear("a", 3, 2, false).unwrap_err().to_string();
-        assert!(
-            err.contains("`a.weight`") && err.contains("[3, 2]"),
-            "{err}"
-        );
-        let err = loader.linear("b", 3, 2, false).unwrap_err().to_string();
-        assert!(err.contains("`b.weight` is missing"), "{err}");
-    }
-
-    #[test]
     fn experts_accept_either_layout_and_reject_a_mix() {
         let device = Device::flex();
         let (e, im, h) = (2, 3, 4);
@@ -768,29 +601,5 @@ mod tests {
             .experts("m", e, im, h)
             .unwrap();
         assert_eq!((s1.dims(), s2.dims()), ([2, 4, 3], [2, 3, 2]));
-
-        // TP: q_proj rows, o_proj columns (Burn stores [in, out]); a norm whole.
-        let mut dense = MapSource::default();
-        dense.put("model.layers.0.self_attn.q_proj.weight", &[4, 2]);
-        dense.put("model.layers.0.self_attn.o_proj.weight", &[2, 4]);
-        dense.put("model.norm.weight", &[2]);
-        let w = WeightLoader::sharded(&dense, &device, &spec);
-        let q = w
-            .linear("model.layers.0.self_attn.q_proj", 2, 4, false)
-            .unwrap();
-        assert_eq!(values(q.weight.val()), [4.0, 6.0, 5.0, 7.0]);
-        let o = w
-            .linear("model.layers.0.self_attn.o_proj", 4, 2, false)
-            .unwrap();
-        assert_eq!(values(o.weight.val()), [2.0, 6.0, 3.0, 7.0]);
-        assert_eq!(
-            w.rms_norm("model.norm", 2, 1e-6).unwrap().weight.dims(),
-            [2]
-        );
-        let err = w
-            .linear("model.layers.0.self_attn.o_proj", 4, 2, true)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("row-parallel"), "{err}");
     }
 }

@@ -14,7 +14,6 @@ use super::kv_cache::LayerCache;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use super::rope::{RopeTables, apply_rotary};
 use crate::ModelError;
-use crate::weights::WeightLoader;
 
 /// Configuration of an [`Attention`] block.
 #[derive(Config, Debug)]
@@ -79,14 +78,11 @@ impl AttentionConfig {
         ))
     }
 
-    /// Loads `{prefix}.{q,k,v,o}_proj` and `{prefix}.{q,k}_norm` (models.md §6).
-    ///
-    /// With a sharded loader the projections are this rank's TP shard (q/k/v rows by head,
-    /// `o_proj` columns) and the local head counts follow from their shapes; the heads and KV
-    /// heads must divide by `tp`.
-    pub fn load(&self, loader: &WeightLoader<'_>, prefix: &str) -> Result<Attention, ModelError> {
+    /// Checks that the block splits over `tp` tensor-parallel ranks: query and KV heads
+    /// divisible by `tp`, and no bias on the row-parallel `o_proj` (it would be added once per
+    /// rank).
+    pub fn check_split(&self, tp: usize) -> Result<(), ModelError> {
         self.check()?;
-        let tp = loader.shard().tp;
         if !self.num_attention_heads.is_multiple_of(tp)
             || !self.num_key_value_heads.is_multiple_of(tp)
         {
@@ -98,29 +94,13 @@ impl AttentionConfig {
                 ),
             ));
         }
-        let (h, q, kv) = self.widths();
-        let b = self.attention_bias;
-        let norm = |name: &str| -> Result<Option<RmsNorm>, ModelError> {
-            self.qk_norm
-                .then(|| {
-                    loader.rms_norm(
-                        &format!("{prefix}.{name}"),
-                        self.head_dim,
-                        self.rms_norm_eps,
-                    )
-                })
-                .transpose()
-        };
-        Ok(self.assemble(
-            [
-                loader.linear(&format!("{prefix}.q_proj"), h, q, b)?,
-                loader.linear(&format!("{prefix}.k_proj"), h, kv, b)?,
-                loader.linear(&format!("{prefix}.v_proj"), h, kv, b)?,
-                loader.linear(&format!("{prefix}.o_proj"), q, h, b)?,
-            ],
-            norm("q_norm")?,
-            norm("k_norm")?,
-        ))
+        if self.attention_bias && tp > 1 {
+            return Err(ModelError::layout(
+                "tp",
+                "`o_proj` is row-parallel with a bias, which tp > 1 does not support",
+            ));
+        }
+        Ok(())
     }
 
     fn widths(&self) -> (usize, usize, usize) {

@@ -18,7 +18,6 @@ use super::rms_norm::{RmsNorm, RmsNormConfig};
 use super::rope::{RopeTables, apply_rotary, apply_rotary_interleaved, yarn_get_mscale};
 use crate::ModelError;
 use crate::config::{RopeParameters, RopeScaling};
-use crate::weights::WeightLoader;
 
 /// Epsilon of `q_a_layernorm` and `kv_a_layernorm`: HF and the official code build them with
 /// the default 1e-6 whatever `rms_norm_eps` is (models.md §3.2).
@@ -105,53 +104,22 @@ impl MlaConfig {
         )
     }
 
-    /// Loads `{prefix}.*` by HF names (models.md §6).
-    ///
-    /// With a sharded loader the head-split projections (`q_proj` / `q_b_proj`, `kv_b_proj`,
-    /// `o_proj`) are this rank's TP shard, the latent down-projections and norms whole; the
-    /// local head count follows from `kv_b_proj`'s shape. The heads must divide by `tp`.
-    pub fn load(&self, w: &WeightLoader<'_>, prefix: &str) -> Result<Mla, ModelError> {
-        let tp = w.shard().tp;
+    /// Checks that the block splits over `tp` tensor-parallel ranks: heads divisible by
+    /// `tp`, and no bias on the row-parallel `o_proj` (it would be added once per rank).
+    pub fn check_split(&self, tp: usize) -> Result<(), ModelError> {
         if !self.num_heads.is_multiple_of(tp) {
             return Err(ModelError::layout(
                 "tp",
                 format!("{} heads cannot be split over tp = {tp}", self.num_heads),
             ));
         }
-        let (h, nh, b) = (self.hidden_size, self.num_heads, self.attention_bias);
-        let q_out = nh * self.qk_head_dim();
-        let name = |n: &str| format!("{prefix}.{n}");
-        let query = match self.q_lora_rank {
-            None => MlaQuery::Direct(w.linear(&name("q_proj"), h, q_out, false)?),
-            Some(r) => MlaQuery::LowRank(LowRankQuery {
-                q_a_proj: w.linear(&name("q_a_proj"), h, r, b)?,
-                q_a_layernorm: w.rms_norm(&name("q_a_layernorm"), r, MLA_LATENT_NORM_EPS)?,
-                q_b_proj: w.linear(&name("q_b_proj"), r, q_out, false)?,
-            }),
-        };
-        Ok(self.assemble(
-            query,
-            [
-                w.linear(
-                    &name("kv_a_proj_with_mqa"),
-                    h,
-                    self.kv_lora_rank + self.qk_rope_head_dim,
-                    b,
-                )?,
-                w.linear(
-                    &name("kv_b_proj"),
-                    self.kv_lora_rank,
-                    nh * (self.qk_nope_head_dim + self.v_head_dim),
-                    false,
-                )?,
-                w.linear(&name("o_proj"), nh * self.v_head_dim, h, b)?,
-            ],
-            w.rms_norm(
-                &name("kv_a_layernorm"),
-                self.kv_lora_rank,
-                MLA_LATENT_NORM_EPS,
-            )?,
-        ))
+        if self.attention_bias && tp > 1 {
+            return Err(ModelError::layout(
+                "tp",
+                "`o_proj` is row-parallel with a bias, which tp > 1 does not support",
+            ));
+        }
+        Ok(())
     }
 
     fn assemble(
@@ -246,6 +214,14 @@ pub struct Mla {
 }
 
 impl Mla {
+    /// The block with its head count read from its (possibly TP-sharded) `kv_b_proj`: after
+    /// loading one rank's shard, `num_heads` becomes this rank's local count.
+    pub fn with_local_heads(mut self) -> Self {
+        self.num_heads = self.kv_b_proj.weight.lazy_shape()[1]
+            / (self.qk_nope_head_dim + self.v_head_dim).max(1);
+        self
+    }
+
     /// `x [B, S, H] → [B, S, H]` at positions `cache.seq_len()..`; `rope` holds the tables of
     /// exactly those positions (dim `qk_rope_head_dim`). The latents are appended to `cache`.
     pub fn forward(

@@ -36,12 +36,22 @@ pub fn load_by_plan<M: Module>(
     spec: &ShardSpec,
     device: &Device,
 ) -> Result<M, ModelError> {
+    let loader = WeightLoader::sharded(source, device, spec);
+    load_with(template, plan, main_layers, &loader)
+}
+
+/// [`load_by_plan`] through `loader`: its source, shard and device (a skeleton loader builds
+/// every parameter as zeros at this rank's shape, reading nothing).
+pub fn load_with<M: Module>(
+    template: &M,
+    plan: &ParallelPlan,
+    main_layers: usize,
+    loader: &WeightLoader<'_>,
+) -> Result<M, ModelError> {
     let mut mapper = Loader {
         plan,
         main_layers,
-        source,
-        spec,
-        device,
+        loader: *loader,
         path: Vec::new(),
         pending: HashMap::new(),
         error: None,
@@ -73,9 +83,7 @@ pub fn load_planned<M: Planned>(
 struct Loader<'a> {
     plan: &'a ParallelPlan,
     main_layers: usize,
-    source: &'a dyn WeightSource,
-    spec: &'a ShardSpec,
-    device: &'a Device,
+    loader: WeightLoader<'a>,
     path: Vec<String>,
     /// The other half of an expert pair already read (`fc2` when `fc1` was visited first, or
     /// the reverse), by HF name.
@@ -121,8 +129,7 @@ impl Loader<'_> {
                 return Err(self.mismatch(path, format!("unexpected routed-expert shape {full:?}")));
             }
         };
-        let loader = WeightLoader::sharded(self.source, self.device, self.spec);
-        let (gate_up, down) = loader.experts(prefix, e, f, h)?;
+        let (gate_up, down) = self.loader.experts(prefix, e, f, h)?;
         let (mine, theirs) = if fc1 {
             (gate_up.into_data(), down.into_data())
         } else {
@@ -158,11 +165,17 @@ impl Loader<'_> {
             let n = *global.get(dim).ok_or_else(|| {
                 self.mismatch(path, format!("no dim {dim} in {global:?} to split over tp"))
             })?;
-            let r = ShardSpec::part(hf, "tp", n, self.spec.tp_rank, self.spec.tp)?;
+            let r = ShardSpec::part(
+                hf,
+                "tp",
+                n,
+                self.loader.shard().tp_rank,
+                self.loader.shard().tp,
+            )?;
             offsets[dim] = r.start;
             shape[dim] = r.len();
         }
-        let values = self.source.tensor_box_f32(hf, &global, &offsets, &shape)?;
+        let values = self.loader.host_box(hf, &global, &offsets, &shape)?;
         Ok(match (storage, shape.as_slice()) {
             (Storage::Transposed, &[rows, cols]) => {
                 // Canonical `[out, in]` box to Burn's contiguous `[in, out]`.
@@ -204,7 +217,7 @@ impl Loader<'_> {
                 ),
             ));
         }
-        Ok((Tensor::from_data(data, self.device), entry.grad))
+        Ok((Tensor::from_data(data, self.loader.device()), entry.grad))
     }
 }
 

@@ -36,7 +36,7 @@ mod qwen3_moe;
 mod shard;
 
 pub use deepseek_v3::deepseek_v3_plan;
-pub use load::{load_by_plan, load_planned};
+pub use load::{load_by_plan, load_planned, load_with};
 pub use qwen3::qwen3_plan;
 pub use qwen3_moe::qwen3_moe_plan;
 pub use shard::{shard_by_plan, shard_planned};
