@@ -1,43 +1,7 @@
-//! Helpers shared by unit tests: a self-deleting temporary directory and raw file builders.
+//! Helpers shared by unit tests: raw file builders (and moe-backend's self-deleting temporary
+//! directory).
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// A fresh directory under `std::env::temp_dir()`, removed (with its contents) on drop.
-pub struct TempDir(PathBuf);
-
-impl TempDir {
-    /// Creates `<tmp>/moe-bridge-<tag>-<pid>-<n>`.
-    pub fn new(tag: &str) -> Self {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let dir = std::env::temp_dir().join(format!(
-            "moe-bridge-{tag}-{}-{n}-{nanos}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("create temp dir");
-        Self(dir)
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-
-    /// `self.path().join(name)`.
-    pub fn join(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+pub use moe_backend::testing::TempDir;
 
 /// A raw safetensors file: 8-byte length, `header` JSON text, then `data`.
 pub fn raw_file(header: &str, data: &[u8]) -> Vec<u8> {

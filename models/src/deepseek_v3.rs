@@ -19,7 +19,7 @@ use moe_backend::router::{GroupLimitConfig, ScoreFunction, TopKRouterConfig};
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, ParamCount};
 use crate::config::DeepseekV3Config;
-use crate::distributed::{AttentionInputs, DecoderStack, ParallelContext, RouterTrace};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
 use crate::layers::rope::RotaryEmbedding;
@@ -405,7 +405,8 @@ impl DeepseekV3ForCausalLM {
         )
     }
 
-    /// The single-rank forward ([`DecoderStack`] on [`local_context`](Self::local_context)):
+    /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on
+    /// [`local_context`](Self::local_context)):
     /// after the positions in `cache`, or of a packed/padded batch with `layout`; `replay`
     /// forces every MoE layer's experts (per MoE layer, [`crate::replay`]).
     pub(crate) fn run(
@@ -439,35 +440,7 @@ impl DeepseekV3ForCausalLM {
     }
 }
 
-impl DecoderStack for DeepseekV3ForCausalLM {
-    fn embed_tokens(&self) -> &Embedding {
-        &self.model.embed_tokens
-    }
-
-    fn final_norm(&self) -> &RmsNorm {
-        &self.model.norm
-    }
-
-    fn lm_head(&self) -> Option<&Linear> {
-        self.lm_head.as_ref()
-    }
-
-    fn num_layers(&self) -> usize {
-        self.model.layers.len()
-    }
-
-    fn layer_forward(
-        &self,
-        i: usize,
-        ctx: &ParallelContext,
-        x: Tensor<2>,
-        batch: usize,
-        trace: &mut RouterTrace,
-        inputs: AttentionInputs<'_>,
-    ) -> Result<Tensor<2>, ModelError> {
-        self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
-    }
-}
+crate::distributed::decoder_stack!(DeepseekV3ForCausalLM);
 
 impl CausalLm for DeepseekV3ForCausalLM {
     fn vocab_size(&self) -> usize {

@@ -69,8 +69,6 @@ pub mod qwen3_moe;
 pub mod replay;
 pub mod rl;
 pub mod rollout;
-#[cfg(test)]
-mod test_util;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;

@@ -13,7 +13,7 @@ use burn::tensor::{Device, Int, Tensor};
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
 use crate::config::Qwen3Config;
-use crate::distributed::{AttentionInputs, DecoderStack, ParallelContext, RouterTrace};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
@@ -83,12 +83,14 @@ pub struct Qwen3DecoderLayer {
 impl Qwen3DecoderLayer {
     /// The layer on this rank's sequence-parallel block `x [B·S/tp, H]` of `batch` sequences
     /// under `ctx` (the whole `[B·S, H]` at `world = 1`): `h = x + attn(norm(x))`, then
-    /// `h + mlp(norm(h))` with attention heads and MLP columns TP-sharded.
+    /// `h + mlp(norm(h))` with attention heads and MLP columns TP-sharded (`_trace`: no MoE
+    /// block reports to it; the signature every decoder layer shares).
     pub fn forward_in(
         &self,
         ctx: &ParallelContext,
         x: Tensor<2>,
         batch: usize,
+        _trace: &mut RouterTrace,
         inputs: AttentionInputs<'_>,
     ) -> Result<Tensor<2>, ModelError> {
         let h = ctx.attention_block(x, &self.input_layernorm, &self.self_attn, batch, inputs)?;
@@ -175,7 +177,8 @@ impl Qwen3ForCausalLM {
         ParallelContext::local(None, self.config.vocab_size, self.rope.clone())
     }
 
-    /// The single-rank forward ([`DecoderStack`] on [`local_context`](Self::local_context)),
+    /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on
+    /// [`local_context`](Self::local_context)),
     /// after the positions in `cache` or of a packed/padded batch with `layout`.
     fn run(
         &self,
@@ -191,35 +194,7 @@ impl Qwen3ForCausalLM {
     }
 }
 
-impl DecoderStack for Qwen3ForCausalLM {
-    fn embed_tokens(&self) -> &Embedding {
-        &self.model.embed_tokens
-    }
-
-    fn final_norm(&self) -> &RmsNorm {
-        &self.model.norm
-    }
-
-    fn lm_head(&self) -> Option<&Linear> {
-        self.lm_head.as_ref()
-    }
-
-    fn num_layers(&self) -> usize {
-        self.model.layers.len()
-    }
-
-    fn layer_forward(
-        &self,
-        i: usize,
-        ctx: &ParallelContext,
-        x: Tensor<2>,
-        batch: usize,
-        _trace: &mut RouterTrace,
-        inputs: AttentionInputs<'_>,
-    ) -> Result<Tensor<2>, ModelError> {
-        self.model.layers[i].forward_in(ctx, x, batch, inputs)
-    }
-}
+crate::distributed::decoder_stack!(Qwen3ForCausalLM);
 
 impl CausalLm for Qwen3ForCausalLM {
     fn vocab_size(&self) -> usize {

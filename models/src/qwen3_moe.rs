@@ -18,7 +18,7 @@ use moe_backend::router::{ScoreFunction, TopKRouterConfig};
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, hf_load_balancing_loss};
 use crate::config::Qwen3MoeConfig;
-use crate::distributed::{AttentionInputs, DecoderStack, ParallelContext, RouterTrace};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
@@ -330,7 +330,8 @@ impl Qwen3MoeForCausalLM {
         )
     }
 
-    /// The single-rank forward ([`DecoderStack`] on [`local_context`](Self::local_context)):
+    /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on
+    /// [`local_context`](Self::local_context)):
     /// after the positions in `cache`, or of a packed/padded batch with `layout`; `replay`
     /// forces every sparse layer's experts (per sparse layer, [`crate::replay`]).
     pub(crate) fn run(
@@ -351,35 +352,7 @@ impl Qwen3MoeForCausalLM {
     }
 }
 
-impl DecoderStack for Qwen3MoeForCausalLM {
-    fn embed_tokens(&self) -> &Embedding {
-        &self.model.embed_tokens
-    }
-
-    fn final_norm(&self) -> &RmsNorm {
-        &self.model.norm
-    }
-
-    fn lm_head(&self) -> Option<&Linear> {
-        self.lm_head.as_ref()
-    }
-
-    fn num_layers(&self) -> usize {
-        self.model.layers.len()
-    }
-
-    fn layer_forward(
-        &self,
-        i: usize,
-        ctx: &ParallelContext,
-        x: Tensor<2>,
-        batch: usize,
-        trace: &mut RouterTrace,
-        inputs: AttentionInputs<'_>,
-    ) -> Result<Tensor<2>, ModelError> {
-        self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
-    }
-}
+crate::distributed::decoder_stack!(Qwen3MoeForCausalLM);
 
 impl CausalLm for Qwen3MoeForCausalLM {
     fn vocab_size(&self) -> usize {

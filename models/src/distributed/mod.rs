@@ -54,6 +54,7 @@ use runtime::SpRuntime;
 pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
+pub(crate) use stack::decoder_stack;
 pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 
 pub use deepseek_v3::ParallelDeepseekV3;

@@ -49,33 +49,34 @@ pub trait SelfAttention {
     fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError>;
 }
 
-impl SelfAttention for Attention {
-    fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError> {
-        Ok(match inputs {
-            AttentionInputs::Masked {
-                rope,
-                mask,
-                exchange: Some(cp),
-            } => self.forward_exchanged(x, rope, mask, |t| gather_sequence(cp, t))?,
-            AttentionInputs::Masked { rope, mask, .. } => self.forward_masked(x, rope, mask),
-            AttentionInputs::Cached { rope, cache } => self.forward(x, rope, Some(cache)),
-        })
-    }
+/// [`SelfAttention`] of an attention block with a cached `forward`, a `forward_masked` and a
+/// `forward_exchanged` (keys exchanged over the context-parallel group).
+macro_rules! self_attention {
+    ($ty:ty) => {
+        impl SelfAttention for $ty {
+            fn attend(
+                &self,
+                x: Tensor<3>,
+                inputs: AttentionInputs<'_>,
+            ) -> Result<Tensor<3>, ModelError> {
+                Ok(match inputs {
+                    AttentionInputs::Masked {
+                        rope,
+                        mask,
+                        exchange: Some(cp),
+                    } => self.forward_exchanged(x, rope, mask, |t| gather_sequence(cp, t))?,
+                    AttentionInputs::Masked { rope, mask, .. } => {
+                        self.forward_masked(x, rope, mask)
+                    }
+                    AttentionInputs::Cached { rope, cache } => self.forward(x, rope, Some(cache)),
+                })
+            }
+        }
+    };
 }
 
-impl SelfAttention for Mla {
-    fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError> {
-        Ok(match inputs {
-            AttentionInputs::Masked {
-                rope,
-                mask,
-                exchange: Some(cp),
-            } => self.forward_exchanged(x, rope, mask, |t| gather_sequence(cp, t))?,
-            AttentionInputs::Masked { rope, mask, .. } => self.forward_masked(x, rope, mask),
-            AttentionInputs::Cached { rope, cache } => self.forward(x, rope, Some(cache)),
-        })
-    }
-}
+self_attention!(Attention);
+self_attention!(Mla);
 
 /// A decoder-only causal LM as the context runs it: token embedding, decoder layers on the
 /// sequence-parallel block, final norm and head (tied to the embedding without `lm_head`).
@@ -101,6 +102,43 @@ pub trait DecoderStack {
         inputs: AttentionInputs<'_>,
     ) -> Result<Tensor<2>, ModelError>;
 }
+
+/// [`DecoderStack`] of a built-in causal LM: `model.embed_tokens`, `model.layers` (each with
+/// `forward_in(ctx, x, batch, trace, inputs)`), `model.norm` and an optional `lm_head`.
+macro_rules! decoder_stack {
+    ($ty:ty) => {
+        impl $crate::distributed::DecoderStack for $ty {
+            fn embed_tokens(&self) -> &burn::nn::Embedding {
+                &self.model.embed_tokens
+            }
+
+            fn final_norm(&self) -> &$crate::layers::RmsNorm {
+                &self.model.norm
+            }
+
+            fn lm_head(&self) -> Option<&burn::nn::Linear> {
+                self.lm_head.as_ref()
+            }
+
+            fn num_layers(&self) -> usize {
+                self.model.layers.len()
+            }
+
+            fn layer_forward(
+                &self,
+                i: usize,
+                ctx: &$crate::distributed::ParallelContext,
+                x: burn::tensor::Tensor<2>,
+                batch: usize,
+                trace: &mut $crate::distributed::RouterTrace,
+                inputs: $crate::distributed::AttentionInputs<'_>,
+            ) -> Result<burn::tensor::Tensor<2>, $crate::ModelError> {
+                self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
+            }
+        }
+    };
+}
+pub(crate) use decoder_stack;
 
 /// What a logits forward returns: this rank's final-normed sequence-parallel block
 /// `[B·S/tp, H]` and the logits `[B, S, V]` over the full vocabulary.

@@ -31,7 +31,7 @@ use moe_backend::testing::XorShift64;
 use super::*;
 use crate::checkpoint::placement::tests::tiny_deepseek_config;
 use crate::hf::ModelConfig;
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 use moe_bridge::dist::region::TensorBox;
 
 /// Global batch rows per step and their length.

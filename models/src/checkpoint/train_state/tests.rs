@@ -18,8 +18,8 @@ use moe_backend::parallel::{ParallelLayout, replicate};
 use super::*;
 use crate::checkpoint::placement::PlacedModel;
 use crate::hf::ModelConfig;
-use crate::test_util::TempDir;
 use moe_backend::testing::SplitMix;
+use moe_backend::testing::TempDir;
 
 /// A Qwen3-MoE whose every split dimension divides by 8 (heads, KV heads, vocabulary, FFN
 /// widths, experts): layer 0 dense, layer 1 MoE.

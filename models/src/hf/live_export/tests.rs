@@ -9,7 +9,7 @@ use crate::{
 use burn::tensor::Device;
 
 use super::*;
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::elem::f32_to_bf16_bits;
 

@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use super::*;
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -7,7 +7,7 @@ use moe_bridge::hf::{CONFIG_FILE, HfCheckpoint, INDEX_FILE, SINGLE_FILE};
 use moe_bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_safetensors};
 
 use crate::hf::ModelConfig;
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

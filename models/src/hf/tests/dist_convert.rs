@@ -12,7 +12,7 @@ use moe_bridge::hf::{CONFIG_FILE, HfCheckpoint, read_json};
 use moe_bridge::safetensors::Dtype;
 
 use crate::hf::ModelConfig;
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use crate::hf::ModelConfig;
 use crate::hf::mapping::qwen3_moe;
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

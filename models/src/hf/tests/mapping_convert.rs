@@ -10,7 +10,7 @@ use moe_bridge::mapping::*;
 use moe_bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_hf_checkpoint};
 
 use crate::hf::mapping::{deepseek_v3, qwen3_moe};
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
 
 fn fixture(name: &str) -> HfCheckpoint {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
