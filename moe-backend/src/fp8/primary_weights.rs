@@ -4,7 +4,7 @@
 //! block's scale and quantises only its own elements. The result is bit-identical to
 //! quantising the whole BF16-cast weight on one rank, for any shard boundaries.
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::TensorData;
 
 use super::formats::{E4M3_MAX, f32_to_e4m3};
 use crate::comm::{Comm, ReduceOp};
@@ -263,15 +263,23 @@ pub fn cast_master_shard(
 ) -> Result<(Vec<u8>, Vec<f32>)> {
     let partial = partial_block_amax(values, start, grid)?;
     let n = partial.len();
-    let t = Tensor::<1>::from_data(TensorData::new(partial, [n]), (&Device::flex(), DType::F32));
-    let amax = group
-        .all_reduce(t, ReduceOp::Max)?
-        .into_data()
-        .try_into_vec::<f32>()
-        .map_err(|e| BackendError::Shape {
-            op: "cast_master_shard",
-            detail: format!("amaxes unreadable: {e:?}"),
-        })?;
+    // Host values in, host values out: the amaxes go through the transport as host bytes.
+    let amax = if group.size() > 1 {
+        group
+            .communicator()
+            .all_reduce(
+                TensorData::new(partial, [n]),
+                ReduceOp::Max,
+                std::panic::Location::caller(),
+            )?
+            .try_into_vec::<f32>()
+            .map_err(|e| BackendError::Shape {
+                op: "cast_master_shard",
+                detail: format!("amaxes unreadable: {e:?}"),
+            })?
+    } else {
+        partial
+    };
     let scales: Vec<f32> = amax
         .iter()
         .map(|&a| compute_scale_from_amax(a, E4M3_MAX, pow2, 0.0))

@@ -7,19 +7,32 @@
 //! Before the reduction, sequence-parallel replicated gradients are summed over `tp`; the
 //! global gradient norm counts every unique element once (TP-replicated shards on TP rank 0
 //! only) and is all-reduced over the world, so it is the same for every layout.
+//!
+//! # Device
+//!
+//! The whole step runs on the device of the parameters (Flex, or a Cube device): master
+//! weights, moments and the flat gradient / parameter buffers are [`Tensor`]s there. Flattening
+//! is a `Tensor::cat` of the reshaped gradients, writing back slices the flat buffer into each
+//! parameter, the reductions are [`Comm`] collectives on those tensors (a transport may stage
+//! through host memory; a group of one never does), and the AdamW update is element-wise
+//! tensor ops in the order of the scalar rule (bit-identical to it on Flex). The one value a
+//! step reads back is the global gradient norm (a one-element tensor, accumulated in f64
+//! where the device has f64), which the clipping decision and [`StepReport`] need. Host
+//! vectors remain in the checkpoint / diagnostics APIs ([`ParamTable::flatten_values`],
+//! [`DistributedAdamW::reduced_gradients`], the state pieces) and in the FP8 primary-weight
+//! cast ([`super::fp8_primary`]), which runs on host buffers.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor, TensorData, bf16};
-use rayon::prelude::*;
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 
 use super::fp8_primary::{
     Fp8ParamLayout, Fp8PrimaryConfig, Fp8Slot, Fp8Weight, cast_and_gather, check_loaded, slots_for,
 };
-use super::params::{ParamClass, ParamInfo, ParamTable, default_classify};
+use super::params::{ParamClass, ParamInfo, ParamTable, cat_flat, default_classify, param_device};
 use super::schedule::no_weight_decay;
 use crate::comm::{Comm, GroupComms, ReduceOp};
 use crate::error::{BackendError, Result};
@@ -70,14 +83,16 @@ impl Default for DistributedAdamWConfig {
     }
 }
 
-/// Moments of one shard.
+/// The Adam moments of one shard: device tensors of `[size]` elements, stored in f32 or bf16
+/// (always computed in f32).
 #[derive(Debug, Clone)]
-pub(super) enum Moments {
-    F32(Vec<f32>, Vec<f32>),
-    Bf16(Vec<bf16>, Vec<bf16>),
+pub(super) struct Moments {
+    pub(super) exp_avg: Tensor<1>,
+    pub(super) exp_avg_sq: Tensor<1>,
 }
 
-/// The shard of one class's flat buffer owned by this rank.
+/// The shard of one class's flat buffer owned by this rank; its state lives on the
+/// parameters' device.
 #[derive(Debug, Clone)]
 pub(super) struct Shard {
     pub(super) comm: Comm,
@@ -85,34 +100,70 @@ pub(super) struct Shard {
     pub(super) len: usize,
     /// Shard length (padded buffer / group size).
     pub(super) size: usize,
-    pub(super) master: Vec<f32>,
+    /// The device of the parameters (without autodiff), where the state lives.
+    pub(super) device: Device,
+    /// f32 master weights, `[size]`.
+    pub(super) master: Tensor<1>,
     pub(super) moments: Moments,
+    /// Storage precision of the moments.
+    pub(super) moment_dtype: MomentDtype,
     /// Ranges of the shard (shard coordinates, sorted, disjoint) without weight decay.
     pub(super) no_decay: Vec<Range<usize>>,
+    /// `true` on the elements of `no_decay` (built once, `None` when it is empty).
+    no_decay_mask: Option<Tensor<1, Bool>>,
+}
+
+/// `t` (1-D) padded with zeros to `n` elements.
+fn pad_to(t: Tensor<1>, n: usize, device: &Device) -> Tensor<1> {
+    let have = t.dims()[0];
+    if have >= n {
+        return t;
+    }
+    if have == 0 {
+        return Tensor::zeros([n], (device, DType::F32));
+    }
+    Tensor::cat(vec![t, Tensor::zeros([n - have], (device, DType::F32))], 0)
+}
+
+fn moment_storage(dtype: MomentDtype) -> DType {
+    match dtype {
+        MomentDtype::F32 => DType::F32,
+        MomentDtype::Bf16 => DType::BF16,
+    }
 }
 
 impl Shard {
-    fn new(comm: Comm, full: &[f32], dtype: MomentDtype) -> Self {
+    /// The shard of the full f32 buffer `full` (on the parameters' device) owned by this rank,
+    /// with zero moments.
+    pub(super) fn new(comm: Comm, full: Tensor<1>, dtype: MomentDtype) -> Self {
+        let device = full.device();
+        let len = full.dims()[0];
         let n = comm.size();
-        let size = full.len().div_ceil(n);
-        let start = comm.rank() * size;
-        let mut master = vec![0.0; size];
-        for (i, m) in master.iter_mut().enumerate() {
-            if let Some(v) = full.get(start + i) {
-                *m = *v;
-            }
-        }
-        let moments = match dtype {
-            MomentDtype::F32 => Moments::F32(vec![0.0; size], vec![0.0; size]),
-            MomentDtype::Bf16 => Moments::Bf16(vec![bf16::ZERO; size], vec![bf16::ZERO; size]),
+        let size = len.div_ceil(n);
+        let start = (comm.rank() * size).min(len);
+        let end = (start + size).min(len);
+        let mine = if (start, end) == (0, len) {
+            full
+        } else if start == end {
+            Tensor::zeros([0], (&device, DType::F32))
+        } else {
+            full.slice(start..end)
         };
+        let master = pad_to(mine, size, &device);
+        let zeros = || Tensor::<1>::zeros([size], (&device, moment_storage(dtype)));
         Self {
             comm,
-            len: full.len(),
+            len,
             size,
             master,
-            moments,
+            moments: Moments {
+                exp_avg: zeros(),
+                exp_avg_sq: zeros(),
+            },
+            moment_dtype: dtype,
             no_decay: Vec::new(),
+            no_decay_mask: None,
+            device,
         }
     }
 
@@ -128,124 +179,235 @@ impl Shard {
             })
             .collect();
         self.no_decay.sort_by_key(|r| r.start);
+        // Built once on the host at construction (not per step) and uploaded.
+        self.no_decay_mask = (!self.no_decay.is_empty()).then(|| {
+            let mut mask = vec![false; self.size];
+            for r in &self.no_decay {
+                mask[r.clone()].fill(true);
+            }
+            Tensor::from_data(TensorData::new(mask, [self.size]), &self.device)
+        });
     }
 
-    /// Reduce-scatter (sum) of the padded gradient buffer; returns this rank's shard.
-    fn reduce_scatter(&self, mut grad: Vec<f32>, scale: f32) -> Result<Vec<f32>> {
+    /// Reduce-scatter (sum) of the gradient buffer (padded here); returns this rank's shard
+    /// scaled by `scale`, on the device.
+    fn reduce_scatter(&self, grad: Tensor<1>, scale: f32) -> Result<Tensor<1>> {
         let n = self.comm.size();
-        grad.resize(self.size * n, 0.0);
-        if n == 1 {
-            // A sum over one rank is the buffer itself: no round trip through a tensor.
-            if scale != 1.0 {
-                grad.par_iter_mut().for_each(|x| *x *= scale);
-            }
-            return Ok(grad);
-        }
-        let t = Tensor::<1>::from_data(TensorData::new(grad, [self.size * n]), &Device::flex());
-        let shard = self.comm.reduce_scatter(t, ReduceOp::Sum)?;
-        let mut v = shard
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| BackendError::Shape {
-                op: "DistributedAdamW",
-                detail: format!("gradient shard unreadable: {e:?}"),
-            })?;
-        for x in &mut v {
-            *x *= scale;
-        }
-        Ok(v)
+        let grad = pad_to(grad, self.size * n, &self.device);
+        // A sum over one rank is the buffer itself (the collective returns its input).
+        let shard = if n == 1 {
+            grad
+        } else {
+            self.comm.reduce_scatter(grad, ReduceOp::Sum)?
+        };
+        Ok(if scale != 1.0 {
+            shard.mul_scalar(scale)
+        } else {
+            shard
+        })
     }
 
     /// All-gather of the master shards; the unpadded full buffer.
-    fn all_gather(&self) -> Result<Vec<f32>> {
+    fn all_gather(&self) -> Result<Tensor<1>> {
         self.all_gather_values(self.master.clone())
     }
 
-    /// All-gather of one shard-sized vector; the unpadded full buffer.
-    fn all_gather_values(&self, mut shard: Vec<f32>) -> Result<Vec<f32>> {
-        if self.comm.size() == 1 {
-            shard.truncate(self.len);
-            return Ok(shard);
-        }
-        let t = Tensor::<1>::from_data(TensorData::new(shard, [self.size]), &Device::flex());
-        let mut full = self
-            .comm
-            .all_gather(t)?
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| BackendError::Shape {
-                op: "DistributedAdamW",
-                detail: format!("gathered parameters unreadable: {e:?}"),
-            })?;
-        full.truncate(self.len);
-        Ok(full)
-    }
-
-    /// AdamW on the master shard (bias-corrected, decoupled decay except on the exempt
-    /// ranges), computed in f32.
-    /// AdamW on this rank's shard with the gradient shard `grad` scaled by `clip` (the
-    /// global-norm clipping coefficient), in parallel over fixed chunks of [`ADAMW_CHUNK`]
-    /// elements (every element's arithmetic is the same whatever the thread count).
-    fn adamw(&mut self, grad: &[f32], clip: f64, lr: f64, step: i32, c: &DistributedAdamWConfig) {
-        let k = AdamwConstants {
-            lr: lr as f32,
-            bc1: 1.0 - c.beta_1.powi(step),
-            bc2: 1.0 - c.beta_2.powi(step),
-            decay: 1.0 - lr as f32 * c.weight_decay,
-            clip,
-            beta_1: c.beta_1,
-            beta_2: c.beta_2,
-            epsilon: c.epsilon,
+    /// All-gather of one shard-sized tensor; the unpadded full buffer.
+    fn all_gather_values(&self, shard: Tensor<1>) -> Result<Tensor<1>> {
+        let full = if self.comm.size() == 1 {
+            shard
+        } else {
+            self.comm.all_gather(shard)?
         };
-        let Shard {
-            master,
-            moments,
-            no_decay,
-            ..
-        } = self;
-        let no_decay = no_decay.as_slice();
-        let chunks = master
-            .par_chunks_mut(ADAMW_CHUNK)
-            .zip(grad.par_chunks(ADAMW_CHUNK))
-            .enumerate();
-        match moments {
-            Moments::F32(m1, m2) => chunks
-                .zip(m1.par_chunks_mut(ADAMW_CHUNK))
-                .zip(m2.par_chunks_mut(ADAMW_CHUNK))
-                .for_each(|(((j, (p, g)), m), v)| {
-                    let mut factor = k.factors(no_decay, j * ADAMW_CHUNK);
-                    for i in 0..p.len() {
-                        k.update(&mut p[i], g[i], &mut m[i], &mut v[i], factor(i));
-                    }
-                }),
-            Moments::Bf16(m1, m2) => chunks
-                .zip(m1.par_chunks_mut(ADAMW_CHUNK))
-                .zip(m2.par_chunks_mut(ADAMW_CHUNK))
-                .for_each(|(((j, (p, g)), m), v)| {
-                    let mut factor = k.factors(no_decay, j * ADAMW_CHUNK);
-                    for i in 0..p.len() {
-                        let (mut a, mut b) = (m[i].to_f32(), v[i].to_f32());
-                        k.update(&mut p[i], g[i], &mut a, &mut b, factor(i));
-                        m[i] = bf16::from_f32(a);
-                        v[i] = bf16::from_f32(b);
-                    }
-                }),
+        Ok(if full.dims()[0] == self.len {
+            full
+        } else if self.len == 0 {
+            Tensor::zeros([0], (&self.device, DType::F32))
+        } else {
+            full.slice(0..self.len)
+        })
+    }
+
+    /// AdamW on this rank's master shard with the gradient shard `grad` scaled by `clip` (the
+    /// global-norm clipping coefficient): bias-corrected, decoupled decay except on the exempt
+    /// ranges, computed in f32 on the device. Element-wise tensor ops in the order of the
+    /// scalar rule (`g ← (g as f64 · clip) as f32`, `m ← m·β₁ + g·(1−β₁)`,
+    /// `v ← v·β₂ + g·g·(1−β₂)`, `p ← p·factor − lr·(m/bc₁ / (√(v/bc₂) + ε))`, each op rounded
+    /// to f32), so Flex gives that rule's bits (checked by the test below).
+    ///
+    /// On the CPU backend (Flex), whose tensors live in host memory, the same rule runs as one
+    /// fused pass over rayon chunks ([`adamw_fused_cpu`](Self::adamw_fused_cpu)): the
+    /// composite ops make a dozen passes over the shard, each allocating its output
+    /// (BENCHMARKS.md measured 4.6 s against 1.1–1.3 s for a 230 M-parameter model).
+    fn adamw(
+        &mut self,
+        grad: Tensor<1>,
+        clip: f64,
+        lr: f64,
+        step: i32,
+        c: &DistributedAdamWConfig,
+    ) -> Result<()> {
+        if self.size == 0 {
+            return Ok(());
         }
+        let k = AdamwConstants::new(c, lr, step);
+        if self.device == Device::flex() {
+            return self.adamw_fused_cpu(grad, clip, &k);
+        }
+        self.adamw_composite(grad, clip, &k);
+        Ok(())
+    }
+
+    /// [`adamw`](Self::adamw) as element-wise tensor ops on the shard's device.
+    fn adamw_composite(&mut self, grad: Tensor<1>, clip: f64, k: &AdamwConstants) {
+        let g = if clip != 1.0 {
+            scale_f64(grad, clip, &self.device)
+        } else {
+            grad
+        };
+        let m = self.moments.exp_avg.clone().cast(DType::F32);
+        let v = self.moments.exp_avg_sq.clone().cast(DType::F32);
+        // m ← m·β₁ + g·(1−β₁);  v ← v·β₂ + g·g·(1−β₂)
+        let m = m.mul_scalar(k.beta_1) + g.clone().mul_scalar(1.0 - k.beta_1);
+        let v = v.mul_scalar(k.beta_2) + g.clone().mul(g).mul_scalar(1.0 - k.beta_2);
+        // p ← p·factor − lr·(m̂ / (√v̂ + ε))
+        let m_hat = m.clone().div_scalar(k.bc1);
+        let v_hat = v.clone().div_scalar(k.bc2);
+        let step = (m_hat / v_hat.sqrt().add_scalar(k.epsilon)).mul_scalar(k.lr);
+        let p = self.master.clone();
+        let decayed = if k.decay == 1.0 {
+            p
+        } else {
+            match &self.no_decay_mask {
+                Some(mask) => p.clone().mul_scalar(k.decay).mask_where(mask.clone(), p),
+                None => p.mul_scalar(k.decay),
+            }
+        };
+        self.master = decayed - step;
+        let store = moment_storage(self.moment_dtype);
+        self.moments = Moments {
+            exp_avg: m.cast(store),
+            exp_avg_sq: v.cast(store),
+        };
+    }
+
+    /// [`adamw`](Self::adamw) on the CPU backend: the scalar rule element by element in one
+    /// pass over chunks of 32 Ki elements in parallel (rayon), the tensors' host buffers taken
+    /// and given back (the CPU backend's memory is the host's; nothing crosses a bus).
+    fn adamw_fused_cpu(&mut self, grad: Tensor<1>, clip: f64, k: &AdamwConstants) -> Result<()> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 15;
+        let n = self.size;
+        let empty = || Tensor::<1>::zeros([0], (&self.device, DType::F32));
+        let g = host_f32(grad, "gradient shard")?;
+        let mut p = host_f32(std::mem::replace(&mut self.master, empty()), "master shard")?;
+        let mut m = host_f32(
+            std::mem::replace(&mut self.moments.exp_avg, empty()),
+            "first moment",
+        )?;
+        let mut v = host_f32(
+            std::mem::replace(&mut self.moments.exp_avg_sq, empty()),
+            "second moment",
+        )?;
+        if [g.len(), p.len(), m.len(), v.len()] != [n; 4] {
+            return Err(BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: format!(
+                    "shard of {n}: gradient {}, master {}, moments {} / {}",
+                    g.len(),
+                    p.len(),
+                    m.len(),
+                    v.len()
+                ),
+            });
+        }
+        let no_decay = &self.no_decay;
+        (p.par_chunks_mut(CHUNK), m.par_chunks_mut(CHUNK))
+            .into_par_iter()
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(|(chunk, (((p, m), v), g))| {
+                let start = chunk * CHUNK;
+                // The first exempt range that may cover this chunk (ranges are sorted).
+                let mut r = no_decay.partition_point(|range| range.end <= start);
+                for (j, (((p, m), v), &g)) in p
+                    .iter_mut()
+                    .zip(m.iter_mut())
+                    .zip(v.iter_mut())
+                    .zip(g)
+                    .enumerate()
+                {
+                    let i = start + j;
+                    while r < no_decay.len() && no_decay[r].end <= i {
+                        r += 1;
+                    }
+                    let exempt = r < no_decay.len() && no_decay[r].start <= i;
+                    let g = if clip != 1.0 {
+                        (g as f64 * clip) as f32
+                    } else {
+                        g
+                    };
+                    *m = *m * k.beta_1 + g * (1.0 - k.beta_1);
+                    *v = *v * k.beta_2 + g * g * (1.0 - k.beta_2);
+                    let m_hat = *m / k.bc1;
+                    let v_hat = *v / k.bc2;
+                    let decay = if exempt { 1.0 } else { k.decay };
+                    *p = *p * decay - (m_hat / (v_hat.sqrt() + k.epsilon)) * k.lr;
+                }
+            });
+        let tensor =
+            |values: Vec<f32>| Tensor::<1>::from_data(TensorData::new(values, [n]), &self.device);
+        let store = moment_storage(self.moment_dtype);
+        self.master = tensor(p);
+        self.moments = Moments {
+            exp_avg: tensor(m).cast(store),
+            exp_avg_sq: tensor(v).cast(store),
+        };
+        Ok(())
     }
 }
 
-/// `Σ x²` in f64, in parallel over fixed chunks summed in order (the same value for any
-/// thread count).
-fn sum_of_squares(values: &[f32]) -> f64 {
-    let partial: Vec<f64> = values
-        .par_chunks(ADAMW_CHUNK)
-        .map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>())
-        .collect();
-    partial.iter().sum()
+/// Whether f64 tensors are available on `device` (Flex: yes; a Cube device: when the
+/// adapter has 64-bit floats).
+pub(super) fn has_f64(device: &Device) -> bool {
+    device.supports_dtype(DType::F64)
 }
 
-/// Elements per parallel AdamW chunk.
-const ADAMW_CHUNK: usize = 1 << 15;
+/// `(g as f64 · c) as f32` element-wise, on the device (in f32, `g · (c as f32)`, where the
+/// device has no f64).
+pub(super) fn scale_f64(g: Tensor<1>, c: f64, device: &Device) -> Tensor<1> {
+    if has_f64(device) {
+        g.cast(DType::F64).mul_scalar(c).cast(DType::F32)
+    } else {
+        g.mul_scalar(c as f32)
+    }
+}
+
+/// `Σ x²` of `t` as a one-element tensor on its device: accumulated in f64 where the device
+/// has f64, else in f32.
+pub(super) fn sum_of_squares(t: Tensor<1>, f64: bool) -> Tensor<1> {
+    let device = t.device();
+    if device == Device::flex() {
+        // The CPU backend: one pass over the host buffer in fixed chunks (deterministic
+        // whatever the thread count), each squared and summed in f64, instead of an f64 copy,
+        // its square and a sum (three passes allocating twice the buffer).
+        use rayon::prelude::*;
+        if let Ok(values) = t.clone().into_data().try_into_vec::<f32>() {
+            let partial: Vec<f64> = values
+                .par_chunks(1 << 15)
+                .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum())
+                .collect();
+            let total: f64 = partial.iter().sum();
+            return Tensor::from_data(TensorData::new(vec![total], [1]), (&device, DType::F64));
+        }
+    }
+    if f64 {
+        t.cast(DType::F64).square().sum()
+    } else {
+        t.square().sum()
+    }
+}
 
 /// The per-step constants of the AdamW update.
 #[derive(Debug, Clone, Copy)]
@@ -254,44 +416,22 @@ struct AdamwConstants {
     bc1: f32,
     bc2: f32,
     decay: f32,
-    clip: f64,
     beta_1: f32,
     beta_2: f32,
     epsilon: f32,
 }
 
 impl AdamwConstants {
-    /// The decay factor of element `base + i` (`decay`, or 1 inside an exempt range of the
-    /// sorted `no_decay`), for increasing `i`.
-    fn factors(self, no_decay: &[Range<usize>], base: usize) -> impl FnMut(usize) -> f32 {
-        let first = no_decay.partition_point(|r| r.end <= base);
-        let mut exempt = no_decay[first..].iter().peekable();
-        move |i: usize| {
-            let i = base + i;
-            while exempt.peek().is_some_and(|r| r.end <= i) {
-                exempt.next();
-            }
-            if exempt.peek().is_some_and(|r| r.contains(&i)) {
-                1.0
-            } else {
-                self.decay
-            }
+    fn new(c: &DistributedAdamWConfig, lr: f64, step: i32) -> Self {
+        Self {
+            lr: lr as f32,
+            bc1: 1.0 - c.beta_1.powi(step),
+            bc2: 1.0 - c.beta_2.powi(step),
+            decay: 1.0 - lr as f32 * c.weight_decay,
+            beta_1: c.beta_1,
+            beta_2: c.beta_2,
+            epsilon: c.epsilon,
         }
-    }
-
-    /// One element: clipped gradient, moments, bias-corrected step with decoupled decay.
-    #[inline]
-    fn update(self, p: &mut f32, g: f32, m: &mut f32, v: &mut f32, factor: f32) {
-        let g = if self.clip != 1.0 {
-            (g as f64 * self.clip) as f32
-        } else {
-            g
-        };
-        *m = *m * self.beta_1 + g * (1.0 - self.beta_1);
-        *v = *v * self.beta_2 + g * g * (1.0 - self.beta_2);
-        let m_hat = *m / self.bc1;
-        let v_hat = *v / self.bc2;
-        *p = *p * factor - self.lr * (m_hat / (v_hat.sqrt() + self.epsilon));
     }
 }
 
@@ -323,6 +463,9 @@ pub struct DistributedAdamW {
     world: Comm,
     pub(super) dense: Shard,
     pub(super) expert: Shard,
+    /// Ranges of the dense shard (shard coordinates) this rank counts in the global norm, or
+    /// `None` for the whole shard (every dense parameter counts on this TP rank).
+    norm_ranges: Option<Vec<Range<usize>>>,
     /// `1/|dp_cp|`, the gradient pre-factor of both classes.
     scale: f32,
     pub(super) step: i32,
@@ -350,15 +493,24 @@ impl DistributedAdamW {
         classify: &F,
     ) -> Result<Self> {
         let table = ParamTable::new(module, classify);
-        let (dense, expert) = table.flatten_values(module)?;
+        let device = param_device(module);
+        if config.moment_dtype == MomentDtype::Bf16 && !device.supports_dtype(DType::BF16) {
+            return Err(BackendError::Config {
+                field: "moment_dtype",
+                detail: format!("bf16 moments need bf16 tensors, which {device:?} lacks"),
+            });
+        }
+        let (dense, expert) = table.flatten_values_on(module, &device)?;
         let dp_cp = groups.comm(GroupFamily::DpCp).clone();
         let scale = 1.0 / dp_cp.size() as f32;
-        let mut dense = Shard::new(dp_cp, &dense, config.moment_dtype);
+        let mut dense = Shard::new(dp_cp, dense, config.moment_dtype);
         let mut expert = Shard::new(
             groups.comm(GroupFamily::ExptDp).clone(),
-            &expert,
+            expert,
             config.moment_dtype,
         );
+        let tp = groups.comm(GroupFamily::Tp).clone();
+        let norm_ranges = norm_ranges(&table, &dense, tp.rank());
         if config.exempt_norms_and_biases {
             let exempt = |experts: bool| {
                 table
@@ -374,7 +526,8 @@ impl DistributedAdamW {
         Ok(Self {
             dense,
             expert,
-            tp: groups.comm(GroupFamily::Tp).clone(),
+            norm_ranges,
+            tp,
             world,
             config,
             table,
@@ -405,7 +558,7 @@ impl DistributedAdamW {
             weights: HashMap::new(),
         });
         let (dense, expert) = self.gather_parameters()?;
-        self.table.write_values(module, &dense, &expert)
+        self.table.write_tensors(module, &dense, &expert)
     }
 
     /// Re-casts the FP8 primary weights from the current master shards (a collective) and
@@ -420,7 +573,7 @@ impl DistributedAdamW {
             });
         }
         let (dense, expert) = self.gather_parameters()?;
-        self.table.write_values(module, &dense, &expert)
+        self.table.write_tensors(module, &dense, &expert)
     }
 
     /// The FP8 primary-weight settings, when enabled.
@@ -458,27 +611,43 @@ impl DistributedAdamW {
         Ok(())
     }
 
-    /// All-gathers the master shards into full `(dense, expert)` buffers: plain f32 for a
-    /// class without FP8 primary weights, else the FP8 cast-and-gather (which also refreshes
-    /// the FP8 copies).
-    pub(super) fn gather_parameters(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// All-gathers the master shards into full `(dense, expert)` buffers on the device: plain
+    /// f32 for a class without FP8 primary weights, else the FP8 cast-and-gather (which also
+    /// refreshes the FP8 copies).
+    pub(super) fn gather_parameters(&mut self) -> Result<(Tensor<1>, Tensor<1>)> {
         let Some(fp8) = self.fp8.as_mut() else {
             return Ok((self.dense.all_gather()?, self.expert.all_gather()?));
         };
-        let mut gather = |shard: &Shard, slots: &[Fp8Slot]| -> Result<Vec<f32>> {
+        let mut gather = |shard: &Shard, slots: &[Fp8Slot]| -> Result<Tensor<1>> {
             if slots.is_empty() {
                 return shard.all_gather();
             }
+            // Host path: the blockwise E4M3 cast (partial amax, scales, partial cast, byte
+            // gather, decode) runs on host buffers (`super::fp8_primary`); the master shard is
+            // read back and the decoded buffer uploaded again. Only with FP8 primary weights.
+            let master = shard
+                .master
+                .clone()
+                .into_data()
+                .try_into_vec::<f32>()
+                .map_err(|e| BackendError::Shape {
+                    op: "DistributedAdamW",
+                    detail: format!("master shard unreadable: {e:?}"),
+                })?;
             let (full, weights) = cast_and_gather(
                 &shard.comm,
-                &shard.master,
+                &master,
                 shard.size,
                 shard.len,
                 slots,
                 &fp8.config,
             )?;
             fp8.weights.extend(weights);
-            Ok(full)
+            let n = full.len();
+            Ok(Tensor::from_data(
+                TensorData::new(full, [n]),
+                (&shard.device, DType::F32),
+            ))
         };
         let dense = gather(&self.dense, &fp8.dense)?;
         let expert = gather(&self.expert, &fp8.expert)?;
@@ -495,18 +664,23 @@ impl DistributedAdamW {
         &self.table
     }
 
+    /// The device the optimizer state lives on (the parameters' device, without autodiff).
+    pub fn device(&self) -> &Device {
+        &self.dense.device
+    }
+
     /// One step: reduces this rank's local gradients, clips by the global norm, updates the
-    /// local shards and returns `module` with the all-gathered new parameters.
+    /// local shards and returns `module` with the all-gathered new parameters. Runs on the
+    /// parameters' device: flat buffers, master weights and moments are device tensors; the
+    /// only value read back is the global gradient norm (one scalar, needed on the host for
+    /// the clipping decision and the report).
     pub fn step<M: Module>(
         &mut self,
         lr: f64,
         module: M,
         mut grads: GradientsParams,
     ) -> Result<(M, StepReport)> {
-        let (mut dense, expert) = self.table.flatten_grads(&module, &mut grads)?;
-        self.sum_sequence_parallel_over_tp(&mut dense)?;
-        let dense_shard = self.dense.reduce_scatter(dense, self.scale)?;
-        let expert_shard = self.expert.reduce_scatter(expert, self.scale)?;
+        let (dense_shard, expert_shard) = self.reduce_local(&module, &mut grads)?;
         let grad_norm = self.global_norm(&dense_shard, &expert_shard)?;
         let clip_coeff = match self.config.max_grad_norm {
             Some(max) if grad_norm > max => max / (grad_norm + 1e-6),
@@ -514,17 +688,17 @@ impl DistributedAdamW {
         };
         self.step += 1;
         self.dense
-            .adamw(&dense_shard, clip_coeff, lr, self.step, &self.config);
+            .adamw(dense_shard, clip_coeff, lr, self.step, &self.config)?;
         self.expert
-            .adamw(&expert_shard, clip_coeff, lr, self.step, &self.config);
+            .adamw(expert_shard, clip_coeff, lr, self.step, &self.config)?;
         let module =
             if self.fp8.is_none() && self.dense.comm.size() == 1 && self.expert.comm.size() == 1 {
                 // One rank owns everything: write the master weights straight into the module.
                 self.table
-                    .write_values(module, &self.dense.master, &self.expert.master)?
+                    .write_tensors(module, &self.dense.master, &self.expert.master)?
             } else {
                 let (dense, expert) = self.gather_parameters()?;
-                self.table.write_values(module, &dense, &expert)?
+                self.table.write_tensors(module, &dense, &expert)?
             };
         Ok((
             module,
@@ -535,97 +709,154 @@ impl DistributedAdamW {
         ))
     }
 
-    /// The gradients this rank's update would use, before clipping: local gradients summed
-    /// over TP (sequence-parallel parameters) and reduced over `dp_cp` / `expt_dp` with the
-    /// `1/|dp_cp|` pre-factor, gathered back into full `(dense, expert)` buffers in this rank's
-    /// [`ParamTable`] layout. A collective (every rank calls it); the optimizer state is not
-    /// touched. Meant for checks and diagnostics.
-    pub fn reduced_gradients<M: Module>(
+    /// This rank's reduced gradient shards `(dense, expert)` on the device: local gradients
+    /// flattened, sequence-parallel ones summed over TP, reduce-scattered with the `1/|dp_cp|`
+    /// pre-factor.
+    fn reduce_local<M: Module>(
+        &self,
+        module: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(Tensor<1>, Tensor<1>)> {
+        let device = &self.dense.device;
+        let (mut dense, expert) = self.table.pieces(module, Some(grads), device)?;
+        self.sum_sequence_parallel_over_tp(&mut dense)?;
+        let dense = cat_flat(dense, device);
+        let expert = cat_flat(expert, device);
+        Ok((
+            self.dense.reduce_scatter(dense, self.scale)?,
+            self.expert.reduce_scatter(expert, self.scale)?,
+        ))
+    }
+
+    /// [`DistributedAdamW::reduced_gradients`] as device tensors.
+    pub fn reduced_gradient_tensors<M: Module>(
         &self,
         module: &M,
         mut grads: GradientsParams,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (mut dense, expert) = self.table.flatten_grads(module, &mut grads)?;
-        self.sum_sequence_parallel_over_tp(&mut dense)?;
-        let dense_shard = self.dense.reduce_scatter(dense, self.scale)?;
-        let expert_shard = self.expert.reduce_scatter(expert, self.scale)?;
+    ) -> Result<(Tensor<1>, Tensor<1>)> {
+        let (dense_shard, expert_shard) = self.reduce_local(module, &mut grads)?;
         Ok((
             self.dense.all_gather_values(dense_shard)?,
             self.expert.all_gather_values(expert_shard)?,
         ))
     }
 
-    /// Sums the gradients of sequence-parallel replicated parameters over `tp` (§5 step 2).
-    fn sum_sequence_parallel_over_tp(&self, dense: &mut [f32]) -> Result<()> {
+    /// The gradients this rank's update would use, before clipping: local gradients summed
+    /// over TP (sequence-parallel parameters) and reduced over `dp_cp` / `expt_dp` with the
+    /// `1/|dp_cp|` pre-factor, gathered back into full `(dense, expert)` buffers in this rank's
+    /// [`ParamTable`] layout. A collective (every rank calls it); the optimizer state is not
+    /// touched. Meant for checks and diagnostics (host vectors).
+    pub fn reduced_gradients<M: Module>(
+        &self,
+        module: &M,
+        grads: GradientsParams,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (dense, expert) = self.reduced_gradient_tensors(module, grads)?;
+        Ok((
+            host_f32(dense, "gradients")?,
+            host_f32(expert, "gradients")?,
+        ))
+    }
+
+    /// Sums the gradients of sequence-parallel replicated parameters over `tp` (§5 step 2):
+    /// `dense` are the dense class's pieces in table order; the SP ones are packed into one
+    /// device tensor, all-reduced and split back.
+    fn sum_sequence_parallel_over_tp(&self, dense: &mut [Tensor<1>]) -> Result<()> {
         if self.tp.size() == 1 {
             return Ok(());
         }
-        let sp: Vec<_> = self
+        let sp: Vec<(usize, usize)> = self
             .table
             .params
             .iter()
-            .filter(|p| p.class == ParamClass::DenseSequenceParallel)
+            .filter(|p| !p.class.is_expert())
+            .enumerate()
+            .filter(|(_, p)| p.class == ParamClass::DenseSequenceParallel)
+            .map(|(i, p)| (i, p.numel()))
             .collect();
-        let packed: Vec<f32> = sp
-            .iter()
-            .flat_map(|p| dense[p.offset..p.offset + p.numel()].to_vec())
-            .collect();
-        if packed.is_empty() {
+        if sp.iter().all(|&(_, n)| n == 0) {
             return Ok(());
         }
-        let n = packed.len();
-        let t = Tensor::<1>::from_data(TensorData::new(packed, [n]), &Device::flex());
-        let summed = self
-            .tp
-            .all_reduce(t, ReduceOp::Sum)?
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| BackendError::Shape {
-                op: "DistributedAdamW",
-                detail: format!("tp-summed gradients unreadable: {e:?}"),
-            })?;
+        let packed = Tensor::cat(sp.iter().map(|&(i, _)| dense[i].clone()).collect(), 0);
+        let summed = self.tp.all_reduce(packed, ReduceOp::Sum)?;
         let mut at = 0;
-        for p in sp {
-            dense[p.offset..p.offset + p.numel()].copy_from_slice(&summed[at..at + p.numel()]);
-            at += p.numel();
+        for &(i, n) in sp.iter().filter(|&&(_, n)| n > 0) {
+            dense[i] = summed.clone().slice(at..at + n);
+            at += n;
         }
         Ok(())
     }
 
     /// √(Σ g²) over unique elements: every rank's expert shard, dense shards on TP rank 0 for
-    /// TP-replicated parameters and on every TP rank for TP-sharded ones.
-    fn global_norm(&self, dense_shard: &[f32], expert_shard: &[f32]) -> Result<f64> {
-        let start = self.dense.comm.rank() * self.dense.size;
-        let mut sq = 0.0f64;
-        for p in &self.table.params {
-            if p.class.is_expert() || (p.class.tp_replicated() && self.tp.rank() != 0) {
-                continue;
+    /// TP-replicated parameters and on every TP rank for TP-sharded ones. Summed on the device
+    /// (f64 where it has f64), all-reduced over the world as a one-element tensor; the result
+    /// is the one scalar a step reads back.
+    fn global_norm(&self, dense_shard: &Tensor<1>, expert_shard: &Tensor<1>) -> Result<f64> {
+        let device = &self.dense.device;
+        let f64 = has_f64(device);
+        let mut parts = Vec::new();
+        match &self.norm_ranges {
+            None if self.dense.size > 0 => parts.push(dense_shard.clone()),
+            None => {}
+            Some(ranges) => {
+                parts.extend(ranges.iter().map(|r| dense_shard.clone().slice(r.clone())))
             }
-            // Intersection of the parameter's range with this rank's dense shard.
-            let lo = p.offset.max(start);
-            let hi = (p.offset + p.numel()).min(start + self.dense.size);
-            sq += sum_of_squares(
-                dense_shard
-                    .get(lo.saturating_sub(start)..hi.saturating_sub(start))
-                    .unwrap_or(&[]),
-            );
         }
-        sq += sum_of_squares(expert_shard);
-        let t = Tensor::<1>::from_data(
-            TensorData::new(vec![sq], [1]),
-            (&Device::flex(), burn::tensor::DType::F64),
-        );
-        let total = self
-            .world
-            .all_reduce(t, ReduceOp::Sum)?
+        if self.expert.size > 0 {
+            parts.push(expert_shard.clone());
+        }
+        let dtype = if f64 { DType::F64 } else { DType::F32 };
+        let mut sq = Tensor::<1>::zeros([1], (device, dtype));
+        for part in parts {
+            sq = sq + sum_of_squares(part, f64);
+        }
+        let total = self.world.all_reduce(sq, ReduceOp::Sum)?;
+        let total = total
             .into_data()
-            .try_into_vec::<f64>()
-            .map_err(|e| BackendError::Shape {
+            .iter::<f64>()
+            .next()
+            .ok_or_else(|| BackendError::Shape {
                 op: "DistributedAdamW",
-                detail: format!("norm unreadable: {e:?}"),
+                detail: "norm unreadable".into(),
             })?;
-        Ok(total.first().copied().unwrap_or(0.0).sqrt())
+        Ok(total.sqrt())
     }
+}
+
+/// The dense-shard ranges this rank counts in the global norm (see
+/// [`DistributedAdamW::global_norm`]), merged; `None` when that is every parameter.
+fn norm_ranges(table: &ParamTable, dense: &Shard, tp_rank: usize) -> Option<Vec<Range<usize>>> {
+    let dense_params = || table.params.iter().filter(|p| !p.class.is_expert());
+    if tp_rank == 0 || !dense_params().any(|p| p.class.tp_replicated()) {
+        return None;
+    }
+    let start = dense.comm.rank() * dense.size;
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for p in dense_params().filter(|p| !p.class.tp_replicated()) {
+        // Intersection of the parameter's range with this rank's dense shard.
+        let lo = p.offset.max(start);
+        let hi = (p.offset + p.numel()).min(start + dense.size);
+        if lo >= hi {
+            continue;
+        }
+        let r = lo - start..hi - start;
+        match out.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.push(r),
+        }
+    }
+    Some(out)
+}
+
+/// A 1-D f32 device tensor read back into a host vector (checkpoints, diagnostics).
+pub(super) fn host_f32(t: Tensor<1>, what: &str) -> Result<Vec<f32>> {
+    t.cast(DType::F32)
+        .into_data()
+        .try_into_vec::<f32>()
+        .map_err(|e| BackendError::Shape {
+            op: "DistributedAdamW",
+            detail: format!("{what} unreadable: {e:?}"),
+        })
 }
 
 #[cfg(test)]
@@ -634,10 +865,12 @@ mod chunk_tests {
     use crate::comm::World;
     use crate::testing::SplitMix;
 
-    /// The chunked parallel AdamW equals a plain sequential loop written from the update rule,
-    /// bit for bit, with exempt ranges straddling chunk boundaries and clipping on.
+    /// The device AdamW equals a plain sequential loop written from the update rule, bit for
+    /// bit on Flex, with exempt ranges, with and without clipping (an inexact coefficient, so
+    /// the f64 product is exercised) and with f32 or bf16 moments.
     #[test]
-    fn chunked_adamw_equals_the_sequential_rule() {
+    fn device_adamw_equals_the_sequential_rule() {
+        const ADAMW_CHUNK: usize = 1 << 15;
         let n = 3 * ADAMW_CHUNK + 123;
         let mut rng = SplitMix::new(7);
         let full: Vec<f32> = (0..n).map(|_| rng.uniform(-0.5, 0.5) as f32).collect();
@@ -651,41 +884,73 @@ mod chunk_tests {
             weight_decay: 0.1,
             ..DistributedAdamWConfig::default()
         };
-        let (full_ref, grad_ref, exempt_ref, c_ref) = (&full, &grad, &exempt, &c);
-        let got = World::run(1, |ctx| {
-            let mut shard = Shard::new(ctx.world()?, full_ref, MomentDtype::F32);
-            shard.exempt(exempt_ref.clone());
-            for step in 1..=3 {
-                shard.adamw(grad_ref, 0.5, 1e-2, step, c_ref);
-            }
-            Ok(shard.master)
-        })
-        .remove(0)
-        .expect("rank");
-        let (mut p, mut m, mut v) = (full.clone(), vec![0f32; n], vec![0f32; n]);
-        for step in 1..=3 {
-            let (lr, b1, b2) = (1e-2f32, c.beta_1, c.beta_2);
-            for i in 0..n {
-                let g = (grad[i] as f64 * 0.5) as f32;
-                m[i] = m[i] * b1 + g * (1.0 - b1);
-                v[i] = v[i] * b2 + g * g * (1.0 - b2);
-                // `black_box`: in release builds LLVM folds `powi` of constants correctly
-                // rounded, while the optimizer's runtime `powi` multiplies; the rule is the
-                // same, the last bit of the bias correction is not.
-                let (b1p, b2p) = (
-                    std::hint::black_box(b1).powi(std::hint::black_box(step)),
-                    std::hint::black_box(b2).powi(std::hint::black_box(step)),
-                );
-                let m_hat = m[i] / (1.0 - b1p);
-                let v_hat = v[i] / (1.0 - b2p);
-                let decay = if exempt.iter().any(|r| r.contains(&i)) {
-                    1.0
-                } else {
-                    1.0 - lr * c.weight_decay
+        for (dtype, clip, fused) in [
+            (MomentDtype::F32, 0.3, true),
+            (MomentDtype::F32, 1.0, true),
+            (MomentDtype::Bf16, 0.3, true),
+            (MomentDtype::F32, 0.3, false),
+            (MomentDtype::F32, 1.0, false),
+            (MomentDtype::Bf16, 0.3, false),
+        ] {
+            let (full_ref, grad_ref, exempt_ref, c_ref) = (&full, &grad, &exempt, &c);
+            let got = World::run(1, |ctx| {
+                let device = Device::flex();
+                let tensor = |v: &Vec<f32>| {
+                    Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &device)
                 };
-                p[i] = p[i] * decay - lr * (m_hat / (v_hat.sqrt() + c.epsilon));
+                let mut shard = Shard::new(ctx.world()?, tensor(full_ref), dtype);
+                shard.exempt(exempt_ref.clone());
+                for step in 1..=3 {
+                    if fused {
+                        // The CPU backend's path.
+                        shard.adamw(tensor(grad_ref), clip, 1e-2, step, c_ref)?;
+                    } else {
+                        // Every other device's path, run on Flex.
+                        let k = AdamwConstants::new(c_ref, 1e-2, step);
+                        shard.adamw_composite(tensor(grad_ref), clip, &k);
+                    }
+                }
+                host_f32(shard.master, "master")
+            })
+            .remove(0)
+            .expect("rank");
+            let (mut p, mut m, mut v) = (full.clone(), vec![0f32; n], vec![0f32; n]);
+            for step in 1..=3 {
+                let (lr, b1, b2) = (1e-2f32, c.beta_1, c.beta_2);
+                for i in 0..n {
+                    let g = if clip != 1.0 {
+                        (grad[i] as f64 * clip) as f32
+                    } else {
+                        grad[i]
+                    };
+                    let mut mi = m[i] * b1 + g * (1.0 - b1);
+                    let mut vi = v[i] * b2 + g * g * (1.0 - b2);
+                    // `black_box`: in release builds LLVM folds `powi` of constants correctly
+                    // rounded, while the optimizer's runtime `powi` multiplies; the rule is
+                    // the same, the last bit of the bias correction is not.
+                    let (b1p, b2p) = (
+                        std::hint::black_box(b1).powi(std::hint::black_box(step)),
+                        std::hint::black_box(b2).powi(std::hint::black_box(step)),
+                    );
+                    let m_hat = mi / (1.0 - b1p);
+                    let v_hat = vi / (1.0 - b2p);
+                    let decay = if exempt.iter().any(|r| r.contains(&i)) {
+                        1.0
+                    } else {
+                        1.0 - lr * c.weight_decay
+                    };
+                    p[i] = p[i] * decay - lr * (m_hat / (v_hat.sqrt() + c.epsilon));
+                    if dtype == MomentDtype::Bf16 {
+                        mi = burn::tensor::bf16::from_f32(mi).to_f32();
+                        vi = burn::tensor::bf16::from_f32(vi).to_f32();
+                    }
+                    (m[i], v[i]) = (mi, vi);
+                }
             }
+            assert!(
+                got == p,
+                "{dtype:?} clip {clip} fused {fused}: AdamW differs from the rule"
+            );
         }
-        assert_eq!(got, p);
     }
 }

@@ -16,12 +16,16 @@
 //! and the optimizer keeps the bytes and scales ([`Fp8Weight`]) for checkpoints and exports.
 //! With power-of-two scales (the recipe default) the FP8 GEMMs' own blockwise quantisation of
 //! such a weight is lossless: they compute with exactly these FP8 weights.
+//!
+//! The cast runs on host buffers: [`super::DistributedAdamW`] reads its master shard back from
+//! the device for it and uploads the decoded buffer (the one host round trip left in a step,
+//! and only with FP8 primary weights on; the E4M3 codes and block scales are host data).
 
 use std::collections::HashMap;
 use std::panic::Location;
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::TensorData;
 
 use super::params::{ParamClass, ParamInfo};
 use crate::comm::{Comm, ReduceOp};
@@ -287,15 +291,13 @@ pub(super) fn cast_and_gather(
             )?;
         }
     }
-    // 2. MAX all-reduce over the optimizer group.
-    if blocks > 0 {
-        let t = Tensor::<1>::from_data(
-            TensorData::new(amax, [blocks]),
-            (&Device::flex(), DType::F32),
-        );
+    // 2. MAX all-reduce over the optimizer group (host bytes through the transport, as the
+    // byte gather below: this whole cast runs on host buffers).
+    let site = Location::caller();
+    if blocks > 0 && comm.size() > 1 {
         amax = comm
-            .all_reduce(t, ReduceOp::Max)?
-            .into_data()
+            .communicator()
+            .all_reduce(TensorData::new(amax, [blocks]), ReduceOp::Max, site)?
             .try_into_vec::<f32>()
             .map_err(|e| unreadable("block amaxes", e))?;
     }
@@ -326,7 +328,6 @@ pub(super) fn cast_and_gather(
     // 5. Gather: one byte per FP8 element, four per other element. Every rank knows every
     // rank's segmentation, so a stream is skipped on all ranks alike when nobody sends on it.
     let fp8_elems: usize = slots.iter().map(|s| s.grid.numel()).sum();
-    let site = Location::caller();
     let gathered_bytes = if fp8_elems > 0 {
         let nb = bytes.len();
         let (data, _) = comm

@@ -23,9 +23,9 @@
 //! [`newton_schulz`] runs the quintic iteration `X ← a·X + (b·A + c·A²)·X`, `A = X·Xᵀ`,
 //! `(a, b, c) = (3.4445, −4.7750, 2.0315)`, on `X = U/(‖U‖_F + 1e-7)`, transposed so that `A` is
 //! the Gram matrix of the shorter side. Megatron (Emerging-Optimizers, `fp32_matmul_prec =
-//! "medium"`) and Keller run it in bf16 on tensor cores; here it runs in **f32** on the host
-//! (Burn matmuls on `Device::flex()`): the CPU has no bf16 speed advantage, and f32 keeps the
-//! result reproducible against an f64 reference (within 1e-6 absolute in the tests). The
+//! "medium"`) and Keller run it in bf16 on tensor cores; here it runs in **f32** on the
+//! parameters' device (Burn matmuls; state, reductions and updates stay there too): the CPU has
+//! no bf16 speed advantage, and f32 keeps the result reproducible against an f64 reference (within 1e-6 absolute in the tests). The
 //! quintic deliberately over-shoots: the singular values of the result are not 1 but spread
 //! over roughly `[0.7, 1.2]`, which Keller found not to hurt.
 //!
@@ -80,8 +80,10 @@ use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 
+use super::distributed_adam::{has_f64, host_f32, scale_f64, sum_of_squares};
+use super::params::{cat_flat, param_device};
 use super::{
     DistributedAdamW, DistributedAdamWConfig, ParamClass, ParamInfo, ParamTable, StepReport,
 };
@@ -281,9 +283,6 @@ pub fn default_muon_select(info: &ParamInfo) -> Option<MuonMatrix> {
     })
 }
 
-/// A full matrix stack: values and `[L, M, N]`.
-type FullMatrix = (Vec<f32>, [usize; 3]);
-
 /// One Muon parameter and its state on this rank.
 #[derive(Debug, Clone)]
 struct Slot {
@@ -293,10 +292,11 @@ struct Slot {
     dims: [usize; 3],
     /// Member of the class's DP group that updates it (`LayerWise`; 0 otherwise).
     owner: usize,
-    /// f32 master values of the local shard (empty when another DP member owns it).
-    master: Vec<f32>,
-    /// f32 momentum of the local shard (empty when not owned).
-    momentum: Vec<f32>,
+    /// f32 master values of the local shard, flat on the parameters' device (`None` when
+    /// another DP member owns it).
+    master: Option<Tensor<1>>,
+    /// f32 momentum of the local shard, flat on the device (`None` when not owned).
+    momentum: Option<Tensor<1>>,
 }
 
 impl Slot {
@@ -318,17 +318,12 @@ fn read_f32(data: TensorData, what: &str) -> Result<Vec<f32>> {
         })
 }
 
-fn flat(v: Vec<f32>) -> Tensor<1> {
-    let n = v.len();
-    Tensor::from_data(TensorData::new(v, [n]), &Device::flex())
-}
-
-/// Reads the values (or removes and reads the gradients) of the selected parameters.
+/// Reads the values (or removes the gradients) of the selected parameters as flat f32
+/// tensors on the device.
 struct Reader<'a> {
     ids: &'a HashMap<ParamId, usize>,
-    out: Vec<Option<Vec<f32>>>,
+    out: Vec<Option<Tensor<1>>>,
     grads: Option<&'a mut GradientsParams>,
-    error: Option<BackendError>,
 }
 
 impl ModuleVisitor for Reader<'_> {
@@ -338,21 +333,20 @@ impl ModuleVisitor for Reader<'_> {
         };
         let value = match self.grads.as_deref_mut() {
             Some(grads) => grads.remove::<D>(param.id),
-            None => Some(param.val()),
+            None => Some(param.val().without_autodiff()),
         };
         if let Some(v) = value {
-            match read_f32(v.into_data(), "a Muon parameter") {
-                Ok(v) => self.out[i] = Some(v),
-                Err(e) => self.error = Some(e),
-            }
+            let n = v.shape().num_elements();
+            self.out[i] = Some(v.reshape([n]).cast(DType::F32));
         }
     }
 }
 
-/// Replaces the selected parameters with new values (dtype, ids and `require_grad` kept).
+/// Replaces the selected parameters with new values from flat device tensors (dtype, ids,
+/// autodiff and `require_grad` kept).
 struct Writer<'a> {
     ids: &'a HashMap<ParamId, usize>,
-    values: Vec<Option<Vec<f32>>>,
+    values: Vec<Option<Tensor<1>>>,
     shapes: Vec<Vec<usize>>,
 }
 
@@ -364,13 +358,8 @@ impl ModuleMapper for Writer<'_> {
         let Some(values) = self.values[i].take() else {
             return param;
         };
-        let shape = self.shapes[i].clone();
-        param.map(move |t| {
-            let grad = t.is_require_grad();
-            let (dtype, device) = (t.dtype(), t.device());
-            let fresh = Tensor::from_data(TensorData::new(values, shape), (&device, dtype));
-            if grad { fresh.require_grad() } else { fresh }
-        })
+        let shape = Shape::from(self.shapes[i].clone());
+        param.map(move |t| super::params::like_param(values.reshape::<D, _>(shape), &t))
     }
 }
 
@@ -429,6 +418,8 @@ pub struct DistributedMuon {
     expt_dp: Comm,
     world: Comm,
     step: u64,
+    /// The parameters' device (without autodiff), where the state lives.
+    device: Device,
 }
 
 impl DistributedMuon {
@@ -480,8 +471,8 @@ impl DistributedMuon {
                 matrix,
                 dims,
                 owner: 0,
-                master: Vec::new(),
-                momentum: Vec::new(),
+                master: None,
+                momentum: None,
             });
         }
         let ids = slots
@@ -499,6 +490,7 @@ impl DistributedMuon {
             expt_dp: groups.comm(GroupFamily::ExptDp).clone(),
             world,
             step: 0,
+            device: param_device(module),
         };
         if muon.config.sharding == MuonSharding::LayerWise {
             muon.assign_owners();
@@ -508,8 +500,8 @@ impl DistributedMuon {
         for (i, v) in values.into_iter().enumerate() {
             if muon.owned(i) {
                 let slot = &mut muon.slots[i];
-                slot.momentum = vec![0.0; v.len()];
-                slot.master = v;
+                slot.momentum = Some(v.zeros_like());
+                slot.master = Some(v);
             }
         }
         Ok(muon)
@@ -544,10 +536,12 @@ impl DistributedMuon {
             if mp.size() == 1 {
                 continue;
             }
-            let got = read_f32(
-                mp.all_gather(flat(vec![dp.rank() as f32]))?.into_data(),
-                "DP indices",
-            )?;
+            // Construction-time check: one value per member, read back.
+            let me = Tensor::<1>::from_data(
+                TensorData::new(vec![dp.rank() as f32], [1]),
+                (&self.device, DType::F32),
+            );
+            let got = read_f32(mp.all_gather(me)?.into_data(), "DP indices")?;
             if got.iter().any(|&r| r != dp.rank() as f32) {
                 return Err(BackendError::Layout {
                     field: "sharding",
@@ -606,37 +600,44 @@ impl DistributedMuon {
         self.config.weight_decay = weight_decay;
     }
 
-    /// The momentum of parameter `id`'s local shard (flat, row-major), when this rank keeps it.
-    pub fn momentum(&self, id: ParamId) -> Option<&[f32]> {
+    /// The momentum of parameter `id`'s local shard (flat, row-major), read back to the host,
+    /// when this rank keeps it (for checkpoints).
+    pub fn momentum(&self, id: ParamId) -> Option<Vec<f32>> {
         let s = &self.slots[*self.ids.get(&id)?];
-        (!s.momentum.is_empty()).then_some(&s.momentum[..])
+        let m = s.momentum.clone()?;
+        host_f32(m, "Muon momentum").ok()
     }
 
     /// Restores the momentum of parameter `id`'s local shard (e.g. from a checkpoint written
     /// with the same layout). Errors when `id` is not a Muon parameter this rank keeps, or the
     /// length differs.
     pub fn set_momentum(&mut self, id: ParamId, values: &[f32]) -> Result<()> {
+        let device = self.device.clone();
         let slot = self
             .ids
             .get(&id)
             .map(|&i| &mut self.slots[i])
-            .filter(|s| !s.momentum.is_empty())
+            .filter(|s| s.momentum.is_some())
             .ok_or_else(|| BackendError::Config {
                 field: "momentum",
                 detail: format!("parameter {id} has no Muon momentum on this rank"),
             })?;
-        if values.len() != slot.momentum.len() {
+        if values.len() != slot.numel() {
             return Err(BackendError::Shape {
                 op: "DistributedMuon::set_momentum",
                 detail: format!(
                     "`{}`: {} values for a shard of {}",
                     slot.info.path,
                     values.len(),
-                    slot.momentum.len()
+                    slot.numel()
                 ),
             });
         }
-        slot.momentum.copy_from_slice(values);
+        let n = values.len();
+        slot.momentum = Some(Tensor::from_data(
+            TensorData::new(values.to_vec(), [n]),
+            (&device, DType::F32),
+        ));
         Ok(())
     }
 
@@ -645,8 +646,8 @@ impl DistributedMuon {
     pub fn reset_master_from<M: Module>(&mut self, module: &M) -> Result<()> {
         let values = self.read(module, None)?;
         for (slot, v) in self.slots.iter_mut().zip(values) {
-            if !slot.master.is_empty() {
-                slot.master = v;
+            if slot.master.is_some() {
+                slot.master = Some(v);
             }
         }
         Ok(())
@@ -659,28 +660,25 @@ impl DistributedMuon {
         module.clone().map(&mut Freezer { ids: &self.ids })
     }
 
-    /// Values (`grads = None`) or removed gradients (zeros when missing) of every slot.
+    /// Values (`grads = None`) or removed gradients (zeros when missing) of every slot, as
+    /// flat f32 tensors on the device.
     fn read<M: Module>(
         &self,
         module: &M,
         grads: Option<&mut GradientsParams>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Vec<Tensor<1>>> {
         let is_grad = grads.is_some();
         let mut reader = Reader {
             ids: &self.ids,
             out: vec![None; self.slots.len()],
             grads,
-            error: None,
         };
         module.visit(&mut reader);
-        if let Some(e) = reader.error {
-            return Err(e);
-        }
         let mut out = Vec::with_capacity(self.slots.len());
         for (slot, v) in self.slots.iter().zip(reader.out) {
             let v = match v {
                 Some(v) => v,
-                None if is_grad => vec![0.0; slot.numel()],
+                None if is_grad => Tensor::zeros([slot.numel()], (&self.device, DType::F32)),
                 None => {
                     return Err(BackendError::Shape {
                         op: "DistributedMuon",
@@ -691,13 +689,13 @@ impl DistributedMuon {
                     });
                 }
             };
-            if v.len() != slot.numel() {
+            let n = v.dims()[0];
+            if n != slot.numel() {
                 return Err(BackendError::Shape {
                     op: "DistributedMuon",
                     detail: format!(
-                        "`{}` has {} elements, expected {}",
+                        "`{}` has {n} elements, expected {}",
                         slot.info.path,
-                        v.len(),
                         slot.numel()
                     ),
                 });
@@ -707,27 +705,37 @@ impl DistributedMuon {
         Ok(out)
     }
 
-    /// Removes the Muon gradients from `grads` and reduces them: sequence-parallel ones summed
-    /// over `tp`, then each class over its DP group (pre-factor `1/|dp_cp|`). Returns the
-    /// reduced gradient of every owned slot (empty for the others).
-    fn reduce<M: Module>(&self, module: &M, grads: &mut GradientsParams) -> Result<Vec<Vec<f32>>> {
-        let mut local = self.read(module, Some(grads))?;
+    /// Removes the Muon gradients from `grads` and reduces them on the device:
+    /// sequence-parallel ones summed over `tp`, then each class over its DP group (pre-factor
+    /// `1/|dp_cp|`). Returns the reduced gradient of every owned slot (`None` for the others).
+    fn reduce<M: Module>(
+        &self,
+        module: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<Vec<Option<Tensor<1>>>> {
+        let mut local: Vec<Option<Tensor<1>>> = self
+            .read(module, Some(grads))?
+            .into_iter()
+            .map(Some)
+            .collect();
         let sp: Vec<usize> = (0..self.slots.len())
             .filter(|&i| self.slots[i].info.class == ParamClass::DenseSequenceParallel)
             .collect();
         if self.tp.size() > 1 && !sp.is_empty() {
-            let packed: Vec<f32> = sp.iter().flat_map(|&i| local[i].clone()).collect();
-            let summed = self.tp.all_reduce(flat(packed), ReduceOp::Sum)?;
-            let summed = read_f32(summed.into_data(), "tp-summed gradients")?;
+            let packed = cat_flat(
+                sp.iter().filter_map(|&i| local[i].clone()).collect(),
+                &self.device,
+            );
+            let summed = self.tp.all_reduce(packed, ReduceOp::Sum)?;
             let mut at = 0;
             for &i in &sp {
-                let n = local[i].len();
-                local[i].copy_from_slice(&summed[at..at + n]);
+                let n = self.slots[i].numel();
+                local[i] = Some(summed.clone().slice(at..at + n));
                 at += n;
             }
         }
         let scale = 1.0 / self.dp_cp.size() as f32;
-        let mut reduced = vec![Vec::new(); self.slots.len()];
+        let mut reduced = vec![None; self.slots.len()];
         for expert in [false, true] {
             let comm = self.dp(expert);
             let class: Vec<usize> = (0..self.slots.len())
@@ -746,94 +754,97 @@ impl DistributedMuon {
                     (order, mine)
                 }
             };
-            let packed: Vec<f32> = order
-                .iter()
-                .flat_map(|&i| std::mem::take(&mut local[i]))
-                .collect();
+            let packed = cat_flat(
+                order.iter().filter_map(|&i| local[i].take()).collect(),
+                &self.device,
+            );
             let out = if comm.size() == 1 {
                 packed
             } else {
-                let t = match self.config.sharding {
-                    MuonSharding::Replicated => comm.all_reduce(flat(packed), ReduceOp::Sum)?,
+                match self.config.sharding {
+                    MuonSharding::Replicated => comm.all_reduce(packed, ReduceOp::Sum)?,
                     MuonSharding::LayerWise => {
                         let mut splits = vec![0; comm.size()];
                         for &i in &order {
                             splits[self.slots[i].owner] += self.slots[i].numel();
                         }
-                        comm.reduce_scatter_v(flat(packed), &splits, ReduceOp::Sum)?
+                        comm.reduce_scatter_v(packed, &splits, ReduceOp::Sum)?
                     }
-                };
-                read_f32(t.into_data(), "reduced gradients")?
+                }
             };
             let mut at = 0;
             for i in mine {
                 let n = self.slots[i].numel();
-                reduced[i] = out[at..at + n].iter().map(|g| g * scale).collect();
+                let g = out.clone().slice(at..at + n);
+                reduced[i] = Some(if scale != 1.0 { g.mul_scalar(scale) } else { g });
                 at += n;
             }
         }
         Ok(reduced)
     }
 
-    /// Σ g² of the reduced gradients this rank counts for the global norm: each unique element
-    /// once (DP replicas on DP member 0 or the owner, TP-replicated parameters on TP rank 0).
-    fn local_sq_norm(&self, reduced: &[Vec<f32>]) -> f64 {
-        let mut sq = 0.0f64;
+    /// Σ g² (a one-element device tensor, f64 where the device has it) of the reduced
+    /// gradients this rank counts for the global norm: each unique element once (DP replicas
+    /// on DP member 0 or the owner, TP-replicated parameters on TP rank 0).
+    fn local_sq_norm(&self, reduced: &[Option<Tensor<1>>]) -> Tensor<1> {
+        let f64 = has_f64(&self.device);
+        let dtype = if f64 { DType::F64 } else { DType::F32 };
+        let mut sq = Tensor::<1>::zeros([1], (&self.device, dtype));
         for (slot, g) in self.slots.iter().zip(reduced) {
-            if g.is_empty()
-                || (self.config.sharding == MuonSharding::Replicated
-                    && self.dp(slot.expert()).rank() != 0)
+            let Some(g) = g else {
+                continue;
+            };
+            if (self.config.sharding == MuonSharding::Replicated
+                && self.dp(slot.expert()).rank() != 0)
                 || (slot.info.class.tp_replicated() && self.tp.rank() != 0)
+                || slot.numel() == 0
             {
                 continue;
             }
-            sq += g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            sq = sq + sum_of_squares(g.clone(), f64);
         }
         sq
     }
 
     /// Momentum, Newton–Schulz on the full matrices, scale, decay and update of the owned
-    /// master shards, with the gradients multiplied by `clip_coeff`.
-    fn apply(&mut self, lr: f64, reduced: Vec<Vec<f32>>, clip_coeff: f64) -> Result<()> {
+    /// master shards, with the gradients multiplied by `clip_coeff`; all on the device.
+    fn apply(&mut self, lr: f64, reduced: Vec<Option<Tensor<1>>>, clip_coeff: f64) -> Result<()> {
         self.step += 1;
         let beta = self.config.momentum;
         let nesterov = self.config.nesterov;
         let mut dirs = Vec::with_capacity(self.slots.len());
-        for (slot, mut g) in self.slots.iter_mut().zip(reduced) {
-            if g.is_empty() {
-                dirs.push(g);
+        for (slot, g) in self.slots.iter_mut().zip(reduced) {
+            let (Some(g), Some(b)) = (g, slot.momentum.take()) else {
+                dirs.push(None);
                 continue;
-            }
-            if clip_coeff != 1.0 {
-                for x in &mut g {
-                    *x = (*x as f64 * clip_coeff) as f32;
-                }
-            }
-            for (b, x) in slot.momentum.iter_mut().zip(&mut g) {
-                *b = beta * *b + (1.0 - beta) * *x;
-                *x = if nesterov {
-                    (1.0 - beta) * *x + beta * *b
-                } else {
-                    *b
-                };
-            }
-            dirs.push(g);
+            };
+            let g = if clip_coeff != 1.0 {
+                scale_f64(g, clip_coeff, &self.device)
+            } else {
+                g
+            };
+            // B ← β·B + (1−β)·G;  U ← (1−β)·G + β·B (Nesterov) or B
+            let b = b.mul_scalar(beta) + g.clone().mul_scalar(1.0 - beta);
+            let dir = if nesterov {
+                g.mul_scalar(1.0 - beta) + b.clone().mul_scalar(beta)
+            } else {
+                b.clone()
+            };
+            slot.momentum = Some(b);
+            dirs.push(Some(dir));
         }
         let full = self.gather_full(&dirs)?;
         let lr = lr as f32;
         let decay = 1.0 - lr * self.config.weight_decay;
         for (i, (dir, full)) in dirs.into_iter().zip(full).enumerate() {
-            if dir.is_empty() {
+            let Some(dir) = dir else {
                 continue;
-            }
+            };
             let slot = &self.slots[i];
-            let (values, [l, m, n]) = full.unwrap_or((dir, slot.dims));
-            let t = Tensor::<3>::from_data(TensorData::new(values, [l, m, n]), &Device::flex());
-            let o = read_f32(
-                newton_schulz_batched(t, self.config.ns_steps).into_data(),
-                "the orthogonalised update",
-            )?;
-            let o = self.local_block(i, o, [l, m, n]);
+            let full = full.unwrap_or_else(|| dir.reshape(slot.dims));
+            let [_, m, n] = full.dims();
+            let o = newton_schulz_batched(full, self.config.ns_steps);
+            let o = self.local_block(i, o);
             let (fan_out, fan_in) = if slot.matrix.rows_are_outputs {
                 (m, n)
             } else {
@@ -841,8 +852,10 @@ impl DistributedMuon {
             };
             let step = lr * self.config.scale.factor(fan_out, fan_in);
             let slot = &mut self.slots[i];
-            for (p, u) in slot.master.iter_mut().zip(o) {
-                *p = *p * decay - step * u;
+            if let Some(p) = slot.master.take() {
+                // W ← W·(1 − lr·wd) − lr·s·O
+                let p = if decay != 1.0 { p.mul_scalar(decay) } else { p };
+                slot.master = Some(p - o.mul_scalar(step));
             }
         }
         Ok(())
@@ -850,8 +863,8 @@ impl DistributedMuon {
 
     /// The full matrices `[L, M, N]` of the owned split slots (`None` for the others): the
     /// local directions of each group are packed, all-gathered once over `tp` / `expt_tp` and
-    /// reassembled along the split axis in member order.
-    fn gather_full(&self, dirs: &[Vec<f32>]) -> Result<Vec<Option<FullMatrix>>> {
+    /// reassembled along the split axis in member order (device slices and `cat`).
+    fn gather_full(&self, dirs: &[Option<Tensor<1>>]) -> Result<Vec<Option<Tensor<3>>>> {
         let mut full = vec![None; self.slots.len()];
         for expert in [false, true] {
             let comm = self.mp(expert);
@@ -859,83 +872,62 @@ impl DistributedMuon {
             let split: Vec<usize> = (0..self.slots.len())
                 .filter(|&i| {
                     let s = &self.slots[i];
-                    s.expert() == expert && s.matrix.split.is_some() && !dirs[i].is_empty()
+                    s.expert() == expert && s.matrix.split.is_some() && dirs[i].is_some()
                 })
                 .collect();
             if parts == 1 || split.is_empty() {
                 continue;
             }
-            let packed: Vec<f32> = split.iter().flat_map(|&i| dirs[i].clone()).collect();
-            let len = packed.len();
-            let all = read_f32(
-                comm.all_gather(flat(packed))?.into_data(),
-                "gathered directions",
-            )?;
+            let packed = cat_flat(
+                split.iter().filter_map(|&i| dirs[i].clone()).collect(),
+                &self.device,
+            );
+            let len = packed.dims()[0];
+            let all = comm.all_gather(packed)?;
             let mut at = 0;
             for &i in &split {
                 let s = &self.slots[i];
                 let [l, m, n] = s.dims;
-                let piece = |r: usize| &all[r * len + at..r * len + at + l * m * n];
-                let mut out = Vec::with_capacity(l * m * n * parts);
-                let dims = match s.matrix.split {
-                    Some(MatrixAxis::Rows) => {
-                        for b in 0..l {
-                            for r in 0..parts {
-                                out.extend_from_slice(&piece(r)[b * m * n..(b + 1) * m * n]);
-                            }
-                        }
-                        [l, m * parts, n]
-                    }
-                    _ => {
-                        for b in 0..l {
-                            for row in 0..m {
-                                for r in 0..parts {
-                                    let start = b * m * n + row * n;
-                                    out.extend_from_slice(&piece(r)[start..start + n]);
-                                }
-                            }
-                        }
-                        [l, m, n * parts]
-                    }
+                let pieces: Vec<Tensor<3>> = (0..parts)
+                    .map(|r| {
+                        all.clone()
+                            .slice(r * len + at..r * len + at + l * m * n)
+                            .reshape([l, m, n])
+                    })
+                    .collect();
+                let axis = match s.matrix.split {
+                    Some(MatrixAxis::Rows) => 1,
+                    _ => 2,
                 };
-                full[i] = Some((out, dims));
+                full[i] = Some(Tensor::cat(pieces, axis));
                 at += l * m * n;
             }
         }
         Ok(full)
     }
 
-    /// This rank's block of a full `[L, M, N]` update of slot `i` (the whole of it when the
-    /// slot is not split or its group has one member).
-    fn local_block(&self, i: usize, o: Vec<f32>, [l, m, n]: [usize; 3]) -> Vec<f32> {
+    /// This rank's block (flat) of a full `[L, M, N]` update of slot `i` (the whole of it when
+    /// the slot is not split or its group has one member).
+    fn local_block(&self, i: usize, o: Tensor<3>) -> Tensor<1> {
         let s = &self.slots[i];
-        let [_, lm, ln] = s.dims;
+        let [l, lm, ln] = s.dims;
+        let [_, m, n] = o.dims();
         if (m, n) == (lm, ln) {
-            return o;
+            return o.reshape([l * lm * ln]);
         }
         let r = self.mp(s.expert()).rank();
-        let mut out = Vec::with_capacity(l * lm * ln);
-        for b in 0..l {
-            for row in 0..lm {
-                let (row, col) = match s.matrix.split {
-                    Some(MatrixAxis::Rows) => (r * lm + row, 0),
-                    _ => (row, r * ln),
-                };
-                let start = b * m * n + row * n + col;
-                out.extend_from_slice(&o[start..start + ln]);
-            }
-        }
-        out
+        let block = match s.matrix.split {
+            Some(MatrixAxis::Rows) => o.slice([0..l, r * lm..(r + 1) * lm, 0..ln]),
+            _ => o.slice([0..l, 0..lm, r * ln..(r + 1) * ln]),
+        };
+        block.reshape([l * lm * ln])
     }
 
     /// `module` with the Muon parameters replaced by the master shards (under `LayerWise`,
     /// all-gathered from their owners over the DP group first).
     fn write<M: Module>(&self, module: M) -> Result<M> {
-        let mut values: Vec<Option<Vec<f32>>> = self
-            .slots
-            .iter()
-            .map(|s| (!s.master.is_empty()).then(|| s.master.clone()))
-            .collect();
+        let mut values: Vec<Option<Tensor<1>>> =
+            self.slots.iter().map(|s| s.master.clone()).collect();
         if self.config.sharding == MuonSharding::LayerWise {
             for expert in [false, true] {
                 let comm = self.dp(expert);
@@ -945,18 +937,20 @@ impl DistributedMuon {
                 if comm.size() == 1 || class.is_empty() {
                     continue;
                 }
-                let packed: Vec<f32> = class
-                    .iter()
-                    .filter(|&&i| self.owned(i))
-                    .flat_map(|&i| self.slots[i].master.clone())
-                    .collect();
-                let (all, _) = comm.all_gather_v(flat(packed))?;
-                let all = read_f32(all.into_data(), "gathered parameters")?;
+                let packed = cat_flat(
+                    class
+                        .iter()
+                        .filter(|&&i| self.owned(i))
+                        .filter_map(|&i| self.slots[i].master.clone())
+                        .collect(),
+                    &self.device,
+                );
+                let (all, _) = comm.all_gather_v(packed)?;
                 let mut at = 0;
                 for member in 0..comm.size() {
                     for &i in class.iter().filter(|&&i| self.slots[i].owner == member) {
                         let n = self.slots[i].numel();
-                        values[i] = Some(all[at..at + n].to_vec());
+                        values[i] = Some(all.clone().slice(at..at + n));
                         at += n;
                     }
                 }
@@ -995,19 +989,18 @@ impl DistributedMuon {
     }
 }
 
-/// Σ over the world of one f64 per rank.
-fn world_sum(world: &Comm, x: f64) -> Result<f64> {
-    let t = Tensor::<1>::from_data(TensorData::new(vec![x], [1]), (&Device::flex(), DType::F64));
-    let v = world
-        .all_reduce(t, ReduceOp::Sum)?
+/// Σ over the world of a one-element device tensor per rank, read back: the one scalar the
+/// clipping decision and the report need on the host.
+fn world_sum(world: &Comm, x: Tensor<1>) -> Result<f64> {
+    world
+        .all_reduce(x, ReduceOp::Sum)?
         .into_data()
-        .convert::<f64>()
-        .try_into_vec::<f64>()
-        .map_err(|e| BackendError::Shape {
+        .iter::<f64>()
+        .next()
+        .ok_or_else(|| BackendError::Shape {
             op: "DistributedMuon",
-            detail: format!("norm unreadable: {e:?}"),
-        })?;
-    Ok(v.first().copied().unwrap_or(0.0))
+            detail: "norm unreadable".into(),
+        })
 }
 
 /// `max/(norm + 1e-6)` when `norm > max`, else 1 (Megatron's clipping).
@@ -1129,7 +1122,7 @@ impl MuonAdamW {
                 };
                 module.visit(&mut walker);
                 let copy = walker.copy.take().unwrap_or_default();
-                let (dense, expert) = self.adamw.reduced_gradients(&module, copy)?;
+                let (dense, expert) = self.adamw.reduced_gradient_tensors(&module, copy)?;
                 let sq = muon_sq + self.adamw_sq_norm(&dense, &expert);
                 let norm = world_sum(&self.muon.world, sq)?.sqrt();
                 let coeff = clip_coeff(norm, Some(max));
@@ -1144,6 +1137,8 @@ impl MuonAdamW {
                 (module, norm, coeff)
             }
             None => {
+                // A second scalar read (the first is AdamW's own norm inside its step): the
+                // reported norm covers both sides.
                 let muon_sq = world_sum(&self.muon.world, muon_sq)?;
                 let (module, report) = self.adamw.step(adamw_lr, module, grads)?;
                 (module, (report.grad_norm.powi(2) + muon_sq).sqrt(), 1.0)
@@ -1159,25 +1154,34 @@ impl MuonAdamW {
         ))
     }
 
-    /// Σ g² of AdamW's reduced full buffers this rank counts: dense on `dp_cp` member 0
-    /// (TP-replicated ones on TP rank 0 only), experts on `expt_dp` member 0.
-    fn adamw_sq_norm(&self, dense: &[f32], expert: &[f32]) -> f64 {
+    /// Σ g² (a one-element device tensor, f64 where the device has it) of AdamW's reduced
+    /// full buffers this rank counts: dense on `dp_cp` member 0 (TP-replicated ones on TP
+    /// rank 0 only), experts on `expt_dp` member 0. Contiguous counted ranges are merged.
+    fn adamw_sq_norm(&self, dense: &Tensor<1>, expert: &Tensor<1>) -> Tensor<1> {
         let m = &self.muon;
-        let mut sq = 0.0f64;
+        let mut ranges: [Vec<std::ops::Range<usize>>; 2] = [Vec::new(), Vec::new()];
         for p in &self.adamw.table().params {
-            let (buf, counted) = if p.class.is_expert() {
-                (expert, m.expt_dp.rank() == 0)
+            let counted = if p.class.is_expert() {
+                m.expt_dp.rank() == 0
             } else {
-                (
-                    dense,
-                    m.dp_cp.rank() == 0 && !(p.class.tp_replicated() && m.tp.rank() != 0),
-                )
+                m.dp_cp.rank() == 0 && !(p.class.tp_replicated() && m.tp.rank() != 0)
             };
-            if counted {
-                sq += buf[p.offset..p.offset + p.numel()]
-                    .iter()
-                    .map(|&g| (g as f64) * (g as f64))
-                    .sum::<f64>();
+            if !counted || p.numel() == 0 {
+                continue;
+            }
+            let list = &mut ranges[usize::from(p.class.is_expert())];
+            let r = p.offset..p.offset + p.numel();
+            match list.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => list.push(r),
+            }
+        }
+        let f64 = has_f64(&m.device);
+        let dtype = if f64 { DType::F64 } else { DType::F32 };
+        let mut sq = Tensor::<1>::zeros([1], (&m.device, dtype));
+        for (buf, list) in [(dense, &ranges[0]), (expert, &ranges[1])] {
+            for r in list {
+                sq = sq + sum_of_squares(buf.clone().slice(r.clone()), f64);
             }
         }
         sq

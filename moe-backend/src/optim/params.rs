@@ -4,7 +4,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 
 use crate::error::{BackendError, Result};
 
@@ -195,6 +195,217 @@ impl ParamTable {
             expert,
         };
         Ok(module.map(&mut writer))
+    }
+}
+
+/// The device a module's float parameters live on, without autodiff (the first parameter's;
+/// the optimizer keeps its state there), or the default device for a module without any.
+pub fn param_device<M: Module>(module: &M) -> Device {
+    struct Probe(Option<Device>);
+    impl ModuleVisitor for Probe {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.val().device().without_autodiff());
+            }
+        }
+    }
+    let mut probe = Probe(None);
+    module.visit(&mut probe);
+    probe.0.unwrap_or_default()
+}
+
+/// `fresh` (new values of parameter tensor `t`, without autodiff) as `t` is: its dtype, on
+/// autodiff with `t`'s own gradient-checkpointing strategy when `t` is (a plain `autodiff()`
+/// would give the default strategy, and tensors of different strategies cannot meet in one
+/// operation), requiring gradients when `t` does.
+pub(super) fn like_param<const D: usize>(fresh: Tensor<D>, t: &Tensor<D>) -> Tensor<D> {
+    let fresh = fresh.cast(t.dtype());
+    let fresh = match t.gradient_checkpointing_strategy() {
+        Some(strategy) => fresh
+            .autodiff()
+            .with_gradient_checkpointing_strategy(strategy),
+        None => fresh,
+    };
+    if t.is_require_grad() {
+        fresh.require_grad()
+    } else {
+        fresh
+    }
+}
+
+/// The concatenation of 1-D f32 `pieces` (zeros of length 0 when there are none).
+pub(super) fn cat_flat(pieces: Vec<Tensor<1>>, device: &Device) -> Tensor<1> {
+    if pieces.is_empty() {
+        Tensor::zeros([0], (device, DType::F32))
+    } else if pieces.len() == 1 {
+        pieces.into_iter().next().expect("one piece")
+    } else {
+        Tensor::cat(pieces, 0)
+    }
+}
+
+impl ParamTable {
+    /// The trainable parameters' values (`grads = None`) or gradients, removed from `grads`
+    /// (zeros where a parameter has none), as flat f32 tensors on `device` in table order:
+    /// `(dense pieces, expert pieces)`. Everything stays on the device (reshape and cast).
+    pub(super) fn pieces<M: Module>(
+        &self,
+        module: &M,
+        grads: Option<&mut GradientsParams>,
+        device: &Device,
+    ) -> Result<(Vec<Tensor<1>>, Vec<Tensor<1>>)> {
+        let mut reader = PieceReader {
+            table: self,
+            index: 0,
+            device,
+            dense: Vec::new(),
+            expert: Vec::new(),
+            grads,
+            error: None,
+        };
+        module.visit(&mut reader);
+        if let Some(e) = reader.error {
+            return Err(e);
+        }
+        if let Some(missing) = self.params.get(reader.index) {
+            return Err(BackendError::Shape {
+                op: "ParamTable",
+                detail: format!(
+                    "parameter `{}` of the table was not found in the module (different model?)",
+                    missing.path
+                ),
+            });
+        }
+        Ok((reader.dense, reader.expert))
+    }
+
+    /// [`ParamTable::flatten_grads`] on the device: flat `(dense, expert)` f32 gradient
+    /// tensors on `device` (`Tensor::cat` of the reshaped gradients; zeros for parameters
+    /// without a gradient).
+    pub fn flatten_grads_on<M: Module>(
+        &self,
+        module: &M,
+        grads: &mut GradientsParams,
+        device: &Device,
+    ) -> Result<(Tensor<1>, Tensor<1>)> {
+        let (dense, expert) = self.pieces(module, Some(grads), device)?;
+        Ok((cat_flat(dense, device), cat_flat(expert, device)))
+    }
+
+    /// [`ParamTable::flatten_values`] on the device: flat `(dense, expert)` f32 value tensors
+    /// on `device`.
+    pub fn flatten_values_on<M: Module>(
+        &self,
+        module: &M,
+        device: &Device,
+    ) -> Result<(Tensor<1>, Tensor<1>)> {
+        let (dense, expert) = self.pieces(module, None, device)?;
+        Ok((cat_flat(dense, device), cat_flat(expert, device)))
+    }
+
+    /// [`ParamTable::write_values`] from flat device tensors: every parameter becomes its
+    /// slice of `dense` / `expert`, reshaped and cast to the parameter's dtype (ids,
+    /// autodiff and `require_grad` kept). No host round trip.
+    pub fn write_tensors<M: Module>(
+        &self,
+        module: M,
+        dense: &Tensor<1>,
+        expert: &Tensor<1>,
+    ) -> Result<M> {
+        let (d, e) = (dense.dims()[0], expert.dims()[0]);
+        if d < self.dense_len || e < self.expert_len {
+            return Err(BackendError::Shape {
+                op: "ParamTable::write_tensors",
+                detail: format!(
+                    "buffers of {d} / {e} elements for {} dense / {} expert parameters",
+                    self.dense_len, self.expert_len
+                ),
+            });
+        }
+        let mut writer = TensorWriter {
+            table: self,
+            index: 0,
+            dense,
+            expert,
+        };
+        Ok(module.map(&mut writer))
+    }
+}
+
+struct PieceReader<'a> {
+    table: &'a ParamTable,
+    index: usize,
+    device: &'a Device,
+    dense: Vec<Tensor<1>>,
+    expert: Vec<Tensor<1>>,
+    grads: Option<&'a mut GradientsParams>,
+    error: Option<BackendError>,
+}
+
+impl ModuleVisitor for PieceReader<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(info) = self.table.params.get(self.index) else {
+            return; // a trailing non-trainable parameter
+        };
+        if info.id != param.id {
+            return; // not in the table (non-trainable)
+        }
+        self.index += 1;
+        let value = match self.grads.as_deref_mut() {
+            Some(grads) => grads.remove::<D>(param.id),
+            None => Some(param.val().without_autodiff()),
+        };
+        let n = info.numel();
+        let piece = match value {
+            None => Tensor::zeros([n], (self.device, DType::F32)),
+            Some(v) if v.shape().num_elements() == n => v.reshape([n]).cast(DType::F32),
+            Some(v) => {
+                self.error = Some(BackendError::Shape {
+                    op: "ParamTable",
+                    detail: format!(
+                        "`{}` has {} elements, expected {n}",
+                        info.path,
+                        v.shape().num_elements()
+                    ),
+                });
+                return;
+            }
+        };
+        if info.class.is_expert() {
+            self.expert.push(piece);
+        } else {
+            self.dense.push(piece);
+        }
+    }
+}
+
+struct TensorWriter<'a> {
+    table: &'a ParamTable,
+    index: usize,
+    dense: &'a Tensor<1>,
+    expert: &'a Tensor<1>,
+}
+
+impl ModuleMapper for TensorWriter<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(info) = self.table.params.get(self.index) else {
+            return param;
+        };
+        if info.id != param.id {
+            return param; // non-trainable, not in the table
+        }
+        self.index += 1;
+        if info.numel() == 0 {
+            return param;
+        }
+        let buf = if info.class.is_expert() {
+            self.expert
+        } else {
+            self.dense
+        };
+        let values = buf.clone().slice(info.offset..info.offset + info.numel());
+        let shape = Shape::from(info.shape.clone());
+        param.map(move |t| like_param(values.reshape::<D, _>(shape), &t))
     }
 }
 

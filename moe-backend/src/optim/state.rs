@@ -14,9 +14,9 @@
 use std::ops::Range;
 
 use burn::module::Module;
-use burn::tensor::bf16;
+use burn::tensor::{DType, Tensor, TensorData};
 
-use super::distributed_adam::{DistributedAdamW, DistributedAdamWConfig, Moments, Shard};
+use super::distributed_adam::{DistributedAdamW, DistributedAdamWConfig, Shard, host_f32};
 use super::params::ParamInfo;
 use crate::error::{BackendError, Result};
 
@@ -249,30 +249,43 @@ impl Shard {
         start.min(self.len)..(start + self.size).min(self.len)
     }
 
-    fn read(&self, state: OptimState, range: Range<usize>) -> Vec<f32> {
-        match (state, &self.moments) {
-            (OptimState::Master, _) => self.master[range].to_vec(),
-            (OptimState::ExpAvg, Moments::F32(m, _))
-            | (OptimState::ExpAvgSq, Moments::F32(_, m)) => m[range].to_vec(),
-            (OptimState::ExpAvg, Moments::Bf16(m, _))
-            | (OptimState::ExpAvgSq, Moments::Bf16(_, m)) => {
-                m[range].iter().map(|v| v.to_f32()).collect()
-            }
+    fn state(&self, state: OptimState) -> &Tensor<1> {
+        match state {
+            OptimState::Master => &self.master,
+            OptimState::ExpAvg => &self.moments.exp_avg,
+            OptimState::ExpAvgSq => &self.moments.exp_avg_sq,
         }
     }
 
-    fn write(&mut self, state: OptimState, range: Range<usize>, values: &[f32]) {
-        match (state, &mut self.moments) {
-            (OptimState::Master, _) => self.master[range].copy_from_slice(values),
-            (OptimState::ExpAvg, Moments::F32(m, _))
-            | (OptimState::ExpAvgSq, Moments::F32(_, m)) => m[range].copy_from_slice(values),
-            (OptimState::ExpAvg, Moments::Bf16(m, _))
-            | (OptimState::ExpAvgSq, Moments::Bf16(_, m)) => {
-                for (dst, v) in m[range].iter_mut().zip(values) {
-                    *dst = bf16::from_f32(*v);
-                }
-            }
+    fn state_mut(&mut self, state: OptimState) -> &mut Tensor<1> {
+        match state {
+            OptimState::Master => &mut self.master,
+            OptimState::ExpAvg => &mut self.moments.exp_avg,
+            OptimState::ExpAvgSq => &mut self.moments.exp_avg_sq,
         }
+    }
+
+    /// The values of `state` in `range` of the shard, read back to the host (bf16 moments
+    /// widened exactly to f32).
+    fn read(&self, state: OptimState, range: Range<usize>) -> Result<Vec<f32>> {
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        host_f32(self.state(state).clone().slice(range), "optimizer state")
+    }
+
+    /// Overwrites `range` of `state` with `values` (uploaded; rounded once to bf16 for bf16
+    /// moments).
+    fn write(&mut self, state: OptimState, range: Range<usize>, values: Vec<f32>) {
+        if range.is_empty() {
+            return;
+        }
+        let device = self.device.clone();
+        let t = self.state_mut(state);
+        let n = values.len();
+        let values = Tensor::<1>::from_data(TensorData::new(values, [n]), (&device, DType::F32))
+            .cast(t.dtype());
+        *t = t.clone().slice_assign(range, values);
     }
 }
 
@@ -378,7 +391,7 @@ impl DistributedAdamW {
     /// The values of `state` in `piece`, row-major in the box's global orientation (bf16
     /// moments widened exactly to f32).
     pub fn piece_values(&self, piece: &StatePiece, state: OptimState) -> Result<Vec<f32>> {
-        let values = self.shard_of(piece)?.read(state, piece.shard.clone());
+        let values = self.shard_of(piece)?.read(state, piece.shard.clone())?;
         Ok(match piece.shape.as_slice() {
             [rows, cols] if piece.transposed => transpose_2d(&values, *cols, *rows),
             _ => values,
@@ -412,25 +425,29 @@ impl DistributedAdamW {
         } else {
             &mut self.dense
         };
-        shard.write(state, piece.shard.clone(), &local);
+        shard.write(state, piece.shard.clone(), local);
         Ok(())
     }
 
     /// Sets the master weights of this rank's shards from `module`'s parameter values (e.g.
     /// after loading parameters from a model-only checkpoint); moments are kept.
     pub fn reset_master_from<M: Module>(&mut self, module: &M) -> Result<()> {
-        let (dense, expert) = self.table.flatten_values(module)?;
+        let device = self.dense.device.clone();
+        let (dense, expert) = self.table.flatten_values_on(module, &device)?;
         for (shard, full) in [(&mut self.dense, dense), (&mut self.expert, expert)] {
-            if full.len() != shard.len {
+            let len = full.dims()[0];
+            if len != shard.len {
                 return Err(state_error(format!(
-                    "module has {} elements in a class buffer of {}",
-                    full.len(),
+                    "module has {len} elements in a class buffer of {}",
                     shard.len
                 )));
             }
             let owned = shard.owned();
             let n = owned.len();
-            shard.master[..n].copy_from_slice(&full[owned]);
+            if n > 0 {
+                let mine = full.slice(owned);
+                shard.master = shard.master.clone().slice_assign(0..n, mine);
+            }
         }
         Ok(())
     }

@@ -172,6 +172,8 @@ fn check(world: usize, spec: &str, max_grad_norm: Option<f64>) {
             ctx.world()?,
             config(max_grad_norm, MomentDtype::F32),
         )?;
+        // The state lives on the parameters' device (without autodiff).
+        assert_eq!(optim.device(), &ad().without_autodiff());
         let mut out = Vec::new();
         for step in 0..STEPS {
             let r = ctx.rank();

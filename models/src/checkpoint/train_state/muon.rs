@@ -79,7 +79,7 @@ pub(super) fn momentum_chunks(
                 hf: Vec::new(),
             },
             offsets: pl.offsets.clone(),
-            tensor: OwnedTensor::from_f32(fqn, pl.shape.clone(), &canonical(p, values))?,
+            tensor: OwnedTensor::from_f32(fqn, pl.shape.clone(), &canonical(p, &values))?,
         });
     }
     Ok(out)

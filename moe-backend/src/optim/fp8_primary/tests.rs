@@ -3,7 +3,7 @@
 //! all-gather, and the lossless re-quantisation by the FP8 GEMMs.
 
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor, bf16};
+use burn::tensor::{DType, bf16};
 
 use super::*;
 use crate::comm::World;
@@ -70,12 +70,7 @@ fn select(info: &ParamInfo) -> Option<Fp8ParamLayout> {
 
 /// The full unpadded master of a class, gathered for the check.
 fn full_master(shard: &crate::optim::distributed_adam::Shard) -> Vec<f32> {
-    let n = shard.master.len();
-    let t = Tensor::<1>::from_data(
-        burn::tensor::TensorData::new(shard.master.clone(), [n]),
-        &Device::flex(),
-    );
-    let mut v = values(shard.comm.all_gather(t).unwrap())
+    let mut v = values(shard.comm.all_gather(shard.master.clone()).unwrap())
         .into_iter()
         .map(|x| x as f32)
         .collect::<Vec<_>>();
