@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{Device, Int, Tensor};
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{OwnedTensor, SafetensorsFile, write_safetensors};
-use moe_bridge::upcycle::{RouterMode, UpcycleOptions, upcycle};
+use moe_models::upcycle::{RouterMode, UpcycleOptions, upcycle};
 use moe_models::{Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;

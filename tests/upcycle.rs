@@ -8,7 +8,7 @@ use burn::tensor::{Device, Int, Tensor};
 use moe_bridge::BridgeError;
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{OwnedTensor, SafetensorsFile, TensorView, write_hf_checkpoint};
-use moe_bridge::upcycle::{RouterMode, UpcycleOptions, upcycle};
+use moe_models::upcycle::{RouterMode, UpcycleOptions, upcycle};
 use moe_models::{Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
 fn fixtures() -> PathBuf {

@@ -223,7 +223,8 @@ pub fn export_hf<C: ModelSchema>(
         }
     }
     if opts.emit_mtp_copies {
-        add_mtp_copies(src, &config, tied, opts.dtype, &mut plan)?;
+        let copies = report.config.export_copies(&|name| src.contains(name));
+        add_copies(src, copies, opts.dtype, &mut plan)?;
     }
 
     let sizes: BTreeMap<String, u64> = plan
@@ -327,42 +328,26 @@ fn plan_fused(
     Ok(())
 }
 
-/// Plans `model.layers.{N+j}.embed_tokens.weight` / `shared_head.head.weight` copies.
-fn add_mtp_copies(
+/// Plans the model's export copies (`(name, source)`, [`ModelSchema::export_copies`]): a name
+/// already planned, or whose source the checkpoint lacks, is skipped.
+fn add_copies(
     src: &HfCheckpoint,
-    config: &Value,
-    tied: bool,
+    copies: Vec<(String, String)>,
     dtype: Option<Dtype>,
     plan: &mut BTreeMap<String, Planned>,
 ) -> Result<(), BridgeError> {
-    let field = |key: &str| config.get(key).and_then(Value::as_u64).unwrap_or(0) as usize;
-    let (layers, mtp) = (
-        field("num_hidden_layers"),
-        field("num_nextn_predict_layers"),
-    );
-    let head = if tied || !src.contains("lm_head.weight") {
-        "model.embed_tokens.weight"
-    } else {
-        "lm_head.weight"
-    };
-    for j in 0..mtp {
-        for (suffix, source) in [
-            ("embed_tokens.weight", "model.embed_tokens.weight"),
-            ("shared_head.head.weight", head),
-        ] {
-            let name = format!("model.layers.{}.{suffix}", layers + j);
-            if plan.contains_key(&name) || !src.contains(source) {
-                continue;
-            }
-            let info = src.info(source)?;
-            let planned = Planned {
-                source: source.to_owned(),
-                chunk: None,
-                shape: info.shape.clone(),
-                dtype: out_dtype(info.dtype, dtype),
-            };
-            plan.insert(name, planned);
+    for (name, source) in copies {
+        if plan.contains_key(&name) || !src.contains(&source) {
+            continue;
         }
+        let info = src.info(&source)?;
+        let planned = Planned {
+            source,
+            chunk: None,
+            shape: info.shape.clone(),
+            dtype: out_dtype(info.dtype, dtype),
+        };
+        plan.insert(name, planned);
     }
     Ok(())
 }

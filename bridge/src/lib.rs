@@ -23,7 +23,6 @@
 //!   conversion, the completeness report) and the expected-tensor tables' types.
 //! - [`export`]: HF → HF export (FP8 → BF16, stacked → per-expert names, re-sharding) with
 //!   configs and tokenizer files, written atomically.
-//! - [`upcycle`]: a dense Qwen3 checkpoint upcycled into a Qwen3-MoE one.
 //! - [`dist`]: distributed checkpoints — DCP-compatible per-rank safetensors files and a JSON
 //!   index, saved by every rank of any parallel layout and committed atomically, read back
 //!   (resharded) under any other; HF ↔ distributed conversion; the training state object.
@@ -45,7 +44,6 @@ pub mod schema;
 #[cfg(test)]
 mod test_util;
 pub mod text;
-pub mod upcycle;
 
 pub use error::BridgeError;
 pub use schema::ModelSchema;

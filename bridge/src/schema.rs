@@ -50,6 +50,14 @@ pub trait ModelSchema: Sized {
         block: [usize; 2],
     ) -> Result<ExpectedTable, BridgeError>;
 
+    /// Tensors an HF export writes as copies of others, `(name, source)`, given which names
+    /// the checkpoint holds (`has`): e.g. DeepSeek-V3's MTP layers repeating the embedding
+    /// and the LM head as the release checkpoints do. None by default.
+    fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        let _ = has;
+        Vec::new()
+    }
+
     /// Configuration findings worth showing a user (none by default).
     fn warnings(&self) -> Vec<String> {
         Vec::new()

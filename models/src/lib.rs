@@ -39,6 +39,8 @@
 //!   policy-gradient losses (PPO, GSPO, KL, GRPO advantages).
 //! - [`weight_sync`]: streaming, bucketed HF weights from any training layout to a rollout
 //!   model or engine (RL).
+//! - [`upcycle`]: a dense Qwen3 HF checkpoint upcycled into a Qwen3-MoE one (written with
+//!   moe-bridge's formats).
 //! - [`plan`]: the layout planner's formulas (parameters, optimizer state and communication
 //!   volume per rank).
 //! - `testing` (feature `testing`): naive loop-based references used by the tests.
@@ -72,6 +74,7 @@ pub mod rollout;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;
+pub mod upcycle;
 pub mod weight_sync;
 pub mod weights;
 

@@ -46,4 +46,11 @@ impl ModelSchema for ModelConfig {
     fn warnings(&self) -> Vec<String> {
         ModelConfig::warnings(self)
     }
+
+    fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        match self {
+            ModelConfig::DeepseekV3(c) => crate::param_plan::deepseek_v3::mtp_export_copies(c, has),
+            ModelConfig::Qwen3(_) | ModelConfig::Qwen3Moe(_) => Vec::new(),
+        }
+    }
 }

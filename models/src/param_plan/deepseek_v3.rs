@@ -104,3 +104,29 @@ impl super::Planned for crate::DeepseekV3ForCausalLM {
         self.config().num_hidden_layers
     }
 }
+
+/// The copies DeepSeek-V3's release checkpoints carry in every MTP layer `N + j`
+/// (`embed_tokens.weight`, `shared_head.head.weight`: the main model's embedding and head,
+/// shared, not separate parameters), `(name, source)`, for an HF export that reproduces the
+/// release layout; `has` says which names the exported checkpoint holds (a tied or absent
+/// `lm_head` makes the embedding the head).
+pub(crate) fn mtp_export_copies(
+    config: &crate::DeepseekV3Config,
+    has: &dyn Fn(&str) -> bool,
+) -> Vec<(String, String)> {
+    let (embed, lm_head) = ("model.embed_tokens.weight", "lm_head.weight");
+    let head = if config.tie_word_embeddings || !has(lm_head) {
+        embed
+    } else {
+        lm_head
+    };
+    (0..config.num_nextn_predict_layers)
+        .flat_map(|j| {
+            let layer = format!("model.layers.{}", config.num_hidden_layers + j);
+            [
+                (format!("{layer}.embed_tokens.weight"), embed.to_owned()),
+                (format!("{layer}.shared_head.head.weight"), head.to_owned()),
+            ]
+        })
+        .collect()
+}

@@ -29,7 +29,7 @@ use moe_backend::optim::ParamClass;
 use crate::ModelError;
 use crate::distributed::ShardRule;
 
-mod deepseek_v3;
+pub(crate) mod deepseek_v3;
 mod load;
 mod qwen3;
 mod qwen3_moe;

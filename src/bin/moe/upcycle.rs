@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn_moe::bridge::export::parse_size;
 use burn_moe::bridge::hf::HfCheckpoint;
-use burn_moe::bridge::upcycle::{RouterMode, UpcycleOptions, upcycle};
 use burn_moe::models::hf::ModelConfig;
+use burn_moe::models::upcycle::{RouterMode, UpcycleOptions, upcycle};
 
 /// Arguments of `moe upcycle`.
 #[derive(Debug, clap::Args)]

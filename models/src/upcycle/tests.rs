@@ -1,8 +1,8 @@
 use serde_json::json;
 
 use super::*;
-use crate::safetensors::{TensorView, write_hf_checkpoint};
-use crate::test_util::TempDir;
+use moe_backend::testing::TempDir;
+use moe_bridge::safetensors::{TensorView, write_hf_checkpoint};
 
 fn relu(x: f32) -> f32 {
     x.max(0.0)

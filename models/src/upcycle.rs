@@ -30,11 +30,11 @@ use serde_json::{Value, json};
 pub use self::math::{
     ExpertShard, RouterMode, SplitMix64, UpcycleScale, split_dense_mlp, upcycled_router,
 };
-use crate::BridgeError;
-use crate::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
-use crate::fp8::{OutDtype, is_scale_inv};
-use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, INDEX_FILE};
-use crate::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
+use moe_bridge::BridgeError;
+use moe_bridge::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
+use moe_bridge::fp8::{OutDtype, is_scale_inv};
+use moe_bridge::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, INDEX_FILE};
+use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
 
 /// What to build (`moe upcycle --experts E --topk K --granularity G [--seed S]`).
 #[derive(Debug, Clone, PartialEq)]
