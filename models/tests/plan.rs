@@ -327,3 +327,73 @@ fn search_ranks_valid_layouts_that_fit() {
         .to_string();
     assert!(err.contains("fits in 1.0 GB"), "{err}");
 }
+
+/// DeepSeek-V3's MLA under context parallelism: each attention layer all-gathers the
+/// compressed latent and the shared rotary key (not the per-head keys and values) over `cp`,
+/// and the planner's `cp` (and `tp`, `dp_cp`) traffic equals what a real training step sends.
+/// No expert parallelism, so the routing does not enter; no MTP module (the planner's shape
+/// has none).
+#[test]
+fn mla_context_parallel_traffic_matches_the_planner() {
+    use moe_backend::parallel::GroupFamily;
+    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
+    use moe_models::plan::shape::ModelShape;
+    use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+
+    const FAMILIES: [GroupFamily; 3] = [GroupFamily::Tp, GroupFamily::Cp, GroupFamily::DpCp];
+    let mut config = DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap();
+    config.num_nextn_predict_layers = 0;
+    let shape = ModelShape::deepseek_v3(&config);
+    let device = Device::flex().autodiff();
+    let full = config.init(&device).unwrap();
+    let (batch, seq) = (2, 8);
+    for (world, spec) in [(2, "cp=2"), (4, "tp=2,cp=2"), (4, "cp=2")] {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let (full_ref, layout_ref, dev) = (&full, &layout, &device);
+        let measured = World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let trainer_config = TrainerConfig {
+                mtp_loss_scaling_factor: 0.0,
+                ..TrainerConfig::default()
+            };
+            let mut trainer = Trainer::new(full_ref, &pg, ctx.world()?, trainer_config, dev)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let replica = pg.groups.get(GroupFamily::Dp).index;
+            let ids: Vec<i64> = (0..batch * seq)
+                .map(|i| ((i * 37 + replica * 101 + 11) % 256) as i64)
+                .collect();
+            let sent = |c: &moe_backend::comm::Comm| c.traffic().bytes_sent;
+            let before: Vec<u64> = FAMILIES.iter().map(|f| sent(pg.comm(*f))).collect();
+            trainer
+                .step(&TrainBatch::causal(ids, batch).unwrap())
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            Ok(FAMILIES
+                .iter()
+                .zip(&before)
+                .map(|(f, b)| sent(pg.comm(*f)) - b)
+                .collect::<Vec<u64>>())
+        });
+        let params = deepseek_v3_rank_params(&config, &layout, 0);
+        let opts = CommOptions {
+            seq,
+            micro_batch: batch,
+            microbatches: 1,
+            vpp: 1,
+            act_bytes: 4,
+            prob_bytes: 4,
+            int_bytes: 4,
+            dispatcher: Dispatcher::AllToAll,
+        };
+        let plan = step_traffic(&shape, &params, &layout, &opts, 0, 0, &Routing::Uniform)
+            .unwrap()
+            .total;
+        let planned: Vec<u64> = [plan.tp, plan.cp, plan.dp_cp]
+            .iter()
+            .map(|&b| b as u64)
+            .collect();
+        assert!(planned[1] > 0, "{spec}: the layers exchange latents");
+        for (rank, got) in measured.into_iter().enumerate() {
+            assert_eq!(got.unwrap(), planned, "{spec} rank {rank}: [tp, cp, dp_cp]");
+        }
+    }
+}

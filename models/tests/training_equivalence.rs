@@ -609,3 +609,35 @@ fn impossible_context_parallel_inputs_are_refused() {
         );
     }
 }
+
+/// DeepSeek-V3 with its MTP module but the MTP loss off: the MTP block's router does not run,
+/// reports no counts and keeps its expert bias, while the main routers' biases move.
+#[test]
+fn deepseek_v3_trains_with_the_mtp_loss_off() {
+    let start = deepseek(&ad());
+    let layout = ParallelLayout::parse(1, "").expect("layout");
+    let (start_ref, layout_ref) = (&start, &layout);
+    let mut out = World::run(1, |ctx| {
+        let pg = ctx.process_groups(layout_ref)?;
+        let config = TrainerConfig {
+            mtp_loss_scaling_factor: 0.0,
+            ..config(1e-3, AuxLossType::Aux)
+        };
+        let mut trainer = Trainer::new(start_ref, &pg, ctx.world()?, config, &ad()).map_err(be)?;
+        let before = biases(&mut trainer);
+        let stats = trainer
+            .step_micro_batches(&[micro_batch(0, 0, 0, 256)])
+            .map_err(be)?;
+        Ok((before, biases(&mut trainer), stats))
+    });
+    let (before, after, stats) = out.remove(0).expect("world 1");
+    assert!(stats.mtp_loss.is_none(), "no MTP loss is computed");
+    let n = after.len();
+    assert_eq!(n, 3, "two MoE layers and the MTP block");
+    assert_ne!(
+        after[..n - 1],
+        before[..n - 1],
+        "the main routers' biases move"
+    );
+    assert_eq!(after[n - 1], before[n - 1], "the MTP router keeps its bias");
+}

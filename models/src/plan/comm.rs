@@ -260,14 +260,12 @@ pub fn optimizer_traffic(params: &RankParams, layout: &ParallelLayout) -> Family
         (2 * (n - 1) * len.div_ceil(n) * 4) as f64
     };
     FamilyBytes {
-        dp_cp: ring(
-            params.dense_sharded + params.dense_replicated,
-            layout.dp * layout.cp,
-        ) + ((layout.dp * layout.cp - 1) * 4) as f64,
+        dp_cp: ring(params.trainable_dense(), layout.dp * layout.cp)
+            + ((layout.dp * layout.cp - 1) * 4) as f64,
         expt_dp: ring(params.expert, layout.edp),
         // The replica's logged loss sums (two f32) and target count (one f32) over `cp`.
         cp: ((layout.cp - 1) * 12) as f64,
-        tp: ((layout.tp - 1) as u64 * params.dense_replicated * 4) as f64,
+        tp: ((layout.tp - 1) as u64 * params.trainable_replicated() * 4) as f64,
         world: ((layout.world - 1) * 8) as f64,
         ..FamilyBytes::default()
     }

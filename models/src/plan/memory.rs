@@ -130,6 +130,7 @@ mod tests {
             dense_sharded: 1000,
             dense_replicated: 0,
             expert: 0,
+            buffers: 0,
         };
         let f32m = state_bytes(&p, &layout, &MemoryOptions::default());
         assert_eq!(f32m.total(), 1000.0 * (6.0 + 12.0 / 8.0));

@@ -79,6 +79,9 @@ pub struct RankParams {
     pub dense_replicated: u64,
     /// Routed-expert parameters.
     pub expert: u64,
+    /// Of `dense_replicated`, the buffers the optimizer does not train (DeepSeek-V3's
+    /// `e_score_correction_bias`): held, never reduced or updated.
+    pub buffers: u64,
 }
 
 impl RankParams {
@@ -87,10 +90,21 @@ impl RankParams {
         self.dense_sharded + self.dense_replicated + self.expert
     }
 
+    /// The dense parameters the optimizer trains (every dense parameter but the buffers).
+    pub fn trainable_dense(&self) -> u64 {
+        self.dense_sharded + self.dense_replicated - self.buffers
+    }
+
+    /// The TP-replicated parameters the optimizer trains.
+    pub fn trainable_replicated(&self) -> u64 {
+        self.dense_replicated - self.buffers
+    }
+
     fn add(&mut self, other: RankParams) {
         self.dense_sharded += other.dense_sharded;
         self.dense_replicated += other.dense_replicated;
         self.expert += other.expert;
+        self.buffers += other.buffers;
     }
 }
 
@@ -132,6 +146,7 @@ pub fn qwen3_moe_rank_params(
             dense_sharded: (2 * h * nh * hd + 2 * h * nkv * hd) / tp,
             dense_replicated: 2 * h + 2 * hd,
             expert: 0,
+            buffers: 0,
         };
         if c.is_moe_layer(layer) {
             let (e, im) = (c.num_experts as u64, c.moe_intermediate_size as u64);
@@ -182,10 +197,13 @@ pub fn deepseek_v3_rank_params(
             dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
             dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
             expert: 0,
+            buffers: 0,
         };
         if c.is_moe_layer(layer) {
             let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
             l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
+            // The router's `e_score_correction_bias` (moved by counts, not by the optimizer).
+            l.buffers += e;
             l.expert += (e / ep) * 3 * h * im / etp;
         } else {
             l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
@@ -269,11 +287,11 @@ pub fn zero1_step_bytes(params: &RankParams, layout: &ParallelLayout) -> u64 {
         let shard = len.div_ceil(n);
         2 * (n - 1) * shard * 4
     };
-    let dense = params.dense_sharded + params.dense_replicated;
+    let dense = params.trainable_dense();
     let dp_cp = (layout.dp * layout.cp) as u64;
     let tp = layout.tp as u64;
     let sp = if tp > 1 {
-        (tp - 1) * params.dense_replicated * 4
+        (tp - 1) * params.trainable_replicated() * 4
     } else {
         0
     };
