@@ -389,8 +389,10 @@ fn produce(
     }
 }
 
-/// Copies files other than weights, index and configs (tokenizer files, …) into the export.
-fn copy_other_files(dir: &Path, writer: &mut HfDirWriter) -> Result<(), BridgeError> {
+/// Copies the plain files of checkpoint directory `dir` other than weights, index and configs
+/// (tokenizer files, …) into `writer`'s directory (symlinks followed, hidden files skipped,
+/// in name order).
+pub fn copy_other_files(dir: &Path, writer: &mut HfDirWriter) -> Result<(), BridgeError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| BridgeError::Io { path, source }

@@ -31,9 +31,11 @@ pub use self::math::{
     ExpertShard, RouterMode, SplitMix64, UpcycleScale, split_dense_mlp, upcycled_router,
 };
 use moe_bridge::BridgeError;
-use moe_bridge::export::{DEFAULT_MAX_SHARD_SIZE, default_generation_config, export_config};
+use moe_bridge::export::{
+    DEFAULT_MAX_SHARD_SIZE, copy_other_files, default_generation_config, export_config,
+};
 use moe_bridge::fp8::{OutDtype, is_scale_inv};
-use moe_bridge::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, INDEX_FILE};
+use moe_bridge::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint};
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
 
 /// What to build (`moe upcycle --experts E --topk K --granularity G [--seed S]`).
@@ -289,7 +291,7 @@ pub fn upcycle(
         None => default_generation_config(&config),
     };
     writer.write_json(GENERATION_CONFIG_FILE, &generation)?;
-    copy_tokenizer_files(src.dir(), &mut writer)?;
+    copy_other_files(src.dir(), &mut writer)?;
     let target = writer.finish()?;
     Ok(UpcycleSummary {
         target,
@@ -299,34 +301,6 @@ pub fn upcycle(
         total_size: sizes.values().sum(),
         shards,
     })
-}
-
-/// Copies the source directory's plain files other than weights and configs (tokenizer).
-fn copy_tokenizer_files(dir: &Path, writer: &mut HfDirWriter) -> Result<(), BridgeError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| BridgeError::Io { path, source }
-    };
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(io(dir))?
-        .map(|e| e.map(|e| e.path()))
-        .collect::<Result<_, _>>()
-        .map_err(io(dir))?;
-    entries.sort();
-    for path in entries {
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
-            continue;
-        };
-        let skip = name.starts_with('.')
-            || name.ends_with(".safetensors")
-            || [INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE].contains(&name);
-        if skip || !std::fs::metadata(&path).map_err(io(&path))?.is_file() {
-            continue;
-        }
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
-        writer.write_file(name, &bytes)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
