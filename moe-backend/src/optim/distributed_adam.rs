@@ -252,7 +252,7 @@ impl Shard {
         }
         let k = AdamwConstants::new(c, lr, step);
         if self.device == Device::flex() {
-            return self.adamw_fused_cpu(grad, clip, &k);
+            return self.adamw_fused_cpu(host_f32(grad, "gradient shard")?, clip, &k);
         }
         self.adamw_composite(grad, clip, &k);
         Ok(())
@@ -294,12 +294,11 @@ impl Shard {
     /// [`adamw`](Self::adamw) on the CPU backend: the scalar rule element by element in one
     /// pass over chunks of 32 Ki elements in parallel (rayon), the tensors' host buffers taken
     /// and given back (the CPU backend's memory is the host's; nothing crosses a bus).
-    fn adamw_fused_cpu(&mut self, grad: Tensor<1>, clip: f64, k: &AdamwConstants) -> Result<()> {
+    fn adamw_fused_cpu(&mut self, g: Vec<f32>, clip: f64, k: &AdamwConstants) -> Result<()> {
         use rayon::prelude::*;
         const CHUNK: usize = 1 << 15;
         let n = self.size;
         let empty = || Tensor::<1>::zeros([0], (&self.device, DType::F32));
-        let g = host_f32(grad, "gradient shard")?;
         let mut p = host_f32(std::mem::replace(&mut self.master, empty()), "master shard")?;
         let mut m = host_f32(
             std::mem::replace(&mut self.moments.exp_avg, empty()),
@@ -392,13 +391,8 @@ pub(super) fn sum_of_squares(t: Tensor<1>, f64: bool) -> Tensor<1> {
         // The CPU backend: one pass over the host buffer in fixed chunks (deterministic
         // whatever the thread count), each squared and summed in f64, instead of an f64 copy,
         // its square and a sum (three passes allocating twice the buffer).
-        use rayon::prelude::*;
         if let Ok(values) = t.clone().into_data().try_into_vec::<f32>() {
-            let partial: Vec<f64> = values
-                .par_chunks(1 << 15)
-                .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum())
-                .collect();
-            let total: f64 = partial.iter().sum();
+            let total = sum_of_squares_host(&values);
             return Tensor::from_data(TensorData::new(vec![total], [1]), (&device, DType::F64));
         }
     }
@@ -407,6 +401,17 @@ pub(super) fn sum_of_squares(t: Tensor<1>, f64: bool) -> Tensor<1> {
     } else {
         t.square().sum()
     }
+}
+
+/// `Σ x²` of host values in f64, over fixed chunks of 32 Ki elements in parallel and summed in
+/// chunk order (deterministic whatever the thread count).
+fn sum_of_squares_host(values: &[f32]) -> f64 {
+    use rayon::prelude::*;
+    let partial: Vec<f64> = values
+        .par_chunks(1 << 15)
+        .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum())
+        .collect();
+    partial.iter().sum()
 }
 
 /// The per-step constants of the AdamW update.
@@ -681,16 +686,36 @@ impl DistributedAdamW {
         mut grads: GradientsParams,
     ) -> Result<(M, StepReport)> {
         let (dense_shard, expert_shard) = self.reduce_local(&module, &mut grads)?;
-        let grad_norm = self.global_norm(&dense_shard, &expert_shard)?;
-        let clip_coeff = match self.config.max_grad_norm {
-            Some(max) if grad_norm > max => max / (grad_norm + 1e-6),
+        let grad_norm;
+        let clip = |norm: f64| match self.config.max_grad_norm {
+            Some(max) if norm > max => max / (norm + 1e-6),
             _ => 1.0,
         };
-        self.step += 1;
-        self.dense
-            .adamw(dense_shard, clip_coeff, lr, self.step, &self.config)?;
-        self.expert
-            .adamw(expert_shard, clip_coeff, lr, self.step, &self.config)?;
+        let clip_coeff;
+        if self.dense.device == Device::flex() {
+            // The CPU backend: the gradient shards' host buffers are read once, for the norm
+            // and the fused update.
+            let dense = host_f32(dense_shard, "gradient shard")?;
+            let expert = host_f32(expert_shard, "gradient shard")?;
+            grad_norm = self.global_norm_host(&dense, &expert)?;
+            clip_coeff = clip(grad_norm);
+            self.step += 1;
+            let step = self.step;
+            for (shard, g) in [(&mut self.dense, dense), (&mut self.expert, expert)] {
+                if shard.size > 0 {
+                    let k = AdamwConstants::new(&self.config, lr, step);
+                    shard.adamw_fused_cpu(g, clip_coeff, &k)?;
+                }
+            }
+        } else {
+            grad_norm = self.global_norm(&dense_shard, &expert_shard)?;
+            clip_coeff = clip(grad_norm);
+            self.step += 1;
+            self.dense
+                .adamw(dense_shard, clip_coeff, lr, self.step, &self.config)?;
+            self.expert
+                .adamw(expert_shard, clip_coeff, lr, self.step, &self.config)?;
+        }
         let module =
             if self.fp8.is_none() && self.dense.comm.size() == 1 && self.expert.comm.size() == 1 {
                 // One rank owns everything: write the master weights straight into the module.
@@ -811,6 +836,35 @@ impl DistributedAdamW {
             sq = sq + sum_of_squares(part, f64);
         }
         let total = self.world.all_reduce(sq, ReduceOp::Sum)?;
+        let total = total
+            .into_data()
+            .iter::<f64>()
+            .next()
+            .ok_or_else(|| BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: "norm unreadable".into(),
+            })?;
+        Ok(total.sqrt())
+    }
+}
+
+impl DistributedAdamW {
+    /// [`global_norm`](Self::global_norm) of host gradient shards (the CPU backend): the same
+    /// parts summed in f64 on the host, one all-reduce of the scalar over the world.
+    fn global_norm_host(&self, dense: &[f32], expert: &[f32]) -> Result<f64> {
+        let mut sq = match &self.norm_ranges {
+            None => sum_of_squares_host(dense),
+            Some(ranges) => ranges
+                .iter()
+                .map(|r| sum_of_squares_host(&dense[r.clone()]))
+                .sum(),
+        };
+        sq += sum_of_squares_host(expert);
+        let t = Tensor::<1>::from_data(
+            TensorData::new(vec![sq], [1]),
+            (&self.dense.device, DType::F64),
+        );
+        let total = self.world.all_reduce(t, ReduceOp::Sum)?;
         let total = total
             .into_data()
             .iter::<f64>()
