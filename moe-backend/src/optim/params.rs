@@ -140,61 +140,36 @@ impl ParamTable {
         builder.table
     }
 
-    /// Flat `(dense, expert)` buffers of the module's parameter values (f32).
+    /// Flat `(dense, expert)` buffers of the module's parameter values (f32) on the host
+    /// ([`flatten_values_on`](Self::flatten_values_on) read back; checkpoints and checks).
     pub fn flatten_values<M: Module>(&self, module: &M) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut reader = Flattener {
-            table: self,
-            index: 0,
-            dense: vec![0.0; self.dense_len],
-            expert: vec![0.0; self.expert_len],
-            grads: None,
-            error: None,
-        };
-        module.visit(&mut reader);
-        reader.finish()
+        let (dense, expert) = self.flatten_values_on(module, &param_device(module))?;
+        Ok((host_vec(dense, "values")?, host_vec(expert, "values")?))
     }
 
-    /// Flat `(dense, expert)` gradient buffers (f32); parameters without a gradient count as
-    /// zeros, so every rank contributes buffers of the same layout.
+    /// Flat `(dense, expert)` gradient buffers (f32) on the host; parameters without a
+    /// gradient count as zeros, so every rank contributes buffers of the same layout
+    /// ([`flatten_grads_on`](Self::flatten_grads_on) read back).
     pub fn flatten_grads<M: Module>(
         &self,
         module: &M,
         grads: &mut GradientsParams,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let mut reader = Flattener {
-            table: self,
-            index: 0,
-            dense: vec![0.0; self.dense_len],
-            expert: vec![0.0; self.expert_len],
-            grads: Some(grads),
-            error: None,
-        };
-        module.visit(&mut reader);
-        reader.finish()
+        let (dense, expert) = self.flatten_grads_on(module, grads, &param_device(module))?;
+        Ok((
+            host_vec(dense, "gradients")?,
+            host_vec(expert, "gradients")?,
+        ))
     }
 
-    /// `module` with every float parameter replaced by its slice of the flat buffers (cast to
-    /// the parameter's dtype; ids and `require_grad` kept).
+    /// `module` with every float parameter replaced by its slice of the host flat buffers
+    /// (cast to the parameter's dtype; ids, autodiff and `require_grad` kept):
+    /// [`write_tensors`](Self::write_tensors) of the buffers on the parameters' device.
     pub fn write_values<M: Module>(&self, module: M, dense: &[f32], expert: &[f32]) -> Result<M> {
-        if dense.len() < self.dense_len || expert.len() < self.expert_len {
-            return Err(BackendError::Shape {
-                op: "ParamTable::write_values",
-                detail: format!(
-                    "buffers of {} / {} elements for {} dense / {} expert parameters",
-                    dense.len(),
-                    expert.len(),
-                    self.dense_len,
-                    self.expert_len
-                ),
-            });
-        }
-        let mut writer = Writer {
-            table: self,
-            index: 0,
-            dense,
-            expert,
-        };
-        Ok(module.map(&mut writer))
+        let device = param_device(&module);
+        let tensor =
+            |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device);
+        self.write_tensors(module, &tensor(dense), &tensor(expert))
     }
 }
 
@@ -409,120 +384,13 @@ impl ModuleMapper for TensorWriter<'_> {
     }
 }
 
-struct Flattener<'a> {
-    table: &'a ParamTable,
-    index: usize,
-    dense: Vec<f32>,
-    expert: Vec<f32>,
-    grads: Option<&'a mut GradientsParams>,
-    error: Option<BackendError>,
-}
-
-impl Flattener<'_> {
-    fn finish(self) -> Result<(Vec<f32>, Vec<f32>)> {
-        if let Some(e) = self.error {
-            return Err(e);
-        }
-        if let Some(missing) = self.table.params.get(self.index) {
-            return Err(BackendError::Shape {
-                op: "ParamTable",
-                detail: format!(
-                    "parameter `{}` of the table was not found in the module (different model?)",
-                    missing.path
-                ),
-            });
-        }
-        Ok((self.dense, self.expert))
-    }
-}
-
-fn to_f32(data: TensorData, path: &str) -> Result<Vec<f32>> {
-    data.convert::<f32>()
+/// A flat f32 tensor's values on the host.
+fn host_vec(t: Tensor<1>, what: &str) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
         .try_into_vec::<f32>()
         .map_err(|e| BackendError::Shape {
             op: "ParamTable",
-            detail: format!("cannot read parameter `{path}` as f32: {e:?}"),
+            detail: format!("cannot read the flat {what} as f32: {e:?}"),
         })
-}
-
-impl ModuleVisitor for Flattener<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let Some(info) = self.table.params.get(self.index) else {
-            return; // a trailing non-trainable parameter
-        };
-        if info.id != param.id {
-            return; // not in the table (non-trainable)
-        }
-        self.index += 1;
-        let value = match self.grads.as_deref_mut() {
-            Some(grads) => grads.remove::<D>(param.id),
-            None => Some(param.val()),
-        };
-        let Some(value) = value else {
-            return; // no gradient: zeros
-        };
-        let data = value.into_data();
-        let buf = if info.class.is_expert() {
-            &mut self.expert
-        } else {
-            &mut self.dense
-        };
-        // f32 gradients are copied straight from the tensor's bytes (no intermediate Vec).
-        if let Ok(v) = data.as_slice::<f32>()
-            && v.len() == info.numel()
-        {
-            buf[info.offset..info.offset + v.len()].copy_from_slice(v);
-            return;
-        }
-        match to_f32(data, &info.path) {
-            Ok(v) if v.len() == info.numel() => {
-                buf[info.offset..info.offset + v.len()].copy_from_slice(&v);
-            }
-            Ok(v) => {
-                self.error = Some(BackendError::Shape {
-                    op: "ParamTable",
-                    detail: format!(
-                        "`{}` has {} elements, expected {}",
-                        info.path,
-                        v.len(),
-                        info.numel()
-                    ),
-                });
-            }
-            Err(e) => self.error = Some(e),
-        }
-    }
-}
-
-struct Writer<'a> {
-    table: &'a ParamTable,
-    index: usize,
-    dense: &'a [f32],
-    expert: &'a [f32],
-}
-
-impl ModuleMapper for Writer<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(info) = self.table.params.get(self.index) else {
-            return param;
-        };
-        if info.id != param.id {
-            return param; // non-trainable, not in the table
-        }
-        self.index += 1;
-        let buf = if info.class.is_expert() {
-            self.expert
-        } else {
-            self.dense
-        };
-        let values = buf[info.offset..info.offset + info.numel()].to_vec();
-        let shape = info.shape.clone();
-        param.map(move |t| {
-            let grad = t.is_require_grad();
-            let dtype: DType = t.dtype();
-            let device = t.device();
-            let fresh = Tensor::from_data(TensorData::new(values, shape), (&device, dtype));
-            if grad { fresh.require_grad() } else { fresh }
-        })
-    }
 }
