@@ -271,6 +271,10 @@ impl CausalLmShard for ParallelBlockMoeShard {
         self.ctx.loss_groups()
     }
 
+    fn context_mut(&mut self) -> &mut ParallelContext {
+        &mut self.ctx
+    }
+
     fn begin_global_batch(&self) {
         self.ctx.reset_global_aux();
     }

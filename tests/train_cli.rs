@@ -355,10 +355,20 @@ fn recompute_changes_nothing_but_memory() {
         3,
         &["--recompute", "memory-bound"],
     ));
+    // Megatron's module-level selective recompute, with the memory-bound one.
+    let modules = scratch("rc-modules");
+    threads(&train_args(
+        &modules,
+        "tp=2,ep=4",
+        3,
+        &["--recompute", "memory-bound,core_attn,moe_act,mlp"],
+    ));
     // Bit-identical: the same metrics (timing aside) and parameters.
     assert_metrics_equal(&metrics(&recompute), &metrics(&plain), "recompute vs plain");
     assert_eq!(params(&recompute), params(&plain), "parameters");
-    for d in [plain, recompute] {
+    assert_metrics_equal(&metrics(&modules), &metrics(&plain), "modules vs plain");
+    assert_eq!(params(&modules), params(&plain), "parameters (modules)");
+    for d in [plain, recompute, modules] {
         let _ = std::fs::remove_dir_all(d);
     }
 }

@@ -381,6 +381,7 @@ impl DeepseekV3ForCausalLM {
                 rope: &rope,
                 mask: None,
                 exchange: None,
+                recompute_core: false,
             };
             let next = module.forward_in(&ctx, embeds, prev, b, &mut trace, inputs)?;
             let out = ctx.head_logits(

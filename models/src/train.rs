@@ -41,6 +41,7 @@ use crate::distributed::sharded::{mtp_labels, scored_targets, scored_targets_at}
 use crate::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err};
 use crate::packing::SequenceLayout;
 use crate::param_plan::GradClass;
+use crate::plan::activations::Recompute;
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 /// One replica's batch: `batch` rows of equal length, row-major; optionally packed (several
@@ -269,6 +270,11 @@ pub struct TrainerConfig {
     /// optimizer casts its f32 master shards straight to blockwise E4M3 with the recipe's
     /// blocks and all-gathers one byte per element.
     pub fp8_primary_weights: bool,
+    /// Activations recomputed in the backward pass instead of kept (Megatron's
+    /// `--recompute-modules`: `core_attn`, `moe_act`, `shared_experts`, `mlp`; see
+    /// [`ParallelContext::set_recompute`](crate::distributed::ParallelContext::set_recompute)).
+    /// Changes memory, never results: the gradients are bit-identical.
+    pub recompute: Recompute,
 }
 
 impl Default for TrainerConfig {
@@ -293,6 +299,7 @@ impl Default for TrainerConfig {
             fp8: None,
             fp8_linears: false,
             fp8_primary_weights: false,
+            recompute: Recompute::None,
         }
     }
 }
@@ -385,6 +392,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
         }
         model.set_router_losses(aux_losses, z_loss)?;
+        model.set_recompute(config.recompute.clone())?;
         // Gradient classes from the model's parallel plan (an unplanned parameter is an error
         // here, before any optimizer state exists).
         let classes = model.model().param_classes()?;
@@ -512,6 +520,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             ));
         }
         self.model.begin_global_batch();
+        moe_backend::recompute::clear_param_grads();
         let mtp_scale = self.config.mtp_loss_scaling_factor;
         let depths = if mtp_scale != 0.0 {
             self.model.mtp_depths()
@@ -594,6 +603,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
             let grads = GradientsParams::from_grads(objective.backward(), self.model.model());
             accumulator.accumulate(self.model.model(), grads);
+            self.accumulate_recomputed(&mut accumulator);
         }
         let grads = accumulator.grads();
         // The replica's logged sums and token counts: under context parallelism its ranks
@@ -617,6 +627,14 @@ impl<M: ParallelCausalLm> Trainer<M> {
         }
         stats.tokens_per_second = stats.tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
         Ok(stats)
+    }
+
+    /// Adds the parameter gradients of the regions recomputed in the last backward pass
+    /// ([`moe_backend::recompute::take_param_grads`]) to `accumulator`.
+    fn accumulate_recomputed(&self, accumulator: &mut GradientsAccumulator<M>) {
+        for grads in moe_backend::recompute::take_param_grads() {
+            accumulator.accumulate(self.model.model(), grads);
+        }
     }
 
     /// The logged sums (token-summed cross-entropy, aux loss, token-summed MTP losses) and
@@ -736,6 +754,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             ));
         }
         self.model.begin_global_batch();
+        moe_backend::recompute::clear_param_grads();
         let mut accumulator = GradientsAccumulator::<M>::new();
         let (mut value_sum, mut tokens) = (0.0f64, 0usize);
         let aux_grad_scale = 1.0 / micro.len() as f64;
@@ -745,6 +764,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             tokens += n;
             let grads = GradientsParams::from_grads(objective.backward(), self.model.model());
             accumulator.accumulate(self.model.model(), grads);
+            self.accumulate_recomputed(&mut accumulator);
         }
         let grads = accumulator.grads();
         let mut stats = self.finish_step(grads, 0.0, 0.0, tokens, start)?;

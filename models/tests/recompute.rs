@@ -1,5 +1,7 @@
-//! Activation recompute (Burn's gradient checkpointing of memory-bound operations) changes
-//! memory, never results: training on a checkpointing device gives bit-identical parameters.
+//! Activation recompute changes memory, never results: training on a device with Burn's
+//! gradient checkpointing of memory-bound operations, and training with Megatron's
+//! module-level selective recompute (`core_attn`, `moe_act`, `shared_experts`, `mlp`), give
+//! bit-identical losses and parameters.
 
 mod common;
 
@@ -7,49 +9,69 @@ use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_models::distributed::CausalLmShard;
+use moe_models::distributed::ParallelCausalLm;
+use moe_models::plan::activations::Recompute;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
-use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM};
+use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
-fn run(device: Device, spec: (usize, &str)) -> Vec<Vec<f32>> {
+fn deepseek(device: &Device) -> DeepseekV3ForCausalLM {
     let dir = common::fixtures().join("deepseek_v3");
     let config = DeepseekV3Config::from_file(dir.join("config.json")).expect("config");
     let source = common::FixtureSource::open(&dir);
-    let start = replicate(
-        &DeepseekV3ForCausalLM::from_weights(&config, &source, &device).expect("weights"),
-    );
+    replicate(&DeepseekV3ForCausalLM::from_weights(&config, &source, device).expect("weights"))
+}
+
+fn qwen3_moe(device: &Device) -> Qwen3MoeForCausalLM {
+    let dir = common::fixtures().join("qwen3_moe");
+    let config = Qwen3MoeConfig::from_file(dir.join("config.json")).expect("config");
+    let source = common::FixtureSource::open(&dir);
+    replicate(&Qwen3MoeForCausalLM::from_weights(&config, &source, device).expect("weights"))
+}
+
+fn run(device: Device, spec: (usize, &str)) -> Vec<Vec<f32>> {
+    let start = deepseek(&device);
+    train(&start, device, spec, TrainerConfig::default())
+}
+
+/// Parameters after 3 steps (then the losses' bits), per rank.
+fn train<M: ParallelCausalLm + Sync>(
+    start: &M,
+    device: Device,
+    spec: (usize, &str),
+    config: TrainerConfig,
+) -> Vec<Vec<f32>> {
     let layout = ParallelLayout::parse(spec.0, spec.1).expect("layout");
-    let (start, layout, device) = (&start, &layout, &device);
-    let out = World::run(spec.0, |ctx| {
-        let pg = ctx.process_groups(layout)?;
-        let mut trainer = Trainer::new(start, &pg, ctx.world()?, TrainerConfig::default(), device)
-            .map_err(|e| moe_backend::BackendError::Config {
-                field: "m",
-                detail: e.to_string(),
-            })?;
-        let r = pg
-            .groups
-            .get(moe_backend::parallel::GroupFamily::DpCp)
-            .index as i64;
-        for step in 0..3i64 {
-            let ids: Vec<i64> = (0..32).map(|i| (i * 7 + step * 13 + r * 5) % 256).collect();
-            trainer
-                .step(&TrainBatch::causal(ids, 2).expect("batch"))
+    let (layout, device, config) = (&layout, &device, &config);
+    let out =
+        World::run(spec.0, |ctx| {
+            let pg = ctx.process_groups(layout)?;
+            let mut trainer = Trainer::new(start, &pg, ctx.world()?, config.clone(), device)
                 .map_err(|e| moe_backend::BackendError::Config {
                     field: "m",
                     detail: e.to_string(),
                 })?;
-        }
-        trainer
-            .optimizer()
-            .table()
-            .flatten_values(trainer.model().model())
-    });
-    out.into_iter()
-        .map(|r| {
-            let (a, b) = r.expect("rank");
-            [a, b].concat()
-        })
-        .collect()
+            let mut losses = Vec::new();
+            let r = pg
+                .groups
+                .get(moe_backend::parallel::GroupFamily::DpCp)
+                .index as i64;
+            for step in 0..3i64 {
+                let ids: Vec<i64> = (0..32).map(|i| (i * 7 + step * 13 + r * 5) % 256).collect();
+                let stats = trainer
+                    .step(&TrainBatch::causal(ids, 2).expect("batch"))
+                    .map_err(|e| moe_backend::BackendError::Config {
+                        field: "m",
+                        detail: e.to_string(),
+                    })?;
+                losses.extend([stats.loss, stats.aux_loss, stats.grad_norm as f32]);
+            }
+            let (a, b) = trainer
+                .optimizer()
+                .table()
+                .flatten_values(trainer.model().model())?;
+            Ok::<_, moe_backend::BackendError>([a, b, losses].concat())
+        });
+    out.into_iter().map(|r| r.expect("rank")).collect()
 }
 
 #[test]
@@ -58,5 +80,81 @@ fn checkpointing_gives_bit_identical_training() {
         let plain = run(Device::flex().autodiff(), spec);
         let ckpt = run(Device::flex().autodiff().gradient_checkpointing(), spec);
         assert_eq!(plain, ckpt, "{spec:?}");
+    }
+}
+
+fn recomputing(modules: &str) -> TrainerConfig {
+    TrainerConfig {
+        recompute: modules.parse::<Recompute>().expect("modules"),
+        ..TrainerConfig::default()
+    }
+}
+
+/// Every supported module, alone and together, on DeepSeek-V3 (MLA core attention, routed
+/// experts with shared experts, a dense first layer) under one rank and `tp=2,ep=4`.
+#[test]
+fn selective_recompute_gives_bit_identical_deepseek_training() {
+    let device = Device::flex().autodiff();
+    let start = deepseek(&device);
+    for spec in [(1, ""), (4, "tp=2,ep=4")] {
+        let plain = train(&start, device.clone(), spec, TrainerConfig::default());
+        for modules in [
+            "core_attn",
+            "moe_act",
+            "shared_experts",
+            "mlp",
+            "core_attn,moe_act,shared_experts,mlp",
+        ] {
+            let got = train(&start, device.clone(), spec, recomputing(modules));
+            assert!(
+                got == plain,
+                "{modules} under {spec:?} changed the training"
+            );
+        }
+    }
+}
+
+/// GQA core attention and routed experts (Qwen3-MoE), with a packed batch's mask too.
+#[test]
+fn selective_recompute_gives_bit_identical_qwen3_moe_training() {
+    let device = Device::flex().autodiff();
+    let start = qwen3_moe(&device);
+    for spec in [(1, ""), (2, "ep=2"), (4, "tp=2,ep=2")] {
+        let plain = train(&start, device.clone(), spec, TrainerConfig::default());
+        let got = train(
+            &start,
+            device.clone(),
+            spec,
+            recomputing("core_attn,moe_act,mlp"),
+        );
+        assert!(got == plain, "under {spec:?}");
+    }
+}
+
+#[test]
+fn recompute_modules_that_would_save_nothing_are_refused() {
+    let device = Device::flex().autodiff();
+    let start = qwen3_moe(&device);
+    for (modules, named) in [
+        ("layernorm", "layernorm"),
+        ("core_attn,mla_up_proj", "mla_up_proj"),
+        ("moe", "moe"),
+        ("full", "full"),
+    ] {
+        let layout = ParallelLayout::parse(1, "").expect("layout");
+        let (start, layout, device) = (&start, &layout, &device);
+        let config = recomputing(modules);
+        let out = World::run(1, |ctx| {
+            let pg = ctx.process_groups(layout)?;
+            Ok::<_, moe_backend::BackendError>(
+                Trainer::new(start, &pg, ctx.world()?, config.clone(), device).err(),
+            )
+        });
+        let err = out[0].as_ref().expect("rank").as_ref().expect("refused");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("recompute") && msg.contains(named),
+            "{modules}: {msg}"
+        );
     }
 }

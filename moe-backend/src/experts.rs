@@ -141,6 +141,19 @@ impl GroupedExperts {
         tokens_per_expert: &[usize],
         probs: Tensor<1>,
     ) -> crate::Result<Tensor<2>> {
+        self.forward_recomputing(rows, tokens_per_expert, probs, false)
+    }
+
+    /// [`forward`](Self::forward); with `recompute_activation` the activation and `fc2` run
+    /// again in the backward pass (Megatron's `moe_act` recompute), so the activation output
+    /// `fc2` would keep for its weight gradient is not held between the passes.
+    pub fn forward_recomputing(
+        &self,
+        rows: Tensor<2>,
+        tokens_per_expert: &[usize],
+        probs: Tensor<1>,
+        recompute_activation: bool,
+    ) -> crate::Result<Tensor<2>> {
         let [n, h] = rows.dims();
         let l = self.num_experts();
         if tokens_per_expert.len() != l {
@@ -165,38 +178,70 @@ impl GroupedExperts {
             });
         }
         let device = rows.device();
-        let sizes_t = usize_to_int_tensor(tokens_per_expert, &device)?;
-        let sizes = GroupSizes::Host(tokens_per_expert.to_vec());
-        // Group id of every row, for the optional per-expert biases.
-        let row_expert = || -> crate::Result<Tensor<1, Int>> {
-            let ids: Vec<usize> = tokens_per_expert
-                .iter()
-                .enumerate()
-                .flat_map(|(e, &c)| std::iter::repeat_n(e, c))
-                .collect();
-            usize_to_int_tensor(&ids, &device)
+        let mut hidden = match &self.fp8 {
+            Some(recipe) => fp8_grouped_matmul(rows, self.fc1.val(), tokens_per_expert, recipe)?,
+            None => grouped_matmul(
+                rows,
+                self.fc1.val(),
+                &GroupSizes::Host(tokens_per_expert.to_vec()),
+                WeightLayout::OutIn,
+            )?,
         };
-        let gemm = |x: Tensor<2>, w: Tensor<3>, sizes: GroupSizes| match &self.fp8 {
-            Some(recipe) => fp8_grouped_matmul(x, w, tokens_per_expert, recipe),
-            None => grouped_matmul(x, w, &sizes, WeightLayout::OutIn),
-        };
-        let mut hidden = gemm(rows, self.fc1.val(), sizes)?;
         if let Some(b) = &self.fc1_bias {
-            hidden = hidden + b.val().select(0, row_expert()?);
+            hidden = hidden + b.val().select(0, row_experts(tokens_per_expert, &device)?);
         }
+        if !recompute_activation {
+            return self.activation_fc2(hidden, probs, tokens_per_expert);
+        }
+        // One region input: the fc1 output with the probs as an extra column.
+        let w = hidden.dims()[1];
+        let packed = Tensor::cat(vec![hidden, probs.reshape([n, 1])], 1);
+        let sizes = tokens_per_expert.to_vec();
+        crate::recompute::try_recompute_module(self, packed, move |m: &Self, p: Tensor<2>| {
+            let hidden = p.clone().narrow(1, 0, w);
+            let probs = p.narrow(1, w, 1).reshape([n]);
+            m.activation_fc2(hidden, probs, &sizes)
+        })
+    }
+
+    /// The activation (with the routing probs applied after it, moe-ops §8 step 4), `fc2`
+    /// and its bias on the `fc1` output `hidden [N, 2F]` of the rows grouped by
+    /// `tokens_per_expert`.
+    fn activation_fc2(
+        &self,
+        hidden: Tensor<2>,
+        probs: Tensor<1>,
+        tokens_per_expert: &[usize],
+    ) -> crate::Result<Tensor<2>> {
+        let n = hidden.dims()[0];
+        let device = hidden.device();
+        let sizes = GroupSizes::Device(Box::new(usize_to_int_tensor(tokens_per_expert, &device)?));
         let p = probs.clone().reshape([n, 1]);
-        // Probs are applied after the activation and before fc2 (moe-ops §8 step 4).
         let z = match self.activation {
             ExpertActivation::SwiGlu => swiglu_with_probs(hidden, probs)?,
             ExpertActivation::Silu => silu(hidden) * p.clone(),
             ExpertActivation::Gelu => gelu(hidden) * p.clone(),
         };
-        let mut out = gemm(z, self.fc2.val(), GroupSizes::Device(Box::new(sizes_t)))?;
+        let mut out = match &self.fp8 {
+            Some(recipe) => fp8_grouped_matmul(z, self.fc2.val(), tokens_per_expert, recipe)?,
+            None => grouped_matmul(z, self.fc2.val(), &sizes, WeightLayout::OutIn)?,
+        };
         if let Some(b) = &self.fc2_bias {
-            out = out + b.val().select(0, row_expert()?) * p;
+            out = out + b.val().select(0, row_experts(tokens_per_expert, &device)?) * p;
         }
         Ok(out)
     }
+}
+
+/// The group (local expert) of every row of rows grouped by `tokens_per_expert`, for the
+/// per-expert biases.
+fn row_experts(tokens_per_expert: &[usize], device: &Device) -> crate::Result<Tensor<1, Int>> {
+    let ids: Vec<usize> = tokens_per_expert
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &c)| std::iter::repeat_n(e, c))
+        .collect();
+    usize_to_int_tensor(&ids, device)
 }
 
 /// Configuration of [`SharedExperts`].

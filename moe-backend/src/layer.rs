@@ -138,6 +138,19 @@ impl MoeLayer {
         options: &RouteOptions<'_>,
         dispatcher: &dyn TokenDispatcher,
     ) -> crate::Result<MoeLayerOutput> {
+        self.forward_recomputing(x, state, options, dispatcher, MoeRecompute::default())
+    }
+
+    /// [`forward_with`](MoeLayer::forward_with) recomputing the parts `recompute` names in the
+    /// backward pass instead of keeping their activations ([`crate::recompute`]).
+    pub fn forward_recomputing(
+        &self,
+        x: Tensor<2>,
+        state: &RouterState,
+        options: &RouteOptions<'_>,
+        dispatcher: &dyn TokenDispatcher,
+        recompute: MoeRecompute,
+    ) -> crate::Result<MoeLayerOutput> {
         let local = dispatcher.local_experts();
         if local.len() != self.experts.num_experts() {
             return Err(BackendError::Config {
@@ -156,17 +169,36 @@ impl MoeLayer {
             routing.probs.clone(),
             routing.routing_map.clone(),
         )?;
-        let expert_out = self.experts.forward(
+        let expert_out = self.experts.forward_recomputing(
             dispatched.rows,
             &dispatched.tokens_per_local_expert,
             dispatched.probs,
+            recompute.activation,
         )?;
         let mut output = dispatcher.combine(expert_out, dispatched.state)?;
         if let Some(shared) = &self.shared_experts {
-            output = output + shared.forward(x);
+            output = output
+                + if recompute.shared_experts {
+                    crate::recompute::recompute_module(shared, x, |m: &SharedExperts, x| {
+                        m.forward(x)
+                    })
+                } else {
+                    shared.forward(x)
+                };
         }
         Ok(MoeLayerOutput { output, routing })
     }
+}
+
+/// What an MoE layer recomputes in the backward pass (Megatron's `moe_act` and
+/// `shared_experts` selective recompute).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoeRecompute {
+    /// The routed experts' activation and `fc2`: only the `fc1` output is kept, not the
+    /// activation that `fc2`'s weight gradient needs.
+    pub activation: bool,
+    /// The shared experts: only their input is kept.
+    pub shared_experts: bool,
 }
 
 #[cfg(test)]

@@ -59,6 +59,7 @@ pub mod layer;
 pub mod ops;
 pub mod optim;
 pub mod parallel;
+pub mod recompute;
 pub mod router;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

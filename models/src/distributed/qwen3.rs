@@ -187,6 +187,10 @@ impl CausalLmShard for ParallelQwen3 {
         self.rt.loss_groups
     }
 
+    fn context_mut(&mut self) -> &mut SpRuntime {
+        &mut self.rt
+    }
+
     fn sequence_positions(&self, s: usize) -> Vec<usize> {
         self.rt.sequence_positions(s)
     }

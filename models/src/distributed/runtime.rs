@@ -13,9 +13,10 @@ use moe_backend::comm::autograd::{
 };
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::dispatch::TokenDispatcher;
-use moe_backend::layer::MoeLayer;
+use moe_backend::layer::{MoeLayer, MoeRecompute};
 use moe_backend::parallel::tensor_parallel::{embed_vocab_parallel, vocab_parallel_cross_entropy};
 use moe_backend::parallel::{GroupCountReducer, GroupFamily};
+use moe_backend::recompute::recompute_module;
 use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
 use super::context_parallel::{
@@ -30,6 +31,7 @@ use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{AttentionMask, Mlp, RmsNorm};
 use crate::packing::SequenceLayout;
+use crate::plan::activations::{Recompute, RecomputeModule};
 use crate::weights::ShardSpec;
 
 /// One rank's parallel context for a sharded model (public as
@@ -66,6 +68,8 @@ pub struct SpRuntime {
     pub(crate) loss_groups: (usize, usize),
     /// `global_aux_loss` running counts of the current global batch, per MoE layer.
     global_aux: GlobalAuxCounts,
+    /// The activations recomputed in the backward pass instead of kept.
+    recompute: Recompute,
 }
 
 /// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global
@@ -246,7 +250,47 @@ impl SpRuntime {
             etp: groups.groups.layout.etp,
             replica: dp.index,
             replicas: dp.size(),
+            recompute: Recompute::None,
         })
+    }
+
+    /// Recompute `recompute` in the backward pass instead of keeping those activations
+    /// (Megatron's selective recompute; results are bit-identical). Supported modules:
+    /// `core_attn` (the attention scores and probabilities), `moe_act` (the routed experts'
+    /// activation and `fc2`), `shared_experts` and `mlp` (the dense MLPs). `layernorm` and
+    /// `mla_up_proj` are refused: their outputs are kept anyway as the inputs of the
+    /// projections that follow (Burn's linear layers hold their input for the weight
+    /// gradient), so recomputing them would save nothing; `moe` and `full` are refused too
+    /// (the router's state and counts would be recorded twice).
+    pub fn set_recompute(&mut self, recompute: Recompute) -> Result<(), ModelError> {
+        let unsupported = match &recompute {
+            Recompute::None => None,
+            Recompute::Full => Some("full".to_owned()),
+            Recompute::Selective(set) => set
+                .iter()
+                .find(|m| {
+                    matches!(
+                        m,
+                        RecomputeModule::Layernorm
+                            | RecomputeModule::MlaUpProj
+                            | RecomputeModule::Moe
+                    )
+                })
+                .map(|m| m.to_string()),
+        };
+        if let Some(what) = unsupported {
+            return Err(ModelError::unsupported(
+                "recompute",
+                format!("`{what}` (supported modules: core_attn, moe_act, shared_experts, mlp)"),
+            ));
+        }
+        self.recompute = recompute;
+        Ok(())
+    }
+
+    /// Whether module `m` is recomputed.
+    pub fn recomputes(&self, m: RecomputeModule) -> bool {
+        matches!(&self.recompute, Recompute::Selective(set) if set.contains(&m))
     }
 
     /// Sizes of this rank's `tp_cp` and `tp_dp_cp` groups (the routers' count groups, what
@@ -454,7 +498,13 @@ impl SpRuntime {
 
     /// A TP-sharded dense MLP on the SP block (gather, column/row shard, reduce-scatter).
     pub fn dense_mlp(&self, mlp: &Mlp, normed: Tensor<2>) -> Result<Tensor<2>, ModelError> {
-        self.scatter(mlp.forward(self.gather(normed)?))
+        let full = self.gather(normed)?;
+        let out = if self.recomputes(RecomputeModule::Mlp) {
+            recompute_module(mlp, full, |m: &Mlp, x| m.forward(x))
+        } else {
+            mlp.forward(full)
+        };
+        self.scatter(out)
     }
 
     /// The MoE block on this rank's SP tokens (`batch` sequences in the replica's micro-batch);
@@ -497,8 +547,12 @@ impl SpRuntime {
         if let Some(padding) = &trace.padding {
             options = options.with_padding_mask(padding.clone());
         }
+        let recompute = MoeRecompute {
+            activation: self.recomputes(RecomputeModule::MoeAct),
+            shared_experts: self.recomputes(RecomputeModule::SharedExperts),
+        };
         let out = moe
-            .forward_with(normed, &state, &options, self.dispatcher()?)
+            .forward_recomputing(normed, &state, &options, self.dispatcher()?, recompute)
             .map_err(err)?;
         if trace.record {
             let r = &out.routing;

@@ -133,6 +133,18 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
 
     /// Every router of the shard, in the order [`TrainForward::expert_load`] lists them.
     fn routers_mut(&mut self) -> Vec<&mut TopKRouter>;
+
+    /// The shard's parallel context (its groups, dispatcher and training options).
+    fn context_mut(&mut self) -> &mut super::ParallelContext;
+
+    /// Recompute `recompute` in the backward pass instead of keeping those activations
+    /// ([`ParallelContext::set_recompute`](super::ParallelContext::set_recompute)).
+    fn set_recompute(
+        &mut self,
+        recompute: crate::plan::activations::Recompute,
+    ) -> Result<(), ModelError> {
+        self.context_mut().set_recompute(recompute)
+    }
 }
 
 /// What one training forward of a shard returns.

@@ -17,6 +17,7 @@ use crate::layers::mla::Mla;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{Attention, AttentionMask, KvCache, LayerCache, RmsNorm};
 use crate::packing::{PackedInputs, SequenceLayout};
+use crate::plan::activations::RecomputeModule;
 
 /// What a decoder layer's attention reads besides its input: the RoPE tables of the
 /// positions, and either the attention mask of a (packed) batch or this layer's KV cache.
@@ -33,6 +34,9 @@ pub enum AttentionInputs<'a> {
         /// queries also see, all-gathered along the sequence (`None`: no context
         /// parallelism).
         exchange: Option<&'a Comm>,
+        /// Recompute the attention core in the backward pass instead of keeping its scores
+        /// (Megatron's `core_attn` selective recompute).
+        recompute_core: bool,
     },
     /// Decoding after the positions held in `cache` (which the call extends).
     Cached {
@@ -64,9 +68,28 @@ macro_rules! self_attention {
                         rope,
                         mask,
                         exchange: Some(cp),
-                    } => self.forward_exchanged(x, rope, mask, |t| gather_sequence(cp, t))?,
-                    AttentionInputs::Masked { rope, mask, .. } => {
-                        self.forward_masked(x, rope, mask)
+                        recompute_core,
+                    } => self.forward_exchanged(
+                        x,
+                        rope,
+                        mask,
+                        |t| gather_sequence(cp, t),
+                        recompute_core,
+                    )?,
+                    AttentionInputs::Masked {
+                        rope,
+                        mask,
+                        exchange: None,
+                        recompute_core,
+                    } => {
+                        let Ok(out) = self.forward_exchanged(
+                            x,
+                            rope,
+                            mask,
+                            Ok::<_, std::convert::Infallible>,
+                            recompute_core,
+                        );
+                        out
                     }
                     AttentionInputs::Cached { rope, cache } => self.forward(x, rope, Some(cache)),
                 })
@@ -232,6 +255,7 @@ impl SpRuntime {
                     rope,
                     mask,
                     exchange: self.cp_exchange(),
+                    recompute_core: self.recomputes(RecomputeModule::CoreAttn),
                 },
             };
             x = model.layer_forward(i, self, x, batch, trace, inputs)?;
@@ -298,6 +322,7 @@ impl SpRuntime {
             rope: &p.rope,
             mask: p.mask.as_ref(),
             exchange: self.cp_exchange(),
+            recompute_core: self.recomputes(RecomputeModule::CoreAttn),
         }
     }
 

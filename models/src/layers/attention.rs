@@ -201,7 +201,7 @@ impl Attention {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>);
+        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>, false);
         out
     }
 
@@ -214,7 +214,7 @@ impl Attention {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
     ) -> Tensor<3> {
-        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>);
+        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>, false);
         out
     }
 
@@ -227,8 +227,9 @@ impl Attention {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
         exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+        recompute_core: bool,
     ) -> Result<Tensor<3>, E> {
-        self.forward_inner(x, rope, mask, None, exchange)
+        self.forward_inner(x, rope, mask, None, exchange, recompute_core)
     }
 
     fn forward_inner<E>(
@@ -238,6 +239,7 @@ impl Attention {
         mask: Option<&AttentionMask>,
         cache: Option<&mut LayerCache>,
         mut exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+        recompute_core: bool,
     ) -> Result<Tensor<3>, E> {
         let [b, s, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -272,10 +274,7 @@ impl Attention {
             None => (0, exchange(k)?, exchange(v)?),
         };
         let scale = (hd as f64).powf(-0.5);
-        let out = match mask {
-            Some(mask) => masked_attention(q, k, v, scale, mask),
-            None => causal_attention(q, k, v, scale, offset),
-        };
+        let out = attention_core(q, k, v, scale, mask, offset, recompute_core);
         Ok(linear_maybe_fp8(
             &self.o_proj,
             out.swap_dims(1, 2).reshape([b, s, nh * hd]),
@@ -387,6 +386,40 @@ pub fn masked_attention(
         .cast(DType::F32)
         .mask_fill(blocked, f32::NEG_INFINITY);
     softmax(scores, 3).cast(dtype).matmul(v)
+}
+
+/// The attention core of a forward: [`masked_attention`] under `mask`, [`causal_attention`]
+/// at `offset` otherwise. With `recompute` (Megatron's `core_attn` selective recompute) the
+/// scores and probabilities `[B, nh, S, Sk]` are not kept for the backward pass: `q`, `k`
+/// and `v` are, and the core runs again there ([`moe_backend::recompute`]).
+pub fn attention_core(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    scale: f64,
+    mask: Option<&AttentionMask>,
+    offset: usize,
+    recompute: bool,
+) -> Tensor<4> {
+    let core = move |q, k, v, mask: Option<&AttentionMask>| match mask {
+        Some(mask) => masked_attention(q, k, v, scale, mask),
+        None => causal_attention(q, k, v, scale, offset),
+    };
+    if !recompute {
+        return core(q, k, v, mask);
+    }
+    // One region input: q, k and v flattened into one vector (the region's only consumer).
+    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+    let (nq, nk) = (qd.iter().product::<usize>(), kd.iter().product::<usize>());
+    let nv = vd.iter().product::<usize>();
+    let packed = Tensor::cat(vec![q.reshape([nq]), k.reshape([nk]), v.reshape([nv])], 0);
+    let mask = mask.cloned();
+    moe_backend::recompute::recompute(packed, move |p: Tensor<1>| {
+        let q = p.clone().narrow(0, 0, nq).reshape(qd);
+        let k = p.clone().narrow(0, nq, nk).reshape(kd);
+        let v = p.narrow(0, nq + nk, nv).reshape(vd);
+        core(q, k, v, mask.as_ref())
+    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
-use super::attention::{AttentionMask, causal_attention, masked_attention};
+use super::attention::{AttentionMask, attention_core};
 use super::kv_cache::LayerCache;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use super::rope::{RopeTables, apply_rotary, apply_rotary_interleaved, yarn_get_mscale};
@@ -230,7 +230,7 @@ impl Mla {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>);
+        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>, false);
         out
     }
 
@@ -242,7 +242,7 @@ impl Mla {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
     ) -> Tensor<3> {
-        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>);
+        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>, false);
         out
     }
 
@@ -256,8 +256,9 @@ impl Mla {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
         exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+        recompute_core: bool,
     ) -> Result<Tensor<3>, E> {
-        self.forward_inner(x, rope, mask, None, exchange)
+        self.forward_inner(x, rope, mask, None, exchange, recompute_core)
     }
 
     fn forward_inner<E>(
@@ -267,6 +268,7 @@ impl Mla {
         mask: Option<&AttentionMask>,
         cache: Option<&mut LayerCache>,
         mut exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+        recompute_core: bool,
     ) -> Result<Tensor<3>, E> {
         let [b, s, _] = x.dims();
         let (nh, nope, rot, dv) = (
@@ -318,10 +320,15 @@ impl Mla {
         let v = kv.narrow(3, nope, dv);
         let key = Tensor::cat(vec![k_nope, k_rot.expand([b, nh, sk, rot])], 3);
         let query = Tensor::cat(vec![q_nope, q_rot], 3);
-        let out = match mask {
-            Some(mask) => masked_attention(query, key, v, self.softmax_scale, mask),
-            None => causal_attention(query, key, v, self.softmax_scale, offset),
-        };
+        let out = attention_core(
+            query,
+            key,
+            v,
+            self.softmax_scale,
+            mask,
+            offset,
+            recompute_core,
+        );
         Ok(self
             .o_proj
             .forward(out.swap_dims(1, 2).reshape([b, s, nh * dv])))

@@ -8,7 +8,8 @@ pub mod rms_norm;
 pub mod rope;
 
 pub use attention::{
-    Attention, AttentionConfig, AttentionMask, causal_attention, masked_attention, repeat_kv,
+    Attention, AttentionConfig, AttentionMask, attention_core, causal_attention, masked_attention,
+    repeat_kv,
 };
 pub use kv_cache::{KvCache, LayerCache};
 pub use mla::{Mla, MlaConfig, mla_softmax_scale};

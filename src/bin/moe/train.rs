@@ -91,13 +91,37 @@ pub enum OptimizerKind {
     Muon,
 }
 
-/// Activation recompute mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Recompute {
-    /// Keep every activation the backward pass needs.
-    None,
+/// Activation recompute: Burn's per-operation gradient checkpointing and/or Megatron's
+/// module-level selective recompute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recompute {
     /// Recompute memory-bound operations (Burn's gradient checkpointing).
-    MemoryBound,
+    pub memory_bound: bool,
+    /// The modules recomputed in the backward pass.
+    pub modules: moe_models::plan::activations::Recompute,
+}
+
+/// Parses `--recompute`: `none`, `memory-bound`, `selective` (Megatron's default,
+/// `core_attn`) or a comma-separated list of `memory-bound` and module names.
+fn parse_recompute(s: &str) -> Result<Recompute, String> {
+    let mut memory_bound = false;
+    let mut modules = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        match item {
+            "none" => {}
+            "memory-bound" => memory_bound = true,
+            other => modules.push(other),
+        }
+    }
+    let modules = if modules.is_empty() {
+        moe_models::plan::activations::Recompute::None
+    } else {
+        modules.join(",").parse().map_err(|e| format!("{e}"))?
+    };
+    Ok(Recompute {
+        memory_bound,
+        modules,
+    })
 }
 
 /// Arguments of `moe train`.
@@ -204,11 +228,14 @@ pub struct Args {
     /// Optimizer of the weight matrices.
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
     pub optimizer: OptimizerKind,
-    /// Activation recompute: `none`, or `memory-bound` (Burn's gradient checkpointing: the
-    /// outputs of element-wise operations, activations and norms are recomputed in the
-    /// backward pass instead of kept; results are bit-identical, memory lower, steps a few
-    /// percent slower).
-    #[arg(long, value_enum, default_value_t = Recompute::None)]
+    /// Activation recompute (results are bit-identical; memory lower, steps slower):
+    /// `none`; `memory-bound` (Burn's gradient checkpointing: the outputs of element-wise
+    /// operations, activations and norms are recomputed in the backward pass); and/or
+    /// Megatron's module-level selective recompute, a comma-separated list of `core_attn`
+    /// (attention scores and probabilities), `moe_act` (routed experts' activation),
+    /// `shared_experts`, `mlp` (dense MLPs), or `selective` (= `core_attn`). Example:
+    /// `--recompute core_attn,moe_act`.
+    #[arg(long, value_parser = parse_recompute, default_value = "none")]
     pub recompute: Recompute,
     /// Token dispatcher of the MoE layers.
     #[arg(long, value_enum, default_value_t = Dispatcher::AllToAll)]
@@ -305,6 +332,7 @@ fn job(args: &Args) -> TrainJob {
             },
         });
     }
+    trainer.recompute = args.recompute.modules.clone();
     trainer.optimizer.epsilon = args.adam_eps as f32;
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
     TrainJob {
@@ -321,7 +349,7 @@ fn job(args: &Args) -> TrainJob {
         save_every: args.save_every,
         resume: args.resume,
         metrics_out: args.metrics_out.clone(),
-        recompute: args.recompute == Recompute::MemoryBound,
+        recompute: args.recompute.memory_bound,
         device: args.device.into(),
         aux_loss_coeff: args.aux_loss_coeff,
         aux_loss_type: args.aux_loss_type.map(|kind| match kind {
