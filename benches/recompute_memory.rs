@@ -1,8 +1,8 @@
-//! Activation memory of Megatron-style selective recompute (`core_attn`, `moe_act`,
-//! `shared_experts`, `mlp`): the bytes a training forward leaves allocated for its backward
+//! Activation memory of Megatron-style recompute (selective: `core_attn`, `moe_act`,
+//! `shared_experts`, `mlp`; and `full`): the bytes a training forward leaves allocated for its backward
 //! pass, and the peak of forward + backward, counted by a global allocator, for each mode,
-//! next to what the planner (`moe plan`'s activation model) predicts for the same model,
-//! tokens and options.
+//! next to what the planner (`moe plan`'s activation model, `stage_activations`) predicts for
+//! the same model, tokens and options.
 //!
 //! Models (random weights, f32, one rank): a Qwen3-MoE of 2 layers (layer 0 dense through
 //! `mlp_only_layers`), hidden 512, GQA 8/4 heads of 64, 16 experts top-4 of width 256, and
@@ -19,7 +19,7 @@ use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 use moe_models::distributed::{CausalLmShard, ParallelCausalLm};
-use moe_models::plan::activations::{ActivationOptions, Recompute, layer_activations};
+use moe_models::plan::activations::{ActivationOptions, Recompute, stage_activations};
 use moe_models::plan::shape::ModelShape;
 use moe_models::train::{Trainer, TrainerConfig};
 use moe_models::{DeepseekV3Config, Qwen3MoeConfig};
@@ -147,9 +147,10 @@ fn measure<M: ParallelCausalLm + Sync>(model: &M, recompute: &Recompute) -> (usi
     out.into_iter().next().expect("rank").expect("run")
 }
 
-/// The planner's saved activation bytes of the model's decoder layers for one micro-batch
-/// (f32 activations, as the measured models).
-fn planned(shape: &ModelShape, dense: &[bool], recompute: &Recompute) -> f64 {
+/// The planner's activation bytes of the one-stage model for one micro-batch (decoder
+/// layers, embedding and head; with `full`, the layer inputs plus one recomputed layer), f32
+/// activations as the measured models.
+fn planned(shape: &ModelShape, recompute: &Recompute) -> f64 {
     let opts = ActivationOptions {
         seq: SEQ,
         micro_batch: BATCH,
@@ -157,14 +158,10 @@ fn planned(shape: &ModelShape, dense: &[bool], recompute: &Recompute) -> f64 {
         recompute: recompute.clone(),
         ..ActivationOptions::default()
     };
-    let layout = ParallelLayout::single();
-    dense
-        .iter()
-        .map(|&d| layer_activations(shape, !d, &layout, &opts, true).total())
-        .sum()
+    stage_activations(shape, &ParallelLayout::single(), &opts, 0).total()
 }
 
-fn report<M: ParallelCausalLm + Sync>(name: &str, model: &M, shape: &ModelShape, dense: &[bool]) {
+fn report<M: ParallelCausalLm + Sync>(name: &str, model: &M, shape: &ModelShape) {
     let mib = |b: f64| b / (1u64 << 20) as f64;
     let modes = [
         "none",
@@ -173,19 +170,20 @@ fn report<M: ParallelCausalLm + Sync>(name: &str, model: &M, shape: &ModelShape,
         "shared_experts",
         "mlp",
         "core_attn,moe_act,shared_experts,mlp",
+        "full",
     ];
     println!("\n{name}: {BATCH} x {SEQ} tokens, f32");
     println!(
-        "| recompute | held after forward (MiB) | saving | peak fwd+bwd (MiB) | planner layers (MiB) | planner saving |"
+        "| recompute | held after forward (MiB) | saving | peak fwd+bwd (MiB) | planner stage (MiB) | planner saving |"
     );
     println!("|---|---|---|---|---|---|");
     let none = Recompute::None;
     let (held0, _) = measure(model, &none);
-    let plan0 = planned(shape, dense, &none);
+    let plan0 = planned(shape, &none);
     for mode in modes {
         let recompute: Recompute = mode.parse().expect("mode");
         let (held, peak) = measure(model, &recompute);
-        let plan = planned(shape, dense, &recompute);
+        let plan = planned(shape, &recompute);
         println!(
             "| {mode} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             mib(held as f64),
@@ -201,18 +199,8 @@ fn main() {
     let device = Device::flex().autodiff();
     let q = qwen3_moe();
     let model = q.init(&device).expect("qwen3-moe");
-    report(
-        "Qwen3-MoE",
-        &model,
-        &ModelShape::qwen3_moe(&q),
-        &[true, false],
-    );
+    report("Qwen3-MoE", &model, &ModelShape::qwen3_moe(&q));
     let d = deepseek_v3();
     let model = d.init(&device).expect("deepseek-v3");
-    report(
-        "DeepSeek-V3",
-        &model,
-        &ModelShape::deepseek_v3(&d),
-        &[true, false],
-    );
+    report("DeepSeek-V3", &model, &ModelShape::deepseek_v3(&d));
 }

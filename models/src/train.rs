@@ -271,7 +271,8 @@ pub struct TrainerConfig {
     /// blocks and all-gathers one byte per element.
     pub fp8_primary_weights: bool,
     /// Activations recomputed in the backward pass instead of kept (Megatron's
-    /// `--recompute-modules`: `core_attn`, `moe_act`, `shared_experts`, `mlp`; see
+    /// `--recompute-granularity full`, or `selective` with `--recompute-modules` `core_attn`,
+    /// `moe_act`, `shared_experts`, `mlp`; see
     /// [`ParallelContext::set_recompute`](crate::distributed::ParallelContext::set_recompute)).
     /// Changes memory, never results: the gradients are bit-identical.
     pub recompute: Recompute,
@@ -831,7 +832,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
 }
 
 /// Switches `adamw` to FP8 primary weights for the FP8 layers of `config` and returns `module`
-/// with their decoded values (a collective).
+/// holding them (a collective): the selected parameters are exactly those the model runs
+/// through the FP8 GEMMs, so they hold packed E4M3 codes and block scales (the default
+/// [`moe_backend::optim::Fp8Storage::Packed`]; on non-Flex devices their decoded values).
 fn enable_fp8_primary<M: ParallelCausalLm>(
     adamw: &mut DistributedAdamW,
     module: M,

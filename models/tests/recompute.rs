@@ -104,6 +104,7 @@ fn selective_recompute_gives_bit_identical_deepseek_training() {
             "shared_experts",
             "mlp",
             "core_attn,moe_act,shared_experts,mlp",
+            "full",
         ] {
             let got = train(&start, device.clone(), spec, recomputing(modules));
             assert!(
@@ -121,13 +122,54 @@ fn selective_recompute_gives_bit_identical_qwen3_moe_training() {
     let start = qwen3_moe(&device);
     for spec in [(1, ""), (2, "ep=2"), (4, "tp=2,ep=2")] {
         let plain = train(&start, device.clone(), spec, TrainerConfig::default());
-        let got = train(
-            &start,
-            device.clone(),
-            spec,
-            recomputing("core_attn,moe_act,mlp"),
-        );
-        assert!(got == plain, "under {spec:?}");
+        for modules in ["core_attn,moe_act,mlp", "full"] {
+            let got = train(&start, device.clone(), spec, recomputing(modules));
+            if got != plain {
+                for (r, (g, p)) in got.iter().zip(&plain).enumerate() {
+                    let n = g.len();
+                    let d: Vec<(usize, f32, f32)> = g
+                        .iter()
+                        .zip(p)
+                        .enumerate()
+                        .filter(|(_, (a, b))| a.to_bits() != b.to_bits())
+                        .map(|(i, (a, b))| (i, *a, *b))
+                        .collect();
+                    let maxd = d.iter().map(|(_, a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    eprintln!(
+                        "DIFF {modules} {spec:?} rank {r}: {} of {n} differ, max {maxd:e}, first {:?} last {:?}",
+                        d.len(),
+                        d.first(),
+                        d.last()
+                    );
+                }
+                panic!("differs");
+            }
+        }
+    }
+}
+
+/// Full recompute under context parallelism (the recomputed attention gathers the keys
+/// again) and with `global_aux_loss` (the second pass reads the counts the first read).
+#[test]
+fn full_recompute_gives_bit_identical_training_under_cp_and_global_aux() {
+    let device = Device::flex().autodiff();
+    let start = deepseek(&device);
+    for (spec, global) in [((4, "cp=2,ep=2"), false), ((4, "tp=2,ep=4"), true)] {
+        let base = TrainerConfig {
+            aux_loss_type: if global {
+                moe_backend::router::AuxLossType::GlobalAux
+            } else {
+                TrainerConfig::default().aux_loss_type
+            },
+            ..TrainerConfig::default()
+        };
+        let plain = train(&start, device.clone(), spec, base.clone());
+        let full = TrainerConfig {
+            recompute: Recompute::Full,
+            ..base
+        };
+        let got = train(&start, device.clone(), spec, full);
+        assert!(got == plain, "full under {spec:?} (global aux {global})");
     }
 }
 
@@ -139,7 +181,6 @@ fn recompute_modules_that_would_save_nothing_are_refused() {
         ("layernorm", "layernorm"),
         ("core_attn,mla_up_proj", "mla_up_proj"),
         ("moe", "moe"),
-        ("full", "full"),
     ] {
         let layout = ParallelLayout::parse(1, "").expect("layout");
         let (start, layout, device) = (&start, &layout, &device);

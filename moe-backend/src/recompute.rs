@@ -214,12 +214,30 @@ where
         return f(module, x);
     }
     let output = f(&module.clone().no_grad(), x.clone().detach())?;
+    Ok(link_recomputed(module, x, output, f))
+}
+
+/// The last step of [`try_recompute_module`] for a caller that runs the first pass itself
+/// (e.g. with state the second pass must not touch): `output` must be the region's value on
+/// `module.clone().no_grad()` and `x.clone().detach()` (nothing recorded), and `rerun` the
+/// same region (it runs on leaf copies in the backward pass; an error there panics).
+pub fn link_recomputed<M, const D: usize, const E: usize, F, Err>(
+    module: &M,
+    x: Tensor<D>,
+    output: Tensor<E>,
+    rerun: F,
+) -> Tensor<E>
+where
+    M: Module + Send + Sync + 'static,
+    F: Fn(&M, Tensor<D>) -> Result<Tensor<E>, Err> + Send + Sync + 'static,
+    Err: fmt::Display,
+{
     let device = x.device();
     let module = module.clone();
     let region = Region(Arc::new(move |x: TensorData, dy: TensorData| {
         let leaves = module.clone().no_grad().set_require_grad(true);
         let x = Tensor::<D>::from_data(x, &device).require_grad();
-        let y = f(&leaves, x.clone())
+        let y = rerun(&leaves, x.clone())
             .unwrap_or_else(|e| panic!("recomputing a region in the backward pass failed: {e}"));
         let dy = Tensor::<E>::from_data(dy, &device);
         let mut grads = (y * dy).sum().backward();
@@ -228,7 +246,7 @@ where
         PARAM_GRADS.with(|g| g.borrow_mut().push(params));
         dx
     }));
-    Ok(link(x, output, region))
+    link(x, output, region)
 }
 
 fn grad_or_zeros<const D: usize>(x: &Tensor<D>, grads: &mut Gradients) -> TensorData {

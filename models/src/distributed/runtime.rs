@@ -23,6 +23,7 @@ use super::context_parallel::{
     check_sequence, cp_positions, gathered_positions, position_mask, select_positions,
 };
 use super::sharded::mtp_labels;
+use super::stack::AttentionInputs;
 use super::{
     DispatcherKind, ParallelOutput, check_batch, check_no_pp, err, make_dispatcher, shifted_targets,
 };
@@ -90,6 +91,16 @@ impl Clone for GlobalAuxCounts {
     }
 }
 
+/// A decoder layer's forward as [`SpRuntime::recompute_layer`] runs it.
+pub type LayerRun<L> = fn(
+    &L,
+    &SpRuntime,
+    Tensor<2>,
+    usize,
+    &mut RouterTrace,
+    AttentionInputs<'_>,
+) -> Result<Tensor<2>, ModelError>;
+
 /// What the MoE blocks of one forward report: router logits and the router losses of every
 /// sparse layer (in layer order), and the gradient scale of the attached router losses.
 #[derive(Debug, Clone)]
@@ -118,6 +129,13 @@ pub struct RouterTrace {
     /// The routers' padding mask `[T_local]` (`true` = padded) of this rank's
     /// sequence-parallel rows, for a padded or packed batch.
     pub padding: Option<Tensor<1, Bool>>,
+    /// MoE layers of the forward that ran before the first one this trace reports (the
+    /// index of its first layer's replayed routing and `global_aux_loss` counts): 0, or the
+    /// layer's own index for a layer recomputed in the backward pass.
+    pub moe_layer_offset: usize,
+    /// The routers report their losses and counts even though the forward is not recorded
+    /// (the first pass of a layer recomputed in the backward pass).
+    pub training: bool,
 }
 
 /// The per-forward inputs of one replica batch after its checks: the row length, RoPE tables
@@ -191,6 +209,8 @@ impl RouterTrace {
             selected_weights: Vec::new(),
             expert_load: Vec::new(),
             padding: None,
+            moe_layer_offset: 0,
+            training: false,
         }
     }
 
@@ -255,17 +275,19 @@ impl SpRuntime {
     }
 
     /// Recompute `recompute` in the backward pass instead of keeping those activations
-    /// (Megatron's selective recompute; results are bit-identical). Supported modules:
-    /// `core_attn` (the attention scores and probabilities), `moe_act` (the routed experts'
-    /// activation and `fc2`), `shared_experts` and `mlp` (the dense MLPs). `layernorm` and
-    /// `mla_up_proj` are refused: their outputs are kept anyway as the inputs of the
-    /// projections that follow (Burn's linear layers hold their input for the weight
-    /// gradient), so recomputing them would save nothing; `moe` and `full` are refused too
-    /// (the router's state and counts would be recorded twice).
+    /// (Megatron's `--recompute-granularity`; results are bit-identical). `full`: every
+    /// decoder layer of a training forward keeps only its input and runs again in the
+    /// backward pass (its routers report their counts and losses once, from the first pass;
+    /// the second pass sees the same replayed routing and `global_aux_loss` counts).
+    /// Selective modules: `core_attn` (the attention scores and probabilities), `moe_act`
+    /// (the routed experts' activation and `fc2`), `shared_experts` and `mlp` (the dense
+    /// MLPs). `layernorm` and `mla_up_proj` are refused: their outputs are kept anyway as the
+    /// inputs of the projections that follow (Burn's linear layers hold their input for the
+    /// weight gradient), so recomputing them alone would save nothing; `moe` is refused too
+    /// (use `full`).
     pub fn set_recompute(&mut self, recompute: Recompute) -> Result<(), ModelError> {
         let unsupported = match &recompute {
-            Recompute::None => None,
-            Recompute::Full => Some("full".to_owned()),
+            Recompute::None | Recompute::Full => None,
             Recompute::Selective(set) => set
                 .iter()
                 .find(|m| {
@@ -291,6 +313,78 @@ impl SpRuntime {
     /// Whether module `m` is recomputed.
     pub fn recomputes(&self, m: RecomputeModule) -> bool {
         matches!(&self.recompute, Recompute::Selective(set) if set.contains(&m))
+    }
+
+    /// Whether whole decoder layers are recomputed (`full`).
+    pub fn recomputes_layers(&self) -> bool {
+        self.recompute == Recompute::Full
+    }
+
+    /// `run(layer, ctx, x, batch, trace, inputs)` of a decoder layer on a training batch
+    /// (`rope`, `mask`), recomputed in the backward pass (full recompute): the first pass
+    /// runs on the detached layer and reports to `trace` as usual; the second runs on a copy
+    /// of this context taken before the first (so it reads the same `global_aux_loss`
+    /// counts, and its own additions are dropped) with a scratch trace at the same layer
+    /// index (the same replayed routing), whose counts and losses are dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn recompute_layer<L>(
+        &self,
+        layer: &L,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        run: LayerRun<L>,
+    ) -> Result<Tensor<2>, ModelError>
+    where
+        L: burn::module::Module + Send + Sync + 'static,
+    {
+        fn inputs<'a>(
+            ctx: &'a SpRuntime,
+            rope: &'a RopeTables,
+            mask: Option<&'a AttentionMask>,
+        ) -> AttentionInputs<'a> {
+            AttentionInputs::Masked {
+                rope,
+                mask,
+                exchange: ctx.cp_exchange(),
+                recompute_core: false,
+            }
+        }
+        if !x.is_tracked() {
+            return run(layer, self, x, batch, trace, inputs(self, rope, mask));
+        }
+        let rerun_ctx = self.clone();
+        let scratch = RouterTrace {
+            replay: trace.replay.clone(),
+            padding: trace.padding.clone(),
+            moe_layer_offset: trace.moe_layer_offset + trace.logits.len(),
+            ..RouterTrace::new(trace.aux_grad_scale)
+        };
+        // The first pass is not recorded, but its routers report as a training forward's.
+        let training = std::mem::replace(&mut trace.training, true);
+        let output = run(
+            &layer.clone().no_grad(),
+            self,
+            x.clone().detach(),
+            batch,
+            trace,
+            inputs(self, rope, mask),
+        );
+        trace.training = training;
+        let output = output?;
+        let (rope, mask) = (rope.clone(), mask.cloned());
+        Ok(moe_backend::recompute::link_recomputed(
+            layer,
+            x,
+            output,
+            move |leaves: &L, x: Tensor<2>| {
+                let mut trace = scratch.clone();
+                let inputs = inputs(&rerun_ctx, &rope, mask.as_ref());
+                run(leaves, &rerun_ctx, x, batch, &mut trace, inputs)
+            },
+        ))
     }
 
     /// Sizes of this rank's `tp_cp` and `tp_dp_cp` groups (the routers' count groups, what
@@ -520,7 +614,7 @@ impl SpRuntime {
     ) -> Result<Tensor<2>, ModelError> {
         let mut state = moe.router.init_state();
         if let Some(replay) = &trace.replay {
-            let layer = trace.logits.len();
+            let layer = trace.moe_layer_offset + trace.logits.len();
             let idx = replay
                 .get(layer)
                 .cloned()
@@ -531,7 +625,7 @@ impl SpRuntime {
             state.replay.set_indices(idx);
             state.replay.set_mode(ReplayMode::ReplayForward);
         }
-        let layer = trace.logits.len();
+        let layer = trace.moe_layer_offset + trace.logits.len();
         if let Some((counts, steps)) = self.global_aux.lock().get(layer) {
             state.set_global_aux(counts, *steps).map_err(err)?;
         }
@@ -543,7 +637,8 @@ impl SpRuntime {
             // Megatron's `loss_scale·|cp|/num_microbatches` (moe-ops §4): the data-parallel
             // gradient average runs over `dp_cp`, while the context-parallel ranks' router
             // losses are parts of one replica's loss.
-            .with_grad_scale(trace.aux_grad_scale * self.cp.size() as f64);
+            .with_grad_scale(trace.aux_grad_scale * self.cp.size() as f64)
+            .with_training(trace.training);
         if let Some(padding) = &trace.padding {
             options = options.with_padding_mask(padding.clone());
         }

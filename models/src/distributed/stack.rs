@@ -124,6 +124,27 @@ pub trait DecoderStack {
         trace: &mut RouterTrace,
         inputs: AttentionInputs<'_>,
     ) -> Result<Tensor<2>, ModelError>;
+
+    /// [`layer_forward`](Self::layer_forward) of a training batch (`rope`, `mask`) with the
+    /// layer recomputed in the backward pass (full recompute,
+    /// [`SpRuntime::recompute_layer`]). Stacks that cannot refuse.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward_recomputed(
+        &self,
+        i: usize,
+        ctx: &SpRuntime,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let _ = (i, ctx, x, batch, trace, rope, mask);
+        Err(ModelError::unsupported(
+            "recompute",
+            "`full`: this decoder stack does not recompute its layers",
+        ))
+    }
 }
 
 /// [`DecoderStack`] of a built-in causal LM: `model.embed_tokens`, `model.layers` (each with
@@ -157,6 +178,29 @@ macro_rules! decoder_stack {
                 inputs: $crate::distributed::AttentionInputs<'_>,
             ) -> Result<burn::tensor::Tensor<2>, $crate::ModelError> {
                 self.model.layers[i].forward_in(ctx, x, batch, trace, inputs)
+            }
+
+            fn layer_forward_recomputed(
+                &self,
+                i: usize,
+                ctx: &$crate::distributed::ParallelContext,
+                x: burn::tensor::Tensor<2>,
+                batch: usize,
+                trace: &mut $crate::distributed::RouterTrace,
+                rope: &$crate::layers::rope::RopeTables,
+                mask: Option<&$crate::layers::AttentionMask>,
+            ) -> Result<burn::tensor::Tensor<2>, $crate::ModelError> {
+                ctx.recompute_layer(
+                    &self.model.layers[i],
+                    x,
+                    batch,
+                    trace,
+                    rope,
+                    mask,
+                    |layer, ctx, x, batch, trace, inputs| {
+                        layer.forward_in(ctx, x, batch, trace, inputs)
+                    },
+                )
             }
         }
     };
@@ -250,6 +294,10 @@ impl SpRuntime {
                         )
                     })?;
                     AttentionInputs::Cached { rope, cache }
+                }
+                None if self.recomputes_layers() => {
+                    x = model.layer_forward_recomputed(i, self, x, batch, trace, rope, mask)?;
+                    continue;
                 }
                 None => AttentionInputs::Masked {
                     rope,

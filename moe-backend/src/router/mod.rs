@@ -89,6 +89,10 @@ pub struct RouteOptions<'a> {
     pub grad_scale: f64,
     /// Sums aux-loss counts over process groups; required when a group size is > 1.
     pub count_reducer: Option<&'a dyn CountReducer>,
+    /// Compute the training-only outputs (router losses, expert-bias counts) even when the
+    /// input is not recorded for a backward pass: the first pass of a recomputed region
+    /// ([`crate::recompute`]), whose second pass does the recording.
+    pub training: bool,
 }
 
 impl Default for RouteOptions<'_> {
@@ -99,6 +103,7 @@ impl Default for RouteOptions<'_> {
             row_sequences: None,
             grad_scale: 1.0,
             count_reducer: None,
+            training: false,
         }
     }
 }
@@ -107,6 +112,12 @@ impl<'a> RouteOptions<'a> {
     /// Sets the `[T]` padding mask (`true` = padded).
     pub fn with_padding_mask(mut self, mask: Tensor<1, Bool>) -> Self {
         self.padding_mask = Some(mask);
+        self
+    }
+
+    /// Computes the training-only outputs without a recorded input ([`Self::training`]).
+    pub fn with_training(mut self, training: bool) -> Self {
+        self.training = training;
         self
     }
 
@@ -266,7 +277,7 @@ impl TopKRouter {
             self.bias.as_ref().map(Param::val),
             cfg.router_dtype,
         );
-        let grad_enabled = logits.is_tracked();
+        let grad_enabled = logits.is_tracked() || options.training;
         // Per-token-loss mode pre-multiplies attached losses by valid_tokens·|tp_cp| (§4).
         let token_scale = if cfg.per_token_loss {
             (n_valid * cfg.tp_cp_size) as f64

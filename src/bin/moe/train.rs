@@ -233,7 +233,8 @@ pub struct Args {
     /// operations, activations and norms are recomputed in the backward pass); and/or
     /// Megatron's module-level selective recompute, a comma-separated list of `core_attn`
     /// (attention scores and probabilities), `moe_act` (routed experts' activation),
-    /// `shared_experts`, `mlp` (dense MLPs), or `selective` (= `core_attn`). Example:
+    /// `shared_experts`, `mlp` (dense MLPs), or `selective` (= `core_attn`); or `full` (every
+    /// decoder layer keeps only its input and runs again in the backward pass). Example:
     /// `--recompute core_attn,moe_act`.
     #[arg(long, value_parser = parse_recompute, default_value = "none")]
     pub recompute: Recompute,
