@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::tensor::Device;
 use burn_moe::backend::comm::World;
-use burn_moe::backend::fp8::Fp8Recipe;
+use burn_moe::backend::fp8::{Fp8Recipe, PackedFp8, dequantize_param};
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
 use burn_moe::bridge::dist::convert::export_dist_to_hf;
 use burn_moe::bridge::dist::fp8::scale_box;
@@ -21,6 +21,7 @@ use burn_moe::bridge::hf::HfCheckpoint;
 use burn_moe::bridge::safetensors::Dtype;
 use burn_moe::models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
 use burn_moe::models::distributed::shard_rule;
+use burn_moe::models::export::ExportHf;
 use burn_moe::models::hf::ModelConfig;
 use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
 use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
@@ -121,14 +122,47 @@ fn run(
             };
             save_trainer(&world, root, meta, &trainer, &state).expect("save");
         }
-        // The model computes with the decoded FP8 weights.
+        // The model computes with the FP8 weights: its parameter holds their codes and scales.
         let model = &trainer.model().model;
-        for layer in &model.model.layers {
+        // The live HF export (weight sync, `moe export` of a running model) reads the decoded
+        // values of the packed parameters.
+        let exported: Vec<(String, Vec<f32>)> = model
+            .hf_tensors()
+            .expect("export")
+            .map(|(name, data)| {
+                let v = data.convert::<f32>().try_into_vec::<f32>().expect("f32");
+                (name, v)
+            })
+            .collect();
+        for (name, v) in &exported {
+            assert!(
+                v.iter().all(|x| x.is_finite()),
+                "{name} exports non-finite values"
+            );
+        }
+        for (l, layer) in model.model.layers.iter().enumerate() {
             if let burn_moe::models::qwen3_moe::Qwen3MoeFeedForward::Sparse(b) = &layer.mlp {
                 let fc1 = &b.moe.experts.fc1;
                 let w = trainer.optimizer().fp8_weight(fc1.id).expect("fc1 is FP8");
-                let values = fc1.val().into_data().convert::<f32>().try_into_vec::<f32>();
-                assert_eq!(values.expect("fc1"), w.dequantize());
+                let held = PackedFp8::from_tensor(&fc1.val()).expect("fc1 holds packed FP8");
+                assert_eq!(
+                    (held.codes(), held.scale_inv()),
+                    (&w.data[..], w.scale_inv.clone())
+                );
+                let values = dequantize_param(fc1.val())
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>();
+                let values = values.expect("fc1");
+                assert_eq!(values, w.dequantize());
+                // This rank's first expert's `gate_proj` is the first `F` rows of its `fc1`.
+                let [_, rows, cols] = fc1.val().dims();
+                let prefix = format!("model.layers.{l}.mlp.experts.");
+                let (_, gate) = exported
+                    .iter()
+                    .find(|(n, _)| n.starts_with(&prefix) && n.ends_with(".gate_proj.weight"))
+                    .expect("an exported gate_proj");
+                assert_eq!(gate[..], values[..rows / 2 * cols]);
             }
         }
         Ok(fp8_boxes(&trainer))

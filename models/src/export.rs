@@ -297,7 +297,10 @@ impl ModuleVisitor for PlanExport {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if self.error.is_none() {
             let path = self.path.join(".");
-            if let Err(e) = self.export(&path, param.val()) {
+            // An FP8 primary weight stored packed (E4M3 codes + block scales) exports its
+            // decoded values: the packed tensor's element view is not its values.
+            let value = moe_backend::fp8::dequantize_param(param.val());
+            if let Err(e) = self.export(&path, value) {
                 self.error = Some(e);
             }
         }

@@ -164,7 +164,8 @@ impl Walk<'_> {
             TensorKind::Buffer
         };
         let values = if self.with_values {
-            let v = value
+            // A packed FP8 primary weight reads as its decoded values.
+            let v = moe_backend::fp8::dequantize_param(value)
                 .into_data()
                 .convert::<f32>()
                 .try_into_vec::<f32>()

@@ -198,7 +198,7 @@ fn save_state<M: PlacedModel>(
     for p in placed.iter().filter(|p| p.main_replica) {
         let pl = &p.placement;
         if let Some(w) = optimizer.and_then(|o| o.fp8_weight(p.id)) {
-            let (bytes, sbox, scales) = fp8_chunks(pl, w)?;
+            let (bytes, sbox, scales) = fp8_chunks(pl, &w)?;
             let block = [w.grid.b0, w.grid.b1];
             let scale_name = scale_fqn(&pl.fqn);
             owned.push(OwnedChunk {
@@ -474,7 +474,10 @@ fn restore_fp8_weights<M: PlacedModel>(
         optimizer
             .set_fp8_weights(loaded)
             .map_err(backend_error(&dir, "fp8"))?;
-        Ok(model)
+        // The module's FP8 parameters hold the restored codes and scales.
+        optimizer
+            .apply_fp8_weights(model)
+            .map_err(backend_error(&dir, "fp8"))
     } else {
         optimizer
             .recast_fp8_primary_weights(model)

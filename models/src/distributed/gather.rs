@@ -107,7 +107,9 @@ impl ModuleMapper for Gatherer {
         }
         let path = self.path.join(".");
         let (id, value, _) = param.consume();
-        match self.gather(&path, value.clone()) {
+        // A packed FP8 primary weight is gathered as its decoded values (its element view
+        // is not its values); the gathered full model holds plain f32 parameters.
+        match self.gather(&path, moe_backend::fp8::dequantize_param(value.clone())) {
             Ok(full) => Param::initialized(id, full),
             Err(e) => {
                 self.error = Some(e);

@@ -98,39 +98,65 @@ impl Fp8Blocks {
     /// transposed, no requantisation (a block's elements and scale are the same either way).
     /// This is the FP8 "columnwise" weight copy the backward GEMM reads (fp8.md §3).
     pub fn transpose(&self) -> Self {
-        let (r, c) = (self.rows, self.cols);
-        let [gr, gc] = self.grid();
-        let mut data = vec![0u8; r * c];
-        const T: usize = 64;
-        if r > 0 && c > 0 {
-            data.par_chunks_mut(T * r)
-                .enumerate()
-                .for_each(|(jb, out)| {
-                    let j0 = jb * T;
-                    for i0 in (0..r).step_by(T) {
-                        for j in j0..(j0 + T).min(c) {
-                            for i in i0..(i0 + T).min(r) {
-                                out[(j - j0) * r + i] = self.data[i * c + j];
-                            }
+        transpose_blocks(
+            self.format,
+            &self.data,
+            &self.scale_inv,
+            self.rows,
+            self.cols,
+            self.block,
+        )
+    }
+}
+
+/// [`Fp8Blocks::transpose`] of the borrowed row-major `[rows, cols]` codes `data` with block
+/// `block` and its `scale_inv` grid: the `[cols, rows]` matrix with block `[b1, b0]`.
+pub(crate) fn transpose_blocks(
+    format: Fp8Format,
+    data: &[u8],
+    scale_inv: &[f32],
+    rows: usize,
+    cols: usize,
+    block: [usize; 2],
+) -> Fp8Blocks {
+    let (r, c) = (rows, cols);
+    let (gr, gc) = (r.div_ceil(block[0]), c.div_ceil(block[1]));
+    let mut out_data = vec![0u8; r * c];
+    const T: usize = 64;
+    if r > 0 && c > 0 {
+        out_data
+            .par_chunks_mut(T * r)
+            .enumerate()
+            .for_each(|(jb, out)| {
+                let j0 = jb * T;
+                for i0 in (0..r).step_by(T) {
+                    for j in j0..(j0 + T).min(c) {
+                        for i in i0..(i0 + T).min(r) {
+                            out[(j - j0) * r + i] = data[i * c + j];
                         }
                     }
-                });
-        }
-        let mut scale_inv = vec![0f32; gr * gc];
-        for i in 0..gr {
-            for j in 0..gc {
-                scale_inv[j * gr + i] = self.scale_inv[i * gc + j];
-            }
-        }
-        Self {
-            format: self.format,
-            rows: c,
-            cols: r,
-            block: [self.block[1], self.block[0]],
-            data,
-            scale_inv,
+                }
+            });
+    }
+    Fp8Blocks {
+        format,
+        rows: c,
+        cols: r,
+        block: [block[1], block[0]],
+        data: out_data,
+        scale_inv: transpose_grid(scale_inv, gr, gc),
+    }
+}
+
+/// The row-major `[gc, gr]` transpose of a row-major `[gr, gc]` scale grid.
+pub(crate) fn transpose_grid(scale_inv: &[f32], gr: usize, gc: usize) -> Vec<f32> {
+    let mut out = vec![0f32; gr * gc];
+    for i in 0..gr {
+        for j in 0..gc {
+            out[j * gr + i] = scale_inv[i * gc + j];
         }
     }
+    out
 }
 
 /// Strips per rayon task so that every task handles at least ~64 KiB of input.

@@ -38,6 +38,48 @@ pub struct Fp8View<'a> {
 }
 
 impl<'a> Fp8View<'a> {
+    /// A row-major `[rows, cols]` matrix of `format` codes `data` with block `block` and its
+    /// `[ceil(rows/b0), ceil(cols/b1)]` row-major `scale_inv` grid (lengths checked by the
+    /// GEMM entry points that take views).
+    pub(crate) fn new(
+        data: &'a [u8],
+        scale_inv: &'a [f32],
+        rows: usize,
+        cols: usize,
+        block: [usize; 2],
+        format: Fp8Format,
+    ) -> Self {
+        Self {
+            data,
+            scale_inv,
+            rows,
+            cols,
+            block,
+            format,
+        }
+    }
+
+    /// The row-major codes.
+    #[cfg(test)]
+    pub(crate) fn data(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// The row-major scale grid.
+    #[cfg(test)]
+    pub(crate) fn scale_inv(&self) -> &'a [f32] {
+        self.scale_inv
+    }
+
+    /// Whether the code and scale lengths fit the shape and block.
+    fn is_consistent(&self) -> bool {
+        self.block[0] > 0
+            && self.block[1] > 0
+            && self.data.len() == self.rows * self.cols
+            && self.scale_inv.len()
+                == self.rows.div_ceil(self.block[0]) * self.cols.div_ceil(self.block[1])
+    }
+
     /// The whole matrix.
     pub fn of(m: &'a Fp8Blocks) -> Self {
         Self {
@@ -246,12 +288,57 @@ pub fn fp8_grouped_fprop(
     sizes: &[usize],
     recipe: &Fp8Recipe,
 ) -> Result<Vec<f32>> {
+    recipe.validate()?;
+    let wq = quantize_weights(w, sizes.len(), m, k, recipe)?;
+    let views: Vec<Fp8View<'_>> = wq.iter().map(Fp8View::of).collect();
+    fp8_grouped_fprop_quantized(x, k, &views, m, sizes, recipe)
+}
+
+/// Checks that `w` are `groups` consistent `[rows, cols]` weight views whose reduction blocks
+/// are the recipe's.
+fn check_weight_views(
+    op: &'static str,
+    w: &[Fp8View<'_>],
+    groups: usize,
+    rows: usize,
+    cols: usize,
+    recipe: &Fp8Recipe,
+) -> Result<()> {
+    let ok = w.len() == groups
+        && w.iter().all(|v| {
+            v.is_consistent() && v.rows == rows && v.cols == cols && v.block[1] == recipe.block_size
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(BackendError::Shape {
+            op,
+            detail: format!(
+                "{} quantised weights for {groups} groups of [{rows}, {cols}] with reduction \
+                 block {}",
+                w.len(),
+                recipe.block_size
+            ),
+        })
+    }
+}
+
+/// [`fp8_grouped_fprop`] with the weights already quantised: `w` holds one `[M, K]` FP8 view
+/// per group (e.g. FP8 primary weights, which are their own quantisation), used as they are.
+pub(crate) fn fp8_grouped_fprop_quantized(
+    x: &[f32],
+    k: usize,
+    w: &[Fp8View<'_>],
+    m: usize,
+    sizes: &[usize],
+    recipe: &Fp8Recipe,
+) -> Result<Vec<f32>> {
     let op = "fp8_grouped_fprop";
     recipe.validate()?;
     let n = x.len().checked_div(k).unwrap_or_else(|| sizes.iter().sum());
     check_len(op, "x", x.len(), &[n, k])?;
     let offsets = check_sizes(op, sizes, n)?;
-    let wq = quantize_weights(w, sizes.len(), m, k, recipe)?;
+    check_weight_views(op, w, sizes.len(), m, k, recipe)?;
     let b = recipe.block_size;
     let xq = quantize_blockwise(
         x,
@@ -261,12 +348,12 @@ pub fn fp8_grouped_fprop(
         recipe.activation_format,
         recipe.pow2_scales,
     )?;
-    let problems: Vec<TnProblem<'_>> = wq
+    let problems: Vec<TnProblem<'_>> = w
         .iter()
         .enumerate()
         .map(|(g, wg)| TnProblem {
             a: Fp8View::row_range(&xq, offsets[g], offsets[g + 1]),
-            b: Fp8View::of(wg),
+            b: *wg,
             out_start: offsets[g] * m,
         })
         .collect();
@@ -285,6 +372,25 @@ pub fn fp8_grouped_dgrad(
     sizes: &[usize],
     recipe: &Fp8Recipe,
 ) -> Result<Vec<f32>> {
+    recipe.validate()?;
+    let wt: Vec<Fp8Blocks> = quantize_weights(w, sizes.len(), m, k, recipe)?
+        .iter()
+        .map(Fp8Blocks::transpose)
+        .collect();
+    let views: Vec<Fp8View<'_>> = wt.iter().map(Fp8View::of).collect();
+    fp8_grouped_dgrad_quantized(dy, m, &views, k, sizes, recipe)
+}
+
+/// [`fp8_grouped_dgrad`] with the weights already quantised and transposed: `wt` holds one
+/// `[K, M]` FP8 view (`W_gᵀ`, blocks `[b, b]`) per group, used as they are.
+pub(crate) fn fp8_grouped_dgrad_quantized(
+    dy: &[f32],
+    m: usize,
+    wt: &[Fp8View<'_>],
+    k: usize,
+    sizes: &[usize],
+    recipe: &Fp8Recipe,
+) -> Result<Vec<f32>> {
     let op = "fp8_grouped_dgrad";
     recipe.validate()?;
     let n = dy
@@ -293,10 +399,7 @@ pub fn fp8_grouped_dgrad(
         .unwrap_or_else(|| sizes.iter().sum());
     check_len(op, "dy", dy.len(), &[n, m])?;
     let offsets = check_sizes(op, sizes, n)?;
-    let wt: Vec<Fp8Blocks> = quantize_weights(w, sizes.len(), m, k, recipe)?
-        .iter()
-        .map(Fp8Blocks::transpose)
-        .collect();
+    check_weight_views(op, wt, sizes.len(), k, m, recipe)?;
     let b = recipe.block_size;
     let dyq = quantize_blockwise(dy, n, m, [1, b], recipe.grad_format, recipe.pow2_scales)?;
     let problems: Vec<TnProblem<'_>> = wt
@@ -304,7 +407,7 @@ pub fn fp8_grouped_dgrad(
         .enumerate()
         .map(|(g, wg)| TnProblem {
             a: Fp8View::row_range(&dyq, offsets[g], offsets[g + 1]),
-            b: Fp8View::of(wg),
+            b: *wg,
             out_start: offsets[g] * k,
         })
         .collect();

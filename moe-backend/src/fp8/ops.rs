@@ -28,8 +28,10 @@ use crate::error::{BackendError, Result};
 /// accumulated in f32.
 #[backend_extension(Flex, Autodiff, Cube: cfg(feature = "cube"))]
 pub trait Fp8Ops: Backend {
-    /// fprop: `x [N, K]` in segments of `group_sizes`, `weights [G, M, K]` (`[out, in]`):
-    /// `y_g = dq(q(x_g)) · dq(q(W_g))ᵀ`, `[N, M]`. Differentiable in `x` and `weights`.
+    /// fprop: `x [N, K]` in segments of `group_sizes`, `weights [G, M, K]` (`[out, in]`, or
+    /// `[M, K]` for one group): `y_g = dq(q(x_g)) · dq(q(W_g))ᵀ`, `[N, M]`. Differentiable in
+    /// `x` and `weights`. A packed FP8 parameter ([`super::PackedFp8`]) as `weights` is used as
+    /// its codes and scales (no re-quantisation) where the backend supports it (Flex).
     fn fp8_grouped_matmul(
         x: FloatTensor<Self>,
         weights: FloatTensor<Self>,
@@ -37,8 +39,8 @@ pub trait Fp8Ops: Backend {
         recipe: Fp8Recipe,
     ) -> FloatTensor<Self>;
 
-    /// dgrad: `grad [N, M]`, `weights [G, M, K]`: `dx_g = dq(q(dy_g)) · dq(q(W_g))`, `[N, K]`.
-    /// Not itself differentiable.
+    /// dgrad: `grad [N, M]`, `weights [G, M, K]` (or `[M, K]`):
+    /// `dx_g = dq(q(dy_g)) · dq(q(W_g))`, `[N, K]`. Not itself differentiable.
     fn fp8_grouped_matmul_dgrad(
         grad: FloatTensor<Self>,
         weights: FloatTensor<Self>,
@@ -94,15 +96,32 @@ pub fn fp8_grouped_matmul(
 /// FP8 dense linear `y = dq(q(x)) · dq(q(W))ᵀ` for `x [N, K]`, `weight [M, K]`; `[N, M]`,
 /// differentiable (a grouped GEMM with one group).
 pub fn fp8_linear(x: Tensor<2>, weight: Tensor<2>, recipe: &Fp8Recipe) -> Result<Tensor<2>> {
-    let n = x.dims()[0];
-    fp8_grouped_matmul(x, weight.unsqueeze_dim(0), &[n], recipe)
+    recipe.validate()?;
+    let [n, k] = x.dims();
+    let [m, wk] = weight.dims();
+    if wk != k {
+        return Err(BackendError::Shape {
+            op: "fp8_linear",
+            detail: format!("x [{n}, {k}], weight [{m}, {wk}] ([out, in])"),
+        });
+    }
+    // The 2-D weight goes to the op as it is (one group): a reshape would materialise a
+    // packed FP8 parameter.
+    Ok(Tensor::from_dispatch(Dispatch::fp8_grouped_matmul(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        vec![n],
+        *recipe,
+    )))
 }
 
 /// A Burn [`Linear`] run in FP8 (fp8.md §3): `y = dq(q(x)) · dq(q(W))ᵀ + b` over the last
 /// dimension of `x [..., in]`. The weight (Burn `[in, out]`) is quantised as its canonical
 /// `[out, in]` matrix in `b×b` blocks — the blocks FP8 primary weights use
 /// ([`crate::optim::Fp8ParamLayout::linear`]) — and the bias stays in high precision.
-/// Differentiable: the backward runs the FP8 dgrad and wgrad.
+/// Differentiable: the backward runs the FP8 dgrad and wgrad. A packed FP8 primary weight
+/// ([`super::PackedFp8`]) is used as its codes and scales: the op receives the weight's
+/// transposed view (zero-copy), never a materialised copy.
 ///
 /// # Panics
 /// Like [`Linear::forward`], when the last dimension of `x` is not the linear's input size.
@@ -121,7 +140,8 @@ pub fn fp8_linear_forward<const D: usize>(
     );
     let n: usize = dims[..D - 1].iter().product();
     let x2: Tensor<2> = x.reshape([n, d_in]);
-    let w: Tensor<3> = linear.weight.val().transpose().unsqueeze_dim(0);
+    // `[out, in]`, a zero-copy view of the `[in, out]` parameter (one group).
+    let w: Tensor<2> = linear.weight.val().transpose();
     let y: Tensor<2> = Tensor::from_dispatch(Dispatch::fp8_grouped_matmul(
         x2.into_dispatch(),
         w.into_dispatch(),

@@ -25,17 +25,21 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::module::{Module, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Shape, Tensor, TensorData};
 
 use super::fp8_primary::{
-    Fp8ParamLayout, Fp8PrimaryConfig, Fp8Slot, Fp8Weight, cast_and_gather, check_loaded, slots_for,
+    Fp8ParamLayout, Fp8PrimaryConfig, Fp8Slot, Fp8Storage, Fp8Weight, cast_and_gather,
+    check_loaded, compact_offsets, slots_for,
 };
-use super::params::{ParamClass, ParamInfo, ParamTable, cat_flat, default_classify, param_device};
+use super::params::{
+    ParamClass, ParamInfo, ParamTable, cat_flat, default_classify, like_param, param_device,
+};
 use super::schedule::no_weight_decay;
 use crate::comm::{Comm, GroupComms, ReduceOp};
 use crate::error::{BackendError, Result};
+use crate::fp8::PackedFp8;
 use crate::parallel::GroupFamily;
 
 /// Storage precision of the Adam moments.
@@ -449,13 +453,15 @@ pub struct StepReport {
     pub clip_coeff: f64,
 }
 
-/// FP8 primary weights: the selected parameters of each class and their current FP8 copies.
+/// FP8 primary weights: the selected parameters of each class and their current FP8 weights
+/// (with packed storage on Flex, the very storage of the module's parameters: shared, not a
+/// copy).
 #[derive(Debug, Clone)]
 pub(super) struct Fp8Primary {
     pub(super) config: Fp8PrimaryConfig,
     pub(super) dense: Vec<Fp8Slot>,
     pub(super) expert: Vec<Fp8Slot>,
-    pub(super) weights: HashMap<ParamId, Fp8Weight>,
+    pub(super) weights: HashMap<ParamId, PackedFp8>,
 }
 
 /// ZeRO-1 AdamW over the dense (`dp_cp`) and expert (`expt_dp`) groups, optionally with FP8
@@ -546,8 +552,9 @@ impl DistributedAdamW {
     /// weights (fp8.md §4, see [`super::fp8_primary`]): from now on every step casts their
     /// master shards straight to blockwise E4M3 (partial amax, MAX all-reduce over the
     /// class's group, partial cast) and all-gathers one byte per element. Casts the current
-    /// master weights right away and returns `module` holding the decoded FP8 values. A
-    /// collective: every rank of the world calls it with the same selection.
+    /// master weights right away and returns `module` holding the FP8 weights as
+    /// `config.storage` says (packed codes and scales, or decoded values). A collective: every
+    /// rank of the world calls it with the same selection.
     pub fn enable_fp8_primary_weights<M: Module>(
         &mut self,
         module: M,
@@ -562,23 +569,18 @@ impl DistributedAdamW {
             expert,
             weights: HashMap::new(),
         });
-        let (dense, expert) = self.gather_parameters()?;
-        self.table.write_tensors(module, &dense, &expert)
+        self.gather_into(module)
     }
 
     /// Re-casts the FP8 primary weights from the current master shards (a collective) and
-    /// returns `module` holding their decoded values, e.g. after the master weights were
-    /// restored from a checkpoint that stores the parameters in high precision. Errors when
-    /// FP8 primary weights are off.
+    /// returns `module` holding them, e.g. after the master weights were restored from a
+    /// checkpoint that stores the parameters in high precision. Errors when FP8 primary
+    /// weights are off.
     pub fn recast_fp8_primary_weights<M: Module>(&mut self, module: M) -> Result<M> {
         if self.fp8.is_none() {
-            return Err(BackendError::Config {
-                field: "fp8_primary_weights",
-                detail: "FP8 primary weights are not enabled".into(),
-            });
+            return Err(fp8_off());
         }
-        let (dense, expert) = self.gather_parameters()?;
-        self.table.write_tensors(module, &dense, &expert)
+        self.gather_into(module)
     }
 
     /// The FP8 primary-weight settings, when enabled.
@@ -586,20 +588,33 @@ impl DistributedAdamW {
         self.fp8.as_ref().map(|f| &f.config)
     }
 
-    /// The current FP8 copy of parameter `id` (bytes and scales the module's values decode
-    /// from), when it is an FP8 primary weight.
-    pub fn fp8_weight(&self, id: ParamId) -> Option<&Fp8Weight> {
+    /// The current FP8 weight of parameter `id` (codes and scales copied out of the packed
+    /// storage the module computes with), when it is an FP8 primary weight.
+    pub fn fp8_weight(&self, id: ParamId) -> Option<Fp8Weight> {
+        self.packed_fp8_weight(id).map(Fp8Weight::from_packed)
+    }
+
+    /// The current packed FP8 weight of parameter `id` (with packed storage on Flex, the
+    /// module parameter's own storage), when it is an FP8 primary weight.
+    pub fn packed_fp8_weight(&self, id: ParamId) -> Option<&PackedFp8> {
         self.fp8.as_ref().and_then(|f| f.weights.get(&id))
     }
 
-    /// Replaces the FP8 copies, e.g. with the bytes and scales restored from a checkpoint
-    /// (the module's parameters must hold their decoded values). Errors when FP8 primary
-    /// weights are off, or a weight does not match its parameter's block grid.
+    /// Whether the module's FP8 parameters hold packed codes and scales (packed storage, on
+    /// Flex) rather than decoded values.
+    fn packs(&self) -> bool {
+        self.fp8
+            .as_ref()
+            .is_some_and(|f| f.config.storage == Fp8Storage::Packed)
+            && self.dense.device == Device::flex()
+    }
+
+    /// Replaces the FP8 weights, e.g. with the bytes and scales restored from a checkpoint;
+    /// [`DistributedAdamW::apply_fp8_weights`] then writes them into the module. Errors when
+    /// FP8 primary weights are off, or a weight does not match its parameter's block grid.
     pub fn set_fp8_weights(&mut self, weights: HashMap<ParamId, Fp8Weight>) -> Result<()> {
-        let fp8 = self.fp8.as_mut().ok_or_else(|| BackendError::Config {
-            field: "fp8_primary_weights",
-            detail: "FP8 primary weights are not enabled".into(),
-        })?;
+        let fp8 = self.fp8.as_mut().ok_or_else(fp8_off)?;
+        let mut packed = HashMap::new();
         for (id, w) in &weights {
             let slot = fp8
                 .dense
@@ -611,25 +626,47 @@ impl DistributedAdamW {
                     detail: format!("parameter {id} is not an FP8 primary weight"),
                 })?;
             check_loaded(slot, w)?;
+            packed.insert(
+                *id,
+                w.to_packed(&param_shape(&self.table, *id)?, DType::F32)?,
+            );
         }
-        fp8.weights.extend(weights);
+        fp8.weights.extend(packed);
         Ok(())
+    }
+
+    /// `module` with its FP8 primary parameters holding the current FP8 weights (packed, or
+    /// decoded values; see [`Fp8Storage`]), the other parameters untouched. Errors when FP8
+    /// primary weights are off.
+    pub fn apply_fp8_weights<M: Module>(&mut self, module: M) -> Result<M> {
+        if self.fp8.is_none() {
+            return Err(fp8_off());
+        }
+        self.write_fp8(module, None)
     }
 
     /// All-gathers the master shards into full `(dense, expert)` buffers on the device: plain
     /// f32 for a class without FP8 primary weights, else the FP8 cast-and-gather (which also
-    /// refreshes the FP8 copies).
+    /// refreshes the FP8 weights) with the FP8 parameters' values decoded.
     pub(super) fn gather_parameters(&mut self) -> Result<(Tensor<1>, Tensor<1>)> {
+        self.gather_classes(true)
+    }
+
+    /// [`DistributedAdamW::gather_parameters`]; without `decode`, a class with FP8 parameters
+    /// gathers into its compact buffer (the other parameters only, see
+    /// [`super::fp8_primary::compact_offsets`]).
+    fn gather_classes(&mut self, decode: bool) -> Result<(Tensor<1>, Tensor<1>)> {
         let Some(fp8) = self.fp8.as_mut() else {
             return Ok((self.dense.all_gather()?, self.expert.all_gather()?));
         };
+        let table = &self.table;
         let mut gather = |shard: &Shard, slots: &[Fp8Slot]| -> Result<Tensor<1>> {
             if slots.is_empty() {
                 return shard.all_gather();
             }
             // Host path: the blockwise E4M3 cast (partial amax, scales, partial cast, byte
-            // gather, decode) runs on host buffers (`super::fp8_primary`); the master shard is
-            // read back and the decoded buffer uploaded again. Only with FP8 primary weights.
+            // gather) runs on host buffers (`super::fp8_primary`); the master shard is read
+            // back and the gathered buffer uploaded again. Only with FP8 primary weights.
             let master = shard
                 .master
                 .clone()
@@ -639,24 +676,80 @@ impl DistributedAdamW {
                     op: "DistributedAdamW",
                     detail: format!("master shard unreadable: {e:?}"),
                 })?;
-            let (full, weights) = cast_and_gather(
+            let (values, weights) = cast_and_gather(
                 &shard.comm,
                 &master,
                 shard.size,
                 shard.len,
                 slots,
                 &fp8.config,
+                decode,
             )?;
-            fp8.weights.extend(weights);
-            let n = full.len();
+            for (id, w) in weights {
+                let packed = w.to_packed(&param_shape(table, id)?, DType::F32)?;
+                fp8.weights.insert(id, packed);
+            }
+            let n = values.len();
             Ok(Tensor::from_data(
-                TensorData::new(full, [n]),
+                TensorData::new(values, [n]),
                 (&shard.device, DType::F32),
             ))
         };
         let dense = gather(&self.dense, &fp8.dense)?;
         let expert = gather(&self.expert, &fp8.expert)?;
         Ok((dense, expert))
+    }
+
+    /// Gathers the parameters and writes them into `module`: with packed storage, the FP8
+    /// parameters become their packed weights and the others slices of the compact buffers;
+    /// otherwise every parameter is a slice of the full (decoded) buffers.
+    fn gather_into<M: Module>(&mut self, module: M) -> Result<M> {
+        if self.packs() {
+            let (dense, expert) = self.gather_classes(false)?;
+            self.write_fp8(module, Some((&dense, &expert)))
+        } else {
+            let (dense, expert) = self.gather_parameters()?;
+            self.table.write_tensors(module, &dense, &expert)
+        }
+    }
+
+    /// Writes the FP8 weights into `module`'s FP8 parameters (packed when [`Self::packs`],
+    /// else decoded values) and, with `compact` buffers, every other parameter from them.
+    fn write_fp8<M: Module>(
+        &mut self,
+        module: M,
+        compact: Option<(&Tensor<1>, &Tensor<1>)>,
+    ) -> Result<M> {
+        let carriers = self.packs();
+        let device = self.dense.device.clone();
+        let Some(fp8) = self.fp8.as_mut() else {
+            return Err(fp8_off());
+        };
+        let compact = compact.map(|(dense, expert)| {
+            let mut offsets = compact_offsets(
+                self.table.params.iter().filter(|p| !p.class.is_expert()),
+                &fp8.dense,
+            );
+            offsets.extend(compact_offsets(
+                self.table.params.iter().filter(|p| p.class.is_expert()),
+                &fp8.expert,
+            ));
+            (dense, expert, offsets)
+        });
+        let mut writer = Fp8Writer {
+            table: &self.table,
+            index: 0,
+            compact,
+            weights: &mut fp8.weights,
+            carriers,
+            device,
+            error: None,
+        };
+        let module = module.map(&mut writer);
+        match writer.error {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
     }
 
     /// Sets the decoupled weight decay of the following steps (a weight-decay schedule).
@@ -722,8 +815,7 @@ impl DistributedAdamW {
                 self.table
                     .write_tensors(module, &self.dense.master, &self.expert.master)?
             } else {
-                let (dense, expert) = self.gather_parameters()?;
-                self.table.write_tensors(module, &dense, &expert)?
+                self.gather_into(module)?
             };
         Ok((
             module,
@@ -911,6 +1003,117 @@ pub(super) fn host_f32(t: Tensor<1>, what: &str) -> Result<Vec<f32>> {
             op: "DistributedAdamW",
             detail: format!("{what} unreadable: {e:?}"),
         })
+}
+
+/// The error of an FP8 primary-weight call while they are off.
+fn fp8_off() -> BackendError {
+    BackendError::Config {
+        field: "fp8_primary_weights",
+        detail: "FP8 primary weights are not enabled".into(),
+    }
+}
+
+/// The shape of parameter `id` of `table`.
+fn param_shape(table: &ParamTable, id: ParamId) -> Result<Vec<usize>> {
+    table
+        .params
+        .iter()
+        .find(|p| p.id == id)
+        .map(|p| p.shape.clone())
+        .ok_or_else(|| BackendError::Config {
+            field: "fp8_primary_weights",
+            detail: format!("parameter {id} is not in the optimizer's table"),
+        })
+}
+
+/// Writes FP8 primary weights into a module ([`DistributedAdamW::write_fp8`]): FP8 parameters
+/// become their packed weight (`carriers`; re-packed once in the parameter's dtype when that
+/// is not f32) or its decoded values; the other trainable parameters become their slice of the
+/// `compact` buffers when given, else stay as they are.
+struct Fp8Writer<'a> {
+    table: &'a ParamTable,
+    index: usize,
+    compact: Option<(&'a Tensor<1>, &'a Tensor<1>, HashMap<ParamId, usize>)>,
+    weights: &'a mut HashMap<ParamId, PackedFp8>,
+    carriers: bool,
+    device: Device,
+    error: Option<BackendError>,
+}
+
+impl Fp8Writer<'_> {
+    /// The new value of FP8 parameter `id` (a `dtype` tensor of `packed`'s shape).
+    fn fp8_value<const D: usize>(
+        &mut self,
+        id: ParamId,
+        packed: PackedFp8,
+        dtype: DType,
+    ) -> Result<Tensor<D>> {
+        if !self.carriers {
+            let shape = packed.shape();
+            return Ok(Tensor::from_data(
+                TensorData::new(packed.dequantize(), shape),
+                (&self.device, DType::F32),
+            ));
+        }
+        let packed = if packed.dtype() == dtype {
+            packed
+        } else {
+            let again = PackedFp8::new(
+                packed.grid(),
+                packed.codes(),
+                &packed.scale_inv(),
+                &packed.shape(),
+                dtype,
+            )?;
+            self.weights.insert(id, again.clone());
+            again
+        };
+        packed.to_tensor::<D>()
+    }
+}
+
+impl ModuleMapper for Fp8Writer<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(info) = self.table.params.get(self.index) else {
+            return param;
+        };
+        if info.id != param.id || self.error.is_some() {
+            return param; // non-trainable, not in the table
+        }
+        self.index += 1;
+        if let Some(packed) = self.weights.get(&param.id).cloned() {
+            let dtype = param.val().dtype();
+            return match self.fp8_value::<D>(param.id, packed, dtype) {
+                Ok(fresh) => param.map(move |t| like_param(fresh, &t)),
+                Err(e) => {
+                    self.error = Some(e);
+                    param
+                }
+            };
+        }
+        let Some((dense, expert, offsets)) = &self.compact else {
+            return param;
+        };
+        let n = info.numel();
+        if n == 0 {
+            return param;
+        }
+        let Some(&at) = offsets.get(&param.id) else {
+            self.error = Some(BackendError::Shape {
+                op: "DistributedAdamW",
+                detail: format!("`{}` has no place in the compact buffer", info.path),
+            });
+            return param;
+        };
+        let buf = if info.class.is_expert() {
+            expert
+        } else {
+            dense
+        };
+        let values = (*buf).clone().slice(at..at + n);
+        let shape = Shape::from(info.shape.clone());
+        param.map(move |t| like_param(values.reshape::<D, _>(shape), &t))
+    }
 }
 
 #[cfg(test)]

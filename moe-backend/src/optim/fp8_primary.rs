@@ -9,17 +9,24 @@
 //!    every rank (no scale gather);
 //! 4. each rank quantises only its own elements (partial cast);
 //! 5. the parameter all-gather moves **one byte per FP8 element** (`U8` payload) and four per
-//!    remaining f32 element, and every rank decodes the full FP8 bytes.
+//!    remaining f32 element.
 //!
-//! The module's parameters then hold the decoded FP8 values `decode(q) · scale_inv` (Burn has
-//! no FP8 dtype, so the emulation keeps them as f32 values that are exactly representable),
-//! and the optimizer keeps the bytes and scales ([`Fp8Weight`]) for checkpoints and exports.
-//! With power-of-two scales (the recipe default) the FP8 GEMMs' own blockwise quantisation of
-//! such a weight is lossless: they compute with exactly these FP8 weights.
+//! What the module's FP8 parameters then hold depends on [`Fp8Storage`]:
+//! - [`Fp8Storage::Packed`] (the default): the gathered E4M3 codes and block scales
+//!   themselves, as a packed FP8 parameter ([`crate::fp8::PackedFp8`], about one byte per
+//!   element), which the FP8 GEMMs use without re-quantisation; no f32 or BF16 copy of the
+//!   weight exists beyond the master shard, and the optimizer's FP8 copy *is* the module's
+//!   storage (shared, reference-counted). The other parameters of the class are written from a
+//!   compact gathered buffer without the FP8 elements, so nothing pins four bytes per FP8
+//!   element. Packed parameters live on Flex; on another device the decoded values are written.
+//! - [`Fp8Storage::Decoded`]: the decoded FP8 values `decode(q) · scale_inv` as f32 values
+//!   (exactly representable), the earlier emulation; with power-of-two scales the FP8 GEMMs'
+//!   own blockwise quantisation of such a weight gives back exactly these FP8 values, so both
+//!   storages compute bit-identical results (tested).
 //!
 //! The cast runs on host buffers: [`super::DistributedAdamW`] reads its master shard back from
-//! the device for it and uploads the decoded buffer (the one host round trip left in a step,
-//! and only with FP8 primary weights on; the E4M3 codes and block scales are host data).
+//! the device for it and uploads the result (the one host round trip left in a step, and only
+//! with FP8 primary weights on; the E4M3 codes and block scales are host data).
 
 use std::collections::HashMap;
 use std::panic::Location;
@@ -31,9 +38,23 @@ use super::params::{ParamClass, ParamInfo};
 use crate::comm::{Comm, ReduceOp};
 use crate::error::{BackendError, Result};
 use crate::fp8::{
-    BlockGrid, E4M3_MAX, Fp8Format, Fp8Recipe, accumulate_block_amax, cast_shard_with_scales,
-    compute_scale_from_amax, decode_scaled, simd,
+    BlockGrid, E4M3_MAX, Fp8Format, Fp8Recipe, PackedFp8, accumulate_block_amax,
+    cast_shard_with_scales, compute_scale_from_amax, decode_scaled, simd,
 };
+
+/// What a module's FP8 primary parameters hold (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8Storage {
+    /// The E4M3 codes and block scales, as packed FP8 parameters (Flex; decoded values on
+    /// other devices). Only for parameters the model runs through the FP8 GEMMs
+    /// ([`crate::fp8::fp8_grouped_matmul`], [`crate::fp8::fp8_linear_forward`]): any other op
+    /// reads a packed parameter as NaN ([`crate::fp8::PackedFp8`]); readers that need values
+    /// use [`crate::fp8::dequantize_param`] (the optimizer's own flattening does).
+    #[default]
+    Packed,
+    /// The decoded FP8 values as f32 (the reference emulation: four bytes per element).
+    Decoded,
+}
 
 /// Settings of FP8 primary weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +63,8 @@ pub struct Fp8PrimaryConfig {
     pub block: [usize; 2],
     /// Round scales down to powers of two.
     pub pow2_scales: bool,
+    /// What the module's FP8 parameters hold.
+    pub storage: Fp8Storage,
 }
 
 impl Fp8PrimaryConfig {
@@ -51,7 +74,14 @@ impl Fp8PrimaryConfig {
         Self {
             block: [recipe.block_size, recipe.block_size],
             pow2_scales: recipe.pow2_scales,
+            storage: Fp8Storage::default(),
         }
+    }
+
+    /// `self` with the module's FP8 parameters holding `storage`.
+    pub fn with_storage(mut self, storage: Fp8Storage) -> Self {
+        self.storage = storage;
+        self
     }
 }
 
@@ -121,6 +151,20 @@ impl Fp8Weight {
             });
         });
         out
+    }
+
+    /// The FP8 weight a packed parameter holds (codes and scales copied out).
+    pub fn from_packed(p: &PackedFp8) -> Self {
+        Self {
+            grid: p.grid(),
+            data: p.codes().to_vec(),
+            scale_inv: p.scale_inv(),
+        }
+    }
+
+    /// Packs this weight as a parameter of `shape` and float `dtype`.
+    pub fn to_packed(&self, shape: &[usize], dtype: burn::tensor::DType) -> Result<PackedFp8> {
+        PackedFp8::new(self.grid, &self.data, &self.scale_inv, shape, dtype)
     }
 
     /// The codes in canonical order (`[matrices, rows, cols]`): the storage order, transposed
@@ -256,7 +300,9 @@ fn unreadable(what: &str, e: impl std::fmt::Debug) -> BackendError {
 
 /// Steps 1–5 of the module docs for one class buffer. `master` is this rank's shard of
 /// `shard_size` elements (the buffer of `len` elements padded to `shard_size · group size`).
-/// Returns the full unpadded buffer (FP8 parameters decoded) and the FP8 weights of `slots`.
+/// Returns the FP8 weights of `slots` and, with `decode`, the full unpadded buffer (FP8
+/// parameters decoded), else the compact buffer of the other elements only (the class buffer
+/// with the slots' ranges cut out, see [`compact_offsets`]).
 pub(super) fn cast_and_gather(
     comm: &Comm,
     master: &[f32],
@@ -264,6 +310,7 @@ pub(super) fn cast_and_gather(
     len: usize,
     slots: &[Fp8Slot],
     config: &Fp8PrimaryConfig,
+    decode: bool,
 ) -> Result<(Vec<f32>, HashMap<ParamId, Fp8Weight>)> {
     let n = comm.size();
     let range = |r: usize| ((r * shard_size).min(len), ((r + 1) * shard_size).min(len));
@@ -358,6 +405,29 @@ pub(super) fn cast_and_gather(
             scale_inv: scale_inv[starts[i]..starts[i] + s.grid.num_blocks()].to_vec(),
         })
         .collect();
+    if !decode {
+        // The plain elements arrive in class-buffer order (ranks own increasing ranges).
+        let mut bi = 0usize;
+        for r in 0..n {
+            let (rlo, rhi) = range(r);
+            for seg in segments(rlo, rhi, slots) {
+                if let Some(i) = seg.slot {
+                    let k = seg.end - seg.start;
+                    let src = gathered_bytes
+                        .get(bi..bi + k)
+                        .ok_or_else(|| unreadable("FP8 bytes", "short gather"))?;
+                    let local = seg.start - slots[i].offset;
+                    weights[i].data[local..local + k].copy_from_slice(src);
+                    bi += k;
+                }
+            }
+        }
+        if gathered_plain.len() != len - fp8_elems {
+            return Err(unreadable("gathered parameters", "wrong gather length"));
+        }
+        let map = slots.iter().zip(weights).map(|(s, w)| (s.id, w)).collect();
+        return Ok((gathered_plain, map));
+    }
     let mut full = vec![0f32; len];
     let (mut bi, mut pi) = (0usize, 0usize);
     for r in 0..n {
@@ -399,6 +469,26 @@ pub(super) fn cast_and_gather(
     }
     let map = slots.iter().zip(weights).map(|(s, w)| (s.id, w)).collect();
     Ok((full, map))
+}
+
+/// Offsets of the non-FP8 parameters of one class (`infos` of the class) in the compact
+/// buffer of [`cast_and_gather`] without `decode`: the class offset minus the FP8 elements
+/// before it.
+pub(super) fn compact_offsets<'a>(
+    infos: impl Iterator<Item = &'a ParamInfo>,
+    slots: &[Fp8Slot],
+) -> HashMap<ParamId, usize> {
+    infos
+        .filter(|p| !slots.iter().any(|s| s.id == p.id))
+        .map(|p| {
+            let before: usize = slots
+                .iter()
+                .filter(|s| s.offset < p.offset)
+                .map(|s| s.grid.numel())
+                .sum();
+            (p.id, p.offset - before)
+        })
+        .collect()
 }
 
 /// Checks that `weights` (e.g. loaded from a checkpoint) fit the slots.

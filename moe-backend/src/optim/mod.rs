@@ -15,7 +15,7 @@ mod state;
 mod tests;
 
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
-pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Weight};
+pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Storage, Fp8Weight};
 pub use muon::{
     DistributedMuon, MatrixAxis, MuonAdamW, MuonConfig, MuonMatrix, MuonScale, MuonSharding,
     default_muon_select,

@@ -328,7 +328,8 @@ impl ModuleVisitor for PieceReader<'_> {
         self.index += 1;
         let value = match self.grads.as_deref_mut() {
             Some(grads) => grads.remove::<D>(param.id),
-            None => Some(param.val().without_autodiff()),
+            // A packed FP8 parameter reads as its decoded values.
+            None => Some(crate::fp8::dequantize_param(param.val().without_autodiff())),
         };
         let n = info.numel();
         let piece = match value {

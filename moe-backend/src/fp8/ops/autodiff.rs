@@ -3,7 +3,7 @@
 //! backend. dgrad and wgrad themselves are not differentiable.
 
 use burn::backend::{
-    AutodiffBackend,
+    AutodiffBackend, TensorMetadata,
     autodiff::{
         Autodiff,
         checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -41,6 +41,13 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
                 let (x, w, sizes, recipe) = ops.state;
                 if let Some(node) = w_parent {
                     let dw = B::fp8_grouped_matmul_wgrad(grad.clone(), x, sizes.clone(), recipe);
+                    // A 2-D `[M, K]` weight (one group) gets its gradient in its own shape.
+                    let w_shape = w.shape();
+                    let dw = if w_shape.num_dims() == 2 {
+                        B::float_reshape(dw, w_shape)
+                    } else {
+                        dw
+                    };
                     grads.register::<B>(node.id, dw);
                 }
                 if let Some(node) = x_parent {

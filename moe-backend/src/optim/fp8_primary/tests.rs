@@ -1,18 +1,25 @@
 //! FP8 primary weights in `DistributedAdamW`: the cast-and-gather protocol against the
 //! single-rank cast of the gathered master (fp8.md §4 property), the one-byte parameter
-//! all-gather, and the lossless re-quantisation by the FP8 GEMMs.
+//! all-gather, the lossless re-quantisation by the FP8 GEMMs, packed parameters (codes and
+//! scales held by the module, shared with the optimizer) training bit-identically to decoded
+//! f32 ones, and the memory they hold.
 
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::LinearConfig;
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, bf16};
+use burn::tensor::activation::silu;
+use burn::tensor::{DType, Tensor, bf16};
 
 use super::*;
 use crate::comm::World;
+use crate::dispatch::TokenDispatcher;
 use crate::fp8::gemm::quantize_weights;
-use crate::fp8::quantize_blockwise;
+use crate::fp8::{fp8_linear_forward, param_storage_bytes, quantize_blockwise};
 use crate::layer::MoeLayer;
-use crate::optim::tests::{LR, STEPS, T, ad, batch, config, loss, rank_layer, reference_layer};
+use crate::optim::tests::{LR, STEPS, T, ad, batch, config, rank_layer, reference_layer};
 use crate::optim::{DistributedAdamW, MomentDtype};
 use crate::parallel::{GroupFamily, ParallelLayout};
+use crate::router::RouteOptions;
 use crate::testing::{tensor, values};
 
 fn slot(offset: usize, numel: usize) -> Fp8Slot {
@@ -78,11 +85,44 @@ fn full_master(shard: &crate::optim::distributed_adam::Shard) -> Vec<f32> {
     v
 }
 
+/// The packed FP8 weight each float parameter of a module holds (`None`: ordinary values).
+fn module_packed<M: Module>(module: &M) -> HashMap<ParamId, Option<PackedFp8>> {
+    struct Collect(HashMap<ParamId, Option<PackedFp8>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .insert(param.id, PackedFp8::from_tensor(&param.val()));
+        }
+    }
+    let mut c = Collect(HashMap::new());
+    module.visit(&mut c);
+    c.0
+}
+
 /// What one rank checks after a step: every FP8 weight equals the single-rank blockwise cast
-/// of its BF16-cast master (bytes and scales), the module holds the decoded values, and the
-/// FP8 GEMM's own quantisation of those values is lossless (pow2 scales).
+/// of its BF16-cast master (bytes and scales), the module holds those codes and scales (packed
+/// storage: the optimizer's very storage, no copy) or the decoded values, and the FP8 GEMM's
+/// own quantisation of those values is lossless (pow2 scales).
 fn check_rank(optim: &DistributedAdamW, layer: &MoeLayer, config: &Fp8PrimaryConfig, what: &str) {
     let fp8 = optim.fp8.as_ref().unwrap();
+    let held = module_packed(layer);
+    for (id, packed) in &held {
+        match (optim.packed_fp8_weight(*id), packed, config.storage) {
+            (Some(mine), Some(p), Fp8Storage::Packed) => {
+                assert_eq!(mine.grid(), p.grid(), "{what}: grid of {id}");
+                assert!(
+                    std::ptr::eq(mine.codes().as_ptr(), p.codes().as_ptr()),
+                    "{what}: the module's FP8 codes of {id} are not the optimizer's storage"
+                );
+            }
+            (Some(_), None, Fp8Storage::Decoded) | (None, None, _) => {}
+            (mine, p, storage) => panic!(
+                "{what}: parameter {id}: optimizer FP8 {}, module packed {} under {storage:?}",
+                mine.is_some(),
+                p.is_some()
+            ),
+        }
+    }
     let (dense_vals, expert_vals) = optim.table().flatten_values(layer).unwrap();
     for (shard, slots, vals) in [
         (&optim.dense, &fp8.dense, &dense_vals),
@@ -167,13 +207,59 @@ fn check_rank(optim: &DistributedAdamW, layer: &MoeLayer, config: &Fp8PrimaryCon
     }
 }
 
-fn run(world: usize, spec: &str, config: Fp8PrimaryConfig) {
+/// The FP8 recipe the test layers compute with: the primary weights' square blocks (4×4 for
+/// non-square ones, whose packed weights the GEMMs then re-quantise from their decoded values).
+fn recipe_for(config: &Fp8PrimaryConfig) -> Fp8Recipe {
+    let b = if config.block[0] == config.block[1] {
+        config.block[0]
+    } else {
+        4
+    };
+    Fp8Recipe::new()
+        .with_block_size(b)
+        .with_pow2_scales(config.pow2_scales)
+}
+
+/// `sum(layer(x) · w)` with every FP8 primary weight consumed by the FP8 GEMMs: the routed
+/// experts (the layer's recipe) and the shared experts' linears (`fp8_linear_forward`).
+fn fp8_loss(
+    layer: &MoeLayer,
+    x: Tensor<2>,
+    w: Tensor<2>,
+    d: &dyn TokenDispatcher,
+    recipe: &Fp8Recipe,
+) -> Tensor<1> {
+    let routed = MoeLayer {
+        shared_experts: None,
+        ..layer.clone()
+    };
+    let state = layer.router.init_state();
+    let mut out = routed
+        .forward_with(x.clone(), &state, &RouteOptions::default(), d)
+        .unwrap()
+        .output;
+    if let Some(s) = &layer.shared_experts {
+        let z = silu(fp8_linear_forward(&s.gate_proj, x.clone(), recipe))
+            * fp8_linear_forward(&s.up_proj, x, recipe);
+        out = out + fp8_linear_forward(&s.down_proj, z, recipe);
+    }
+    (out * w).sum()
+}
+
+/// What a rank's run saw: the loss bits of every step, and the flat `(dense, expert)`
+/// parameter values (decoded) after enabling and after every step.
+type RunTrace = (Vec<u32>, Vec<(Vec<f32>, Vec<f32>)>);
+
+/// Trains `STEPS` steps from `reference` under `world` ranks of `spec` with FP8 primary
+/// weights of `config`, checking every rank after enabling and after every step.
+fn run(world: usize, spec: &str, config: Fp8PrimaryConfig, reference: &MoeLayer) -> Vec<RunTrace> {
     let layout = ParallelLayout::parse(world, spec).unwrap();
-    let reference = reference_layer();
-    let (layout_ref, reference_ref) = (&layout, &reference);
+    let recipe = recipe_for(&config);
+    let (layout_ref, reference_ref) = (&layout, reference);
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
         let (dispatcher, layer) = rank_layer(&pg, layout_ref, reference_ref)?;
+        let layer = layer.with_fp8_experts(Some(recipe))?;
         let mut optim = DistributedAdamW::new(
             &layer,
             &pg,
@@ -183,6 +269,7 @@ fn run(world: usize, spec: &str, config: Fp8PrimaryConfig) {
         let mut layer = optim.enable_fp8_primary_weights(layer, config, &select)?;
         let what = format!("world {world} `{spec}` {config:?} rank {}", ctx.rank());
         check_rank(&optim, &layer, &config, &format!("{what} init"));
+        let mut trace: RunTrace = (Vec::new(), vec![optim.table().flatten_values(&layer)?]);
         for step in 0..STEPS {
             let r = ctx.rank();
             let x = tensor(
@@ -197,16 +284,20 @@ fn run(world: usize, spec: &str, config: Fp8PrimaryConfig) {
                 &ad(),
                 DType::F32,
             );
-            let grads =
-                GradientsParams::from_grads(loss(&layer, x, w, &dispatcher).backward(), &layer);
+            let loss = fp8_loss(&layer, x, w, &dispatcher, &recipe);
+            trace.0.push(loss.clone().into_scalar::<f32>().to_bits());
+            let grads = GradientsParams::from_grads(loss.backward(), &layer);
             layer = optim.step(LR, layer, grads)?.0;
             check_rank(&optim, &layer, &config, &format!("{what} step {step}"));
+            trace.1.push(optim.table().flatten_values(&layer)?);
         }
-        Ok(())
+        Ok(trace)
     });
-    for (r, res) in results.into_iter().enumerate() {
-        res.unwrap_or_else(|e| panic!("world {world} `{spec}` rank {r}: {e}"));
-    }
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("world {world} `{spec}` rank {r}: {e}")))
+        .collect()
 }
 
 /// fp8.md §4 property through the optimizer: for DistOpt groups of 1–4 ranks (EDP 1, 2, 3, 4;
@@ -218,6 +309,7 @@ fn fp8_primary_weights_equal_the_unsharded_cast_under_any_group_size() {
         let config = Fp8PrimaryConfig {
             block,
             pow2_scales: pow2,
+            storage: Fp8Storage::Packed,
         };
         for (world, spec) in [
             (1, ""),
@@ -227,8 +319,87 @@ fn fp8_primary_weights_equal_the_unsharded_cast_under_any_group_size() {
             (4, "ep=2"),
             (4, "ep=2,etp=2"),
         ] {
-            run(world, spec, config);
+            run(world, spec, config, &reference_layer());
         }
+    }
+}
+
+/// Packed FP8 primary parameters (the module holds the E4M3 codes and block scales, which the
+/// FP8 GEMMs use as they are) train bit-identically to the decoded-f32 emulation (the module
+/// holds `decode(q) · scale_inv` as f32 and the GEMMs re-quantise it): the same loss bits at
+/// every step and the same parameters, under several layouts — with the GEMMs' blocks equal to
+/// the primary blocks (the packed codes used directly) and with other blocks (decoded and
+/// re-quantised in both).
+#[test]
+fn packed_fp8_primary_weights_train_bit_identically_to_decoded_ones() {
+    for (block, pow2) in [([4, 4], true), ([3, 5], false)] {
+        for (world, spec) in [(1, ""), (2, "ep=2"), (4, "ep=2")] {
+            let config = Fp8PrimaryConfig {
+                block,
+                pow2_scales: pow2,
+                storage: Fp8Storage::Packed,
+            };
+            let start = reference_layer();
+            let packed = run(world, spec, config, &start);
+            let decoded = run(
+                world,
+                spec,
+                config.with_storage(Fp8Storage::Decoded),
+                &start,
+            );
+            for (r, (p, d)) in packed.iter().zip(&decoded).enumerate() {
+                let what = format!("{block:?} world {world} `{spec}` rank {r}");
+                assert_eq!(p.0, d.0, "{what}: losses");
+                assert!(p.0.iter().all(|b| f32::from_bits(*b).is_finite()), "{what}");
+                for (step, (a, b)) in p.1.iter().zip(&d.1).enumerate() {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&a.0), bits(&b.0), "{what}: dense values at {step}");
+                    assert_eq!(bits(&a.1), bits(&b.1), "{what}: expert values at {step}");
+                }
+            }
+        }
+    }
+}
+
+/// The weight memory a module holds for an FP8-eligible layer (routed experts `[E, 2F, H]` /
+/// `[E, H, F]`, a dense linear), measured from its parameters' storage: f32 before, packed FP8
+/// primary weights after, against the BF16 reference (two bytes per element). The saving must
+/// be at least 45% of the BF16 bytes (E4M3 is one byte plus one f32 scale per block).
+#[test]
+fn packed_fp8_primary_weights_hold_under_55_percent_of_bf16_bytes() {
+    let (h, f, e, b) = (256, 128, 4, 128);
+    let layout = ParallelLayout::parse(1, "").unwrap();
+    let res = World::run(1, |ctx| {
+        let pg = ctx.process_groups(&layout)?;
+        let router = crate::router::TopKRouterConfig::new(h, e, 2);
+        let layer = crate::layer::MoeLayerConfig::new(router, f).init(&ad())?;
+        let linear = LinearConfig::new(h, 2 * h).with_bias(false).init(&ad());
+        let recipe = Fp8Recipe::new().with_block_size(b);
+        let config = Fp8PrimaryConfig::from_recipe(&recipe);
+        let mut out = Vec::new();
+        // The experts of an MoE layer.
+        let before = param_storage_bytes(&layer.experts);
+        let mut optim = DistributedAdamW::new(&layer, &pg, ctx.world()?, Default::default())?;
+        let layer = optim.enable_fp8_primary_weights(layer, config, &Fp8ParamLayout::experts)?;
+        out.push((e * 3 * f * h, before, param_storage_bytes(&layer.experts)));
+        // A dense linear.
+        let before = param_storage_bytes(&linear);
+        let mut optim = DistributedAdamW::new(&linear, &pg, ctx.world()?, Default::default())?;
+        let linear = optim.enable_fp8_primary_weights(linear, config, &Fp8ParamLayout::linear)?;
+        out.push((2 * h * h, before, param_storage_bytes(&linear)));
+        Ok(out)
+    });
+    for (numel, before, after) in res.into_iter().next().unwrap().unwrap() {
+        let bf16 = 2 * numel;
+        let saving = 1.0 - after as f64 / bf16 as f64;
+        println!(
+            "{numel} weights: f32 {before} B, BF16 reference {bf16} B, packed FP8 {after} B, \
+             saving {:.1}% of BF16",
+            100.0 * saving
+        );
+        assert_eq!(before, 4 * numel);
+        assert!(after > numel, "codes and scales are stored");
+        assert!(saving >= 0.45, "saving {saving}");
     }
 }
 
@@ -255,6 +426,7 @@ fn fp8_parameter_gather_sends_one_byte_per_element() {
         let config = Fp8PrimaryConfig {
             block: [8, 8],
             pow2_scales: true,
+            storage: Fp8Storage::Packed,
         };
         let before = comm.traffic().bytes_sent;
         let _ = optim.enable_fp8_primary_weights(layer, config, &Fp8ParamLayout::experts)?;
@@ -280,7 +452,7 @@ fn fp8_parameter_gather_sends_one_byte_per_element() {
     }
 }
 
-/// Loaded FP8 weights are checked against their parameter's grid.
+/// Loaded FP8 weights are checked against their parameter's grid, and applied to the module.
 #[test]
 fn set_fp8_weights_checks_grids() {
     let layer = reference_layer();
@@ -299,15 +471,28 @@ fn set_fp8_weights_checks_grids() {
         let config = Fp8PrimaryConfig {
             block: [4, 4],
             pow2_scales: true,
+            storage: Fp8Storage::Packed,
         };
         let layer2 =
             optim.enable_fp8_primary_weights(layer.clone(), config, &Fp8ParamLayout::experts)?;
-        let good = optim.fp8_weight(id).cloned().unwrap();
+        let good = optim.fp8_weight(id).unwrap();
         let wrong = optim.set_fp8_weights(HashMap::from([(id, bad)]));
         let router =
             optim.set_fp8_weights(HashMap::from([(layer2.router.weight.id, good.clone())]));
-        let ok = optim.set_fp8_weights(HashMap::from([(id, good)]));
-        Ok((off.is_err(), wrong.is_err(), router.is_err(), ok.is_ok()))
+        // Loaded weights (here: other codes) reach the module's packed parameter on apply.
+        let mut loaded = good.clone();
+        loaded.data.iter_mut().for_each(|q| *q ^= 1);
+        let ok = optim.set_fp8_weights(HashMap::from([(id, loaded.clone())]));
+        let layer3 = optim.apply_fp8_weights(layer2)?;
+        let held = PackedFp8::from_tensor(&layer3.experts.fc1.val()).expect("packed");
+        let applied = held.codes() == &loaded.data[..] && held.scale_inv() == loaded.scale_inv;
+        let same = optim.fp8_weight(id) == Some(loaded);
+        Ok((
+            off.is_err(),
+            wrong.is_err(),
+            router.is_err(),
+            ok.is_ok() && applied && same,
+        ))
     });
     assert_eq!(res[0].as_ref().unwrap(), &(true, true, true, true));
 }
