@@ -8,6 +8,7 @@
 
 mod groups;
 mod layout;
+pub mod pipeline;
 mod replicate;
 mod router_sync;
 pub mod schedule;

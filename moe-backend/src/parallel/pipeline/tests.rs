@@ -1,0 +1,422 @@
+//! The executor against the one-rank run of the same micro-batches (bit for bit), the
+//! transfer-order check, and the stage splits against their definitions.
+
+use std::collections::BTreeMap;
+
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::*;
+use crate::comm::World;
+use crate::testing::SplitMix;
+
+const WIDTH: usize = 8;
+const ROWS: usize = 3;
+
+fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// `layers` linear layers with seeded weights (the same on every rank).
+fn chain(layers: usize, device: &Device) -> Vec<Linear> {
+    let mut rng = SplitMix::new(7);
+    (0..layers)
+        .map(|_| {
+            let mut layer = LinearConfig::new(WIDTH, WIDTH).init(device);
+            let w: Vec<f32> = (0..WIDTH * WIDTH)
+                .map(|_| rng.uniform(-0.5, 0.5) as f32)
+                .collect();
+            let b: Vec<f32> = (0..WIDTH).map(|_| rng.uniform(-0.1, 0.1) as f32).collect();
+            layer.weight = layer.weight.map(|_| {
+                Tensor::from_data(TensorData::new(w.clone(), [WIDTH, WIDTH]), device).require_grad()
+            });
+            layer.bias = layer.bias.map(|p| {
+                p.map(|_| {
+                    Tensor::from_data(TensorData::new(b.clone(), [WIDTH]), device).require_grad()
+                })
+            });
+            layer
+        })
+        .collect()
+}
+
+/// Micro-batch `m`'s input and target.
+fn data(m: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let mut rng = SplitMix::new(100 + m as u64);
+    let x: Vec<f32> = (0..ROWS * WIDTH)
+        .map(|_| rng.uniform(-1.0, 1.0) as f32)
+        .collect();
+    let y: Vec<f32> = (0..ROWS * WIDTH)
+        .map(|_| rng.uniform(-1.0, 1.0) as f32)
+        .collect();
+    (
+        Tensor::from_data(TensorData::new(x, [ROWS, WIDTH]), device),
+        Tensor::from_data(TensorData::new(y, [ROWS, WIDTH]), device),
+    )
+}
+
+fn block(layer: &Linear, x: Tensor<2>) -> Tensor<2> {
+    layer.forward(x).tanh()
+}
+
+/// The objective of one micro-batch out of `m`.
+fn loss(out: Tensor<2>, target: Tensor<2>, m: usize) -> Tensor<1> {
+    (out - target).powi_scalar(2).mean().div_scalar(m as f64)
+}
+
+/// Per layer, the weight and bias gradients summed over the micro-batches, as bits.
+type Grads = BTreeMap<usize, (Vec<u32>, Vec<u32>)>;
+
+fn bits<const D: usize>(t: Tensor<D>) -> Vec<u32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32")
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+/// Adds `layer`'s gradients in `grads` to `sums[l]`.
+fn accumulate(
+    sums: &mut BTreeMap<usize, (Tensor<2>, Tensor<1>)>,
+    l: usize,
+    layer: &Linear,
+    grads: &Gradients,
+) {
+    let w = layer.weight.val().grad(grads).expect("weight gradient");
+    let b = layer
+        .bias
+        .as_ref()
+        .and_then(|b| b.val().grad(grads))
+        .expect("bias gradient");
+    let entry = match sums.remove(&l) {
+        Some((sw, sb)) => (sw + w, sb + b),
+        None => (w, b),
+    };
+    sums.insert(l, entry);
+}
+
+fn finish(sums: BTreeMap<usize, (Tensor<2>, Tensor<1>)>) -> Grads {
+    sums.into_iter()
+        .map(|(l, (w, b))| (l, (bits(w), bits(b))))
+        .collect()
+}
+
+/// One rank, every layer, micro-batches one after the other.
+fn reference(layers: usize, microbatches: usize) -> Grads {
+    let device = device();
+    let chain = chain(layers, &device);
+    let mut sums = BTreeMap::new();
+    for m in 0..microbatches {
+        let (x, target) = data(m, &device);
+        let out = chain.iter().fold(x, |h, layer| block(layer, h));
+        let grads = loss(out, target, microbatches).backward();
+        for (l, layer) in chain.iter().enumerate() {
+            accumulate(&mut sums, l, layer, &grads);
+        }
+    }
+    finish(sums)
+}
+
+/// A pipeline rank's chunks of the chain.
+struct ChainStage {
+    split: PipelineSplit,
+    rank: usize,
+    chain: Vec<Linear>,
+    microbatches: usize,
+    sums: BTreeMap<usize, (Tensor<2>, Tensor<1>)>,
+    device: Device,
+}
+
+impl PipelineStage<2> for ChainStage {
+    type Error = BackendError;
+
+    fn activation_shape(&self, _microbatch: usize) -> [usize; 2] {
+        [ROWS, WIDTH]
+    }
+
+    fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    fn forward(
+        &mut self,
+        chunk: usize,
+        microbatch: usize,
+        input: Option<Tensor<2>>,
+    ) -> Result<StageOutput<2>> {
+        let parts = self.split.parts(self.rank, chunk).expect("chunk").clone();
+        let (x, target) = data(microbatch, &self.device);
+        let mut h = match (input, parts.embedding) {
+            (None, true) => x,
+            (Some(h), false) => h,
+            _ => panic!("virtual stage 0 (and only it) reads the micro-batch"),
+        };
+        for l in parts.layers {
+            h = block(&self.chain[l], h);
+        }
+        Ok(if parts.loss {
+            StageOutput::Loss(loss(h, target, self.microbatches))
+        } else {
+            StageOutput::Activation(h)
+        })
+    }
+
+    fn backward_done(&mut self, chunk: usize, _microbatch: usize, grads: Gradients) -> Result<()> {
+        let parts = self.split.parts(self.rank, chunk).expect("chunk").clone();
+        for l in parts.layers {
+            accumulate(&mut self.sums, l, &self.chain[l], &grads);
+        }
+        Ok(())
+    }
+}
+
+/// Every pipeline rank's run and gradients (the union over ranks covers every layer once).
+fn pipelined(
+    layers: usize,
+    split: &PipelineSplit,
+    schedule: &PipelineSchedule,
+) -> (Grads, Vec<PipelineRun>, Vec<u64>) {
+    let pp = schedule.pp();
+    let out = World::run(pp, |ctx| {
+        let ranks: Vec<usize> = (0..pp).collect();
+        let channels = PipelineChannels {
+            activations: ctx.group("pp_activations", &ranks)?,
+            gradients: ctx.group("pp_gradients", &ranks)?,
+        };
+        let device = device();
+        let mut stage = ChainStage {
+            split: split.clone(),
+            rank: ctx.rank(),
+            chain: chain(layers, &device),
+            microbatches: schedule.microbatches(),
+            sums: BTreeMap::new(),
+            device,
+        };
+        let run = run_pipeline(schedule, ctx.rank(), &channels, &mut stage)?;
+        let bytes =
+            channels.activations.traffic().bytes_sent + channels.gradients.traffic().bytes_sent;
+        Ok((finish(stage.sums), run, bytes))
+    });
+    let mut grads = Grads::new();
+    let mut runs = Vec::new();
+    let mut bytes = Vec::new();
+    for (rank, result) in out.into_iter().enumerate() {
+        let (g, run, b) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        for (l, v) in g {
+            assert!(grads.insert(l, v).is_none(), "layer {l} on two ranks");
+        }
+        runs.push(run);
+        bytes.push(b);
+    }
+    (grads, runs, bytes)
+}
+
+fn check(layers: usize, split: PipelineSplit, schedule: PipelineSchedule) {
+    let m = schedule.microbatches();
+    let want = reference(layers, m);
+    let (got, runs, bytes) = pipelined(layers, &split, &schedule);
+    assert_eq!(got.len(), layers);
+    for (l, g) in &want {
+        assert_eq!(
+            got.get(l),
+            Some(g),
+            "layer {l}: gradients differ from one rank"
+        );
+    }
+    let stages = schedule.pp() * schedule.vpp();
+    let per_message = (ROWS * WIDTH * 4) as u64;
+    for (rank, run) in runs.iter().enumerate() {
+        assert_eq!(run.forwards, m * schedule.vpp());
+        assert_eq!(run.backwards, m * schedule.vpp());
+        assert_eq!(
+            run.peak_in_flight,
+            schedule.max_in_flight(rank),
+            "rank {rank}"
+        );
+        // Every virtual stage but the last sends each micro-batch's activation forward, and
+        // every one but the first its input gradient back.
+        let sends: u64 = (0..schedule.vpp())
+            .map(|c| {
+                let v = schedule.virtual_stage(rank, c);
+                u64::from(v + 1 < stages) + u64::from(v > 0)
+            })
+            .sum();
+        assert_eq!(
+            bytes[rank],
+            sends * m as u64 * per_message,
+            "rank {rank} bytes"
+        );
+    }
+}
+
+#[test]
+fn one_f_one_b_equals_one_rank_bit_for_bit() {
+    check(
+        4,
+        PipelineSplit::even(4, 0, 2, 1).unwrap(),
+        PipelineSchedule::one_f_one_b(2, 4).unwrap(),
+    );
+    // More stages than micro-batches leaves ranks idle in the warm-up.
+    check(
+        6,
+        PipelineSplit::even(6, 0, 3, 1).unwrap(),
+        PipelineSchedule::one_f_one_b(3, 2).unwrap(),
+    );
+}
+
+#[test]
+fn uneven_stages_equal_one_rank_bit_for_bit() {
+    check(
+        7,
+        PipelineSplit::parse("Et|t*3|t*2|tL", 7, 0, 4, 1).unwrap(),
+        PipelineSchedule::one_f_one_b(4, 5).unwrap(),
+    );
+}
+
+#[test]
+fn interleaved_stages_equal_one_rank_bit_for_bit() {
+    check(
+        8,
+        PipelineSplit::even(8, 0, 2, 2).unwrap(),
+        PipelineSchedule::interleaved(2, 2, 4).unwrap(),
+    );
+    // The embedding on a stage of its own, uneven chunks, 4 ranks × 2 chunks.
+    check(
+        9,
+        PipelineSplit::parse("E|t*2|t|t|(t|)*3t*2L", 9, 0, 4, 2).unwrap(),
+        PipelineSchedule::interleaved(4, 2, 8).unwrap(),
+    );
+}
+
+#[test]
+fn a_custom_order_whose_messages_cross_is_refused() {
+    let order = vec![
+        vec![
+            Action::forward(0, 0),
+            Action::forward(1, 0),
+            Action::backward(1, 0),
+            Action::backward(0, 0),
+        ],
+        vec![
+            Action::forward(0, 0),
+            Action::backward(0, 0),
+            Action::forward(1, 0),
+            Action::backward(1, 0),
+        ],
+    ];
+    let schedule = PipelineSchedule::from_actions(2, 1, 2, order).unwrap();
+    let err = check_transfer_order(&schedule).unwrap_err().to_string();
+    assert!(
+        err.contains("pipeline rank 0 receives the gradients of rank 1 in another order"),
+        "{err}"
+    );
+    // Megatron's schedules pass.
+    for (pp, vpp, m) in [(2, 1, 3), (4, 1, 8), (2, 2, 4), (4, 3, 8), (3, 2, 6)] {
+        check_transfer_order(&PipelineSchedule::interleaved(pp, vpp, m).unwrap()).unwrap();
+    }
+}
+
+#[test]
+fn even_split_holds_each_part_once() {
+    let split = PipelineSplit::even(8, 1, 2, 2).unwrap();
+    let stages = split.stages();
+    assert_eq!(stages.len(), 4);
+    assert!(stages[0].embedding && !stages[1].embedding);
+    assert!(stages[3].loss && !stages[2].loss);
+    assert_eq!(stages[3].mtp, 0..1);
+    assert_eq!(stages[2].mtp.len(), 0);
+    assert_eq!(
+        stages.iter().map(|s| s.layers.clone()).collect::<Vec<_>>(),
+        vec![0..2, 2..4, 4..6, 6..8]
+    );
+    // Rank 1 holds virtual stages 1 and 3.
+    assert_eq!(split.rank_layers(1), vec![2, 3, 6, 7]);
+    assert_eq!(split.parts(0, 1), Some(&stages[2]));
+    assert_eq!(split.parts(2, 0), None);
+}
+
+#[test]
+fn megatron_layouts_parse() {
+    // DeepSeek-V3's style: embedding with 3 layers, then pairs, MTP with the loss.
+    let split = PipelineSplit::parse("Et*3|(tt|)*3t m L", 10, 1, 5, 1).unwrap();
+    let layers: Vec<_> = split.stages().iter().map(|s| s.layers.clone()).collect();
+    assert_eq!(layers, vec![0..3, 3..5, 5..7, 7..9, 9..10]);
+    assert_eq!(split.stages()[4].mtp, 0..1);
+    assert!(split.stages()[4].loss);
+    // Empty stages are allowed (a rank's chunk with nothing but the pass-through).
+    let split = PipelineSplit::parse("E|t*4|t*4|L", 8, 0, 2, 2).unwrap();
+    assert_eq!(split.stages()[3].layers.len(), 0);
+    assert_eq!(split.stages()[0].layers.len(), 0);
+}
+
+#[test]
+fn impossible_splits_are_refused_naming_the_field() {
+    let cases = [
+        (
+            PipelineSplit::even(3, 0, 4, 1),
+            "pp",
+            "every stage needs a layer",
+        ),
+        (PipelineSplit::even(6, 0, 4, 1), "pp", "do not split evenly"),
+        (PipelineSplit::even(4, 0, 2, 0), "vpp", "at least 1"),
+        (
+            PipelineSplit::parse("Et*2|t*2L", 5, 0, 2, 1),
+            "pipeline_layout",
+            "places 4 decoder layers, the model has 5",
+        ),
+        (
+            PipelineSplit::parse("Et*2|t*2|tL", 5, 0, 2, 1),
+            "pipeline_layout",
+            "has 3 stages, pp = 2 × vpp = 1 needs 2",
+        ),
+        (
+            PipelineSplit::parse("Et*2L|t*2", 4, 0, 2, 1),
+            "pipeline_layout",
+            "`L` must be on the last virtual stage",
+        ),
+        (
+            PipelineSplit::parse("t*2|Et*2L", 4, 0, 2, 1),
+            "pipeline_layout",
+            "`E` must open virtual stage 0",
+        ),
+        (
+            PipelineSplit::parse("Et*2m|t*2L", 4, 1, 2, 1),
+            "pipeline_layout",
+            "MTP modules must be on the last virtual stage",
+        ),
+        (
+            PipelineSplit::parse("Et*2|t*2L", 4, 1, 2, 1),
+            "pipeline_layout",
+            "places 0 MTP modules, the model has 1",
+        ),
+        (
+            PipelineSplit::parse("Et*2|(t*2L", 4, 0, 2, 1),
+            "pipeline_layout",
+            "never closed",
+        ),
+        (
+            PipelineSplit::parse("Et*2|t*xL", 4, 0, 2, 1),
+            "pipeline_layout",
+            "followed by a count",
+        ),
+        (
+            PipelineSplit::parse("Et*2|t*2Lq", 4, 0, 2, 1),
+            "pipeline_layout",
+            "unknown symbol `q`",
+        ),
+    ];
+    for (result, field, detail) in cases {
+        match result {
+            Err(BackendError::Config {
+                field: f,
+                detail: d,
+            }) => {
+                assert_eq!(f, field, "{d}");
+                assert!(d.contains(detail), "{d}");
+            }
+            other => panic!("expected a `{field}` error with `{detail}`, got {other:?}"),
+        }
+    }
+}
