@@ -276,6 +276,9 @@ pub struct TrainerConfig {
     /// [`ParallelContext::set_recompute`](crate::distributed::ParallelContext::set_recompute)).
     /// Changes memory, never results: the gradients are bit-identical.
     pub recompute: Recompute,
+    /// Megatron's `moe_shared_expert_overlap`: each MoE layer's shared experts run while its
+    /// token dispatch is in flight (forward pass; results bit-identical). Default off.
+    pub moe_shared_expert_overlap: bool,
 }
 
 impl Default for TrainerConfig {
@@ -301,6 +304,7 @@ impl Default for TrainerConfig {
             fp8_linears: false,
             fp8_primary_weights: false,
             recompute: Recompute::None,
+            moe_shared_expert_overlap: false,
         }
     }
 }
@@ -394,6 +398,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
         }
         model.set_router_losses(aux_losses, z_loss)?;
         model.set_recompute(config.recompute.clone())?;
+        model
+            .context_mut()
+            .set_shared_expert_overlap(config.moe_shared_expert_overlap);
         // Gradient classes from the model's parallel plan (an unplanned parameter is an error
         // here, before any optimizer state exists).
         let classes = model.model().param_classes()?;

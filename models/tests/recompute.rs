@@ -199,3 +199,23 @@ fn recompute_modules_that_would_save_nothing_are_refused() {
         );
     }
 }
+
+/// Megatron's `moe_shared_expert_overlap` (DeepSeek-V3's shared experts computed while the
+/// tokens are dispatched, on its own and with `shared_experts` recompute) trains bit for bit
+/// as the sequential layer, under one rank and `tp=2,ep=4`.
+#[test]
+fn shared_expert_overlap_gives_bit_identical_training() {
+    let device = Device::flex().autodiff();
+    let start = deepseek(&device);
+    for spec in [(1, ""), (4, "tp=2,ep=4")] {
+        let plain = train(&start, device.clone(), spec, TrainerConfig::default());
+        for recompute in ["none", "shared_experts"] {
+            let config = TrainerConfig {
+                moe_shared_expert_overlap: true,
+                ..recomputing(recompute)
+            };
+            let got = train(&start, device.clone(), spec, config);
+            assert!(got == plain, "{spec:?} overlap with recompute {recompute}");
+        }
+    }
+}

@@ -151,6 +151,25 @@ impl MoeLayer {
         dispatcher: &dyn TokenDispatcher,
         recompute: MoeRecompute,
     ) -> crate::Result<MoeLayerOutput> {
+        let execution = MoeExecution {
+            recompute,
+            ..MoeExecution::default()
+        };
+        self.forward_executing(x, state, options, dispatcher, &execution)
+    }
+
+    /// [`forward_with`](MoeLayer::forward_with) run as `execution` says: recompute, and the
+    /// shared experts overlapping the token dispatch (Megatron's `moe_shared_expert_overlap`:
+    /// the dispatcher's communication runs on a scoped thread while this thread computes the
+    /// shared experts; the result is the same bit for bit).
+    pub fn forward_executing(
+        &self,
+        x: Tensor<2>,
+        state: &RouterState,
+        options: &RouteOptions<'_>,
+        dispatcher: &dyn TokenDispatcher,
+        execution: &MoeExecution<'_>,
+    ) -> crate::Result<MoeLayerOutput> {
         let local = dispatcher.local_experts();
         if local.len() != self.experts.num_experts() {
             return Err(BackendError::Config {
@@ -163,12 +182,56 @@ impl MoeLayer {
             });
         }
         let routing = self.router.forward(x.clone(), state, options)?;
-        // The router already applied capacity (dropping and padding) to the map.
-        let dispatched = dispatcher.dispatch(
-            x.clone(),
-            routing.probs.clone(),
-            routing.routing_map.clone(),
-        )?;
+        let recompute = execution.recompute;
+        let event = |e: OverlapEvent| {
+            if let Some(observer) = execution.observer {
+                observer.event(e);
+            }
+        };
+        let shared = |x: Tensor<2>| -> Option<Tensor<2>> {
+            let shared = self.shared_experts.as_ref()?;
+            event(OverlapEvent::SharedStart);
+            let out = if recompute.shared_experts {
+                crate::recompute::recompute_module(shared, x, |m: &SharedExperts, x| m.forward(x))
+            } else {
+                shared.forward(x)
+            };
+            event(OverlapEvent::SharedEnd);
+            Some(out)
+        };
+        let dispatch = || {
+            event(OverlapEvent::DispatchStart);
+            // The router already applied capacity (dropping and padding) to the map.
+            let dispatched = dispatcher.dispatch(
+                x.clone(),
+                routing.probs.clone(),
+                routing.routing_map.clone(),
+            );
+            event(OverlapEvent::DispatchEnd);
+            dispatched
+        };
+        let (dispatched, shared_out) =
+            if execution.overlap_shared_experts && self.shared_experts.is_some() {
+                std::thread::scope(|scope| {
+                    let moving = std::thread::Builder::new()
+                        .name("moe-dispatch".into())
+                        .spawn_scoped(scope, dispatch)
+                        .map_err(|e| BackendError::Config {
+                            field: "overlap_shared_experts",
+                            detail: format!("cannot start the dispatch thread: {e}"),
+                        })?;
+                    let shared_out = shared(x.clone());
+                    let dispatched = moving.join().unwrap_or_else(|payload| {
+                        // A panic in the dispatcher is the dispatcher's: raise it here.
+                        std::panic::resume_unwind(payload)
+                    });
+                    Ok::<_, BackendError>((dispatched, shared_out))
+                })?
+            } else {
+                let dispatched = dispatch();
+                (dispatched, None)
+            };
+        let dispatched = dispatched?;
         let expert_out = self.experts.forward_recomputing(
             dispatched.rows,
             &dispatched.tokens_per_local_expert,
@@ -176,18 +239,57 @@ impl MoeLayer {
             recompute.activation,
         )?;
         let mut output = dispatcher.combine(expert_out, dispatched.state)?;
-        if let Some(shared) = &self.shared_experts {
-            output = output
-                + if recompute.shared_experts {
-                    crate::recompute::recompute_module(shared, x, |m: &SharedExperts, x| {
-                        m.forward(x)
-                    })
-                } else {
-                    shared.forward(x)
-                };
+        let shared_out = match shared_out {
+            Some(out) => Some(out),
+            None => shared(x),
+        };
+        if let Some(shared_out) = shared_out {
+            output = output + shared_out;
         }
         Ok(MoeLayerOutput { output, routing })
     }
+}
+
+/// How an MoE layer's forward runs ([`MoeLayer::forward_executing`]).
+#[derive(Clone, Copy, Default)]
+pub struct MoeExecution<'a> {
+    /// What the layer recomputes in the backward pass.
+    pub recompute: MoeRecompute,
+    /// Megatron's `moe_shared_expert_overlap`: the shared experts run while the token
+    /// dispatch (permute and its communication) is in flight. The backward pass is not
+    /// overlapped.
+    pub overlap_shared_experts: bool,
+    /// Told when the dispatch and the shared experts start and end (tests, profiling).
+    pub observer: Option<&'a dyn OverlapObserver>,
+}
+
+impl std::fmt::Debug for MoeExecution<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoeExecution")
+            .field("recompute", &self.recompute)
+            .field("overlap_shared_experts", &self.overlap_shared_experts)
+            .field("observer", &self.observer.is_some())
+            .finish()
+    }
+}
+
+/// The points of an MoE forward an [`OverlapObserver`] is told about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverlapEvent {
+    /// The token dispatch starts (on the dispatch thread when overlapped).
+    DispatchStart,
+    /// The token dispatch has returned.
+    DispatchEnd,
+    /// The shared experts start.
+    SharedStart,
+    /// The shared experts' output is computed.
+    SharedEnd,
+}
+
+/// Receives the [`OverlapEvent`]s of an MoE forward (from the dispatch thread too).
+pub trait OverlapObserver: Sync {
+    /// One event.
+    fn event(&self, event: OverlapEvent);
 }
 
 /// What an MoE layer recomputes in the backward pass (Megatron's `moe_act` and

@@ -13,7 +13,7 @@ use moe_backend::comm::autograd::{
 };
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::dispatch::TokenDispatcher;
-use moe_backend::layer::{MoeLayer, MoeRecompute};
+use moe_backend::layer::{MoeExecution, MoeLayer, MoeRecompute};
 use moe_backend::parallel::tensor_parallel::{embed_vocab_parallel, vocab_parallel_cross_entropy};
 use moe_backend::parallel::{GroupCountReducer, GroupFamily};
 use moe_backend::recompute::recompute_module;
@@ -71,6 +71,8 @@ pub struct SpRuntime {
     global_aux: GlobalAuxCounts,
     /// The activations recomputed in the backward pass instead of kept.
     recompute: Recompute,
+    /// Megatron's `moe_shared_expert_overlap`: shared experts run while the tokens move.
+    shared_expert_overlap: bool,
 }
 
 /// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global
@@ -271,7 +273,16 @@ impl SpRuntime {
             replica: dp.index,
             replicas: dp.size(),
             recompute: Recompute::None,
+            shared_expert_overlap: false,
         })
+    }
+
+    /// Megatron's `moe_shared_expert_overlap`: each MoE layer's shared experts run while its
+    /// token dispatch is in flight (the dispatcher's communication on a scoped thread; the
+    /// forward only, results bit-identical; see
+    /// [`moe_backend::layer::MoeLayer::forward_executing`]).
+    pub fn set_shared_expert_overlap(&mut self, overlap: bool) {
+        self.shared_expert_overlap = overlap;
     }
 
     /// Recompute `recompute` in the backward pass instead of keeping those activations
@@ -646,8 +657,13 @@ impl SpRuntime {
             activation: self.recomputes(RecomputeModule::MoeAct),
             shared_experts: self.recomputes(RecomputeModule::SharedExperts),
         };
+        let execution = MoeExecution {
+            recompute,
+            overlap_shared_experts: self.shared_expert_overlap,
+            observer: None,
+        };
         let out = moe
-            .forward_recomputing(normed, &state, &options, self.dispatcher()?, recompute)
+            .forward_executing(normed, &state, &options, self.dispatcher()?, &execution)
             .map_err(err)?;
         if trace.record {
             let r = &out.routing;

@@ -215,3 +215,172 @@ fn invalid_layer_config_is_an_error() {
         Err(BackendError::Config { .. })
     ));
 }
+
+/// The events of one forward, with a condition variable the gated dispatcher waits on. With
+/// `hold_shared`, the shared experts start only once the dispatch has started.
+#[derive(Default)]
+struct EventLog {
+    events: std::sync::Mutex<Vec<OverlapEvent>>,
+    changed: std::sync::Condvar,
+    hold_shared: bool,
+}
+
+impl OverlapObserver for EventLog {
+    fn event(&self, event: OverlapEvent) {
+        let mut events = self.events.lock().unwrap();
+        if event == OverlapEvent::SharedStart && self.hold_shared {
+            events = self
+                .changed
+                .wait_timeout_while(events, std::time::Duration::from_secs(20), |e| {
+                    !e.contains(&OverlapEvent::DispatchStart)
+                })
+                .unwrap()
+                .0;
+        }
+        events.push(event);
+        self.changed.notify_all();
+    }
+}
+
+/// A dispatcher that starts moving tokens only once the shared experts are done. With an
+/// [`EventLog`] holding the shared experts until the dispatch has started, a forward can only
+/// finish when the two run at the same time (run one after the other, it times out).
+#[derive(Debug)]
+struct AfterShared<'a, D> {
+    inner: D,
+    log: &'a EventLog,
+}
+
+impl std::fmt::Debug for EventLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EventLog")
+    }
+}
+
+impl<D: TokenDispatcher> TokenDispatcher for AfterShared<'_, D> {
+    fn local_experts(&self) -> std::ops::Range<usize> {
+        self.inner.local_experts()
+    }
+
+    fn dispatch(
+        &self,
+        hidden: Tensor<2>,
+        probs: Tensor<2>,
+        routing_map: Tensor<2, burn::tensor::Bool>,
+    ) -> crate::Result<crate::dispatch::Dispatched> {
+        let events = self.log.events.lock().unwrap();
+        let (events, timeout) = self
+            .log
+            .changed
+            .wait_timeout_while(events, std::time::Duration::from_secs(20), |e| {
+                !e.contains(&OverlapEvent::SharedEnd)
+            })
+            .unwrap();
+        drop(events);
+        if timeout.timed_out() {
+            return Err(BackendError::Config {
+                field: "test",
+                detail: "the shared experts did not run while the dispatch waited".into(),
+            });
+        }
+        self.inner.dispatch(hidden, probs, routing_map)
+    }
+
+    fn combine(
+        &self,
+        expert_out: Tensor<2>,
+        state: crate::dispatch::CombineState,
+    ) -> crate::Result<Tensor<2>> {
+        self.inner.combine(expert_out, state)
+    }
+}
+
+#[test]
+fn shared_experts_overlap_the_dispatch_with_the_same_result() {
+    use crate::comm::World;
+    use crate::dispatch::AllToAllDispatcher;
+    use crate::parallel::{GroupFamily, ParallelLayout, replicate};
+
+    let (t, h, e, k, f) = (12, 8, 4, 2, 6);
+    let reference = MoeLayerConfig::new(TopKRouterConfig::new(h, e, k), f)
+        .with_shared_ffn_hidden_size(Some(5))
+        .init(&ad())
+        .expect("layer");
+    let layout = ParallelLayout::parse(2, "ep=2").unwrap();
+    let (layout, reference) = (&layout, &reference);
+    let out = World::run(2, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let dispatcher = AllToAllDispatcher::new(
+            pg.comm(GroupFamily::Ep).clone(),
+            pg.comm(GroupFamily::ExptTp).clone(),
+            pg.comm(GroupFamily::TpEp).clone(),
+            e,
+        )?;
+        let layer = MoeLayer {
+            router: replicate(&reference.router),
+            experts: reference.experts.shard(dispatcher.local_experts(), 0, 1)?,
+            shared_experts: reference.shared_experts.as_ref().map(replicate),
+        };
+        let mut rng = SplitMix::new(5 + ctx.rank() as u64);
+        let xv = rng.values(t * h);
+        let dy = rng.values(t * h);
+        let state = layer.router.init_state();
+        // Output, input gradient and the shared experts' weight gradient, as bits.
+        let run = |overlap: bool, gated: bool| -> crate::Result<(Vec<u64>, Vec<OverlapEvent>)> {
+            let log = EventLog {
+                hold_shared: gated,
+                ..EventLog::default()
+            };
+            let x = tensor(xv.clone(), [t, h], &ad(), DType::F32).require_grad();
+            let execution = MoeExecution {
+                overlap_shared_experts: overlap,
+                observer: Some(&log),
+                ..MoeExecution::default()
+            };
+            let gate = AfterShared {
+                inner: dispatcher.clone(),
+                log: &log,
+            };
+            let d: &dyn TokenDispatcher = if gated { &gate } else { &dispatcher };
+            let y = layer
+                .forward_executing(x.clone(), &state, &RouteOptions::default(), d, &execution)?
+                .output;
+            let grads = (y.clone() * tensor(dy.clone(), [t, h], &ad(), DType::F32))
+                .sum()
+                .backward();
+            let shared = layer.shared_experts.as_ref().expect("shared");
+            let mut bits: Vec<u64> = Vec::new();
+            for v in [
+                y.into_data(),
+                x.grad(&grads).expect("dx").into_data(),
+                shared
+                    .down_proj
+                    .weight
+                    .grad(&grads)
+                    .expect("dW")
+                    .into_data(),
+            ] {
+                bits.extend(v.iter::<f32>().map(|x| u64::from(x.to_bits())));
+            }
+            let events = log.events.lock().unwrap().clone();
+            Ok((bits, events))
+        };
+        let (plain, plain_events) = run(false, false)?;
+        let (overlapped, events) = run(true, true)?;
+        Ok((plain == overlapped, plain_events, events))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let (same, plain, overlapped) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(same, "rank {rank}: the overlapped layer differs");
+        use OverlapEvent::*;
+        assert_eq!(
+            plain,
+            vec![DispatchStart, DispatchEnd, SharedStart, SharedEnd]
+        );
+        // The dispatch started before the shared experts and ended after them.
+        assert_eq!(
+            overlapped,
+            vec![DispatchStart, SharedStart, SharedEnd, DispatchEnd]
+        );
+    }
+}

@@ -241,6 +241,10 @@ pub struct Args {
     /// Token dispatcher of the MoE layers.
     #[arg(long, value_enum, default_value_t = Dispatcher::AllToAll)]
     pub dispatcher: Dispatcher,
+    /// Run each MoE layer's shared experts while its token dispatch is in flight (Megatron's
+    /// `--moe-shared-expert-overlap`; forward pass, results bit-identical).
+    #[arg(long)]
+    pub moe_shared_expert_overlap: bool,
     /// Checkpoint root: the trainer (parameters, optimizer state, step) is saved there as
     /// `iter_*` directories with a `latest` pointer.
     #[arg(long, value_name = "DIR")]
@@ -334,6 +338,7 @@ fn job(args: &Args) -> TrainJob {
         });
     }
     trainer.recompute = args.recompute.modules.clone();
+    trainer.moe_shared_expert_overlap = args.moe_shared_expert_overlap;
     trainer.optimizer.epsilon = args.adam_eps as f32;
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
     TrainJob {
