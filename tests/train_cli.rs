@@ -465,9 +465,15 @@ fn context_parallel_training_matches_one_rank_and_resumes_across_cp() {
     let one = scratch("cp-one-rank");
     threads(&train_args(&one, "", 4, &extra));
     let (one_m, one_p) = (metrics(&one), params(&one));
-    for layout in ["world=2,cp=2", "world=8,tp=2,cp=2,ep=2"] {
+    // Keys and values all-gathered, then passed around the ring (`--cp-comm-type p2p`).
+    for (layout, comm) in [
+        ("world=2,cp=2", "all_gather"),
+        ("world=8,tp=2,cp=2,ep=2", "p2p"),
+    ] {
         let dir = scratch("cp-run");
-        threads(&train_args(&dir, layout, 4, &extra));
+        let mut args = extra.to_vec();
+        args.extend(["--cp-comm-type", comm]);
+        threads(&train_args(&dir, layout, 4, &args));
         assert_metrics_close(&metrics(&dir), &one_m, &format!("{layout} vs one rank"));
         assert_params_close(&params(&dir), &one_p, &format!("{layout} vs one rank"));
         let _ = std::fs::remove_dir_all(dir);

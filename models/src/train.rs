@@ -279,6 +279,9 @@ pub struct TrainerConfig {
     /// Megatron's `moe_shared_expert_overlap`: each MoE layer's shared experts run while its
     /// token dispatch is in flight (forward pass; results bit-identical). Default off.
     pub moe_shared_expert_overlap: bool,
+    /// How attention exchanges keys and values over the context-parallel group (Megatron's
+    /// `--cp-comm-type`): one all-gather (default) or around the ring (`p2p`).
+    pub cp_comm_type: crate::distributed::CpCommType,
 }
 
 impl Default for TrainerConfig {
@@ -305,6 +308,7 @@ impl Default for TrainerConfig {
             fp8_primary_weights: false,
             recompute: Recompute::None,
             moe_shared_expert_overlap: false,
+            cp_comm_type: crate::distributed::CpCommType::AllGather,
         }
     }
 }
@@ -401,6 +405,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         model
             .context_mut()
             .set_shared_expert_overlap(config.moe_shared_expert_overlap);
+        model.context_mut().set_cp_comm_type(config.cp_comm_type);
         // Gradient classes from the model's parallel plan (an unplanned parameter is an error
         // here, before any optimizer state exists).
         let classes = model.model().param_classes()?;

@@ -170,9 +170,16 @@ fn step_traffic_matches_the_planner() {
         (2, "cp=2", DispatcherKind::AllToAll),
         (8, "tp=2,cp=2,ep=2", DispatcherKind::AllToAll),
         (8, "cp=2,ep=4", DispatcherKind::AllToAll),
+        // Keys and values passed around the ring send what the all-gather sends.
+        (4, "cp=4;p2p", DispatcherKind::AllToAll),
+        (8, "tp=2,cp=2,ep=2;p2p", DispatcherKind::AllToAll),
     ];
     for (world, spec, kind) in cases {
-        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let (layout_spec, cp_comm_type) = match spec.strip_suffix(";p2p") {
+            Some(l) => (l, moe_models::distributed::CpCommType::P2p),
+            None => (spec, moe_models::distributed::CpCommType::AllGather),
+        };
+        let layout = ParallelLayout::parse(world, layout_spec).unwrap();
         let (full_ref, layout_ref, dev) = (&full, &layout, &device);
         let top_k = config.num_experts_per_tok;
         let results = World::run(world, |ctx| {
@@ -180,6 +187,7 @@ fn step_traffic_matches_the_planner() {
             let world_comm = ctx.world()?;
             let trainer_config = TrainerConfig {
                 dispatcher: kind,
+                cp_comm_type,
                 ..TrainerConfig::default()
             };
             let mut trainer = Trainer::new(full_ref, &pg, world_comm.clone(), trainer_config, dev)

@@ -12,7 +12,7 @@ use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::router::AuxLossType;
 use moe_backend::testing::XorShift64;
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
-use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
+use moe_models::distributed::{CausalLmShard, CpCommType, DispatcherKind, ParallelCausalLm};
 use moe_models::mtp::mtp_loss;
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::qwen3_moe::Qwen3MoeForCausalLM;
@@ -197,15 +197,19 @@ fn check<M: ParallelCausalLm + Sync>(
     aux: AuxLossType,
     loose: bool,
 ) {
-    let layout = ParallelLayout::parse(world, spec).expect("layout");
+    let (layout_spec, cp_comm_type) = cp_comm(spec);
+    let layout = ParallelLayout::parse(world, layout_spec).expect("layout");
     // The context-parallel ranks of a data-parallel replica share its batch.
     let replicas = layout.dp;
     let final_ref = &reference.final_model;
     let layout_ref = &layout;
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let mut trainer =
-            Trainer::new(start, &pg, ctx.world()?, config(eps, aux), &ad()).map_err(be)?;
+        let config = TrainerConfig {
+            cp_comm_type,
+            ..config(eps, aux)
+        };
+        let mut trainer = Trainer::new(start, &pg, ctx.world()?, config, &ad()).map_err(be)?;
         let replica = pg.groups.get(moe_backend::parallel::GroupFamily::Dp).index;
         let mut stats = Vec::new();
         for step in 0..STEPS {
@@ -384,14 +388,31 @@ fn qwen3_moe_training_with_real_defaults_matches_one_rank() {
 }
 
 /// Context parallelism (each sequence cut into `2·cp` chunks, two per rank, keys and values
-/// all-gathered along the sequence) alone and with TP, EP and DP: the same training run as
-/// `world=1` (losses, MTP losses, gradient norms, parameters, expert biases).
-const CP_LAYOUTS: [(usize, &str); 3] = [(2, "cp=2"), (8, "tp=2,cp=2,ep=2"), (8, "cp=2,ep=4")];
+/// all-gathered along the sequence, or passed around the ring with `;p2p`) alone and with TP,
+/// EP and DP: the same training run as `world=1` (losses, MTP losses, gradient norms,
+/// parameters, expert biases).
+const CP_LAYOUTS: [(usize, &str); 5] = [
+    (2, "cp=2"),
+    (8, "tp=2,cp=2,ep=2"),
+    (8, "cp=2,ep=4"),
+    (4, "cp=4;p2p"),
+    (8, "tp=2,cp=2,ep=2;p2p"),
+];
+
+/// A layout spec and the context-parallel exchange its `;p2p` suffix selects.
+fn cp_comm(spec: &str) -> (&str, CpCommType) {
+    match spec.strip_suffix(";p2p") {
+        Some(layout) => (layout, CpCommType::P2p),
+        None => (spec, CpCommType::AllGather),
+    }
+}
 
 fn cp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
     let mut references: Vec<(usize, Run<M>)> = Vec::new();
     for (world, spec) in CP_LAYOUTS {
-        let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
+        let replicas = ParallelLayout::parse(world, cp_comm(spec).0)
+            .expect("layout")
+            .dp;
         if !references.iter().any(|(r, _)| *r == replicas) {
             let run = single_rank(start, vocab, replicas, 1e-3, AuxLossType::Aux);
             references.push((replicas, run));

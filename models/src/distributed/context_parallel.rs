@@ -89,6 +89,89 @@ pub(crate) fn position_mask(
     ))
 }
 
+/// How the context-parallel ranks exchange keys and values (Megatron's `--cp-comm-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpCommType {
+    /// One all-gather along the sequence (backward: a reduce-scatter).
+    #[default]
+    AllGather,
+    /// Around the ring: `cp − 1` point-to-point steps, each rank passing on the block it last
+    /// received (backward: the gradients around the ring the other way).
+    P2p,
+}
+
+impl std::str::FromStr for CpCommType {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "all_gather" | "all-gather" => Ok(Self::AllGather),
+            "p2p" | "ring" => Ok(Self::P2p),
+            other => Err(ModelError::input(
+                "cp_comm_type",
+                format!("`{other}` (expected all_gather or p2p)"),
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for CpCommType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::AllGather => "all_gather",
+            Self::P2p => "p2p",
+        })
+    }
+}
+
+/// The context-parallel group attention exchanges keys and values over, and how.
+#[derive(Debug, Clone, Copy)]
+pub struct CpExchange<'a> {
+    /// The context-parallel group.
+    pub comm: &'a Comm,
+    /// All-gather or ring.
+    pub kind: CpCommType,
+}
+
+impl CpExchange<'_> {
+    /// Every rank's `x [B, n, S_local, d]` along the sequence, in rank order
+    /// ([`gathered_positions`]), exchanged as `kind` says.
+    pub fn gather(&self, x: Tensor<4>) -> Result<Tensor<4>, ModelError> {
+        match self.kind {
+            CpCommType::AllGather => gather_sequence(self.comm, x),
+            CpCommType::P2p => ring_gather_sequence(self.comm, x),
+        }
+    }
+}
+
+/// [`gather_sequence`] around the ring: in step `i` of `cp − 1` every rank sends the block it
+/// holds from rank `r − i` to rank `r + 1` and receives rank `r − i − 1`'s block from rank
+/// `r − 1` (a differentiable exchange whose backward sends the gradient the other way);
+/// the blocks are then put in rank order.
+pub fn ring_gather_sequence(cp: &Comm, x: Tensor<4>) -> Result<Tensor<4>, ModelError> {
+    let n = cp.size();
+    if n == 1 {
+        return Ok(x);
+    }
+    let r = cp.rank();
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    // Rows along dim 0 for the exchange: the sequence first.
+    let rows = x.dims()[2];
+    let mut blocks: Vec<Option<Tensor<4>>> = vec![None; n];
+    let mut current = x.swap_dims(0, 2);
+    blocks[r] = Some(current.clone());
+    for step in 1..n {
+        let mut send = vec![0; n];
+        send[next] = rows;
+        let mut recv = vec![0; n];
+        recv[prev] = rows;
+        current = cp.all_to_all_v(current, &send, &recv).map_err(err)?;
+        blocks[(r + n - step) % n] = Some(current.clone());
+    }
+    let blocks: Vec<Tensor<4>> = blocks.into_iter().flatten().collect();
+    Ok(Tensor::cat(blocks, 0).swap_dims(0, 2))
+}
+
 /// All-gathers `x [B, n, S_local, d]` along the sequence over the context-parallel group
 /// (rank order, [`gathered_positions`]); the backward sums every rank's gradient of the
 /// gathered keys and returns this rank's block.

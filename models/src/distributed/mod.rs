@@ -55,6 +55,7 @@ pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 pub(crate) use stack::decoder_stack;
+pub use context_parallel::{CpCommType, CpExchange, ring_gather_sequence};
 pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 
 pub use deepseek_v3::ParallelDeepseekV3;

@@ -20,7 +20,8 @@ use moe_backend::recompute::recompute_module;
 use moe_backend::router::{ReplayMode, RouteOptions, RouterLoss};
 
 use super::context_parallel::{
-    check_sequence, cp_positions, gathered_positions, position_mask, select_positions,
+    CpCommType, CpExchange, check_sequence, cp_positions, gathered_positions, position_mask,
+    select_positions,
 };
 use super::sharded::mtp_labels;
 use super::stack::AttentionInputs;
@@ -73,6 +74,8 @@ pub struct SpRuntime {
     recompute: Recompute,
     /// Megatron's `moe_shared_expert_overlap`: shared experts run while the tokens move.
     shared_expert_overlap: bool,
+    /// How keys and values travel over the context-parallel group.
+    cp_comm_type: CpCommType,
 }
 
 /// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global
@@ -274,6 +277,7 @@ impl SpRuntime {
             replicas: dp.size(),
             recompute: Recompute::None,
             shared_expert_overlap: false,
+            cp_comm_type: CpCommType::AllGather,
         })
     }
 
@@ -541,8 +545,17 @@ impl SpRuntime {
 
     /// The context-parallel group, when it has more than one member: what attention
     /// exchanges keys and values over.
-    pub fn cp_exchange(&self) -> Option<&Comm> {
-        (self.cp.size() > 1).then_some(&self.cp)
+    pub fn cp_exchange(&self) -> Option<CpExchange<'_>> {
+        (self.cp.size() > 1).then_some(CpExchange {
+            comm: &self.cp,
+            kind: self.cp_comm_type,
+        })
+    }
+
+    /// How attention exchanges keys and values over the context-parallel group (Megatron's
+    /// `--cp-comm-type`: `all_gather`, the default, or `p2p` around the ring).
+    pub fn set_cp_comm_type(&mut self, kind: CpCommType) {
+        self.cp_comm_type = kind;
     }
 
     /// Refuses a forward that needs every position of the sequence on this rank (generation,

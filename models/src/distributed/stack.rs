@@ -7,9 +7,9 @@
 
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Int, Tensor};
-use moe_backend::comm::{Comm, GroupComms};
+use moe_backend::comm::GroupComms;
 
-use super::context_parallel::gather_sequence;
+use super::context_parallel::CpExchange;
 use super::runtime::{RouterTrace, SpRuntime};
 use super::{DispatcherKind, ForwardTraced, err};
 use crate::ModelError;
@@ -31,9 +31,9 @@ pub enum AttentionInputs<'a> {
         /// gathered keys under context parallelism (`None`: plain causal).
         mask: Option<&'a AttentionMask>,
         /// The context-parallel group whose keys and values (or MLA latents) this rank's
-        /// queries also see, all-gathered along the sequence (`None`: no context
+        /// queries also see, exchanged along the sequence (`None`: no context
         /// parallelism).
-        exchange: Option<&'a Comm>,
+        exchange: Option<CpExchange<'a>>,
         /// Recompute the attention core in the backward pass instead of keeping its scores
         /// (Megatron's `core_attn` selective recompute).
         recompute_core: bool,
@@ -69,13 +69,7 @@ macro_rules! self_attention {
                         mask,
                         exchange: Some(cp),
                         recompute_core,
-                    } => self.forward_exchanged(
-                        x,
-                        rope,
-                        mask,
-                        |t| gather_sequence(cp, t),
-                        recompute_core,
-                    )?,
+                    } => self.forward_exchanged(x, rope, mask, |t| cp.gather(t), recompute_core)?,
                     AttentionInputs::Masked {
                         rope,
                         mask,

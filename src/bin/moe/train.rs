@@ -12,7 +12,7 @@ use burn_moe::backend::optim::{
 };
 use burn_moe::backend::router::AuxLossType;
 use burn_moe::launch::{self, Placement};
-use burn_moe::models::distributed::DispatcherKind;
+use burn_moe::models::distributed::{CpCommType, DispatcherKind};
 use burn_moe::models::train::TrainerConfig;
 use burn_moe::train_job::{MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job};
 
@@ -99,6 +99,12 @@ pub struct Recompute {
     pub memory_bound: bool,
     /// The modules recomputed in the backward pass.
     pub modules: moe_models::plan::activations::Recompute,
+}
+
+/// Parses `--cp-comm-type`.
+fn parse_cp_comm_type(s: &str) -> Result<CpCommType, String> {
+    s.parse()
+        .map_err(|e: burn_moe::models::ModelError| e.to_string())
 }
 
 /// Parses `--recompute`: `none`, `memory-bound`, `selective` (Megatron's default,
@@ -245,6 +251,10 @@ pub struct Args {
     /// `--moe-shared-expert-overlap`; forward pass, results bit-identical).
     #[arg(long)]
     pub moe_shared_expert_overlap: bool,
+    /// How attention exchanges keys and values over the context-parallel group (Megatron's
+    /// `--cp-comm-type`): `all_gather` or `p2p` (around the ring).
+    #[arg(long, value_parser = parse_cp_comm_type, default_value = "all_gather")]
+    pub cp_comm_type: CpCommType,
     /// Checkpoint root: the trainer (parameters, optimizer state, step) is saved there as
     /// `iter_*` directories with a `latest` pointer.
     #[arg(long, value_name = "DIR")]
@@ -339,6 +349,7 @@ fn job(args: &Args) -> TrainJob {
     }
     trainer.recompute = args.recompute.modules.clone();
     trainer.moe_shared_expert_overlap = args.moe_shared_expert_overlap;
+    trainer.cp_comm_type = args.cp_comm_type;
     trainer.optimizer.epsilon = args.adam_eps as f32;
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
     TrainJob {
