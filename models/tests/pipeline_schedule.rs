@@ -39,3 +39,129 @@ fn one_f_one_b_planner_matches_for_any_microbatch_count() {
         }
     }
 }
+
+/// A pipeline stage whose chunks pass on a `[S·B/(cp·tp), h]` activation (one rank's
+/// sequence-parallel block of a micro-batch, the tensor Megatron sends between stages)
+/// through one tracked weight: the executor sends exactly what a model's stages would.
+struct Passing {
+    rows: usize,
+    hidden: usize,
+    last_chunk_on_rank: Option<usize>,
+    weight: burn::tensor::Tensor<2>,
+}
+
+impl moe_backend::parallel::pipeline::PipelineStage<2> for Passing {
+    type Error = moe_backend::BackendError;
+
+    fn activation_shape(&self, _microbatch: usize) -> [usize; 2] {
+        [self.rows, self.hidden]
+    }
+
+    fn device(&self) -> burn::tensor::Device {
+        self.weight.device()
+    }
+
+    fn forward(
+        &mut self,
+        chunk: usize,
+        _microbatch: usize,
+        input: Option<burn::tensor::Tensor<2>>,
+    ) -> Result<moe_backend::parallel::pipeline::StageOutput<2>, Self::Error> {
+        use moe_backend::parallel::pipeline::StageOutput;
+        let x = input.unwrap_or_else(|| {
+            burn::tensor::Tensor::ones([self.rows, self.hidden], &self.weight.device())
+        });
+        let y = x * self.weight.clone();
+        Ok(if self.last_chunk_on_rank == Some(chunk) {
+            StageOutput::Loss(y.sum())
+        } else {
+            StageOutput::Activation(y)
+        })
+    }
+
+    fn backward_done(
+        &mut self,
+        _chunk: usize,
+        _microbatch: usize,
+        _grads: burn::tensor::Gradients,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// `moe plan`'s pipeline traffic per rank (activations forward, their gradients back, per
+/// micro-batch and virtual stage) equals what the pipeline executor sends for the same
+/// schedule and activation: Qwen3-MoE's fixture shape under `pp=2`, `pp=4`, `pp=2` with 2
+/// virtual stages, and `tp=2,pp=2` (sequence-parallel blocks).
+#[test]
+fn planner_pipeline_traffic_matches_the_executor() {
+    use burn::tensor::Device;
+    use moe_backend::comm::World;
+    use moe_backend::parallel::ParallelLayout;
+    use moe_backend::parallel::pipeline::{PipelineChannels, run_pipeline};
+    use moe_models::Qwen3MoeConfig;
+    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
+    use moe_models::plan::qwen3_moe_rank_params;
+    use moe_models::plan::shape::ModelShape;
+
+    let path = format!(
+        "{}/../tests/fixtures/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let config = Qwen3MoeConfig::from_file(path).unwrap();
+    let shape = ModelShape::qwen3_moe(&config);
+    let (seq, micro_batch) = (8, 2);
+    for (world, spec, vpp, m) in [
+        (2, "pp=2", 1, 3),
+        (4, "pp=4", 1, 5),
+        (2, "pp=2", 2, 4),
+        (4, "tp=2,pp=2", 1, 2),
+    ] {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let schedule = PipelineSchedule::interleaved(layout.pp, vpp, m).unwrap();
+        let rows = seq * micro_batch / layout.tp;
+        let hidden = shape.hidden;
+        let (layout_ref, schedule_ref) = (&layout, &schedule);
+        let sent = World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let pp = pg.groups.get(moe_backend::parallel::GroupFamily::Pp);
+            let channels = PipelineChannels {
+                activations: ctx.group("pp_activations", &pp.ranks)?,
+                gradients: ctx.group("pp_gradients", &pp.ranks)?,
+            };
+            let device = Device::flex().autodiff();
+            let stages = layout_ref.pp * vpp;
+            let mut stage = Passing {
+                rows,
+                hidden,
+                last_chunk_on_rank: (0..vpp)
+                    .find(|&c| schedule_ref.virtual_stage(pp.index, c) + 1 == stages),
+                weight: burn::tensor::Tensor::ones([rows, hidden], &device).require_grad(),
+            };
+            run_pipeline(schedule_ref, pp.index, &channels, &mut stage)?;
+            let bytes =
+                channels.activations.traffic().bytes_sent + channels.gradients.traffic().bytes_sent;
+            Ok((pp.index, bytes))
+        });
+        for (rank, result) in sent.into_iter().enumerate() {
+            let (stage, measured) = result.unwrap();
+            let params = qwen3_moe_rank_params(&config, &layout, stage);
+            let opts = CommOptions {
+                seq,
+                micro_batch,
+                microbatches: m,
+                vpp,
+                act_bytes: 4,
+                prob_bytes: 4,
+                int_bytes: 4,
+                dispatcher: Dispatcher::AllToAll,
+            };
+            let planned =
+                step_traffic(&shape, &params, &layout, &opts, stage, 0, &Routing::Uniform)
+                    .unwrap()
+                    .total
+                    .pp;
+            assert_eq!(planned as u64, measured, "{spec} vpp {vpp} rank {rank}");
+        }
+    }
+}
