@@ -7,7 +7,6 @@
 //!
 //! Run: `cargo bench --bench shared_expert_overlap` (`-- --quick` for a smaller case).
 
-use std::process::Command;
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor, TensorData};
@@ -19,6 +18,9 @@ use burn_moe::backend::layer::{MoeExecution, MoeLayer, MoeLayerConfig};
 use burn_moe::backend::parallel::{GroupFamily, ParallelLayout, replicate};
 use burn_moe::backend::router::{RouteOptions, TopKRouterConfig};
 use moe_backend::testing::SplitMix;
+
+#[path = "common/tcp_ranks.rs"]
+mod tcp_ranks;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -121,39 +123,16 @@ fn main() {
         .into_iter()
         .map(|r| r.expect("rank"))
         .collect();
-    let exe = std::env::current_exe().expect("bench binary");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port");
-    let children: Vec<_> = (0..c.ep)
-        .map(|rank| {
-            let mut cmd = Command::new(&exe);
-            if quick {
-                cmd.arg("--quick");
-            }
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", c.ep.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .expect("bench process")
-        })
-        .collect();
+    let args: &[&str] = if quick { &["--quick"] } else { &[] };
+    let text = tcp_ranks::tcp_processes(c.ep, args);
     let mut tcp = vec![(f64::NAN, f64::NAN, false); c.ep];
-    for child in children {
-        let out = child.wait_with_output().expect("bench process");
-        assert!(out.status.success(), "a TCP rank failed");
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let parts: Vec<&str> = line.split_whitespace().collect();
-            if let ["RANK", r, a, b, same] = parts.as_slice()
-                && let (Ok(r), Ok(a), Ok(b)) =
-                    (r.parse::<usize>(), a.parse::<f64>(), b.parse::<f64>())
-                && r < c.ep
-            {
-                tcp[r] = (a, b, *same == "true");
-            }
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        if let ["RANK", r, a, b, same] = parts.as_slice()
+            && let (Ok(r), Ok(a), Ok(b)) = (r.parse::<usize>(), a.parse::<f64>(), b.parse::<f64>())
+            && r < c.ep
+        {
+            tcp[r] = (a, b, *same == "true");
         }
     }
     println!(

@@ -20,6 +20,9 @@ use burn_moe::backend::experts::GroupedExpertsConfig;
 use burn_moe::backend::parallel::{GroupFamily, ParallelLayout};
 use moe_backend::testing::SplitMix;
 
+#[path = "common/tcp_ranks.rs"]
+mod tcp_ranks;
+
 #[derive(Clone, Copy, Debug)]
 struct Case {
     ep: usize,
@@ -155,31 +158,8 @@ fn main() {
     );
     let mpi = parse_ranks(&String::from_utf8_lossy(&out.stdout), c.ep);
     // TCP processes, started as torchrun starts them.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port");
-    let children: Vec<_> = (0..c.ep)
-        .map(|rank| {
-            let mut cmd = Command::new(&exe);
-            if quick {
-                cmd.arg("--quick");
-            }
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", c.ep.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .expect("bench process")
-        })
-        .collect();
-    let mut text = String::new();
-    for child in children {
-        let out = child.wait_with_output().expect("bench process");
-        assert!(out.status.success(), "a TCP rank failed");
-        text.push_str(&String::from_utf8_lossy(&out.stdout));
-    }
+    let args: &[&str] = if quick { &["--quick"] } else { &[] };
+    let text = tcp_ranks::tcp_processes(c.ep, args);
     let tcp = parse_ranks(&text, c.ep);
     println!(
         "{:>4} {:>11} {:>9} {:>9} {:>14} {:>14} {:>14}",
