@@ -23,6 +23,7 @@ use burn_moe::models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
 use burn_moe::models::distributed::shard_rule;
 use burn_moe::models::export::ExportHf;
 use burn_moe::models::hf::ModelConfig;
+use burn_moe::models::param_plan::hf_names::stage_place;
 use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
 use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
@@ -66,6 +67,7 @@ fn fp8_boxes(trainer: &Trainer) -> Fp8Boxes {
         &groups.layout,
         Some(model.config().num_hidden_layers),
         shard_rule,
+        stage_place,
     )
     .expect("plan");
     let placed = model

@@ -178,7 +178,7 @@ pub fn export_hf<C: ModelSchema>(
     let config_path = src.dir().join(CONFIG_FILE);
     let config = src.config_json()?;
     let registry = C::registry_of(&config, &config_path)?;
-    let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    let tied = C::tied_head(&config);
     let mut plan: BTreeMap<String, Planned> = BTreeMap::new();
     let mut dropped = Vec::new();
     let mut dequantized = false;
@@ -186,7 +186,7 @@ pub fn export_hf<C: ModelSchema>(
         let resolved = registry.hf_to_canon(name);
         if is_scale_inv(name)
             || name.ends_with("rotary_emb.inv_freq")
-            || (tied && name == "lm_head.weight")
+            || tied.as_deref() == Some(name)
             || report.unused.contains(name)
         {
             dequantized |= is_scale_inv(name);

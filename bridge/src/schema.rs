@@ -14,7 +14,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::BridgeError;
-use crate::dist::ShardRule;
+use crate::dist::{ShardRule, StagePlace};
 use crate::mapping::{ExpectedTable, ExpertLayout, Registry};
 
 /// A parsed, validated `config.json` of a model the formats can check, convert, export and
@@ -34,6 +34,15 @@ pub trait ModelSchema: Sized {
     /// The split of canonical parameter (or buffer) `name` over the ranks of one pipeline
     /// stage; a name the models do not know is [`ShardRule::Replicated`].
     fn shard_rule(name: &str) -> ShardRule;
+
+    /// The pipeline placement of canonical parameter (or buffer) `name`: on the first stage,
+    /// in decoder layer `i`, or on the last stage.
+    fn stage_place(name: &str) -> StagePlace;
+
+    /// The canonical (= HF) name of the tensor the parsed `config.json` `config` ties to the
+    /// embedding (the LM head under `tie_word_embeddings`), which conversions and exports do not
+    /// write; `None` when the config ties nothing.
+    fn tied_head(config: &Value) -> Option<String>;
 
     /// HF `model_type`.
     fn model_type(&self) -> &str;

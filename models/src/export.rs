@@ -34,7 +34,9 @@ use burn::tensor::{DType, Tensor, TensorData};
 use crate::ModelError;
 use crate::deepseek_v3::DeepseekV3ForCausalLM;
 use crate::distributed::ShardRule;
-use crate::param_plan::{GradClass, ParallelPlan, PlanError, Planned, Storage};
+use crate::param_plan::{
+    GradClass, ParallelPlan, PlanError, Planned, Storage, deepseek_v3, hf_names,
+};
 
 /// Name, shape and dtype of one exported tensor, known before its data is fetched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -147,14 +149,11 @@ impl HfTensors {
         let n = model.model.layers.len();
         let embed = model.model.embed_tokens.weight.val();
         for j in 0..model.mtp.len() {
-            let p = format!("model.layers.{}", n + j);
-            self.push(format!("{p}.embed_tokens.weight"), embed.clone());
+            let (embed_copy, head_copy) = deepseek_v3::mtp_copy_names(n + j);
+            self.push(embed_copy, embed.clone());
             match &model.lm_head {
-                Some(head) => self.push(
-                    format!("{p}.shared_head.head.weight"),
-                    head.weight.val().transpose(),
-                ),
-                None => self.push(format!("{p}.shared_head.head.weight"), embed.clone()),
+                Some(head) => self.push(head_copy, head.weight.val().transpose()),
+                None => self.push(head_copy, embed.clone()),
             }
         }
         self
@@ -207,11 +206,13 @@ impl PlanExport {
         let one = fc1.clone().narrow(0, i, 1).reshape([rows, cols]);
         let f = rows / 2;
         self.out.push(
-            format!("{prefix}.{i}.gate_proj.weight"),
+            hf_names::expert_proj_weight(prefix, i, hf_names::GATE_PROJ),
             one.clone().narrow(0, 0, f),
         );
-        self.out
-            .push(format!("{prefix}.{i}.up_proj.weight"), one.narrow(0, f, f));
+        self.out.push(
+            hf_names::expert_proj_weight(prefix, i, hf_names::UP_PROJ),
+            one.narrow(0, f, f),
+        );
     }
 
     /// Emits a waiting gate/up tensor on its own (a layer without a stacked `down_proj`).
@@ -344,7 +345,7 @@ pub fn export_hf_tensors_as<M: ExportHf + ?Sized>(
 /// Whether the HF tensor `name` is stored in F32 whatever the export dtype (checkpoints.md §1:
 /// DeepSeek-V3's `e_score_correction_bias`).
 pub fn keeps_f32(name: &str) -> bool {
-    name.ends_with("e_score_correction_bias")
+    deepseek_v3::is_expert_bias(name)
 }
 
 /// Calls `f(hf_name, data)` for every tensor of `model` in turn (one tensor on the host at a

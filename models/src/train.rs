@@ -30,7 +30,7 @@ use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
     DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    MuonAdamW, MuonConfig, ParamClass, ParamInfo, WdSchedule, default_muon_select,
+    MuonAdamW, MuonConfig, ParamClass, ParamInfo, WdSchedule,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
 use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
@@ -228,7 +228,8 @@ pub struct TrainerConfig {
     /// AdamW settings (ZeRO-1 over `dp_cp` / `expt_dp`); with `muon`, those of the AdamW side
     /// (embedding, LM head, norms, biases) and its `max_grad_norm` the joint clipping threshold.
     pub optimizer: DistributedAdamWConfig,
-    /// Muon (report §7.8) for the weight matrices ([`default_muon_select`]: every 2-D weight and
+    /// Muon (report §7.8) for the weight matrices (chosen and split by the model's parallel
+    /// plan, [`crate::param_plan::ParallelPlan::muon_matrices`]: every 2-D weight and
     /// stacked expert weight except the embedding and the LM head), AdamW for the rest, one
     /// global gradient norm over both ([`MuonAdamW`]); `None`: AdamW for everything. Muon takes
     /// the same learning rate (its default scale matches AdamW's update RMS). Not with FP8
@@ -410,6 +411,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         // here, before any optimizer state exists).
         let classes = model.model().param_classes()?;
         let param_class = classes.classifier();
+        let muon_matrices = model.model().muon_matrices()?;
         let optimizer = match &config.muon {
             Some(muon) => {
                 if config.fp8_primary_weights {
@@ -425,7 +427,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                     muon.clone(),
                     config.optimizer.clone(),
                     &param_class,
-                    &default_muon_select,
+                    &|info: &ParamInfo| muon_matrices.select(info),
                 )?))
             }
             None => {

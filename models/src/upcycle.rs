@@ -38,6 +38,8 @@ use moe_bridge::fp8::{OutDtype, is_scale_inv};
 use moe_bridge::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint};
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
 
+use crate::param_plan::hf_names;
+
 /// What to build (`moe upcycle --experts E --topk K --granularity G [--seed S]`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UpcycleOptions {
@@ -90,7 +92,7 @@ pub struct UpcycleSummary {
 
 /// The dense MLP tensor names of layer `l` (`gate`, `up`, `down`).
 fn dense_mlp_names(l: usize) -> [String; 3] {
-    ["gate_proj", "up_proj", "down_proj"].map(|p| format!("model.layers.{l}.mlp.{p}.weight"))
+    hf_names::dense_mlp_weights(l)
 }
 
 fn config_usize(config: &Value, path: &Path, field: &str) -> Result<usize, BridgeError> {
@@ -224,16 +226,16 @@ pub fn upcycle(
                 _ => Dtype::BF16,
             };
         }
-        let p = format!("model.layers.{l}.mlp");
+        let experts = hf_names::experts_of(l);
         let d = dtype.size() as u64;
         sizes.insert(
-            format!("{p}.gate.weight"),
+            hf_names::router_weight(l),
             (scale.experts * hidden) as u64 * d,
         );
         for e in 0..scale.experts {
-            for proj in ["gate_proj", "up_proj", "down_proj"] {
+            for proj in hf_names::MLP_PROJS {
                 sizes.insert(
-                    format!("{p}.experts.{e}.{proj}.weight"),
+                    hf_names::expert_proj_weight(&experts, e, proj),
                     (fm * hidden) as u64 * d,
                 );
             }
@@ -249,7 +251,7 @@ pub fn upcycle(
     }
     let mut rng = SplitMix64::new(opts.seed);
     for (l, (names, dtype)) in mlp_names.iter().zip(&layer_dtypes).enumerate() {
-        let p = format!("model.layers.{l}.mlp");
+        let experts = hf_names::experts_of(l);
         let [gate, up, down] =
             [&names[0], &names[1], &names[2]].map(|n| src.read_f32(n).map(|(_, values)| values));
         let shards = split_dense_mlp(&gate?, &up?, &down?, hidden, &scale);
@@ -258,25 +260,21 @@ pub fn upcycle(
             OwnedTensor::from_f32(name, shape, values).and_then(|t| t.cast(*dtype))
         };
         writer.push(out(
-            format!("{p}.gate.weight"),
+            hf_names::router_weight(l),
             vec![scale.experts, hidden],
             &router,
         )?)?;
         for e in 0..scale.experts {
             let shard = &shards[scale.shard_of(e)];
-            let q = format!("{p}.experts.{e}");
+            let name = |proj| hf_names::expert_proj_weight(&experts, e, proj);
             writer.push(out(
-                format!("{q}.gate_proj.weight"),
+                name(hf_names::GATE_PROJ),
                 vec![fm, hidden],
                 &shard.gate,
             )?)?;
+            writer.push(out(name(hf_names::UP_PROJ), vec![fm, hidden], &shard.up)?)?;
             writer.push(out(
-                format!("{q}.up_proj.weight"),
-                vec![fm, hidden],
-                &shard.up,
-            )?)?;
-            writer.push(out(
-                format!("{q}.down_proj.weight"),
+                name(hf_names::DOWN_PROJ),
                 vec![hidden, fm],
                 &shard.down,
             )?)?;

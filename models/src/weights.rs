@@ -22,6 +22,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::ModelError;
 use crate::distributed::{ShardRule, shard_rule};
+use crate::param_plan::hf_names;
 
 mod module;
 
@@ -355,15 +356,13 @@ impl<'a> WeightLoader<'a> {
         let local = self.shard.expert_range(num_experts)?;
         let cols = self.shard.etp_block(prefix, inter)?;
         let (l, blk, h) = (local.len(), cols.len(), hidden);
-        let stacked_gate_up = format!("{prefix}.gate_up_proj");
-        let stacked_down = format!("{prefix}.down_proj");
+        let stacked_gate_up = hf_names::stacked_gate_up(prefix);
+        let stacked_down = hf_names::stacked_down(prefix);
         let stacked = [&stacked_gate_up, &stacked_down]
             .into_iter()
             .find(|n| self.contains(n));
         let per_expert = (0..num_experts)
-            .flat_map(|e| {
-                ["gate_proj", "up_proj", "down_proj"].map(|p| format!("{prefix}.{e}.{p}.weight"))
-            })
+            .flat_map(|e| hf_names::MLP_PROJS.map(|p| hf_names::expert_proj_weight(prefix, e, p)))
             .find(|n| self.contains(n));
         let (fc1, fc2) = match (stacked, per_expert) {
             (Some(stacked), Some(per_expert)) => {
@@ -423,17 +422,16 @@ impl<'a> WeightLoader<'a> {
                 let mut fc1 = Vec::with_capacity(l * 2 * blk * h);
                 let mut fc2 = Vec::with_capacity(l * h * blk);
                 for e in local {
-                    let p = format!("{prefix}.{e}");
-                    for proj in ["gate_proj", "up_proj"] {
+                    for proj in [hf_names::GATE_PROJ, hf_names::UP_PROJ] {
                         fc1.extend(self.host_box(
-                            &format!("{p}.{proj}.weight"),
+                            &hf_names::expert_proj_weight(prefix, e, proj),
                             &[inter, h],
                             &[cols.start, 0],
                             &[blk, h],
                         )?);
                     }
                     fc2.extend(self.host_box(
-                        &format!("{p}.down_proj.weight"),
+                        &hf_names::expert_proj_weight(prefix, e, hf_names::DOWN_PROJ),
                         &[h, inter],
                         &[0, cols.start],
                         &[h, blk],

@@ -10,11 +10,12 @@ use std::path::PathBuf;
 
 use burn::tensor::Device;
 use moe_backend::comm::World;
+use moe_backend::optim::{ParamInfo, default_muon_select};
 use moe_backend::parallel::ParallelLayout;
 use moe_models::distributed::{
     CausalLmShard, DispatcherKind, ParallelCausalLm, ShardRule, shard_rule,
 };
-use moe_models::param_plan::{GradClass, Planned, PlannedTensor, Storage};
+use moe_models::param_plan::{GradClass, MuonMatrices, Planned, PlannedTensor, Storage};
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
@@ -157,15 +158,47 @@ fn check_model<M: ParallelCausalLm + Clone + Send + Sync + 'static>(
                     detail: e.to_string(),
                 }
             })?;
-            Ok(plan_ref.walk(shard.model(), layers))
+            Ok((
+                plan_ref.walk(shard.model(), layers),
+                plan_ref.muon_matrices(shard.model(), layers),
+            ))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let planned = r
-                .expect("rank")
-                .unwrap_or_else(|e| panic!("{family} {spec} rank {rank}: {e}"));
+            let (planned, muon) = r.expect("rank");
+            let planned = planned.unwrap_or_else(|e| panic!("{family} {spec} rank {rank}: {e}"));
             check_rank(family, &planned, &layout, hf);
+            let muon = muon.unwrap_or_else(|e| panic!("{family} {spec} rank {rank}: {e}"));
+            check_muon(family, &planned, &muon);
         }
     }
+}
+
+/// The plan's Muon view of every trainable parameter equals the naming convention's
+/// ([`default_muon_select`], Megatron's and Keller's rule as module names state it): the
+/// plan reproduces it for the built-in models, from splits rather than names.
+fn check_muon(family: &str, planned: &[PlannedTensor], muon: &MuonMatrices) {
+    let mut matrices = 0;
+    for t in planned.iter().filter(|t| t.trainable) {
+        let GradClass::Param(class) = t.entry.grad else {
+            continue;
+        };
+        let info = ParamInfo {
+            id: t.id,
+            path: t.path.clone(),
+            shape: t.shape.clone(),
+            class,
+            offset: 0,
+        };
+        let from_plan = muon.select(&info);
+        assert_eq!(
+            from_plan,
+            default_muon_select(&info),
+            "{family}: Muon's view of `{}`",
+            t.path
+        );
+        matrices += usize::from(from_plan.is_some());
+    }
+    assert!(matrices > 0, "{family}: no Muon matrix");
 }
 
 fn device() -> Device {

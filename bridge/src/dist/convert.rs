@@ -426,7 +426,12 @@ pub fn convert_hf_to_dist_report<C: ModelSchema>(
     }
     let kept_fp8 = !scales.is_empty();
     sources.extend(scales);
-    let plan = ShardingPlan::new(layout, Some(report.config.num_layers()), C::shard_rule)?;
+    let plan = ShardingPlan::new(
+        layout,
+        Some(report.config.num_layers()),
+        C::shard_rule,
+        C::stage_place,
+    )?;
     let dequantized = !kept_fp8
         && (ckpt.tensor_names().any(crate::fp8::is_scale_inv)
             || config.get("quantization_config").is_some());
@@ -541,7 +546,12 @@ pub fn reshard<C: ModelSchema>(
 ) -> Result<PathBuf, BridgeError> {
     let index = ckpt.index();
     let meta = checkpoint_meta(ckpt, layout)?;
-    let plan = ShardingPlan::new(layout, meta_num_layers(&meta), C::shard_rule)?;
+    let plan = ShardingPlan::new(
+        layout,
+        meta_num_layers(&meta),
+        C::shard_rule,
+        C::stage_place,
+    )?;
     let metas: Vec<TensorMeta> = index
         .tensors
         .iter()
@@ -658,7 +668,7 @@ pub fn export_dist_to_hf<C: ModelSchema>(
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = read_json(&config_path)?;
     let registry = C::registry_of(&config, &config_path)?;
-    let tied = config.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    let tied = C::tied_head(&config);
     let index = ckpt.index();
     let dequantize_fp8 = opts.dtype.is_some();
     let mut items: BTreeMap<String, ExportItem> = BTreeMap::new();
@@ -667,7 +677,7 @@ pub fn export_dist_to_hf<C: ModelSchema>(
     for (fqn, entry) in &index.tensors {
         let scale = entry.kind == TensorKind::Scale;
         if entry.kind == TensorKind::Optim
-            || (tied && fqn == "lm_head.weight")
+            || tied.as_deref() == Some(fqn.as_str())
             || (scale && dequantize_fp8)
         {
             dropped.push(fqn.clone());

@@ -45,5 +45,5 @@ pub use index::{DcpIndex, TensorEntry, TensorKind};
 pub use load::DistCheckpoint;
 pub use region::TensorBox;
 pub use save::{LocalChunk, OfflineWriter, SaveMeta, save_offline, save_spmd};
-pub use sharding::{RankShard, ShardRule, ShardRuleFn, ShardingPlan};
+pub use sharding::{RankShard, ShardRule, ShardRuleFn, ShardingPlan, StageFn, StagePlace};
 pub use train_record::{TRAIN_STATE_OBJECT, TrainState, read_train_state};

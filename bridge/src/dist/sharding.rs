@@ -51,6 +51,23 @@ pub enum ShardRule {
 /// name of their parameter ([`param_fqn`]).
 pub type ShardRuleFn = fn(&str) -> ShardRule;
 
+/// Where a canonical tensor lives along the pipeline: the model's knowledge (moe-models'
+/// `hf_names::stage_place` for the built-in models), given to [`ShardingPlan::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StagePlace {
+    /// On the first stage (the embedding, and tensors outside any layer by default).
+    First,
+    /// Decoder layer `i`: on the stage owning it, or the last stage when `i` is beyond the
+    /// main layers (MTP layers).
+    Layer(usize),
+    /// On the last stage (the final norm and the LM head).
+    Last,
+}
+
+/// The pipeline placement of a canonical parameter (or buffer) by name. Optimizer-state names
+/// reach it as the name of their parameter ([`param_fqn`]).
+pub type StageFn = fn(&str) -> StagePlace;
+
 /// Prefixes of optimizer-state fqns (`optim.<state>.<param fqn>`).
 pub const OPTIM_STATES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
@@ -82,15 +99,18 @@ pub struct ShardingPlan {
     ranks: Vec<ProcessGroups>,
     num_layers: Option<usize>,
     rule: ShardRuleFn,
+    stage: StageFn,
 }
 
 impl ShardingPlan {
-    /// The plan for `layout` of a model whose tensors `rule` splits; `num_layers` (the
-    /// config's `num_hidden_layers`) is required when `pp > 1` to assign layers to stages.
+    /// The plan for `layout` of a model whose tensors `rule` splits and `stage` places along
+    /// the pipeline; `num_layers` (the config's `num_hidden_layers`) is required when
+    /// `pp > 1` to assign layers to stages.
     pub fn new(
         layout: &ParallelLayout,
         num_layers: Option<usize>,
         rule: ShardRuleFn,
+        stage: StageFn,
     ) -> Result<Self, BridgeError> {
         let fail = |reason: String| BridgeError::Sharding {
             tensor: String::new(),
@@ -112,6 +132,7 @@ impl ShardingPlan {
             ranks,
             num_layers,
             rule,
+            stage,
         })
     }
 
@@ -132,21 +153,14 @@ impl ShardingPlan {
         if pp == 1 {
             return 0;
         }
-        let name = param_fqn(fqn);
         let last = pp - 1;
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            let layer = rest.split('.').next().and_then(|l| l.parse::<usize>().ok());
-            return match (layer, self.num_layers) {
-                (Some(l), Some(n)) if l < n => l * pp / n,
+        match (self.stage)(param_fqn(fqn)) {
+            StagePlace::First => 0,
+            StagePlace::Last => last,
+            StagePlace::Layer(l) => match self.num_layers {
+                Some(n) if l < n => l * pp / n,
                 _ => last,
-            };
-        }
-        if name.starts_with("model.embed_tokens.") {
-            0
-        } else if name.starts_with("model.norm.") || name.starts_with("lm_head.") {
-            last
-        } else {
-            0
+            },
         }
     }
 
@@ -242,7 +256,7 @@ impl ShardingPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::testing::{SplitMix, random_layout, tiny_moe_tensors, tiny_rule};
+    use crate::dist::testing::{SplitMix, random_layout, tiny_moe_tensors, tiny_rule, tiny_stage};
     use crate::dist::validate::check_tiling;
 
     #[test]
@@ -250,7 +264,7 @@ mod tests {
         assert_eq!(param_fqn("optim.exp_avg_sq.a.b"), "a.b");
         assert_eq!(param_fqn("optim.other.a"), "optim.other.a");
         let layout = ParallelLayout::parse(1, "").unwrap();
-        let plan = ShardingPlan::new(&layout, None, tiny_rule).unwrap();
+        let plan = ShardingPlan::new(&layout, None, tiny_rule, tiny_stage).unwrap();
         assert_eq!(
             plan.rule_of("optim.master.model.layers.0.mlp.up_proj.weight"),
             ShardRule::Tp { dim: 0 }
@@ -265,7 +279,7 @@ mod tests {
     fn expert_boxes_follow_ep_and_etp_ranks() {
         // world 8, etp 2, ep 2, edp 2 (parallelism.md §4 vectors): ep [[0,2],[1,3],..].
         let layout = ParallelLayout::parse(8, "tp=2,etp=2,ep=2").unwrap();
-        let plan = ShardingPlan::new(&layout, None, tiny_rule).unwrap();
+        let plan = ShardingPlan::new(&layout, None, tiny_rule, tiny_stage).unwrap();
         let shape = [8, 2, 32, 64];
         let fqn = "model.layers.1.mlp.experts.gate_up_proj";
         let r2 = plan.rank_shard(fqn, &shape, 2).unwrap().unwrap();
@@ -288,10 +302,29 @@ mod tests {
     }
 
     #[test]
+    fn a_models_stage_placement_replaces_the_default() {
+        fn place(name: &str) -> StagePlace {
+            match name.strip_prefix("blocks.") {
+                Some(rest) => StagePlace::Layer(rest[..1].parse().unwrap()),
+                None if name == "head" => StagePlace::Last,
+                None => StagePlace::First,
+            }
+        }
+        let layout = ParallelLayout::parse(2, "pp=2").unwrap();
+        let plan = ShardingPlan::new(&layout, Some(4), tiny_rule, place).unwrap();
+        assert_eq!(plan.stage_of("embed"), 0);
+        assert_eq!(plan.stage_of("blocks.1.w"), 0);
+        assert_eq!(plan.stage_of("blocks.3.w"), 1);
+        assert_eq!(plan.stage_of("optim.master.blocks.2.w"), 1);
+        assert_eq!(plan.stage_of("blocks.7.w"), 1);
+        assert_eq!(plan.stage_of("head"), 1);
+    }
+
+    #[test]
     fn pipeline_stages_own_their_layers() {
         let layout = ParallelLayout::parse(4, "pp=2,tp=2").unwrap();
-        assert!(ShardingPlan::new(&layout, None, tiny_rule).is_err());
-        let plan = ShardingPlan::new(&layout, Some(4), tiny_rule).unwrap();
+        assert!(ShardingPlan::new(&layout, None, tiny_rule, tiny_stage).is_err());
+        let plan = ShardingPlan::new(&layout, Some(4), tiny_rule, tiny_stage).unwrap();
         assert_eq!(plan.stage_of("model.embed_tokens.weight"), 0);
         assert_eq!(plan.stage_of("model.layers.1.mlp.gate.weight"), 0);
         assert_eq!(plan.stage_of("model.layers.2.mlp.gate.weight"), 1);
@@ -307,7 +340,7 @@ mod tests {
     fn mtp_layers_beyond_num_layers_are_placed_without_pipeline() {
         // MTP module 0 of a 2-layer model is layer 2: every rank of a pp = 1 plan holds it.
         let layout = ParallelLayout::parse(4, "tp=2,ep=2").unwrap();
-        let plan = ShardingPlan::new(&layout, Some(2), tiny_rule).unwrap();
+        let plan = ShardingPlan::new(&layout, Some(2), tiny_rule, tiny_stage).unwrap();
         for (fqn, shape) in [
             ("model.layers.2.eh_proj.weight", vec![16, 32]),
             ("model.layers.2.self_attn.q_b_proj.weight", vec![16, 8]),
@@ -333,7 +366,7 @@ mod tests {
         let tensors = tiny_moe_tensors();
         for _ in 0..60 {
             let layout = random_layout(&mut rng, 8);
-            let plan = ShardingPlan::new(&layout, Some(3), tiny_rule).unwrap();
+            let plan = ShardingPlan::new(&layout, Some(3), tiny_rule, tiny_stage).unwrap();
             for t in &tensors {
                 let boxes: Vec<TensorBox> = plan
                     .main_boxes(&t.fqn, &t.global_shape)

@@ -181,6 +181,21 @@ pub fn tiny_rule(name: &str) -> ShardRule {
     }
 }
 
+/// The pipeline placement of the tiny model's tensors (`model.layers.{i}` in layer `i`, the
+/// final norm and head last, the rest first).
+pub fn tiny_stage(name: &str) -> crate::dist::StagePlace {
+    use crate::dist::StagePlace;
+    match name.strip_prefix("model.layers.") {
+        Some(rest) => rest
+            .split('.')
+            .next()
+            .and_then(|l| l.parse().ok())
+            .map_or(StagePlace::Last, StagePlace::Layer),
+        None if name.starts_with("model.norm.") || name.starts_with("lm_head.") => StagePlace::Last,
+        None => StagePlace::First,
+    }
+}
+
 /// The tiny model as a [`ModelSchema`]: split by [`tiny_rule`]; it has no `config.json` (the
 /// format tests write none), so parsing one is an error.
 #[derive(Debug, Clone)]
@@ -208,6 +223,17 @@ impl ModelSchema for TinyModel {
 
     fn shard_rule(name: &str) -> ShardRule {
         tiny_rule(name)
+    }
+
+    fn stage_place(name: &str) -> crate::dist::StagePlace {
+        tiny_stage(name)
+    }
+
+    fn tied_head(config: &serde_json::Value) -> Option<String> {
+        let tied = config
+            .get("tie_word_embeddings")
+            .and_then(serde_json::Value::as_bool);
+        (tied == Some(true)).then(|| "lm_head.weight".to_owned())
     }
 
     fn model_type(&self) -> &str {

@@ -10,7 +10,7 @@ use moe_backend::parallel::ParallelLayout;
 use super::index::{INDEX_FILE, LATEST_FILE};
 use super::testing::{
     SplitMix, TINY_LAYERS, TinyModel, random_layout, synthetic_bytes, tiny_moe_tensors,
-    tiny_moe_with_optimizer, tiny_rule,
+    tiny_moe_with_optimizer, tiny_rule, tiny_stage,
 };
 use super::*;
 use crate::BridgeError;
@@ -43,7 +43,7 @@ fn slice(meta: &TensorMeta, bytes: &[u8], b: &TensorBox) -> OwnedTensor {
 
 /// Every rank of `layout` loads its box of every tensor and compares with the source.
 fn check_reload(ckpt: &DistCheckpoint, layout: &ParallelLayout, tensors: &[(TensorMeta, Vec<u8>)]) {
-    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
     for (meta, bytes) in tensors {
         for rank in 0..layout.world {
             let Some(shard) = plan
@@ -79,7 +79,8 @@ fn random_layout_pairs_reload_bit_exactly() {
     for pair in 0..104 {
         let save_layout = random_layout(&mut rng, 8);
         let load_layout = random_layout(&mut rng, 8);
-        let plan = ShardingPlan::new(&save_layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+        let plan =
+            ShardingPlan::new(&save_layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
         let root = dir.join(&format!("pair{pair}"));
         let meta = SaveMeta::new(pair, &save_layout);
         let saved = save_offline(&root, meta, &plan, &views).unwrap();
@@ -168,7 +169,7 @@ fn spmd_save(
     tensors: &[(TensorMeta, Vec<u8>)],
     fail_rank: Option<usize>,
 ) -> Vec<Result<std::path::PathBuf, BackendError>> {
-    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+    let plan = ShardingPlan::new(layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
     World::run(layout.world, |ctx| {
         let comm = ctx.world()?;
         let owned = local_chunks(&plan, ctx.rank(), tensors);
@@ -220,7 +221,7 @@ fn spmd_save_on_four_ranks_reloads_under_other_layouts() {
     assert_eq!(ckpt.index().layout.ep, 4);
     // Load on an in-process world of 4 ranks under EP2 × ETP2, each rank its own boxes.
     let load_layout = ParallelLayout::parse(4, "tp=4,ep=2,etp=2").unwrap();
-    let plan = ShardingPlan::new(&load_layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+    let plan = ShardingPlan::new(&load_layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
     let results = World::run(4, |ctx| {
         for (meta, bytes) in &tensors {
             let shard = plan
@@ -262,7 +263,7 @@ fn aborted_saves_leave_the_previous_checkpoint_loadable() {
     let latest = std::fs::read_to_string(dir.join(LATEST_FILE)).unwrap();
     assert_eq!(latest.trim(), "iter_0000001");
     // A save killed before its commit leaves a .tmp-* directory, refused by name.
-    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
     let metas: Vec<TensorMeta> = tensors.iter().map(|(m, _)| m.clone()).collect();
     let mut writer =
         OfflineWriter::create(dir.path(), SaveMeta::new(9, &layout), &plan, &metas).unwrap();
@@ -305,7 +306,7 @@ fn corrupt_or_truncated_chunk_files_are_named() {
         .collect();
     let dir = TempDir::new("dist-corrupt");
     let layout = ParallelLayout::parse(2, "tp=2").unwrap();
-    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
     let saved = save_offline(dir.path(), SaveMeta::new(1, &layout), &plan, &views).unwrap();
     let file = saved.join("shard-00001-model-00001-of-00001.safetensors");
     let bytes = std::fs::read(&file).unwrap();

@@ -8,8 +8,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use serde_json::Value;
-
 use super::convert::hf_parts;
 use super::index::{DcpIndex, INDEX_FILE, TensorEntry, TensorKind, parse_dcp_metadata};
 use super::region::TensorBox;
@@ -146,12 +144,12 @@ pub fn validate_config<C: ModelSchema>(dir: &Path, index: &DcpIndex) -> Result<(
         .as_ref()
         .map_or(DEFAULT_BLOCK_SIZE, |r| r.weight_block_size);
     let expected = config.expected_hf_tensors(ExpertLayout::PerExpert, &config_path, block)?;
-    let tied = json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    let tied = C::tied_head(&json);
     let mut stored = BTreeSet::new();
     for (fqn, entry) in &index.tensors {
         // Scales are checked against their weights (validate_fp8); a tied head is not exported.
         let model_tensor = matches!(entry.kind, TensorKind::Param | TensorKind::Buffer);
-        if !model_tensor || (tied && fqn == "lm_head.weight") {
+        if !model_tensor || tied.as_deref() == Some(fqn.as_str()) {
             continue;
         }
         let (_, parts) = hf_parts(&registry, fqn, entry, &config_path)?;

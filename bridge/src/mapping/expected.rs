@@ -14,7 +14,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::registry::ExpertLayout;
 use crate::BridgeError;
 use crate::fp8::{scale_inv_name, scale_shape};
 
@@ -164,52 +163,6 @@ impl<'a> ExpectedBuilder<'a> {
     /// A norm weight `{prefix}.weight [size]`.
     pub fn norm(&mut self, prefix: &str, size: usize) -> Result<(), BridgeError> {
         self.weight(format!("{prefix}.weight"), vec![size])
-    }
-
-    /// A SwiGLU MLP `{prefix}.{gate,up,down}_proj`.
-    pub fn mlp(&mut self, prefix: &str, hidden: usize, inter: usize) -> Result<(), BridgeError> {
-        self.linear(&format!("{prefix}.gate_proj"), hidden, inter, false)?;
-        self.linear(&format!("{prefix}.up_proj"), hidden, inter, false)?;
-        self.linear(&format!("{prefix}.down_proj"), inter, hidden, false)
-    }
-
-    /// Routed experts `{prefix}.*` in `layout`.
-    pub fn experts(
-        &mut self,
-        prefix: &str,
-        experts: usize,
-        inter: usize,
-        hidden: usize,
-        layout: ExpertLayout,
-    ) -> Result<(), BridgeError> {
-        match layout {
-            ExpertLayout::PerExpert => {
-                for e in 0..experts {
-                    self.mlp(&format!("{prefix}.{e}"), hidden, inter)?;
-                }
-                Ok(())
-            }
-            ExpertLayout::Stacked => {
-                let fused = self.mul(2, inter, "moe_intermediate_size")?;
-                self.weight(
-                    format!("{prefix}.gate_up_proj"),
-                    vec![experts, fused, hidden],
-                )?;
-                self.weight(format!("{prefix}.down_proj"), vec![experts, hidden, inter])
-            }
-        }
-    }
-
-    /// Embedding, final norm and LM head (optional when tied: HF loads and then re-ties it).
-    pub fn top_level(
-        &mut self,
-        vocab: usize,
-        hidden: usize,
-        tied: bool,
-    ) -> Result<(), BridgeError> {
-        self.weight("model.embed_tokens.weight".to_owned(), vec![vocab, hidden])?;
-        self.norm("model.norm", hidden)?;
-        self.insert("lm_head.weight".to_owned(), vec![vocab, hidden], !tied)
     }
 
     /// `layers` layers of about `per_layer` tensors each: fails when the table would exceed

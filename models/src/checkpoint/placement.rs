@@ -263,6 +263,7 @@ pub(crate) mod tests {
 
     use crate::distributed::shard_rule;
     use crate::hf::expected::deepseek_v3_expected;
+    use crate::param_plan::hf_names::stage_place;
 
     /// A random DeepSeek-V3 with every part the walk knows: a dense layer, an MoE layer with a
     /// shared expert and group-limited routing, one MTP module; the low-rank or the plain
@@ -314,8 +315,13 @@ pub(crate) mod tests {
             let groups = ctx.process_groups(layout)?;
             let shard =
                 ParallelDeepseekV3::shard(full, &groups, DispatcherKind::AllToAll).map_err(be)?;
-            let plan =
-                ShardingPlan::new(layout, Some(full.num_main_layers()), shard_rule).map_err(be)?;
+            let plan = ShardingPlan::new(
+                layout,
+                Some(full.num_main_layers()),
+                shard_rule,
+                stage_place,
+            )
+            .map_err(be)?;
             let placed = shard
                 .model
                 .placements(&plan, ctx.rank(), false)
@@ -460,7 +466,7 @@ pub(crate) mod tests {
         let config = tiny_deepseek_config(Some(8));
         let full = config.init(&Device::flex()).unwrap();
         let layout = ParallelLayout::parse(1, "").unwrap();
-        let plan = ShardingPlan::new(&layout, Some(2), shard_rule).unwrap();
+        let plan = ShardingPlan::new(&layout, Some(2), shard_rule, stage_place).unwrap();
         // A shared-expert output gate has no canonical tensor.
         let mut gated = full.clone();
         if let DeepseekV3FeedForward::Moe(block) = &mut gated.mtp[0].block.mlp {

@@ -43,6 +43,7 @@ use moe_bridge::dist::sharding::ShardingPlan;
 use moe_bridge::dist::{TRAIN_STATE_OBJECT, TrainState, read_train_state};
 
 use crate::distributed::shard_rule;
+use crate::param_plan::hf_names::stage_place;
 use moe_bridge::BridgeError;
 use moe_bridge::fp8::{OutDtype, scale_shape};
 use moe_bridge::safetensors::{Dtype, OwnedTensor};
@@ -189,7 +190,12 @@ fn save_state<M: PlacedModel>(
         .get(comm.rank())
         .copied()
         .unwrap_or(comm.rank());
-    let plan = ShardingPlan::new(&meta.layout, Some(model.num_main_layers()), shard_rule)?;
+    let plan = ShardingPlan::new(
+        &meta.layout,
+        Some(model.num_main_layers()),
+        shard_rule,
+        stage_place,
+    )?;
     let placed = model.placements(&plan, rank, true)?;
     let mut owned = Vec::new();
     // FP8 primary weights are saved as their FP8 bytes with `<fqn>_scale_inv` (the checkpoint
@@ -498,7 +504,12 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     let groups = trainer.process_groups().clone();
     if let Some((shard, optimizer)) = trainer.muon_parts_mut() {
         let model = shard.model_mut();
-        let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()), shard_rule)?;
+        let plan = ShardingPlan::new(
+            &groups.layout,
+            Some(model.num_main_layers()),
+            shard_rule,
+            stage_place,
+        )?;
         *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
         let dir = ckpt.dir().to_path_buf();
         let kind = muon::MUON_KIND;
@@ -526,7 +537,12 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     }
     let (shard, optimizer) = trainer.parts_mut();
     let model = shard.model_mut();
-    let plan = ShardingPlan::new(&groups.layout, Some(model.num_main_layers()), shard_rule)?;
+    let plan = ShardingPlan::new(
+        &groups.layout,
+        Some(model.num_main_layers()),
+        shard_rule,
+        stage_place,
+    )?;
     *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
     load_optimizer_state(ckpt, optimizer, &*model, &plan, groups.rank)?;
     if optimizer.fp8_config().is_some() {

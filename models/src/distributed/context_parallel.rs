@@ -134,8 +134,8 @@ pub struct CpExchange<'a> {
 }
 
 impl CpExchange<'_> {
-    /// Every rank's `x [B, n, S_local, d]` along the sequence, in rank order
-    /// ([`gathered_positions`]), exchanged as `kind` says.
+    /// Every rank's `x [B, n, S_local, d]` along the sequence, in rank order (each rank's
+    /// early then late chunk), exchanged as `kind` says.
     pub fn gather(&self, x: Tensor<4>) -> Result<Tensor<4>, ModelError> {
         match self.kind {
             CpCommType::AllGather => gather_sequence(self.comm, x),
@@ -144,7 +144,7 @@ impl CpExchange<'_> {
     }
 }
 
-/// [`gather_sequence`] around the ring: in step `i` of `cp − 1` every rank sends the block it
+/// The context-parallel all-gather along the sequence done around the ring: in step `i` of `cp − 1` every rank sends the block it
 /// holds from rank `r − i` to rank `r + 1` and receives rank `r − i − 1`'s block from rank
 /// `r − 1` (a differentiable exchange whose backward sends the gradient the other way);
 /// the blocks are then put in rank order.

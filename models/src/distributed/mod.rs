@@ -48,6 +48,7 @@ mod shard_rule;
 pub mod sharded;
 mod stack;
 
+pub use context_parallel::{CpCommType, CpExchange, ring_gather_sequence};
 use runtime::SpRuntime;
 /// One rank's parallel context: what a model's forward is written against (see
 /// [`SpRuntime`]'s methods; the built-in models use it too).
@@ -55,7 +56,6 @@ pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
 pub(crate) use stack::decoder_stack;
-pub use context_parallel::{CpCommType, CpExchange, ring_gather_sequence};
 pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 
 pub use deepseek_v3::ParallelDeepseekV3;

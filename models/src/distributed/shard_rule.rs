@@ -60,6 +60,7 @@ pub fn shard_rule(name: &str) -> ShardRule {
 mod tests {
     use super::*;
     use crate::param_plan::ParallelPlan;
+    use crate::param_plan::hf_names::stage_place;
 
     /// Every name any plan produces gets the same rule from every plan that produces it.
     #[test]
@@ -147,7 +148,8 @@ mod tests {
     #[test]
     fn sharding_plans_follow_the_table() {
         let layout = moe_backend::parallel::ParallelLayout::parse(1, "").unwrap();
-        let plan = moe_bridge::dist::ShardingPlan::new(&layout, None, shard_rule).unwrap();
+        let plan =
+            moe_bridge::dist::ShardingPlan::new(&layout, None, shard_rule, stage_place).unwrap();
         use ShardRule::*;
         for (name, rule) in [
             ("model.embed_tokens.weight", Tp { dim: 0 }),

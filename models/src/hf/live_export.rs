@@ -34,6 +34,7 @@ use serde_json::{Value, json};
 
 use crate::ModelError;
 use crate::export::{ExportHf, HfTensorSpec, HfTensors};
+use crate::param_plan::{deepseek_v3, hf_names};
 
 /// dtype of the exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -103,10 +104,9 @@ impl Planned {
 fn fp8_quantized(spec: &HfTensorSpec) -> bool {
     let n = &spec.name;
     spec.shape.len() == 2
-        && !n.contains("embed_tokens")
-        && !n.contains("lm_head")
-        && !n.contains("shared_head.head")
-        && !n.ends_with("mlp.gate.weight")
+        && !hf_names::mentions_embedding_or_head(n)
+        && !deepseek_v3::is_mtp_head_copy(n)
+        && !hf_names::is_router_weight(n)
 }
 
 /// The output tensors of one spec (one, or the FP8 pair `(q, scale_inv)`).
@@ -118,7 +118,7 @@ fn plan_spec(spec: &HfTensorSpec, dtype: LiveDtype) -> Vec<Planned> {
             shape: spec.shape.clone(),
         }]
     };
-    if spec.name.ends_with("e_score_correction_bias") {
+    if deepseek_v3::is_expert_bias(&spec.name) {
         return one(Dtype::F32);
     }
     match dtype {

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use moe_bridge::dist::ShardRule;
+use moe_bridge::dist::{ShardRule, StagePlace};
 use moe_bridge::mapping::{ExpectedTable, ExpertLayout, Registry};
 use moe_bridge::{BridgeError, ModelSchema};
 use serde_json::Value;
@@ -11,6 +11,7 @@ use serde_json::Value;
 use super::expected::expected_hf_tensors;
 use super::load::ModelConfig;
 use super::mapping::for_config;
+use crate::param_plan::hf_names;
 
 impl ModelSchema for ModelConfig {
     fn from_config(config: &Value, path: &Path) -> Result<Self, BridgeError> {
@@ -24,6 +25,15 @@ impl ModelSchema for ModelConfig {
     /// The models' split table ([`crate::distributed::shard_rule`]).
     fn shard_rule(name: &str) -> ShardRule {
         crate::distributed::shard_rule(name)
+    }
+
+    fn stage_place(name: &str) -> StagePlace {
+        hf_names::stage_place(name)
+    }
+
+    fn tied_head(config: &Value) -> Option<String> {
+        let tied = config.get("tie_word_embeddings").and_then(Value::as_bool);
+        (tied == Some(true)).then(hf_names::lm_head_weight)
     }
 
     fn model_type(&self) -> &str {

@@ -1,69 +1,124 @@
-//! The DeepSeek-V3 parallel plan (HF `DeepseekV3ForCausalLM`, MTP modules included).
+//! The DeepSeek-V3 model's HF layout (HF `DeepseekV3ForCausalLM`, MTP modules included): its
+//! parallel plan, name-mapping rules, expected-tensor table and export copies, over the shared
+//! Llama-family names of [`super::hf_names`] plus DeepSeek-V3's own: MLA's projections, the
+//! router's `e_score_correction_bias`, shared experts, the MTP modules' `enorm`, `hnorm`,
+//! `eh_proj` and `shared_head`, and FP8 `weight_scale_inv` companions.
 
+use std::path::Path;
+
+use moe_bridge::BridgeError;
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+use moe_bridge::safetensors::Dtype;
+
+use super::hf_names::{self as n, join, layer as layer_of, weight};
 use super::rows::{column, embedding, mlp, moe, norm, replicated, row};
 use super::{ParallelPlan, PlanEntry};
+use crate::DeepseekV3Config;
+
+// MLA (the query projection without `q_lora_rank` is the shared `q_proj`).
+/// Low-rank query down-projection.
+pub const Q_A_PROJ: &str = "q_a_proj";
+/// Low-rank query norm.
+pub const Q_A_LAYERNORM: &str = "q_a_layernorm";
+/// Low-rank query up-projection.
+pub const Q_B_PROJ: &str = "q_b_proj";
+/// Latent KV down-projection (with the shared RoPE key).
+pub const KV_A_PROJ_WITH_MQA: &str = "kv_a_proj_with_mqa";
+/// Latent KV norm.
+pub const KV_A_LAYERNORM: &str = "kv_a_layernorm";
+/// KV up-projection.
+pub const KV_B_PROJ: &str = "kv_b_proj";
+/// The router's expert bias, inside `mlp.gate` (kept F32 on export).
+pub const EXPERT_BIAS: &str = "e_score_correction_bias";
+/// The shared experts, inside `mlp`.
+pub const SHARED_EXPERTS: &str = "shared_experts";
+/// MTP: embedding norm.
+pub const ENORM: &str = "enorm";
+/// MTP: hidden-state norm.
+pub const HNORM: &str = "hnorm";
+/// MTP: the projection of `[embedding; hidden]`.
+pub const EH_PROJ: &str = "eh_proj";
+/// MTP: the shared head module (`shared_head.norm`, `shared_head.head`).
+pub const SHARED_HEAD: &str = "shared_head";
+
+/// Whether `name` is the router's expert bias (`….mlp.gate.e_score_correction_bias`), stored
+/// F32 whatever the export dtype.
+pub fn is_expert_bias(name: &str) -> bool {
+    name.ends_with(EXPERT_BIAS)
+}
+
+/// Whether `name` is an MTP copy of the LM head (`model.layers.{N+j}.shared_head.head.weight`).
+pub fn is_mtp_head_copy(name: &str) -> bool {
+    name.contains(&join(SHARED_HEAD, "head"))
+}
+
+/// The MTP layer `layer`'s copies of the embedding and the LM head, `(embed, head)` names.
+pub fn mtp_copy_names(layer: usize) -> (String, String) {
+    let p = layer_of(layer);
+    let embed_suffix = n::EMBED_TOKENS
+        .rsplit('.')
+        .next()
+        .unwrap_or(n::EMBED_TOKENS);
+    (
+        weight(&join(&p, embed_suffix)),
+        weight(&join(&join(&p, SHARED_HEAD), "head")),
+    )
+}
 
 /// One decoder layer at Burn path `l`, HF prefix `h`: MLA with the head-split
 /// up-projections (`q_proj` or `q_b_proj`, `kv_b_proj`) column-parallel and `o_proj`
 /// row-parallel, the latent down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and their
 /// norms replicated; a dense MLP or an MoE block with replicated shared experts.
 fn layer(l: &str, h: &str) -> Vec<PlanEntry> {
-    let a = format!("{l}.self_attn");
-    let ha = format!("{h}.self_attn");
-    let mut rows = norm(
-        &format!("{l}.input_layernorm"),
-        &format!("{h}.input_layernorm"),
-    );
+    let a = join(l, n::SELF_ATTN);
+    let ha = join(h, n::SELF_ATTN);
+    let mut rows = norm(&join(l, n::INPUT_LAYERNORM), &join(h, n::INPUT_LAYERNORM));
     rows.extend(column(
         &format!("{a}.query.Direct"),
-        &format!("{ha}.q_proj"),
+        &join(&ha, n::Q_PROJ),
         true,
         true,
     ));
     rows.extend(replicated(
-        &format!("{a}.query.LowRank.q_a_proj"),
-        &format!("{ha}.q_a_proj"),
+        &format!("{a}.query.LowRank.{Q_A_PROJ}"),
+        &join(&ha, Q_A_PROJ),
         true,
         true,
     ));
     rows.extend(norm(
-        &format!("{a}.query.LowRank.q_a_layernorm"),
-        &format!("{ha}.q_a_layernorm"),
+        &format!("{a}.query.LowRank.{Q_A_LAYERNORM}"),
+        &join(&ha, Q_A_LAYERNORM),
     ));
     rows.extend(column(
-        &format!("{a}.query.LowRank.q_b_proj"),
-        &format!("{ha}.q_b_proj"),
+        &format!("{a}.query.LowRank.{Q_B_PROJ}"),
+        &join(&ha, Q_B_PROJ),
         true,
         true,
     ));
     rows.extend(replicated(
-        &format!("{a}.kv_a_proj_with_mqa"),
-        &format!("{ha}.kv_a_proj_with_mqa"),
+        &join(&a, KV_A_PROJ_WITH_MQA),
+        &join(&ha, KV_A_PROJ_WITH_MQA),
         true,
         true,
     ));
-    rows.extend(norm(
-        &format!("{a}.kv_a_layernorm"),
-        &format!("{ha}.kv_a_layernorm"),
-    ));
+    rows.extend(norm(&join(&a, KV_A_LAYERNORM), &join(&ha, KV_A_LAYERNORM)));
     rows.extend(column(
-        &format!("{a}.kv_b_proj"),
-        &format!("{ha}.kv_b_proj"),
+        &join(&a, KV_B_PROJ),
+        &join(&ha, KV_B_PROJ),
         true,
         true,
     ));
-    rows.extend(row(
-        &format!("{a}.o_proj"),
-        &format!("{ha}.o_proj"),
-        true,
-        true,
-    ));
+    rows.extend(row(&join(&a, n::O_PROJ), &join(&ha, n::O_PROJ), true, true));
     rows.extend(norm(
-        &format!("{l}.post_attention_layernorm"),
-        &format!("{h}.post_attention_layernorm"),
+        &join(l, n::POST_ATTENTION_LAYERNORM),
+        &join(h, n::POST_ATTENTION_LAYERNORM),
     ));
-    rows.extend(mlp(&format!("{l}.mlp.Dense"), &format!("{h}.mlp")));
-    rows.extend(moe(&format!("{l}.mlp.Moe.moe"), &format!("{h}.mlp"), true));
+    rows.extend(mlp(&format!("{l}.{}.Dense", n::MLP), &join(h, n::MLP)));
+    rows.extend(moe(
+        &format!("{l}.{}.Moe.moe", n::MLP),
+        &join(h, n::MLP),
+        true,
+    ));
     rows
 }
 
@@ -73,24 +128,24 @@ fn layer(l: &str, h: &str) -> Vec<PlanEntry> {
 /// `num_hidden_layers + j` (checkpoints.md §3): `enorm`, `hnorm`, `eh_proj` and
 /// `shared_head.norm` replicated, its block sharded like any decoder layer.
 pub fn deepseek_v3_plan() -> ParallelPlan {
-    let mut rows = embedding("model.embed_tokens", "model.embed_tokens");
-    rows.extend(layer("model.layers.*", "model.layers.{0}"));
-    rows.extend(norm("model.norm", "model.norm"));
-    rows.extend(column("lm_head", "lm_head", false, false));
+    let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);
+    rows.extend(layer(&layer_of("*"), &layer_of("{0}")));
+    rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
+    rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
     let m = "mtp.*";
-    let h = "model.layers.{0+L}";
-    rows.extend(norm(&format!("{m}.enorm"), &format!("{h}.enorm")));
-    rows.extend(norm(&format!("{m}.hnorm"), &format!("{h}.hnorm")));
+    let h = &layer_of("{0+L}");
+    rows.extend(norm(&join(m, ENORM), &join(h, ENORM)));
+    rows.extend(norm(&join(m, HNORM), &join(h, HNORM)));
     rows.extend(replicated(
-        &format!("{m}.eh_proj"),
-        &format!("{h}.eh_proj"),
+        &join(m, EH_PROJ),
+        &join(h, EH_PROJ),
         false,
         false,
     ));
     rows.extend(layer(&format!("{m}.block"), h));
     rows.extend(norm(
-        &format!("{m}.shared_head_norm"),
-        &format!("{h}.shared_head.norm"),
+        &format!("{m}.{SHARED_HEAD}_norm"),
+        &format!("{h}.{SHARED_HEAD}.norm"),
     ));
     ParallelPlan::new("deepseek_v3", rows)
 }
@@ -114,19 +169,147 @@ pub(crate) fn mtp_export_copies(
     config: &crate::DeepseekV3Config,
     has: &dyn Fn(&str) -> bool,
 ) -> Vec<(String, String)> {
-    let (embed, lm_head) = ("model.embed_tokens.weight", "lm_head.weight");
-    let head = if config.tie_word_embeddings || !has(lm_head) {
-        embed
+    let (embed, lm_head) = (n::embed_weight(), n::lm_head_weight());
+    let head = if config.tie_word_embeddings || !has(&lm_head) {
+        &embed
     } else {
-        lm_head
+        &lm_head
     };
     (0..config.num_nextn_predict_layers)
         .flat_map(|j| {
-            let layer = format!("model.layers.{}", config.num_hidden_layers + j);
-            [
-                (format!("{layer}.embed_tokens.weight"), embed.to_owned()),
-                (format!("{layer}.shared_head.head.weight"), head.to_owned()),
-            ]
+            let (e, h) = mtp_copy_names(config.num_hidden_layers + j);
+            [(e, embed.clone()), (h, head.clone())]
         })
         .collect()
+}
+
+/// The name-mapping rules of DeepSeek-V3 (after the shared ignores): MLA attention, shared
+/// experts, router bias kept F32 on export, and MTP layers (`model.layers.{N+j}`) whose copies
+/// of the embedding and the LM head are ignored (they are the main model's tensors, re-emitted
+/// on export).
+pub(crate) fn mapping_rules() -> Vec<Rule> {
+    let (embed_copy, head_copy) = mtp_copy_names(0);
+    let any_layer = |name: &str| name.replacen(&layer_of(0), &layer_of("*"), 1);
+    let mut rules = vec![
+        Rule::ignore(&any_layer(&embed_copy), "MTP copy of the embedding weight"),
+        Rule::ignore(&any_layer(&head_copy), "MTP copy of the LM head weight"),
+    ];
+    rules.extend(n::top_level_rules());
+    rules.extend(n::per_layer(n::layer_norm_suffixes()));
+    let mut attention = n::attention_suffixes(
+        &[
+            Q_A_PROJ,
+            Q_A_LAYERNORM,
+            Q_B_PROJ,
+            n::Q_PROJ,
+            KV_A_PROJ_WITH_MQA,
+            KV_A_LAYERNORM,
+            KV_B_PROJ,
+            n::O_PROJ,
+        ],
+        false,
+    );
+    // With `attention_bias`.
+    attention.extend(
+        [Q_A_PROJ, KV_A_PROJ_WITH_MQA, n::O_PROJ].map(|p| format!("{}.{p}.bias", n::SELF_ATTN)),
+    );
+    rules.extend(n::per_layer(attention));
+    rules.extend(n::per_layer([n::router_suffix()]));
+    rules.push(Rule::same_as_dtype(
+        &format!("{}.{}.{}.{EXPERT_BIAS}", layer_of("*"), n::MLP, n::ROUTER),
+        Dtype::F32,
+    ));
+    rules.extend(n::routed_expert_rules());
+    rules.extend(n::per_layer(
+        n::MLP_PROJS.map(|p| weight(&format!("{}.{SHARED_EXPERTS}.{p}", n::MLP))),
+    ));
+    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
+    rules.extend(n::per_layer(
+        [ENORM, HNORM, EH_PROJ, &join(SHARED_HEAD, "norm")].map(weight),
+    ));
+    rules
+}
+
+/// One DeepSeek-V3 decoder layer under `p`: MLA attention, then a dense MLP or an MoE block
+/// (router weight and F32 `e_score_correction_bias`, routed experts, shared experts).
+fn expected_layer(
+    b: &mut Builder<'_>,
+    c: &DeepseekV3Config,
+    p: &str,
+    moe: bool,
+    layout: ExpertLayout,
+) -> Result<(), BridgeError> {
+    let (h, nh, bias) = (c.hidden_size, c.num_attention_heads, c.attention_bias);
+    n::expected_layer_norms(b, p, h)?;
+    let a = join(p, n::SELF_ATTN);
+    let qk_head = b.add(c.qk_nope_head_dim, c.qk_rope_head_dim, "qk_nope_head_dim")?;
+    let q_out = b.mul(nh, qk_head, "num_attention_heads")?;
+    match c.q_lora_rank {
+        None => b.linear(&join(&a, n::Q_PROJ), h, q_out, false)?,
+        Some(r) => {
+            b.linear(&join(&a, Q_A_PROJ), h, r, bias)?;
+            b.norm(&join(&a, Q_A_LAYERNORM), r)?;
+            b.linear(&join(&a, Q_B_PROJ), r, q_out, false)?;
+        }
+    }
+    let kv_a = b.add(c.kv_lora_rank, c.qk_rope_head_dim, "kv_lora_rank")?;
+    b.linear(&join(&a, KV_A_PROJ_WITH_MQA), h, kv_a, bias)?;
+    b.norm(&join(&a, KV_A_LAYERNORM), c.kv_lora_rank)?;
+    let kv_head = b.add(c.qk_nope_head_dim, c.v_head_dim, "v_head_dim")?;
+    let kv_b = b.mul(nh, kv_head, "num_attention_heads")?;
+    b.linear(&join(&a, KV_B_PROJ), c.kv_lora_rank, kv_b, false)?;
+    let o_in = b.mul(nh, c.v_head_dim, "num_attention_heads")?;
+    b.linear(&join(&a, n::O_PROJ), o_in, h, bias)?;
+    let m = join(p, n::MLP);
+    if !moe {
+        return n::expected_mlp(b, &m, h, c.intermediate_size);
+    }
+    let (e, im) = (c.n_routed_experts, c.moe_intermediate_size);
+    n::expected_moe(b, &m, e, im, h, layout)?;
+    b.weight(format!("{m}.{}.{EXPERT_BIAS}", n::ROUTER), vec![e])?;
+    if c.n_shared_experts > 0 {
+        let shared = b.mul(im, c.n_shared_experts, "n_shared_experts")?;
+        n::expected_mlp(b, &join(&m, SHARED_EXPERTS), h, shared)?;
+    }
+    Ok(())
+}
+
+/// DeepSeek-V3 (`DeepseekV3ForCausalLM`): dense layers `0..first_k_dense_replace`, MoE layers
+/// after, and the `num_nextn_predict_layers` MTP layers `model.layers.{N+j}` (required: the
+/// model loads them) with their optional copies of `embed_tokens` and `shared_head.head`.
+pub fn deepseek_v3_expected(
+    c: &DeepseekV3Config,
+    layout: ExpertLayout,
+    path: &Path,
+    block: [usize; 2],
+) -> Result<ExpectedTable, BridgeError> {
+    let mut b = Builder::new(path, block);
+    let layers = c
+        .num_hidden_layers
+        .saturating_add(c.num_nextn_predict_layers);
+    let per_layer = 30 + 3 * c.n_routed_experts as u128;
+    b.bound(
+        layers,
+        per_layer,
+        "num_hidden_layers/num_nextn_predict_layers/n_routed_experts",
+    )?;
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    n::expected_top_level(&mut b, v, h, c.tie_word_embeddings)?;
+    for l in 0..c.num_hidden_layers {
+        expected_layer(&mut b, c, &layer_of(l), c.is_moe_layer(l), layout)?;
+    }
+    for j in 0..c.num_nextn_predict_layers {
+        let i = c.num_hidden_layers + j;
+        let p = layer_of(i);
+        expected_layer(&mut b, c, &p, true, layout)?;
+        b.norm(&join(&p, ENORM), h)?;
+        b.norm(&join(&p, HNORM), h)?;
+        let two_h = b.mul(2, h, "hidden_size")?;
+        b.linear(&join(&p, EH_PROJ), two_h, h, false)?;
+        b.norm(&format!("{p}.{SHARED_HEAD}.norm"), h)?;
+        let (embed_copy, head_copy) = mtp_copy_names(i);
+        b.insert(embed_copy, vec![v, h], false)?;
+        b.insert(head_copy, vec![v, h], false)?;
+    }
+    Ok(b.finish())
 }

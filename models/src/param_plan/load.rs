@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::{GradClass, ParallelPlan, PlanError, Planned, Storage};
+use super::{GradClass, ParallelPlan, PlanError, Planned, Storage, hf_names};
 use crate::ModelError;
 use crate::distributed::ShardRule;
 use crate::weights::{ShardSpec, WeightLoader, WeightSource};
@@ -107,17 +107,16 @@ impl Loader<'_> {
         if let Some(data) = self.pending.remove(hf) {
             return Ok(data);
         }
-        let (prefix, fc1, other) = match (
-            hf.strip_suffix(".gate_up_proj"),
-            hf.strip_suffix(".down_proj"),
-        ) {
-            (Some(p), _) => (p, true, format!("{p}.down_proj")),
-            (None, Some(p)) => (p, false, format!("{p}.gate_up_proj")),
-            (None, None) => {
+        let (prefix, fc1, other) = match hf_names::split_stacked(hf) {
+            Some((p, true)) => (p, true, hf_names::stacked_down(p)),
+            Some((p, false)) => (p, false, hf_names::stacked_gate_up(p)),
+            None => {
                 return Err(self.mismatch(
                     path,
                     format!(
-                        "routed experts must be named `….gate_up_proj` / `….down_proj`, not `{hf}`"
+                        "routed experts must be named `….{}` / `….{}`, not `{hf}`",
+                        hf_names::GATE_UP_PROJ,
+                        hf_names::DOWN_PROJ
                     ),
                 ));
             }

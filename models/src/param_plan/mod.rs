@@ -24,15 +24,16 @@ use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
-use moe_backend::optim::ParamClass;
+use moe_backend::optim::{MatrixAxis, MuonMatrix, ParamClass, ParamInfo};
 
 use crate::ModelError;
 use crate::distributed::ShardRule;
 
 pub(crate) mod deepseek_v3;
+pub mod hf_names;
 mod load;
-mod qwen3;
-mod qwen3_moe;
+pub(crate) mod qwen3;
+pub(crate) mod qwen3_moe;
 mod shard;
 
 pub use deepseek_v3::deepseek_v3_plan;
@@ -59,6 +60,29 @@ pub trait Planned: Module {
         Self: Sized,
     {
         Self::parallel_plan().classes(self, self.main_layers())
+    }
+
+    /// What Muon does with every trainable parameter, from the plan (what
+    /// [`moe_backend::optim::MuonAdamW::new`] asks): see [`ParallelPlan::muon_matrices`].
+    fn muon_matrices(&self) -> Result<MuonMatrices, ModelError>
+    where
+        Self: Sized,
+    {
+        Ok(Self::parallel_plan().muon_matrices(self, self.main_layers())?)
+    }
+}
+
+/// Muon's view of a module's parameters by Burn path ([`ParallelPlan::muon_matrices`]).
+#[derive(Debug, Clone)]
+pub struct MuonMatrices {
+    matrices: HashMap<String, Option<MuonMatrix>>,
+}
+
+impl MuonMatrices {
+    /// Muon's selection for the optimizers: the matrix view of the parameter at
+    /// `info.path`, `None` for AdamW (and for a path the plan did not see).
+    pub fn select(&self, info: &ParamInfo) -> Option<MuonMatrix> {
+        self.matrices.get(&info.path).copied().flatten()
     }
 }
 
@@ -241,6 +265,75 @@ impl ParallelPlan {
                 })
             })
             .collect()
+    }
+
+    /// What Muon does with every trainable parameter of `module` (Megatron's and Keller's
+    /// convention, read from the plan instead of guessed from names): 2-D weights and
+    /// stacked 3-D expert weights are Muon matrices, except biases, 2-D expert parameters,
+    /// the embedding and the output layer (AdamW). A matrix's rows are output features when
+    /// it is stored as the canonical `[out, in]` (the router, stacked experts) and input
+    /// features for Burn's transposed `Linear`; its tensor-parallel split is the plan's:
+    /// canonical dim 0 (column-parallel) or 1 (row-parallel) over `tp`, the ETP dimension of
+    /// the stacked experts over `expt_tp`.
+    pub fn muon_matrices<M: Module>(
+        &self,
+        module: &M,
+        main_layers: usize,
+    ) -> Result<MuonMatrices, PlanError> {
+        let mut matrices = HashMap::new();
+        for t in self.walk(module, main_layers)? {
+            let GradClass::Param(class) = t.entry.grad else {
+                continue;
+            };
+            if !t.trainable {
+                continue;
+            }
+            let is_bias = t.path.rsplit('.').next() == Some("bias");
+            let matrix = if !(2..=3).contains(&t.shape.len())
+                || is_bias
+                || hf_names::mentions_embedding_or_head(&t.hf_name)
+            {
+                None
+            } else if t.shape.len() == 3 {
+                let split = match t.entry.split {
+                    ShardRule::Expert { etp_dim } if class.is_expert() => {
+                        // Stacked gate/up `[E, 2F, H]` (canonical `[E, 2, F, H]`) splits its
+                        // rows; a canonical `[E, out, in]` stored as is splits dim 1 (rows)
+                        // or dim 2 (columns).
+                        Some(match (t.entry.storage, etp_dim) {
+                            (Storage::GatedExperts, _) | (_, 1) => MatrixAxis::Rows,
+                            _ => MatrixAxis::Cols,
+                        })
+                    }
+                    _ => None,
+                };
+                Some(MuonMatrix {
+                    rows_are_outputs: true,
+                    split,
+                })
+            } else if class.is_expert() {
+                None
+            } else {
+                let canonical = t.entry.storage == Storage::Same;
+                let split = match (t.entry.split, class) {
+                    (ShardRule::Tp { dim }, ParamClass::DenseTpSharded) => {
+                        // Canonical dim 0 is the output rows; Burn's `Linear` stores `[in, out]`.
+                        Some(if (dim == 0) == canonical {
+                            MatrixAxis::Rows
+                        } else {
+                            MatrixAxis::Cols
+                        })
+                    }
+                    _ => None,
+                };
+                Some(MuonMatrix {
+                    rows_are_outputs: canonical,
+                    split,
+                })
+            };
+            matrices.insert(t.path, matrix);
+        }
+        Ok(MuonMatrices { matrices })
     }
 
     /// The gradient class of every trainable parameter of `module` by Burn path (what
@@ -434,6 +527,7 @@ fn render(template: &str, captures: &[&str], layers: usize) -> Result<String, St
 /// module name template `hf` (`{0}`: the first capture), and returns the entries of that
 /// module's parameters.
 pub mod rows {
+    use super::hf_names::{self as n, join};
     use super::{GradClass, PlanEntry, ShardRule, Storage};
     use moe_backend::optim::ParamClass;
 
@@ -558,24 +652,10 @@ pub mod rows {
 
     /// A dense SwiGLU MLP (`gate_proj`/`up_proj` column-, `down_proj` row-parallel).
     pub fn mlp(m: &str, hf: &str) -> Vec<PlanEntry> {
-        let mut rows = column(
-            &format!("{m}.gate_proj"),
-            &format!("{hf}.gate_proj"),
-            false,
-            true,
-        );
-        rows.extend(column(
-            &format!("{m}.up_proj"),
-            &format!("{hf}.up_proj"),
-            false,
-            true,
-        ));
-        rows.extend(row(
-            &format!("{m}.down_proj"),
-            &format!("{hf}.down_proj"),
-            false,
-            true,
-        ));
+        let [gate, up, down] = n::MLP_PROJS;
+        let mut rows = column(&join(m, gate), &join(hf, gate), false, true);
+        rows.extend(column(&join(m, up), &join(hf, up), false, true));
+        rows.extend(row(&join(m, down), &join(hf, down), false, true));
         rows
     }
 
@@ -588,7 +668,7 @@ pub mod rows {
         let mut rows = vec![
             entry(
                 format!("{m}.router.weight"),
-                format!("{hf}.gate.weight"),
+                n::weight(&join(hf, n::ROUTER)),
                 Storage::Same,
                 ShardRule::Replicated,
                 GradClass::Param(ParamClass::DenseSequenceParallel),
@@ -596,7 +676,7 @@ pub mod rows {
             ),
             entry(
                 format!("{m}.router.expert_bias"),
-                format!("{hf}.gate.e_score_correction_bias"),
+                format!("{hf}.{}.{}", n::ROUTER, super::deepseek_v3::EXPERT_BIAS),
                 Storage::Same,
                 ShardRule::Replicated,
                 GradClass::Buffer,
@@ -604,7 +684,7 @@ pub mod rows {
             ),
             entry(
                 format!("{m}.experts.fc1"),
-                format!("{hf}.experts.gate_up_proj"),
+                n::stacked_gate_up(&join(hf, n::EXPERTS)),
                 Storage::GatedExperts,
                 ShardRule::Expert { etp_dim: 2 },
                 expert,
@@ -612,7 +692,7 @@ pub mod rows {
             ),
             entry(
                 format!("{m}.experts.fc2"),
-                format!("{hf}.experts.down_proj"),
+                n::stacked_down(&join(hf, n::EXPERTS)),
                 Storage::Same,
                 ShardRule::Expert { etp_dim: 2 },
                 expert,
@@ -620,10 +700,11 @@ pub mod rows {
             ),
         ];
         if shared {
-            for proj in ["gate_proj", "up_proj", "down_proj"] {
+            let shared = super::deepseek_v3::SHARED_EXPERTS;
+            for proj in n::MLP_PROJS {
                 rows.extend(replicated(
-                    &format!("{m}.shared_experts.{proj}"),
-                    &format!("{hf}.shared_experts.{proj}"),
+                    &format!("{m}.{shared}.{proj}"),
+                    &format!("{hf}.{shared}.{proj}"),
                     false,
                     true,
                 ));
@@ -636,22 +717,13 @@ pub mod rows {
     /// column-parallel by head, `o_proj` row-parallel, QK-norms replicated.
     pub fn gqa(m: &str, hf: &str) -> Vec<PlanEntry> {
         let mut rows = Vec::new();
-        for proj in ["q_proj", "k_proj", "v_proj"] {
-            rows.extend(column(
-                &format!("{m}.{proj}"),
-                &format!("{hf}.{proj}"),
-                true,
-                true,
-            ));
+        for proj in [n::Q_PROJ, n::K_PROJ, n::V_PROJ] {
+            rows.extend(column(&join(m, proj), &join(hf, proj), true, true));
         }
-        rows.extend(row(
-            &format!("{m}.o_proj"),
-            &format!("{hf}.o_proj"),
-            true,
-            true,
-        ));
-        rows.extend(norm(&format!("{m}.q_norm"), &format!("{hf}.q_norm")));
-        rows.extend(norm(&format!("{m}.k_norm"), &format!("{hf}.k_norm")));
+        rows.extend(row(&join(m, n::O_PROJ), &join(hf, n::O_PROJ), true, true));
+        for qk_norm in [super::qwen3::Q_NORM, super::qwen3::K_NORM] {
+            rows.extend(norm(&join(m, qk_norm), &join(hf, qk_norm)));
+        }
         rows
     }
 }

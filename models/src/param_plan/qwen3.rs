@@ -1,27 +1,41 @@
-//! The dense Qwen3 parallel plan (HF `Qwen3ForCausalLM`).
+//! The dense Qwen3 model's HF layout (HF `Qwen3ForCausalLM`): its parallel plan, name-mapping
+//! rules and expected-tensor table, over the shared Llama-family names of [`super::hf_names`]
+//! plus Qwen3's own QK-norms (`self_attn.q_norm`, `self_attn.k_norm`).
+
+use std::path::Path;
+
+use moe_bridge::BridgeError;
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, Rule};
 
 use super::ParallelPlan;
+use super::hf_names::{self as n, join, layer};
 use super::rows::{column, embedding, gqa, mlp, norm};
+use crate::Qwen3Config;
+
+/// Qwen3's per-head query norm, inside `self_attn`.
+pub const Q_NORM: &str = "q_norm";
+/// Qwen3's per-head key norm, inside `self_attn`.
+pub const K_NORM: &str = "k_norm";
 
 /// The plan of [`crate::Qwen3ForCausalLM`] and its shards: vocab-parallel embedding and
 /// head, GQA attention (q/k/v column-, o row-parallel, QK-norms replicated), SwiGLU MLPs
 /// tensor-parallel, norms replicated.
 pub fn qwen3_plan() -> ParallelPlan {
-    let l = "model.layers.*";
-    let h = "model.layers.{0}";
-    let mut rows = embedding("model.embed_tokens", "model.embed_tokens");
+    let l = layer("*");
+    let h = layer("{0}");
+    let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);
     rows.extend(norm(
-        &format!("{l}.input_layernorm"),
-        &format!("{h}.input_layernorm"),
+        &join(&l, n::INPUT_LAYERNORM),
+        &join(&h, n::INPUT_LAYERNORM),
     ));
-    rows.extend(gqa(&format!("{l}.self_attn"), &format!("{h}.self_attn")));
+    rows.extend(gqa(&join(&l, n::SELF_ATTN), &join(&h, n::SELF_ATTN)));
     rows.extend(norm(
-        &format!("{l}.post_attention_layernorm"),
-        &format!("{h}.post_attention_layernorm"),
+        &join(&l, n::POST_ATTENTION_LAYERNORM),
+        &join(&h, n::POST_ATTENTION_LAYERNORM),
     ));
-    rows.extend(mlp(&format!("{l}.mlp"), &format!("{h}.mlp")));
-    rows.extend(norm("model.norm", "model.norm"));
-    rows.extend(column("lm_head", "lm_head", false, false));
+    rows.extend(mlp(&join(&l, n::MLP), &join(&h, n::MLP)));
+    rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
+    rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
     ParallelPlan::new("qwen3", rows)
 }
 
@@ -33,4 +47,71 @@ impl super::Planned for crate::Qwen3ForCausalLM {
     fn main_layers(&self) -> usize {
         self.config().num_hidden_layers
     }
+}
+
+/// Qwen3 attention's weights under a layer (`q/k/v/o_proj` with optional biases, QK-norms).
+pub(crate) fn attention_suffixes() -> Vec<String> {
+    let projs = [n::Q_PROJ, n::K_PROJ, n::V_PROJ, n::O_PROJ];
+    let mut out = n::attention_suffixes(&projs, true);
+    out.extend(n::attention_suffixes(&[Q_NORM, K_NORM], false));
+    out
+}
+
+/// The name-mapping rules of Qwen3 (after the shared ignores): every HF name explicit,
+/// canonical name = HF name.
+pub(crate) fn mapping_rules() -> Vec<Rule> {
+    let mut rules = n::top_level_rules();
+    rules.extend(n::per_layer(n::layer_norm_suffixes()));
+    rules.extend(n::per_layer(attention_suffixes()));
+    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
+    rules
+}
+
+/// Qwen-style attention: `q/k/v/o_proj` (biases with `attention_bias`) and `q_norm`/`k_norm`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qwen_attention(
+    b: &mut Builder<'_>,
+    prefix: &str,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    bias: bool,
+) -> Result<(), BridgeError> {
+    let q = b.mul(heads, head_dim, "num_attention_heads")?;
+    let kv = b.mul(kv_heads, head_dim, "num_key_value_heads")?;
+    b.linear(&join(prefix, n::Q_PROJ), hidden, q, bias)?;
+    b.linear(&join(prefix, n::K_PROJ), hidden, kv, bias)?;
+    b.linear(&join(prefix, n::V_PROJ), hidden, kv, bias)?;
+    b.linear(&join(prefix, n::O_PROJ), q, hidden, bias)?;
+    b.norm(&join(prefix, Q_NORM), head_dim)?;
+    b.norm(&join(prefix, K_NORM), head_dim)
+}
+
+/// Dense Qwen3 (`Qwen3ForCausalLM`). `path` names the config in errors; `block` is the FP8
+/// block size of the scale companions.
+pub fn qwen3_expected(
+    c: &Qwen3Config,
+    path: &Path,
+    block: [usize; 2],
+) -> Result<ExpectedTable, BridgeError> {
+    let mut b = Builder::new(path, block);
+    b.bound(c.num_hidden_layers, 16, "num_hidden_layers")?;
+    let h = c.hidden_size;
+    n::expected_top_level(&mut b, c.vocab_size, h, c.tie_word_embeddings)?;
+    for l in 0..c.num_hidden_layers {
+        let p = layer(l);
+        n::expected_layer_norms(&mut b, &p, h)?;
+        qwen_attention(
+            &mut b,
+            &join(&p, n::SELF_ATTN),
+            h,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.attention_bias,
+        )?;
+        n::expected_mlp(&mut b, &join(&p, n::MLP), h, c.intermediate_size)?;
+    }
+    Ok(b.finish())
 }

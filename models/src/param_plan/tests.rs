@@ -102,3 +102,33 @@ fn the_model_plans_have_unique_patterns() {
         }
     }
 }
+
+#[test]
+fn hf_names_place_tensors_on_pipeline_stages() {
+    use moe_bridge::ModelSchema;
+    use moe_bridge::dist::StagePlace;
+
+    use crate::hf::ModelConfig;
+
+    let place = hf_names::stage_place;
+    assert_eq!(place(&hf_names::embed_weight()), StagePlace::First);
+    assert_eq!(place(&hf_names::router_weight(3)), StagePlace::Layer(3));
+    assert_eq!(place(&hf_names::lm_head_weight()), StagePlace::Last);
+    assert_eq!(place(&hf_names::final_norm_weight()), StagePlace::Last);
+    let (embed_copy, head_copy) = deepseek_v3::mtp_copy_names(7);
+    assert_eq!(place(&embed_copy), StagePlace::Layer(7));
+    assert!(deepseek_v3::is_mtp_head_copy(&head_copy));
+    assert_eq!(
+        hf_names::split_stacked(&hf_names::stacked_down("x.experts")),
+        Some(("x.experts", false))
+    );
+    let tied = serde_json::json!({"tie_word_embeddings": true});
+    assert_eq!(
+        <ModelConfig as ModelSchema>::tied_head(&tied),
+        Some(hf_names::lm_head_weight())
+    );
+    assert_eq!(
+        <ModelConfig as ModelSchema>::tied_head(&serde_json::json!({})),
+        None
+    );
+}

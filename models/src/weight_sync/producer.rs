@@ -13,6 +13,7 @@ use super::host::{PieceBox, convert, scatter};
 use super::{ExpertNames, SyncDest, SyncOptions, WeightReceiver, WeightSyncError};
 use crate::distributed::{ShardRule, shard_rule};
 use crate::export::{ExportHf, HfTensorSpec, LazyTensor, keeps_f32};
+use crate::param_plan::hf_names;
 
 /// What a sync did on one rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -544,13 +545,16 @@ fn plan(
                 push(spec.name.clone(), shape, Source::Tp { entry: k, dim });
             }
             ShardRule::Expert { etp_dim } => {
-                let prefix = spec.name.strip_suffix(".gate_up_proj").ok_or_else(|| {
-                    bad(
-                        &spec.name,
-                        "expected the layer's gate_up_proj first".to_owned(),
-                    )
-                })?;
-                let down_name = format!("{prefix}.down_proj");
+                let prefix = match hf_names::split_stacked(&spec.name) {
+                    Some((prefix, true)) => prefix,
+                    _ => {
+                        return Err(bad(
+                            &spec.name,
+                            "expected the layer's stacked gate/up projection first".to_owned(),
+                        ));
+                    }
+                };
+                let down_name = hf_names::stacked_down(prefix);
                 let down = local
                     .get(k + 1)
                     .map(|(s, _)| s)
@@ -597,14 +601,13 @@ fn plan(
                     }
                     ExpertNames::PerExpert => {
                         for x in 0..e {
-                            let p = format!("{prefix}.{x}");
                             for (proj, entry, part, shape) in [
-                                ("gate_proj", gu, ExpertPart::Gate(x), vec![im, h]),
-                                ("up_proj", gu, ExpertPart::Up(x), vec![im, h]),
-                                ("down_proj", dn, ExpertPart::Down(x), vec![h, im]),
+                                (hf_names::GATE_PROJ, gu, ExpertPart::Gate(x), vec![im, h]),
+                                (hf_names::UP_PROJ, gu, ExpertPart::Up(x), vec![im, h]),
+                                (hf_names::DOWN_PROJ, dn, ExpertPart::Down(x), vec![h, im]),
                             ] {
                                 push(
-                                    format!("{p}.{proj}.weight"),
+                                    hf_names::expert_proj_weight(prefix, x, proj),
                                     shape,
                                     Source::Experts { entry, part },
                                 );

@@ -7,7 +7,9 @@ use moe_backend::parallel::ParallelLayout;
 
 use super::stale::process_start_time;
 use super::*;
-use crate::dist::testing::{TINY_LAYERS, TinyModel, synthetic_bytes, tiny_moe_tensors, tiny_rule};
+use crate::dist::testing::{
+    TINY_LAYERS, TinyModel, synthetic_bytes, tiny_moe_tensors, tiny_rule, tiny_stage,
+};
 use crate::dist::{DistCheckpoint, SaveMeta, ShardingPlan, TensorMeta, save_offline};
 use crate::test_util::TempDir;
 
@@ -72,7 +74,7 @@ fn save_tiny(root: &Path, step: u64) -> PathBuf {
         .zip(bytes.iter().map(Vec::as_slice))
         .collect();
     let layout = ParallelLayout::parse(2, "tp=2").unwrap();
-    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule).unwrap();
+    let plan = ShardingPlan::new(&layout, Some(TINY_LAYERS), tiny_rule, tiny_stage).unwrap();
     save_offline(root, SaveMeta::new(step, &layout), &plan, &views).unwrap()
 }
 

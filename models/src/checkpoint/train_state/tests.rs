@@ -129,7 +129,7 @@ fn save_fake_training(
             optimizer_config(moments),
             &classes.classifier(),
         )?;
-        let plan = ShardingPlan::new(layout, Some(2), shard_rule).map_err(backend)?;
+        let plan = ShardingPlan::new(layout, Some(2), shard_rule, stage_place).map_err(backend)?;
         let placed = shard
             .model
             .placements(&plan, ctx.rank(), false)
@@ -188,7 +188,7 @@ fn check_restore(
         let kind = DispatcherKind::AllToAll;
         let want = ParallelQwen3Moe::shard(full, &groups, kind).map_err(backend)?;
         let mut shard = ParallelQwen3Moe::shard(&other, &groups, kind).map_err(backend)?;
-        let plan = ShardingPlan::new(layout, Some(2), shard_rule).map_err(backend)?;
+        let plan = ShardingPlan::new(layout, Some(2), shard_rule, stage_place).map_err(backend)?;
         let rank = ctx.rank();
         assert_ne!(
             canonical(&shard.model, &plan, rank),
@@ -312,7 +312,7 @@ fn model_only_checkpoints_initialise_the_master_from_the_parameters() {
         let groups = ctx.process_groups(&load)?;
         let mut shard =
             ParallelQwen3Moe::shard(&other, &groups, DispatcherKind::AllToAll).map_err(backend)?;
-        let plan = ShardingPlan::new(&load, Some(2), shard_rule).map_err(backend)?;
+        let plan = ShardingPlan::new(&load, Some(2), shard_rule, stage_place).map_err(backend)?;
         shard.model = load_model_state(&ckpt, shard.model, &plan, ctx.rank()).map_err(backend)?;
         let classes = shard.model.param_classes().map_err(backend)?;
         let mut optim = DistributedAdamW::with_classes(
@@ -374,8 +374,13 @@ fn a_trainer_checkpoint_names_what_does_not_match() {
     let mut config = tiny_config();
     config.vocab_size = 32;
     let small = replicate(&config.init(&device).unwrap());
-    let plan =
-        ShardingPlan::new(&ParallelLayout::parse(1, "").unwrap(), Some(2), shard_rule).unwrap();
+    let plan = ShardingPlan::new(
+        &ParallelLayout::parse(1, "").unwrap(),
+        Some(2),
+        shard_rule,
+        stage_place,
+    )
+    .unwrap();
     let err = load_model_state(&ckpt, small, &plan, 0).unwrap_err();
     assert!(matches!(err, BridgeError::ShapeMismatch { .. }), "{err}");
     assert!(

@@ -6,6 +6,7 @@ use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::mapping::{
     CaptureKind, Captures, ExpectedTensor, ExpertLayout, HfTarget, LoadReport, RuleKind,
 };
+use moe_bridge::safetensors::Dtype;
 
 fn all() -> Vec<Registry> {
     vec![qwen3(), qwen3_moe(), deepseek_v3()]

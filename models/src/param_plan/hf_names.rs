@@ -1,0 +1,292 @@
+//! The HF tensor names of the Llama-family layout every built-in model shares (Qwen3,
+//! Qwen3-MoE, DeepSeek-V3): `model.embed_tokens`, `model.layers.{i}` with
+//! `input_layernorm` / `post_attention_layernorm`, `self_attn.{q,k,v,o}_proj`, a SwiGLU
+//! `mlp.{gate,up,down}_proj` or an MoE `mlp` (router `mlp.gate`, routed experts
+//! `mlp.experts.{e}.…` or stacked `mlp.experts.gate_up_proj` / `down_proj`), `model.norm` and
+//! `lm_head`.
+//!
+//! This is the one place these literals are spelled (a test enforces it); each model's plan
+//! file (`qwen3.rs`, `qwen3_moe.rs`, `deepseek_v3.rs`) builds its parallel plan, name-mapping
+//! rules and expected-tensor table from these and adds its own names (Qwen3's `q_norm` /
+//! `k_norm`, DeepSeek-V3's MLA projections, MTP modules and router bias). Burn module paths
+//! of the built-in models use the same field names, so the plan rows read them from here too.
+
+use std::fmt::Display;
+
+use moe_bridge::BridgeError;
+use moe_bridge::dist::StagePlace;
+use moe_bridge::mapping::{ExpectedBuilder, ExpertLayout, Rule};
+
+/// Prefix of the decoder layers: layer `i` is `model.layers.{i}`.
+pub const LAYERS: &str = "model.layers";
+/// The token embedding module.
+pub const EMBED_TOKENS: &str = "model.embed_tokens";
+/// The final norm module.
+pub const FINAL_NORM: &str = "model.norm";
+/// The LM head module.
+pub const LM_HEAD: &str = "lm_head";
+
+/// A layer's pre-attention norm.
+pub const INPUT_LAYERNORM: &str = "input_layernorm";
+/// A layer's pre-MLP norm.
+pub const POST_ATTENTION_LAYERNORM: &str = "post_attention_layernorm";
+/// A layer's attention module.
+pub const SELF_ATTN: &str = "self_attn";
+/// A layer's MLP (dense or MoE) module.
+pub const MLP: &str = "mlp";
+
+/// Attention query projection.
+pub const Q_PROJ: &str = "q_proj";
+/// Attention key projection.
+pub const K_PROJ: &str = "k_proj";
+/// Attention value projection.
+pub const V_PROJ: &str = "v_proj";
+/// Attention output projection.
+pub const O_PROJ: &str = "o_proj";
+
+/// SwiGLU gate projection.
+pub const GATE_PROJ: &str = "gate_proj";
+/// SwiGLU up projection.
+pub const UP_PROJ: &str = "up_proj";
+/// SwiGLU down projection.
+pub const DOWN_PROJ: &str = "down_proj";
+/// The three SwiGLU projections, in order.
+pub const MLP_PROJS: [&str; 3] = [GATE_PROJ, UP_PROJ, DOWN_PROJ];
+
+/// An MoE block's router, inside `mlp` (`mlp.gate.weight`).
+pub const ROUTER: &str = "gate";
+/// An MoE block's routed experts, inside `mlp`.
+pub const EXPERTS: &str = "experts";
+/// Stacked routed experts' fused gate/up projection (`[E, 2, Im, H]` canonical).
+pub const GATE_UP_PROJ: &str = "gate_up_proj";
+
+/// `{module}.weight`.
+pub fn weight(module: &str) -> String {
+    format!("{module}.weight")
+}
+
+/// `{a}.{b}`.
+pub fn join(a: &str, b: &str) -> String {
+    format!("{a}.{b}")
+}
+
+/// Decoder layer `l`'s module (`l` may be an index, `*` or a plan template such as `{0}`).
+pub fn layer(l: impl Display) -> String {
+    format!("{LAYERS}.{l}")
+}
+
+/// The embedding weight.
+pub fn embed_weight() -> String {
+    weight(EMBED_TOKENS)
+}
+
+/// The final norm weight.
+pub fn final_norm_weight() -> String {
+    weight(FINAL_NORM)
+}
+
+/// The LM head weight.
+pub fn lm_head_weight() -> String {
+    weight(LM_HEAD)
+}
+
+/// The decoder layer index of a name under `model.layers.{i}.`, if any.
+pub fn layer_index(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix(LAYERS)?.strip_prefix('.')?;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// Whether `name` is a tensor of the final norm or the LM head (last pipeline stage).
+pub fn is_final_norm_or_head(name: &str) -> bool {
+    [FINAL_NORM, LM_HEAD]
+        .iter()
+        .any(|m| name.strip_prefix(m).is_some_and(|r| r.starts_with('.')))
+}
+
+/// The pipeline placement of canonical tensor `name`: its decoder layer (the last stage when
+/// its index is unreadable), the final norm and LM head on the last stage, the embedding (and
+/// anything else) on the first.
+pub fn stage_place(name: &str) -> StagePlace {
+    if name
+        .strip_prefix(LAYERS)
+        .is_some_and(|r| r.starts_with('.'))
+    {
+        return layer_index(name).map_or(StagePlace::Last, StagePlace::Layer);
+    }
+    if is_final_norm_or_head(name) {
+        StagePlace::Last
+    } else {
+        StagePlace::First
+    }
+}
+
+/// Whether `name` is an embedding or LM-head matrix, including copies of them elsewhere
+/// (`…embed_tokens.weight` of any module, `…lm_head…`).
+pub fn mentions_embedding_or_head(name: &str) -> bool {
+    name.contains(EMBED_TOKENS.rsplit('.').next().unwrap_or(EMBED_TOKENS)) || name.contains(LM_HEAD)
+}
+
+/// Whether `name` is an MoE router weight (`….mlp.gate.weight`).
+pub fn is_router_weight(name: &str) -> bool {
+    name.ends_with(&weight(&join(MLP, ROUTER)))
+}
+
+/// Stacked routed experts `{experts}.gate_up_proj`.
+pub fn stacked_gate_up(experts: &str) -> String {
+    join(experts, GATE_UP_PROJ)
+}
+
+/// Stacked routed experts `{experts}.down_proj`.
+pub fn stacked_down(experts: &str) -> String {
+    join(experts, DOWN_PROJ)
+}
+
+/// `(experts prefix, is gate_up)` of a stacked routed-expert name, `None` for other names.
+pub fn split_stacked(name: &str) -> Option<(&str, bool)> {
+    if let Some(p) = name.strip_suffix(&format!(".{GATE_UP_PROJ}")) {
+        return Some((p, true));
+    }
+    name.strip_suffix(&format!(".{DOWN_PROJ}"))
+        .map(|p| (p, false))
+}
+
+/// Expert `e`'s projection `proj` weight, per-expert layout: `{experts}.{e}.{proj}.weight`.
+pub fn expert_proj_weight(experts: &str, e: impl Display, proj: &str) -> String {
+    format!("{experts}.{e}.{proj}.weight")
+}
+
+/// The dense MLP weights of layer `l` (`gate`, `up`, `down`).
+pub fn dense_mlp_weights(l: usize) -> [String; 3] {
+    let mlp = join(&layer(l), MLP);
+    MLP_PROJS.map(|p| weight(&join(&mlp, p)))
+}
+
+/// The MoE router weight of layer `l`.
+pub fn router_weight(l: usize) -> String {
+    weight(&join(&join(&layer(l), MLP), ROUTER))
+}
+
+/// The routed-experts module of layer `l`.
+pub fn experts_of(l: usize) -> String {
+    join(&join(&layer(l), MLP), EXPERTS)
+}
+
+// ---- Name-mapping rules (moe-bridge's engine) ----
+
+/// Embedding, final norm and LM head, HF name = canonical name.
+pub fn top_level_rules() -> Vec<Rule> {
+    [embed_weight(), final_norm_weight(), lm_head_weight()]
+        .iter()
+        .map(|n| Rule::same(n))
+        .collect()
+}
+
+/// `model.layers.*.<suffix>` for each suffix, HF name = canonical name.
+pub fn per_layer<S: AsRef<str>>(suffixes: impl IntoIterator<Item = S>) -> Vec<Rule> {
+    suffixes
+        .into_iter()
+        .map(|s| Rule::same(&join(&layer("*"), s.as_ref())))
+        .collect()
+}
+
+/// The two layer norms' weights (suffixes under a layer).
+pub fn layer_norm_suffixes() -> Vec<String> {
+    [INPUT_LAYERNORM, POST_ATTENTION_LAYERNORM]
+        .map(weight)
+        .to_vec()
+}
+
+/// The dense MLP's weights (suffixes under a layer).
+pub fn dense_mlp_suffixes() -> Vec<String> {
+    MLP_PROJS.map(|p| weight(&join(MLP, p))).to_vec()
+}
+
+/// The MoE router weight (suffix under a layer).
+pub fn router_suffix() -> String {
+    weight(&join(MLP, ROUTER))
+}
+
+/// `self_attn.<p>.weight` (and, with `bias`, `.bias`) for each projection `p`.
+pub fn attention_suffixes(projs: &[&str], bias: bool) -> Vec<String> {
+    let mut out: Vec<String> = projs.iter().map(|p| weight(&join(SELF_ATTN, p))).collect();
+    if bias {
+        out.extend(projs.iter().map(|p| format!("{SELF_ATTN}.{p}.bias")));
+    }
+    out
+}
+
+/// Per-expert and stacked routed-expert rules (both layouts; one is chosen per checkpoint).
+pub fn routed_expert_rules() -> Vec<Rule> {
+    let experts = join(&join(&layer("*"), MLP), EXPERTS);
+    let gate_up = stacked_gate_up(&experts);
+    let down = stacked_down(&experts);
+    let [g, u, d] = MLP_PROJS.map(|p| expert_proj_weight(&experts, "{e}", p));
+    vec![
+        Rule::stack_experts(&gate_up, &[&g, &u]),
+        Rule::stack_experts(&down, &[&d]),
+        Rule::fused_experts(&gate_up, &gate_up, Some(2)),
+        Rule::fused_experts(&down, &down, None),
+    ]
+}
+
+// ---- Expected-tensor tables (moe-bridge's builder) ----
+
+/// Embedding, final norm and LM head (optional when tied: HF loads and then re-ties it).
+pub fn expected_top_level(
+    b: &mut ExpectedBuilder<'_>,
+    vocab: usize,
+    hidden: usize,
+    tied: bool,
+) -> Result<(), BridgeError> {
+    b.weight(embed_weight(), vec![vocab, hidden])?;
+    b.norm(FINAL_NORM, hidden)?;
+    b.insert(lm_head_weight(), vec![vocab, hidden], !tied)
+}
+
+/// The two norms of layer `p`.
+pub fn expected_layer_norms(
+    b: &mut ExpectedBuilder<'_>,
+    p: &str,
+    hidden: usize,
+) -> Result<(), BridgeError> {
+    b.norm(&join(p, INPUT_LAYERNORM), hidden)?;
+    b.norm(&join(p, POST_ATTENTION_LAYERNORM), hidden)
+}
+
+/// A SwiGLU MLP `{prefix}.{gate,up,down}_proj`.
+pub fn expected_mlp(
+    b: &mut ExpectedBuilder<'_>,
+    prefix: &str,
+    hidden: usize,
+    inter: usize,
+) -> Result<(), BridgeError> {
+    b.linear(&join(prefix, GATE_PROJ), hidden, inter, false)?;
+    b.linear(&join(prefix, UP_PROJ), hidden, inter, false)?;
+    b.linear(&join(prefix, DOWN_PROJ), inter, hidden, false)
+}
+
+/// An MoE block's router weight and routed experts `{mlp}.experts.*` in `layout`.
+pub fn expected_moe(
+    b: &mut ExpectedBuilder<'_>,
+    mlp: &str,
+    experts: usize,
+    inter: usize,
+    hidden: usize,
+    layout: ExpertLayout,
+) -> Result<(), BridgeError> {
+    b.weight(weight(&join(mlp, ROUTER)), vec![experts, hidden])?;
+    let prefix = join(mlp, EXPERTS);
+    match layout {
+        ExpertLayout::PerExpert => {
+            for e in 0..experts {
+                expected_mlp(b, &join(&prefix, &e.to_string()), hidden, inter)?;
+            }
+            Ok(())
+        }
+        ExpertLayout::Stacked => {
+            let fused = b.mul(2, inter, "moe_intermediate_size")?;
+            b.weight(stacked_gate_up(&prefix), vec![experts, fused, hidden])?;
+            b.weight(stacked_down(&prefix), vec![experts, hidden, inter])
+        }
+    }
+}
