@@ -221,8 +221,8 @@ fn two_ranks_ep2_training_on_cube_equals_flex() {
     compare(2, "ep=2", false);
 }
 
-/// One rank with the routed experts' GEMMs in FP8 (`Fp8Ops` on the Cube backend, host-staged
-/// emulation): the FP8 quantisation of inputs that differ by reduction-order noise may round
+/// One rank with the routed experts' GEMMs in FP8 (`Fp8Ops` on the Cube backend: device
+/// quantisation and grouped GEMM): the FP8 quantisation of inputs that differ by reduction-order noise may round
 /// differently, still within the tolerances.
 #[test]
 fn one_rank_fp8_expert_training_on_cube_equals_flex() {

@@ -2,9 +2,9 @@
 //! recipe, and the user-facing differentiable [`fp8_grouped_matmul`] / [`fp8_linear`].
 //!
 //! On Flex the kernels quantise the operands and run the tiled emulation of [`super::gemm`];
-//! on Burn's CubeCL backend (feature `cube`) the same emulation runs on the host copies of the
-//! device tensors (a host round trip per GEMM until device kernels exist; results equal
-//! Flex's bit for bit);
+//! on Burn's CubeCL backend (feature `cube`) device kernels quantise the operands with the
+//! same blocks and rounding (bit-identical decoded values) and the Cube grouped GEMM
+//! multiplies them (results within float reordering of Flex's);
 //! for `Autodiff<B>` the forward saves `x` and `W` and the backward calls the FP8 dgrad and
 //! wgrad (straight-through: quantisation is treated as the identity in the gradient, as in
 //! Transformer Engine).
