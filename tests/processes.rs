@@ -36,6 +36,16 @@ struct Job {
     what: String,
 }
 
+/// A fresh directory for one `mpirun`'s OpenMPI session files (`orte_tmpdir_base`).
+#[cfg(feature = "mpi")]
+fn ompi_session_dir(tag: &str) -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("moe-ompi-{tag}-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("OpenMPI session dir");
+    dir
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -73,6 +83,9 @@ fn spawn(launcher: Launcher, n: usize, args: &[String], tag: &str) -> Job {
                 .arg(MOE)
                 .args(args)
                 .env("MOE_TEST_TAG", tag)
+                // A session directory of its own: `mpirun`s started at the same moment race
+                // creating OpenMPI's shared `/tmp/ompi.<host>.<uid>` and one aborts.
+                .env("OMPI_MCA_orte_tmpdir_base", ompi_session_dir(tag))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -22,6 +22,17 @@ fn under_mpirun() -> bool {
     std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some()
 }
 
+/// A session directory of its own for one `mpirun` (OpenMPI's `orte_tmpdir_base`): two
+/// `mpirun`s started at the same moment race creating the shared `/tmp/ompi.<host>.<uid>`
+/// ("mkdir … File exists") and one of them aborts.
+fn ompi_session_dir(name: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("moe-ompi-{name}-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("OpenMPI session dir");
+    dir
+}
+
 /// Starts this test binary as `n` MPI processes running test `name`; returns the output
 /// directory, or panics with mpirun's output.
 fn mpirun(n: usize, name: &str, extra_env: &[(&str, &str)], limit: Duration) -> PathBuf {
@@ -35,6 +46,7 @@ fn mpirun(n: usize, name: &str, extra_env: &[(&str, &str)], limit: Duration) -> 
         .arg(exe)
         .args(["--exact", name, "--nocapture", "--test-threads", "1"])
         .env(OUT_VAR, &dir)
+        .env("OMPI_MCA_orte_tmpdir_base", ompi_session_dir(name))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     for (k, v) in extra_env {
@@ -243,6 +255,10 @@ fn a_failing_rank_ends_the_job_and_is_named() {
             "a_failing_rank_ends_the_job_and_is_named",
             "--nocapture",
         ])
+        .env(
+            "OMPI_MCA_orte_tmpdir_base",
+            ompi_session_dir("a_failing_rank_ends_the_job_and_is_named"),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
