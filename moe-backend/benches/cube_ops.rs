@@ -8,7 +8,9 @@
 //!     the same bytes (an elementwise `x · 1` of a `[32768, 7168]` tensor).
 //!
 //! Run: `cargo bench -p moe-backend --features vulkan --bench cube_ops -- [--quick]
-//! [--dtype f32|f16|bf16] [--iters N] [--device vulkan|gl]`. `--quick` uses small shapes (seconds
+//! [--dtype f32|f16|bf16] [--iters N] [--device vulkan|gl] [--json PATH]`. `--json` also writes
+//! every measured case (shapes, dtype, ms, TFLOP/s or GB/s, the ratios grouped/dense and
+//! permute/copy) as one JSON object to `PATH`. `--quick` uses small shapes (seconds
 //! on Mesa's CPU drivers). `MOE_CUBE_GEMM=tiled|direct` forces a grouped-GEMM kernel body
 //! (default: tiled, direct on software Vulkan devices; see `src/ops/cube/gemm.rs`). On lavapipe
 //! the dense baseline (Burn's shared-memory matmul) hits the CubeCL SPIR-V bug described there and
@@ -26,6 +28,7 @@ use burn::backend::Dispatch;
 use burn::tensor::wgpu::WgpuBackend;
 use burn::tensor::{DType, Device, DeviceKind, Distribution, Int, Tensor, TensorData};
 use moe_backend::ops::{GroupSizes, MoeOps, WeightLayout, grouped_matmul};
+use serde_json::{Value, json};
 
 /// Benchmark shapes.
 struct Shapes {
@@ -59,6 +62,8 @@ struct Options {
     iters: usize,
     /// `--device gl`: Burn's wgpu runtime on OpenGL instead of the default Vulkan device.
     gl: bool,
+    /// `--json PATH`: also write every measured case as one JSON object.
+    json: Option<String>,
 }
 
 fn parse_args() -> Result<Options, String> {
@@ -67,6 +72,7 @@ fn parse_args() -> Result<Options, String> {
         dtype: DType::F32,
         iters: 5,
         gl: false,
+        json: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -94,6 +100,7 @@ fn parse_args() -> Result<Options, String> {
                     other => return Err(format!("--device expects vulkan|gl, got {other:?}")),
                 }
             }
+            "--json" => opts.json = Some(args.next().ok_or("--json expects a path")?),
             // `cargo bench` passes `--bench`; ignore it and other harness flags.
             _ => {}
         }
@@ -155,7 +162,12 @@ fn int_vec(values: &[usize], device: &Device) -> Tensor<1, Int> {
     Tensor::from_data(TensorData::new(v, [values.len()]), device)
 }
 
-fn bench_grouped_gemm(s: &Shapes, routing: &[Vec<usize>], opts: &Options, device: &Device) {
+fn bench_grouped_gemm(
+    s: &Shapes,
+    routing: &[Vec<usize>],
+    opts: &Options,
+    device: &Device,
+) -> Value {
     let sizes: Vec<usize> = routing.iter().map(Vec::len).collect();
     let n: usize = sizes.iter().sum();
     let (h, f) = (s.hidden, s.width);
@@ -205,13 +217,23 @@ fn bench_grouped_gemm(s: &Shapes, routing: &[Vec<usize>], opts: &Options, device
         "dense matmul [{n} x {h}] x [{h} x {f}] (Burn, same FLOPs): {:.3} ms, {td:.2} TFLOP/s",
         dense * 1e3
     );
-    println!(
-        "ratio grouped/dense = {:.3} (target >= 0.8)",
-        tg / td.max(f64::MIN_POSITIVE)
-    );
+    let ratio = tg / td.max(f64::MIN_POSITIVE);
+    println!("ratio grouped/dense = {ratio:.3} (target >= 0.8)");
+    json!({
+        "grouped_gemm": {
+            "rows": n, "hidden": h, "width": f, "experts": s.experts, "top_k": s.top_k,
+            "tokens": s.tokens,
+            "group_size_min": sizes.iter().min().copied().unwrap_or(0),
+            "group_size_max": sizes.iter().max().copied().unwrap_or(0),
+            "launches": launches.len(), "experts_per_launch": chunk,
+            "flops": flops, "ms": grouped * 1e3, "tflops": tg,
+        },
+        "dense_matmul": { "m": n, "k": h, "n": f, "flops": flops, "ms": dense * 1e3, "tflops": td },
+        "ratio_grouped_over_dense": ratio,
+    })
 }
 
-fn bench_permute(s: &Shapes, routing: &[Vec<usize>], opts: &Options, device: &Device) {
+fn bench_permute(s: &Shapes, routing: &[Vec<usize>], opts: &Options, device: &Device) -> Value {
     let sorted: Vec<usize> = routing.iter().flatten().copied().collect();
     let n = sorted.len();
     let h = s.hidden;
@@ -239,10 +261,16 @@ fn bench_permute(s: &Shapes, routing: &[Vec<usize>], opts: &Options, device: &De
         "device copy [{n} x {h}] (elementwise x * 1): {:.3} ms, {bc:.1} GB/s",
         t_copy * 1e3
     );
-    println!(
-        "ratio permute/copy = {:.3} (target >= 0.5)",
-        bp / bc.max(f64::MIN_POSITIVE)
-    );
+    let ratio = bp / bc.max(f64::MIN_POSITIVE);
+    println!("ratio permute/copy = {ratio:.3} (target >= 0.5)");
+    json!({
+        "permute": {
+            "tokens": s.tokens, "rows": n, "hidden": h, "bytes": bytes,
+            "ms": t_perm * 1e3, "gbps": bp,
+        },
+        "copy": { "rows": n, "hidden": h, "bytes": bytes, "ms": t_copy * 1e3, "gbps": bc },
+        "ratio_permute_over_copy": ratio,
+    })
 }
 
 fn main() {
@@ -274,6 +302,23 @@ fn main() {
         std::env::var("MOE_CUBE_GEMM").unwrap_or_else(|_| "auto".into())
     );
     let routing = random_routing(shapes, 42);
-    bench_grouped_gemm(shapes, &routing, &opts, &device);
-    bench_permute(shapes, &routing, &opts, &device);
+    let gemm = bench_grouped_gemm(shapes, &routing, &opts, &device);
+    let permute = bench_permute(shapes, &routing, &opts, &device);
+    if let Some(path) = &opts.json {
+        let report = json!({
+            "bench": "cube_ops",
+            "shapes": if opts.quick { "quick" } else { "deepseek_v3" },
+            "dtype": format!("{:?}", opts.dtype).to_lowercase(),
+            "iters": opts.iters,
+            "device": format!("{device:?}"),
+            "moe_cube_gemm": std::env::var("MOE_CUBE_GEMM").unwrap_or_else(|_| "auto".into()),
+            "grouped_gemm": gemm,
+            "permute": permute,
+        });
+        let text = serde_json::to_string_pretty(&report).expect("json") + "\n";
+        if let Err(e) = std::fs::write(path, text) {
+            eprintln!("cube_ops: cannot write {path}: {e}");
+            std::process::exit(1);
+        }
+    }
 }
