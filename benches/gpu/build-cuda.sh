@@ -19,6 +19,11 @@
 # - The binary links LLVM statically: expect a large file; `strip` + `xz -9` before carrying it
 #   (the device machines take 64 MiB in all).
 # - `DOCS_RS=1 cargo check --features cuda` (what .ci/run does) needs none of this.
+# - Tried on the CI machine (2026-12-03): with `libpolly-22-dev` added, cubecl-llvm and the
+#   whole `moe-backend --features cuda` library compile against LLVM 22.1.8; the first link of
+#   a binary failed on `-llibz3` (the bundler turns Debian's `/usr/lib/.../libz3.so` into that
+#   name), which the `llvm-config` wrapper below fixes; a complete link after that fix was not
+#   reached within that session.
 #
 # Usage: benches/gpu/build-cuda.sh [extra cargo args]
 #   LLVM_MAJOR (default 22), CARGO_TARGET_DIR (default target-cuda), OUT_DIR (default .bench)
@@ -29,7 +34,8 @@ target="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 out="${OUT_DIR:-$PWD/.bench}"
 
 # 1) Debian's LLVM with static libraries, and what a static LLVM link needs.
-pkgs=("llvm-$major-dev" "libclang-$major-dev" zlib1g-dev libzstd-dev libxml2-dev libffi-dev)
+pkgs=("llvm-$major-dev" "libclang-$major-dev" "libpolly-$major-dev" zlib1g-dev libzstd-dev libxml2-dev
+    libffi-dev)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -q '^installed$' \
@@ -51,9 +57,19 @@ echo "== LLVM $("$prefix/bin/llvm-config" --version) from $prefix"
 data="${XDG_DATA_HOME:-$HOME/.local/share}"
 bundle="$data/tracel/tracel-llvm-23.1.0-4"
 mkdir -p "$bundle"
-for d in bin lib include; do
+for d in lib include; do
     ln -sfn "$prefix/$d" "$bundle/$d"
 done
+# `bin/llvm-config` is a wrapper: Debian's `--system-libs` names z3 by its path
+# (`/usr/lib/x86_64-linux-gnu/libz3.so`), which the bundler turns into `-llibz3`; the wrapper
+# rewrites such paths to `-l<name>`.
+rm -rf "$bundle/bin"
+mkdir -p "$bundle/bin"
+cat > "$bundle/bin/llvm-config" <<WRAP
+#!/bin/sh
+"$prefix/bin/llvm-config" "\$@" | sed -E 's#/[^ ]*/lib([A-Za-z0-9_+-]+)\.(so|a)#-l\1#g'
+WRAP
+chmod +x "$bundle/bin/llvm-config"
 touch "$bundle/.tracel-llvm-installed"
 echo "== bundle directory $bundle -> $prefix"
 
