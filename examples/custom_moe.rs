@@ -310,7 +310,7 @@ impl CausalLmShard for ParallelBlockMoeShard {
             x,
             &m.norm,
             Some(&m.lm_head),
-            &m.embed_tokens,
+            Some(&m.embed_tokens),
             &p.targets,
             trace,
         )?;

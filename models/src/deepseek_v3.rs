@@ -87,9 +87,9 @@ impl DeepseekV3Config {
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(DeepseekV3ForCausalLM {
             model: DeepseekV3Model {
-                embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
-                layers,
-                norm: norm(),
+                embed_tokens: Some(EmbeddingConfig::new(self.vocab_size, h).init(device)),
+                layers: crate::layers::LayerStack::new(layers),
+                norm: Some(norm()),
             },
             lm_head: (!self.tie_word_embeddings).then(|| {
                 LinearConfig::new(h, self.vocab_size)
@@ -257,11 +257,11 @@ impl DeepseekV3DecoderLayer {
 #[derive(Module, Debug)]
 pub struct DeepseekV3Model {
     /// Token embedding `[V, H]`.
-    pub embed_tokens: Embedding,
+    pub embed_tokens: Option<Embedding>,
     /// Decoder layers.
-    pub layers: Vec<DeepseekV3DecoderLayer>,
+    pub layers: crate::layers::LayerStack<DeepseekV3DecoderLayer>,
     /// Final norm `[H]`.
-    pub norm: RmsNorm,
+    pub norm: Option<RmsNorm>,
 }
 
 /// Output of [`DeepseekV3ForCausalLM::forward`].
@@ -292,6 +292,32 @@ pub struct DeepseekV3ForCausalLM {
 }
 
 impl DeepseekV3ForCausalLM {
+    /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
+    /// their global index), the embedding, final norm and output layer only where held.
+    /// Applied to the lazy template before loading, so nothing else is ever allocated.
+    pub fn select_stage(
+        mut self,
+        stage: &crate::weights::StageHolding,
+    ) -> Result<Self, ModelError> {
+        self.model.layers = self.model.layers.select(&stage.layers)?;
+        if !stage.embedding {
+            self.model.embed_tokens = None;
+        }
+        if !stage.head {
+            self.model.norm = None;
+            self.lm_head = None;
+        }
+        if !stage.mtp {
+            self.mtp = Vec::new();
+        }
+        Ok(self)
+    }
+
+    /// The device the model's parameters live on.
+    pub fn device(&self) -> burn::tensor::Device {
+        crate::weights::module_device(self)
+    }
+
     /// Loads every main-model tensor by its HF name (models.md §6); experts per expert or
     /// stacked, not mixed; `e_score_correction_bias` is kept in f32 and never trained.
     /// Modules are built from the loaded tensors (nothing is initialised and overwritten).
@@ -316,7 +342,10 @@ impl DeepseekV3ForCausalLM {
         config.mla_config().check_split(w.shard().tp)?;
         // The model's structure from its own (lazy: nothing is allocated) initialisation,
         // every parameter then read by its plan entry (the MTP modules as layers `N + j`).
-        let template = config.init(w.device())?;
+        let template = match &w.shard().stage {
+            Some(stage) => config.init(w.device())?.select_stage(stage)?,
+            None => config.init(w.device())?,
+        };
         let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
         let main = model.model.layers.iter_mut();
         for layer in main.chain(model.mtp.iter_mut().map(|m| &mut m.block)) {
@@ -371,7 +400,7 @@ impl DeepseekV3ForCausalLM {
                 }
             })?;
             let embeds = ctx.embed_ids(
-                &self.model.embed_tokens,
+                crate::distributed::held(self.model.embed_tokens.as_ref(), "the token embedding")?,
                 input_ids.clone().narrow(1, j + 1, len),
             )?;
             let prev = hidden.narrow(1, 0, len).reshape([b * len, h]);
@@ -387,7 +416,7 @@ impl DeepseekV3ForCausalLM {
             let out = ctx.head_logits(
                 next.clone(),
                 self.lm_head.as_ref(),
-                &self.model.embed_tokens,
+                self.model.embed_tokens.as_ref(),
             )?;
             let v = out.dims()[1];
             logits.push(out.reshape([b, len, v]));

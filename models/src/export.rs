@@ -145,9 +145,13 @@ impl HfTensors {
     /// Also emits DeepSeek-V3 MTP copies `model.layers.{N+j}.embed_tokens.weight` and
     /// `…shared_head.head.weight` (the release layout, checkpoints.md §1); call it on the
     /// iterator of a [`DeepseekV3ForCausalLM`] before consuming it. No-op for other models.
+    /// A model without its embedding (a pipeline stage) has no copies to emit.
     pub fn with_mtp_copies(mut self, model: &DeepseekV3ForCausalLM) -> Self {
-        let n = model.model.layers.len();
-        let embed = model.model.embed_tokens.weight.val();
+        let n = model.config().num_hidden_layers;
+        let Some(embedding) = &model.model.embed_tokens else {
+            return self;
+        };
+        let embed = embedding.weight.val();
         for j in 0..model.mtp.len() {
             let (embed_copy, head_copy) = deepseek_v3::mtp_copy_names(n + j);
             self.push(embed_copy, embed.clone());

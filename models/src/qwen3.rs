@@ -52,9 +52,9 @@ impl Qwen3Config {
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(Qwen3ForCausalLM {
             model: Qwen3Model {
-                embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
-                layers,
-                norm: norm(),
+                embed_tokens: Some(EmbeddingConfig::new(self.vocab_size, h).init(device)),
+                layers: crate::layers::LayerStack::new(layers),
+                norm: Some(norm()),
             },
             lm_head: (!self.tie_word_embeddings).then(|| {
                 LinearConfig::new(h, self.vocab_size)
@@ -103,11 +103,11 @@ impl Qwen3DecoderLayer {
 #[derive(Module, Debug)]
 pub struct Qwen3Model {
     /// Token embedding `[V, H]`.
-    pub embed_tokens: Embedding,
+    pub embed_tokens: Option<Embedding>,
     /// Decoder layers.
-    pub layers: Vec<Qwen3DecoderLayer>,
+    pub layers: crate::layers::LayerStack<Qwen3DecoderLayer>,
     /// Final norm `[H]`.
-    pub norm: RmsNorm,
+    pub norm: Option<RmsNorm>,
 }
 
 /// Dense Qwen3 causal language model (HF `Qwen3ForCausalLM`).
@@ -124,6 +124,29 @@ pub struct Qwen3ForCausalLM {
 }
 
 impl Qwen3ForCausalLM {
+    /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
+    /// their global index), the embedding, final norm and output layer only where held.
+    /// Applied to the lazy template before loading, so nothing else is ever allocated.
+    pub fn select_stage(
+        mut self,
+        stage: &crate::weights::StageHolding,
+    ) -> Result<Self, ModelError> {
+        self.model.layers = self.model.layers.select(&stage.layers)?;
+        if !stage.embedding {
+            self.model.embed_tokens = None;
+        }
+        if !stage.head {
+            self.model.norm = None;
+            self.lm_head = None;
+        }
+        Ok(self)
+    }
+
+    /// The device the model's parameters live on.
+    pub fn device(&self) -> burn::tensor::Device {
+        crate::weights::module_device(self)
+    }
+
     /// Loads every tensor by its HF name (models.md §6) from `source`; shapes are checked and
     /// errors name the tensor. `lm_head.weight` is read only when embeddings are untied.
     pub fn from_weights(
@@ -142,7 +165,10 @@ impl Qwen3ForCausalLM {
         config.attention_config().check_split(w.shard().tp)?;
         // The model's structure from its own (lazy: nothing is allocated) initialisation,
         // every parameter then read by its plan entry.
-        let template = config.init(w.device())?;
+        let template = match &w.shard().stage {
+            Some(stage) => config.init(w.device())?.select_stage(stage)?,
+            None => config.init(w.device())?,
+        };
         let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
         for layer in &mut model.model.layers {
             layer.self_attn = layer.self_attn.clone().with_local_heads()?;

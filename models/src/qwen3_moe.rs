@@ -84,9 +84,9 @@ impl Qwen3MoeConfig {
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(Qwen3MoeForCausalLM {
             model: Qwen3MoeModel {
-                embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
-                layers,
-                norm: norm(),
+                embed_tokens: Some(EmbeddingConfig::new(self.vocab_size, h).init(device)),
+                layers: crate::layers::LayerStack::new(layers),
+                norm: Some(norm()),
             },
             lm_head: (!self.tie_word_embeddings).then(|| {
                 LinearConfig::new(h, self.vocab_size)
@@ -159,11 +159,11 @@ impl Qwen3MoeDecoderLayer {
 #[derive(Module, Debug)]
 pub struct Qwen3MoeModel {
     /// Token embedding `[V, H]`.
-    pub embed_tokens: Embedding,
+    pub embed_tokens: Option<Embedding>,
     /// Decoder layers.
-    pub layers: Vec<Qwen3MoeDecoderLayer>,
+    pub layers: crate::layers::LayerStack<Qwen3MoeDecoderLayer>,
     /// Final norm `[H]`.
-    pub norm: RmsNorm,
+    pub norm: Option<RmsNorm>,
 }
 
 /// Output of [`Qwen3MoeForCausalLM::forward`].
@@ -202,6 +202,29 @@ pub struct Qwen3MoeForCausalLM {
 }
 
 impl Qwen3MoeForCausalLM {
+    /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
+    /// their global index), the embedding, final norm and output layer only where held.
+    /// Applied to the lazy template before loading, so nothing else is ever allocated.
+    pub fn select_stage(
+        mut self,
+        stage: &crate::weights::StageHolding,
+    ) -> Result<Self, ModelError> {
+        self.model.layers = self.model.layers.select(&stage.layers)?;
+        if !stage.embedding {
+            self.model.embed_tokens = None;
+        }
+        if !stage.head {
+            self.model.norm = None;
+            self.lm_head = None;
+        }
+        Ok(self)
+    }
+
+    /// The device the model's parameters live on.
+    pub fn device(&self) -> burn::tensor::Device {
+        crate::weights::module_device(self)
+    }
+
     /// Loads every tensor by its HF name (models.md §6). Experts may be stored per expert or
     /// stacked (`mlp.experts.gate_up_proj` / `down_proj`), not mixed; shapes are checked and
     /// errors name the tensor. Modules are built from the loaded tensors (nothing is
@@ -223,7 +246,10 @@ impl Qwen3MoeForCausalLM {
         config.attention_config().check_split(w.shard().tp)?;
         // The model's structure from its own (lazy: nothing is allocated) initialisation,
         // every parameter then read by its plan entry.
-        let template = config.init(w.device())?;
+        let template = match &w.shard().stage {
+            Some(stage) => config.init(w.device())?.select_stage(stage)?,
+            None => config.init(w.device())?,
+        };
         let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
         for layer in &mut model.model.layers {
             layer.self_attn = layer.self_attn.clone().with_local_heads()?;
@@ -241,7 +267,7 @@ impl Qwen3MoeForCausalLM {
     /// Attention, dense MLPs, the router, embeddings, the LM head and norms stay in high
     /// precision (fp8.md §7). A training-time choice, so it is not part of the HF config.
     pub fn with_fp8_experts(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
-        for layer in std::mem::take(&mut self.model.layers) {
+        self.model.layers = self.model.layers.try_map(|layer| {
             let mlp = match layer.mlp {
                 Qwen3MoeFeedForward::Sparse(block) => {
                     Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
@@ -250,10 +276,8 @@ impl Qwen3MoeForCausalLM {
                 }
                 dense => dense,
             };
-            self.model
-                .layers
-                .push(Qwen3MoeDecoderLayer { mlp, ..layer });
-        }
+            Ok::<_, ModelError>(Qwen3MoeDecoderLayer { mlp, ..layer })
+        })?;
         Ok(self)
     }
 
@@ -428,7 +452,14 @@ mod tests {
         assert!(block.moe.router.weight.grad(&grads).is_some(), "router");
         assert!(block.moe.experts.fc1.grad(&grads).is_some(), "experts fc1");
         assert!(
-            model.model.embed_tokens.weight.grad(&grads).is_some(),
+            model
+                .model
+                .embed_tokens
+                .as_ref()
+                .unwrap()
+                .weight
+                .grad(&grads)
+                .is_some(),
             "embedding"
         );
     }

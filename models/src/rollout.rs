@@ -227,13 +227,13 @@ pub trait RolloutModel: CausalLm {
 
 impl RolloutModel for Qwen3ForCausalLM {
     fn device(&self) -> Device {
-        self.model.embed_tokens.weight.device()
+        self.device()
     }
 }
 
 impl RolloutModel for Qwen3MoeForCausalLM {
     fn device(&self) -> Device {
-        self.model.embed_tokens.weight.device()
+        self.device()
     }
 
     fn forward_cached_routing(
@@ -251,7 +251,7 @@ impl RolloutModel for Qwen3MoeForCausalLM {
 
 impl RolloutModel for DeepseekV3ForCausalLM {
     fn device(&self) -> Device {
-        self.model.embed_tokens.weight.device()
+        self.device()
     }
 
     fn forward_cached_routing(

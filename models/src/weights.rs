@@ -166,6 +166,22 @@ pub struct ShardSpec {
     pub etp_rank: usize,
     /// Expert-TP group size.
     pub etp: usize,
+    /// The parts of the model this rank's pipeline stage holds; `None`: every part.
+    pub stage: Option<StageHolding>,
+}
+
+/// What one pipeline rank holds of a model (its virtual stages' parts together).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StageHolding {
+    /// Global indices of its decoder layers, increasing.
+    pub layers: Vec<usize>,
+    /// The token embedding: the first stage's, or the last stage's copy for a tied output
+    /// layer or the MTP modules (Megatron's embedding group).
+    pub embedding: bool,
+    /// The final norm and the output layer (the last stage).
+    pub head: bool,
+    /// The MTP modules (the last stage).
+    pub mtp: bool,
 }
 
 /// The whole model (one rank holding everything).
@@ -179,6 +195,7 @@ impl ShardSpec {
         experts: None,
         etp_rank: 0,
         etp: 1,
+        stage: None,
     };
 
     /// `[r·n/p, (r+1)·n/p)`, or an error naming `name` and `group` when `p ∤ n`.
@@ -573,6 +590,7 @@ mod tests {
             experts: Some(2..4),
             etp_rank: 1,
             etp: 2,
+            stage: None,
         };
         let (a1, a2) = WeightLoader::sharded(&per, &device, &spec)
             .experts("m", e, im, h)
@@ -600,4 +618,9 @@ mod tests {
             .unwrap();
         assert_eq!((s1.dims(), s2.dims()), ([2, 4, 3], [2, 3, 2]));
     }
+}
+
+/// The device of `module`'s parameters (the default device for a module without any).
+pub fn module_device<M: burn::module::Module>(module: &M) -> Device {
+    module.devices().into_iter().next().unwrap_or_default()
 }

@@ -106,6 +106,8 @@ fn reference(full: &Qwen3MoeForCausalLM, ids: &[i64], labels: &[i64], rows: usiz
         model
             .model
             .embed_tokens
+            .as_ref()
+            .unwrap()
             .weight
             .val()
             .grad(&g)
@@ -168,7 +170,7 @@ fn run_layout(
         let g = out.logprobs.sum().backward();
         let head_w = par.model.lm_head.as_ref().expect("head").weight.val();
         let head = values(head_w.grad(&g).expect("head grad"));
-        let embed_w = par.model.model.embed_tokens.weight.val();
+        let embed_w = par.model.model.embed_tokens.as_ref().unwrap().weight.val();
         let embed = values(embed_w.grad(&g).expect("embed grad"));
         let out = par
             .forward_logprobs(my_ids, my_labels, rows, &ad())

@@ -100,6 +100,9 @@ pub struct ShardingPlan {
     num_layers: Option<usize>,
     rule: ShardRuleFn,
     stage: StageFn,
+    /// The pipeline stage of every main decoder layer, when the model's split is not the even
+    /// one (an explicit pipeline layout, virtual stages).
+    layer_stages: Option<Vec<usize>>,
 }
 
 impl ShardingPlan {
@@ -133,7 +136,26 @@ impl ShardingPlan {
             num_layers,
             rule,
             stage,
+            layer_stages: None,
         })
+    }
+
+    /// The plan with decoder layer `i` on pipeline stage `stages[i]` (a model split by an
+    /// explicit pipeline layout or over virtual stages) instead of the even split; refused
+    /// unless it names a stage below `pp` for each of the `num_layers` layers.
+    pub fn with_layer_stages(mut self, stages: Vec<usize>) -> Result<Self, BridgeError> {
+        let pp = self.layout.pp;
+        let n = self.num_layers.unwrap_or(0);
+        if stages.len() != n || stages.iter().any(|&s| s >= pp) {
+            return Err(BridgeError::Sharding {
+                tensor: String::new(),
+                reason: format!(
+                    "layer stages {stages:?} do not place {n} layers on {pp} pipeline stages"
+                ),
+            });
+        }
+        self.layer_stages = Some(stages);
+        Ok(self)
     }
 
     /// The split of canonical tensor (or optimizer state) `fqn`: the plan's rule for its
@@ -157,8 +179,9 @@ impl ShardingPlan {
         match (self.stage)(param_fqn(fqn)) {
             StagePlace::First => 0,
             StagePlace::Last => last,
-            StagePlace::Layer(l) => match self.num_layers {
-                Some(n) if l < n => l * pp / n,
+            StagePlace::Layer(l) => match (&self.layer_stages, self.num_layers) {
+                (Some(stages), _) => stages.get(l).copied().unwrap_or(last),
+                (None, Some(n)) if l < n => l * pp / n,
                 _ => last,
             },
         }
@@ -232,6 +255,51 @@ impl ShardingPlan {
             tensor_box: b,
             main_replica,
         }))
+    }
+
+    /// The box of `fqn` that `rank` holds as a copy of a tensor another pipeline stage owns
+    /// (the last stage's copy of the embedding for a tied output layer or MTP modules): the
+    /// box it would hold on the owning stage, never the main replica (restored from the
+    /// checkpoint, never written).
+    pub fn copy_shard_by(
+        &self,
+        fqn: &str,
+        global_shape: &[usize],
+        rank: usize,
+        rule: ShardRule,
+    ) -> Result<RankShard, BridgeError> {
+        let owner = self.stage_of(fqn);
+        let groups = self.ranks.get(rank).ok_or_else(|| BridgeError::Sharding {
+            tensor: fqn.to_owned(),
+            reason: format!("rank {rank} outside a world of {}", self.layout.world),
+        })?;
+        // The rank at this rank's place on the owning stage: same coordinates, other pp rank.
+        let peer = (0..self.layout.world).find(|&r| {
+            let g = &self.ranks[r];
+            g.pp_rank() == owner
+                && [
+                    GroupFamily::Tp,
+                    GroupFamily::Ep,
+                    GroupFamily::ExptTp,
+                    GroupFamily::DpCp,
+                ]
+                .iter()
+                .all(|&f| g.get(f).index == groups.get(f).index)
+        });
+        let peer = peer.ok_or_else(|| BridgeError::Sharding {
+            tensor: fqn.to_owned(),
+            reason: format!("no rank of pipeline stage {owner} matches rank {rank}"),
+        })?;
+        let shard = self
+            .rank_shard_by(fqn, global_shape, peer, rule)?
+            .ok_or_else(|| BridgeError::Sharding {
+                tensor: fqn.to_owned(),
+                reason: format!("stage {owner} does not own it"),
+            })?;
+        Ok(RankShard {
+            main_replica: false,
+            ..shard
+        })
     }
 
     /// The main-replica boxes of `fqn`, `(writer rank, box)` in rank order: exactly one copy of

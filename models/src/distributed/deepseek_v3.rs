@@ -12,8 +12,12 @@ use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
 use super::runtime::{RouterTrace, SpRuntime};
-use super::sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward, roll_rows};
-use super::{DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard};
+use super::sharded::{
+    CausalLmShard, ChunkForward, LoadShard, ParallelCausalLm, TrainForward, roll_rows,
+};
+use super::{
+    ChunkParts, DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard, held,
+};
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
 use crate::config::DeepseekV3Config;
@@ -46,13 +50,20 @@ impl ShardParts for ParallelDeepseekV3 {
         kind: DispatcherKind,
     ) -> Result<SpRuntime, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?;
+        let model = super::PipelineModel {
+            layers: config.num_hidden_layers,
+            mtp: config.num_nextn_predict_layers,
+            tied: config.tie_word_embeddings,
+            hidden: config.hidden_size,
+        };
         SpRuntime::new(
             groups,
             kind,
             Some(config.n_routed_experts),
             config.vocab_size,
             rope,
-        )
+        )?
+        .with_pipeline(groups, model)
     }
 
     fn from_loader(
@@ -106,12 +117,12 @@ impl ParallelDeepseekV3 {
         groups: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
-        let device = full.model.embed_tokens.weight.device();
+        let device = full.device();
         let source = ModuleWeights::new(full)?;
         let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
         // The full model's parameter ids identify the shard's parameters too.
         shard.model = adopt_param_ids(shard.model, full)?;
-        let main = shard.model.model.layers.iter_mut().zip(&full.model.layers);
+        let main = shard.model.model.layers.select_from_mut(&full.model.layers);
         let mtp =
             (shard.model.mtp.iter_mut().zip(&full.mtp)).map(|(d, s)| (&mut d.block, &s.block));
         for (dst, src) in main.chain(mtp) {
@@ -230,7 +241,7 @@ impl CausalLm for ParallelDeepseekV3 {
 
 impl crate::rollout::RolloutModel for ParallelDeepseekV3 {
     fn device(&self) -> Device {
-        self.model.model.embed_tokens.weight.device()
+        self.model.device()
     }
 }
 
@@ -318,24 +329,54 @@ impl CausalLmShard for ParallelDeepseekV3 {
         aux_grad_scale: f64,
         mtp: bool,
     ) -> Result<TrainForward, ModelError> {
+        self.rt.require_whole_model("`forward_train_batch`")?;
+        let whole = ChunkParts {
+            virtual_stage: 0,
+            embedding: true,
+            layers: 0..self.model.model.layers.len(),
+            loss: true,
+        };
+        match self.forward_train_chunk(&whole, 0, batch, device, aux_grad_scale, mtp, None)? {
+            ChunkForward::Loss(out) => Ok(out),
+            ChunkForward::Activation { .. } => Err(ModelError::layout(
+                "pp",
+                "the whole model's forward returned an activation",
+            )),
+        }
+    }
+
+    /// The chunk's part of [`forward_train_batch`](Self::forward_train_batch): on the last
+    /// virtual stage the main loss and, with `mtp`, the MTP depths.
+    fn forward_train_chunk(
+        &self,
+        chunk: &ChunkParts,
+        moe_offset: usize,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+        input: Option<Tensor<2>>,
+    ) -> Result<ChunkForward, ModelError> {
         let rt = &self.rt;
         let (input_ids, rows) = (&batch.input_ids, batch.batch);
         let p = rt.prepare(input_ids, &batch.labels, rows, batch.layout(), device)?;
         let s = p.s;
         let mut trace = p.trace(aux_grad_scale);
+        trace.moe_layer_offset = moe_offset;
         let model = &self.model.model;
-        let x = rt.embed(&model.embed_tokens, &p.ids, rows)?;
-        let x = rt.decode(
-            &self.model,
-            x,
-            rows,
-            &p.rope,
-            p.mask.as_ref(),
-            None,
-            &mut trace,
-        )?;
-        let (head, embed) = (self.model.lm_head.as_ref(), &model.embed_tokens);
-        let mut hidden = model.norm.forward(x);
+        let x = rt.chunk_input(&self.model, chunk, &p, rows, input)?;
+        let (rope, mask) = (&p.rope, p.mask.as_ref());
+        let layers = chunk.layers.clone();
+        let x = rt.decode_layers(&self.model, layers, x, rows, rope, mask, None, &mut trace)?;
+        if !chunk.loss {
+            return Ok(ChunkForward::Activation {
+                hidden: x,
+                router_losses: trace.losses,
+                expert_load: trace.expert_load,
+            });
+        }
+        let (head, embed) = (self.model.lm_head.as_ref(), model.embed_tokens.as_ref());
+        let mut hidden = held(model.norm.as_ref(), "the final norm")?.forward(x);
         let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.targets)?;
         let mut mtp_losses = Vec::new();
         if mtp {
@@ -353,19 +394,40 @@ impl CausalLmShard for ParallelDeepseekV3 {
                     None => roll_rows(input_ids, s, j + 1, 0),
                 };
                 let targets = p.local_targets(&p.mtp_labels(j));
-                let embeds = rt.embed(embed, &p.local(&ids), rows)?;
+                let embedding = held(embed, "the token embedding (the MTP modules read it)")?;
+                let embeds = rt.embed(embedding, &p.local(&ids), rows)?;
                 let inputs = rt.masked_inputs(&p);
                 hidden = module.forward_in(rt, embeds, hidden, rows, &mut trace, inputs)?;
                 let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets)?;
                 mtp_losses.push(l);
             }
         }
-        Ok(TrainForward {
+        Ok(ChunkForward::Loss(TrainForward {
             loss,
             mtp_losses,
             router_losses: trace.losses,
             expert_load: trace.expert_load,
-        })
+        }))
+    }
+
+    fn pipeline(&self) -> Option<&super::PipelinePlace> {
+        self.rt.pipeline()
+    }
+
+    fn embedding_id(&self) -> Option<burn::module::ParamId> {
+        self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
+    }
+
+    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
+        (self
+            .model
+            .model
+            .layers
+            .get(layers)
+            .unwrap_or_default()
+            .iter())
+        .filter(|l| matches!(l.mlp, DeepseekV3FeedForward::Moe(_)))
+        .count()
     }
 
     fn mtp_depths(&self) -> usize {

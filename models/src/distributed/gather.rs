@@ -125,6 +125,7 @@ impl ModuleMapper for Gatherer {
 /// shapes (e.g. [`crate::layers::Attention::with_local_heads`]) and the routers' training
 /// losses are the caller's to reset (as [`gather_full_qwen3_moe`] does).
 pub fn gather_planned<M: Planned>(model: &M, groups: &GroupComms) -> Result<M, ModelError> {
+    super::check_no_pp(groups)?;
     let mut g = Gatherer {
         tp: groups.comm(GroupFamily::Tp).clone(),
         ep: groups.comm(GroupFamily::Ep).clone(),

@@ -216,7 +216,7 @@ impl ParallelDeepseekV3 {
         batch: usize,
     ) -> Result<TokenLogProbs, ModelError> {
         let frozen = self.valid();
-        let device = frozen.model.model.embed_tokens.weight.val().device();
+        let device = frozen.model.device();
         frozen.forward_logprobs(input_ids, labels, batch, &device)
     }
 }
@@ -308,7 +308,7 @@ impl ParallelQwen3Moe {
         batch: usize,
     ) -> Result<TokenLogProbs, ModelError> {
         let frozen = self.valid();
-        let device = frozen.model.model.embed_tokens.weight.val().device();
+        let device = frozen.model.device();
         frozen.forward_logprobs(input_ids, labels, batch, &device)
     }
 }

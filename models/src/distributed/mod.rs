@@ -41,6 +41,7 @@ mod context_parallel;
 mod deepseek_v3;
 mod gather;
 pub mod logprobs;
+mod pipeline;
 mod qwen3;
 pub mod replay;
 mod runtime;
@@ -49,14 +50,15 @@ pub mod sharded;
 mod stack;
 
 pub use context_parallel::{CpCommType, CpExchange, ring_gather_sequence};
+pub use pipeline::{ChunkParts, PipelineModel, PipelinePlace};
 use runtime::SpRuntime;
 /// One rank's parallel context: what a model's forward is written against (see
 /// [`SpRuntime`]'s methods; the built-in models use it too).
 pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
-pub(crate) use stack::decoder_stack;
 pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
+pub(crate) use stack::{decoder_stack, held};
 
 pub use deepseek_v3::ParallelDeepseekV3;
 pub use gather::{gather_full_deepseek_v3, gather_full_qwen3_moe, gather_planned};
@@ -122,7 +124,6 @@ pub(crate) fn make_dispatcher(
     num_experts: usize,
 ) -> Result<Arc<dyn TokenDispatcher>, ModelError> {
     let layout: &ParallelLayout = &groups.groups.layout;
-    check_no_pp(groups)?;
     let tp_ep = groups.comm(GroupFamily::TpEp).clone();
     let e = num_experts;
     if tp_ep.size() == 1 {
@@ -149,13 +150,15 @@ pub(crate) fn make_dispatcher(
     })
 }
 
-/// Refuses layouts with pipeline parallelism (not implemented by the sharded forwards yet).
+/// Refuses layouts with pipeline parallelism (gathering the whole model onto every rank is
+/// not implemented over `pp`; save a distributed checkpoint instead).
 pub(crate) fn check_no_pp(groups: &GroupComms) -> Result<(), ModelError> {
     let layout = &groups.groups.layout;
     if layout.pp != 1 {
         return Err(ModelError::layout(
             "pp",
-            "pipeline parallelism is not implemented (pp = 1)",
+            "gathering the whole model over pipeline stages is not implemented (pp = 1); save a \
+             distributed checkpoint and convert it",
         ));
     }
     Ok(())
@@ -246,13 +249,20 @@ impl ShardParts for ParallelQwen3Moe {
         kind: DispatcherKind,
     ) -> Result<SpRuntime, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
+        let model = PipelineModel {
+            layers: config.num_hidden_layers,
+            mtp: 0,
+            tied: config.tie_word_embeddings,
+            hidden: config.hidden_size,
+        };
         SpRuntime::new(
             groups,
             kind,
             Some(config.num_experts),
             config.vocab_size,
             rope,
-        )
+        )?
+        .with_pipeline(groups, model)
     }
 
     fn from_loader(
@@ -307,12 +317,12 @@ impl ParallelQwen3Moe {
         groups: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
-        let device = full.model.embed_tokens.weight.device();
+        let device = full.device();
         let source = ModuleWeights::new(full)?;
         let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
         // The full model's parameter ids identify the shard's parameters too.
         shard.model = adopt_param_ids(shard.model, full)?;
-        for (dst, src) in shard.model.model.layers.iter_mut().zip(&full.model.layers) {
+        for (dst, src) in shard.model.model.layers.select_from_mut(&full.model.layers) {
             dst.self_attn.fp8 = src.self_attn.fp8;
             match (&mut dst.mlp, &src.mlp) {
                 (Qwen3MoeFeedForward::Dense(d), Qwen3MoeFeedForward::Dense(s)) => d.fp8 = s.fp8,
@@ -436,7 +446,7 @@ impl CausalLm for ParallelQwen3Moe {
 
 impl crate::rollout::RolloutModel for ParallelQwen3Moe {
     fn device(&self) -> Device {
-        self.model.model.embed_tokens.weight.device()
+        self.model.device()
     }
 }
 
@@ -532,6 +542,47 @@ impl CausalLmShard for ParallelQwen3Moe {
             router_losses: out.router_losses,
             expert_load: load,
         })
+    }
+
+    fn forward_train_chunk(
+        &self,
+        chunk: &ChunkParts,
+        moe_offset: usize,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        _mtp: bool,
+        input: Option<Tensor<2>>,
+    ) -> Result<sharded::ChunkForward, ModelError> {
+        (self.rt).train_chunk(
+            &self.model,
+            chunk,
+            moe_offset,
+            batch,
+            device,
+            aux_grad_scale,
+            input,
+        )
+    }
+
+    fn pipeline(&self) -> Option<&PipelinePlace> {
+        self.rt.pipeline()
+    }
+
+    fn embedding_id(&self) -> Option<burn::module::ParamId> {
+        self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
+    }
+
+    fn moe_layers_in(&self, layers: Range<usize>) -> usize {
+        (self
+            .model
+            .model
+            .layers
+            .get(layers)
+            .unwrap_or_default()
+            .iter())
+        .filter(|l| matches!(l.mlp, Qwen3MoeFeedForward::Sparse(_)))
+        .count()
     }
 
     fn routers_mut(&mut self) -> Vec<&mut moe_backend::router::TopKRouter> {

@@ -42,7 +42,13 @@ impl ShardParts for ParallelQwen3 {
         kind: DispatcherKind,
     ) -> Result<SpRuntime, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
-        SpRuntime::new(groups, kind, None, config.vocab_size, rope)
+        let model = super::PipelineModel {
+            layers: config.num_hidden_layers,
+            mtp: 0,
+            tied: config.tie_word_embeddings,
+            hidden: config.hidden_size,
+        };
+        SpRuntime::new(groups, kind, None, config.vocab_size, rope)?.with_pipeline(groups, model)
     }
 
     fn from_loader(
@@ -95,12 +101,12 @@ impl ParallelQwen3 {
         groups: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self, ModelError> {
-        let device = full.model.embed_tokens.weight.device();
+        let device = full.device();
         let source = ModuleWeights::new(full)?;
         let mut shard = Self::load(full.config(), &source, groups, kind, &device)?;
         // The full model's parameter ids identify the shard's parameters too.
         shard.model = adopt_param_ids(shard.model, full)?;
-        for (dst, src) in shard.model.model.layers.iter_mut().zip(&full.model.layers) {
+        for (dst, src) in shard.model.model.layers.select_from_mut(&full.model.layers) {
             dst.self_attn.fp8 = src.self_attn.fp8;
             dst.mlp.fp8 = src.mlp.fp8;
         }
@@ -130,7 +136,7 @@ impl CausalLm for ParallelQwen3 {
 
 impl crate::rollout::RolloutModel for ParallelQwen3 {
     fn device(&self) -> Device {
-        self.model.model.embed_tokens.weight.device()
+        self.model.device()
     }
 }
 
@@ -217,6 +223,39 @@ impl CausalLmShard for ParallelQwen3 {
             router_losses: Vec::new(),
             expert_load: Vec::new(),
         })
+    }
+
+    fn forward_train_chunk(
+        &self,
+        chunk: &super::ChunkParts,
+        moe_offset: usize,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        _mtp: bool,
+        input: Option<Tensor<2>>,
+    ) -> Result<super::sharded::ChunkForward, ModelError> {
+        (self.rt).train_chunk(
+            &self.model,
+            chunk,
+            moe_offset,
+            batch,
+            device,
+            aux_grad_scale,
+            input,
+        )
+    }
+
+    fn pipeline(&self) -> Option<&super::PipelinePlace> {
+        self.rt.pipeline()
+    }
+
+    fn embedding_id(&self) -> Option<burn::module::ParamId> {
+        self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
+    }
+
+    fn moe_layers_in(&self, _layers: std::ops::Range<usize>) -> usize {
+        0
     }
 
     fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {

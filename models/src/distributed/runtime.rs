@@ -25,9 +25,7 @@ use super::context_parallel::{
 };
 use super::sharded::mtp_labels;
 use super::stack::AttentionInputs;
-use super::{
-    DispatcherKind, ParallelOutput, check_batch, check_no_pp, err, make_dispatcher, shifted_targets,
-};
+use super::{DispatcherKind, ParallelOutput, check_batch, err, make_dispatcher, shifted_targets};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
@@ -76,6 +74,8 @@ pub struct SpRuntime {
     shared_expert_overlap: bool,
     /// How keys and values travel over the context-parallel group.
     cp_comm_type: CpCommType,
+    /// This rank's place in its pipeline (`None` when `pp = 1`).
+    pub(crate) pipeline: Option<super::pipeline::PipelinePlace>,
 }
 
 /// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global
@@ -243,10 +243,7 @@ impl SpRuntime {
     ) -> Result<Self, ModelError> {
         let dispatcher = match num_experts {
             Some(e) => Some(make_dispatcher(groups, kind, e)?),
-            None => {
-                check_no_pp(groups)?;
-                None
-            }
+            None => None,
         };
         let tp = groups.comm(GroupFamily::Tp).clone();
         let vocab = moe_backend::parallel::tensor_parallel::shard_range(
@@ -278,7 +275,19 @@ impl SpRuntime {
             recompute: Recompute::None,
             shared_expert_overlap: false,
             cp_comm_type: CpCommType::AllGather,
+            pipeline: None,
         })
+    }
+
+    /// The context on this rank's pipeline stage of `model` under the layout of `groups`
+    /// (unchanged when `pp = 1`): the layers split evenly over the virtual stages.
+    pub fn with_pipeline(
+        mut self,
+        groups: &GroupComms,
+        model: super::PipelineModel,
+    ) -> Result<Self, ModelError> {
+        self.pipeline = super::PipelinePlace::for_groups(groups, model, 1, None)?;
+        Ok(self)
     }
 
     /// Megatron's `moe_shared_expert_overlap`: each MoE layer's shared experts run while its
@@ -441,6 +450,7 @@ impl SpRuntime {
             experts: self.dispatcher.as_ref().map(|d| d.local_experts()),
             etp_rank: self.etp_rank,
             etp: self.etp,
+            stage: self.pipeline.as_ref().map(|p| p.holding.clone()),
         }
     }
 
@@ -560,6 +570,25 @@ impl SpRuntime {
 
     /// Refuses a forward that needs every position of the sequence on this rank (generation,
     /// per-token log-probs, router replay) under context parallelism.
+    /// Refuses `what` on a pipeline stage (it needs every layer on this rank).
+    pub(crate) fn require_whole_model(&self, what: &str) -> Result<(), ModelError> {
+        if self.pipeline.is_some() {
+            return Err(ModelError::unsupported(
+                "pp",
+                format!(
+                    "{what} needs every layer on one rank; under pipeline parallelism train \
+                     with the Trainer (it runs the pipeline schedule)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// This rank's place in its pipeline (`None` when `pp = 1`).
+    pub fn pipeline(&self) -> Option<&super::pipeline::PipelinePlace> {
+        self.pipeline.as_ref()
+    }
+
     pub(crate) fn require_whole_sequence(&self, what: &str) -> Result<(), ModelError> {
         if self.cp.size() > 1 {
             return Err(ModelError::unsupported(
@@ -727,7 +756,7 @@ impl SpRuntime {
         x: Tensor<2>,
         norm: &RmsNorm,
         lm_head: Option<&Linear>,
-        embed: &Embedding,
+        embed: Option<&Embedding>,
         targets: &[i64],
         trace: RouterTrace,
     ) -> Result<ParallelOutput, ModelError> {
@@ -748,12 +777,17 @@ impl SpRuntime {
         &self,
         normed: Tensor<2>,
         lm_head: Option<&Linear>,
-        embed: &Embedding,
+        embed: Option<&Embedding>,
     ) -> Result<Tensor<2>, ModelError> {
         let full = self.gather(normed)?;
         let local = match lm_head {
             Some(head) => head.forward(full),
-            None => full.matmul(embed.weight.val().transpose()),
+            None => full.matmul(
+                super::held(embed, "the output layer (or the embedding it is tied to)")?
+                    .weight
+                    .val()
+                    .transpose(),
+            ),
         };
         if self.tp.size() == 1 {
             return Ok(local);
@@ -778,13 +812,18 @@ impl SpRuntime {
         &self,
         normed: Tensor<2>,
         lm_head: Option<&Linear>,
-        embed: &Embedding,
+        embed: Option<&Embedding>,
         targets: &[i64],
     ) -> Result<(Tensor<1>, Tensor<2>), ModelError> {
         let full = self.gather(normed)?;
         let logits = match lm_head {
             Some(head) => head.forward(full),
-            None => full.matmul(embed.weight.val().transpose()),
+            None => full.matmul(
+                super::held(embed, "the output layer (or the embedding it is tied to)")?
+                    .weight
+                    .val()
+                    .transpose(),
+            ),
         };
         let loss = vocab_parallel_cross_entropy(
             logits.clone(),

@@ -115,6 +115,51 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         self.forward_train_batch(&batch, device, aux_grad_scale, mtp)
     }
 
+    /// The training forward of this pipeline rank's chunk `chunk` on one micro-batch
+    /// (`input`: the previous virtual stage's activation, `None` on the first); the chunk's
+    /// routers report from this rank's MoE layer `moe_offset` on. Under `pp = 1` the only
+    /// chunk is the whole model. The default runs
+    /// [`forward_train_batch`](Self::forward_train_batch) for the whole model and refuses
+    /// a part of it (a model without pipeline support).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_train_chunk(
+        &self,
+        chunk: &super::ChunkParts,
+        moe_offset: usize,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+        input: Option<Tensor<2>>,
+    ) -> Result<ChunkForward, ModelError> {
+        let whole = chunk.embedding && chunk.loss && moe_offset == 0 && input.is_none();
+        if !whole {
+            return Err(ModelError::unsupported(
+                "pp",
+                "this model does not run as pipeline chunks (implement `forward_train_chunk`)",
+            ));
+        }
+        (self.forward_train_batch(batch, device, aux_grad_scale, mtp)).map(ChunkForward::Loss)
+    }
+
+    /// This rank's place in its pipeline (`None` when `pp = 1`, the default).
+    fn pipeline(&self) -> Option<&super::PipelinePlace> {
+        None
+    }
+
+    /// The id of the token embedding's weight, when this rank holds it (used to keep a
+    /// pipeline's embedding copies equal; the default: none).
+    fn embedding_id(&self) -> Option<burn::module::ParamId> {
+        None
+    }
+
+    /// Number of MoE layers (routers) among this rank's local decoder layers `layers` (the
+    /// default: none).
+    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
+        let _ = layers;
+        0
+    }
+
     /// Starts a new global batch for the routers' state that spans micro-batches (the
     /// `global_aux_loss` running counts); the trainer calls it at the start of every step.
     fn begin_global_batch(&self) {}
@@ -160,6 +205,22 @@ pub struct TrainForward {
     /// Per router (forward order, as [`CausalLmShard::routers_mut`]): this rank's expert-bias
     /// token counts; `None` for routers without an expert bias.
     pub expert_load: Vec<Option<Vec<f64>>>,
+}
+
+/// What the training forward of one pipeline chunk returns.
+#[derive(Debug, Clone)]
+pub enum ChunkForward {
+    /// A chunk before the last virtual stage: the activation it passes on.
+    Activation {
+        /// This rank's sequence-parallel block `[B·S/tp, H]` after the chunk's layers.
+        hidden: Tensor<2>,
+        /// The router losses of the chunk's MoE layers (forward order), this rank's part.
+        router_losses: Vec<Vec<RouterLoss>>,
+        /// The chunk's routers' expert-bias counts (forward order).
+        expert_load: Vec<Option<Vec<f64>>>,
+    },
+    /// The last virtual stage: the losses (its own router losses and counts inside).
+    Loss(TrainForward),
 }
 
 /// Row-major `values [B, S]` with every row shifted left by `by` and `fill` in the `by` freed

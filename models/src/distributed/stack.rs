@@ -10,7 +10,9 @@ use burn::tensor::{Device, Int, Tensor};
 use moe_backend::comm::GroupComms;
 
 use super::context_parallel::CpExchange;
+use super::pipeline::ChunkParts;
 use super::runtime::{RouterTrace, SpRuntime};
+use super::sharded::{ChunkForward, TrainForward};
 use super::{DispatcherKind, ForwardTraced, err};
 use crate::ModelError;
 use crate::layers::mla::Mla;
@@ -99,10 +101,11 @@ self_attention!(Mla);
 /// sequence-parallel block, final norm and head (tied to the embedding without `lm_head`).
 /// The same value is the whole model at `world = 1` and one rank's shard under any layout.
 pub trait DecoderStack {
-    /// Token embedding (this rank's vocabulary rows).
-    fn embed_tokens(&self) -> &Embedding;
-    /// Final norm.
-    fn final_norm(&self) -> &RmsNorm;
+    /// Token embedding (this rank's vocabulary rows); an error on a pipeline stage that does
+    /// not hold it.
+    fn embed_tokens(&self) -> Result<&Embedding, ModelError>;
+    /// Final norm; an error on a pipeline stage that does not hold it.
+    fn final_norm(&self) -> Result<&RmsNorm, ModelError>;
     /// Output projection (this rank's vocabulary columns); `None` when tied.
     fn lm_head(&self) -> Option<&Linear>;
     /// Number of decoder layers (of the main model).
@@ -141,17 +144,27 @@ pub trait DecoderStack {
     }
 }
 
+/// `part` of a model, or an error saying this pipeline stage does not hold `what`.
+pub(crate) fn held<'a, T>(part: Option<&'a T>, what: &str) -> Result<&'a T, ModelError> {
+    part.ok_or_else(|| {
+        ModelError::layout(
+            "pp",
+            format!("this pipeline stage does not hold {what} (another stage does)"),
+        )
+    })
+}
+
 /// [`DecoderStack`] of a built-in causal LM: `model.embed_tokens`, `model.layers` (each with
 /// `forward_in(ctx, x, batch, trace, inputs)`), `model.norm` and an optional `lm_head`.
 macro_rules! decoder_stack {
     ($ty:ty) => {
         impl $crate::distributed::DecoderStack for $ty {
-            fn embed_tokens(&self) -> &burn::nn::Embedding {
-                &self.model.embed_tokens
+            fn embed_tokens(&self) -> Result<&burn::nn::Embedding, $crate::ModelError> {
+                $crate::distributed::held(self.model.embed_tokens.as_ref(), "the token embedding")
             }
 
-            fn final_norm(&self) -> &$crate::layers::RmsNorm {
-                &self.model.norm
+            fn final_norm(&self) -> Result<&$crate::layers::RmsNorm, $crate::ModelError> {
+                $crate::distributed::held(self.model.norm.as_ref(), "the final norm")
             }
 
             fn lm_head(&self) -> Option<&burn::nn::Linear> {
@@ -270,6 +283,23 @@ impl SpRuntime {
     pub fn decode<M: DecoderStack + ?Sized>(
         &self,
         model: &M,
+        x: Tensor<2>,
+        batch: usize,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        cache: Option<&mut KvCache>,
+        trace: &mut RouterTrace,
+    ) -> Result<Tensor<2>, ModelError> {
+        let layers = 0..model.num_layers();
+        self.decode_layers(model, layers, x, batch, rope, mask, cache, trace)
+    }
+
+    /// [`decode`](Self::decode) through the local layers `layers` only (a pipeline chunk).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_layers<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        layers: std::ops::Range<usize>,
         mut x: Tensor<2>,
         batch: usize,
         rope: &RopeTables,
@@ -277,7 +307,16 @@ impl SpRuntime {
         mut cache: Option<&mut KvCache>,
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
-        for i in 0..model.num_layers() {
+        if layers.end > model.num_layers() {
+            return Err(ModelError::layout(
+                "pipeline_layout",
+                format!(
+                    "layers {layers:?} of a stage holding {}",
+                    model.num_layers()
+                ),
+            ));
+        }
+        for i in layers {
             let inputs = match cache.as_deref_mut() {
                 Some(c) => {
                     let have = c.layers.len();
@@ -319,6 +358,7 @@ impl SpRuntime {
         trace: &mut RouterTrace,
     ) -> Result<StackLogits, ModelError> {
         self.require_whole_sequence("a logits forward (generation)")?;
+        self.require_whole_model("a logits forward (generation)")?;
         let [batch, s] = input_ids.dims();
         let (_, tp) = self.tp_rank_size();
         if !(batch * s).is_multiple_of(tp) {
@@ -346,10 +386,11 @@ impl SpRuntime {
                 (self.rope_at(offset, s, &device), None)
             }
         };
-        let x = self.embed_ids(model.embed_tokens(), input_ids)?;
+        let x = self.embed_ids(model.embed_tokens()?, input_ids)?;
         let x = self.decode(model, x, batch, &rope, mask.as_ref(), cache, trace)?;
-        let hidden = model.final_norm().forward(x);
-        let logits = self.head_logits(hidden.clone(), model.lm_head(), model.embed_tokens())?;
+        let hidden = model.final_norm()?.forward(x);
+        let logits =
+            self.head_logits(hidden.clone(), model.lm_head(), model.embed_tokens().ok())?;
         let v = logits.dims()[1];
         Ok(StackLogits {
             hidden,
@@ -398,20 +439,106 @@ impl SpRuntime {
         if trace.record || trace.replay.is_some() {
             self.require_whole_sequence("router replay")?;
         }
+        self.require_whole_model("a whole-model loss forward")?;
         let p = self.prepare(input_ids, labels, batch, layout, device)?;
         trace.padding = p.padding.clone();
-        let x = self.embed(model.embed_tokens(), &p.ids, batch)?;
+        let x = self.embed(model.embed_tokens()?, &p.ids, batch)?;
         let x = self.decode(model, x, batch, &p.rope, p.mask.as_ref(), None, &mut trace)?;
         let selected = std::mem::take(&mut trace.selected);
         let load = std::mem::take(&mut trace.expert_load);
         let out = self.head_loss(
             x,
-            model.final_norm(),
+            model.final_norm()?,
             model.lm_head(),
-            model.embed_tokens(),
+            model.embed_tokens().ok(),
             &p.targets,
             trace,
         )?;
         Ok((out, selected, load))
+    }
+
+    /// The input of a pipeline chunk: this rank's sequence-parallel block of the embedded
+    /// micro-batch on the first virtual stage, the previous stage's activation otherwise.
+    pub(crate) fn chunk_input<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        chunk: &ChunkParts,
+        p: &super::Prepared<'_>,
+        batch: usize,
+        input: Option<Tensor<2>>,
+    ) -> Result<Tensor<2>, ModelError> {
+        match (chunk.embedding, input) {
+            (true, None) => self.embed(model.embed_tokens()?, &p.ids, batch),
+            (false, Some(x)) => Ok(x),
+            (true, Some(_)) => Err(ModelError::layout(
+                "pipeline_layout",
+                format!(
+                    "virtual stage {} embeds its tokens but was given an activation",
+                    chunk.virtual_stage
+                ),
+            )),
+            (false, None) => Err(ModelError::layout(
+                "pipeline_layout",
+                format!(
+                    "virtual stage {} needs the previous stage's activation",
+                    chunk.virtual_stage
+                ),
+            )),
+        }
+    }
+
+    /// The training forward of pipeline chunk `chunk` of `model` (a [`DecoderStack`] without
+    /// MTP) on one micro-batch: its input ([`chunk_input`](Self::chunk_input)), its layers
+    /// (routers reporting from MoE layer `moe_offset` of this rank on), and on the last
+    /// virtual stage the final norm, head and loss.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn train_chunk<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        chunk: &ChunkParts,
+        moe_offset: usize,
+        batch: &crate::train::TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        input: Option<Tensor<2>>,
+    ) -> Result<ChunkForward, ModelError> {
+        let rows = batch.batch;
+        let p = self.prepare(
+            &batch.input_ids,
+            &batch.labels,
+            rows,
+            batch.layout(),
+            device,
+        )?;
+        let mut trace = p.trace(aux_grad_scale);
+        trace.moe_layer_offset = moe_offset;
+        let x = self.chunk_input(model, chunk, &p, rows, input)?;
+        let (rope, mask) = (&p.rope, p.mask.as_ref());
+        let x = self.decode_layers(
+            model,
+            chunk.layers.clone(),
+            x,
+            rows,
+            rope,
+            mask,
+            None,
+            &mut trace,
+        )?;
+        if !chunk.loss {
+            return Ok(ChunkForward::Activation {
+                hidden: x,
+                router_losses: trace.losses,
+                expert_load: trace.expert_load,
+            });
+        }
+        let normed = model.final_norm()?.forward(x);
+        let embed = model.embed_tokens().ok();
+        let (loss, _) = self.normed_head_loss(normed, model.lm_head(), embed, &p.targets)?;
+        Ok(ChunkForward::Loss(TrainForward {
+            loss,
+            mtp_losses: Vec::new(),
+            router_losses: trace.losses,
+            expert_load: trace.expert_load,
+        }))
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod kv_cache;
+pub mod layer_stack;
 pub mod mla;
 pub mod mlp;
 pub mod rms_norm;
@@ -12,6 +13,7 @@ pub use attention::{
     repeat_kv,
 };
 pub use kv_cache::{KvCache, LayerCache};
+pub use layer_stack::LayerStack;
 pub use mla::{Mla, MlaConfig, mla_softmax_scale};
 pub use mlp::{Mlp, MlpConfig};
 pub use rms_norm::{RmsNorm, RmsNormConfig};

@@ -225,7 +225,7 @@ pub fn deepseek_v3_logprobs_detached(
     batch: usize,
 ) -> Result<TokenLogProbs, ModelError> {
     let model = model.valid();
-    let device = model.model.embed_tokens.weight.val().device();
+    let device = model.device();
     deepseek_v3_logprobs(&model, input_ids, labels, batch, &device)
 }
 
@@ -265,6 +265,6 @@ pub fn qwen3_moe_logprobs_detached(
     batch: usize,
 ) -> Result<TokenLogProbs, ModelError> {
     let model = model.valid();
-    let device = model.model.embed_tokens.weight.val().device();
+    let device = model.device();
     qwen3_moe_logprobs(&model, input_ids, labels, batch, &device)
 }

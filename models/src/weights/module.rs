@@ -123,10 +123,10 @@ impl ModuleVisitor for Ids {
 }
 
 /// Gives every float parameter the id of the parameter at the same module path in the
-/// source, in visiting order.
+/// source (which may hold more: a pipeline stage holds some of the model's layers).
 struct Adopt {
     path: Vec<String>,
-    ids: std::vec::IntoIter<(String, ParamId)>,
+    ids: std::collections::HashMap<String, ParamId>,
     error: Option<String>,
 }
 
@@ -141,15 +141,11 @@ impl ModuleMapper for Adopt {
 
     fn map_float<const D: usize>(&mut self, mut param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let path = self.path.join(".");
-        match self.ids.next() {
-            Some((src, id)) if src == path => param.id = id,
-            other => {
-                self.error.get_or_insert_with(|| {
-                    format!(
-                        "parameter `{path}` has no counterpart (found {:?})",
-                        other.map(|(p, _)| p)
-                    )
-                });
+        match self.ids.get(&path) {
+            Some(&id) => param.id = id,
+            None => {
+                self.error
+                    .get_or_insert_with(|| format!("parameter `{path}` has no counterpart"));
             }
         }
         param
@@ -167,16 +163,12 @@ pub(crate) fn adopt_param_ids<M: Module>(shard: M, full: &M) -> Result<M, ModelE
     full.visit(&mut ids);
     let mut adopt = Adopt {
         path: Vec::new(),
-        ids: ids.ids.into_iter(),
+        ids: ids.ids.into_iter().collect(),
         error: None,
     };
     let shard = shard.map(&mut adopt);
-    match (adopt.error, adopt.ids.next()) {
-        (Some(reason), _) => Err(ModelError::invalid("model", reason)),
-        (None, Some((path, _))) => Err(ModelError::invalid(
-            "model",
-            format!("the shard has no parameter `{path}`"),
-        )),
-        (None, None) => Ok(shard),
+    match adopt.error {
+        Some(reason) => Err(ModelError::invalid("model", reason)),
+        None => Ok(shard),
     }
 }

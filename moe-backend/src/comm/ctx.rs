@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use super::Comm;
 use super::local::{self, Shared};
 use crate::error::{BackendError, Result};
+use crate::parallel::pipeline::PipelineChannels;
 use crate::parallel::{GroupFamily, GroupTable, ParallelLayout, ProcessGroups};
 
 /// Creates the communicator of one group on a process transport.
@@ -149,7 +150,26 @@ impl RankCtx {
             .iter()
             .map(|m| self.group(m.family.name(), &m.ranks))
             .collect::<Result<Vec<_>>>()?;
-        Ok(GroupComms { groups, comms })
+        // The pipeline's second channel (gradients travel apart from activations) and
+        // Megatron's embedding group (first and last pipeline stage: the tied or MTP copy of
+        // the embedding), created after the families in the same order on every rank.
+        let pp = groups.get(GroupFamily::Pp).clone();
+        let pp_gradients = self.group("pp_gradients", &pp.ranks)?;
+        let ends = match pp.ranks.as_slice() {
+            [first, .., last] => vec![*first, *last],
+            ranks => ranks.to_vec(),
+        };
+        let embedding = if ends.contains(&self.rank) {
+            Some(self.group("pp_embedding", &ends)?)
+        } else {
+            None
+        };
+        Ok(GroupComms {
+            groups,
+            comms,
+            pp_gradients,
+            embedding,
+        })
     }
 }
 
@@ -159,6 +179,10 @@ pub struct GroupComms {
     /// Memberships.
     pub groups: ProcessGroups,
     comms: Vec<Comm>,
+    /// A second channel over the pipeline group's members (gradients of the activations).
+    pp_gradients: Comm,
+    /// The first and last stage of this rank's pipeline (`None` on the stages between).
+    embedding: Option<Comm>,
 }
 
 impl GroupComms {
@@ -167,6 +191,22 @@ impl GroupComms {
     /// single-rank forward runs on (the parallel forward at `world = 1`).
     pub fn single() -> Result<Self> {
         local::single_ctx().process_groups(&ParallelLayout::single())
+    }
+
+    /// The two channels of this rank's pipeline group (activations on the `pp` group's
+    /// communicator, their gradients on a second one over the same members).
+    pub fn pipeline_channels(&self) -> PipelineChannels {
+        PipelineChannels {
+            activations: self.comm(GroupFamily::Pp).clone(),
+            gradients: self.pp_gradients.clone(),
+        }
+    }
+
+    /// Megatron's embedding group: the first and the last stage of this rank's pipeline
+    /// (one member when `pp = 1`), over which the gradients of an embedding held on both
+    /// (tied output layer, MTP) are summed; `None` on the stages between.
+    pub fn embedding_group(&self) -> Option<&Comm> {
+        self.embedding.as_ref()
     }
 
     /// The communicator of `family`.

@@ -521,7 +521,7 @@ impl DistributedAdamW {
             config.moment_dtype,
         );
         let tp = groups.comm(GroupFamily::Tp).clone();
-        let norm_ranges = norm_ranges(&table, &dense, tp.rank());
+        let norm_ranges = norm_ranges(&table, &dense, tp.rank(), &[]);
         if config.exempt_norms_and_biases {
             let exempt = |experts: bool| {
                 table
@@ -752,6 +752,23 @@ impl DistributedAdamW {
         }
     }
 
+    /// Leaves the dense parameters `ids` out of the global gradient norm (they are still
+    /// updated): copies whose original another rank counts, such as the last pipeline stage's
+    /// copy of the embedding (Megatron counts shared parameters once). Expert parameters
+    /// cannot be excluded.
+    pub fn exclude_from_norm(&mut self, ids: &[ParamId]) -> Result<()> {
+        if let Some(p) =
+            (self.table.params.iter()).find(|p| ids.contains(&p.id) && p.class.is_expert())
+        {
+            return Err(BackendError::Config {
+                field: "exclude_from_norm",
+                detail: format!("`{}` is an expert parameter", p.path),
+            });
+        }
+        self.norm_ranges = norm_ranges(&self.table, &self.dense, self.tp.rank(), ids);
+        Ok(())
+    }
+
     /// Sets the decoupled weight decay of the following steps (a weight-decay schedule).
     pub fn set_weight_decay(&mut self, weight_decay: f32) {
         self.config.weight_decay = weight_decay;
@@ -971,14 +988,21 @@ impl DistributedAdamW {
 
 /// The dense-shard ranges this rank counts in the global norm (see
 /// [`DistributedAdamW::global_norm`]), merged; `None` when that is every parameter.
-fn norm_ranges(table: &ParamTable, dense: &Shard, tp_rank: usize) -> Option<Vec<Range<usize>>> {
+fn norm_ranges(
+    table: &ParamTable,
+    dense: &Shard,
+    tp_rank: usize,
+    excluded: &[ParamId],
+) -> Option<Vec<Range<usize>>> {
     let dense_params = || table.params.iter().filter(|p| !p.class.is_expert());
-    if tp_rank == 0 || !dense_params().any(|p| p.class.tp_replicated()) {
+    let counted =
+        |p: &&ParamInfo| !excluded.contains(&p.id) && (tp_rank == 0 || !p.class.tp_replicated());
+    if excluded.is_empty() && (tp_rank == 0 || !dense_params().any(|p| p.class.tp_replicated())) {
         return None;
     }
     let start = dense.comm.rank() * dense.size;
     let mut out: Vec<Range<usize>> = Vec::new();
-    for p in dense_params().filter(|p| !p.class.tp_replicated()) {
+    for p in dense_params().filter(counted) {
         // Intersection of the parameter's range with this rank's dense shard.
         let lo = p.offset.max(start);
         let hi = (p.offset + p.numel()).min(start + dense.size);

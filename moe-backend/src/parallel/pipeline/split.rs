@@ -284,6 +284,21 @@ impl PipelineSplit {
         self.stages.get(chunk * self.pp + rank)
     }
 
+    /// The pipeline rank holding each decoder layer, in layer order (virtual stage `v` runs
+    /// on rank `v mod pp`).
+    pub fn layer_ranks(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (v, stage) in self.stages.iter().enumerate() {
+            for layer in stage.layers.clone() {
+                if out.len() <= layer {
+                    out.resize(layer + 1, 0);
+                }
+                out[layer] = v % self.pp;
+            }
+        }
+        out
+    }
+
     /// Decoder layers held by pipeline rank `rank` over all its chunks, ascending.
     pub fn rank_layers(&self, rank: usize) -> Vec<usize> {
         (0..self.vpp)

@@ -44,6 +44,8 @@ use crate::param_plan::GradClass;
 use crate::plan::activations::Recompute;
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
+mod pipeline;
+
 /// One replica's batch: `batch` rows of equal length, row-major; optionally packed (several
 /// documents per row, Megatron THD `cu_seqlens` per row) and/or padded (HF `attention_mask`),
 /// see [`crate::packing`].
@@ -349,6 +351,14 @@ pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
     cp: Comm,
     /// The routers' count group (expert-bias updates).
     tp_dp_cp: Comm,
+    /// The pipeline group (logged values of every stage).
+    pp: Comm,
+    /// The pipeline's activation and gradient channels.
+    channels: moe_backend::parallel::pipeline::PipelineChannels,
+    /// Megatron's embedding group (first and last pipeline stage).
+    embedding_group: Option<Comm>,
+    /// `|tp|`.
+    tp: usize,
 }
 
 impl<M: ParallelCausalLm> Trainer<M> {
@@ -445,6 +455,17 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 Optimizer::AdamW(Box::new(adamw))
             }
         };
+        let mut optimizer = optimizer;
+        if let (Some(place), Some(id)) = (model.pipeline(), model.embedding_id()) {
+            if place.holds_embedding_copy() {
+                // The first stage counts the embedding in the gradient norm.
+                let adamw = match &mut optimizer {
+                    Optimizer::AdamW(adamw) => adamw.as_mut(),
+                    Optimizer::Muon(muon) => muon.adamw_mut(),
+                };
+                adamw.exclude_from_norm(&[id])?;
+            }
+        }
         Ok(Self {
             model,
             optimizer,
@@ -454,6 +475,10 @@ impl<M: ParallelCausalLm> Trainer<M> {
             dp_cp: groups.comm(GroupFamily::DpCp).clone(),
             cp: groups.comm(GroupFamily::Cp).clone(),
             tp_dp_cp: groups.comm(GroupFamily::TpDpCp).clone(),
+            pp: groups.comm(GroupFamily::Pp).clone(),
+            channels: groups.pipeline_channels(),
+            embedding_group: groups.embedding_group().cloned(),
+            tp: groups.comm(GroupFamily::Tp).size(),
         })
     }
 
@@ -536,40 +561,17 @@ impl<M: ParallelCausalLm> Trainer<M> {
         }
         self.model.begin_global_batch();
         moe_backend::recompute::clear_param_grads();
+        if self.model.pipeline().is_some() {
+            return self.step_pipelined(micro, start);
+        }
         let mtp_scale = self.config.mtp_loss_scaling_factor;
         let depths = if mtp_scale != 0.0 {
             self.model.mtp_depths()
         } else {
             0
         };
-        // Per micro-batch: target tokens of the main loss, then of each MTP depth.
-        // Under context parallelism each rank counts the targets of its own positions.
-        let counts: Vec<Vec<usize>> = micro
-            .iter()
-            .map(|b| {
-                let s = b.seq_len();
-                let at = self.model.sequence_positions(s);
-                std::iter::once(scored_targets_at(&b.labels, s, &at))
-                    .chain((0..depths).map(|j| {
-                        scored_targets_at(&mtp_labels(&b.labels, s, j, b.layout()), s, &at)
-                    }))
-                    .collect()
-            })
-            .collect();
-        let local: Vec<usize> = (0..=depths)
-            .map(|d| counts.iter().map(|c| c[d]).sum())
-            .collect();
-        // Target tokens of the whole global batch: summed over the data-parallel replicas
-        // (every TP rank of a replica holds the same batch, so the dp_cp group sees each
-        // replica once).
+        let (counts, local, global) = self.step_counts(micro, depths)?;
         let replicas = self.dp_cp.size();
-        let global = self.global_counts(&local)?;
-        if global[0] <= 0.0 {
-            return Err(ModelError::input(
-                "labels",
-                "the global batch has no target token (every label is -100)",
-            ));
-        }
         let mut accumulator = GradientsAccumulator::<M>::new();
         // Logged values summed over the micro-batches on the device, read once per step:
         // token-summed cross-entropy, aux loss, then each depth's token-summed MTP loss.
@@ -632,6 +634,109 @@ impl<M: ParallelCausalLm> Trainer<M> {
         let mut stats = self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start)?;
         if self.config.update_expert_bias {
             self.update_expert_bias(loads)?;
+        }
+        if depths > 0 {
+            let per_depth = (0..depths).map(|j| match local[j + 1] {
+                0 => 0.0,
+                n => sum(j + 2) / n as f64,
+            });
+            stats.mtp_loss = Some((per_depth.sum::<f64>() / depths as f64) as f32);
+        }
+        stats.tokens_per_second = stats.tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
+        Ok(stats)
+    }
+
+    /// Target tokens per micro-batch (main loss, then each of `depths` MTP depths), this
+    /// rank's sums and the global batch's (over the data-parallel replicas).
+    #[allow(clippy::type_complexity)]
+    fn step_counts(
+        &self,
+        micro: &[TrainBatch],
+        depths: usize,
+    ) -> Result<(Vec<Vec<usize>>, Vec<usize>, Vec<f64>), ModelError> {
+        // Per micro-batch: target tokens of the main loss, then of each MTP depth.
+        // Under context parallelism each rank counts the targets of its own positions.
+        let counts: Vec<Vec<usize>> = micro
+            .iter()
+            .map(|b| {
+                let s = b.seq_len();
+                let at = self.model.sequence_positions(s);
+                std::iter::once(scored_targets_at(&b.labels, s, &at))
+                    .chain((0..depths).map(|j| {
+                        scored_targets_at(&mtp_labels(&b.labels, s, j, b.layout()), s, &at)
+                    }))
+                    .collect()
+            })
+            .collect();
+        let local: Vec<usize> = (0..=depths)
+            .map(|d| counts.iter().map(|c| c[d]).sum())
+            .collect();
+        // Target tokens of the whole global batch: summed over the data-parallel replicas
+        // (every TP rank of a replica holds the same batch, so the dp_cp group sees each
+        // replica once).
+        let global = self.global_counts(&local)?;
+        if global[0] <= 0.0 {
+            return Err(ModelError::input(
+                "labels",
+                "the global batch has no target token (every label is -100)",
+            ));
+        }
+        Ok((counts, local, global))
+    }
+
+    /// [`step_micro_batches`](Self::step_micro_batches) under pipeline parallelism: the
+    /// micro-batches run through the stages on the pipeline schedule (1F1B, or interleaved
+    /// with virtual stages); the loss and the logged values come from the last stage, the
+    /// router statistics from every stage, all summed over the pipeline group.
+    fn step_pipelined(
+        &mut self,
+        micro: &[TrainBatch],
+        start: Instant,
+    ) -> Result<StepStats, ModelError> {
+        let place = (self.model.pipeline().cloned())
+            .ok_or_else(|| ModelError::layout("pp", "no pipeline on this rank"))?;
+        let mtp_scale = self.config.mtp_loss_scaling_factor;
+        let depths = if mtp_scale != 0.0 { place.model.mtp } else { 0 };
+        let (counts, local, global) = self.step_counts(micro, depths)?;
+        let inputs = pipeline::StepInputs {
+            micro,
+            counts: &counts,
+            global: &global,
+            replicas: self.dp_cp.size(),
+            depths,
+            mtp_scale,
+            aux_kind: RouterLossKind::from(self.config.aux_loss_type),
+            device: &self.device,
+        };
+        let outcome = pipeline::run_step(&self.model, &place, &self.channels, self.tp, &inputs)?;
+        let mut grads = outcome.grads;
+        let group = self.embedding_group.as_ref();
+        pipeline::reduce_embedding_grads(&self.model, &place, group, &mut grads, &self.device)?;
+        // Every stage's logged sums and MoE-layer count, summed over the pipeline.
+        let mut values = outcome.logged;
+        values.push(outcome.moe_layers as f64);
+        let values = pipeline::sum_over(&self.pp, &values, &self.device)?;
+        let moe_layers = values.last().copied().unwrap_or(0.0).max(1.0);
+        let mut sums: Vec<f32> = values[..values.len() - 1]
+            .iter()
+            .map(|&v| v as f32)
+            .collect();
+        // The aux sum over layers becomes the mean over layers, as on one rank.
+        if let Some(aux) = sums.get_mut(1) {
+            *aux = (f64::from(*aux) / moe_layers) as f32;
+        }
+        let n = sums.len();
+        let logged = Tensor::<1>::from_data(burn::tensor::TensorData::new(sums, [n]), &self.device);
+        let (logged, local) = self.replica_sums(Some(logged), local)?;
+        let sums: Vec<f64> = match logged {
+            Some(t) => read_f32(t)?.into_iter().map(f64::from).collect(),
+            None => Vec::new(),
+        };
+        let sum = |i: usize| sums.get(i).copied().unwrap_or(0.0);
+        let n_micro = micro.len() as f64;
+        let mut stats = self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start)?;
+        if self.config.update_expert_bias {
+            self.update_expert_bias(outcome.loads)?;
         }
         if depths > 0 {
             let per_depth = (0..depths).map(|j| match local[j + 1] {

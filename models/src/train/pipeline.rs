@@ -1,0 +1,320 @@
+//! The training step under pipeline parallelism: this rank's model chunks driven by the
+//! pipeline executor ([`run_pipeline`]) over a 1F1B or interleaved schedule of the step's
+//! micro-batches, with the same objective, weighting and accumulation as the step on one
+//! rank (the losses on the last virtual stage, each router's losses attached where it runs,
+//! the expert-bias counts of every stage's routers, the embedding copy's gradient summed
+//! over Megatron's embedding group).
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use moe_backend::comm::{Comm, ReduceOp};
+use moe_backend::parallel::pipeline::{PipelineChannels, PipelineStage, StageOutput, run_pipeline};
+use moe_backend::parallel::schedule::PipelineSchedule;
+use moe_backend::router::{RouterLoss, RouterLossKind};
+
+use super::{TrainBatch, add_loads};
+use crate::ModelError;
+use crate::distributed::sharded::ChunkForward;
+use crate::distributed::{CausalLmShard, PipelinePlace, TrainForward, err};
+
+/// What a pipelined step accumulated on this rank.
+pub(super) struct PipelineOutcome {
+    /// Parameter gradients summed over the micro-batches.
+    pub grads: GradientsParams,
+    /// Logged sums of this rank's stage: token-summed cross-entropy (last stage), the sum
+    /// over its MoE layers and micro-batches of each layer's loss without its coefficient,
+    /// then each MTP depth's token-summed loss (last stage).
+    pub logged: Vec<f64>,
+    /// Number of MoE layers whose losses `logged[1]` sums (per micro-batch).
+    pub moe_layers: usize,
+
+    /// Per router of this rank (as `routers_mut`): the step's expert-bias counts.
+    pub loads: Vec<Option<Vec<f64>>>,
+}
+
+/// The step's fixed inputs.
+pub(super) struct StepInputs<'a> {
+    pub micro: &'a [TrainBatch],
+    /// Per micro-batch: target tokens of the main loss, then of each MTP depth.
+    pub counts: &'a [Vec<usize>],
+    /// Target tokens of the global batch per loss.
+    pub global: &'a [f64],
+    /// Data-parallel replicas.
+    pub replicas: usize,
+    /// MTP depths trained (0: none).
+    pub depths: usize,
+    pub mtp_scale: f64,
+    pub aux_kind: RouterLossKind,
+    pub device: &'a Device,
+}
+
+/// This rank's chunks as the executor drives them.
+struct TrainStage<'a, S: CausalLmShard> {
+    shard: &'a S,
+    place: &'a PipelinePlace,
+    inputs: &'a StepInputs<'a>,
+    /// First MoE layer (this rank's numbering) of each chunk.
+    moe_offsets: Vec<usize>,
+    tp: usize,
+    accumulator: GradientsAccumulator<S::Model>,
+    /// Device-side logged sums (see [`PipelineOutcome::logged`]).
+    logged: Option<Tensor<1>>,
+    /// Per chunk: the step's expert-bias counts of its routers.
+    loads: Vec<Vec<Option<Vec<f64>>>>,
+    /// Router-loss entries seen over every forward (MoE layers × micro-batches).
+    layer_losses: usize,
+}
+
+impl<S: CausalLmShard> TrainStage<'_, S> {
+    /// Σ over one chunk's MoE layers of each layer's configured loss without its
+    /// coefficient, `[1]` (detached).
+    fn aux_sum(&self, losses: &[Vec<RouterLoss>]) -> Tensor<1> {
+        let kind = self.inputs.aux_kind;
+        losses
+            .iter()
+            .filter_map(|layer| layer.iter().find(|l| l.kind == kind && l.coeff != 0.0))
+            .map(|l| l.loss.clone().detach().div_scalar(l.coeff))
+            .reduce(|a, b| a + b)
+            .unwrap_or_else(|| Tensor::zeros([1], self.inputs.device))
+    }
+
+    /// Adds `[loss, aux, mtp…]` of one forward to the logged sums.
+    fn log(&mut self, loss: Tensor<1>, aux: Tensor<1>, mtp: Vec<Tensor<1>>) {
+        let row = Tensor::cat([vec![loss, aux], mtp].concat(), 0);
+        self.logged = Some(match self.logged.take() {
+            Some(sum) => sum + row,
+            None => row,
+        });
+    }
+
+    /// Zeros for the entries a chunk without the loss does not log.
+    fn zeros(&self, n: usize) -> Vec<Tensor<1>> {
+        (0..n)
+            .map(|_| Tensor::zeros([1], self.inputs.device))
+            .collect()
+    }
+
+    /// The objective of the last virtual stage for micro-batch `mb` (weighted as the step on
+    /// one rank weighs it), logging its values.
+    fn objective(&mut self, mb: usize, out: TrainForward) -> Tensor<1> {
+        let inputs = self.inputs;
+        let tokens = &inputs.counts[mb];
+        let TrainForward {
+            loss,
+            mtp_losses,
+            router_losses,
+            ..
+        } = out;
+        let aux = self.aux_sum(&router_losses);
+        self.layer_losses += router_losses.len();
+        let mtp: Vec<Tensor<1>> = (0..inputs.depths)
+            .map(|j| match (mtp_losses.get(j), tokens.get(j + 1)) {
+                (Some(l), Some(&n)) => l.clone().detach().mul_scalar(n as f64),
+                _ => Tensor::zeros([1], inputs.device),
+            })
+            .collect();
+        self.log(loss.clone().detach().mul_scalar(tokens[0] as f64), aux, mtp);
+        let weight = tokens[0] as f64 * inputs.replicas as f64 / inputs.global[0];
+        let mut objective = loss.mul_scalar(weight);
+        for (j, l) in mtp_losses.into_iter().enumerate().take(inputs.depths) {
+            if inputs.global[j + 1] > 0.0 {
+                let w = tokens[j + 1] as f64 * inputs.replicas as f64 / inputs.global[j + 1];
+                objective = objective + l.mul_scalar(w * inputs.mtp_scale / inputs.depths as f64);
+            }
+        }
+        objective
+    }
+}
+
+impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
+    type Error = ModelError;
+
+    fn activation_shape(&self, microbatch: usize) -> [usize; 2] {
+        let batch = &self.inputs.micro[microbatch];
+        let positions = self.shard.sequence_positions(batch.seq_len()).len();
+        [batch.batch * positions / self.tp, self.place.model.hidden]
+    }
+
+    fn device(&self) -> Device {
+        self.inputs.device.clone()
+    }
+
+    fn forward(
+        &mut self,
+        chunk: usize,
+        microbatch: usize,
+        input: Option<Tensor<2>>,
+    ) -> Result<StageOutput<2>, ModelError> {
+        let parts = self.place.chunks.get(chunk).ok_or_else(|| {
+            ModelError::layout("pipeline_layout", format!("no local chunk {chunk}"))
+        })?;
+        let inputs = self.inputs;
+        let out = self.shard.forward_train_chunk(
+            parts,
+            self.moe_offsets[chunk],
+            &inputs.micro[microbatch],
+            inputs.device,
+            1.0 / inputs.micro.len() as f64,
+            inputs.depths > 0,
+            input,
+        )?;
+        match out {
+            ChunkForward::Activation {
+                hidden,
+                router_losses,
+                expert_load,
+            } => {
+                add_loads(&mut self.loads[chunk], expert_load)?;
+                let aux = self.aux_sum(&router_losses);
+                self.layer_losses += router_losses.len();
+                let (loss, mtp) = (self.zeros(1).remove(0), self.zeros(inputs.depths));
+                self.log(loss, aux, mtp);
+                Ok(StageOutput::Activation(hidden))
+            }
+            ChunkForward::Loss(out) => {
+                add_loads(&mut self.loads[chunk], out.expert_load.clone())?;
+                Ok(StageOutput::Loss(self.objective(microbatch, out)))
+            }
+        }
+    }
+
+    fn backward_done(
+        &mut self,
+        _chunk: usize,
+        _microbatch: usize,
+        grads: Gradients,
+    ) -> Result<(), ModelError> {
+        let model = self.shard.model();
+        let grads = GradientsParams::from_grads(grads, model);
+        self.accumulator.accumulate(model, grads);
+        for grads in moe_backend::recompute::take_param_grads() {
+            self.accumulator.accumulate(model, grads);
+        }
+        Ok(())
+    }
+}
+
+/// Runs this rank's part of the step's pipeline schedule (`vpp` chunks per rank) and returns
+/// what it accumulated.
+pub(super) fn run_step<S: CausalLmShard>(
+    shard: &S,
+    place: &PipelinePlace,
+    channels: &PipelineChannels,
+    tp: usize,
+    inputs: &StepInputs<'_>,
+) -> Result<PipelineOutcome, ModelError> {
+    let (pp, vpp, m) = (place.split.pp(), place.split.vpp(), inputs.micro.len());
+    let schedule = if vpp == 1 {
+        PipelineSchedule::one_f_one_b(pp, m)
+    } else {
+        PipelineSchedule::interleaved(pp, vpp, m)
+    }
+    .map_err(err)?;
+    let mut offset = 0;
+    let moe_offsets = (place.chunks.iter())
+        .map(|c| {
+            let at = offset;
+            offset += shard.moe_layers_in(c.layers.clone());
+            at
+        })
+        .collect();
+    let mut stage = TrainStage {
+        shard,
+        place,
+        inputs,
+        moe_offsets,
+        tp,
+        accumulator: GradientsAccumulator::new(),
+        logged: None,
+        loads: vec![Vec::new(); place.chunks.len()],
+        layer_losses: 0,
+    };
+    run_pipeline(&schedule, place.rank, channels, &mut stage)?;
+    let n = 2 + inputs.depths;
+    let logged = match stage.logged {
+        Some(t) => super::read_f32(t)?.into_iter().map(f64::from).collect(),
+        None => vec![0.0; n],
+    };
+    let loads = stage.loads.into_iter().flatten().collect();
+    Ok(PipelineOutcome {
+        grads: stage.accumulator.grads(),
+        logged,
+        moe_layers: stage.layer_losses / m.max(1),
+        loads,
+    })
+}
+
+/// Sums the gradient of the embedding held on both the first and the last stage (a tied
+/// output layer, the MTP modules) over Megatron's embedding group, so both copies take the
+/// same step; a copy that got no gradient contributes zeros.
+pub(super) fn reduce_embedding_grads<S: CausalLmShard>(
+    shard: &S,
+    place: &PipelinePlace,
+    group: Option<&Comm>,
+    grads: &mut GradientsParams,
+    device: &Device,
+) -> Result<(), ModelError> {
+    // Only a model whose last stage keeps a copy has one to keep equal (the same answer on
+    // every stage).
+    if !(place.model.tied || place.model.mtp > 0) {
+        return Ok(());
+    }
+    let Some(group) = group.filter(|g| g.size() > 1) else {
+        return Ok(());
+    };
+    let id = shard.embedding_id().ok_or_else(|| {
+        ModelError::layout(
+            "pp",
+            "a stage of the embedding group does not hold the embedding",
+        )
+    })?;
+    let shape = embedding_shape(shard)?;
+    let local: Tensor<2> = grads
+        .remove::<2>(id)
+        .unwrap_or_else(|| Tensor::zeros(shape, &device.clone().without_autodiff()));
+    let summed = group.all_reduce(local, ReduceOp::Sum).map_err(err)?;
+    grads.register(id, summed);
+    Ok(())
+}
+
+/// Shape of this rank's embedding shard.
+fn embedding_shape<S: CausalLmShard>(shard: &S) -> Result<[usize; 2], ModelError> {
+    struct Find(burn::module::ParamId, Option<Vec<usize>>);
+    impl burn::module::ModuleVisitor for Find {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            if param.id == self.0 {
+                self.1 = Some(param.val().dims().to_vec());
+            }
+        }
+    }
+    let id = shard
+        .embedding_id()
+        .ok_or_else(|| ModelError::layout("pp", "this stage holds no embedding"))?;
+    let mut find = Find(id, None);
+    burn::module::Module::visit(shard.model(), &mut find);
+    match find.1.as_deref() {
+        Some(&[v, h]) => Ok([v, h]),
+        other => Err(ModelError::layout(
+            "pp",
+            format!("the embedding has shape {other:?}, expected [vocab, hidden]"),
+        )),
+    }
+}
+
+/// `values` summed over `comm` (f32 on the host device).
+pub(super) fn sum_over(
+    comm: &Comm,
+    values: &[f64],
+    device: &Device,
+) -> Result<Vec<f64>, ModelError> {
+    if comm.size() == 1 {
+        return Ok(values.to_vec());
+    }
+    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    let t = Tensor::<1>::from_data(TensorData::new(data, [values.len()]), device);
+    let summed = comm.all_reduce(t, ReduceOp::Sum).map_err(err)?;
+    Ok(super::read_f32(summed)?
+        .into_iter()
+        .map(f64::from)
+        .collect())
+}
