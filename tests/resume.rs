@@ -1,4 +1,5 @@
-//! Resume equivalence (issue 6): 3 training steps under layout A, a distributed checkpoint with
+//! Resume equivalence (issue 6; Qwen3-MoE and DeepSeek-V3 with its MTP module and expert
+//! bias): 3 training steps under layout A, a distributed checkpoint with
 //! the optimizer state, a restore under layout B and 3 more steps give the parameters and
 //! losses of 6 uninterrupted steps under B (f32, the tolerance of
 //! `models/tests/parallel_equivalence.rs`).
@@ -13,16 +14,18 @@ use std::path::Path;
 use burn::tensor::Device;
 use burn_moe::backend::comm::World;
 use burn_moe::backend::optim::DistributedAdamWConfig;
+use burn_moe::backend::parallel::GroupFamily;
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
 use burn_moe::bridge::dist::{DistCheckpoint, SaveMeta, TrainState, read_train_state};
-use burn_moe::models::checkpoint::{restore_trainer, save_trainer};
-use burn_moe::models::distributed::DispatcherKind;
+use burn_moe::models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
+use burn_moe::models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
 use burn_moe::models::hf::ModelConfig;
 use burn_moe::models::train::{TrainBatch, Trainer, TrainerConfig};
-use burn_moe::models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use burn_moe::models::{DeepseekV3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 use moe_backend::testing::XorShift64;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_moe");
+const DEEPSEEK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/deepseek_v3");
 /// Global batch rows per step and their length.
 const G: usize = 4;
 const S: usize = 8;
@@ -62,18 +65,18 @@ type RankEnd = ((Vec<f32>, Vec<f32>), Vec<f32>);
 
 /// Trains steps `steps` under `layout` from `start` (or from the checkpoint at `resume`),
 /// optionally saving to `save` at the end.
-fn run(
+fn run<M: ParallelCausalLm + PlacedModel + Sync>(
     layout: &ParallelLayout,
-    start: &Qwen3MoeForCausalLM,
+    start: &M,
+    (fixture, family, vocab): (&str, &str, usize),
     steps: std::ops::Range<usize>,
     resume: Option<&Path>,
     save: Option<&Path>,
 ) -> Vec<RankEnd> {
     let device = Device::flex().autodiff();
-    let vocab = start.config().vocab_size;
     let ckpt = resume.map(|p| DistCheckpoint::open::<ModelConfig>(p).expect("open checkpoint"));
     let config_json: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{FIXTURE}/config.json")).expect("config"),
+        &std::fs::read_to_string(format!("{fixture}/config.json")).expect("config"),
     )
     .expect("config json");
     let results = World::run(layout.world, |ctx| {
@@ -87,7 +90,8 @@ fn run(
             assert_eq!(state.data_position as usize, steps.start);
             assert_eq!(trainer.optimizer().step_count() as usize, steps.start);
         }
-        let (replica, replicas) = (trainer.model().replica, trainer.model().replicas);
+        let dp = groups.groups.get(GroupFamily::Dp);
+        let (replica, replicas) = (dp.index, dp.size());
         let mut losses = Vec::new();
         for step in steps.clone() {
             let stats = trainer
@@ -97,7 +101,7 @@ fn run(
         }
         if let Some(root) = save {
             let mut meta = SaveMeta::new(steps.end as u64, layout);
-            meta.model_family = Some("qwen3_moe".into());
+            meta.model_family = Some(family.into());
             meta.config = Some(config_json.clone());
             let state = TrainState {
                 step: steps.end as u64,
@@ -110,7 +114,7 @@ fn run(
         let flat = trainer
             .optimizer()
             .table()
-            .flatten_values(&trainer.model().model)?;
+            .flatten_values(trainer.model().model())?;
         Ok((flat, losses))
     });
     results
@@ -133,17 +137,35 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 fn resume_matches_uninterrupted(a: &str, b: &str) {
+    let device = Device::flex().autodiff();
+    let (start, other) = (model(&device), model(&device));
+    let vocab = start.config().vocab_size;
+    resume_model_matches_uninterrupted(a, b, (start, other), (FIXTURE, "qwen3_moe", vocab));
+    let fixture = DEEPSEEK;
+    let config = DeepseekV3Config::from_file(format!("{fixture}/config.json")).expect("config");
+    let init = || replicate(&config.init(&device).expect("init"));
+    let vocab = config.vocab_size;
+    resume_model_matches_uninterrupted(a, b, (init(), init()), (fixture, "deepseek_v3", vocab));
+}
+
+/// [`resume_matches_uninterrupted`] of one model: `start` trained, `other` (another random
+/// model) restored.
+fn resume_model_matches_uninterrupted<M: ParallelCausalLm + PlacedModel + Sync>(
+    a: &str,
+    b: &str,
+    (start, other): (M, M),
+    model: (&str, &str, usize),
+) {
     let layout_a = ParallelLayout::parse_spec(a).expect("layout A");
     let layout_b = ParallelLayout::parse_spec(b).expect("layout B");
-    let device = Device::flex().autodiff();
-    let start = model(&device);
     let dir = std::env::temp_dir().join(format!(
-        "burn-moe-resume-{}-{}",
+        "burn-moe-resume-{}-{}-{}",
         std::process::id(),
+        model.1,
         a.replace([',', '='], "_")
     ));
     let _ = std::fs::remove_dir_all(&dir);
-    run(&layout_a, &start, 0..3, None, Some(&dir));
+    run(&layout_a, &start, model, 0..3, None, Some(&dir));
     let ckpt = DistCheckpoint::open::<ModelConfig>(&dir).expect("checkpoint");
     ckpt.validate::<ModelConfig>().expect("valid checkpoint");
     assert_eq!(ckpt.index().step, 3);
@@ -159,9 +181,8 @@ fn resume_matches_uninterrupted(a: &str, b: &str) {
     );
     // The restored run starts from another random model: everything must come from the
     // checkpoint.
-    let other = model(&device);
-    let resumed = run(&layout_b, &other, 3..6, Some(&dir), None);
-    let straight = run(&layout_b, &start, 0..6, None, None);
+    let resumed = run(&layout_b, &other, model, 3..6, Some(&dir), None);
+    let straight = run(&layout_b, &start, model, 0..6, None, None);
     for (r, ((got, got_losses), (want, want_losses))) in resumed.iter().zip(&straight).enumerate() {
         let what = |s: &str| format!("{a} -> {b} rank {r}: {s}");
         close(&got.0, &want.0, &what("dense params after 6 steps"));
@@ -179,4 +200,14 @@ fn tp2_ep4_resumes_as_ep2_etp2() {
 #[test]
 fn four_ranks_resume_on_two() {
     resume_matches_uninterrupted("world=4,tp=2,ep=2", "world=2,ep=2");
+}
+
+/// Pipeline stages save and restore like any other dimension: a checkpoint written by three
+/// pipeline stages (one decoder layer each) resumes on one rank, and one written on one rank
+/// resumes on three stages.
+#[test]
+fn pipeline_stages_resume_on_one_rank_and_back() {
+    resume_matches_uninterrupted("world=3,pp=3", "world=1");
+    resume_matches_uninterrupted("world=1", "world=3,pp=3");
+    resume_matches_uninterrupted("world=6,pp=3,ep=2", "world=4,tp=2,ep=2");
 }

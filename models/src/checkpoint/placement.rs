@@ -78,6 +78,10 @@ pub struct PlacedTensor {
     pub placement: ParamPlacement,
     /// Whether this rank's copy is the main replica (the one saved).
     pub main_replica: bool,
+    /// Whether it is a copy of a tensor another pipeline stage owns (the last stage's
+    /// embedding for a tied output layer or MTP): restored, never saved (nor its optimizer
+    /// state).
+    pub copy: bool,
     /// The values in canonical orientation (row-major over `placement.shape`), when asked for.
     pub values: Option<Vec<f32>>,
 }
@@ -141,13 +145,20 @@ impl Walk<'_> {
                 scale(etp_dim, layout.etp)?;
             }
         }
-        let shard = self
+        // A tensor this rank's pipeline stage does not own is a copy of the owner's (the
+        // last stage's embedding for a tied output layer or the MTP modules): restored from
+        // the owner's box, never written.
+        let (shard, copy) = match self
             .plan
             .rank_shard_by(&fqn, &global_shape, self.rank, rule)?
-            .ok_or_else(|| BridgeError::Sharding {
-                tensor: fqn.clone(),
-                reason: format!("rank {} does not own it under {layout}", self.rank),
-            })?;
+        {
+            Some(shard) => (shard, false),
+            None => (
+                self.plan
+                    .copy_shard_by(&fqn, &global_shape, self.rank, rule)?,
+                true,
+            ),
+        };
         if shard.tensor_box.shape != shape {
             return Err(BridgeError::Sharding {
                 tensor: fqn,
@@ -191,6 +202,7 @@ impl Walk<'_> {
                 transposed: matches!(storage, Storage::Transposed),
             },
             main_replica: shard.main_replica,
+            copy,
             values,
         });
         Ok(())

@@ -171,11 +171,12 @@ pub fn save_training_state<M: PlacedModel>(
     optimizer: Option<&DistributedAdamW>,
     state: &TrainState,
 ) -> Result<PathBuf, BridgeError> {
-    save_state(comm, root, meta, model, optimizer, None, state)
+    save_state(comm, root, meta, model, optimizer, None, state, None)
 }
 
 /// [`save_training_state`], with `muon` the Muon side of a Muon + AdamW optimizer whose AdamW
-/// side is `optimizer` ([`muon`]).
+/// side is `optimizer` ([`muon`]) and the model's layers on `layer_stages` when given.
+#[allow(clippy::too_many_arguments)]
 fn save_state<M: PlacedModel>(
     comm: &Comm,
     root: &Path,
@@ -184,18 +185,14 @@ fn save_state<M: PlacedModel>(
     optimizer: Option<&DistributedAdamW>,
     muon: Option<&DistributedMuon>,
     state: &TrainState,
+    layer_stages: Option<Vec<usize>>,
 ) -> Result<PathBuf, BridgeError> {
     let rank = comm
         .ranks()
         .get(comm.rank())
         .copied()
         .unwrap_or(comm.rank());
-    let plan = ShardingPlan::new(
-        &meta.layout,
-        Some(model.num_main_layers()),
-        shard_rule,
-        stage_place,
-    )?;
+    let plan = model_plan(&meta.layout, model, layer_stages)?;
     let placed = model.placements(&plan, rank, true)?;
     let mut owned = Vec::new();
     // FP8 primary weights are saved as their FP8 bytes with `<fqn>_scale_inv` (the checkpoint
@@ -258,6 +255,17 @@ fn save_state<M: PlacedModel>(
         let pieces = optimizer
             .state_pieces(&placer(&ids))
             .map_err(backend_error(root, "optimizer"))?;
+        // A pipeline stage's copy of another stage's tensor saves no optimizer state (the
+        // owner's is the same).
+        let copies: Vec<ParamId> = placed.iter().filter(|p| p.copy).map(|p| p.id).collect();
+        let table = &optimizer.table().params;
+        let pieces: Vec<StatePiece> = (pieces.into_iter())
+            .filter(|piece| {
+                table
+                    .get(piece.param)
+                    .is_none_or(|p| !copies.contains(&p.id))
+            })
+            .collect();
         owned.extend(optimizer_chunks(optimizer, &pieces, root)?);
         meta.optimizer = Some(match muon {
             Some(m) => {
@@ -438,7 +446,32 @@ pub fn save_trainer<M: ParallelCausalLm + PlacedModel>(
         Some(trainer.optimizer()),
         trainer.muon().map(MuonAdamW::muon),
         state,
+        layer_stages(trainer.model()),
     )
+}
+
+/// The pipeline stage of every main decoder layer of `shard`'s model when it runs a pipeline
+/// (`None`: no pipeline, or the even split [`ShardingPlan`] assumes).
+fn layer_stages<S: crate::distributed::CausalLmShard>(shard: &S) -> Option<Vec<usize>> {
+    shard.pipeline().map(|p| p.split.layer_ranks())
+}
+
+/// The sharding plan of `model` under `layout`, with its layers on `stages` when given.
+fn model_plan<M: PlacedModel>(
+    layout: &moe_backend::parallel::ParallelLayout,
+    model: &M,
+    stages: Option<Vec<usize>>,
+) -> Result<ShardingPlan, BridgeError> {
+    let plan = ShardingPlan::new(
+        layout,
+        Some(model.num_main_layers()),
+        shard_rule,
+        stage_place,
+    )?;
+    match stages {
+        Some(stages) => plan.with_layer_stages(stages),
+        None => Ok(plan),
+    }
 }
 
 /// The FP8 copies of an optimizer with FP8 primary weights after a restore: the stored FP8
@@ -502,14 +535,10 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     trainer: &mut Trainer<M>,
 ) -> Result<TrainState, BridgeError> {
     let groups = trainer.process_groups().clone();
+    let stages = layer_stages(trainer.model());
     if let Some((shard, optimizer)) = trainer.muon_parts_mut() {
         let model = shard.model_mut();
-        let plan = ShardingPlan::new(
-            &groups.layout,
-            Some(model.num_main_layers()),
-            shard_rule,
-            stage_place,
-        )?;
+        let plan = model_plan(&groups.layout, &*model, stages)?;
         *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
         let dir = ckpt.dir().to_path_buf();
         let kind = muon::MUON_KIND;
@@ -537,12 +566,7 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     }
     let (shard, optimizer) = trainer.parts_mut();
     let model = shard.model_mut();
-    let plan = ShardingPlan::new(
-        &groups.layout,
-        Some(model.num_main_layers()),
-        shard_rule,
-        stage_place,
-    )?;
+    let plan = model_plan(&groups.layout, &*model, stages)?;
     *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
     load_optimizer_state(ckpt, optimizer, &*model, &plan, groups.rank)?;
     if optimizer.fp8_config().is_some() {
