@@ -471,7 +471,12 @@ fn dense_qwen3_training_matches_one_rank() {
 }
 
 /// Pipeline layouts (the fixtures have 3 decoder layers).
-const PP_LAYOUTS: [(usize, &str); 1] = [(3, "pp=3")];
+const PP_LAYOUTS: [(usize, &str); 4] = [
+    (3, "pp=3"),
+    (6, "pp=3,cp=2"),
+    (6, "tp=2,pp=3,ep=2"),
+    (6, "pp=3,ep=2"),
+];
 
 fn pp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
     let mut references: Vec<(usize, Run<M>)> = Vec::new();
@@ -505,6 +510,42 @@ fn qwen3_moe_pipeline_parallel_training_matches_one_rank() {
 #[test]
 fn deepseek_v3_pipeline_parallel_training_with_mtp_matches_one_rank() {
     pp_layouts_match_one_rank(&deepseek(&ad()), 256);
+}
+
+/// Dense Qwen3 ties its output layer to the embedding: under `pp = 2` the last stage keeps a
+/// copy whose gradient is summed with the first stage's (Megatron's embedding group) and
+/// counted once in the gradient norm.
+#[test]
+fn dense_qwen3_tied_embedding_pipeline_training_matches_one_rank() {
+    let dir = common::fixtures().join("qwen3");
+    let config = Qwen3Config::from_file(dir.join("config.json")).expect("config");
+    assert!(config.tie_word_embeddings && config.num_hidden_layers == 2);
+    let source = common::FixtureSource::open(&dir);
+    let start =
+        replicate(&Qwen3ForCausalLM::from_weights(&config, &source, &ad()).expect("weights"));
+    let vocab = config.vocab_size;
+    let reference = single_rank(&start, vocab, 1, 1e-3, AuxLossType::Aux);
+    for layout in [(2, "pp=2"), (4, "tp=2,pp=2")] {
+        check(
+            layout,
+            &start,
+            vocab,
+            &reference,
+            1e-3,
+            AuxLossType::Aux,
+            false,
+        );
+    }
+    let reference = single_rank(&start, vocab, 2, 1e-3, AuxLossType::Aux);
+    check(
+        (4, "pp=2"),
+        &start,
+        vocab,
+        &reference,
+        1e-3,
+        AuxLossType::Aux,
+        false,
+    );
 }
 
 #[test]
