@@ -873,12 +873,13 @@ fn reduce_metrics(
         .try_into_vec::<f32>()
         .map_err(|e| invalid("metrics", format!("{e:?}")))?;
     let n = layout.world as f32;
-    // The router loss of a replica is the sum of its ranks' parts.
+    // The router loss of a replica is the sum of its ranks' parts (each pipeline stage
+    // reports the parts of every stage).
     let replicas = layout.dp as f32;
     Ok(StepMetrics {
         step,
         loss: sums[0] / n,
-        aux_loss: sums[1] / replicas,
+        aux_loss: sums[1] / (replicas * layout.pp as f32),
         mtp_loss: stats.mtp_loss.map(|_| sums[3] / n),
         grad_norm: stats.grad_norm,
         lr: stats.lr,
