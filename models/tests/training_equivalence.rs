@@ -512,6 +512,49 @@ fn deepseek_v3_pipeline_parallel_training_with_mtp_matches_one_rank() {
     pp_layouts_match_one_rank(&deepseek(&ad()), 256);
 }
 
+/// Every dimension > 1 in 16 ranks (`tp = cp = pp = dp = ep = etp = edp = 2`) on 4-layer
+/// variants of the fixtures (random weights; DeepSeek-V3 with its MTP module).
+#[test]
+fn every_dimension_with_pipeline_stages_matches_one_rank() {
+    const LAYOUT: (usize, &str) = (16, "tp=2,cp=2,pp=2,ep=2,etp=2");
+    let layout = ParallelLayout::parse(LAYOUT.0, LAYOUT.1).expect("layout");
+    assert!(
+        [
+            layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.etp, layout.edp
+        ]
+        .iter()
+        .all(|&n| n == 2)
+    );
+    let dir = common::fixtures().join("qwen3_moe");
+    let mut config = Qwen3MoeConfig::from_file(dir.join("config.json")).expect("config");
+    config.num_hidden_layers = 4;
+    let start = replicate(&config.init(&ad()).expect("init"));
+    let reference = single_rank(&start, 256, layout.dp, 1e-3, AuxLossType::Aux);
+    check(
+        LAYOUT,
+        &start,
+        256,
+        &reference,
+        1e-3,
+        AuxLossType::Aux,
+        false,
+    );
+    let dir = common::fixtures().join("deepseek_v3");
+    let mut config = DeepseekV3Config::from_file(dir.join("config.json")).expect("config");
+    config.num_hidden_layers = 4;
+    let start = replicate(&config.init(&ad()).expect("init"));
+    let reference = single_rank(&start, 256, layout.dp, 1e-3, AuxLossType::Aux);
+    check(
+        LAYOUT,
+        &start,
+        256,
+        &reference,
+        1e-3,
+        AuxLossType::Aux,
+        false,
+    );
+}
+
 /// Dense Qwen3 ties its output layer to the embedding: under `pp = 2` the last stage keeps a
 /// copy whose gradient is summed with the first stage's (Megatron's embedding group) and
 /// counted once in the gradient norm.
