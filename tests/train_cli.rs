@@ -123,6 +123,18 @@ fn bad_input_is_refused_before_any_step() {
     // 4 attention heads (world 3 and 8).
     refused(&dir, &with("ep=3", &[]), &["ep", "3"]);
     refused(&dir, &with("tp=8", &["--gbs", "8"]), &["8"]);
+    // More pipeline stages than the fixture's 3 decoder layers; 3 layers on 2 stages
+    // without an explicit pipeline layout.
+    refused(
+        &dir,
+        &with("world=4,pp=4", &[]),
+        &["pp", "4 pipeline stages", "3 decoder layers"],
+    );
+    refused(
+        &dir,
+        &with("world=2,pp=2", &[]),
+        &["pp", "do not split evenly", "pipeline layout"],
+    );
     // Sequences of 12 tokens do not cut into 2·cp = 8 chunks.
     refused(
         &dir,
