@@ -516,43 +516,45 @@ fn deepseek_v3_pipeline_parallel_training_with_mtp_matches_one_rank() {
 /// variants of the fixtures (random weights; DeepSeek-V3 with its MTP module).
 #[test]
 fn every_dimension_with_pipeline_stages_matches_one_rank() {
-    const LAYOUT: (usize, &str) = (16, "tp=2,cp=2,pp=2,ep=2,etp=2");
-    let layout = ParallelLayout::parse(LAYOUT.0, LAYOUT.1).expect("layout");
+    let layout = ParallelLayout::parse(16, EVERY_DIMENSION).expect("layout");
+    let sizes = [layout.tp, layout.cp, layout.pp, layout.dp, layout.ep];
     assert!(
-        [
-            layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.etp, layout.edp
-        ]
-        .iter()
-        .all(|&n| n == 2)
+        sizes
+            .iter()
+            .chain(&[layout.etp, layout.edp])
+            .all(|&n| n == 2)
     );
+    four_layer_layouts_match_one_rank(&[(16, EVERY_DIMENSION)]);
+}
+
+/// `tp = cp = pp = dp = ep = etp = edp = 2` in 16 ranks.
+const EVERY_DIMENSION: &str = "tp=2,cp=2,pp=2,ep=2,etp=2";
+
+/// Qwen3-MoE and DeepSeek-V3 (MTP) with 4 decoder layers (the fixtures' configs, random
+/// weights): two pipeline stages of two layers each.
+#[test]
+fn two_pipeline_stages_match_one_rank() {
+    four_layer_layouts_match_one_rank(&[(2, "pp=2"), (8, "pp=2,cp=2,ep=2"), (4, "pp=2")]);
+}
+
+/// 4-layer variants of the fixtures under `layouts` against `world=1` (tight tolerance).
+fn four_layer_layouts_match_one_rank(layouts: &[(usize, &str)]) {
     let dir = common::fixtures().join("qwen3_moe");
     let mut config = Qwen3MoeConfig::from_file(dir.join("config.json")).expect("config");
     config.num_hidden_layers = 4;
-    let start = replicate(&config.init(&ad()).expect("init"));
-    let reference = single_rank(&start, 256, layout.dp, 1e-3, AuxLossType::Aux);
-    check(
-        LAYOUT,
-        &start,
-        256,
-        &reference,
-        1e-3,
-        AuxLossType::Aux,
-        false,
-    );
+    let qwen = replicate(&config.init(&ad()).expect("init"));
     let dir = common::fixtures().join("deepseek_v3");
     let mut config = DeepseekV3Config::from_file(dir.join("config.json")).expect("config");
     config.num_hidden_layers = 4;
-    let start = replicate(&config.init(&ad()).expect("init"));
-    let reference = single_rank(&start, 256, layout.dp, 1e-3, AuxLossType::Aux);
-    check(
-        LAYOUT,
-        &start,
-        256,
-        &reference,
-        1e-3,
-        AuxLossType::Aux,
-        false,
-    );
+    let deepseek = replicate(&config.init(&ad()).expect("init"));
+    let aux = AuxLossType::Aux;
+    for &(world, spec) in layouts {
+        let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
+        let reference = single_rank(&qwen, 256, replicas, 1e-3, aux);
+        check((world, spec), &qwen, 256, &reference, 1e-3, aux, false);
+        let reference = single_rank(&deepseek, 256, replicas, 1e-3, aux);
+        check((world, spec), &deepseek, 256, &reference, 1e-3, aux, false);
+    }
 }
 
 /// Dense Qwen3 ties its output layer to the embedding: under `pp = 2` the last stage keeps a
