@@ -537,7 +537,22 @@ fn two_pipeline_stages_match_one_rank() {
     four_layer_layouts_match_one_rank(&[(2, "pp=2"), (8, "pp=2,cp=2,ep=2"), (4, "pp=2")]);
 }
 
-/// 4-layer variants of the fixtures under `layouts` against `world=1` (tight tolerance).
+/// Interleaved 1F1B over virtual stages and uneven (Megatron layout) splits, on the 4-layer
+/// variants: `pp = 2` with two virtual stages of one layer each, `pp = 4` with an
+/// embedding-only first stage and the last stage holding two layers and the loss, `pp = 2`
+/// with a 1 + 3 split.
+#[test]
+fn virtual_and_uneven_pipeline_stages_match_one_rank() {
+    four_layer_layouts_match_one_rank(&[
+        (2, "pp=2,vpp=2"),
+        (4, "pp=4,pp_layout=E|t|t|tt{m}L"),
+        (2, "pp=2,pp_layout=Et|t*3{m}L"),
+        (4, "pp=2,vpp=2,ep=2"),
+    ]);
+}
+
+/// 4-layer variants of the fixtures under `layouts` against `world=1` (tight tolerance); `{m}`
+/// in a pipeline layout stands for DeepSeek-V3's MTP module (`m`; nothing for Qwen3-MoE).
 fn four_layer_layouts_match_one_rank(layouts: &[(usize, &str)]) {
     let dir = common::fixtures().join("qwen3_moe");
     let mut config = Qwen3MoeConfig::from_file(dir.join("config.json")).expect("config");
@@ -549,11 +564,28 @@ fn four_layer_layouts_match_one_rank(layouts: &[(usize, &str)]) {
     let deepseek = replicate(&config.init(&ad()).expect("init"));
     let aux = AuxLossType::Aux;
     for &(world, spec) in layouts {
-        let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
+        let (qwen_spec, deepseek_spec) = (spec.replace("{m}", ""), spec.replace("{m}", "m"));
+        let replicas = ParallelLayout::parse(world, &qwen_spec).expect("layout").dp;
         let reference = single_rank(&qwen, 256, replicas, 1e-3, aux);
-        check((world, spec), &qwen, 256, &reference, 1e-3, aux, false);
+        check(
+            (world, &qwen_spec),
+            &qwen,
+            256,
+            &reference,
+            1e-3,
+            aux,
+            false,
+        );
         let reference = single_rank(&deepseek, 256, replicas, 1e-3, aux);
-        check((world, spec), &deepseek, 256, &reference, 1e-3, aux, false);
+        check(
+            (world, &deepseek_spec),
+            &deepseek,
+            256,
+            &reference,
+            1e-3,
+            aux,
+            false,
+        );
     }
 }
 

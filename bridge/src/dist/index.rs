@@ -135,8 +135,11 @@ pub struct LayoutRecord {
     pub dp: usize,
     /// PP.
     pub pp: usize,
-    /// Virtual pipeline stages (not used yet).
+    /// Virtual pipeline stages per pipeline rank (absent: 1).
     pub vpp: Option<usize>,
+    /// The Megatron-style pipeline layout the layers were split by (absent: even split).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_layout: Option<String>,
     /// EP.
     pub ep: usize,
     /// Expert TP.
@@ -154,7 +157,8 @@ impl From<&ParallelLayout> for LayoutRecord {
             cp: l.cp,
             dp: l.dp,
             pp: l.pp,
-            vpp: None,
+            vpp: (l.vpp > 1).then_some(l.vpp),
+            pp_layout: l.pp_layout.clone(),
             ep: l.ep,
             etp: l.etp,
             edp: l.edp,
@@ -175,6 +179,8 @@ impl LayoutRecord {
             dp: Some(self.dp),
             edp: Some(self.edp),
             order: Some(self.order.clone()),
+            vpp: self.vpp,
+            pp_layout: self.pp_layout.clone(),
         };
         ParallelLayout::from_spec(&spec).map_err(|e| BridgeError::InvalidDistIndex {
             path: path.to_path_buf(),

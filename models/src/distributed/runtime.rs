@@ -280,13 +280,16 @@ impl SpRuntime {
     }
 
     /// The context on this rank's pipeline stage of `model` under the layout of `groups`
-    /// (unchanged when `pp = 1`): the layers split evenly over the virtual stages.
+    /// (unchanged when `pp = 1`): the layers split over the `pp · vpp` virtual stages evenly
+    /// or as the layout's `pp_layout` says.
     pub fn with_pipeline(
         mut self,
         groups: &GroupComms,
         model: super::PipelineModel,
     ) -> Result<Self, ModelError> {
-        self.pipeline = super::PipelinePlace::for_groups(groups, model, 1, None)?;
+        let layout = &groups.groups.layout;
+        let split = layout.pp_layout.as_deref();
+        self.pipeline = super::PipelinePlace::for_groups(groups, model, layout.vpp, split)?;
         Ok(self)
     }
 

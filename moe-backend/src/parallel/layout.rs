@@ -35,6 +35,15 @@ pub struct ParallelLayout {
     pub edp: usize,
     /// Rank order, hyphen-separated tokens from `tp, cp, ep, dp, pp`; first token has stride 1.
     pub order: String,
+    /// Virtual pipeline stages per pipeline rank (Megatron's
+    /// `--num-virtual-stages-per-pipeline-rank`; interleaved 1F1B when > 1; 1 by default).
+    /// It does not change the rank grid.
+    pub vpp: usize,
+    /// Which layers each virtual pipeline stage holds, in the syntax of Megatron's
+    /// `--pipeline-model-parallel-layout` (e.g. `Et*3|t*4|t*4|t*3L`, see
+    /// [`crate::parallel::pipeline::PipelineSplit::parse`]); `None`: layers split evenly.
+    /// Checked against the model when it is built.
+    pub pp_layout: Option<String>,
 }
 
 /// Degrees given by the user; `None` means "default" (1).
@@ -58,13 +67,18 @@ pub struct LayoutSpec {
     pub edp: Option<usize>,
     /// Rank order (defaults to [`DEFAULT_ORDER`]).
     pub order: Option<String>,
+    /// Virtual pipeline stages per pipeline rank (defaults to 1).
+    pub vpp: Option<usize>,
+    /// Megatron-style pipeline layout (`pp_layout=Et*3|t*4|t*4|t*3L`).
+    pub pp_layout: Option<String>,
 }
 
 impl FromStr for LayoutSpec {
     type Err = BackendError;
 
     /// Parses `world=4,tp=2,ep=4,order=tp-cp-ep-dp-pp` (any subset, any order; spaces allowed;
-    /// omitted sizes are 1, `etp` defaults to `tp`).
+    /// omitted sizes are 1, `etp` defaults to `tp`); `vpp=V` and `pp_layout=…` describe the
+    /// pipeline's virtual stages and their layers.
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = LayoutSpec::default();
         for item in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
@@ -77,6 +91,10 @@ impl FromStr for LayoutSpec {
                 spec.order = Some(value.to_string());
                 continue;
             }
+            if key == "pp_layout" {
+                spec.pp_layout = Some(value.to_string());
+                continue;
+            }
             let slot = match key {
                 "world" => &mut spec.world,
                 "tp" => &mut spec.tp,
@@ -86,11 +104,12 @@ impl FromStr for LayoutSpec {
                 "etp" => &mut spec.etp,
                 "dp" => &mut spec.dp,
                 "edp" => &mut spec.edp,
+                "vpp" => &mut spec.vpp,
                 _ => {
                     return Err(BackendError::Layout {
                         field: "layout",
                         detail: format!(
-                            "unknown key `{key}` (expected world, tp, cp, pp, ep, etp, dp, edp, order)"
+                            "unknown key `{key}` (expected world, tp, cp, pp, vpp, ep, etp, dp, edp, order, pp_layout)"
                         ),
                     });
                 }
@@ -201,6 +220,20 @@ impl ParallelLayout {
                 ),
             });
         }
+        let vpp = positive("vpp", spec.vpp.unwrap_or(1))?;
+        if vpp > 1 && pp == 1 {
+            return Err(BackendError::Layout {
+                field: "vpp",
+                detail: format!("vpp = {vpp} virtual stages need pipeline parallelism (pp > 1)"),
+            });
+        }
+        let pp_layout = spec.pp_layout.clone();
+        if pp_layout.is_some() && pp == 1 {
+            return Err(BackendError::Layout {
+                field: "pp_layout",
+                detail: "a pipeline layout needs pipeline parallelism (pp > 1)".into(),
+            });
+        }
         let layout = Self {
             world,
             tp,
@@ -211,6 +244,8 @@ impl ParallelLayout {
             dp,
             edp,
             order,
+            vpp,
+            pp_layout,
         };
         let dense_pp = layout.dense_generator()?.get_ranks("pp")?;
         let expert_pp = layout.expert_generator()?.get_ranks("pp")?;
@@ -245,6 +280,8 @@ impl ParallelLayout {
             dp: 1,
             edp: 1,
             order: DEFAULT_ORDER.into(),
+            vpp: 1,
+            pp_layout: None,
         }
     }
 
@@ -265,7 +302,14 @@ impl fmt::Display for ParallelLayout {
             f,
             "world={} tp={} cp={} pp={} dp={} | etp={} ep={} edp={} | order={}",
             self.world, self.tp, self.cp, self.pp, self.dp, self.etp, self.ep, self.edp, self.order
-        )
+        )?;
+        if self.vpp > 1 {
+            write!(f, " | vpp={}", self.vpp)?;
+        }
+        if let Some(layout) = &self.pp_layout {
+            write!(f, " | pp_layout={layout}")?;
+        }
+        Ok(())
     }
 }
 
