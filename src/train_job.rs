@@ -596,6 +596,23 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
             ),
         ));
     }
+    if layout.pp > 1 {
+        // The pipeline schedule of every step: an interleaved one needs enough micro-batches.
+        let per_replica = job.gbs / replicas;
+        let micro = per_replica / job.mbs.unwrap_or(per_replica).max(1);
+        moe_backend::parallel::schedule::PipelineSchedule::interleaved(
+            layout.pp, layout.vpp, micro,
+        )
+        .map_err(|e| {
+            invalid(
+                "mbs",
+                format!(
+                    "{micro} micro-batches per step (gbs {} / {replicas} replicas / mbs): {e}",
+                    job.gbs
+                ),
+            )
+        })?;
+    }
     if job.steps == 0 {
         return Err(invalid("steps", "train at least one step"));
     }

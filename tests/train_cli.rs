@@ -135,6 +135,18 @@ fn bad_input_is_refused_before_any_step() {
         &with("world=2,pp=2", &[]),
         &["pp", "do not split evenly", "pipeline layout"],
     );
+    // A pipeline layout that does not cover the model's layers; an interleaved schedule with
+    // fewer micro-batches (2 of 2 sequences) than pipeline stages (4).
+    refused(
+        &dir,
+        &with("world=2,pp=2", &["--pipeline-layout", "Et|tL"]),
+        &["pipeline_layout", "Et|tL"],
+    );
+    refused(
+        &dir,
+        &with("world=4,pp=4,vpp=2", &["--mbs", "2"]),
+        &["mbs", "2 micro-batches", "at least pp = 4"],
+    );
     // Sequences of 12 tokens do not cut into 2·cp = 8 chunks.
     refused(
         &dir,
@@ -523,9 +535,18 @@ fn pipeline_parallel_training_matches_one_rank_and_resumes_across_pp() {
     let one = scratch("pp-one-rank");
     threads(&train_args(&one, "", 4, &extra));
     let (one_m, one_p) = (metrics(&one), params(&one));
-    for layout in ["world=3,pp=3", "world=6,pp=3,ep=2"] {
+    for (layout, split) in [
+        ("world=3,pp=3", None),
+        ("world=6,pp=3,ep=2", None),
+        ("world=2,pp=2", Some("Et|ttL")),
+        ("world=2,pp=2,vpp=2", Some("Et|t|t|L")),
+    ] {
         let dir = scratch("pp-run");
-        threads(&train_args(&dir, layout, 4, &extra));
+        let mut args = train_args(&dir, layout, 4, &extra);
+        if let Some(split) = split {
+            args.extend(["--pipeline-layout".into(), split.into()]);
+        }
+        threads(&args);
         assert_metrics_close(&metrics(&dir), &one_m, &format!("{layout} vs one rank"));
         assert_params_close(&params(&dir), &one_p, &format!("{layout} vs one rank"));
         let _ = std::fs::remove_dir_all(dir);

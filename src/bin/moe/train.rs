@@ -138,9 +138,17 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Parallel layout, e.g. `tp=2,ep=4` or `world=8,tp=2,ep=4,etp=2` (omitted sizes are 1;
-    /// the world is derived, or set by the launcher's process count).
+    /// the world is derived, or set by the launcher's process count). Pipeline parallelism:
+    /// `pp=P`, with `vpp=V` virtual stages per rank (interleaved 1F1B); layers split evenly
+    /// unless `--pipeline-layout` is given.
     #[arg(long, default_value = "")]
     pub layout: String,
+    /// Which layers each virtual pipeline stage holds (Megatron's
+    /// `--pipeline-model-parallel-layout`): stages separated by `|`, `E` the embedding, `t` a
+    /// decoder layer, `m` an MTP module, `L` the final norm, output layer and loss, `X*N`
+    /// repeats; e.g. `"Et*3|t*4|t*4|t*3L"` or `"E|t*2|t*2|ttmL"`.
+    #[arg(long, value_name = "LAYOUT")]
+    pub pipeline_layout: Option<String>,
     /// Train until this many optimizer steps have been taken (a resumed run continues to it).
     #[arg(long, default_value_t = 20)]
     pub steps: usize,
@@ -354,7 +362,11 @@ fn job(args: &Args) -> TrainJob {
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
     TrainJob {
         model: args.model.clone(),
-        layout: args.layout.clone(),
+        layout: match &args.pipeline_layout {
+            Some(split) if args.layout.trim().is_empty() => format!("pp_layout={split}"),
+            Some(split) => format!("{},pp_layout={split}", args.layout),
+            None => args.layout.clone(),
+        },
         steps: args.steps,
         gbs: args.gbs,
         mbs: args.mbs,
