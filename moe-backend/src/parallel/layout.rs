@@ -520,6 +520,10 @@ mod tests {
             (8, "order=tp-cp-ep-dp-qq", "order"),
             (8, "order=tp-tp-ep-dp-pp", "order"),
             (8, "pp=2,order=tp-cp-dp", "order"),
+            (8, "vpp=2", "vpp"),
+            (8, "pp=2,vpp=0", "vpp"),
+            (8, "pp_layout=Et|tL", "pp_layout"),
+            (8, "pp=2,vpp=2,vpp=2", "layout"),
         ];
         for (world, spec, field) in cases {
             match ParallelLayout::parse(world, spec) {
@@ -527,6 +531,23 @@ mod tests {
                 other => panic!("{spec}: expected a layout error, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn virtual_stages_and_pipeline_layouts_parse_and_print() {
+        let layout = ParallelLayout::parse(4, "pp=2, vpp=3, pp_layout=E(t|)*5tL").unwrap();
+        assert_eq!((layout.pp, layout.vpp), (2, 3));
+        assert_eq!(layout.pp_layout.as_deref(), Some("E(t|)*5tL"));
+        // The rank grid is the one without virtual stages.
+        let plain = ParallelLayout::parse(4, "pp=2").unwrap();
+        assert_eq!(plain.vpp, 1);
+        assert_eq!(
+            layout.dense_generator().unwrap(),
+            plain.dense_generator().unwrap()
+        );
+        let text = layout.to_string();
+        assert!(text.ends_with("| vpp=3 | pp_layout=E(t|)*5tL"), "{text}");
+        assert!(!plain.to_string().contains("vpp"), "{plain}");
     }
 
     #[test]
