@@ -464,6 +464,11 @@ impl<'a> WeightLoader<'a> {
     }
 }
 
+/// The device of `module`'s parameters (the default device for a module without any).
+pub fn module_device<M: burn::module::Module>(module: &M) -> Device {
+    module.devices().into_iter().next().unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -618,9 +623,4 @@ mod tests {
             .unwrap();
         assert_eq!((s1.dims(), s2.dims()), ([2, 4, 3], [2, 3, 2]));
     }
-}
-
-/// The device of `module`'s parameters (the default device for a module without any).
-pub fn module_device<M: burn::module::Module>(module: &M) -> Device {
-    module.devices().into_iter().next().unwrap_or_default()
 }

@@ -456,15 +456,15 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
         };
         let mut optimizer = optimizer;
-        if let (Some(place), Some(id)) = (model.pipeline(), model.embedding_id()) {
-            if place.holds_embedding_copy() {
-                // The first stage counts the embedding in the gradient norm.
-                let adamw = match &mut optimizer {
-                    Optimizer::AdamW(adamw) => adamw.as_mut(),
-                    Optimizer::Muon(muon) => muon.adamw_mut(),
-                };
-                adamw.exclude_from_norm(&[id])?;
-            }
+        if let (Some(place), Some(id)) = (model.pipeline(), model.embedding_id())
+            && place.holds_embedding_copy()
+        {
+            // The first stage counts the embedding in the gradient norm.
+            let adamw = match &mut optimizer {
+                Optimizer::AdamW(adamw) => adamw.as_mut(),
+                Optimizer::Muon(muon) => muon.adamw_mut(),
+            };
+            adamw.exclude_from_norm(&[id])?;
         }
         Ok(Self {
             model,
