@@ -204,7 +204,12 @@ fn equal_threads_and_one_rank(launcher: Launcher, cases: &[(&str, &str)]) {
 fn tcp_processes_equal_threads_and_one_rank() {
     equal_threads_and_one_rank(
         Launcher::Torchrun,
-        &[("tp=2,ep=4", "all-to-all"), ("tp=2,ep=2,etp=2", "flex")],
+        &[
+            ("tp=2,ep=4", "all-to-all"),
+            ("tp=2,ep=2,etp=2", "flex"),
+            // Two pipeline stages (1 + 2 layers) × two replicas.
+            ("world=4,pp=2,ep=2,pp_layout=Et|ttL", "all-to-all"),
+        ],
     );
 }
 
@@ -218,6 +223,7 @@ fn mpi_processes_equal_threads_and_one_rank() {
             ("world=4,ep=2,etp=2", "all-to-all"),
             ("tp=2,ep=2,etp=2", "all-gather"),
             ("tp=2,ep=2,etp=2", "flex"),
+            ("world=4,pp=2,ep=2,pp_layout=Et|ttL", "all-to-all"),
         ],
     );
 }
