@@ -548,6 +548,7 @@ fn pipeline_parallel_training_matches_one_rank_and_resumes_across_pp() {
         }
         threads(&args);
         assert_metrics_close(&metrics(&dir), &one_m, &format!("{layout} vs one rank"));
+        // `params` exports the pipeline run's checkpoint to HF.
         assert_params_close(&params(&dir), &one_p, &format!("{layout} vs one rank"));
         let _ = std::fs::remove_dir_all(dir);
     }
