@@ -16,6 +16,7 @@ use burn_moe::backend::comm::World;
 use burn_moe::backend::optim::DistributedAdamWConfig;
 use burn_moe::backend::parallel::GroupFamily;
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
+use burn_moe::bridge::dist::region::TensorBox;
 use burn_moe::bridge::dist::{DistCheckpoint, SaveMeta, TrainState, read_train_state};
 use burn_moe::models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
 use burn_moe::models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
@@ -192,6 +193,17 @@ fn resume_model_matches_uninterrupted<M: ParallelCausalLm + PlacedModel + Sync>(
             .tensors
             .contains_key("optim.exp_avg_sq.model.layers.1.mlp.experts.gate_up_proj")
     );
+    // Restored under B and saved again at once: every tensor (parameters, buffers, optimizer
+    // state) bit for bit the same.
+    let again = dir.with_extension("again");
+    let _ = std::fs::remove_dir_all(&again);
+    run(&layout_b, &other, model, 3..3, Some(&dir), Some(&again));
+    same_tensors(
+        &ckpt,
+        &DistCheckpoint::open::<ModelConfig>(&again).expect("re-saved checkpoint"),
+        &format!("{a} -> {b}"),
+    );
+    let _ = std::fs::remove_dir_all(&again);
     // The restored run starts from another random model: everything must come from the
     // checkpoint.
     let resumed = run(&layout_b, &other, model, 3..6, Some(&dir), None);
@@ -203,6 +215,20 @@ fn resume_model_matches_uninterrupted<M: ParallelCausalLm + PlacedModel + Sync>(
         close(got_losses, &want_losses[3..], &what("losses of steps 4-6"));
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every tensor of two checkpoints, compared bit for bit (dtype, shape, bytes).
+fn same_tensors(a: &DistCheckpoint, b: &DistCheckpoint, what: &str) {
+    let names: Vec<&String> = a.index().tensors.keys().collect();
+    let other: Vec<&String> = b.index().tensors.keys().collect();
+    assert_eq!(names, other, "{what}: tensor names");
+    for (fqn, entry) in &a.index().tensors {
+        let whole = TensorBox::full(&entry.global_shape);
+        let x = a.read_box(fqn, &whole).expect("read");
+        let y = b.read_box(fqn, &whole).expect("read");
+        assert_eq!(x.dtype, y.dtype, "{what}: {fqn}: dtype");
+        assert!(x.bytes == y.bytes, "{what}: {fqn}: stored values differ");
+    }
 }
 
 #[test]
