@@ -115,7 +115,8 @@ struct InFlight<const D: usize> {
     output: StageOutput<D>,
 }
 
-fn collective(detail: impl Into<String>) -> BackendError {
+/// An error of the schedule being run (a stage or an order that cannot be executed).
+fn schedule_error(detail: impl Into<String>) -> BackendError {
     BackendError::Config {
         field: "schedule",
         detail: detail.into(),
@@ -163,14 +164,14 @@ pub fn check_transfer_order(schedule: &PipelineSchedule) -> Result<()> {
             } else {
                 "gradients"
             };
-            return Err(collective(format!(
+            return Err(schedule_error(format!(
                 "pipeline rank {dst} receives the {what} of rank {src} in another order than \
                  rank {src} sends them ({wanted:?} vs {posted:?})"
             )));
         }
     }
     if let Some(key) = asked.keys().find(|k| !sent.contains_key(k)) {
-        return Err(collective(format!(
+        return Err(schedule_error(format!(
             "pipeline rank {} waits for messages rank {} never sends",
             key.2, key.1
         )));
@@ -237,14 +238,14 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
                     }
                     (StageOutput::Loss(_), None) => {}
                     (StageOutput::Activation(_), None) => {
-                        return Err(collective(format!(
+                        return Err(schedule_error(format!(
                             "virtual stage {vs} (the last of {}) returned an activation instead of a loss",
                             last + 1
                         ))
                         .into());
                     }
                     (StageOutput::Loss(_), Some(_)) => {
-                        return Err(collective(format!(
+                        return Err(schedule_error(format!(
                             "virtual stage {vs} returned a loss; only the last ({last}) may"
                         ))
                         .into());
@@ -257,7 +258,7 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
             Action::Backward { .. } => {
                 let InFlight { input, output } =
                     held.remove(&(microbatch, chunk)).ok_or_else(|| {
-                        collective(format!(
+                        schedule_error(format!(
                             "backward of micro-batch {microbatch}, chunk {chunk} on pipeline rank {rank} before its forward"
                         ))
                     })?;
@@ -265,7 +266,7 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
                     StageOutput::Loss(loss) => tracked_backward(loss),
                     StageOutput::Activation(y) => {
                         let Some((src, _)) = schedule.input_of(rank, action) else {
-                            return Err(collective(format!(
+                            return Err(schedule_error(format!(
                                 "virtual stage {vs} has no next stage to send it a gradient"
                             ))
                             .into());
@@ -291,7 +292,7 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
         }
     }
     if let Some((microbatch, chunk)) = held.keys().next() {
-        return Err(collective(format!(
+        return Err(schedule_error(format!(
             "micro-batch {microbatch}, chunk {chunk} on pipeline rank {rank} ran forward but never backward"
         ))
         .into());

@@ -176,12 +176,13 @@ impl PipelineSplit {
     pub fn parse(layout: &str, layers: usize, mtp: usize, pp: usize, vpp: usize) -> Result<Self> {
         check_sizes(pp, vpp)?;
         let tokens = tokens(layout)?;
-        let mut stages = vec![StageParts::default()];
+        // The finished stages and the one being read.
+        let mut stages = Vec::new();
+        let mut stage = StageParts::default();
         let (mut layer, mut depth) = (0usize, 0usize);
         let (mut embeddings, mut losses) = (0usize, 0usize);
         for token in tokens {
-            let v = stages.len() - 1;
-            let stage = stages.last_mut().unwrap_or_else(|| unreachable!());
+            let v = stages.len();
             if stage.loss && token != Token::Stage {
                 return Err(layout_error(format!(
                     "`{layout}`: `L` must end its stage (virtual stage {v})"
@@ -189,11 +190,12 @@ impl PipelineSplit {
             }
             match token {
                 Token::Stage => {
-                    stages.push(StageParts {
+                    let next = StageParts {
                         layers: layer..layer,
                         mtp: depth..depth,
                         ..StageParts::default()
-                    });
+                    };
+                    stages.push(std::mem::replace(&mut stage, next));
                 }
                 Token::Embedding => {
                     if v != 0
@@ -226,6 +228,7 @@ impl PipelineSplit {
                 }
             }
         }
+        stages.push(stage);
         let n = stages.len();
         if n != pp * vpp {
             return Err(layout_error(format!(
