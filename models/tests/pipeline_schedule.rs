@@ -165,3 +165,89 @@ fn planner_pipeline_traffic_matches_the_executor() {
         }
     }
 }
+
+/// The same planner figure against a real training step: the [`moe_models::train::Trainer`]
+/// of a 4-layer Qwen3-MoE (the fixture's config) runs one step of `m` micro-batches under
+/// pipeline layouts, and each rank's pipeline channels carried exactly the planner's
+/// per-rank pipeline traffic (f32 activations and gradients).
+#[test]
+fn planner_pipeline_traffic_matches_a_training_step() {
+    use burn::tensor::Device;
+    use moe_backend::comm::World;
+    use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
+    use moe_models::Qwen3MoeConfig;
+    use moe_models::distributed::DispatcherKind;
+    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
+    use moe_models::plan::qwen3_moe_rank_params;
+    use moe_models::plan::shape::ModelShape;
+    use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+
+    let path = format!(
+        "{}/../tests/fixtures/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut config = Qwen3MoeConfig::from_file(path).unwrap();
+    config.num_hidden_layers = 4;
+    let shape = ModelShape::qwen3_moe(&config);
+    let device = Device::flex().autodiff();
+    let start = replicate(&config.init(&device).unwrap());
+    let (seq, micro_batch) = (8, 2);
+    for (world, spec, m) in [
+        (2, "pp=2", 3),
+        (4, "pp=4", 2),
+        (2, "pp=2,vpp=2", 4),
+        (4, "tp=2,pp=2", 2),
+    ] {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let (layout_ref, start_ref, device_ref) = (&layout, &start, &device);
+        let sent = World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let config = TrainerConfig {
+                dispatcher: DispatcherKind::AllToAll,
+                ..TrainerConfig::default()
+            };
+            let mut trainer = Trainer::new(start_ref, &pg, ctx.world()?, config, device_ref)
+                .map_err(|e| moe_backend::BackendError::Config {
+                    field: "trainer",
+                    detail: e.to_string(),
+                })?;
+            let micro: Vec<TrainBatch> = (0..m)
+                .map(|i| {
+                    let ids = (0..seq * micro_batch).map(|t| ((t * 7 + i * 13) % 200) as i64);
+                    TrainBatch::causal(ids.collect(), micro_batch).unwrap()
+                })
+                .collect();
+            trainer
+                .step_micro_batches(&micro)
+                .map_err(|e| moe_backend::BackendError::Config {
+                    field: "step",
+                    detail: e.to_string(),
+                })?;
+            let channels = pg.pipeline_channels();
+            let bytes =
+                channels.activations.traffic().bytes_sent + channels.gradients.traffic().bytes_sent;
+            Ok((pg.groups.get(GroupFamily::Pp).index, bytes))
+        });
+        for (rank, result) in sent.into_iter().enumerate() {
+            let (stage, measured) = result.unwrap();
+            let params = qwen3_moe_rank_params(&config, &layout, stage);
+            let opts = CommOptions {
+                seq,
+                micro_batch,
+                microbatches: m,
+                vpp: layout.vpp,
+                act_bytes: 4,
+                prob_bytes: 4,
+                int_bytes: 4,
+                dispatcher: Dispatcher::AllToAll,
+            };
+            let planned =
+                step_traffic(&shape, &params, &layout, &opts, stage, 0, &Routing::Uniform)
+                    .unwrap()
+                    .total
+                    .pp;
+            assert!(measured > 0, "{spec} rank {rank}: nothing sent");
+            assert_eq!(planned as u64, measured, "{spec} rank {rank}");
+        }
+    }
+}

@@ -154,6 +154,7 @@ impl RankCtx {
         // Megatron's embedding group (first and last pipeline stage: the tied or MTP copy of
         // the embedding), created after the families in the same order on every rank.
         let pp = groups.get(GroupFamily::Pp).clone();
+        let pp_activations = self.group("pp_activations", &pp.ranks)?;
         let pp_gradients = self.group("pp_gradients", &pp.ranks)?;
         let ends = match pp.ranks.as_slice() {
             [first, .., last] => vec![*first, *last],
@@ -167,6 +168,7 @@ impl RankCtx {
         Ok(GroupComms {
             groups,
             comms,
+            pp_activations,
             pp_gradients,
             embedding,
         })
@@ -179,7 +181,10 @@ pub struct GroupComms {
     /// Memberships.
     pub groups: ProcessGroups,
     comms: Vec<Comm>,
-    /// A second channel over the pipeline group's members (gradients of the activations).
+    /// The pipeline's channels over the `pp` group's members (activations, their gradients),
+    /// apart from the `pp` communicator so their traffic counters hold only the pipeline's
+    /// transfers.
+    pp_activations: Comm,
     pp_gradients: Comm,
     /// The first and last stage of this rank's pipeline (`None` on the stages between).
     embedding: Option<Comm>,
@@ -193,11 +198,11 @@ impl GroupComms {
         local::single_ctx().process_groups(&ParallelLayout::single())
     }
 
-    /// The two channels of this rank's pipeline group (activations on the `pp` group's
-    /// communicator, their gradients on a second one over the same members).
+    /// The two channels of this rank's pipeline group (activations and their gradients, each
+    /// its own communicator over the `pp` group's members).
     pub fn pipeline_channels(&self) -> PipelineChannels {
         PipelineChannels {
-            activations: self.comm(GroupFamily::Pp).clone(),
+            activations: self.pp_activations.clone(),
             gradients: self.pp_gradients.clone(),
         }
     }
