@@ -441,3 +441,115 @@ fn gpu_devices_without_their_feature_are_rejected_clearly() {
         }
     }
 }
+
+/// `moe plan` takes `vpp` and the pipeline layout from `--layout` (`vpp=V`, `pp_layout=…`) or
+/// from `--vpp` / `--pipeline-layout`: an uneven layout gives each stage its layers'
+/// parameters (the library's numbers), the same vpp both ways plans the same, and a
+/// contradiction or a layout that does not cover the model is refused naming the field.
+#[test]
+fn plan_follows_the_pipeline_layout_and_vpp() {
+    let model = fixture("qwen3_moe");
+    let json = |extra: &[&str]| {
+        let mut args = vec!["plan", "--model", model.as_str(), "--seq", "16", "--json"];
+        args.extend_from_slice(extra);
+        let out = moe(&args);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("json")
+    };
+    let config =
+        burn_moe::models::Qwen3MoeConfig::from_file(format!("{model}/config.json")).unwrap();
+    let layout =
+        burn_moe::backend::parallel::ParallelLayout::parse_spec("pp=2,pp_layout=Et|t*2L").unwrap();
+    for report in [
+        json(&["--layout", "pp=2", "--pipeline-layout", "Et|t*2L"]),
+        json(&["--layout", "pp=2,pp_layout=Et|t*2L"]),
+        json(&[
+            "--layout",
+            "pp=2,pp_layout=Et|t*2L",
+            "--pipeline-layout",
+            "E t | t*2 L",
+        ]),
+    ] {
+        assert_eq!(report["pipeline_layout"].as_str(), Some("Et|t*2L"));
+        assert_eq!(report["pipeline_split"].as_str(), Some("Et*1|t*2L"));
+        for stage in 0..2 {
+            let want =
+                burn_moe::models::plan::qwen3_moe_rank_params(&config, &layout, stage).total();
+            assert_eq!(report["stages"][stage]["params"].as_u64(), Some(want));
+        }
+        assert_eq!(report["stages"][0]["layers"].as_u64(), Some(1));
+        assert_eq!(report["stages"][1]["layers"].as_u64(), Some(2));
+        assert_eq!(report["stages"][0]["embedding"].as_bool(), Some(true));
+        assert_eq!(report["stages"][1]["head"].as_bool(), Some(true));
+    }
+    // Without a pipeline layout the planner splits 3 layers as 2 + 1, as before.
+    let plain = json(&["--layout", "pp=2"]);
+    assert!(plain["pipeline_layout"].is_null());
+    assert_eq!(plain["pipeline_split"].as_str(), Some("Et*2|t*1L"));
+    // vpp from the layout or from --vpp plans the same.
+    let from_layout = json(&["--layout", "pp=2,vpp=2,pp_layout=E|t|t|tL"]);
+    let from_flag = json(&[
+        "--layout",
+        "pp=2",
+        "--vpp",
+        "2",
+        "--pipeline-layout",
+        "E|t|t|tL",
+    ]);
+    assert_eq!(from_layout["vpp"].as_u64(), Some(2));
+    assert_eq!(from_layout["stages"], from_flag["stages"]);
+    assert_eq!(from_layout["layout"], from_flag["layout"]);
+    // The table names the split.
+    let table = moe(&[
+        "plan",
+        "--model",
+        &model,
+        "--layout",
+        "pp=2",
+        "--pipeline-layout",
+        "Et|t*2L",
+        "--seq",
+        "16",
+    ]);
+    assert!(
+        table.status.success(),
+        "{}",
+        String::from_utf8_lossy(&table.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&table.stdout).contains("pipeline: Et*1|t*2L (explicit layout)")
+    );
+    // Refusals name the field.
+    for (args, field) in [
+        (vec!["--layout", "pp=2,vpp=2", "--vpp", "3"], "vpp"),
+        (vec!["--layout", "vpp=2"], "vpp"),
+        (
+            vec!["--layout", "pp=2", "--pipeline-layout", "Et|tL"],
+            "pipeline_layout",
+        ),
+        (
+            vec!["--layout", "pp=2", "--pipeline-layout", "Et|t|tL"],
+            "pipeline_layout",
+        ),
+        (
+            vec![
+                "--layout",
+                "pp=2,pp_layout=Et|t*2L",
+                "--pipeline-layout",
+                "Et*2|tL",
+            ],
+            "pipeline_layout",
+        ),
+    ] {
+        let mut all = vec!["plan", "--model", model.as_str(), "--seq", "16"];
+        all.extend_from_slice(&args);
+        let out = moe(&all);
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{args:?}: {err}");
+    }
+}

@@ -135,7 +135,15 @@ fn sharded_logprobs(
             !det.logprobs.is_autodiff(),
             "detached must not use autodiff"
         );
-        let vl = par.model.model.embed_tokens.as_ref().unwrap().weight.val().dims()[0];
+        let vl = par
+            .model
+            .model
+            .embed_tokens
+            .as_ref()
+            .unwrap()
+            .weight
+            .val()
+            .dims()[0];
         let tp_rank = pg.groups.tp_rank();
         Ok(LogprobRank {
             replica: r,

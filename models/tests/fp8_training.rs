@@ -178,7 +178,10 @@ fn train_distributed(
                     }
                 }
             }
-            assert!(o.fp8_weight(m.model.embed_tokens.as_ref().unwrap().weight.id).is_none());
+            assert!(
+                o.fp8_weight(m.model.embed_tokens.as_ref().unwrap().weight.id)
+                    .is_none()
+            );
         }
         let (replica, replicas) = (trainer.model().replica, trainer.model().replicas);
         let rows = BATCH / replicas;

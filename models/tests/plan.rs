@@ -405,3 +405,327 @@ fn mla_context_parallel_traffic_matches_the_planner() {
         }
     }
 }
+
+/// Parameters of each Qwen3-MoE part, computed from the config alone (not by the planner):
+/// `(embedding, final norm + untied head, decoder layer l)`.
+fn qwen3_moe_part_params(c: &Qwen3MoeConfig) -> (u64, u64, Vec<u64>) {
+    let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
+    let (nh, nkv, hd) = (
+        c.num_attention_heads as u64,
+        c.num_key_value_heads as u64,
+        c.head_dim as u64,
+    );
+    let embedding = v * h;
+    let head = h + if c.tie_word_embeddings { 0 } else { v * h };
+    // q, k, v, o projections; q/k norms; input and post-attention norms.
+    let attention = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 2 * hd + 2 * h;
+    let layers = (0..c.num_hidden_layers)
+        .map(|l| {
+            let mlp = if c.is_moe_layer(l) {
+                let (e, f) = (c.num_experts as u64, c.moe_intermediate_size as u64);
+                e * h + e * 3 * h * f
+            } else {
+                3 * h * c.intermediate_size as u64
+            };
+            attention + mlp
+        })
+        .collect();
+    (embedding, head, layers)
+}
+
+/// An uneven (explicit) pipeline layout gives each stage exactly the parameters of what it
+/// holds: its layers, the embedding where `E` is, the final norm and head where `L` is; the
+/// same numbers the sharded model holds on each pipeline rank.
+#[test]
+fn explicit_pipeline_layouts_give_each_stage_its_parameters() {
+    use moe_backend::parallel::GroupFamily;
+    use moe_models::plan::shape::PlannedModel;
+    use moe_models::plan::{PlanOptions, plan_layout};
+
+    let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    let (embedding, head, layers) = qwen3_moe_part_params(&config);
+    assert_eq!(
+        embedding + head + layers.iter().sum::<u64>(),
+        config.param_count().total
+    );
+    let model = PlannedModel::Qwen3Moe(config.clone());
+    let opts = PlanOptions {
+        seq: 16,
+        global_batch: None,
+        ..PlanOptions::default()
+    };
+    let full = config.init(&Device::flex()).unwrap();
+    // Per pipeline rank: embedding?, head?, layers.
+    type Holds = Vec<(bool, bool, Vec<usize>)>;
+    // (world, layout, what each rank holds)
+    let cases: [(usize, &str, Holds); 5] = [
+        (
+            2,
+            "pp=2,pp_layout=Et|t*2L",
+            vec![(true, false, vec![0]), (false, true, vec![1, 2])],
+        ),
+        (
+            2,
+            "pp=2,pp_layout=Et*2|tL",
+            vec![(true, false, vec![0, 1]), (false, true, vec![2])],
+        ),
+        (
+            3,
+            "pp=3,pp_layout=E|t*2|tL",
+            vec![
+                (true, false, vec![]),
+                (false, false, vec![0, 1]),
+                (false, true, vec![2]),
+            ],
+        ),
+        // Interleaved: rank 0 holds virtual stages 0 (E) and 2 (layer 1), rank 1 holds 1
+        // (layer 0) and 3 (layer 2, L).
+        (
+            2,
+            "pp=2,vpp=2,pp_layout=E|t|t|tL",
+            vec![(true, false, vec![1]), (false, true, vec![0, 2])],
+        ),
+        // Without a layout the planner splits 3 layers over 2 stages as 2 + 1 (as it always
+        // did; training needs the layout for that).
+        (
+            2,
+            "pp=2",
+            vec![(true, false, vec![0, 1]), (false, true, vec![2])],
+        ),
+    ];
+    for (world, spec, holds) in cases {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let plan = plan_layout(&model, &layout, &opts).unwrap();
+        assert_eq!(plan.stages.len(), holds.len(), "{spec}");
+        for (stage, (e, l, held)) in plan.stages.iter().zip(&holds) {
+            let want = u64::from(*e) * embedding
+                + u64::from(*l) * head
+                + held.iter().map(|&i| layers[i]).sum::<u64>();
+            assert_eq!(stage.params.total(), want, "{spec} stage {}", stage.stage);
+            assert_eq!(
+                (stage.holds_embedding(), stage.holds_head()),
+                (*e, *l),
+                "{spec} stage {}",
+                stage.stage
+            );
+            let mut got: Vec<usize> = stage.chunks.iter().flat_map(|p| p.layers.clone()).collect();
+            got.sort_unstable();
+            assert_eq!(&got, held, "{spec} stage {}", stage.stage);
+            // The per-rank wrapper follows the layout's split too.
+            assert_eq!(
+                qwen3_moe_rank_params(&config, &layout, stage.stage).total(),
+                want,
+                "{spec}"
+            );
+        }
+        let json = plan.to_json();
+        assert_eq!(
+            json["pipeline_layout"].as_str(),
+            layout.pp_layout.as_deref(),
+            "{spec}"
+        );
+        if spec.contains("pp_layout") {
+            // The explicit layout, normalised.
+            let split = json["pipeline_split"].as_str().unwrap().to_string();
+            let again = moe_backend::parallel::pipeline::PipelineSplit::parse(
+                &split, 3, 0, layout.pp, layout.vpp,
+            )
+            .unwrap();
+            assert_eq!(&again, &plan.split, "{spec}");
+        }
+        // The sharded model holds the same on each pipeline rank (an even split is what
+        // training needs without a layout, so only explicit layouts run).
+        if !spec.contains("pp_layout") {
+            continue;
+        }
+        let (full_ref, layout_ref) = (&full, &layout);
+        for held in World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let rank = pg.groups.get(GroupFamily::Pp).index;
+            let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            Ok((rank, shard.model.num_params()))
+        }) {
+            let (rank, n) = held.unwrap();
+            assert_eq!(
+                n as u64,
+                plan.stages[rank].params.total(),
+                "{spec} rank {rank}"
+            );
+        }
+    }
+}
+
+/// A pipeline layout that does not cover the model, has the wrong number of stages or misses
+/// the MTP modules is refused naming `pipeline_layout`; too few layers for the stages without
+/// one is refused as before.
+#[test]
+fn bad_pipeline_layouts_are_refused_naming_pipeline_layout() {
+    use moe_models::plan::shape::PlannedModel;
+    use moe_models::plan::{PlanOptions, plan_layout};
+
+    let opts = PlanOptions {
+        seq: 16,
+        ..PlanOptions::default()
+    };
+    let qwen = PlannedModel::Qwen3Moe(Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap());
+    let deepseek =
+        PlannedModel::DeepseekV3(DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap());
+    assert_eq!(deepseek.mtp_modules(), 1);
+    for (model, spec, says) in [
+        (&qwen, "pp=2,pp_layout=Et|tL", "places 2 decoder layers"),
+        (&qwen, "pp=2,pp_layout=Et|t*4L", "places 5 decoder layers"),
+        (&qwen, "pp=2,pp_layout=Et|t|tL", "has 3 stages"),
+        (&qwen, "pp=2,vpp=2,pp_layout=Et|t*2L", "has 2 stages"),
+        (&deepseek, "pp=2,pp_layout=Et|t*2L", "MTP"),
+    ] {
+        let layout = ParallelLayout::parse_spec(spec).unwrap();
+        let err = plan_layout(model, &layout, &opts).unwrap_err().to_string();
+        assert!(err.contains("pipeline_layout"), "{spec}: {err}");
+        assert!(err.contains(says), "{spec}: {err}");
+    }
+    // DeepSeek-V3's MTP module goes where the layout puts it (with the loss).
+    let layout = ParallelLayout::parse_spec("pp=2,pp_layout=Et|t*2mL").unwrap();
+    let plan = plan_layout(&deepseek, &layout, &opts).unwrap();
+    let mtp: Vec<usize> = plan.stages.iter().map(|s| s.mtp_modules()).collect();
+    assert_eq!(mtp, [0, 1]);
+    let json = plan.to_json();
+    assert_eq!(json["stages"][1]["mtp_modules"].as_u64(), Some(1));
+    assert_eq!(json["stages"][1]["head"].as_bool(), Some(true));
+    assert_eq!(json["stages"][0]["embedding"].as_bool(), Some(true));
+    // Without a layout: the contiguous split, MTP on the last stage.
+    let plain = plan_layout(
+        &deepseek,
+        &ParallelLayout::parse_spec("pp=2").unwrap(),
+        &opts,
+    )
+    .unwrap()
+    .to_json();
+    assert_eq!(plain["pipeline_split"].as_str(), Some("Et*2|t*1m*1L"));
+    assert!(plain["pipeline_layout"].is_null());
+    // More stages than layers without a layout: refused as before (naming the layers).
+    let err = plan_layout(&qwen, &ParallelLayout::parse_spec("pp=4").unwrap(), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("3 layers over 4"), "{err}");
+    // ... but an explicit layout may give a stage no layer.
+    plan_layout(
+        &qwen,
+        &ParallelLayout::parse_spec("pp=4,pp_layout=E|t|t|tL").unwrap(),
+        &opts,
+    )
+    .unwrap();
+}
+
+/// `vpp=V` in the layout plans what `PlanOptions::vpp` (`moe plan --vpp`) plans; the activation
+/// and communication figures equal the contiguous-split functions' with that `vpp`; a
+/// contradiction, or `vpp` without pipeline stages, is refused naming `vpp`.
+#[test]
+fn vpp_from_the_layout_equals_the_vpp_option() {
+    use moe_models::plan::activations::stage_activations;
+    use moe_models::plan::comm::{Routing, step_traffic};
+    use moe_models::plan::shape::PlannedModel;
+    use moe_models::plan::{PlanOptions, plan_layout};
+
+    let mut config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    config.num_hidden_layers = 10;
+    let model = PlannedModel::Qwen3Moe(config);
+    let shape = model.shape();
+    let opts = PlanOptions {
+        seq: 16,
+        global_batch: Some(16),
+        ..PlanOptions::default()
+    };
+    for (world, pp, vpp) in [(2, 2, 2), (4, 2, 2), (4, 4, 2), (2, 2, 5), (3, 3, 3)] {
+        let from_layout = ParallelLayout::parse(world, &format!("pp={pp},vpp={vpp}")).unwrap();
+        let plain = ParallelLayout::parse(world, &format!("pp={pp}")).unwrap();
+        let a = plan_layout(&model, &from_layout, &opts).unwrap();
+        let with_option = PlanOptions {
+            vpp,
+            ..opts.clone()
+        };
+        let b = plan_layout(&model, &plain, &with_option).unwrap();
+        // The same vpp given both ways agrees.
+        let c = plan_layout(&model, &from_layout, &with_option).unwrap();
+        assert_eq!((a.vpp, b.vpp), (vpp, vpp));
+        assert_eq!(a.stages, b.stages, "pp {pp} vpp {vpp}");
+        assert_eq!(a.stages, c.stages);
+        assert_eq!(a.split, b.split);
+        let (mut ja, jb) = (a.to_json(), b.to_json());
+        ja["layout"] = jb["layout"].clone();
+        assert_eq!(ja, jb);
+        let act = with_option.activations(a.microbatches);
+        let comm = with_option.comm(a.microbatches);
+        for s in &a.stages {
+            assert_eq!(s.chunks.len(), vpp);
+            assert_eq!(
+                s.activations,
+                stage_activations(&shape, &plain, &act, s.stage),
+                "pp {pp} vpp {vpp} stage {}",
+                s.stage
+            );
+            let traffic = step_traffic(
+                &shape,
+                &s.params,
+                &plain,
+                &comm,
+                s.stage,
+                0,
+                &Routing::Uniform,
+            )
+            .unwrap();
+            assert_eq!(s.traffic, traffic, "pp {pp} vpp {vpp} stage {}", s.stage);
+        }
+    }
+    let layout = ParallelLayout::parse(2, "pp=2,vpp=2").unwrap();
+    let three = PlanOptions {
+        vpp: 3,
+        ..opts.clone()
+    };
+    let err = plan_layout(&model, &layout, &three)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("vpp"), "{err}");
+    let err = plan_layout(&model, &ParallelLayout::single(), &three)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("vpp") && err.contains("pp > 1"), "{err}");
+}
+
+/// With a tied output layer the last pipeline stage keeps a copy of the embedding (Megatron's
+/// embedding group): the planner counts it there, as the sharded model holds it.
+#[test]
+fn a_tied_embedding_is_counted_on_the_last_stage_too() {
+    use moe_backend::parallel::GroupFamily;
+    use moe_models::plan::shape::PlannedModel;
+    use moe_models::plan::{PlanOptions, plan_layout};
+
+    let mut config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
+    config.tie_word_embeddings = true;
+    let (embedding, head, layers) = qwen3_moe_part_params(&config);
+    let model = PlannedModel::Qwen3Moe(config.clone());
+    let opts = PlanOptions {
+        seq: 16,
+        global_batch: None,
+        ..PlanOptions::default()
+    };
+    let layout = ParallelLayout::parse(2, "pp=2,pp_layout=Et|t*2L").unwrap();
+    let plan = plan_layout(&model, &layout, &opts).unwrap();
+    let want = [
+        embedding + layers[0],
+        embedding + head + layers[1] + layers[2],
+    ];
+    let full = config.init(&Device::flex()).unwrap();
+    let (full_ref, layout_ref) = (&full, &layout);
+    for held in World::run(2, |ctx| {
+        let pg = ctx.process_groups(layout_ref)?;
+        let rank = pg.groups.get(GroupFamily::Pp).index;
+        let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
+            .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+        Ok((rank, shard.model.num_params()))
+    }) {
+        let (rank, n) = held.unwrap();
+        assert_eq!(plan.stages[rank].params.total(), want[rank], "rank {rank}");
+        assert_eq!(n as u64, want[rank], "the sharded model on rank {rank}");
+    }
+}

@@ -29,6 +29,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use moe_backend::parallel::ParallelLayout;
+use moe_backend::parallel::pipeline::StageParts;
 
 use super::PlanError;
 use super::shape::{AttentionShape, ModelShape};
@@ -355,7 +356,8 @@ pub fn in_flight_per_chunk(pp: usize, vpp: usize, stage: usize, microbatches: us
 }
 
 /// Layers of model chunk `chunk` of stage `stage` (virtual stage `stage + chunk·pp` of
-/// `pp·vpp` contiguous virtual stages).
+/// `pp·vpp` contiguous virtual stages, the remainder on the earlier ones; the split without an
+/// explicit layout, see [`super::planner_split`]).
 pub fn chunk_layers(
     layers: usize,
     pp: usize,
@@ -366,24 +368,41 @@ pub fn chunk_layers(
     super::stage_layers(layers, pp * vpp, stage + chunk * pp)
 }
 
-/// Peak activation bytes of a rank of pipeline stage `stage`, by module.
+/// Peak activation bytes of a rank of pipeline stage `stage`, by module, with `opts.vpp`
+/// contiguous virtual stages per rank ([`super::default_chunks`]); see [`chunk_activations`]
+/// for an explicit split.
 pub fn stage_activations(
     shape: &ModelShape,
     layout: &ParallelLayout,
     opts: &ActivationOptions,
     stage: usize,
 ) -> ActivationBytes {
-    let vpp = opts.vpp.max(1);
+    let chunks = super::default_chunks(shape.layers(), 0, layout.pp, opts.vpp.max(1), stage);
+    chunk_activations(shape, layout, opts, stage, &chunks)
+}
+
+/// Peak activation bytes of pipeline rank `stage` holding `chunks` (its virtual stages in chunk
+/// order, see [`super::rank_chunks`]; their number is the schedule's `vpp`, `opts.vpp` is not
+/// read), by module: each chunk's layers times its in-flight micro-batches, the token ids where a
+/// chunk holds the embedding, the head and loss where it holds the loss.
+pub fn chunk_activations(
+    shape: &ModelShape,
+    layout: &ParallelLayout,
+    opts: &ActivationOptions,
+    stage: usize,
+    chunks: &[StageParts],
+) -> ActivationBytes {
+    let vpp = chunks.len().max(1);
     let counts = in_flight_per_chunk(layout.pp, vpp, stage, opts.microbatches);
     let t = (opts.seq * opts.micro_batch) as f64 / (layout.tp * layout.cp) as f64;
     let a = opts.act_bytes as f64;
     let h = shape.hidden as f64;
     let mut total = ActivationBytes::default();
     let mut largest_layer = 0.0f64;
-    for (chunk, &n) in counts.iter().enumerate() {
+    for (part, &n) in chunks.iter().zip(&counts) {
         let n = n as f64;
-        for layer in chunk_layers(shape.layers(), layout.pp, vpp, stage, chunk) {
-            let moe = shape.moe_layers[layer];
+        for layer in part.layers.clone() {
+            let moe = shape.moe_layers.get(layer).copied().unwrap_or(false);
             if opts.recompute == Recompute::Full {
                 let kept = layer_activations(shape, moe, layout, opts, false);
                 largest_layer = largest_layer.max(kept.total());
@@ -392,12 +411,11 @@ pub fn stage_activations(
                 total.add_scaled(&layer_activations(shape, moe, layout, opts, true), n);
             }
         }
-        let virtual_stage = stage + chunk * layout.pp;
-        if virtual_stage == 0 {
+        if part.embedding {
             // Token ids (int64, replicated over tp).
             total.embedding_head += n * t * layout.tp as f64 * 8.0;
         }
-        if virtual_stage + 1 == layout.pp * vpp {
+        if part.loss {
             // Final-norm input and output (sequence-parallel) and the f32 softmax of this
             // rank's vocabulary columns for every token of the micro-batch: `(N/cp)·(V/tp)`.
             let logits = t * shape.vocab as f64 * 4.0;

@@ -26,6 +26,7 @@
 //!   over `cp` (one more f32 of each per MTP depth, which the shape does not carry).
 
 use moe_backend::parallel::ParallelLayout;
+use moe_backend::parallel::pipeline::StageParts;
 
 use super::shape::ModelShape;
 use super::{PlanError, RankParams};
@@ -272,7 +273,8 @@ pub fn optimizer_traffic(params: &RankParams, layout: &ParallelLayout) -> Family
 }
 
 /// Per-layer and per-step traffic of a rank of pipeline stage `stage` that is member
-/// `tp_ep_member` of its `tp_ep` group, holding `params`.
+/// `tp_ep_member` of its `tp_ep` group, holding `params`, with `opts.vpp` contiguous virtual
+/// stages per rank ([`super::default_chunks`]); see [`chunk_traffic`] for an explicit split.
 #[allow(clippy::too_many_arguments)]
 pub fn step_traffic(
     shape: &ModelShape,
@@ -283,8 +285,37 @@ pub fn step_traffic(
     tp_ep_member: usize,
     routing: &Routing,
 ) -> Result<StepTraffic, PlanError> {
+    let chunks = super::default_chunks(shape.layers(), 0, layout.pp, opts.vpp.max(1), stage);
+    chunk_traffic(
+        shape,
+        params,
+        layout,
+        opts,
+        stage,
+        &chunks,
+        tp_ep_member,
+        routing,
+    )
+}
+
+/// Per-layer and per-step traffic of pipeline rank `stage` holding `chunks` (its virtual stages
+/// in chunk order, see [`super::rank_chunks`]; their number is the schedule's `vpp`, `opts.vpp`
+/// is not read), member `tp_ep_member` of its `tp_ep` group, holding `params`: the chunks'
+/// layers, the embedding / head collectives where a chunk holds the embedding / the loss, and
+/// the pipeline sends of every chunk.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_traffic(
+    shape: &ModelShape,
+    params: &RankParams,
+    layout: &ParallelLayout,
+    opts: &CommOptions,
+    stage: usize,
+    chunks: &[StageParts],
+    tp_ep_member: usize,
+    routing: &Routing,
+) -> Result<StepTraffic, PlanError> {
     let (tp, cp) = (layout.tp as f64, layout.cp as f64);
-    let vpp = opts.vpp.max(1);
+    let vpp = chunks.len().max(1);
     let (h, a) = (shape.hidden as f64, opts.act_bytes as f64);
     // Tokens of one micro-batch of a replica on this CP rank, and this rank's SP block.
     let n = (opts.seq * opts.micro_batch) as f64 / cp;
@@ -309,13 +340,7 @@ pub fn step_traffic(
     let uniform = uniform_routing(shape, layout, sp_block);
     let mut layers = Vec::new();
     let mut moe_index = 0;
-    let mut chunk_ids = Vec::new();
-    for chunk in 0..vpp {
-        for layer in super::activations::chunk_layers(shape.layers(), layout.pp, vpp, stage, chunk)
-        {
-            chunk_ids.push(layer);
-        }
-    }
+    let chunk_ids: Vec<usize> = chunks.iter().flat_map(|p| p.layers.clone()).collect();
     for layer in 0..shape.layers() {
         let moe = shape.moe_layers[layer];
         let mut b = FamilyBytes {
@@ -345,10 +370,10 @@ pub fn step_traffic(
         }
     }
     let mut embedding_head = FamilyBytes::default();
-    if stage == 0 {
+    if chunks.iter().any(|p| p.embedding) {
         embedding_head.tp += 2.0 * sp;
     }
-    if stage + 1 == layout.pp {
+    if chunks.iter().any(|p| p.loss) {
         // Head input all-gather + its backward, three f32 cross-entropy all-reduces of `[N]`.
         embedding_head.tp += 2.0 * sp + 3.0 * (tp - 1.0) * n * 4.0;
     }

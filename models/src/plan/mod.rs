@@ -6,8 +6,12 @@
 //! Parameter counts follow this project's sharding exactly (parallelism.md §3, checkpoints.md
 //! §3): vocabulary, attention heads, dense and TP-sharded MLP columns split over `tp`; routed
 //! experts over `ep` and their FFN width over `etp`; norms, routers, expert biases, shared
-//! experts and MLA's latent down-projections replicated. With `pp > 1` layers are split into
-//! contiguous stages (the first stage holds the embedding, the last the head).
+//! experts and MLA's latent down-projections replicated. With `pp > 1` the layers follow a
+//! [`PipelineSplit`] over `pp · vpp` virtual stages ([`planner_split`]): the layout's explicit
+//! pipeline layout (`pp_layout=…`, Megatron's `--pipeline-model-parallel-layout`) or, without
+//! one, contiguous virtual stages with the remainder on the earlier ones (the first virtual stage
+//! holds the embedding, the last the head and the MTP modules); pipeline rank `r` holds virtual
+//! stages `r, r + pp, …` (its chunks).
 //!
 //! Submodules: [`shape`] (the dimensions of a Qwen3-MoE / DeepSeek-V3 config), [`memory`]
 //! (weights, gradients, master weights, moments), [`activations`] (saved activations by module
@@ -16,6 +20,7 @@
 //! enumeration and ranking); [`plan_layout`] combines them for one layout.
 
 use moe_backend::parallel::ParallelLayout;
+use moe_backend::parallel::pipeline::{PipelineSplit, StageParts};
 
 use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
 
@@ -26,7 +31,7 @@ mod report;
 pub mod search;
 pub mod shape;
 
-pub use report::{LayoutPlan, PlanOptions, StagePlan, check_fit, plan_layout};
+pub use report::{LayoutPlan, PlanOptions, StagePlan, check_fit, plan_layout, plan_vpp};
 
 /// Errors of the planner.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +73,10 @@ pub enum PlanError {
     /// No layout of the search is valid for the model.
     #[error("no valid layout of {0} GPUs for this model")]
     NoLayout(usize),
+    /// The pipeline split is refused (an explicit layout that does not cover the model or has
+    /// the wrong number of stages names `pipeline_layout`; too few layers name `pp`).
+    #[error("pipeline split: {0}")]
+    Pipeline(#[source] moe_backend::BackendError),
 }
 
 /// Parameters one rank holds.
@@ -118,11 +127,145 @@ pub fn stage_layers(layers: usize, pp: usize, stage: usize) -> std::ops::Range<u
     start..start + len
 }
 
-/// Per-rank parameters of a Qwen3-MoE model on pipeline stage `stage`.
+/// The split the planner uses: `layout` (Megatron's pipeline layout syntax, see
+/// [`PipelineSplit::parse`]) when given, else `layers` decoder layers over `pp · vpp` contiguous
+/// virtual stages. An even split is [`PipelineSplit::even`]'s; a remainder goes to the earlier
+/// virtual stages ([`stage_layers`], as the planner always did — training refuses such a split
+/// without an explicit layout, so the planner's figures are those of the equivalent layout
+/// `Et*(k+1)|…|t*k…L`). The embedding is on virtual stage 0, the MTP modules, final norm and
+/// head on the last. Fewer layers than virtual stages without a layout are refused naming `pp`;
+/// an explicit layout that does not cover the model (`layers`, `mtp` modules) or has other than
+/// `pp · vpp` stages names `pipeline_layout`.
+pub fn planner_split(
+    layers: usize,
+    mtp: usize,
+    pp: usize,
+    vpp: usize,
+    layout: Option<&str>,
+) -> Result<PipelineSplit, PlanError> {
+    let split = match layout {
+        Some(layout) => PipelineSplit::parse(layout, layers, mtp, pp, vpp),
+        None => {
+            let stages = pp * vpp;
+            if stages == 0 || layers < stages || layers.is_multiple_of(stages) {
+                PipelineSplit::even(layers, mtp, pp, vpp)
+            } else {
+                PipelineSplit::parse(&remainder_layout(layers, mtp, stages), layers, mtp, pp, vpp)
+            }
+        }
+    };
+    split.map_err(PlanError::Pipeline)
+}
+
+/// The Megatron layout string of [`stage_layers`]' split over `stages` virtual stages.
+fn remainder_layout(layers: usize, mtp: usize, stages: usize) -> String {
+    let parts: Vec<StageParts> = (0..stages)
+        .flat_map(|v| default_chunks(layers, mtp, stages, 1, v))
+        .collect();
+    render_layout(&parts)
+}
+
+/// Megatron's layout syntax for `stages`, in virtual-stage order.
+fn render_layout(stages: &[StageParts]) -> String {
+    stages
+        .iter()
+        .map(|p| {
+            let mut text = String::new();
+            if p.embedding {
+                text.push('E');
+            }
+            if !p.layers.is_empty() {
+                text.push_str(&format!("t*{}", p.layers.len()));
+            }
+            if !p.mtp.is_empty() {
+                text.push_str(&format!("m*{}", p.mtp.len()));
+            }
+            if p.loss {
+                text.push('L');
+            }
+            text
+        })
+        .collect::<Vec<_>>()
+        .join("|")
+}
+
+/// `split` in Megatron's pipeline layout syntax (`Et*3|t*4|t*4|t*3mL`): what every virtual
+/// stage holds, in order; [`PipelineSplit::parse`] of it gives `split` back.
+pub fn split_layout(split: &PipelineSplit) -> String {
+    render_layout(split.stages())
+}
+
+/// The parts pipeline rank `rank` holds under `split`: its chunks (virtual stages
+/// `chunk · pp + rank`), in chunk order.
+pub fn rank_chunks(split: &PipelineSplit, rank: usize) -> Vec<StageParts> {
+    (0..split.vpp())
+        .filter_map(|chunk| split.parts(rank, chunk).cloned())
+        .collect()
+}
+
+/// The chunks of pipeline rank `rank` for `layers` layers without an explicit layout, over
+/// `pp · vpp` virtual stages: [`planner_split`]'s, and with fewer layers than virtual stages
+/// (which it refuses) the later virtual stages empty. Never fails.
+pub fn default_chunks(
+    layers: usize,
+    mtp: usize,
+    pp: usize,
+    vpp: usize,
+    rank: usize,
+) -> Vec<StageParts> {
+    let (pp, vpp) = (pp.max(1), vpp.max(1));
+    let stages = pp * vpp;
+    (0..vpp)
+        .map(|chunk| {
+            let v = chunk * pp + rank;
+            let last = v + 1 == stages;
+            StageParts {
+                embedding: v == 0,
+                layers: stage_layers(layers, stages, v),
+                mtp: if last { 0..mtp } else { 0..0 },
+                loss: last,
+            }
+        })
+        .collect()
+}
+
+/// The chunks of pipeline rank `stage` under `layout` (its `vpp` and `pp_layout`) for a model of
+/// `layers` layers and `mtp` MTP modules; an explicit layout the model refuses (which
+/// [`plan_layout`] reports) falls back to [`default_chunks`].
+fn layout_chunks(
+    layout: &ParallelLayout,
+    layers: usize,
+    mtp: usize,
+    stage: usize,
+) -> Vec<StageParts> {
+    let vpp = layout.vpp.max(1);
+    match &layout.pp_layout {
+        Some(text) => match planner_split(layers, mtp, layout.pp, vpp, Some(text)) {
+            Ok(split) => rank_chunks(&split, stage),
+            Err(_) => default_chunks(layers, mtp, layout.pp, vpp, stage),
+        },
+        None => default_chunks(layers, mtp, layout.pp, vpp, stage),
+    }
+}
+
+/// Per-rank parameters of a Qwen3-MoE model on pipeline stage (rank) `stage`, with the layers
+/// `layout` gives it (its `vpp` and `pp_layout`, see [`qwen3_moe_chunk_params`]).
 pub fn qwen3_moe_rank_params(
     c: &Qwen3MoeConfig,
     layout: &ParallelLayout,
     stage: usize,
+) -> RankParams {
+    let chunks = layout_chunks(layout, c.num_hidden_layers, 0, stage);
+    qwen3_moe_chunk_params(c, layout, &chunks)
+}
+
+/// Per-rank parameters of a Qwen3-MoE model on a rank holding `chunks` (see [`rank_chunks`]):
+/// the embedding where a chunk holds it, the final norm (and the untied head) where a chunk holds
+/// the loss, and every decoder layer of the chunks.
+pub fn qwen3_moe_chunk_params(
+    c: &Qwen3MoeConfig,
+    layout: &ParallelLayout,
+    chunks: &[StageParts],
 ) -> RankParams {
     let (tp, ep, etp) = (layout.tp as u64, layout.ep as u64, layout.etp as u64);
     let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
@@ -132,39 +275,62 @@ pub fn qwen3_moe_rank_params(
         c.head_dim as u64,
     );
     let mut p = RankParams::default();
-    if stage == 0 {
-        p.dense_sharded += v * h / tp;
-    }
-    if stage + 1 == layout.pp {
-        p.dense_replicated += h; // final norm
-        if !c.tie_word_embeddings {
+    for part in chunks {
+        if part.embedding {
             p.dense_sharded += v * h / tp;
         }
-    }
-    for layer in stage_layers(c.num_hidden_layers, layout.pp, stage) {
-        let mut l = RankParams {
-            dense_sharded: (2 * h * nh * hd + 2 * h * nkv * hd) / tp,
-            dense_replicated: 2 * h + 2 * hd,
-            expert: 0,
-            buffers: 0,
-        };
-        if c.is_moe_layer(layer) {
-            let (e, im) = (c.num_experts as u64, c.moe_intermediate_size as u64);
-            l.dense_replicated += e * h;
-            l.expert += (e / ep) * 3 * h * im / etp;
-        } else {
-            l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
+        if part.loss {
+            p.dense_replicated += h; // final norm
+            // The untied head, or the last stage's copy of the tied embedding (Megatron's
+            // embedding group) when another stage holds the embedding.
+            if !c.tie_word_embeddings || !chunks.iter().any(|c| c.embedding) {
+                p.dense_sharded += v * h / tp;
+            }
         }
-        p.add(l);
+        for layer in part.layers.clone() {
+            let mut l = RankParams {
+                dense_sharded: (2 * h * nh * hd + 2 * h * nkv * hd) / tp,
+                dense_replicated: 2 * h + 2 * hd,
+                expert: 0,
+                buffers: 0,
+            };
+            if c.is_moe_layer(layer) {
+                let (e, im) = (c.num_experts as u64, c.moe_intermediate_size as u64);
+                l.dense_replicated += e * h;
+                l.expert += (e / ep) * 3 * h * im / etp;
+            } else {
+                l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
+            }
+            p.add(l);
+        }
     }
     p
 }
 
-/// Per-rank parameters of a DeepSeek-V3 main model (no MTP) on pipeline stage `stage`.
+/// Per-rank parameters of a DeepSeek-V3 main model (no MTP) on pipeline stage (rank) `stage`,
+/// with the layers `layout` gives it (its `vpp` and `pp_layout`, see
+/// [`deepseek_v3_chunk_params`]).
 pub fn deepseek_v3_rank_params(
     c: &DeepseekV3Config,
     layout: &ParallelLayout,
     stage: usize,
+) -> RankParams {
+    let chunks = layout_chunks(
+        layout,
+        c.num_hidden_layers,
+        c.num_nextn_predict_layers,
+        stage,
+    );
+    deepseek_v3_chunk_params(c, layout, &chunks)
+}
+
+/// Per-rank parameters of a DeepSeek-V3 main model on a rank holding `chunks` (see
+/// [`rank_chunks`]): embedding, final norm (and untied head) and decoder layers where the chunks
+/// hold them. The MTP modules are not counted (the planner's shape has none).
+pub fn deepseek_v3_chunk_params(
+    c: &DeepseekV3Config,
+    layout: &ParallelLayout,
+    chunks: &[StageParts],
 ) -> RankParams {
     let (tp, ep, etp) = (layout.tp as u64, layout.ep as u64, layout.etp as u64);
     let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
@@ -176,39 +342,41 @@ pub fn deepseek_v3_rank_params(
     );
     let kvl = c.kv_lora_rank as u64;
     let mut p = RankParams::default();
-    if stage == 0 {
-        p.dense_sharded += v * h / tp;
-    }
-    if stage + 1 == layout.pp {
-        p.dense_replicated += h;
-        if !c.tie_word_embeddings {
+    for part in chunks {
+        if part.embedding {
             p.dense_sharded += v * h / tp;
         }
-    }
-    for layer in stage_layers(c.num_hidden_layers, layout.pp, stage) {
-        let (q_sharded, q_replicated) = match c.q_lora_rank {
-            Some(r) => {
-                let r = r as u64;
-                (r * nh * (nope + rot) / tp, h * r + r)
+        if part.loss {
+            p.dense_replicated += h;
+            if !c.tie_word_embeddings {
+                p.dense_sharded += v * h / tp;
             }
-            None => (h * nh * (nope + rot) / tp, 0),
-        };
-        let mut l = RankParams {
-            dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
-            dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
-            expert: 0,
-            buffers: 0,
-        };
-        if c.is_moe_layer(layer) {
-            let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
-            l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
-            // The router's `e_score_correction_bias` (moved by counts, not by the optimizer).
-            l.buffers += e;
-            l.expert += (e / ep) * 3 * h * im / etp;
-        } else {
-            l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
         }
-        p.add(l);
+        for layer in part.layers.clone() {
+            let (q_sharded, q_replicated) = match c.q_lora_rank {
+                Some(r) => {
+                    let r = r as u64;
+                    (r * nh * (nope + rot) / tp, h * r + r)
+                }
+                None => (h * nh * (nope + rot) / tp, 0),
+            };
+            let mut l = RankParams {
+                dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
+                dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
+                expert: 0,
+                buffers: 0,
+            };
+            if c.is_moe_layer(layer) {
+                let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
+                l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
+                // The router's `e_score_correction_bias` (moved by counts, not by the optimizer).
+                l.buffers += e;
+                l.expert += (e / ep) * 3 * h * im / etp;
+            } else {
+                l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
+            }
+            p.add(l);
+        }
     }
     p
 }
@@ -453,6 +621,57 @@ mod tests {
                 "num_experts_per_tok": 8, "first_k_dense_replace": 3}"#,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn the_planner_split_is_the_contiguous_split_without_a_layout() {
+        for (layers, mtp, pp, vpp) in [(61, 0, 4, 1), (61, 1, 4, 4), (10, 0, 3, 1), (8, 2, 2, 2)] {
+            let split = planner_split(layers, mtp, pp, vpp, None).unwrap();
+            // Empty MTP ranges may sit at different depths; compare what is held.
+            let held = |c: Vec<StageParts>| -> Vec<_> {
+                c.into_iter()
+                    .map(|p| (p.embedding, p.layers, p.mtp.len(), p.loss))
+                    .collect()
+            };
+            for rank in 0..pp {
+                let chunks = rank_chunks(&split, rank);
+                assert_eq!(
+                    held(chunks.clone()),
+                    held(default_chunks(layers, mtp, pp, vpp, rank))
+                );
+                for (chunk, part) in chunks.iter().enumerate() {
+                    assert_eq!(
+                        part.layers,
+                        activations::chunk_layers(layers, pp, vpp, rank, chunk)
+                    );
+                }
+            }
+            // The rendered layout parses back to the same split (`PipelineSplit::even` puts
+            // the empty MTP ranges of the earlier stages at depth `mtp`, `parse` at 0).
+            let text = split_layout(&split);
+            let again = PipelineSplit::parse(&text, layers, mtp, pp, vpp).unwrap();
+            assert_eq!(
+                held(again.stages().to_vec()),
+                held(split.stages().to_vec()),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            split_layout(&planner_split(61, 1, 4, 1, None).unwrap()),
+            "Et*16|t*15|t*15|t*15m*1L"
+        );
+        // Even splits are PipelineSplit::even's.
+        assert_eq!(
+            planner_split(8, 1, 2, 2, None).unwrap(),
+            PipelineSplit::even(8, 1, 2, 2).unwrap()
+        );
+        // Fewer layers than stages: PipelineSplit::even's refusal (naming pp).
+        let err = planner_split(3, 0, 2, 2, None).unwrap_err().to_string();
+        assert!(err.contains("`pp`"), "{err}");
+        let err = planner_split(3, 0, 2, 1, Some("Et|tL"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`pipeline_layout`"), "{err}");
     }
 
     #[test]

@@ -2,13 +2,14 @@
 //! per-layer / per-step communication of one rank, with a JSON rendering.
 
 use moe_backend::parallel::ParallelLayout;
+use moe_backend::parallel::pipeline::{PipelineSplit, StageParts};
 use serde_json::{Value, json};
 
-use super::activations::{ActivationBytes, ActivationOptions, Recompute, stage_activations};
-use super::comm::{CommOptions, Dispatcher, Routing, StepTraffic, step_traffic};
+use super::activations::{ActivationBytes, ActivationOptions, Recompute, chunk_activations};
+use super::comm::{CommOptions, Dispatcher, Routing, StepTraffic, chunk_traffic};
 use super::memory::{MemoryOptions, OptimizerDtype, StateBytes, state_bytes};
 use super::shape::PlannedModel;
-use super::{PlanError, RankParams};
+use super::{PlanError, RankParams, planner_split, rank_chunks, split_layout};
 
 /// Everything a plan depends on besides the model and the layout.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,7 +20,9 @@ pub struct PlanOptions {
     pub micro_batch: usize,
     /// Global batch (sequences per step); `None`: `4·pp` micro-batches per step.
     pub global_batch: Option<usize>,
-    /// Virtual pipeline stages per rank.
+    /// Virtual pipeline stages per rank when the layout gives none (`layout.vpp == 1`); the
+    /// layout's `vpp=V` is the source otherwise, and a different value here (> 1) is refused
+    /// naming `vpp` (see [`plan_vpp`]). 1: the layout's.
     pub vpp: usize,
     /// FP8 activations (linear inputs) and FP8 primary weights.
     pub fp8: bool,
@@ -115,6 +118,9 @@ impl PlanOptions {
 pub struct StagePlan {
     /// Stage index.
     pub stage: usize,
+    /// What the rank holds: its virtual stages (chunks `0..vpp`, virtual stage
+    /// `chunk · pp + stage`), from the plan's pipeline split.
+    pub chunks: Vec<StageParts>,
     /// Parameters held.
     pub params: RankParams,
     /// Weights, gradients, master weights, moments.
@@ -130,6 +136,26 @@ impl StagePlan {
     pub fn memory(&self) -> f64 {
         self.state.total() + self.activations.total()
     }
+
+    /// Whether the rank holds the embedding.
+    pub fn holds_embedding(&self) -> bool {
+        self.chunks.iter().any(|p| p.embedding)
+    }
+
+    /// Whether the rank holds the final norm, the head and the loss.
+    pub fn holds_head(&self) -> bool {
+        self.chunks.iter().any(|p| p.loss)
+    }
+
+    /// MTP modules the rank holds (their parameters are not planned).
+    pub fn mtp_modules(&self) -> usize {
+        self.chunks.iter().map(|p| p.mtp.len()).sum()
+    }
+
+    /// Decoder layers the rank holds.
+    pub fn layer_count(&self) -> usize {
+        self.chunks.iter().map(|p| p.layers.len()).sum()
+    }
 }
 
 /// A layout's plan.
@@ -137,8 +163,13 @@ impl StagePlan {
 pub struct LayoutPlan {
     /// The layout.
     pub layout: ParallelLayout,
-    /// Virtual pipeline stages per rank.
+    /// Virtual pipeline stages per rank (the layout's, or [`PlanOptions::vpp`]).
     pub vpp: usize,
+    /// The explicit pipeline layout (the layout's `pp_layout`), `None` for the planner's
+    /// contiguous split ([`super::planner_split`]).
+    pub pipeline_layout: Option<String>,
+    /// The split the stages follow.
+    pub split: PipelineSplit,
     /// Micro-batches per step.
     pub microbatches: usize,
     /// Every stage.
@@ -187,8 +218,27 @@ impl LayoutPlan {
                     .iter()
                     .map(|(n, b)| (n.to_string(), json!(gb(*b))))
                     .collect();
+                let chunks: Vec<Value> = s
+                    .chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(chunk, p)| {
+                        json!({
+                            "virtual_stage": chunk * self.layout.pp + s.stage,
+                            "layers": [p.layers.start, p.layers.end],
+                            "embedding": p.embedding,
+                            "mtp": [p.mtp.start, p.mtp.end],
+                            "loss": p.loss,
+                        })
+                    })
+                    .collect();
                 json!({
                     "stage": s.stage,
+                    "chunks": chunks,
+                    "layers": s.layer_count(),
+                    "embedding": s.holds_embedding(),
+                    "head": s.holds_head(),
+                    "mtp_modules": s.mtp_modules(),
                     "params": s.params.total(),
                     "dense_params": s.params.dense_sharded + s.params.dense_replicated,
                     "expert_params": s.params.expert,
@@ -213,6 +263,8 @@ impl LayoutPlan {
         json!({
             "layout": self.layout.to_string(),
             "vpp": self.vpp,
+            "pipeline_layout": self.pipeline_layout,
+            "pipeline_split": split_layout(&self.split),
             "microbatches": self.microbatches,
             "peak_gb": gb(self.peak_memory()),
             "stages": stages,
@@ -250,8 +302,8 @@ pub fn check_fit(
             shape.moe_ffn, layout.etp
         ));
     }
-    let virtual_stages = layout.pp * opts.vpp.max(1);
-    if shape.layers() < virtual_stages {
+    let virtual_stages = layout.pp * plan_vpp(layout, opts)?;
+    if layout.pp_layout.is_none() && shape.layers() < virtual_stages {
         bad.push(format!(
             "{} layers over {virtual_stages} (virtual) stages",
             shape.layers()
@@ -274,7 +326,33 @@ pub fn check_fit(
     }
 }
 
-/// Plans every stage of `layout` for `model`.
+/// Virtual pipeline stages per rank of a plan: the layout's `vpp`, or `opts.vpp` when the layout
+/// has none (`vpp == 1`). Refused naming `vpp` when both are above 1 and differ, or when
+/// `vpp > 1` without pipeline parallelism (Megatron refuses interleaving without PP).
+pub fn plan_vpp(layout: &ParallelLayout, opts: &PlanOptions) -> Result<usize, PlanError> {
+    let (from_layout, from_opts) = (layout.vpp.max(1), opts.vpp.max(1));
+    if from_layout > 1 && from_opts > 1 && from_layout != from_opts {
+        return Err(PlanError::Option {
+            option: "vpp",
+            detail: format!(
+                "{from_opts} contradicts the layout's vpp={from_layout} (give one of them)"
+            ),
+        });
+    }
+    let vpp = from_layout.max(from_opts);
+    if vpp > 1 && layout.pp == 1 {
+        return Err(PlanError::Option {
+            option: "vpp",
+            detail: format!("vpp = {vpp} virtual stages need pipeline parallelism (pp > 1)"),
+        });
+    }
+    Ok(vpp)
+}
+
+/// Plans every stage of `layout` for `model`: the layers of each stage follow the layout's
+/// explicit pipeline layout (`pp_layout`) or the planner's contiguous split over
+/// `pp · vpp` virtual stages ([`super::planner_split`]; refusals name `pipeline_layout`, `pp`
+/// or `vpp`).
 pub fn plan_layout(
     model: &PlannedModel,
     layout: &ParallelLayout,
@@ -282,25 +360,50 @@ pub fn plan_layout(
 ) -> Result<LayoutPlan, PlanError> {
     check_fit(model, layout, opts)?;
     let shape = model.shape();
+    let vpp = plan_vpp(layout, opts)?;
+    let split = planner_split(
+        shape.layers(),
+        model.mtp_modules(),
+        layout.pp,
+        vpp,
+        layout.pp_layout.as_deref(),
+    )?;
+    let opts = &PlanOptions {
+        vpp,
+        ..opts.clone()
+    };
     let m = opts.microbatches(layout)?;
     let act = opts.activations(m);
     let mem = opts.memory();
     let comm = opts.comm(m);
     let stages = (0..layout.pp)
         .map(|stage| -> Result<StagePlan, PlanError> {
-            let params = model.rank_params(layout, stage);
+            let chunks = rank_chunks(&split, stage);
+            let params = model.chunk_params(layout, &chunks);
             Ok(StagePlan {
                 stage,
                 params,
                 state: state_bytes(&params, layout, &mem),
-                activations: stage_activations(&shape, layout, &act, stage),
-                traffic: step_traffic(&shape, &params, layout, &comm, stage, 0, &Routing::Uniform)?,
+                activations: chunk_activations(&shape, layout, &act, stage, &chunks),
+                traffic: chunk_traffic(
+                    &shape,
+                    &params,
+                    layout,
+                    &comm,
+                    stage,
+                    &chunks,
+                    0,
+                    &Routing::Uniform,
+                )?,
+                chunks,
             })
         })
         .collect::<Result<Vec<_>, PlanError>>()?;
     Ok(LayoutPlan {
         layout: layout.clone(),
-        vpp: opts.vpp.max(1),
+        vpp,
+        pipeline_layout: layout.pp_layout.clone(),
+        split,
         microbatches: m,
         stages,
     })

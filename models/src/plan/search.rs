@@ -1,6 +1,7 @@
 //! Layout search: every layout of `gpus` ranks that training accepts
 //! ([`ParallelLayout::parse`]) and the model fits ([`check_fit`]),
-//! planned, filtered by a per-GPU memory budget and ranked by a rough step time:
+//! planned (contiguous pipeline splits; `vpp` virtual stages for the layouts with `pp > 1`),
+//! filtered by a per-GPU memory budget and ranked by a rough step time:
 //! `compute·(1 + bubble) + communication`, with compute `6·P_active·tokens / (world·peak)`,
 //! the 1F1B bubble `(pp − 1)/(vpp·m)`, and the busiest rank's step bytes over one link
 //! bandwidth (no overlap assumed).
@@ -73,6 +74,13 @@ pub fn search(
                     let Ok(layout) = ParallelLayout::parse(gpus, &spec) else {
                         continue;
                     };
+                    // `opts.vpp` interleaves the layouts with pipeline stages (Megatron refuses
+                    // virtual stages without them); every layout keeps the contiguous split.
+                    let layout_opts = PlanOptions {
+                        vpp: if pp > 1 { opts.vpp } else { 1 },
+                        ..opts.clone()
+                    };
+                    let opts = &layout_opts;
                     if check_fit(model, &layout, opts).is_err() {
                         continue;
                     }

@@ -2,8 +2,12 @@
 //! [`ModelShape`] serves the memory, activation and communication models of every family.
 
 use moe_backend::parallel::ParallelLayout;
+use moe_backend::parallel::pipeline::StageParts;
 
-use super::{RankParams, deepseek_v3_rank_params, qwen3_moe_rank_params};
+use super::{
+    RankParams, deepseek_v3_chunk_params, deepseek_v3_rank_params, qwen3_moe_chunk_params,
+    qwen3_moe_rank_params,
+};
 use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
 
 /// Attention of a layer.
@@ -189,11 +193,29 @@ impl PlannedModel {
         }
     }
 
-    /// Parameters a rank of pipeline stage `stage` holds (contiguous stages).
+    /// MTP modules of the model (DeepSeek-V3's `num_nextn_predict_layers`; 0 for Qwen3-MoE):
+    /// an explicit pipeline layout must place them (`m`). Their parameters are not planned.
+    pub fn mtp_modules(&self) -> usize {
+        match self {
+            Self::Qwen3Moe(_) => 0,
+            Self::DeepseekV3(c) => c.num_nextn_predict_layers,
+        }
+    }
+
+    /// Parameters a rank of pipeline stage `stage` holds under `layout`'s split (its `vpp` and
+    /// `pp_layout`; see [`super::qwen3_moe_rank_params`]).
     pub fn rank_params(&self, layout: &ParallelLayout, stage: usize) -> RankParams {
         match self {
             Self::Qwen3Moe(c) => qwen3_moe_rank_params(c, layout, stage),
             Self::DeepseekV3(c) => deepseek_v3_rank_params(c, layout, stage),
+        }
+    }
+
+    /// Parameters a rank holding `chunks` (virtual stages, see [`super::rank_chunks`]) holds.
+    pub fn chunk_params(&self, layout: &ParallelLayout, chunks: &[StageParts]) -> RankParams {
+        match self {
+            Self::Qwen3Moe(c) => qwen3_moe_chunk_params(c, layout, chunks),
+            Self::DeepseekV3(c) => deepseek_v3_chunk_params(c, layout, chunks),
         }
     }
 }

@@ -572,6 +572,97 @@ mod tests {
     }
 
     #[test]
+    fn vpp_parses_displays_and_keeps_the_grid() {
+        let plain = ParallelLayout::parse(8, "pp=2,ep=2").unwrap();
+        assert_eq!(plain.vpp, 1);
+        let spec: LayoutSpec = "pp=2, vpp=3 ,ep=2".parse().unwrap();
+        assert_eq!(spec.vpp, Some(3));
+        let interleaved = ParallelLayout::new(8, &spec).unwrap();
+        assert_eq!(interleaved.vpp, 3);
+        // The rank grid is the same: degrees and every group.
+        assert_eq!(
+            ParallelLayout {
+                vpp: 1,
+                ..interleaved.clone()
+            },
+            plain
+        );
+        for tokens in ["pp", "tp-cp", "dp", "dp-cp"] {
+            assert_eq!(
+                interleaved
+                    .dense_generator()
+                    .unwrap()
+                    .get_ranks(tokens)
+                    .unwrap(),
+                plain.dense_generator().unwrap().get_ranks(tokens).unwrap()
+            );
+        }
+        for tokens in ["ep", "pp", "dp", "tp-ep-pp"] {
+            assert_eq!(
+                interleaved
+                    .expert_generator()
+                    .unwrap()
+                    .get_ranks(tokens)
+                    .unwrap(),
+                plain.expert_generator().unwrap().get_ranks(tokens).unwrap()
+            );
+        }
+        // Display: `vpp=V` only when V > 1, so existing strings print as before.
+        let shown = plain.to_string();
+        assert!(!shown.contains("vpp"), "{shown}");
+        assert_eq!(
+            ParallelLayout::parse(8, "pp=2,ep=2,vpp=1")
+                .unwrap()
+                .to_string(),
+            shown
+        );
+        assert_eq!(interleaved.to_string(), format!("{shown} | vpp=3"));
+        // The displayed values parse back to the same layout.
+        let again = ParallelLayout::parse(
+            8,
+            &format!(
+                "tp={},cp={},pp={},ep={},etp={},order={},vpp={}",
+                interleaved.tp,
+                interleaved.cp,
+                interleaved.pp,
+                interleaved.ep,
+                interleaved.etp,
+                interleaved.order,
+                interleaved.vpp
+            ),
+        )
+        .unwrap();
+        assert_eq!(again, interleaved);
+        assert_eq!(ParallelLayout::single().vpp, 1);
+    }
+
+    #[test]
+    fn vpp_refusals_name_vpp() {
+        let cases = [
+            (4, "vpp=2", "vpp"),
+            (4, "pp=1,vpp=2", "vpp"),
+            (4, "pp=2,vpp=0", "vpp"),
+            (4, "pp=2,vpp=2,vpp=2", "layout"),
+            (4, "pp=2,vpp=two", "layout"),
+            (4, "pp_layout=Et|tL", "pp_layout"),
+        ];
+        for (world, spec, field) in cases {
+            match ParallelLayout::parse(world, spec) {
+                Err(BackendError::Layout { field: f, detail }) => {
+                    assert_eq!(f, field, "{spec}: {detail}");
+                    if field == "vpp" && spec.contains("vpp=2") {
+                        assert!(detail.contains("pp > 1"), "{detail}");
+                    }
+                }
+                other => panic!("{spec}: expected a layout error, got {other:?}"),
+            }
+        }
+        // The unknown-key message lists vpp.
+        let err = ParallelLayout::parse(4, "vp=2").unwrap_err().to_string();
+        assert!(err.contains("vpp"), "{err}");
+    }
+
+    #[test]
     fn generator_rejects_ep_with_cp() {
         assert!(RankGenerator::new(1, 2, 1, 1, 2, DEFAULT_ORDER, 0).is_err());
     }

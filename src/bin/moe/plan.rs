@@ -41,9 +41,16 @@ pub struct Args {
     /// Global batch in sequences (default: 4·pp micro-batches per step).
     #[arg(long)]
     pub global_batch: Option<usize>,
-    /// Virtual pipeline stages per rank (interleaved 1F1B).
-    #[arg(long, default_value_t = 1)]
-    pub vpp: usize,
+    /// Virtual pipeline stages per rank (interleaved 1F1B): the same as `vpp=V` in `--layout`
+    /// (which it must agree with); with the search, applied to the layouts with `pp > 1`.
+    #[arg(long)]
+    pub vpp: Option<usize>,
+    /// Which layers each virtual pipeline stage holds, in Megatron's
+    /// `--pipeline-model-parallel-layout` syntax (e.g. `Et*3|t*4|t*4|t*3L`; `m` for MTP
+    /// modules): the same as `pp_layout=…` in `--layout` (which it must agree with). Without
+    /// it, layers are split contiguously (the remainder on the earlier virtual stages).
+    #[arg(long, value_name = "LAYOUT")]
+    pub pipeline_layout: Option<String>,
     /// FP8 activations (linear inputs) and FP8 primary weights.
     #[arg(long)]
     pub fp8: bool,
@@ -92,7 +99,7 @@ fn options(args: &Args) -> anyhow::Result<PlanOptions> {
         seq: args.seq,
         micro_batch: args.mbs,
         global_batch: args.global_batch,
-        vpp: args.vpp.max(1),
+        vpp: args.vpp.unwrap_or(1),
         fp8: args.fp8,
         recompute: args.recompute.parse()?,
         memory_efficient_permutation: args.memory_efficient_permutation,
@@ -128,6 +135,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let model = load_model(&args.model)?;
     let opts = options(&args)?;
     if args.search || args.layout.is_none() {
+        if args.pipeline_layout.is_some() {
+            bail!(
+                "pipeline_layout: --pipeline-layout needs --layout without --search (the search \
+                 splits layers contiguously)"
+            );
+        }
         let Some(gpus) = args.gpus else {
             bail!("--gpus is needed to search layouts (or give --layout)");
         };
@@ -179,7 +192,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(gpus) = args.gpus {
         spec.world = Some(gpus);
     }
+    merge_pipeline_flags(&mut spec, &args)?;
     let layout = ParallelLayout::from_spec(&spec)?;
+    // The layout carries vpp now (plan_layout takes it from there).
+    let opts = PlanOptions { vpp: 1, ..opts };
     let plan = plan_layout(&model, &layout, &opts)?;
     let shape = model.shape();
     // Tokens per rank entering the MoE layer: the micro-batch split over TP (SP) and CP.
@@ -221,6 +237,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Folds `--vpp` and `--pipeline-layout` into the layout spec: used where `--layout` gives
+/// none, refused (naming the field) where it gives another.
+fn merge_pipeline_flags(spec: &mut LayoutSpec, args: &Args) -> anyhow::Result<()> {
+    if let Some(vpp) = args.vpp {
+        match spec.vpp {
+            Some(given) if given != vpp => {
+                bail!("vpp: --vpp {vpp} contradicts vpp={given} in --layout (give one of them)")
+            }
+            _ => spec.vpp = Some(vpp),
+        }
+    }
+    if let Some(text) = &args.pipeline_layout {
+        let bare = |t: &str| t.chars().filter(|c| !c.is_whitespace()).collect::<String>();
+        match &spec.pp_layout {
+            Some(given) if bare(given) != bare(text) => bail!(
+                "pipeline_layout: --pipeline-layout `{text}` contradicts pp_layout={given} in \
+                 --layout (give one of them)"
+            ),
+            Some(_) => {}
+            None => spec.pp_layout = Some(text.clone()),
+        }
+    }
+    Ok(())
+}
+
 fn print_table(plan: &LayoutPlan) {
     let gb = |b: f64| b / 1e9;
     println!(
@@ -228,13 +269,30 @@ fn print_table(plan: &LayoutPlan) {
         plan.layout, plan.vpp, plan.microbatches
     );
     println!(
-        "{:>5} {:>14} {:>9} {:>11} {:>9} {:>9}",
-        "stage", "params/rank", "w+g GB", "master+opt", "act GB", "total GB"
+        "pipeline: {} ({})",
+        burn_moe::models::plan::split_layout(&plan.split),
+        if plan.pipeline_layout.is_some() {
+            "explicit layout"
+        } else {
+            "contiguous split"
+        }
+    );
+    println!(
+        "{:>5} {:>7} {:>6} {:>14} {:>9} {:>11} {:>9} {:>9}",
+        "stage", "layers", "holds", "params/rank", "w+g GB", "master+opt", "act GB", "total GB"
     );
     for s in &plan.stages {
+        let holds = format!(
+            "{}{}{}",
+            if s.holds_embedding() { "E" } else { "" },
+            if s.mtp_modules() > 0 { "m" } else { "" },
+            if s.holds_head() { "L" } else { "" }
+        );
         println!(
-            "{:>5} {:>14} {:>9.2} {:>11.2} {:>9.2} {:>9.2}",
+            "{:>5} {:>7} {:>6} {:>14} {:>9.2} {:>11.2} {:>9.2} {:>9.2}",
             s.stage,
+            s.layer_count(),
+            holds,
             s.params.total(),
             gb(s.state.weights_grads()),
             gb(s.state.master_optimizer()),

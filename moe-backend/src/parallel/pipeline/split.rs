@@ -160,7 +160,7 @@ impl PipelineSplit {
             .map(|v| StageParts {
                 embedding: v == 0,
                 layers: v * per..(v + 1) * per,
-                mtp: if v + 1 == stages { 0..mtp } else { mtp..mtp },
+                mtp: if v + 1 == stages { 0..mtp } else { 0..0 },
                 loss: v + 1 == stages,
             })
             .collect();
