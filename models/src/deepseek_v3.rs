@@ -291,33 +291,13 @@ pub struct DeepseekV3ForCausalLM {
     config: DeepseekV3Config,
 }
 
+crate::distributed::stage_model!(DeepseekV3ForCausalLM, |model, stage| {
+    if !stage.mtp {
+        model.mtp = Vec::new();
+    }
+});
+
 impl DeepseekV3ForCausalLM {
-    /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
-    /// their global index), the embedding, final norm and output layer only where held.
-    /// Applied to the lazy template before loading, so nothing else is ever allocated.
-    pub fn select_stage(
-        mut self,
-        stage: &crate::weights::StageHolding,
-    ) -> Result<Self, ModelError> {
-        self.model.layers = self.model.layers.select(&stage.layers)?;
-        if !stage.embedding {
-            self.model.embed_tokens = None;
-        }
-        if !stage.head {
-            self.model.norm = None;
-            self.lm_head = None;
-        }
-        if !stage.mtp {
-            self.mtp = Vec::new();
-        }
-        Ok(self)
-    }
-
-    /// The device the model's parameters live on.
-    pub fn device(&self) -> burn::tensor::Device {
-        crate::weights::module_device(self)
-    }
-
     /// Loads every main-model tensor by its HF name (models.md §6); experts per expert or
     /// stacked, not mixed; `e_score_correction_bias` is kept in f32 and never trained.
     /// Modules are built from the loaded tensors (nothing is initialised and overwritten).

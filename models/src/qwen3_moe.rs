@@ -201,30 +201,9 @@ pub struct Qwen3MoeForCausalLM {
     config: Qwen3MoeConfig,
 }
 
+crate::distributed::stage_model!(Qwen3MoeForCausalLM);
+
 impl Qwen3MoeForCausalLM {
-    /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
-    /// their global index), the embedding, final norm and output layer only where held.
-    /// Applied to the lazy template before loading, so nothing else is ever allocated.
-    pub fn select_stage(
-        mut self,
-        stage: &crate::weights::StageHolding,
-    ) -> Result<Self, ModelError> {
-        self.model.layers = self.model.layers.select(&stage.layers)?;
-        if !stage.embedding {
-            self.model.embed_tokens = None;
-        }
-        if !stage.head {
-            self.model.norm = None;
-            self.lm_head = None;
-        }
-        Ok(self)
-    }
-
-    /// The device the model's parameters live on.
-    pub fn device(&self) -> burn::tensor::Device {
-        crate::weights::module_device(self)
-    }
-
     /// Loads every tensor by its HF name (models.md §6). Experts may be stored per expert or
     /// stacked (`mlp.experts.gate_up_proj` / `down_proj`), not mixed; shapes are checked and
     /// errors name the tensor. Modules are built from the loaded tensors (nothing is

@@ -417,9 +417,15 @@ fn cp_comm(spec: &str) -> (&str, CpCommType) {
     }
 }
 
-fn cp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
+/// `layouts` (a `;p2p` suffix selects the context-parallel ring) against `world=1` with
+/// ε = 1e-3, at the tight tolerance; one reference run per replica count.
+fn tight_layouts_match_one_rank<M: ParallelCausalLm + Sync>(
+    start: &M,
+    vocab: usize,
+    layouts: &[(usize, &str)],
+) {
     let mut references: Vec<(usize, Run<M>)> = Vec::new();
-    for (world, spec) in CP_LAYOUTS {
+    for &(world, spec) in layouts {
         let replicas = ParallelLayout::parse(world, cp_comm(spec).0)
             .expect("layout")
             .dp;
@@ -441,6 +447,10 @@ fn cp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize
             false,
         );
     }
+}
+
+fn cp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
+    tight_layouts_match_one_rank(start, vocab, &CP_LAYOUTS);
 }
 
 #[test]
@@ -479,27 +489,7 @@ const PP_LAYOUTS: [(usize, &str); 4] = [
 ];
 
 fn pp_layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
-    let mut references: Vec<(usize, Run<M>)> = Vec::new();
-    for (world, spec) in PP_LAYOUTS {
-        let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
-        if !references.iter().any(|(r, _)| *r == replicas) {
-            let run = single_rank(start, vocab, replicas, 1e-3, AuxLossType::Aux);
-            references.push((replicas, run));
-        }
-        let (_, reference) = references
-            .iter()
-            .find(|(r, _)| *r == replicas)
-            .expect("reference");
-        check(
-            (world, spec),
-            start,
-            vocab,
-            reference,
-            1e-3,
-            AuxLossType::Aux,
-            false,
-        );
-    }
+    tight_layouts_match_one_rank(start, vocab, &PP_LAYOUTS);
 }
 
 #[test]

@@ -410,13 +410,7 @@ impl CausalLmShard for ParallelDeepseekV3 {
         }))
     }
 
-    fn pipeline(&self) -> Option<&super::PipelinePlace> {
-        self.rt.pipeline()
-    }
-
-    fn embedding_id(&self) -> Option<burn::module::ParamId> {
-        self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
-    }
+    crate::distributed::stage_accessors!();
 
     fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
         (self

@@ -51,6 +51,7 @@ mod stack;
 
 pub use context_parallel::{CpCommType, CpExchange, ring_gather_sequence};
 pub use pipeline::{ChunkParts, PipelineModel, PipelinePlace};
+pub(crate) use pipeline::{stage_accessors, stage_model};
 use runtime::SpRuntime;
 /// One rank's parallel context: what a model's forward is written against (see
 /// [`SpRuntime`]'s methods; the built-in models use it too).
@@ -544,34 +545,7 @@ impl CausalLmShard for ParallelQwen3Moe {
         })
     }
 
-    fn forward_train_chunk(
-        &self,
-        chunk: &ChunkParts,
-        moe_offset: usize,
-        batch: &TrainBatch,
-        device: &Device,
-        aux_grad_scale: f64,
-        _mtp: bool,
-        input: Option<Tensor<2>>,
-    ) -> Result<sharded::ChunkForward, ModelError> {
-        (self.rt).train_chunk(
-            &self.model,
-            chunk,
-            moe_offset,
-            batch,
-            device,
-            aux_grad_scale,
-            input,
-        )
-    }
-
-    fn pipeline(&self) -> Option<&PipelinePlace> {
-        self.rt.pipeline()
-    }
-
-    fn embedding_id(&self) -> Option<burn::module::ParamId> {
-        self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
-    }
+    crate::distributed::stage_accessors!(decoder_stack);
 
     fn moe_layers_in(&self, layers: Range<usize>) -> usize {
         (self

@@ -161,3 +161,86 @@ impl PipelinePlace {
         self.holding.embedding && !self.is_first()
     }
 }
+
+/// `select_stage` and `device` of a built-in causal LM (`model.layers` a
+/// [`crate::layers::LayerStack`], `model.embed_tokens`, `model.norm`, `lm_head`), with an
+/// optional extra step for its own parts (DeepSeek-V3's MTP modules).
+macro_rules! stage_model {
+    ($ty:ty) => {
+        $crate::distributed::stage_model!($ty, |_model, _stage| {});
+    };
+    ($ty:ty, |$model:ident, $stage:ident| $extra:block) => {
+        impl $ty {
+            /// The parts of the model a pipeline stage holds (`stage`): its decoder layers
+            /// (named by their global index), the embedding, final norm and output layer only
+            /// where held. Applied to the lazy template before loading, so nothing else is
+            /// ever allocated.
+            pub fn select_stage(
+                mut self,
+                stage: &$crate::weights::StageHolding,
+            ) -> Result<Self, $crate::ModelError> {
+                self.model.layers = self.model.layers.select(&stage.layers)?;
+                if !stage.embedding {
+                    self.model.embed_tokens = None;
+                }
+                if !stage.head {
+                    self.model.norm = None;
+                    self.lm_head = None;
+                }
+                {
+                    let ($model, $stage) = (&mut self, stage);
+                    $extra
+                }
+                Ok(self)
+            }
+
+            /// The device the model's parameters live on.
+            pub fn device(&self) -> burn::tensor::Device {
+                $crate::weights::module_device(self)
+            }
+        }
+    };
+}
+pub(crate) use stage_model;
+
+/// [`super::CausalLmShard::pipeline`] and [`super::CausalLmShard::embedding_id`] of a built-in
+/// shard (`self.rt`, `self.model.model.embed_tokens`); with `decoder_stack`, also its
+/// [`super::CausalLmShard::forward_train_chunk`] through
+/// [`super::ParallelContext`]'s generic chunk forward (models without MTP).
+macro_rules! stage_accessors {
+    (decoder_stack) => {
+        fn forward_train_chunk(
+            &self,
+            chunk: &$crate::distributed::ChunkParts,
+            moe_offset: usize,
+            batch: &$crate::train::TrainBatch,
+            device: &burn::tensor::Device,
+            aux_grad_scale: f64,
+            _mtp: bool,
+            input: Option<burn::tensor::Tensor<2>>,
+        ) -> Result<$crate::distributed::sharded::ChunkForward, $crate::ModelError> {
+            let (model, rt) = (&self.model, &self.rt);
+            rt.train_chunk(
+                model,
+                chunk,
+                moe_offset,
+                batch,
+                device,
+                aux_grad_scale,
+                input,
+            )
+        }
+
+        $crate::distributed::stage_accessors!();
+    };
+    () => {
+        fn pipeline(&self) -> Option<&$crate::distributed::PipelinePlace> {
+            self.rt.pipeline()
+        }
+
+        fn embedding_id(&self) -> Option<burn::module::ParamId> {
+            self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
+        }
+    };
+}
+pub(crate) use stage_accessors;

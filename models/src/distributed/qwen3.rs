@@ -225,34 +225,7 @@ impl CausalLmShard for ParallelQwen3 {
         })
     }
 
-    fn forward_train_chunk(
-        &self,
-        chunk: &super::ChunkParts,
-        moe_offset: usize,
-        batch: &TrainBatch,
-        device: &Device,
-        aux_grad_scale: f64,
-        _mtp: bool,
-        input: Option<Tensor<2>>,
-    ) -> Result<super::sharded::ChunkForward, ModelError> {
-        (self.rt).train_chunk(
-            &self.model,
-            chunk,
-            moe_offset,
-            batch,
-            device,
-            aux_grad_scale,
-            input,
-        )
-    }
-
-    fn pipeline(&self) -> Option<&super::PipelinePlace> {
-        self.rt.pipeline()
-    }
-
-    fn embedding_id(&self) -> Option<burn::module::ParamId> {
-        self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
-    }
+    crate::distributed::stage_accessors!(decoder_stack);
 
     fn moe_layers_in(&self, _layers: std::ops::Range<usize>) -> usize {
         0
