@@ -117,7 +117,12 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 fn layouts_match_one_rank<M: ParallelCausalLm + Sync>(start: &M) {
-    for (world, spec) in [(4, "tp=2,ep=4"), (4, "ep=2,etp=2"), (2, "ep=2")] {
+    for (world, spec) in [
+        (4, "tp=2,ep=4"),
+        (4, "ep=2,etp=2"),
+        (2, "ep=2"),
+        (3, "pp=3"),
+    ] {
         let layout = ParallelLayout::parse(world, spec).expect("layout");
         let replicas = layout.dp;
         let (_, reference) = train(start, (1, ""), true, replicas);

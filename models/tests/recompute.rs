@@ -91,12 +91,12 @@ fn recomputing(modules: &str) -> TrainerConfig {
 }
 
 /// Every supported module, alone and together, on DeepSeek-V3 (MLA core attention, routed
-/// experts with shared experts, a dense first layer) under one rank and `tp=2,ep=4`.
+/// experts with shared experts, a dense first layer) under one rank, `tp=2,ep=4` and `pp=3`.
 #[test]
 fn selective_recompute_gives_bit_identical_deepseek_training() {
     let device = Device::flex().autodiff();
     let start = deepseek(&device);
-    for spec in [(1, ""), (4, "tp=2,ep=4")] {
+    for spec in [(1, ""), (4, "tp=2,ep=4"), (3, "pp=3")] {
         let plain = train(&start, device.clone(), spec, TrainerConfig::default());
         for modules in [
             "core_attn",
@@ -120,7 +120,7 @@ fn selective_recompute_gives_bit_identical_deepseek_training() {
 fn selective_recompute_gives_bit_identical_qwen3_moe_training() {
     let device = Device::flex().autodiff();
     let start = qwen3_moe(&device);
-    for spec in [(1, ""), (2, "ep=2"), (4, "tp=2,ep=2")] {
+    for spec in [(1, ""), (2, "ep=2"), (4, "tp=2,ep=2"), (3, "pp=3")] {
         let plain = train(&start, device.clone(), spec, TrainerConfig::default());
         for modules in ["core_attn,moe_act,mlp", "full"] {
             let got = train(&start, device.clone(), spec, recomputing(modules));
@@ -207,7 +207,7 @@ fn recompute_modules_that_would_save_nothing_are_refused() {
 fn shared_expert_overlap_gives_bit_identical_training() {
     let device = Device::flex().autodiff();
     let start = deepseek(&device);
-    for spec in [(1, ""), (4, "tp=2,ep=4")] {
+    for spec in [(1, ""), (4, "tp=2,ep=4"), (3, "pp=3")] {
         let plain = train(&start, device.clone(), spec, TrainerConfig::default());
         for recompute in ["none", "shared_experts"] {
             let config = TrainerConfig {

@@ -477,6 +477,8 @@ pub struct DistributedAdamW {
     /// Ranges of the dense shard (shard coordinates) this rank counts in the global norm, or
     /// `None` for the whole shard (every dense parameter counts on this TP rank).
     norm_ranges: Option<Vec<Range<usize>>>,
+    /// Dense parameters left out of the gradient norm ([`DistributedAdamW::exclude_from_norm`]).
+    norm_excluded: Vec<ParamId>,
     /// `1/|dp_cp|`, the gradient pre-factor of both classes.
     scale: f32,
     pub(super) step: i32,
@@ -538,6 +540,7 @@ impl DistributedAdamW {
             dense,
             expert,
             norm_ranges,
+            norm_excluded: Vec::new(),
             tp,
             world,
             config,
@@ -766,7 +769,13 @@ impl DistributedAdamW {
             });
         }
         self.norm_ranges = norm_ranges(&self.table, &self.dense, self.tp.rank(), ids);
+        self.norm_excluded = ids.to_vec();
         Ok(())
+    }
+
+    /// The parameters left out of the gradient norm ([`exclude_from_norm`](Self::exclude_from_norm)).
+    pub fn norm_excluded(&self) -> &[ParamId] {
+        &self.norm_excluded
     }
 
     /// Sets the decoupled weight decay of the following steps (a weight-decay schedule).

@@ -1164,7 +1164,9 @@ impl MuonAdamW {
             let counted = if p.class.is_expert() {
                 m.expt_dp.rank() == 0
             } else {
-                m.dp_cp.rank() == 0 && !(p.class.tp_replicated() && m.tp.rank() != 0)
+                m.dp_cp.rank() == 0
+                    && !(p.class.tp_replicated() && m.tp.rank() != 0)
+                    && !self.adamw.norm_excluded().contains(&p.id)
             };
             if !counted || p.numel() == 0 {
                 continue;
