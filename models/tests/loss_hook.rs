@@ -75,3 +75,49 @@ fn cross_entropy_through_the_hook_equals_the_sft_step() {
         assert_eq!(a, b, "rank {rank}: parameters after 3 steps");
     }
 }
+
+/// Under pipeline parallelism the hook (a whole-model forward) is refused naming `pp`, and
+/// the whole-model forward itself refuses too; the SFT step runs the pipeline.
+#[test]
+fn the_hook_is_refused_under_pipeline_stages() {
+    let device = Device::flex().autodiff();
+    let full = fixture().init(&device).expect("init");
+    let layout = ParallelLayout::parse(3, "pp=3").expect("layout");
+    let (full, layout, dev) = (&full, &layout, &device);
+    let results = World::run(3, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let config = TrainerConfig::default();
+        let mut trainer = Trainer::new(full, &pg, ctx.world()?, config, dev).map_err(backend)?;
+        let batch =
+            TrainBatch::causal((0..16).map(|i| i as i64 * 3).collect(), 2).map_err(backend)?;
+        let forward = trainer
+            .model()
+            .forward_loss(&batch.input_ids, &batch.labels, 2, dev)
+            .err()
+            .map(|e| e.to_string());
+        let hook = trainer
+            .step_with(
+                std::slice::from_ref(&batch),
+                |shard, b: &TrainBatch, scale| {
+                    let out =
+                        shard.forward_loss_scaled(&b.input_ids, &b.labels, b.batch, dev, scale)?;
+                    Ok((out.loss, b.target_tokens()))
+                },
+            )
+            .err()
+            .map(|e| e.to_string());
+        let sft = trainer.step(&batch).map_err(backend)?;
+        Ok((forward, hook, sft.loss))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (forward, hook, loss) = r.expect("rank");
+        for e in [forward, hook] {
+            let e = e.unwrap_or_else(|| panic!("rank {rank}: not refused"));
+            assert!(
+                e.contains("pp") && (e.contains("every layer") || e.contains("whole-model")),
+                "{e}"
+            );
+        }
+        assert!(loss.is_finite() && loss > 0.0, "rank {rank}: {loss}");
+    }
+}

@@ -867,6 +867,13 @@ impl<M: ParallelCausalLm> Trainer<M> {
         mut loss: impl FnMut(&M::Shard, &B, f64) -> Result<(Tensor<1>, usize), ModelError>,
     ) -> Result<StepStats, ModelError> {
         let start = Instant::now();
+        if self.model.pipeline().is_some() {
+            return Err(ModelError::unsupported(
+                "pp",
+                "a caller-defined loss runs a whole-model forward; under pipeline parallelism \
+                 train with `step_micro_batches`",
+            ));
+        }
         if micro.is_empty() {
             return Err(ModelError::input(
                 "micro_batches",
