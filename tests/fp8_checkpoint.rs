@@ -142,7 +142,9 @@ fn run(
                 "{name} exports non-finite values"
             );
         }
-        for (l, layer) in model.model.layers.iter().enumerate() {
+        // Layers by their global index (a pipeline stage holds some).
+        let ids = model.model.layers.ids();
+        for (&l, layer) in ids.iter().zip(model.model.layers.iter()) {
             if let burn_moe::models::qwen3_moe::Qwen3MoeFeedForward::Sparse(b) = &layer.mlp {
                 let fc1 = &b.moe.experts.fc1;
                 let w = trainer.optimizer().fp8_weight(fc1.id).expect("fc1 is FP8");
@@ -254,6 +256,18 @@ fn fp8_primary_weights_save_export_and_reshard_bit_exactly() {
     );
     for boxes in &restored {
         assert_boxes_are_stored(&ckpt, boxes, [8, 8], "restored under B");
+    }
+    // Pipeline stages (one layer each, experts over EP2) adopt them too.
+    let c = ParallelLayout::parse_spec("world=6,pp=3,ep=2").expect("layout");
+    let staged = run(&c, 8, 0, Some(&dir), None);
+    assert!(
+        staged
+            .iter()
+            .any(|boxes| boxes.keys().any(|(f, _)| f == fqn)),
+        "the stage of layer 1 holds its experts"
+    );
+    for boxes in &staged {
+        assert_boxes_are_stored(&ckpt, boxes, [8, 8], "restored under pp=3,ep=2");
     }
     // A recipe with other blocks cannot adopt 8x8 codes: it re-casts the restored master
     // weights into 16x16 blocks (and then trains on).
