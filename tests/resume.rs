@@ -263,3 +263,11 @@ fn uneven_and_virtual_pipeline_stages_resume() {
         "world=2,pp=2,pp_layout=Ett|t{m}L",
     );
 }
+
+/// Context-parallel ranks save and restore like any other: a checkpoint of `cp=2` (with EP)
+/// reloads bit for bit on one rank and resumes there, and the reverse.
+#[test]
+fn context_parallel_checkpoints_resume_across_cp() {
+    resume_matches_uninterrupted("world=4,cp=2,ep=2", "world=1");
+    resume_matches_uninterrupted("world=1", "world=4,tp=2,cp=2,ep=2");
+}
