@@ -172,11 +172,13 @@ fn resume_model_matches_uninterrupted<M: ParallelCausalLm + PlacedModel + Sync>(
 ) {
     let layout_a = ParallelLayout::parse_spec(a).expect("layout A");
     let layout_b = ParallelLayout::parse_spec(b).expect("layout B");
+    // Unique per call: tests run at once and may resume from the same layout.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!(
-        "burn-moe-resume-{}-{}-{}",
+        "burn-moe-resume-{}-{n}-{}",
         std::process::id(),
-        model.1,
-        a.replace([',', '=', '|', '*', '{', '}'], "_")
+        model.1
     ));
     let _ = std::fs::remove_dir_all(&dir);
     run(&layout_a, &start, model, 0..3, None, Some(&dir));
