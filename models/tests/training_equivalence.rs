@@ -817,3 +817,74 @@ fn deepseek_v3_trains_with_the_mtp_loss_off() {
     );
     assert_eq!(after[n - 1], before[n - 1], "the MTP router keeps its bias");
 }
+
+/// Packed micro-batches (several documents per row, Megatron THD) through pipeline stages:
+/// the same steps under `pp=3` and `pp=3,cp=2` as on one rank (losses and every parameter).
+fn packed_pipeline_matches_one_rank<M: ParallelCausalLm + Sync>(start: &M, vocab: usize) {
+    let docs = |step: usize, m: usize| -> Vec<Vec<i64>> {
+        [5, 3, 6, 2]
+            .iter()
+            .enumerate()
+            .map(|(d, &len)| sequence(step, m * 4 + d, vocab)[..len].to_vec())
+            .collect()
+    };
+    let micro = |step: usize| -> Vec<TrainBatch> {
+        (0..MICRO)
+            .map(|m| TrainBatch::packed(&docs(step, m), 2, S, 0).expect("packed"))
+            .collect()
+    };
+    let run = |(world, spec): (usize, &str)| {
+        let layout = ParallelLayout::parse(world, spec).expect("layout");
+        let layout = &layout;
+        World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout)?;
+            let config = config(1e-3, AuxLossType::Aux);
+            let mut trainer = Trainer::new(start, &pg, ctx.world()?, config, &ad()).map_err(be)?;
+            let losses = (0..3)
+                .map(|step| trainer.step_micro_batches(&micro(step)).map(|s| s.loss))
+                .collect::<Result<Vec<f32>, _>>()
+                .map_err(be)?;
+            Ok((losses, trainer.model().model().clone(), pg))
+        })
+        .into_iter()
+        .map(|r| r.expect("rank"))
+        .collect::<Vec<_>>()
+    };
+    let reference = run((1, ""));
+    let (want_losses, want_model, _) = &reference[0];
+    for spec in [(3, "pp=3"), (6, "pp=3,cp=2")] {
+        for (rank, (losses, model, pg)) in run(spec).into_iter().enumerate() {
+            let what = format!("{} rank {rank}", spec.1);
+            for (got, want) in losses.iter().zip(want_losses) {
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs(),
+                    "{what}: loss {got} vs {want}"
+                );
+            }
+            let want = want_model
+                .shard(&pg, DispatcherKind::AllToAll)
+                .expect("shard");
+            let flat = |m: &M| {
+                let mut v = Vec::new();
+                burn::module::Module::visit(m, &mut Flat(&mut v));
+                v
+            };
+            close(&flat(&model), &flat(want.model()), false, &what);
+        }
+    }
+}
+
+/// Every float parameter of a module, flattened in visiting order.
+struct Flat<'a>(&'a mut Vec<f32>);
+
+impl burn::module::ModuleVisitor for Flat<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        self.0.extend(f32s(param.val()));
+    }
+}
+
+#[test]
+fn packed_batches_through_pipeline_stages_match_one_rank() {
+    packed_pipeline_matches_one_rank(&qwen3_moe(&ad()), 256);
+    packed_pipeline_matches_one_rank(&deepseek(&ad()), 256);
+}
