@@ -51,8 +51,9 @@ fn qwen3_moe_rank_params_match_the_sharded_model() {
 
 #[test]
 fn deepseek_v3_rank_params_match_the_sharded_model() {
-    let mut config = DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap();
-    config.num_nextn_predict_layers = 0;
+    // With its MTP module (on the one pipeline stage here).
+    let config = DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap();
+    assert_eq!(config.num_nextn_predict_layers, 1);
     let full = config.init(&Device::flex()).unwrap();
     for (world, spec) in LAYOUTS {
         let layout = ParallelLayout::parse(world, spec).unwrap();
@@ -67,11 +68,43 @@ fn deepseek_v3_rank_params_match_the_sharded_model() {
             assert_eq!(held.unwrap(), planned, "{spec}");
         }
     }
+    // One rank: the main model and the MTP module without its stored copies of the
+    // embedding and the head (the main model's, shared).
     let single = ParallelLayout::single();
+    let count = config.param_count();
+    let copies = 2 * (config.vocab_size * config.hidden_size) as u64;
     assert_eq!(
         deepseek_v3_rank_params(&config, &single, 0).total(),
-        config.param_count().total
+        count.total + count.mtp - copies
     );
+}
+
+/// Pipeline stages of DeepSeek-V3: the planner's per-stage parameters (the MTP module and the
+/// last stage's copy of the embedding included) equal what each stage's shard holds.
+#[test]
+fn deepseek_v3_stage_params_match_the_sharded_stages() {
+    let config = DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap();
+    let full = config.init(&Device::flex()).unwrap();
+    for (world, spec) in [
+        (3, "pp=3"),
+        (4, "pp=2,ep=2,pp_layout=Et|ttmL"),
+        (4, "tp=2,pp=2,pp_layout=Ett|tmL"),
+        (2, "pp=2,vpp=2,pp_layout=E|t|t|tmL"),
+    ] {
+        let layout = ParallelLayout::parse(world, spec).unwrap();
+        let (full_ref, layout_ref) = (&full, &layout);
+        for held in World::run(world, |ctx| {
+            let pg = ctx.process_groups(layout_ref)?;
+            let stage = pg.groups.get(moe_backend::parallel::GroupFamily::Pp).index;
+            let shard = ParallelDeepseekV3::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            Ok((stage, shard.model.num_params()))
+        }) {
+            let (stage, n) = held.unwrap();
+            let planned = deepseek_v3_rank_params(&config, &layout, stage).total();
+            assert_eq!(n as u64, planned, "{spec} stage {stage}");
+        }
+    }
 }
 
 /// The planner's optimizer traffic per step equals what the in-process ZeRO-1 step sends.

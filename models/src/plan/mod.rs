@@ -307,8 +307,8 @@ pub fn qwen3_moe_chunk_params(
     p
 }
 
-/// Per-rank parameters of a DeepSeek-V3 main model (no MTP) on pipeline stage (rank) `stage`,
-/// with the layers `layout` gives it (its `vpp` and `pp_layout`, see
+/// Per-rank parameters of a DeepSeek-V3 model (with its MTP modules) on pipeline stage (rank)
+/// `stage`, with the layers `layout` gives it (its `vpp` and `pp_layout`, see
 /// [`deepseek_v3_chunk_params`]).
 pub fn deepseek_v3_rank_params(
     c: &DeepseekV3Config,
@@ -324,9 +324,10 @@ pub fn deepseek_v3_rank_params(
     deepseek_v3_chunk_params(c, layout, &chunks)
 }
 
-/// Per-rank parameters of a DeepSeek-V3 main model on a rank holding `chunks` (see
-/// [`rank_chunks`]): embedding, final norm (and untied head) and decoder layers where the chunks
-/// hold them. The MTP modules are not counted (the planner's shape has none).
+/// Per-rank parameters of a DeepSeek-V3 model on a rank holding `chunks` (see
+/// [`rank_chunks`]): embedding, final norm (and untied head), decoder layers and MTP modules
+/// where the chunks hold them, and the last stage's copy of the embedding (read by the MTP
+/// modules or a tied head) when another stage owns it.
 pub fn deepseek_v3_chunk_params(
     c: &DeepseekV3Config,
     layout: &ParallelLayout,
@@ -341,7 +342,34 @@ pub fn deepseek_v3_chunk_params(
         c.v_head_dim as u64,
     );
     let kvl = c.kv_lora_rank as u64;
+    // One decoder layer's parameters on this rank (MLA; an MoE block or a dense MLP).
+    let decoder = |moe: bool| {
+        let (q_sharded, q_replicated) = match c.q_lora_rank {
+            Some(r) => {
+                let r = r as u64;
+                (r * nh * (nope + rot) / tp, h * r + r)
+            }
+            None => (h * nh * (nope + rot) / tp, 0),
+        };
+        let mut l = RankParams {
+            dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
+            dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
+            expert: 0,
+            buffers: 0,
+        };
+        if moe {
+            let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
+            l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
+            // The router's `e_score_correction_bias` (moved by counts, not by the optimizer).
+            l.buffers += e;
+            l.expert += (e / ep) * 3 * h * im / etp;
+        } else {
+            l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
+        }
+        l
+    };
     let mut p = RankParams::default();
+    let holds_embedding = chunks.iter().any(|part| part.embedding);
     for part in chunks {
         if part.embedding {
             p.dense_sharded += v * h / tp;
@@ -351,30 +379,21 @@ pub fn deepseek_v3_chunk_params(
             if !c.tie_word_embeddings {
                 p.dense_sharded += v * h / tp;
             }
+            // The last stage's copy of the embedding (a tied head, the MTP modules read it).
+            let reads_embedding = c.tie_word_embeddings || c.num_nextn_predict_layers > 0;
+            if reads_embedding && !holds_embedding {
+                p.dense_sharded += v * h / tp;
+            }
         }
         for layer in part.layers.clone() {
-            let (q_sharded, q_replicated) = match c.q_lora_rank {
-                Some(r) => {
-                    let r = r as u64;
-                    (r * nh * (nope + rot) / tp, h * r + r)
-                }
-                None => (h * nh * (nope + rot) / tp, 0),
-            };
-            let mut l = RankParams {
-                dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
-                dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
-                expert: 0,
-                buffers: 0,
-            };
-            if c.is_moe_layer(layer) {
-                let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
-                l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
-                // The router's `e_score_correction_bias` (moved by counts, not by the optimizer).
-                l.buffers += e;
-                l.expert += (e / ep) * 3 * h * im / etp;
-            } else {
-                l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
-            }
+            p.add(decoder(c.is_moe_layer(layer)));
+        }
+        // MTP module `j` (layer `N + j`): `enorm`, `hnorm`, `eh_proj [h, 2h]` and
+        // `shared_head.norm` replicated, its block sharded like any decoder layer; its
+        // embedding and head are the main model's.
+        for j in part.mtp.clone() {
+            let mut l = decoder(c.is_moe_layer(c.num_hidden_layers + j));
+            l.dense_replicated += 3 * h + 2 * h * h;
             p.add(l);
         }
     }
