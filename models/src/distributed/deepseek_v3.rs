@@ -15,6 +15,7 @@ use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::{
     CausalLmShard, ChunkForward, LoadShard, ParallelCausalLm, TrainForward, roll_rows,
 };
+use super::stack::ChunkRun;
 use super::{
     ChunkParts, DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard, held,
 };
@@ -359,22 +360,21 @@ impl CausalLmShard for ParallelDeepseekV3 {
     ) -> Result<ChunkForward, ModelError> {
         let rt = &self.rt;
         let (input_ids, rows) = (&batch.input_ids, batch.batch);
-        let p = rt.prepare(input_ids, &batch.labels, rows, batch.layout(), device)?;
-        let s = p.s;
-        let mut trace = p.trace(aux_grad_scale);
-        trace.moe_layer_offset = moe_offset;
         let model = &self.model.model;
-        let x = rt.chunk_input(&self.model, chunk, &p, rows, input)?;
-        let (rope, mask) = (&p.rope, p.mask.as_ref());
-        let layers = chunk.layers.clone();
-        let x = rt.decode_layers(&self.model, layers, x, rows, rope, mask, None, &mut trace)?;
+        let run = rt.chunk_layers(
+            &self.model,
+            chunk,
+            moe_offset,
+            batch,
+            device,
+            aux_grad_scale,
+            input,
+        )?;
         if !chunk.loss {
-            return Ok(ChunkForward::Activation {
-                hidden: x,
-                router_losses: trace.losses,
-                expert_load: trace.expert_load,
-            });
+            return Ok(run.passed_on());
         }
+        let ChunkRun { p, mut trace, x } = run;
+        let s = p.s;
         let (head, embed) = (self.model.lm_head.as_ref(), model.embed_tokens.as_ref());
         let mut hidden = held(model.norm.as_ref(), "the final norm")?.forward(x);
         let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.targets)?;

@@ -203,7 +203,7 @@ macro_rules! stage_model {
 }
 pub(crate) use stage_model;
 
-/// [`super::CausalLmShard::pipeline`] and [`super::CausalLmShard::embedding_id`] of a built-in
+/// [`super::CausalLmShard::pipeline`] and [`super::CausalLmShard::embedding`] of a built-in
 /// shard (`self.rt`, `self.model.model.embed_tokens`); with `decoder_stack`, also its
 /// [`super::CausalLmShard::forward_train_chunk`] through
 /// [`super::ParallelContext`]'s generic chunk forward (models without MTP).
@@ -238,8 +238,8 @@ macro_rules! stage_accessors {
             self.rt.pipeline()
         }
 
-        fn embedding_id(&self) -> Option<burn::module::ParamId> {
-            self.model.model.embed_tokens.as_ref().map(|e| e.weight.id)
+        fn embedding(&self) -> Option<&burn::nn::Embedding> {
+            self.model.model.embed_tokens.as_ref()
         }
     };
 }

@@ -147,9 +147,9 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         None
     }
 
-    /// The id of the token embedding's weight, when this rank holds it (used to keep a
-    /// pipeline's embedding copies equal; the default: none).
-    fn embedding_id(&self) -> Option<burn::module::ParamId> {
+    /// The token embedding (this rank's vocabulary rows), when this rank holds it (used to keep
+    /// a pipeline's embedding copies equal; the default: none).
+    fn embedding(&self) -> Option<&burn::nn::Embedding> {
         None
     }
 

@@ -487,21 +487,20 @@ impl SpRuntime {
         }
     }
 
-    /// The training forward of pipeline chunk `chunk` of `model` (a [`DecoderStack`] without
-    /// MTP) on one micro-batch: its input ([`chunk_input`](Self::chunk_input)), its layers
-    /// (routers reporting from MoE layer `moe_offset` of this rank on), and on the last
-    /// virtual stage the final norm, head and loss.
+    /// A pipeline chunk's forward through its layers on one micro-batch: its input
+    /// ([`chunk_input`](Self::chunk_input)) and its layers, the routers reporting from MoE
+    /// layer `moe_offset` of this rank on. What every model's chunk forward starts with.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn train_chunk<M: DecoderStack + ?Sized>(
+    pub(crate) fn chunk_layers<'b, M: DecoderStack + ?Sized>(
         &self,
         model: &M,
         chunk: &ChunkParts,
         moe_offset: usize,
-        batch: &crate::train::TrainBatch,
+        batch: &'b crate::train::TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,
-    ) -> Result<ChunkForward, ModelError> {
+    ) -> Result<ChunkRun<'b>, ModelError> {
         let rows = batch.batch;
         let p = self.prepare(
             &batch.input_ids,
@@ -514,23 +513,38 @@ impl SpRuntime {
         trace.moe_layer_offset = moe_offset;
         let x = self.chunk_input(model, chunk, &p, rows, input)?;
         let (rope, mask) = (&p.rope, p.mask.as_ref());
-        let x = self.decode_layers(
+        let layers = chunk.layers.clone();
+        let x = self.decode_layers(model, layers, x, rows, rope, mask, None, &mut trace)?;
+        Ok(ChunkRun { p, trace, x })
+    }
+
+    /// The training forward of pipeline chunk `chunk` of `model` (a [`DecoderStack`] without
+    /// MTP) on one micro-batch: [`chunk_layers`](Self::chunk_layers), and on the last virtual
+    /// stage the final norm, head and loss.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn train_chunk<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        chunk: &ChunkParts,
+        moe_offset: usize,
+        batch: &crate::train::TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        input: Option<Tensor<2>>,
+    ) -> Result<ChunkForward, ModelError> {
+        let run = self.chunk_layers(
             model,
-            chunk.layers.clone(),
-            x,
-            rows,
-            rope,
-            mask,
-            None,
-            &mut trace,
+            chunk,
+            moe_offset,
+            batch,
+            device,
+            aux_grad_scale,
+            input,
         )?;
         if !chunk.loss {
-            return Ok(ChunkForward::Activation {
-                hidden: x,
-                router_losses: trace.losses,
-                expert_load: trace.expert_load,
-            });
+            return Ok(run.passed_on());
         }
+        let ChunkRun { p, trace, x } = run;
         let normed = model.final_norm()?.forward(x);
         let embed = model.embed_tokens().ok();
         let (loss, _) = self.normed_head_loss(normed, model.lm_head(), embed, &p.targets)?;
@@ -540,5 +554,27 @@ impl SpRuntime {
             router_losses: trace.losses,
             expert_load: trace.expert_load,
         }))
+    }
+}
+
+/// What a pipeline chunk's layers produced ([`SpRuntime::chunk_layers`]): the prepared
+/// micro-batch, the routers' trace and the chunk's output block.
+pub(crate) struct ChunkRun<'b> {
+    /// The micro-batch's prepared inputs (positions, masks, targets).
+    pub p: super::Prepared<'b>,
+    /// The chunk's routers' losses and counts so far.
+    pub trace: RouterTrace,
+    /// The chunk's output, this rank's sequence-parallel block.
+    pub x: Tensor<2>,
+}
+
+impl ChunkRun<'_> {
+    /// The output passed on to the next virtual stage, with the chunk's router statistics.
+    pub(crate) fn passed_on(self) -> ChunkForward {
+        ChunkForward::Activation {
+            hidden: self.x,
+            router_losses: self.trace.losses,
+            expert_load: self.trace.expert_load,
+        }
     }
 }

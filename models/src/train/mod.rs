@@ -456,7 +456,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
         };
         let mut optimizer = optimizer;
-        if let (Some(place), Some(id)) = (model.pipeline(), model.embedding_id())
+        if let (Some(place), Some(id)) = (model.pipeline(), model.embedding().map(|e| e.weight.id))
             && place.holds_embedding_copy()
         {
             // The first stage counts the embedding in the gradient norm.
@@ -590,34 +590,19 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 ..
             } = out;
             add_loads(&mut loads, expert_load)?;
-            let mut row = vec![
-                loss.clone().detach().mul_scalar(tokens[0] as f64),
-                self.logged_aux(&router_losses),
-            ];
-            row.extend(
-                (mtp_losses.iter().zip(&tokens[1..]))
-                    .map(|(l, &n)| l.clone().detach().mul_scalar(n as f64)),
-            );
-            let row = Tensor::cat(row, 0);
+            let weights = MicroWeights {
+                tokens,
+                global: &global,
+                replicas,
+                depths,
+                mtp_scale,
+            };
+            let aux = self.logged_aux(&router_losses);
+            let (objective, row) = weights.weigh(loss, mtp_losses, aux, &self.device);
             logged = Some(match logged {
                 Some(sum) => sum + row,
                 None => row,
             });
-            // The optimizer averages gradients over the `replicas` data-parallel replicas:
-            // scale this micro-batch's token-sum by replicas / global tokens. The router
-            // losses are already attached to the graph.
-            let weight = tokens[0] as f64 * replicas as f64 / global[0];
-            let mut objective = if weight == 1.0 {
-                loss
-            } else {
-                loss.mul_scalar(weight)
-            };
-            for (j, l) in mtp_losses.into_iter().enumerate().take(depths) {
-                if global[j + 1] > 0.0 {
-                    let w = tokens[j + 1] as f64 * replicas as f64 / global[j + 1];
-                    objective = objective + l.mul_scalar(w * mtp_scale / depths as f64);
-                }
-            }
             let grads = GradientsParams::from_grads(objective.backward(), self.model.model());
             accumulator.accumulate(self.model.model(), grads);
             self.accumulate_recomputed(&mut accumulator);
@@ -715,7 +700,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         // Every stage's logged sums and MoE-layer count, summed over the pipeline.
         let mut values = outcome.logged;
         values.push(outcome.moe_layers as f64);
-        let values = pipeline::sum_over(&self.pp, &values, &self.device)?;
+        let values = sum_over(&self.pp, &values, &self.device)?;
         let moe_layers = values.last().copied().unwrap_or(0.0).max(1.0);
         let mut sums: Vec<f32> = values[..values.len() - 1]
             .iter()
@@ -795,13 +780,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
 
     /// `local` token counts summed over the data-parallel replicas (one collective).
     fn global_counts(&self, local: &[usize]) -> Result<Vec<f64>, ModelError> {
-        let values: Vec<f32> = local.iter().map(|&n| n as f32).collect();
-        let t = Tensor::<1>::from_data(
-            burn::tensor::TensorData::new(values, [local.len()]),
-            &self.device,
-        );
-        let summed = self.dp_cp.all_reduce(t, ReduceOp::Sum).map_err(err)?;
-        read_f32(summed).map(|v| v.into_iter().map(f64::from).collect())
+        let local: Vec<f64> = local.iter().map(|&n| n as f64).collect();
+        sum_over(&self.dp_cp, &local, &self.device)
     }
 
     /// The aux-loss-free expert-bias update of every router with counts: the step's counts
@@ -939,11 +919,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
     fn logged_aux(&self, losses: &[Vec<RouterLoss>]) -> Tensor<1> {
         let kind = RouterLossKind::from(self.config.aux_loss_type);
         // Summed on the device (detached), read with the step's other logged values.
-        losses
-            .iter()
-            .filter_map(|layer| layer.iter().find(|l| l.kind == kind && l.coeff != 0.0))
-            .map(|l| l.loss.clone().detach().div_scalar(l.coeff))
-            .reduce(|a, b| a + b)
+        aux_sum(losses, kind)
             .map(|sum| sum.div_scalar(losses.len().max(1) as f64))
             .unwrap_or_else(|| Tensor::zeros([1], &self.device))
     }
@@ -1068,6 +1044,76 @@ fn add_loads(
         }
     }
     Ok(())
+}
+
+/// How one micro-batch's losses enter the step: the weights of the one-rank objective.
+struct MicroWeights<'a> {
+    /// Target tokens of this micro-batch: the main loss, then each MTP depth.
+    tokens: &'a [usize],
+    /// Target tokens of the global batch, per loss.
+    global: &'a [f64],
+    /// Data-parallel replicas (the optimizer averages over them).
+    replicas: usize,
+    /// MTP depths trained.
+    depths: usize,
+    /// `mtp_loss_scaling_factor`.
+    mtp_scale: f64,
+}
+
+impl MicroWeights<'_> {
+    /// The objective to back-propagate — the cross-entropy's token sum scaled by
+    /// `replicas / global tokens` (the optimizer averages over the replicas), plus each MTP
+    /// depth's likewise times `mtp_scale / depths` (the router losses are attached to the
+    /// graph already) — and the logged row `[CE·tokens, aux, MTPⱼ·tokensⱼ…]` (detached).
+    fn weigh(
+        &self,
+        loss: Tensor<1>,
+        mtp_losses: Vec<Tensor<1>>,
+        aux: Tensor<1>,
+        device: &Device,
+    ) -> (Tensor<1>, Tensor<1>) {
+        let mut row = vec![loss.clone().detach().mul_scalar(self.tokens[0] as f64), aux];
+        row.extend(
+            (0..self.depths).map(|j| match (mtp_losses.get(j), self.tokens.get(j + 1)) {
+                (Some(l), Some(&n)) => l.clone().detach().mul_scalar(n as f64),
+                _ => Tensor::zeros([1], device),
+            }),
+        );
+        let weight = self.tokens[0] as f64 * self.replicas as f64 / self.global[0];
+        let mut objective = if weight == 1.0 {
+            loss
+        } else {
+            loss.mul_scalar(weight)
+        };
+        for (j, l) in mtp_losses.into_iter().enumerate().take(self.depths) {
+            if self.global[j + 1] > 0.0 {
+                let w = self.tokens[j + 1] as f64 * self.replicas as f64 / self.global[j + 1];
+                objective = objective + l.mul_scalar(w * self.mtp_scale / self.depths as f64);
+            }
+        }
+        (objective, Tensor::cat(row, 0))
+    }
+}
+
+/// Σ over MoE layers of each layer's `kind` loss without its coefficient (detached), `None`
+/// when no layer has it.
+fn aux_sum(losses: &[Vec<RouterLoss>], kind: RouterLossKind) -> Option<Tensor<1>> {
+    losses
+        .iter()
+        .filter_map(|layer| layer.iter().find(|l| l.kind == kind && l.coeff != 0.0))
+        .map(|l| l.loss.clone().detach().div_scalar(l.coeff))
+        .reduce(|a, b| a + b)
+}
+
+/// `values` summed over `comm` (one f32 all-reduce; integer counts stay exact).
+fn sum_over(comm: &Comm, values: &[f64], device: &Device) -> Result<Vec<f64>, ModelError> {
+    if comm.size() == 1 {
+        return Ok(values.to_vec());
+    }
+    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+    let t = Tensor::<1>::from_data(burn::tensor::TensorData::new(data, [values.len()]), device);
+    let summed = comm.all_reduce(t, ReduceOp::Sum).map_err(err)?;
+    Ok(read_f32(summed)?.into_iter().map(f64::from).collect())
 }
 
 fn read_f32(t: Tensor<1>) -> Result<Vec<f32>, ModelError> {

@@ -6,13 +6,13 @@
 //! over Megatron's embedding group).
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use burn::tensor::{Device, Gradients, Tensor};
 use moe_backend::comm::{Comm, ReduceOp};
 use moe_backend::parallel::pipeline::{PipelineChannels, PipelineStage, StageOutput, run_pipeline};
 use moe_backend::parallel::schedule::PipelineSchedule;
 use moe_backend::router::{RouterLoss, RouterLossKind};
 
-use super::{TrainBatch, add_loads};
+use super::{MicroWeights, TrainBatch, add_loads, aux_sum};
 use crate::ModelError;
 use crate::distributed::sharded::ChunkForward;
 use crate::distributed::{CausalLmShard, PipelinePlace, TrainForward, err};
@@ -27,7 +27,6 @@ pub(super) struct PipelineOutcome {
     pub logged: Vec<f64>,
     /// Number of MoE layers whose losses `logged[1]` sums (per micro-batch).
     pub moe_layers: usize,
-
     /// Per router of this rank (as `routers_mut`): the step's expert-bias counts.
     pub loads: Vec<Option<Vec<f64>>>,
 }
@@ -67,62 +66,19 @@ struct TrainStage<'a, S: CausalLmShard> {
 
 impl<S: CausalLmShard> TrainStage<'_, S> {
     /// Σ over one chunk's MoE layers of each layer's configured loss without its
-    /// coefficient, `[1]` (detached).
-    fn aux_sum(&self, losses: &[Vec<RouterLoss>]) -> Tensor<1> {
-        let kind = self.inputs.aux_kind;
-        losses
-            .iter()
-            .filter_map(|layer| layer.iter().find(|l| l.kind == kind && l.coeff != 0.0))
-            .map(|l| l.loss.clone().detach().div_scalar(l.coeff))
-            .reduce(|a, b| a + b)
+    /// coefficient, `[1]` (detached), counting the layers for the step's mean.
+    fn chunk_aux(&mut self, losses: &[Vec<RouterLoss>]) -> Tensor<1> {
+        self.layer_losses += losses.len();
+        aux_sum(losses, self.inputs.aux_kind)
             .unwrap_or_else(|| Tensor::zeros([1], self.inputs.device))
     }
 
-    /// Adds `[loss, aux, mtp…]` of one forward to the logged sums.
-    fn log(&mut self, loss: Tensor<1>, aux: Tensor<1>, mtp: Vec<Tensor<1>>) {
-        let row = Tensor::cat([vec![loss, aux], mtp].concat(), 0);
+    /// Adds one forward's logged row to the step's sums.
+    fn log(&mut self, row: Tensor<1>) {
         self.logged = Some(match self.logged.take() {
             Some(sum) => sum + row,
             None => row,
         });
-    }
-
-    /// Zeros for the entries a chunk without the loss does not log.
-    fn zeros(&self, n: usize) -> Vec<Tensor<1>> {
-        (0..n)
-            .map(|_| Tensor::zeros([1], self.inputs.device))
-            .collect()
-    }
-
-    /// The objective of the last virtual stage for micro-batch `mb` (weighted as the step on
-    /// one rank weighs it), logging its values.
-    fn objective(&mut self, mb: usize, out: TrainForward) -> Tensor<1> {
-        let inputs = self.inputs;
-        let tokens = &inputs.counts[mb];
-        let TrainForward {
-            loss,
-            mtp_losses,
-            router_losses,
-            ..
-        } = out;
-        let aux = self.aux_sum(&router_losses);
-        self.layer_losses += router_losses.len();
-        let mtp: Vec<Tensor<1>> = (0..inputs.depths)
-            .map(|j| match (mtp_losses.get(j), tokens.get(j + 1)) {
-                (Some(l), Some(&n)) => l.clone().detach().mul_scalar(n as f64),
-                _ => Tensor::zeros([1], inputs.device),
-            })
-            .collect();
-        self.log(loss.clone().detach().mul_scalar(tokens[0] as f64), aux, mtp);
-        let weight = tokens[0] as f64 * inputs.replicas as f64 / inputs.global[0];
-        let mut objective = loss.mul_scalar(weight);
-        for (j, l) in mtp_losses.into_iter().enumerate().take(inputs.depths) {
-            if inputs.global[j + 1] > 0.0 {
-                let w = tokens[j + 1] as f64 * inputs.replicas as f64 / inputs.global[j + 1];
-                objective = objective + l.mul_scalar(w * inputs.mtp_scale / inputs.depths as f64);
-            }
-        }
-        objective
     }
 }
 
@@ -165,15 +121,31 @@ impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
                 expert_load,
             } => {
                 add_loads(&mut self.loads[chunk], expert_load)?;
-                let aux = self.aux_sum(&router_losses);
-                self.layer_losses += router_losses.len();
-                let (loss, mtp) = (self.zeros(1).remove(0), self.zeros(inputs.depths));
-                self.log(loss, aux, mtp);
+                // `[0, aux, 0…]`: the losses are the last stage's.
+                let aux = self.chunk_aux(&router_losses);
+                let zeros = |n| Tensor::zeros([n], inputs.device);
+                self.log(Tensor::cat(vec![zeros(1), aux, zeros(inputs.depths)], 0));
                 Ok(StageOutput::Activation(hidden))
             }
             ChunkForward::Loss(out) => {
-                add_loads(&mut self.loads[chunk], out.expert_load.clone())?;
-                Ok(StageOutput::Loss(self.objective(microbatch, out)))
+                let TrainForward {
+                    loss,
+                    mtp_losses,
+                    router_losses,
+                    expert_load,
+                } = out;
+                add_loads(&mut self.loads[chunk], expert_load)?;
+                let weights = MicroWeights {
+                    tokens: &inputs.counts[microbatch],
+                    global: inputs.global,
+                    replicas: inputs.replicas,
+                    depths: inputs.depths,
+                    mtp_scale: inputs.mtp_scale,
+                };
+                let aux = self.chunk_aux(&router_losses);
+                let (objective, row) = weights.weigh(loss, mtp_losses, aux, inputs.device);
+                self.log(row);
+                Ok(StageOutput::Loss(objective))
             }
         }
     }
@@ -262,59 +234,20 @@ pub(super) fn reduce_embedding_grads<S: CausalLmShard>(
     let Some(group) = group.filter(|g| g.size() > 1) else {
         return Ok(());
     };
-    let id = shard.embedding_id().ok_or_else(|| {
-        ModelError::layout(
-            "pp",
-            "a stage of the embedding group does not hold the embedding",
-        )
-    })?;
-    let shape = embedding_shape(shard)?;
+    let weight = &shard
+        .embedding()
+        .ok_or_else(|| {
+            ModelError::layout(
+                "pp",
+                "a stage of the embedding group does not hold the embedding",
+            )
+        })?
+        .weight;
+    let (id, shape) = (weight.id, weight.shape());
     let local: Tensor<2> = grads
         .remove::<2>(id)
         .unwrap_or_else(|| Tensor::zeros(shape, &device.clone().without_autodiff()));
     let summed = group.all_reduce(local, ReduceOp::Sum).map_err(err)?;
     grads.register(id, summed);
     Ok(())
-}
-
-/// Shape of this rank's embedding shard.
-fn embedding_shape<S: CausalLmShard>(shard: &S) -> Result<[usize; 2], ModelError> {
-    struct Find(burn::module::ParamId, Option<Vec<usize>>);
-    impl burn::module::ModuleVisitor for Find {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            if param.id == self.0 {
-                self.1 = Some(param.val().dims().to_vec());
-            }
-        }
-    }
-    let id = shard
-        .embedding_id()
-        .ok_or_else(|| ModelError::layout("pp", "this stage holds no embedding"))?;
-    let mut find = Find(id, None);
-    burn::module::Module::visit(shard.model(), &mut find);
-    match find.1.as_deref() {
-        Some(&[v, h]) => Ok([v, h]),
-        other => Err(ModelError::layout(
-            "pp",
-            format!("the embedding has shape {other:?}, expected [vocab, hidden]"),
-        )),
-    }
-}
-
-/// `values` summed over `comm` (f32 on the host device).
-pub(super) fn sum_over(
-    comm: &Comm,
-    values: &[f64],
-    device: &Device,
-) -> Result<Vec<f64>, ModelError> {
-    if comm.size() == 1 {
-        return Ok(values.to_vec());
-    }
-    let data: Vec<f32> = values.iter().map(|&v| v as f32).collect();
-    let t = Tensor::<1>::from_data(TensorData::new(data, [values.len()]), device);
-    let summed = comm.all_reduce(t, ReduceOp::Sum).map_err(err)?;
-    Ok(super::read_f32(summed)?
-        .into_iter()
-        .map(f64::from)
-        .collect())
 }

@@ -150,20 +150,25 @@ impl RankCtx {
             .iter()
             .map(|m| self.group(m.family.name(), &m.ranks))
             .collect::<Result<Vec<_>>>()?;
-        // The pipeline's second channel (gradients travel apart from activations) and
-        // Megatron's embedding group (first and last pipeline stage: the tied or MTP copy of
-        // the embedding), created after the families in the same order on every rank.
+        // The pipeline's two channels (activations, their gradients) and Megatron's embedding
+        // group (first and last pipeline stage: the tied or MTP copy of the embedding),
+        // created after the families in the same order on every rank; without a pipeline,
+        // the one-member `pp` communicator stands for the channels (never used).
         let pp = groups.get(GroupFamily::Pp).clone();
-        let pp_activations = self.group("pp_activations", &pp.ranks)?;
-        let pp_gradients = self.group("pp_gradients", &pp.ranks)?;
-        let ends = match pp.ranks.as_slice() {
-            [first, .., last] => vec![*first, *last],
-            ranks => ranks.to_vec(),
-        };
-        let embedding = if ends.contains(&self.rank) {
-            Some(self.group("pp_embedding", &ends)?)
+        let (pp_activations, pp_gradients, embedding) = if pp.size() == 1 {
+            let at = GroupFamily::ALL.iter().position(|f| *f == GroupFamily::Pp);
+            let alone = comms[at.unwrap_or_default()].clone();
+            (alone.clone(), alone, None)
         } else {
-            None
+            let activations = self.group("pp_activations", &pp.ranks)?;
+            let gradients = self.group("pp_gradients", &pp.ranks)?;
+            let ends = [pp.ranks[0], pp.ranks[pp.size() - 1]];
+            let embedding = if ends.contains(&self.rank) {
+                Some(self.group("pp_embedding", &ends)?)
+            } else {
+                None
+            };
+            (activations, gradients, embedding)
         };
         Ok(GroupComms {
             groups,
@@ -207,9 +212,9 @@ impl GroupComms {
         }
     }
 
-    /// Megatron's embedding group: the first and the last stage of this rank's pipeline
-    /// (one member when `pp = 1`), over which the gradients of an embedding held on both
-    /// (tied output layer, MTP) are summed; `None` on the stages between.
+    /// Megatron's embedding group: the first and the last stage of this rank's pipeline, over
+    /// which the gradients of an embedding held on both (tied output layer, MTP) are summed;
+    /// `None` on the stages between and without pipeline parallelism.
     pub fn embedding_group(&self) -> Option<&Comm> {
         self.embedding.as_ref()
     }
