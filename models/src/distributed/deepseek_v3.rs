@@ -111,7 +111,7 @@ impl ParallelDeepseekV3 {
     }
 
     /// This rank's shard of `full` (heads, vocabulary and FFN widths divisible by `tp`,
-    /// experts by `ep`, expert width by `etp`; `pp = cp = 1`): [`load`](Self::load) reading
+    /// experts by `ep`, expert width by `etp`; its pipeline stage only): [`load`](Self::load) reading
     /// `full`'s tensors box by box ([`ModuleWeights`]) on `full`'s device.
     pub fn shard(
         full: &DeepseekV3ForCausalLM,

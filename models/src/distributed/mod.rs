@@ -7,7 +7,9 @@
 //! Activations between blocks are sequence-parallel: the `B·S` tokens of a replica's batch
 //! (rows `b·S + s`) are split into `tp` equal blocks. Attention and dense MLPs all-gather them,
 //! compute their head/column shard and reduce-scatter back; the MoE block routes this rank's
-//! tokens directly. Pipeline and context parallelism are not implemented (`pp = cp = 1`).
+//! tokens directly. Under context parallelism every sequence is cut into `2·cp` chunks
+//! ([`CpExchange`]); under pipeline parallelism a rank holds its stage's layers
+//! ([`PipelinePlace`]) and the [`crate::train::Trainer`] runs the pipeline schedule.
 //!
 //! Build one [`ParallelQwen3Moe`] per rank straight from the weights with
 //! [`ParallelQwen3Moe::load`] (only the rank's boxes are read; [`LoadShard`] for every model),
@@ -118,7 +120,7 @@ pub(crate) fn err(e: moe_backend::BackendError) -> ModelError {
     ModelError::from(e)
 }
 
-/// Checks `pp = cp = 1` and builds the dispatcher of `kind` for `num_experts` experts.
+/// The dispatcher of `kind` for `num_experts` experts.
 pub(crate) fn make_dispatcher(
     groups: &GroupComms,
     kind: DispatcherKind,
@@ -309,7 +311,7 @@ impl ParallelQwen3Moe {
         build_shard(config, None, groups, kind, device)
     }
 
-    /// This rank's shard of `full` under the layout of `groups` (requires `pp = cp = 1`,
+    /// This rank's shard of `full` under the layout of `groups` (its pipeline stage only;
     /// heads, KV heads, vocabulary and FFN widths divisible by `tp`, experts by `ep`, expert
     /// width by `etp`): [`load`](Self::load) reading `full`'s tensors box by box
     /// ([`ModuleWeights`]), on `full`'s device, with `full`'s FP8 settings.

@@ -94,7 +94,7 @@ impl ParallelQwen3 {
     }
 
     /// This rank's shard of `full` (heads, KV heads, vocabulary and MLP width divisible by
-    /// `tp`; `pp = cp = 1`): [`load`](Self::load) reading `full`'s tensors box by box
+    /// `tp`; its pipeline stage only): [`load`](Self::load) reading `full`'s tensors box by box
     /// ([`ModuleWeights`]) on `full`'s device, with `full`'s FP8 settings.
     pub fn shard(
         full: &Qwen3ForCausalLM,

@@ -232,7 +232,7 @@ impl RouterTrace {
 }
 
 impl SpRuntime {
-    /// The context of this rank (checks `pp = cp = 1`); `vocab_size` fixes the vocab shard;
+    /// The context of this rank (its pipeline stage set by [`with_pipeline`](Self::with_pipeline)); `vocab_size` fixes the vocab shard;
     /// `num_experts` is `None` for a dense model (no dispatcher).
     pub fn new(
         groups: &GroupComms,
