@@ -486,39 +486,19 @@ fn context_parallel_training_matches_one_rank_and_resumes_across_cp() {
         "--mbs",
         "2",
     ];
-    let one = scratch("cp-one-rank");
-    threads(&train_args(&one, "", 4, &extra));
-    let (one_m, one_p) = (metrics(&one), params(&one));
-    // Keys and values all-gathered, then passed around the ring (`--cp-comm-type p2p`).
-    for (layout, comm) in [
-        ("world=2,cp=2", "all_gather"),
-        ("world=8,tp=2,cp=2,ep=2", "p2p"),
-    ] {
-        let dir = scratch("cp-run");
-        let mut args = extra.to_vec();
-        args.extend(["--cp-comm-type", comm]);
-        threads(&train_args(&dir, layout, 4, &args));
-        assert_metrics_close(&metrics(&dir), &one_m, &format!("{layout} vs one rank"));
-        assert_params_close(&params(&dir), &one_p, &format!("{layout} vs one rank"));
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    // A checkpoint saved under context parallelism resumes without it, and the reverse: the
-    // resumed runs continue the one-rank run.
-    for (first, then) in [
-        ("world=8,tp=2,cp=2,ep=2", "tp=2,ep=4"),
-        ("world=2,ep=2", "world=4,cp=2,ep=2"),
-    ] {
-        let dir = scratch("cp-resume");
-        threads(&train_args(&dir, first, 2, &extra));
-        let mut args = train_args(&dir, then, 4, &extra);
-        args.push("--resume".into());
-        threads(&args);
-        let what = format!("{first} resumed under {then}");
-        assert_metrics_close(&metrics(&dir), &one_m, &what);
-        assert_params_close(&params(&dir), &one_p, &what);
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    let _ = std::fs::remove_dir_all(one);
+    // Keys and values all-gathered, then passed around the ring (`--cp-comm-type p2p`); a
+    // checkpoint saved under context parallelism resumes without it, and the reverse.
+    runs_match_one_rank(
+        &extra,
+        &[
+            ("world=2,cp=2", &["--cp-comm-type", "all_gather"]),
+            ("world=8,tp=2,cp=2,ep=2", &["--cp-comm-type", "p2p"]),
+        ],
+        &[
+            ("world=8,tp=2,cp=2,ep=2", "tp=2,ep=4"),
+            ("world=2,ep=2", "world=4,cp=2,ep=2"),
+        ],
+    );
 }
 
 #[test]
@@ -532,34 +512,43 @@ fn pipeline_parallel_training_matches_one_rank_and_resumes_across_pp() {
         "--mbs",
         "2",
     ];
-    let one = scratch("pp-one-rank");
-    threads(&train_args(&one, "", 4, &extra));
+    // Even and explicit (`--pipeline-layout`) splits, interleaved; saved by pipeline stages,
+    // resumed without them, and the reverse. `params` exports each checkpoint to HF.
+    runs_match_one_rank(
+        &extra,
+        &[
+            ("world=3,pp=3", &[]),
+            ("world=6,pp=3,ep=2", &[]),
+            ("world=2,pp=2", &["--pipeline-layout", "Et|ttL"]),
+            ("world=2,pp=2,vpp=2", &["--pipeline-layout", "Et|t|t|L"]),
+        ],
+        &[
+            ("world=3,pp=3", "tp=2,ep=2"),
+            ("world=2,ep=2", "world=6,pp=3,ep=2"),
+        ],
+    );
+}
+
+/// 4 steps under each of `runs` (a layout and its own flags) and, for each `(first, then)`
+/// of `resumes`, 2 steps under `first` resumed to 4 under `then`, all with `extra`: the
+/// metrics and saved parameters equal the one-rank run's.
+fn runs_match_one_rank(extra: &[&str], runs: &[(&str, &[&str])], resumes: &[(&str, &str)]) {
+    let one = scratch("one-rank");
+    threads(&train_args(&one, "", 4, extra));
     let (one_m, one_p) = (metrics(&one), params(&one));
-    for (layout, split) in [
-        ("world=3,pp=3", None),
-        ("world=6,pp=3,ep=2", None),
-        ("world=2,pp=2", Some("Et|ttL")),
-        ("world=2,pp=2,vpp=2", Some("Et|t|t|L")),
-    ] {
-        let dir = scratch("pp-run");
-        let mut args = train_args(&dir, layout, 4, &extra);
-        if let Some(split) = split {
-            args.extend(["--pipeline-layout".into(), split.into()]);
-        }
-        threads(&args);
+    for (layout, flags) in runs {
+        let dir = scratch("run");
+        let mut args = extra.to_vec();
+        args.extend_from_slice(flags);
+        threads(&train_args(&dir, layout, 4, &args));
         assert_metrics_close(&metrics(&dir), &one_m, &format!("{layout} vs one rank"));
-        // `params` exports the pipeline run's checkpoint to HF.
         assert_params_close(&params(&dir), &one_p, &format!("{layout} vs one rank"));
         let _ = std::fs::remove_dir_all(dir);
     }
-    // Saved by pipeline stages, resumed without them, and the reverse.
-    for (first, then) in [
-        ("world=3,pp=3", "tp=2,ep=2"),
-        ("world=2,ep=2", "world=6,pp=3,ep=2"),
-    ] {
-        let dir = scratch("pp-resume");
-        threads(&train_args(&dir, first, 2, &extra));
-        let mut args = train_args(&dir, then, 4, &extra);
+    for (first, then) in resumes {
+        let dir = scratch("resume");
+        threads(&train_args(&dir, first, 2, extra));
+        let mut args = train_args(&dir, then, 4, extra);
         args.push("--resume".into());
         threads(&args);
         let what = format!("{first} resumed under {then}");
