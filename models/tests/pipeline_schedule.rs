@@ -100,16 +100,13 @@ fn planner_pipeline_traffic_matches_the_executor() {
     use moe_backend::parallel::ParallelLayout;
     use moe_backend::parallel::pipeline::{PipelineChannels, run_pipeline};
     use moe_models::Qwen3MoeConfig;
-    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
-    use moe_models::plan::qwen3_moe_rank_params;
-    use moe_models::plan::shape::ModelShape;
 
     let path = format!(
         "{}/../tests/fixtures/qwen3_moe/config.json",
         env!("CARGO_MANIFEST_DIR")
     );
     let config = Qwen3MoeConfig::from_file(path).unwrap();
-    let shape = ModelShape::qwen3_moe(&config);
+    let hidden = config.hidden_size;
     let (seq, micro_batch) = (8, 2);
     for (world, spec, vpp, m) in [
         (2, "pp=2", 1, 3),
@@ -120,7 +117,6 @@ fn planner_pipeline_traffic_matches_the_executor() {
         let layout = ParallelLayout::parse(world, spec).unwrap();
         let schedule = PipelineSchedule::interleaved(layout.pp, vpp, m).unwrap();
         let rows = seq * micro_batch / layout.tp;
-        let hidden = shape.hidden;
         let (layout_ref, schedule_ref) = (&layout, &schedule);
         let sent = World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
@@ -145,23 +141,8 @@ fn planner_pipeline_traffic_matches_the_executor() {
         });
         for (rank, result) in sent.into_iter().enumerate() {
             let (stage, measured) = result.unwrap();
-            let params = qwen3_moe_rank_params(&config, &layout, stage);
-            let opts = CommOptions {
-                seq,
-                micro_batch,
-                microbatches: m,
-                vpp,
-                act_bytes: 4,
-                prob_bytes: 4,
-                int_bytes: 4,
-                dispatcher: Dispatcher::AllToAll,
-            };
-            let planned =
-                step_traffic(&shape, &params, &layout, &opts, stage, 0, &Routing::Uniform)
-                    .unwrap()
-                    .total
-                    .pp;
-            assert_eq!(planned as u64, measured, "{spec} vpp {vpp} rank {rank}");
+            let planned = planned_pp_bytes(&config, &layout, stage, (seq, micro_batch, m, vpp));
+            assert_eq!(planned, measured, "{spec} vpp {vpp} rank {rank}");
         }
     }
 }
@@ -177,9 +158,6 @@ fn planner_pipeline_traffic_matches_a_training_step() {
     use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
     use moe_models::Qwen3MoeConfig;
     use moe_models::distributed::DispatcherKind;
-    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
-    use moe_models::plan::qwen3_moe_rank_params;
-    use moe_models::plan::shape::ModelShape;
     use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 
     let path = format!(
@@ -188,7 +166,6 @@ fn planner_pipeline_traffic_matches_a_training_step() {
     );
     let mut config = Qwen3MoeConfig::from_file(path).unwrap();
     config.num_hidden_layers = 4;
-    let shape = ModelShape::qwen3_moe(&config);
     let device = Device::flex().autodiff();
     let start = replicate(&config.init(&device).unwrap());
     let (seq, micro_batch) = (8, 2);
@@ -230,24 +207,37 @@ fn planner_pipeline_traffic_matches_a_training_step() {
         });
         for (rank, result) in sent.into_iter().enumerate() {
             let (stage, measured) = result.unwrap();
-            let params = qwen3_moe_rank_params(&config, &layout, stage);
-            let opts = CommOptions {
-                seq,
-                micro_batch,
-                microbatches: m,
-                vpp: layout.vpp,
-                act_bytes: 4,
-                prob_bytes: 4,
-                int_bytes: 4,
-                dispatcher: Dispatcher::AllToAll,
-            };
-            let planned =
-                step_traffic(&shape, &params, &layout, &opts, stage, 0, &Routing::Uniform)
-                    .unwrap()
-                    .total
-                    .pp;
+            let shape = (seq, micro_batch, m, layout.vpp);
+            let planned = planned_pp_bytes(&config, &layout, stage, shape);
             assert!(measured > 0, "{spec} rank {rank}: nothing sent");
-            assert_eq!(planned as u64, measured, "{spec} rank {rank}");
+            assert_eq!(planned, measured, "{spec} rank {rank}");
         }
     }
+}
+
+/// `moe plan`'s pipeline bytes per step sent by pipeline rank `stage` of a Qwen3-MoE under
+/// `layout`, for `(seq, micro_batch, micro-batches, vpp)` and f32 activations.
+fn planned_pp_bytes(
+    config: &moe_models::Qwen3MoeConfig,
+    layout: &moe_backend::parallel::ParallelLayout,
+    stage: usize,
+    (seq, micro_batch, microbatches, vpp): (usize, usize, usize, usize),
+) -> u64 {
+    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
+    use moe_models::plan::qwen3_moe_rank_params;
+    use moe_models::plan::shape::ModelShape;
+    let shape = ModelShape::qwen3_moe(config);
+    let params = qwen3_moe_rank_params(config, layout, stage);
+    let opts = CommOptions {
+        seq,
+        micro_batch,
+        microbatches,
+        vpp,
+        act_bytes: 4,
+        prob_bytes: 4,
+        int_bytes: 4,
+        dispatcher: Dispatcher::AllToAll,
+    };
+    let traffic = step_traffic(&shape, &params, layout, &opts, stage, 0, &Routing::Uniform);
+    traffic.expect("planned traffic").total.pp as u64
 }
