@@ -188,10 +188,9 @@ fn train(iters: usize, breakdown: bool) -> Measured {
                 let t1 = Instant::now();
                 let grads = GradientsParams::from_grads(out.loss.backward(), shard.model());
                 let t2 = Instant::now();
-                let (next, _) = optimizer
-                    .step(lr, shard.model().clone(), grads)
+                optimizer
+                    .step_in_place(lr, shard.model_mut(), grads)
                     .expect("optimizer step");
-                *shard.model_mut() = next;
                 let t3 = Instant::now();
                 for (p, (a, b)) in parts.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
                     p.push((b - a).as_secs_f64());

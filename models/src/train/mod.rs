@@ -894,9 +894,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
             let wd = schedule.wd(self.optimizer.step_count());
             self.optimizer.set_weight_decay(wd as f32);
         }
-        let module = self.model.model().clone();
-        let (next, report) = self.optimizer.step(lr, module, grads)?;
-        *self.model.model_mut() = next;
+        let report = self
+            .optimizer
+            .step_in_place(lr, self.model.model_mut(), grads)?;
         let secs = start.elapsed().as_secs_f64().max(1e-9);
         Ok(StepStats {
             loss: if tokens > 0 {
@@ -1001,15 +1001,21 @@ impl Optimizer {
         }
     }
 
-    fn step<T: burn::module::Module>(
+    /// One step on `module` in place (AdamW: [`DistributedAdamW::step_in_place`], which
+    /// lets the CPU backend update the master weights without copying them).
+    fn step_in_place<T: burn::module::Module>(
         &mut self,
         lr: f64,
-        module: T,
+        module: &mut T,
         grads: GradientsParams,
-    ) -> Result<(T, moe_backend::optim::StepReport), ModelError> {
+    ) -> Result<moe_backend::optim::StepReport, ModelError> {
         Ok(match self {
-            Self::AdamW(o) => o.step(lr, module, grads)?,
-            Self::Muon(o) => o.step(lr, module, grads)?,
+            Self::AdamW(o) => o.step_in_place(lr, module, grads)?,
+            Self::Muon(o) => {
+                let (next, report) = o.step(lr, module.clone(), grads)?;
+                *module = next;
+                report
+            }
         })
     }
 }

@@ -33,6 +33,7 @@ use super::fp8_primary::{
     Fp8ParamLayout, Fp8PrimaryConfig, Fp8Slot, Fp8Storage, Fp8Weight, cast_and_gather,
     check_loaded, compact_offsets, slots_for,
 };
+use super::host_step::{self, HostGrad, InPlace};
 use super::params::{
     ParamClass, ParamInfo, ParamTable, cat_flat, default_classify, like_param, param_device,
 };
@@ -240,7 +241,7 @@ impl Shard {
     /// to f32), so Flex gives that rule's bits (checked by the test below).
     ///
     /// On the CPU backend (Flex), whose tensors live in host memory, the same rule runs as one
-    /// fused pass over rayon chunks ([`adamw_fused_cpu`](Self::adamw_fused_cpu)): the
+    /// fused pass over rayon chunks ([`adamw_in_place`](Self::adamw_in_place)): the
     /// composite ops make a dozen passes over the shard, each allocating its output
     /// (BENCHMARKS.md measured 4.6 s against 1.1–1.3 s for a 230 M-parameter model).
     fn adamw(
@@ -256,7 +257,7 @@ impl Shard {
         }
         let k = AdamwConstants::new(c, lr, step);
         if self.device == Device::flex() {
-            return self.adamw_fused_cpu(host_f32(grad, "gradient shard")?, clip, &k);
+            return self.adamw_in_place(&HostGrad::from_pieces(vec![grad])?, clip, &k);
         }
         self.adamw_composite(grad, clip, &k);
         Ok(())
@@ -296,78 +297,32 @@ impl Shard {
     }
 
     /// [`adamw`](Self::adamw) on the CPU backend: the scalar rule element by element in one
-    /// pass over chunks of 32 Ki elements in parallel (rayon), the tensors' host buffers taken
-    /// and given back (the CPU backend's memory is the host's; nothing crosses a bus).
-    fn adamw_fused_cpu(&mut self, g: Vec<f32>, clip: f64, k: &AdamwConstants) -> Result<()> {
-        use rayon::prelude::*;
-        const CHUNK: usize = 1 << 15;
-        let n = self.size;
-        let empty = || Tensor::<1>::zeros([0], (&self.device, DType::F32));
-        let mut p = host_f32(std::mem::replace(&mut self.master, empty()), "master shard")?;
-        let mut m = host_f32(
-            std::mem::replace(&mut self.moments.exp_avg, empty()),
-            "first moment",
-        )?;
-        let mut v = host_f32(
-            std::mem::replace(&mut self.moments.exp_avg_sq, empty()),
-            "second moment",
-        )?;
-        if [g.len(), p.len(), m.len(), v.len()] != [n; 4] {
-            return Err(BackendError::Shape {
-                op: "DistributedAdamW",
-                detail: format!(
-                    "shard of {n}: gradient {}, master {}, moments {} / {}",
-                    g.len(),
-                    p.len(),
-                    m.len(),
-                    v.len()
-                ),
-            });
-        }
-        let no_decay = &self.no_decay;
-        (p.par_chunks_mut(CHUNK), m.par_chunks_mut(CHUNK))
-            .into_par_iter()
-            .zip(v.par_chunks_mut(CHUNK))
-            .zip(g.par_chunks(CHUNK))
-            .enumerate()
-            .for_each(|(chunk, (((p, m), v), g))| {
-                let start = chunk * CHUNK;
-                // The first exempt range that may cover this chunk (ranges are sorted).
-                let mut r = no_decay.partition_point(|range| range.end <= start);
-                for (j, (((p, m), v), &g)) in p
-                    .iter_mut()
-                    .zip(m.iter_mut())
-                    .zip(v.iter_mut())
-                    .zip(g)
-                    .enumerate()
-                {
-                    let i = start + j;
-                    while r < no_decay.len() && no_decay[r].end <= i {
-                        r += 1;
-                    }
-                    let exempt = r < no_decay.len() && no_decay[r].start <= i;
-                    let g = if clip != 1.0 {
-                        (g as f64 * clip) as f32
-                    } else {
-                        g
-                    };
-                    *m = *m * k.beta_1 + g * (1.0 - k.beta_1);
-                    *v = *v * k.beta_2 + g * g * (1.0 - k.beta_2);
-                    let m_hat = *m / k.bc1;
-                    let v_hat = *v / k.bc2;
-                    let decay = if exempt { 1.0 } else { k.decay };
-                    *p = *p * decay - (m_hat / (v_hat.sqrt() + k.epsilon)) * k.lr;
-                }
-            });
-        let tensor =
-            |values: Vec<f32>| Tensor::<1>::from_data(TensorData::new(values, [n]), &self.device);
-        let store = moment_storage(self.moment_dtype);
-        self.master = tensor(p);
+    /// pass over chunks in parallel, the master weights and moments updated in their own
+    /// storage and the gradient read where it lies ([`host_step`]).
+    pub(super) fn adamw_in_place(
+        &mut self,
+        g: &HostGrad,
+        clip: f64,
+        k: &AdamwConstants,
+    ) -> Result<()> {
+        let mut p = InPlace::take(&mut self.master, "master shard")?;
+        let mut m = InPlace::take(&mut self.moments.exp_avg, "first moment")?;
+        let mut v = InPlace::take(&mut self.moments.exp_avg_sq, "second moment")?;
+        let done = host_step::adamw(
+            p.values_mut(),
+            m.values_mut(),
+            v.values_mut(),
+            g,
+            clip,
+            k,
+            &self.no_decay,
+        );
+        self.master = p.finish();
         self.moments = Moments {
-            exp_avg: tensor(m).cast(store),
-            exp_avg_sq: tensor(v).cast(store),
+            exp_avg: m.finish(),
+            exp_avg_sq: v.finish(),
         };
-        Ok(())
+        done
     }
 }
 
@@ -392,11 +347,11 @@ pub(super) fn scale_f64(g: Tensor<1>, c: f64, device: &Device) -> Tensor<1> {
 pub(super) fn sum_of_squares(t: Tensor<1>, f64: bool) -> Tensor<1> {
     let device = t.device();
     if device == Device::flex() {
-        // The CPU backend: one pass over the host buffer in fixed chunks (deterministic
-        // whatever the thread count), each squared and summed in f64, instead of an f64 copy,
-        // its square and a sum (three passes allocating twice the buffer).
-        if let Ok(values) = t.clone().into_data().try_into_vec::<f32>() {
-            let total = sum_of_squares_host(&values);
+        // The CPU backend: one pass over the buffer where it lies, in fixed chunks
+        // (deterministic whatever the thread count), each squared and summed in f64, instead
+        // of an f64 copy, its square and a sum (three passes allocating twice the buffer).
+        if let Ok(values) = HostGrad::from_pieces(vec![t.clone()]) {
+            let total = values.sum_of_squares(0..values.len());
             return Tensor::from_data(TensorData::new(vec![total], [1]), (&device, DType::F64));
         }
     }
@@ -407,27 +362,16 @@ pub(super) fn sum_of_squares(t: Tensor<1>, f64: bool) -> Tensor<1> {
     }
 }
 
-/// `Σ x²` of host values in f64, over fixed chunks of 32 Ki elements in parallel and summed in
-/// chunk order (deterministic whatever the thread count).
-fn sum_of_squares_host(values: &[f32]) -> f64 {
-    use rayon::prelude::*;
-    let partial: Vec<f64> = values
-        .par_chunks(1 << 15)
-        .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum())
-        .collect();
-    partial.iter().sum()
-}
-
 /// The per-step constants of the AdamW update.
 #[derive(Debug, Clone, Copy)]
-struct AdamwConstants {
-    lr: f32,
-    bc1: f32,
-    bc2: f32,
-    decay: f32,
-    beta_1: f32,
-    beta_2: f32,
-    epsilon: f32,
+pub(super) struct AdamwConstants {
+    pub(super) lr: f32,
+    pub(super) bc1: f32,
+    pub(super) bc2: f32,
+    pub(super) decay: f32,
+    pub(super) beta_1: f32,
+    pub(super) beta_2: f32,
+    pub(super) epsilon: f32,
 }
 
 impl AdamwConstants {
@@ -804,29 +748,45 @@ impl DistributedAdamW {
         module: M,
         mut grads: GradientsParams,
     ) -> Result<(M, StepReport)> {
-        let (dense_shard, expert_shard) = self.reduce_local(&module, &mut grads)?;
-        let grad_norm;
-        let clip = |norm: f64| match self.config.max_grad_norm {
+        let max_norm = self.config.max_grad_norm;
+        let clip = |norm: f64| match max_norm {
             Some(max) if norm > max => max / (norm + 1e-6),
             _ => 1.0,
         };
-        let clip_coeff;
+        let (grad_norm, clip_coeff);
+        let mut module = module;
         if self.dense.device == Device::flex() {
-            // The CPU backend: the gradient shards' host buffers are read once, for the norm
-            // and the fused update.
-            let dense = host_f32(dense_shard, "gradient shard")?;
-            let expert = host_f32(expert_shard, "gradient shard")?;
+            // The CPU backend: gradients read where they lie, the norm and the update from the
+            // same buffers, master weights and moments updated in their storage (`host_step`).
+            let (dense, expert) = self.reduce_local_host(&module, &mut grads)?;
+            for (shard, g) in [(&self.dense, &dense), (&self.expert, &expert)] {
+                if shard.size > 0 && g.len() != shard.size {
+                    return Err(BackendError::Shape {
+                        op: "DistributedAdamW",
+                        detail: format!(
+                            "gradient shard of {} elements for a shard of {}",
+                            g.len(),
+                            shard.size
+                        ),
+                    });
+                }
+            }
             grad_norm = self.global_norm_host(&dense, &expert)?;
             clip_coeff = clip(grad_norm);
             self.step += 1;
-            let step = self.step;
+            if self.writes_master_views() {
+                // The module's parameters view the master weights: let them go, so the update
+                // writes the master's storage instead of a copy of it.
+                module = self.table.release(module);
+            }
+            let k = AdamwConstants::new(&self.config, lr, self.step);
             for (shard, g) in [(&mut self.dense, dense), (&mut self.expert, expert)] {
                 if shard.size > 0 {
-                    let k = AdamwConstants::new(&self.config, lr, step);
-                    shard.adamw_fused_cpu(g, clip_coeff, &k)?;
+                    shard.adamw_in_place(&g, clip_coeff, &k)?;
                 }
             }
         } else {
+            let (dense_shard, expert_shard) = self.reduce_local(&module, &mut grads)?;
             grad_norm = self.global_norm(&dense_shard, &expert_shard)?;
             clip_coeff = clip(grad_norm);
             self.step += 1;
@@ -835,14 +795,13 @@ impl DistributedAdamW {
             self.expert
                 .adamw(expert_shard, clip_coeff, lr, self.step, &self.config)?;
         }
-        let module =
-            if self.fp8.is_none() && self.dense.comm.size() == 1 && self.expert.comm.size() == 1 {
-                // One rank owns everything: write the master weights straight into the module.
-                self.table
-                    .write_tensors(module, &self.dense.master, &self.expert.master)?
-            } else {
-                self.gather_into(module)?
-            };
+        let module = if self.writes_master_views() {
+            // One rank owns everything: write the master weights straight into the module.
+            self.table
+                .write_tensors(module, &self.dense.master, &self.expert.master)?
+        } else {
+            self.gather_into(module)?
+        };
         Ok((
             module,
             StepReport {
@@ -850,6 +809,71 @@ impl DistributedAdamW {
                 clip_coeff,
             },
         ))
+    }
+
+    /// [`step`](Self::step) on the module in place. Where the step gives the module views of
+    /// the master weights (one rank owns each class, no FP8 primary weights), the module's
+    /// previous views are let go before the update, so that on the CPU backend the master
+    /// weights are updated in their own storage instead of a copy of it (a caller of
+    /// [`step`](Self::step) that keeps a clone of the module gets the copy). On an error the
+    /// module holds the parameters as they were (an error comes before any update, or from
+    /// a collective of the gather).
+    pub fn step_in_place<M: Module>(
+        &mut self,
+        lr: f64,
+        module: &mut M,
+        grads: GradientsParams,
+    ) -> Result<StepReport> {
+        let current = if self.writes_master_views() {
+            let released = self.table.release(module.clone());
+            std::mem::replace(module, released)
+        } else {
+            module.clone()
+        };
+        match self.step(lr, current, grads) {
+            Ok((next, report)) => {
+                *module = next;
+                Ok(report)
+            }
+            Err(e) => {
+                if self.writes_master_views() {
+                    *module = self.table.write_tensors(
+                        module.clone(),
+                        &self.dense.master,
+                        &self.expert.master,
+                    )?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether a step writes views of the master weights into the module: each class owned
+    /// by one rank (no gather) and no FP8 primary weights.
+    fn writes_master_views(&self) -> bool {
+        self.fp8.is_none() && self.dense.comm.size() == 1 && self.expert.comm.size() == 1
+    }
+
+    /// [`reduce_local`](Self::reduce_local) on the CPU backend, read in place: a class owned
+    /// by one rank with no pre-factor is its parameters' gradient tensors end to end (no
+    /// concatenation); otherwise the reduce-scatter's output.
+    fn reduce_local_host<M: Module>(
+        &self,
+        module: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(HostGrad, HostGrad)> {
+        let device = &self.dense.device;
+        let (mut dense, expert) = self.table.pieces(module, Some(grads), device)?;
+        self.sum_sequence_parallel_over_tp(&mut dense)?;
+        let class = |shard: &Shard, pieces: Vec<Tensor<1>>| {
+            if shard.comm.size() == 1 && self.scale == 1.0 {
+                HostGrad::from_pieces(pieces)
+            } else {
+                let flat = cat_flat(pieces, device);
+                HostGrad::from_pieces(vec![shard.reduce_scatter(flat, self.scale)?])
+            }
+        };
+        Ok((class(&self.dense, dense)?, class(&self.expert, expert)?))
     }
 
     /// This rank's reduced gradient shards `(dense, expert)` on the device: local gradients
@@ -969,15 +993,12 @@ impl DistributedAdamW {
 impl DistributedAdamW {
     /// [`global_norm`](Self::global_norm) of host gradient shards (the CPU backend): the same
     /// parts summed in f64 on the host, one all-reduce of the scalar over the world.
-    fn global_norm_host(&self, dense: &[f32], expert: &[f32]) -> Result<f64> {
+    fn global_norm_host(&self, dense: &HostGrad, expert: &HostGrad) -> Result<f64> {
         let mut sq = match &self.norm_ranges {
-            None => sum_of_squares_host(dense),
-            Some(ranges) => ranges
-                .iter()
-                .map(|r| sum_of_squares_host(&dense[r.clone()]))
-                .sum(),
+            None => dense.sum_of_squares(0..dense.len()),
+            Some(ranges) => ranges.iter().map(|r| dense.sum_of_squares(r.clone())).sum(),
         };
-        sq += sum_of_squares_host(expert);
+        sq += expert.sum_of_squares(0..expert.len());
         let t = Tensor::<1>::from_data(
             TensorData::new(vec![sq], [1]),
             (&self.dense.device, DType::F64),

@@ -7,6 +7,7 @@
 
 mod distributed_adam;
 pub mod fp8_primary;
+mod host_step;
 pub mod muon;
 mod params;
 pub mod schedule;

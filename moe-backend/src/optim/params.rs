@@ -307,6 +307,41 @@ impl ParamTable {
     }
 }
 
+impl ParamTable {
+    /// `module` with every table parameter replaced by a placeholder of its shape (one zero
+    /// broadcast, no storage of its own; ids, dtype, autodiff and `require_grad` kept), so
+    /// that nothing in it refers to the previous values' storage. For
+    /// [`DistributedAdamW::step_in_place`](super::DistributedAdamW::step_in_place), which
+    /// writes the new values right after.
+    pub(super) fn release<M: Module>(&self, module: M) -> M {
+        module.map(&mut Releaser {
+            table: self,
+            index: 0,
+        })
+    }
+}
+
+struct Releaser<'a> {
+    table: &'a ParamTable,
+    index: usize,
+}
+
+impl ModuleMapper for Releaser<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(info) = self.table.params.get(self.index) else {
+            return param;
+        };
+        if info.id != param.id {
+            return param; // non-trainable, not in the table
+        }
+        self.index += 1;
+        param.map(|t| {
+            let zero = Tensor::<1>::zeros([1], (&t.device(), DType::F32)).reshape([1; D]);
+            like_param(zero.expand(t.shape()), &t)
+        })
+    }
+}
+
 struct PieceReader<'a> {
     table: &'a ParamTable,
     index: usize,

@@ -350,3 +350,68 @@ fn weight_decay_exempts_norms_and_biases_as_megatron_does() {
         assert_eq!(out[1].2, n);
     }
 }
+
+/// The address of a Flex tensor's storage.
+fn storage_address(t: &Tensor<1>) -> usize {
+    t.clone()
+        .try_into_primitive::<burn_flex::Flex>()
+        .expect("a Flex tensor")
+        .bytes()
+        .as_ptr() as usize
+}
+
+/// `step_in_place` updates the master weights in their own storage on the CPU backend (the
+/// module's views of them let go first) and gives the same parameters, bit for bit, as
+/// `step` while the caller keeps a clone of the module, which forces a copy of the master.
+#[test]
+fn step_in_place_updates_the_master_where_it_lies() {
+    let reference = reference_layer();
+    let reference = &reference;
+    World::run(1, |ctx| {
+        let layout = ParallelLayout::parse(1, "").unwrap();
+        let pg = ctx.process_groups(&layout)?;
+        let start = replicate(reference);
+        let cfg = config(Some(0.5), MomentDtype::F32);
+        let mut a = DistributedAdamW::new(&start, &pg, ctx.world()?, cfg.clone())?;
+        let mut b = DistributedAdamW::new(&start, &pg, ctx.world()?, cfg)?;
+        let (mut in_place, mut held) = (replicate(&start), replicate(&start));
+        for step in 0..STEPS {
+            let x = || tensor(batch(step, 0, 1), [T, H], &ad(), DType::F32);
+            let w = || tensor(batch(step, 0, 2), [T, H], &ad(), DType::F32);
+            let d = LocalDispatcher::new(E);
+            let ga =
+                GradientsParams::from_grads(loss(&in_place, x(), w(), &d).backward(), &in_place);
+            let gb = GradientsParams::from_grads(loss(&held, x(), w(), &d).backward(), &held);
+            let before = (
+                storage_address(&a.dense.master),
+                storage_address(&b.dense.master),
+            );
+            let ra = a.step_in_place(LR, &mut in_place, ga)?;
+            let kept = held.clone();
+            let (next, rb) = b.step(LR, held, gb)?;
+            held = next;
+            assert_eq!(ra, rb, "step {step}");
+            assert_eq!(
+                a.table().flatten_values(&in_place)?,
+                b.table().flatten_values(&held)?
+            );
+            if step > 0 {
+                // From the second step on, the module views the master.
+                assert_eq!(
+                    storage_address(&a.dense.master),
+                    before.0,
+                    "step {step}: copied"
+                );
+                assert_ne!(
+                    storage_address(&b.dense.master),
+                    before.1,
+                    "step {step}: shared"
+                );
+            }
+            drop(kept);
+        }
+        Ok(())
+    })
+    .remove(0)
+    .unwrap();
+}
