@@ -332,12 +332,21 @@ pub fn repeat_kv(x: Tensor<4>, rep: usize) -> Tensor<4> {
         .reshape([b, n * rep, s, d])
 }
 
+/// Query rows per block of [`causal_attention`]: below two blocks it runs in one piece.
+const CAUSAL_QUERY_BLOCK: usize = 128;
+
 /// Causal attention core (models.md §1): `softmax(q·kᵀ·scale + mask)` in f32, cast to q's
 /// dtype, `· v`.
 ///
 /// `q [B, nh, S, d]`, `k [B, nkv, Sk, d]`, `v [B, nkv, Sk, dv]` with `nkv | nh` (GQA); query `i`
 /// sits at absolute position `offset + i` and sees keys `0..=offset + i`. Returns
 /// `[B, nh, S, dv]`.
+///
+/// Long sequences run in blocks of [`CAUSAL_QUERY_BLOCK`] query rows, each against the keys
+/// its last row can see: the scores of keys no row of the block sees are never computed (a
+/// causal mask hides them, they only add exact zeros), which saves about
+/// `(n − 1) / 2n` of the score and softmax work (and stored probabilities) for `n` blocks:
+/// 37.5% at `S = 512`, as the block skipping of fused attention kernels does.
 pub fn causal_attention(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -345,6 +354,31 @@ pub fn causal_attention(
     scale: f64,
     offset: usize,
 ) -> Tensor<4> {
+    let s = q.dims()[2];
+    let sk = k.dims()[2];
+    if s < 2 * CAUSAL_QUERY_BLOCK {
+        return causal_block(q, k, v, scale, offset);
+    }
+    let blocks = (0..s)
+        .step_by(CAUSAL_QUERY_BLOCK)
+        .map(|r0| {
+            let rows = CAUSAL_QUERY_BLOCK.min(s - r0);
+            // Keys visible to the block's last row (all of them once `offset` reaches past).
+            let keys = (offset + r0 + rows).min(sk);
+            causal_block(
+                q.clone().narrow(2, r0, rows),
+                k.clone().narrow(2, 0, keys),
+                v.clone().narrow(2, 0, keys),
+                scale,
+                offset + r0,
+            )
+        })
+        .collect();
+    Tensor::cat(blocks, 2)
+}
+
+/// [`causal_attention`] in one piece: the whole `[B, nh, S, Sk]` scores, masked.
+fn causal_block(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f64, offset: usize) -> Tensor<4> {
     let [b, nh, s, _] = q.dims();
     let [_, nkv, sk, _] = k.dims();
     let rep = nh / nkv;
@@ -487,6 +521,39 @@ mod tests {
             .try_into_vec::<f32>()
             .unwrap();
         assert!(values.iter().all(|v| v.is_finite()), "padding stays finite");
+    }
+
+    /// The blocked causal attention equals the whole masked matrix (`causal_block`, the
+    /// textbook formula) in values and in the gradients of q, k and v, for a sequence of
+    /// uneven blocks, with and without an offset into a longer key sequence.
+    #[test]
+    fn blocked_causal_attention_equals_the_whole_masked_matrix() {
+        let device = Device::flex().autodiff();
+        let s = 2 * CAUSAL_QUERY_BLOCK + 37;
+        for (offset, sk) in [(0, s), (9, s + 9)] {
+            let leaf = |shape: [usize; 4]| {
+                Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad()
+            };
+            let (q, k, v) = (leaf([1, 4, s, 8]), leaf([1, 2, sk, 8]), leaf([1, 2, sk, 6]));
+            let w = Tensor::<4>::random([1, 4, s, 6], Distribution::Normal(0.0, 1.0), &device);
+            let run = |blocked: bool| {
+                let (q1, k1, v1) = (q.clone(), k.clone(), v.clone());
+                let out = if blocked {
+                    causal_attention(q1, k1, v1, 0.3, offset)
+                } else {
+                    causal_block(q1, k1, v1, 0.3, offset)
+                };
+                let grads = (out.clone() * w.clone()).sum().backward();
+                let g = |t: &Tensor<4>| t.grad(&grads).expect("a gradient").into_data();
+                (out.into_data(), g(&q), g(&k), g(&v))
+            };
+            let (a, b) = (run(true), run(false));
+            let tol = Tolerance::rel_abs(1e-5, 1e-6);
+            a.0.assert_approx_eq::<f32>(&b.0, tol);
+            a.1.assert_approx_eq::<f32>(&b.1, tol);
+            a.2.assert_approx_eq::<f32>(&b.2, tol);
+            a.3.assert_approx_eq::<f32>(&b.3, tol);
+        }
     }
 
     #[test]
