@@ -548,7 +548,10 @@ mod tests {
                 (out.into_data(), g(&q), g(&k), g(&v))
             };
             let (a, b) = (run(true), run(false));
-            let tol = Tolerance::rel_abs(1e-5, 1e-6);
+            // The gradients of k and v sum over the blocks in another order than the whole
+            // matrix's GEMM (f32 rounding ~1e-6 at these sums of ~300 terms of size ~1); a
+            // wrong mask or a key outside a block's range would differ by ~1e-1.
+            let tol = Tolerance::rel_abs(1e-4, 1e-5);
             a.0.assert_approx_eq::<f32>(&b.0, tol);
             a.1.assert_approx_eq::<f32>(&b.1, tol);
             a.2.assert_approx_eq::<f32>(&b.2, tol);
