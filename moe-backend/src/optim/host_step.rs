@@ -254,62 +254,57 @@ pub(super) fn adamw(
 mod simd {
     use super::{AdamwConstants, LANES};
 
-    #[inline(always)]
-    fn squares_plain(lanes: &mut [f64; LANES], values: &[f32]) {
-        for block in values.chunks_exact(LANES) {
-            for (l, &x) in lanes.iter_mut().zip(block) {
-                *l += f64::from(x) * f64::from(x);
+    /// Defines `pub(super) fn $name` with `$body` compiled three times: for AVX-512F, for AVX2
+    /// and for the baseline, picked at run time by the CPU's features (the body is an
+    /// `#[inline(always)]` function, so each feature-enabled wrapper holds its own copy).
+    macro_rules! dispatched {
+        ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+            $(#[$doc])*
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn $name($($arg: $ty),*) {
+                #[inline(always)]
+                #[allow(clippy::too_many_arguments)]
+                fn plain($($arg: $ty),*) $body
+                #[cfg(target_arch = "x86_64")]
+                {
+                    #[target_feature(enable = "avx512f")]
+                    #[allow(clippy::too_many_arguments)]
+                    fn avx512($($arg: $ty),*) {
+                        plain($($arg),*)
+                    }
+                    #[target_feature(enable = "avx2")]
+                    #[allow(clippy::too_many_arguments)]
+                    fn avx2($($arg: $ty),*) {
+                        plain($($arg),*)
+                    }
+                    if std::arch::is_x86_feature_detected!("avx512f") {
+                        // SAFETY: the CPU has AVX-512F (checked above).
+                        return unsafe { avx512($($arg),*) };
+                    }
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        // SAFETY: the CPU has AVX2 (checked above).
+                        return unsafe { avx2($($arg),*) };
+                    }
+                }
+                plain($($arg),*)
+            }
+        };
+    }
+
+    dispatched!(
+        /// `lanes[t mod LANES] += values[t]²` (in f64; `values.len()` a multiple of `LANES`).
+        fn squares(lanes: &mut [f64; LANES], values: &[f32]) {
+            for block in values.chunks_exact(LANES) {
+                for (l, &x) in lanes.iter_mut().zip(block) {
+                    *l += f64::from(x) * f64::from(x);
+                }
             }
         }
-    }
+    );
 
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn adamw_plain(
-        p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        g: &[f32],
-        clip: f64,
-        k: &AdamwConstants,
-        decay: f32,
-    ) {
-        let n = p.len();
-        let (m, v, g) = (&mut m[..n], &mut v[..n], &g[..n]);
-        let scaled = clip != 1.0;
-        for i in 0..n {
-            let gi = if scaled {
-                (f64::from(g[i]) * clip) as f32
-            } else {
-                g[i]
-            };
-            let mi = m[i] * k.beta_1 + gi * (1.0 - k.beta_1);
-            let vi = v[i] * k.beta_2 + gi * gi * (1.0 - k.beta_2);
-            m[i] = mi;
-            v[i] = vi;
-            let m_hat = mi / k.bc1;
-            let v_hat = vi / k.bc2;
-            p[i] = p[i] * decay - (m_hat / (v_hat.sqrt() + k.epsilon)) * k.lr;
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    mod x86 {
-        use super::*;
-
-        #[target_feature(enable = "avx512f")]
-        pub(super) fn squares_avx512(lanes: &mut [f64; LANES], values: &[f32]) {
-            squares_plain(lanes, values)
-        }
-
-        #[target_feature(enable = "avx2")]
-        pub(super) fn squares_avx2(lanes: &mut [f64; LANES], values: &[f32]) {
-            squares_plain(lanes, values)
-        }
-
-        #[target_feature(enable = "avx512f")]
-        #[allow(clippy::too_many_arguments)]
-        pub(super) fn adamw_avx512(
+    dispatched!(
+        /// The AdamW rule over equal-length slices with one weight-decay factor.
+        fn adamw(
             p: &mut [f32],
             m: &mut [f32],
             v: &mut [f32],
@@ -318,64 +313,25 @@ mod simd {
             k: &AdamwConstants,
             decay: f32,
         ) {
-            adamw_plain(p, m, v, g, clip, k, decay)
-        }
-
-        #[target_feature(enable = "avx2")]
-        #[allow(clippy::too_many_arguments)]
-        pub(super) fn adamw_avx2(
-            p: &mut [f32],
-            m: &mut [f32],
-            v: &mut [f32],
-            g: &[f32],
-            clip: f64,
-            k: &AdamwConstants,
-            decay: f32,
-        ) {
-            adamw_plain(p, m, v, g, clip, k, decay)
-        }
-    }
-
-    /// `lanes[t mod LANES] += values[t]²` (in f64; `values.len()` a multiple of `LANES`).
-    pub(super) fn squares(lanes: &mut [f64; LANES], values: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512F (checked above).
-                return unsafe { x86::squares_avx512(lanes, values) };
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked above).
-                return unsafe { x86::squares_avx2(lanes, values) };
+            let n = p.len();
+            let (m, v, g) = (&mut m[..n], &mut v[..n], &g[..n]);
+            let scaled = clip != 1.0;
+            for i in 0..n {
+                let gi = if scaled {
+                    (f64::from(g[i]) * clip) as f32
+                } else {
+                    g[i]
+                };
+                let mi = m[i] * k.beta_1 + gi * (1.0 - k.beta_1);
+                let vi = v[i] * k.beta_2 + gi * gi * (1.0 - k.beta_2);
+                m[i] = mi;
+                v[i] = vi;
+                let m_hat = mi / k.bc1;
+                let v_hat = vi / k.bc2;
+                p[i] = p[i] * decay - (m_hat / (v_hat.sqrt() + k.epsilon)) * k.lr;
             }
         }
-        squares_plain(lanes, values)
-    }
-
-    /// The AdamW rule over equal-length slices with one weight-decay factor.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn adamw(
-        p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        g: &[f32],
-        clip: f64,
-        k: &AdamwConstants,
-        decay: f32,
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512F (checked above).
-                return unsafe { x86::adamw_avx512(p, m, v, g, clip, k, decay) };
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU has AVX2 (checked above).
-                return unsafe { x86::adamw_avx2(p, m, v, g, clip, k, decay) };
-            }
-        }
-        adamw_plain(p, m, v, g, clip, k, decay)
-    }
+    );
 }
 
 #[cfg(test)]

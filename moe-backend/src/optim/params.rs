@@ -230,8 +230,7 @@ impl ParamTable {
         device: &Device,
     ) -> Result<(Vec<Tensor<1>>, Vec<Tensor<1>>)> {
         let mut reader = PieceReader {
-            table: self,
-            index: 0,
+            cursor: TableCursor::new(self),
             device,
             dense: Vec::new(),
             expert: Vec::new(),
@@ -242,7 +241,7 @@ impl ParamTable {
         if let Some(e) = reader.error {
             return Err(e);
         }
-        if let Some(missing) = self.params.get(reader.index) {
+        if let Some(missing) = self.params.get(reader.cursor.index) {
             return Err(BackendError::Shape {
                 op: "ParamTable",
                 detail: format!(
@@ -298,8 +297,7 @@ impl ParamTable {
             });
         }
         let mut writer = TensorWriter {
-            table: self,
-            index: 0,
+            cursor: TableCursor::new(self),
             dense,
             expert,
         };
@@ -315,26 +313,45 @@ impl ParamTable {
     /// writes the new values right after.
     pub(super) fn release<M: Module>(&self, module: M) -> M {
         module.map(&mut Releaser {
-            table: self,
-            index: 0,
+            cursor: TableCursor::new(self),
         })
     }
 }
 
-struct Releaser<'a> {
+/// Walks a table's entries in module order beside a module walk.
+struct TableCursor<'a> {
     table: &'a ParamTable,
+    /// Entries passed so far (the next one's index).
     index: usize,
+}
+
+impl<'a> TableCursor<'a> {
+    fn new(table: &'a ParamTable) -> Self {
+        Self { table, index: 0 }
+    }
+
+    /// The entry of the parameter `id` when it is the table's next one (and steps past it);
+    /// `None` for a parameter not in the table (non-trainable).
+    fn next(&mut self, id: ParamId) -> Option<&'a ParamInfo> {
+        let info = self
+            .table
+            .params
+            .get(self.index)
+            .filter(|info| info.id == id)?;
+        self.index += 1;
+        Some(info)
+    }
+}
+
+struct Releaser<'a> {
+    cursor: TableCursor<'a>,
 }
 
 impl ModuleMapper for Releaser<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(info) = self.table.params.get(self.index) else {
-            return param;
-        };
-        if info.id != param.id {
+        if self.cursor.next(param.id).is_none() {
             return param; // non-trainable, not in the table
         }
-        self.index += 1;
         param.map(|t| {
             let zero = Tensor::<1>::zeros([1], (&t.device(), DType::F32)).reshape([1; D]);
             like_param(zero.expand(t.shape()), &t)
@@ -343,8 +360,7 @@ impl ModuleMapper for Releaser<'_> {
 }
 
 struct PieceReader<'a> {
-    table: &'a ParamTable,
-    index: usize,
+    cursor: TableCursor<'a>,
     device: &'a Device,
     dense: Vec<Tensor<1>>,
     expert: Vec<Tensor<1>>,
@@ -354,13 +370,9 @@ struct PieceReader<'a> {
 
 impl ModuleVisitor for PieceReader<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let Some(info) = self.table.params.get(self.index) else {
-            return; // a trailing non-trainable parameter
-        };
-        if info.id != param.id {
+        let Some(info) = self.cursor.next(param.id) else {
             return; // not in the table (non-trainable)
-        }
-        self.index += 1;
+        };
         let value = match self.grads.as_deref_mut() {
             Some(grads) => grads.remove::<D>(param.id),
             // A packed FP8 parameter reads as its decoded values.
@@ -391,21 +403,16 @@ impl ModuleVisitor for PieceReader<'_> {
 }
 
 struct TensorWriter<'a> {
-    table: &'a ParamTable,
-    index: usize,
+    cursor: TableCursor<'a>,
     dense: &'a Tensor<1>,
     expert: &'a Tensor<1>,
 }
 
 impl ModuleMapper for TensorWriter<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(info) = self.table.params.get(self.index) else {
-            return param;
-        };
-        if info.id != param.id {
+        let Some(info) = self.cursor.next(param.id) else {
             return param; // non-trainable, not in the table
-        }
-        self.index += 1;
+        };
         if info.numel() == 0 {
             return param;
         }
