@@ -342,9 +342,9 @@ const CAUSAL_QUERY_BLOCK: usize = 128;
 /// sits at absolute position `offset + i` and sees keys `0..=offset + i`. Returns
 /// `[B, nh, S, dv]`.
 ///
-/// Long sequences run in blocks of 128 query rows, each against the keys
-/// its last row can see: the scores of keys no row of the block sees are never computed (a
-/// causal mask hides them, they only add exact zeros), which saves about
+/// Long sequences run in blocks of 128 query rows, each against the keys its last row can
+/// see: the scores of keys no row of the block sees are never computed (a causal mask hides
+/// them, they only add exact zeros), which saves about
 /// `(n − 1) / 2n` of the score and softmax work (and stored probabilities) for `n` blocks:
 /// 37.5% at `S = 512`, as the block skipping of fused attention kernels does.
 pub fn causal_attention(
