@@ -3,6 +3,7 @@
 //! The references are written with plain Burn tensor ops and per-expert / per-group loops, the
 //! way the spec states each operation, independent of the [`crate::ops`] kernels they check.
 
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 /// SplitMix64: a tiny deterministic generator so tests need no RNG dependency.
@@ -87,6 +88,45 @@ impl XorShift64 {
     pub fn ids(&mut self, n: usize, vocab: usize) -> Vec<i64> {
         (0..n).map(|_| self.below(vocab as u64) as i64).collect()
     }
+}
+
+/// Redraws the float parameters of a module from a [`SplitMix`] stream (see [`redraw`]).
+struct Redraw {
+    rng: SplitMix,
+    half_width: f64,
+}
+
+impl ModuleMapper for Redraw {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|t| {
+            let (dtype, device, grad) = (t.dtype(), t.device(), t.is_require_grad());
+            let shape: [usize; D] = t.shape().dims();
+            let old = values(t.clone());
+            if old.iter().all(|&v| v == old[0]) {
+                return t;
+            }
+            let new = (0..old.len())
+                .map(|_| self.rng.uniform(-self.half_width, self.half_width))
+                .collect();
+            let fresh = tensor(new, shape, &device, dtype);
+            if grad { fresh.require_grad() } else { fresh }
+        })
+    }
+}
+
+/// `module` with every float parameter that its initialiser drew at random replaced by values
+/// drawn uniformly with standard deviation `std` from `SplitMix::new(seed)` (parameters whose
+/// values are all equal, such as zero biases or unit norm weights, are kept). Parameter ids,
+/// dtypes, devices and `require_grad` are kept.
+///
+/// Burn's initialisers draw from a process-wide generator that tests running at once share, so
+/// a test built on `init` alone sees different weights on every run; this makes its weights, and
+/// so its tolerances, reproducible.
+pub fn redraw<M: Module>(module: M, seed: u64, std: f64) -> M {
+    module.map(&mut Redraw {
+        rng: SplitMix::new(seed),
+        half_width: std * 3f64.sqrt(),
+    })
 }
 
 /// A float tensor of `dtype` from f64 values.

@@ -11,7 +11,7 @@ use crate::dispatch::{AllToAllDispatcher, LocalDispatcher, TokenDispatcher};
 use crate::layer::{MoeLayer, MoeLayerConfig};
 use crate::parallel::{GroupFamily, ParallelLayout, replicate};
 use crate::router::{RouteOptions, TopKRouterConfig};
-use crate::testing::{SplitMix, assert_close, tensor, values};
+use crate::testing::{SplitMix, assert_close, redraw, tensor, values};
 
 pub(super) const H: usize = 8;
 pub(super) const E: usize = 4;
@@ -28,6 +28,11 @@ pub(super) fn batch(step: usize, rank: usize, tag: u64) -> Vec<f64> {
     (0..T * H).map(|_| rng.uniform(-1.0, 1.0)).collect()
 }
 
+/// The layer every test here starts from, with reproducible weights (`redraw`): with weights
+/// from Burn's unseeded initialiser about one draw in a thousand gives a dense gradient element
+/// near 1e-8 after clipping, where AdamW's update `g / (|g| + ε)` turns the f32 rounding of the
+/// ranks' different summation orders into 1e-4 differences in the parameters (measured over
+/// 1800 draws; the same weights fail on every rerun, so it is the draw, not the step).
 pub(super) fn reference_layer() -> MoeLayer {
     let router = TopKRouterConfig::new(H, E, 2).with_init_std(0.5);
     let layer = MoeLayerConfig::new(router, 8)
@@ -35,6 +40,11 @@ pub(super) fn reference_layer() -> MoeLayer {
         .with_shared_ffn_hidden_size(Some(4))
         .init(&ad())
         .unwrap();
+    let layer = MoeLayer {
+        router: redraw(layer.router, 1, 0.5),
+        experts: redraw(layer.experts, 2, 0.3),
+        shared_experts: layer.shared_experts.map(|s| redraw(s, 3, 0.3)),
+    };
     replicate(&layer)
 }
 
