@@ -105,9 +105,8 @@ impl ModuleMapper for Redraw {
             if old.iter().all(|&v| v == old[0]) {
                 return t;
             }
-            let new = (0..old.len())
-                .map(|_| self.rng.uniform(-self.half_width, self.half_width))
-                .collect();
+            let new = self.rng.values(old.len());
+            let new = new.into_iter().map(|u| u * self.half_width).collect();
             let fresh = tensor(new, shape, &device, dtype);
             if grad { fresh.require_grad() } else { fresh }
         })
