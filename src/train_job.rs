@@ -23,7 +23,9 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
@@ -69,6 +71,21 @@ pub enum TrainJobError {
         field: String,
         /// What is wrong.
         detail: String,
+    },
+    /// A step's loss or gradients were NaN or infinite (the non-finite guard): nothing of the
+    /// step was applied or saved.
+    #[error(
+        "step {step}: {detail}. Nothing of this step was applied or saved; {latest}. Lower the \
+         learning rate or clip gradients (--clip-grad), or let --skip-nonfinite-steps N skip \
+         such steps"
+    )]
+    NonFinite {
+        /// The step that failed (1-based, as the metrics count).
+        step: usize,
+        /// What was non-finite, and on which rank.
+        detail: String,
+        /// Where the last finite state is (`the latest checkpoint is …`).
+        latest: String,
     },
     /// A file could not be read or written.
     #[error("{path}: {source}")]
@@ -141,6 +158,41 @@ pub struct TrainJob {
     /// Load-balancing loss type; `None`: `seq_aux_loss` when `config.json` says `seq_aux:
     /// true` (DeepSeek-V3's release config), else `trainer.aux_loss_type`.
     pub aux_loss_type: Option<AuxLossType>,
+    /// After each successful save, keep only this many newest `iter_*` checkpoints (and the
+    /// one `latest` names), removed crash-safely
+    /// ([`keep_last`](moe_bridge::dist::retention::keep_last)); `None` keeps all.
+    pub keep_last: Option<usize>,
+    /// When to stop before `steps`, saving first: a signal, a wall-clock budget, a step
+    /// interval.
+    pub exit: ExitPolicy,
+    /// Validation loss on held-out data during training.
+    pub eval: Option<EvalJob>,
+}
+
+/// When a job stops early, every rank after the same step, with a checkpoint saved (when the
+/// job saves) and success: Megatron's `--exit-signal-handler`, `--exit-duration-in-mins`,
+/// `--exit-interval`.
+#[derive(Debug, Clone, Default)]
+pub struct ExitPolicy {
+    /// Set by a signal handler ([`crate::preempt::ExitSignals`]): read after every step.
+    pub signal: Option<Arc<AtomicBool>>,
+    /// Stop once the job has run this long (measured by each rank from its start).
+    pub duration: Option<Duration>,
+    /// Stop after a step that is a multiple of this.
+    pub interval: Option<usize>,
+}
+
+/// Evaluation settings (Megatron's `--eval-interval`, `--eval-iters`).
+#[derive(Debug, Clone)]
+pub struct EvalJob {
+    /// Held-out data, in any format `data` takes.
+    pub data: PathBuf,
+    /// Evaluate after every this many steps (and after the last step).
+    pub interval: usize,
+    /// Global batches (of `gbs` sequences, in the same micro-batches as training) per
+    /// evaluation: batch `k` holds rows `k·gbs … k·gbs + gbs − 1` of the data (wrapping), the
+    /// same rows at every evaluation.
+    pub iters: usize,
 }
 
 impl Default for TrainJob {
@@ -169,6 +221,9 @@ impl Default for TrainJob {
             device: crate::device::DeviceChoice::Cpu,
             aux_loss_coeff: None,
             aux_loss_type: None,
+            keep_last: None,
+            exit: ExitPolicy::default(),
+            eval: None,
         }
     }
 }
@@ -213,12 +268,21 @@ pub struct StepMetrics {
     pub lr: f64,
     /// Target tokens per second over the whole job.
     pub tokens_per_s: f64,
+    /// Non-finite steps skipped so far in the run (`--skip-nonfinite-steps`), this one
+    /// included when it was skipped.
+    pub skipped_steps: u64,
+    /// Whether this step was non-finite and skipped (nothing updated).
+    pub skipped: bool,
+    /// Validation loss (token-weighted mean cross-entropy over the evaluation batches) when
+    /// the step evaluated.
+    pub eval_loss: Option<f32>,
 }
 
 impl StepMetrics {
-    /// The JSON-lines record.
+    /// The JSON-lines record (`eval_loss` and `eval_ppl` only on evaluation steps; a
+    /// non-finite value is written as `null`).
     pub fn to_json(&self) -> Value {
-        json!({
+        let mut record = json!({
             "step": self.step,
             "loss": self.loss,
             "aux_loss": self.aux_loss,
@@ -226,7 +290,37 @@ impl StepMetrics {
             "grad_norm": self.grad_norm,
             "lr": self.lr,
             "tokens_per_s": self.tokens_per_s,
-        })
+            "skipped_steps": self.skipped_steps,
+        });
+        if let (Some(eval), Some(map)) = (self.eval_loss, record.as_object_mut()) {
+            map.insert("eval_loss".into(), json!(eval));
+            map.insert("eval_ppl".into(), json!(f64::from(eval).exp()));
+        }
+        record
+    }
+
+    /// The scalars a TensorBoard writer records for this step, by tag (Megatron's names where
+    /// it has them): `lm loss`, `load_balancing_loss`, `mtp loss`, `grad-norm`,
+    /// `learning-rate`, `tokens-per-sec`, `skipped-iterations`, `lm loss validation`,
+    /// `lm loss validation ppl`; non-finite values are left out.
+    pub fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let mut out = vec![
+            ("lm loss", f64::from(self.loss)),
+            ("load_balancing_loss", f64::from(self.aux_loss)),
+            ("grad-norm", self.grad_norm),
+            ("learning-rate", self.lr),
+            ("tokens-per-sec", self.tokens_per_s),
+            ("skipped-iterations", self.skipped_steps as f64),
+        ];
+        if let Some(mtp) = self.mtp_loss {
+            out.push(("mtp loss", f64::from(mtp)));
+        }
+        if let Some(eval) = self.eval_loss {
+            out.push(("lm loss validation", f64::from(eval)));
+            out.push(("lm loss validation ppl", f64::from(eval).exp()));
+        }
+        out.retain(|(_, v)| v.is_finite());
+        out
     }
 }
 
@@ -241,6 +335,9 @@ pub struct TrainJobReport {
     pub saved: Vec<PathBuf>,
     /// The layout that ran.
     pub layout: String,
+    /// Why the run stopped before `steps` (a signal, the time budget, the exit interval),
+    /// after saving.
+    pub stopped: Option<String>,
 }
 
 /// The token source of a job.
@@ -257,8 +354,9 @@ enum Data {
 }
 
 impl Data {
-    fn open(job: &TrainJob, vocab: usize) -> Result<Self, TrainJobError> {
-        let Some(path) = &job.data else {
+    /// The data of `path` (`job.data` for training; `None`: the built-in corpus).
+    fn open(job: &TrainJob, path: Option<&Path>, vocab: usize) -> Result<Self, TrainJobError> {
+        let Some(path) = path else {
             if job.seq_len < 2 {
                 return Err(invalid("seq_len", "sequences need at least 2 tokens"));
             }
@@ -405,6 +503,28 @@ impl Data {
         );
         ids.truncate(rows * seq_len);
         Ok(Data::Ids { ids, rows, seq_len })
+    }
+
+    /// Tokens per row of the batches this data makes.
+    fn row_len(&self) -> usize {
+        match self {
+            Data::Corpus { seq_len } | Data::Ids { seq_len, .. } => *seq_len,
+        }
+    }
+
+    /// Rows `first..first + count` of global batch `index` (of `gbs` rows) as one micro-batch.
+    fn batch(
+        &self,
+        index: usize,
+        gbs: usize,
+        first: usize,
+        count: usize,
+        vocab: usize,
+    ) -> Result<TrainBatch, TrainJobError> {
+        Ok(TrainBatch::causal(
+            self.sequences(index, gbs, first, count, vocab),
+            count,
+        )?)
     }
 
     /// Sequences `first..first + count` of step `step` (global batch `gbs`), flattened.
@@ -622,6 +742,33 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
             "--resume needs --save (the checkpoint root)",
         ));
     }
+    match (job.keep_last, &job.save) {
+        (Some(0), _) => return Err(invalid("keep_last", "keep at least one checkpoint")),
+        (Some(_), None) => {
+            return Err(invalid(
+                "keep_last",
+                "--keep-last needs --save (the checkpoint root)",
+            ));
+        }
+        _ => {}
+    }
+    if let Some(eval) = &job.eval {
+        if eval.interval == 0 {
+            return Err(invalid("eval_interval", "evaluate every 1 step or more"));
+        }
+        if eval.iters == 0 {
+            return Err(invalid("eval_iters", "evaluate at least one batch"));
+        }
+        if !eval.data.is_file() {
+            return Err(invalid(
+                "eval_data",
+                format!("{}: no such file", eval.data.display()),
+            ));
+        }
+    }
+    if job.exit.interval == Some(0) {
+        return Err(invalid("exit_interval", "exit after every 1 step or more"));
+    }
     Ok(())
 }
 
@@ -779,19 +926,37 @@ fn run_model<M: JobModel>(
             (trainer, state, config, Some(M::FAMILY.into()), vocab)
         }
     };
-    let data = Data::open(job, vocab)?;
-    let seq_len = match &data {
-        Data::Corpus { seq_len } | Data::Ids { seq_len, .. } => *seq_len,
-    };
+    let data = Data::open(job, job.data.as_deref(), vocab)?;
+    let seq_len = data.row_len();
     if layout.cp > 1 && !seq_len.is_multiple_of(2 * layout.cp) {
         return Err(invalid(
             "seq_len",
             format!(
-                "context parallelism cuts every sequence into 2·cp = {} chunks; sequences of                  {seq_len} tokens do not split (layout {layout})",
+                "context parallelism cuts every sequence into 2·cp = {} chunks; sequences of \
+                 {seq_len} tokens do not split (layout {layout})",
                 2 * layout.cp
             ),
         ));
     }
+    let eval_data = match &job.eval {
+        Some(eval) => {
+            let eval_data = Data::open(job, Some(&eval.data), vocab)?;
+            let len = eval_data.row_len();
+            if layout.cp > 1 && !len.is_multiple_of(2 * layout.cp) {
+                return Err(invalid(
+                    "eval_data",
+                    format!(
+                        "{}: sequences of {len} tokens do not split into 2·cp = {} chunks \
+                         (layout {layout})",
+                        eval.data.display(),
+                        2 * layout.cp
+                    ),
+                ));
+            }
+            Some(eval_data)
+        }
+        None => None,
+    };
     let first_step = usize::try_from(state.step).unwrap_or(usize::MAX);
     if first_step > job.steps {
         return Err(invalid(
@@ -809,43 +974,158 @@ fn run_model<M: JobModel>(
     if let (Some(root), 0) = (&job.save, ctx.rank()) {
         clean_stale_saves(root);
     }
+    let mut skipped = state
+        .extra
+        .get(SKIPPED_STEPS)
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    trainer.set_skipped_steps(skipped);
     let mut report = TrainJobReport {
         first_step,
         layout: layout.to_string(),
         ..TrainJobReport::default()
     };
+    let started = Instant::now();
+    // This replica's micro-batches of global batch `index` of `data`.
+    let micro_batches = |data: &Data, index: usize| {
+        (0..per_replica / mbs)
+            .map(|m| data.batch(index, job.gbs, replica * per_replica + m * mbs, mbs, vocab))
+            .collect::<Result<Vec<_>, _>>()
+    };
     for step in first_step..job.steps {
-        let micro = (0..per_replica / mbs)
-            .map(|m| {
-                let first = replica * per_replica + m * mbs;
-                TrainBatch::causal(data.sequences(step, job.gbs, first, mbs, vocab), mbs)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let stats = trainer.step_micro_batches(&micro)?;
-        let metrics = reduce_metrics(&world, &layout, step + 1, &stats)?;
+        let done = step + 1;
+        let micro = micro_batches(&data, step)?;
+        let stats = match trainer.step_micro_batches(&micro) {
+            Ok(stats) => stats,
+            Err(e) if e.is_non_finite() => {
+                let detail = match e {
+                    moe_models::ModelError::Backend(b) => b.to_string(),
+                    other => other.to_string(),
+                };
+                return Err(TrainJobError::NonFinite {
+                    step: done,
+                    detail,
+                    latest: latest_description(job.save.as_deref()),
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if stats.skipped {
+            skipped += 1;
+            if ctx.rank() == 0 {
+                tracing::warn!(
+                    step = done,
+                    skipped,
+                    "skipped a non-finite step (--skip-nonfinite-steps)"
+                );
+            }
+        }
+        let eval = match (&job.eval, &eval_data) {
+            (Some(settings), Some(eval_data))
+                if done.is_multiple_of(settings.interval.max(1)) || done == job.steps =>
+            {
+                let (mut loss_sum, mut tokens) = (0.0f64, 0usize);
+                for k in 0..settings.iters {
+                    let (l, n) = trainer.evaluate(&micro_batches(eval_data, k)?)?;
+                    loss_sum += l;
+                    tokens += n;
+                }
+                Some((loss_sum, tokens))
+            }
+            _ => None,
+        };
+        let votes = ExitVotes {
+            signal: job
+                .exit
+                .signal
+                .as_ref()
+                .is_some_and(|f| f.load(Ordering::SeqCst)),
+            duration: job.exit.duration.is_some_and(|d| started.elapsed() >= d),
+            interval: job
+                .exit
+                .interval
+                .is_some_and(|k| k > 0 && done.is_multiple_of(k) && done < job.steps),
+        };
+        let (mut metrics, stop) = reduce_metrics(&world, &layout, done, &stats, eval, votes)?;
+        metrics.skipped_steps = skipped;
         if ctx.rank() == 0 {
             on_step(&metrics);
         }
         report.metrics.push(metrics);
-        let done = step + 1;
         let due = job.save_every > 0 && done.is_multiple_of(job.save_every);
         if let Some(root) = &job.save
-            && (due || done == job.steps)
+            && (due || done == job.steps || stop.is_some())
         {
             let mut meta = SaveMeta::new(done as u64, &layout);
             meta.model_family = family.clone();
             meta.config = Some(config_value.clone());
+            let mut extra = state.extra.clone();
+            extra.insert(SKIPPED_STEPS.into(), json!(skipped));
             let saved_state = TrainState {
                 step: done as u64,
                 data_position: done as u64,
                 rng_seed: state.rng_seed,
-                extra: state.extra.clone(),
+                extra,
             };
             let dir = save_trainer(&world, root, meta, &trainer, &saved_state)?;
             report.saved.push(dir);
+            if let (Some(keep), 0) = (job.keep_last, ctx.rank()) {
+                apply_retention(root, keep);
+            }
+        }
+        if let Some(reason) = stop {
+            if ctx.rank() == 0 {
+                tracing::warn!(step = done, "stopping: {reason}");
+            }
+            report.stopped = Some(reason);
+            break;
         }
     }
     Ok(report)
+}
+
+/// `TrainState::extra` key of the count of skipped non-finite steps.
+const SKIPPED_STEPS: &str = "skipped_steps";
+
+/// `the latest checkpoint is …` of a job's save root, for the non-finite error.
+fn latest_description(save: Option<&Path>) -> String {
+    match save {
+        Some(root) => match std::fs::read_to_string(root.join(LATEST_FILE)) {
+            Ok(name) => format!(
+                "the latest checkpoint, {}, holds the last finite state (resume with --resume)",
+                root.join(name.trim()).display()
+            ),
+            Err(_) => format!("no checkpoint was saved under {}", root.display()),
+        },
+        None => "the job saves no checkpoints (--save)".into(),
+    }
+}
+
+/// Keeps the newest `keep` checkpoints of `root` (rank 0, after a save), logging what goes.
+/// `MOE_TEST_KILL_IN_RETENTION=1` kills the process (SIGKILL) in the middle of the first
+/// removal: the crash test of `tests/long_runs.rs`.
+fn apply_retention(root: &Path, keep: usize) {
+    let kill = std::env::var("MOE_TEST_KILL_IN_RETENTION").is_ok_and(|v| v == "1");
+    let mut at = |point: moe_bridge::dist::retention::RemovalPoint<'_>| {
+        let moe_bridge::dist::retention::RemovalPoint::Renamed(hidden) = point;
+        if kill {
+            // Half of the directory deleted, then killed.
+            if let Ok(entries) = std::fs::read_dir(hidden) {
+                for entry in entries.flatten().step_by(2) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+            let _ = signal_hook::low_level::raise(signal_hook::consts::signal::SIGKILL);
+        }
+    };
+    match moe_bridge::dist::retention::keep_last_with(root, keep, &mut at) {
+        Ok(report) => {
+            for dir in &report.removed {
+                tracing::info!(path = %dir.display(), "removed an old checkpoint (--keep-last {keep})");
+            }
+        }
+        Err(e) => tracing::warn!("checkpoint retention under {}: {e}", root.display()),
+    }
 }
 
 /// Removes the temporary directories that killed saves left under `root` (their owner process
@@ -864,22 +1144,44 @@ fn clean_stale_saves(root: &Path) {
     }
 }
 
-/// The job-wide view of one step: losses averaged over ranks, tokens summed over replicas.
+/// Each rank's reasons to stop after a step, agreed in the step's metrics collective.
+#[derive(Debug, Clone, Copy, Default)]
+struct ExitVotes {
+    /// An exit signal reached this process.
+    signal: bool,
+    /// This rank's time budget is spent.
+    duration: bool,
+    /// The step is a multiple of the exit interval.
+    interval: bool,
+}
+
+/// The job-wide view of one step: losses averaged over ranks, tokens summed over replicas, the
+/// validation loss over every replica (`eval`: this replica's token-summed cross-entropy and
+/// target tokens), and whether any rank votes to stop (with the reason). One collective.
 fn reduce_metrics(
     world: &Comm,
     layout: &ParallelLayout,
     step: usize,
     stats: &moe_models::train::StepStats,
-) -> Result<StepMetrics, TrainJobError> {
+    eval: Option<(f64, usize)>,
+    votes: ExitVotes,
+) -> Result<(StepMetrics, Option<String>), TrainJobError> {
     // Every TP / CP / EP rank of a replica reports its replica's loss and tokens: dividing by the
     // world size averages over replicas; tokens count once per replica.
     let ranks_per_replica = (layout.world / layout.dp) as f32;
+    let (eval_sum, eval_tokens) = eval.unwrap_or((0.0, 0));
+    let flag = |b: bool| if b { 1.0f32 } else { 0.0 };
     let local = Tensor::<1>::from_data(
         [
             stats.loss,
             stats.aux_loss,
             stats.tokens_per_second as f32 / ranks_per_replica,
             stats.mtp_loss.unwrap_or(0.0),
+            eval_sum as f32,
+            eval_tokens as f32,
+            flag(votes.signal),
+            flag(votes.duration),
+            flag(votes.interval),
         ],
         &Device::flex(),
     );
@@ -893,15 +1195,34 @@ fn reduce_metrics(
     // The router loss of a replica is the sum of its ranks' parts (each pipeline stage
     // reports the parts of every stage).
     let replicas = layout.dp as f32;
-    Ok(StepMetrics {
+    let sum = |i: usize| sums.get(i).copied().unwrap_or(0.0);
+    let stop = if sum(6) > 0.0 {
+        Some(format!(
+            "an exit signal reached {} of {} rank(s)",
+            sum(6),
+            layout.world
+        ))
+    } else if sum(7) > 0.0 {
+        Some("the --exit-duration-in-mins budget is spent".to_string())
+    } else if sum(8) > 0.0 {
+        Some(format!("step {step} is a multiple of --exit-interval"))
+    } else {
+        None
+    };
+    let metrics = StepMetrics {
         step,
-        loss: sums[0] / n,
-        aux_loss: sums[1] / (replicas * layout.pp as f32),
-        mtp_loss: stats.mtp_loss.map(|_| sums[3] / n),
+        loss: sum(0) / n,
+        aux_loss: sum(1) / (replicas * layout.pp as f32),
+        mtp_loss: stats.mtp_loss.map(|_| sum(3) / n),
         grad_norm: stats.grad_norm,
         lr: stats.lr,
-        tokens_per_s: f64::from(sums[2]),
-    })
+        tokens_per_s: f64::from(sum(2)),
+        skipped_steps: 0,
+        skipped: stats.skipped,
+        // Each replica's sums are reported by all its ranks alike: the ratio is the mean.
+        eval_loss: eval.and_then(|_| (sum(5) > 0.0).then(|| sum(4) / sum(5))),
+    };
+    Ok((metrics, stop))
 }
 
 /// Appends metrics to a JSON-lines file.

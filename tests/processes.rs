@@ -444,3 +444,77 @@ fn tcp_kill_9_mid_save_keeps_the_previous_checkpoint() {
 fn mpi_kill_9_mid_save_keeps_the_previous_checkpoint() {
     kill_mid_save(Launcher::Mpirun);
 }
+
+/// SIGTERM to rank 2 alone once training is under way (as a scheduler's preemption reaches
+/// one task first): every process finishes the same step, the job saves a checkpoint at that
+/// step and every process exits 0 with the message; `--resume` then continues to the end with
+/// metrics equal to an uninterrupted run (bit for bit: the same transport's arithmetic).
+fn sigterm_mid_run(launcher: Launcher) {
+    let steps = 12;
+    let dir = scratch("sigterm");
+    let root = dir.join("ckpt");
+    let tag = format!("sigterm-{launcher:?}-{}", std::process::id());
+    let args = train_args(&dir, "tp=2,ep=4", steps, &[]);
+    let job = spawn(launcher, 4, &args, &tag);
+    let started = wait_until(Duration::from_secs(120), || {
+        std::fs::read_to_string(dir.join("metrics.jsonl")).is_ok_and(|m| m.lines().count() >= 2)
+    });
+    assert!(started, "training did not start");
+    let pid = rank_pid(launcher, &tag, 2).expect("rank 2's pid");
+    let sent = Instant::now();
+    let status = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let outputs = job.wait(Duration::from_secs(120));
+    let all: String = outputs.iter().map(|(_, t)| t.as_str()).collect();
+    assert!(
+        outputs.iter().all(|(ok, _)| *ok),
+        "every process exits 0:\n{all}"
+    );
+    assert!(!all.contains("panicked"), "{all}");
+    assert!(all.contains("stopped after step"), "the message:\n{all}");
+    let ckpt = DistCheckpoint::open::<ModelConfig>(&root).expect("the checkpoint opens");
+    ckpt.validate::<ModelConfig>().expect("and validates");
+    let reached = metrics(&dir).len();
+    assert_eq!(
+        ckpt.index().step as usize,
+        reached,
+        "saved at the step reached"
+    );
+    assert!(
+        reached < steps,
+        "stopped early ({reached} of {steps} steps)"
+    );
+    assert!(
+        sent.elapsed() < Duration::from_secs(60),
+        "within a step plus the save"
+    );
+    // Resume to the end and compare with the uninterrupted run.
+    let mut resume = args.clone();
+    resume.push("--resume".into());
+    processes(launcher, 4, &resume);
+    let straight = scratch("sigterm-straight");
+    processes(launcher, 4, &train_args(&straight, "tp=2,ep=4", steps, &[]));
+    assert_metrics_equal(
+        &metrics(&dir),
+        &metrics(&straight),
+        "interrupted + resumed vs uninterrupted",
+    );
+    assert_eq!(params(&dir), params(&straight), "parameters at the end");
+    for d in [dir, straight] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn tcp_sigterm_to_one_process_saves_and_exits_every_process_cleanly() {
+    sigterm_mid_run(Launcher::Torchrun);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_sigterm_to_one_process_saves_and_exits_every_process_cleanly() {
+    sigterm_mid_run(Launcher::Mpirun);
+}

@@ -447,6 +447,21 @@ pub enum BridgeError {
         /// What differs.
         reason: String,
     },
+    /// A checkpoint tensor holds NaN or infinite values (a diverged run's save).
+    #[error(
+        "{path}: tensor `{tensor}` holds {count} non-finite value(s) (NaN or ±inf) of {numel}: \
+         saved by a diverged run; resume from an earlier checkpoint"
+    )]
+    NonFinite {
+        /// The chunk file (or checkpoint directory).
+        path: PathBuf,
+        /// The tensor (fqn).
+        tensor: String,
+        /// NaN or infinite elements.
+        count: usize,
+        /// Elements checked.
+        numel: usize,
+    },
     /// A tensor cannot be sharded under a layout (dimension not divisible, bad box).
     #[error("tensor `{tensor}`: cannot shard: {reason}")]
     Sharding {

@@ -144,6 +144,20 @@ pub enum ModelError {
         /// What is missing.
         reason: String,
     },
+    /// A step's loss (or one of its router / MTP losses) is NaN or infinite on some rank: the
+    /// step was refused on every rank before the optimizer updated anything (Megatron's
+    /// `--check-for-nan-in-loss-and-grad`). Non-finite gradients arrive as
+    /// [`moe_backend::BackendError::NonFiniteGradients`] inside [`ModelError::Backend`].
+    #[error(
+        "non-finite {what} on rank {rank}: the step was refused before the optimizer updated \
+         anything"
+    )]
+    NonFiniteLoss {
+        /// Which value: `loss`, `aux loss`, `MTP loss` or `objective` (a loss hook's).
+        what: String,
+        /// The lowest global rank that saw it.
+        rank: usize,
+    },
     /// Packing information or an attention mask is unusable (the error names the field).
     #[error("invalid packing: {0}")]
     Packing(#[from] crate::packing::PackingError),
@@ -160,6 +174,16 @@ pub enum ModelError {
 }
 
 impl ModelError {
+    /// Whether the error is a refused non-finite step (loss or gradients): a
+    /// [`Trainer`](crate::train::Trainer) step that failed this way changed nothing.
+    pub fn is_non_finite(&self) -> bool {
+        matches!(
+            self,
+            ModelError::NonFiniteLoss { .. }
+                | ModelError::Backend(moe_backend::BackendError::NonFiniteGradients { .. })
+        )
+    }
+
     /// Wraps `self` with the path of the file it was found in.
     pub fn in_file(self, path: impl Into<PathBuf>) -> Self {
         ModelError::InFile {

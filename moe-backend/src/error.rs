@@ -7,6 +7,25 @@ use thiserror::Error;
 /// Messages name the operation, argument or configuration field involved.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum BackendError {
+    /// The global gradient norm of a step is NaN or infinite: the optimizer refused the step
+    /// before updating anything (Megatron's `--check-for-nan-in-loss-and-grad`). Every rank
+    /// sees the same norm, so every rank refuses the same step.
+    #[error(
+        "{op}: the global gradient norm is {norm} (non-finite gradients in {groups}{}); the \
+         step was refused before any parameter or optimizer state changed",
+        rank.map_or(String::new(), |r| format!(", first on rank {r}"))
+    )]
+    NonFiniteGradients {
+        /// The optimizer.
+        op: &'static str,
+        /// The global gradient norm.
+        norm: f64,
+        /// The lowest global rank whose gradient shards hold non-finite values, when known.
+        rank: Option<usize>,
+        /// Which parameter groups hold non-finite gradients on some rank (e.g. `dense
+        /// parameters`, `expert parameters`, `Muon matrices`).
+        groups: String,
+    },
     /// A tensor argument has the wrong rank, shape or length.
     #[error("{op}: {detail}")]
     Shape {

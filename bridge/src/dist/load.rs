@@ -141,7 +141,34 @@ impl DistCheckpoint {
         validate_index(&self.dir, &self.index)?;
         validate_config::<C>(&self.dir, &self.index)?;
         validate_files(&self.dir, &self.index)?;
+        self.validate_values()?;
         super::train_record::read_train_state(self).map(|_| ())
+    }
+
+    /// Reads every chunk of every tensor (parameters, buffers, optimizer state) and refuses
+    /// the first holding NaN or infinite values ([`BridgeError::NonFinite`], naming the tensor
+    /// and the count). One chunk is in memory at a time.
+    pub fn validate_values(&self) -> Result<(), BridgeError> {
+        for (fqn, entry) in &self.index.tensors {
+            for chunk in &entry.chunks {
+                let request = TensorBox::new(chunk.offsets.clone(), chunk.shape.clone());
+                self.read_box(fqn, &request).map_err(|e| match e {
+                    BridgeError::NonFinite {
+                        tensor,
+                        count,
+                        numel,
+                        ..
+                    } => BridgeError::NonFinite {
+                        path: self.dir.join(&chunk.file),
+                        tensor,
+                        count,
+                        numel,
+                    },
+                    other => other,
+                })?;
+            }
+        }
+        Ok(())
     }
 
     /// Chunk file `name`, mapped (and its DCP metadata parsed) on first use.
@@ -170,7 +197,8 @@ impl DistCheckpoint {
 
     /// The box `request` of tensor `fqn`, in the stored dtype, assembled from the overlapping
     /// chunks; errors when the box lies outside the tensor, a chunk file disagrees with the
-    /// index, or the chunks do not cover the box.
+    /// index, the chunks do not cover the box, or the box holds NaN or infinite values (a
+    /// diverged run's save is never loaded: [`BridgeError::NonFinite`]).
     pub fn read_box(&self, fqn: &str, request: &TensorBox) -> Result<OwnedTensor, BridgeError> {
         let entry = self.entry(fqn)?;
         if !request.within(&entry.global_shape) {
@@ -238,6 +266,19 @@ impl DistCheckpoint {
                     request.offsets,
                     request.shape
                 ),
+            });
+        }
+        let bad = crate::safetensors::elem::count_non_finite(entry.dtype, &out);
+        if bad > 0 {
+            let path = entry
+                .chunks
+                .first()
+                .map_or_else(|| self.dir.clone(), |c| self.dir.join(&c.file));
+            return Err(BridgeError::NonFinite {
+                path,
+                tensor: fqn.to_owned(),
+                count: bad,
+                numel: request.numel(),
             });
         }
         OwnedTensor::new(fqn, entry.dtype, request.shape.clone(), out)

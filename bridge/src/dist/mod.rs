@@ -14,6 +14,7 @@
 //! - [`convert`]: streaming HF → distributed conversion and distributed → HF export.
 //! - [`fp8`]: FP8 weights kept as bytes plus `<fqn>_scale_inv` block scales, and their
 //!   dequantisation on read.
+//! - [`retention`]: keeping the newest `K` checkpoints of a root, removed crash-safely.
 //! - [`train_record`]: the training state object ([`TrainState`]) of a training checkpoint.
 //!
 //! The bridge knows no model: what it must know of one (its config, name-mapping rules,
@@ -31,6 +32,7 @@ pub mod fp8;
 pub mod index;
 pub mod load;
 pub mod region;
+pub mod retention;
 pub mod save;
 pub mod sharding;
 #[cfg(test)]

@@ -32,9 +32,82 @@ pub fn bf16_bits_to_f32(bits: u16) -> f32 {
     bf16::from_bits(bits).to_f32()
 }
 
+/// Number of NaN or infinite elements in `bytes` (little-endian elements of `dtype`); 0 for
+/// integer and boolean dtypes. `F8_E8M0` scales count their NaN code `0xFF`.
+pub fn count_non_finite(dtype: super::Dtype, bytes: &[u8]) -> usize {
+    use super::Dtype;
+    fn count<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> usize {
+        bytes
+            .chunks_exact(N)
+            .filter(|c| {
+                let mut b = [0u8; N];
+                b.copy_from_slice(c);
+                bad(b)
+            })
+            .count()
+    }
+    match dtype {
+        Dtype::F32 => count(bytes, |b| !f32::from_le_bytes(b).is_finite()),
+        Dtype::F64 => count(bytes, |b| !f64::from_le_bytes(b).is_finite()),
+        Dtype::BF16 => count(bytes, |b| {
+            !bf16::from_bits(u16::from_le_bytes(b)).is_finite()
+        }),
+        Dtype::F16 => count(bytes, |b| {
+            !half::f16::from_bits(u16::from_le_bytes(b)).is_finite()
+        }),
+        Dtype::F8E4M3 => count(bytes, |[b]: [u8; 1]| !f8_e4m3_to_f32(b).is_finite()),
+        Dtype::F8E5M2 => count(bytes, |[b]: [u8; 1]| !f8_e5m2_to_f32(b).is_finite()),
+        Dtype::F8E8M0 => count(bytes, |[b]: [u8; 1]| b == 0xFF),
+        Dtype::Bool
+        | Dtype::U8
+        | Dtype::I8
+        | Dtype::I16
+        | Dtype::U16
+        | Dtype::I32
+        | Dtype::U32
+        | Dtype::I64
+        | Dtype::U64 => 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_elements_are_counted_in_every_float_dtype() {
+        use crate::safetensors::Dtype;
+        let f32s: Vec<u8> = [1.0f32, f32::NAN, f32::INFINITY, -0.0, f32::NEG_INFINITY]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::F32, &f32s), 3);
+        let f64s: Vec<u8> = [f64::NAN, 2.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::F64, &f64s), 1);
+        // bf16: 0x7F80 = +inf, 0x7FC0 = NaN, 0x3F80 = 1.0.
+        let bf: Vec<u8> = [0x7F80u16, 0x7FC0, 0x3F80]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::BF16, &bf), 2);
+        // f16: 0x7C00 = +inf, 0x3C00 = 1.0.
+        let f16s: Vec<u8> = [0x7C00u16, 0x3C00]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::F16, &f16s), 1);
+        // E4M3 has two NaN codes and no infinity; E5M2 0x7C = +inf, 0x7E = NaN.
+        assert_eq!(
+            count_non_finite(Dtype::F8E4M3, &[0x7F, 0xFF, 0x7E, 0x00]),
+            2
+        );
+        assert_eq!(count_non_finite(Dtype::F8E5M2, &[0x7C, 0x7E, 0x3C]), 2);
+        assert_eq!(count_non_finite(Dtype::F8E8M0, &[0xFF, 0x7F]), 1);
+        assert_eq!(count_non_finite(Dtype::I64, &[0xFF; 16]), 0);
+    }
 
     #[test]
     fn e4m3_known_values() {

@@ -285,6 +285,16 @@ pub struct TrainerConfig {
     /// How attention exchanges keys and values over the context-parallel group (Megatron's
     /// `--cp-comm-type`): one all-gather (default) or around the ring (`p2p`).
     pub cp_comm_type: crate::distributed::CpCommType,
+    /// Megatron's `--check-for-nan-in-loss-and-grad` (default on): a step whose loss, router
+    /// or MTP loss (any rank) or global gradient norm is NaN or infinite is refused on every
+    /// rank before the optimizer updates anything ([`ModelError::NonFiniteLoss`],
+    /// [`moe_backend::BackendError::NonFiniteGradients`]), unless `skip_nonfinite_steps`
+    /// allows skipping it. Off: such a step is applied as it is.
+    pub check_for_nan_in_loss_and_grad: bool,
+    /// With the check on: how many refused non-finite steps are skipped (no update, no
+    /// expert-bias update, [`StepStats::skipped`]) instead of failing, over the trainer's
+    /// life ([`Trainer::skipped_steps`], restored on resume by the caller). Default 0.
+    pub skip_nonfinite_steps: u64,
 }
 
 impl Default for TrainerConfig {
@@ -312,6 +322,8 @@ impl Default for TrainerConfig {
             recompute: Recompute::None,
             moe_shared_expert_overlap: false,
             cp_comm_type: crate::distributed::CpCommType::AllGather,
+            check_for_nan_in_loss_and_grad: true,
+            skip_nonfinite_steps: 0,
         }
     }
 }
@@ -335,6 +347,8 @@ pub struct StepStats {
     pub tokens_per_second: f64,
     /// Learning rate the step used.
     pub lr: f64,
+    /// The step was non-finite and skipped (`skip_nonfinite_steps`): nothing was updated.
+    pub skipped: bool,
 }
 
 /// One rank's training state (Qwen3-MoE unless another [`ParallelCausalLm`] is named).
@@ -359,6 +373,10 @@ pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
     embedding_group: Option<Comm>,
     /// `|tp|`.
     tp: usize,
+    /// Every rank (the non-finite check's agreement).
+    world: Comm,
+    /// Non-finite steps skipped so far.
+    skipped_steps: u64,
 }
 
 impl<M: ParallelCausalLm> Trainer<M> {
@@ -421,6 +439,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         // here, before any optimizer state exists).
         let classes = model.model().param_classes()?;
         let param_class = classes.classifier();
+        let world_comm = world.clone();
         let muon_matrices = model.model().muon_matrices()?;
         let optimizer = match &config.muon {
             Some(muon) => {
@@ -456,6 +475,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
         };
         let mut optimizer = optimizer;
+        optimizer.set_check_non_finite(config.check_for_nan_in_loss_and_grad);
         if let (Some(place), Some(id)) = (model.pipeline(), model.embedding().map(|e| e.weight.id))
             && place.holds_embedding_copy()
         {
@@ -479,6 +499,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
             channels: groups.pipeline_channels(),
             embedding_group: groups.embedding_group().cloned(),
             tp: groups.comm(GroupFamily::Tp).size(),
+            world: world_comm,
+            skipped_steps: 0,
         })
     }
 
@@ -616,7 +638,13 @@ impl<M: ParallelCausalLm> Trainer<M> {
             None => Vec::new(),
         };
         let sum = |i: usize| sums.get(i).copied().unwrap_or(0.0);
-        let mut stats = self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start)?;
+        if let Some(refused) = self.check_losses(&sums, &["loss", "aux loss"])? {
+            return self.refuse(refused, sum(0), local[0], start);
+        }
+        let mut stats = match self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start) {
+            Err(e) if e.is_non_finite() => return self.refuse(e, sum(0), local[0], start),
+            other => other?,
+        };
         if self.config.update_expert_bias {
             self.update_expert_bias(loads)?;
         }
@@ -629,6 +657,82 @@ impl<M: ParallelCausalLm> Trainer<M> {
         }
         stats.tokens_per_second = stats.tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
         Ok(stats)
+    }
+
+    /// The validation loss of this replica's share of an evaluation batch, given as
+    /// micro-batches as for [`step_micro_batches`](Self::step_micro_batches) (every rank passes
+    /// the same number): `(token-summed cross-entropy, target tokens)` of the replica (summed
+    /// over its context-parallel ranks), for the caller to sum over replicas and batches.
+    /// Nothing is updated: no optimizer step, no expert-bias update, no router statistic kept
+    /// (the next training step starts its global batch afresh). Under pipeline parallelism the
+    /// micro-batches run through the stages on the training schedule and the gradients are
+    /// dropped; otherwise a forward pass only. The MTP modules are not run.
+    pub fn evaluate(&mut self, micro: &[TrainBatch]) -> Result<(f64, usize), ModelError> {
+        if micro.is_empty() {
+            return Err(ModelError::input(
+                "micro_batches",
+                "an evaluation needs at least one micro-batch",
+            ));
+        }
+        self.model.begin_global_batch();
+        moe_backend::recompute::clear_param_grads();
+        let (counts, local, global) = self.step_counts(micro, 0)?;
+        let loss_sum = match self.model.pipeline().cloned() {
+            Some(place) => {
+                let inputs = pipeline::StepInputs {
+                    micro,
+                    counts: &counts,
+                    global: &global,
+                    replicas: self.dp_cp.size(),
+                    depths: 0,
+                    mtp_scale: 0.0,
+                    aux_kind: RouterLossKind::from(self.config.aux_loss_type),
+                    device: &self.device,
+                };
+                let outcome =
+                    pipeline::run_step(&self.model, &place, &self.channels, self.tp, &inputs)?;
+                let logged = outcome.logged.first().copied().unwrap_or(0.0);
+                sum_over(&self.pp, &[logged], &self.device)?
+                    .first()
+                    .copied()
+                    .unwrap_or(0.0)
+            }
+            None => {
+                let mut sum: Option<Tensor<1>> = None;
+                for (batch, tokens) in micro.iter().zip(&counts) {
+                    let out = self.model.forward_train_batch(
+                        batch,
+                        &self.device,
+                        1.0 / micro.len() as f64,
+                        false,
+                    )?;
+                    if tokens[0] == 0 {
+                        continue;
+                    }
+                    let row = out.loss.detach().mul_scalar(tokens[0] as f64);
+                    sum = Some(match sum {
+                        Some(s) => s + row,
+                        None => row,
+                    });
+                }
+                match sum {
+                    Some(t) => read_f32(t)?.first().copied().map_or(0.0, f64::from),
+                    None => 0.0,
+                }
+            }
+        };
+        moe_backend::recompute::clear_param_grads();
+        let n = 1;
+        let logged = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(vec![loss_sum as f32, 0.0], [n + 1]),
+            &self.device,
+        );
+        let (logged, local) = self.replica_sums(Some(logged), local)?;
+        let loss_sum = match logged {
+            Some(t) => read_f32(t)?.first().copied().map_or(0.0, f64::from),
+            None => 0.0,
+        };
+        Ok((loss_sum, local.first().copied().unwrap_or(0)))
     }
 
     /// Target tokens per micro-batch (main loss, then each of `depths` MTP depths), this
@@ -719,7 +823,13 @@ impl<M: ParallelCausalLm> Trainer<M> {
         };
         let sum = |i: usize| sums.get(i).copied().unwrap_or(0.0);
         let n_micro = micro.len() as f64;
-        let mut stats = self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start)?;
+        if let Some(refused) = self.check_losses(&sums, &["loss", "aux loss"])? {
+            return self.refuse(refused, sum(0), local[0], start);
+        }
+        let mut stats = match self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start) {
+            Err(e) if e.is_non_finite() => return self.refuse(e, sum(0), local[0], start),
+            other => other?,
+        };
         if self.config.update_expert_bias {
             self.update_expert_bias(outcome.loads)?;
         }
@@ -874,9 +984,107 @@ impl<M: ParallelCausalLm> Trainer<M> {
             self.accumulate_recomputed(&mut accumulator);
         }
         let grads = accumulator.grads();
-        let mut stats = self.finish_step(grads, 0.0, 0.0, tokens, start)?;
-        stats.loss = (value_sum / micro.len() as f64) as f32;
+        let value = value_sum / micro.len() as f64;
+        if let Some(refused) = self.check_losses(&[value], &["objective"])? {
+            return self.refuse(refused, value, 1, start);
+        }
+        let mut stats = match self.finish_step(grads, 0.0, 0.0, tokens, start) {
+            Err(e) if e.is_non_finite() => return self.refuse(e, value, 1, start),
+            other => other?,
+        };
+        stats.loss = value as f32;
         Ok(stats)
+    }
+
+    /// Non-finite steps skipped so far (`TrainerConfig::skip_nonfinite_steps`).
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    /// Sets the count of skipped non-finite steps (restoring a run: the budget
+    /// `TrainerConfig::skip_nonfinite_steps` covers the whole run).
+    pub fn set_skipped_steps(&mut self, skipped: u64) {
+        self.skipped_steps = skipped;
+    }
+
+    /// With the non-finite check on: whether any of this rank's logged `values` (named by
+    /// `names`, the rest `MTP loss`) or any other rank's is NaN or infinite, agreed over the
+    /// world in one collective, as the refusal naming the lowest such rank and the value.
+    fn check_losses(
+        &self,
+        values: &[f64],
+        names: &[&str],
+    ) -> Result<Option<ModelError>, ModelError> {
+        if !self.config.check_for_nan_in_loss_and_grad {
+            return Ok(None);
+        }
+        let world = self.world.size();
+        let bad: Vec<bool> = values.iter().map(|v| !v.is_finite()).collect();
+        // Per value a flag, then `world − rank` of a rank with a bad value (the maximum names
+        // the lowest such rank).
+        let mut flags: Vec<f64> = bad.iter().map(|&b| f64::from(u8::from(b))).collect();
+        let any = bad.iter().any(|&b| b);
+        flags.push(if any {
+            (world - self.world.rank()) as f64
+        } else {
+            0.0
+        });
+        let n = flags.len();
+        let t = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(flags, [n]),
+            (&self.device, burn::tensor::DType::F64),
+        );
+        let agreed = self
+            .world
+            .all_reduce(t, ReduceOp::Max)
+            .map_err(err)?
+            .into_data()
+            .iter::<f64>()
+            .collect::<Vec<f64>>();
+        let Some((&lowest, flags)) = agreed.split_last() else {
+            return Ok(None);
+        };
+        if lowest == 0.0 {
+            return Ok(None);
+        }
+        let what: Vec<&str> = flags
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| **f > 0.0)
+            .map(|(i, _)| names.get(i).copied().unwrap_or("MTP loss"))
+            .collect();
+        let mut what = what;
+        what.dedup();
+        Ok(Some(ModelError::NonFiniteLoss {
+            what: what.join(" and "),
+            rank: world - lowest as usize,
+        }))
+    }
+
+    /// A refused non-finite step: skipped (nothing updated; the statistics say `skipped`)
+    /// while `skip_nonfinite_steps` allows, else the error.
+    fn refuse(
+        &mut self,
+        refused: ModelError,
+        loss_sum: f64,
+        tokens: usize,
+        start: Instant,
+    ) -> Result<StepStats, ModelError> {
+        if self.skipped_steps >= self.config.skip_nonfinite_steps {
+            return Err(refused);
+        }
+        self.skipped_steps += 1;
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        Ok(StepStats {
+            loss: (loss_sum / tokens.max(1) as f64) as f32,
+            aux_loss: f32::NAN,
+            mtp_loss: None,
+            grad_norm: f64::NAN,
+            tokens,
+            tokens_per_second: tokens as f64 / secs,
+            lr: self.lr(),
+            skipped: true,
+        })
     }
 
     /// The optimizer step on accumulated gradients and the step's statistics (`loss_sum` is
@@ -910,6 +1118,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             tokens,
             tokens_per_second: tokens as f64 / secs,
             lr,
+            skipped: false,
         })
     }
 
@@ -991,6 +1200,13 @@ impl Optimizer {
         match self {
             Self::AdamW(o) => o.step_count(),
             Self::Muon(o) => o.step_count(),
+        }
+    }
+
+    fn set_check_non_finite(&mut self, check: bool) {
+        match self {
+            Self::AdamW(o) => o.set_check_non_finite(check),
+            Self::Muon(o) => o.set_check_non_finite(check),
         }
     }
 

@@ -427,6 +427,9 @@ pub struct DistributedAdamW {
     scale: f32,
     pub(super) step: i32,
     pub(super) fp8: Option<Fp8Primary>,
+    /// Refuse a step whose global gradient norm is not finite
+    /// ([`DistributedAdamW::set_check_non_finite`]).
+    check_non_finite: bool,
 }
 
 impl DistributedAdamW {
@@ -485,6 +488,7 @@ impl DistributedAdamW {
             expert,
             norm_ranges,
             norm_excluded: Vec::new(),
+            check_non_finite: true,
             tp,
             world,
             config,
@@ -772,6 +776,14 @@ impl DistributedAdamW {
                 }
             }
             grad_norm = self.global_norm_host(&dense, &expert)?;
+            if self.check_non_finite && !grad_norm.is_finite() {
+                let bad = [
+                    dense.sum_of_squares(0..dense.len()),
+                    expert.sum_of_squares(0..expert.len()),
+                ]
+                .map(|sq| !sq.is_finite());
+                return Err(self.non_finite_error(grad_norm, bad)?);
+            }
             clip_coeff = clip(grad_norm);
             self.step += 1;
             if self.writes_master_views() {
@@ -788,6 +800,18 @@ impl DistributedAdamW {
         } else {
             let (dense_shard, expert_shard) = self.reduce_local(&module, &mut grads)?;
             grad_norm = self.global_norm(&dense_shard, &expert_shard)?;
+            if self.check_non_finite && !grad_norm.is_finite() {
+                let wide = has_f64(&self.dense.device);
+                let finite = |t: &Tensor<1>| {
+                    sum_of_squares(t.clone(), wide)
+                        .into_data()
+                        .iter::<f64>()
+                        .next()
+                        .is_some_and(f64::is_finite)
+                };
+                let bad = [!finite(&dense_shard), !finite(&expert_shard)];
+                return Err(self.non_finite_error(grad_norm, bad)?);
+            }
             clip_coeff = clip(grad_norm);
             self.step += 1;
             self.dense
@@ -846,6 +870,54 @@ impl DistributedAdamW {
                 Err(e)
             }
         }
+    }
+
+    /// Whether a step whose global gradient norm is NaN or infinite is refused (the default:
+    /// [`BackendError::NonFiniteGradients`], before any update, on every rank alike) or
+    /// applied as it is (`false`, Megatron's `--no-check-for-nan-in-loss-and-grad`).
+    pub fn set_check_non_finite(&mut self, check: bool) {
+        self.check_non_finite = check;
+    }
+
+    /// Whether non-finite gradient norms are refused ([`set_check_non_finite`](Self::set_check_non_finite)).
+    pub fn check_non_finite(&self) -> bool {
+        self.check_non_finite
+    }
+
+    /// The error of a step with the non-finite global norm `norm`: `local_bad` says whether
+    /// this rank's dense and expert gradient shards hold non-finite values; one collective
+    /// over the world (every rank is on this path, as the norm is the same everywhere) tells
+    /// which groups hold them on any rank.
+    fn non_finite_error(&self, norm: f64, local_bad: [bool; 2]) -> Result<BackendError> {
+        // Per group a flag, then `world − rank` where this rank's shards are bad (the maximum
+        // names the lowest such rank).
+        let world = self.world.size();
+        let mut flags: Vec<f32> = local_bad.map(|b| f32::from(u8::from(b))).to_vec();
+        flags.push(if local_bad.iter().any(|&b| b) {
+            (world - self.world.rank()) as f32
+        } else {
+            0.0
+        });
+        let flags = Tensor::<1>::from_data(TensorData::new(flags, [3]), &self.dense.device);
+        let flags = host_f32(self.world.all_reduce(flags, ReduceOp::Max)?, "gradients")?;
+        let names = ["dense parameters", "expert parameters"];
+        let groups: Vec<&str> = names
+            .iter()
+            .zip(&flags)
+            .filter(|(_, f)| **f > 0.0)
+            .map(|(n, _)| *n)
+            .collect();
+        let lowest = flags.get(2).copied().unwrap_or(0.0);
+        Ok(BackendError::NonFiniteGradients {
+            op: "DistributedAdamW",
+            norm,
+            rank: (lowest > 0.0).then(|| world - lowest as usize),
+            groups: if groups.is_empty() {
+                "the norm's sum".into()
+            } else {
+                groups.join(" and ")
+            },
+        })
     }
 
     /// Whether a step writes views of the master weights into the module: each class owned

@@ -1074,6 +1074,12 @@ impl MuonAdamW {
         self.adamw.step_count()
     }
 
+    /// Whether a step with a non-finite global gradient norm is refused before any update
+    /// (the default), as [`DistributedAdamW::set_check_non_finite`], for both sides.
+    pub fn set_check_non_finite(&mut self, check: bool) {
+        self.adamw.set_check_non_finite(check);
+    }
+
     /// Sets the decoupled weight decay of both sides for the following steps (a weight-decay
     /// schedule; Moonshot uses one value for both with [`MuonScale::MatchAdamW`]).
     pub fn set_weight_decay(&mut self, weight_decay: f32) {
@@ -1125,6 +1131,14 @@ impl MuonAdamW {
                 let (dense, expert) = self.adamw.reduced_gradient_tensors(&module, copy)?;
                 let sq = muon_sq + self.adamw_sq_norm(&dense, &expert);
                 let norm = world_sum(&self.muon.world, sq)?.sqrt();
+                if self.adamw.check_non_finite() && !norm.is_finite() {
+                    return Err(BackendError::NonFiniteGradients {
+                        op: "MuonAdamW",
+                        norm,
+                        rank: None,
+                        groups: "the Muon matrices or the AdamW parameters".into(),
+                    });
+                }
                 let coeff = clip_coeff(norm, Some(max));
                 if coeff != 1.0 {
                     module.visit(&mut GradWalker {
@@ -1140,6 +1154,14 @@ impl MuonAdamW {
                 // A second scalar read (the first is AdamW's own norm inside its step): the
                 // reported norm covers both sides.
                 let muon_sq = world_sum(&self.muon.world, muon_sq)?;
+                if self.adamw.check_non_finite() && !muon_sq.is_finite() {
+                    return Err(BackendError::NonFiniteGradients {
+                        op: "MuonAdamW",
+                        norm: muon_sq.sqrt(),
+                        rank: None,
+                        groups: "Muon matrices".into(),
+                    });
+                }
                 let (module, report) = self.adamw.step(adamw_lr, module, grads)?;
                 (module, (report.grad_norm.powi(2) + muon_sq).sqrt(), 1.0)
             }

@@ -14,7 +14,10 @@ use burn_moe::backend::router::AuxLossType;
 use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::{CpCommType, DispatcherKind};
 use burn_moe::models::train::TrainerConfig;
-use burn_moe::train_job::{MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job};
+use burn_moe::preempt;
+use burn_moe::train_job::{
+    EvalJob, ExitPolicy, MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job,
+};
 
 /// How the ranks run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -274,7 +277,8 @@ pub struct Args {
     #[arg(long)]
     pub resume: bool,
     /// JSON-lines metrics: one object per step (`step`, `loss`, `aux_loss`, `mtp_loss`,
-    /// `grad_norm`, `lr`, `tokens_per_s`), written by rank 0 (appended to with `--resume`).
+    /// `grad_norm`, `lr`, `tokens_per_s`, `skipped_steps`, and `eval_loss` / `eval_ppl` on
+    /// evaluation steps), written by rank 0 (appended to with `--resume`).
     #[arg(long, value_name = "FILE")]
     pub metrics_out: Option<PathBuf>,
     /// Compute device of every rank: `cpu` (Flex), `vulkan` or `cuda` (the GPU backends need
@@ -287,6 +291,40 @@ pub struct Args {
     /// Seconds a rank waits for the others in a collective before the job fails.
     #[arg(long, default_value_t = 300)]
     pub comm_timeout: u64,
+    /// Train on even when a step's loss or gradient norm is NaN or infinite. By default
+    /// (Megatron's `--check-for-nan-in-loss-and-grad`) such a step fails the job before the
+    /// optimizer updates anything and before any save, naming the step, the rank and the value.
+    #[arg(long)]
+    pub no_check_for_nan_in_loss_and_grad: bool,
+    /// Skip up to N non-finite steps (no update; counted as `skipped_steps` in the metrics)
+    /// before failing.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub skip_nonfinite_steps: u64,
+    /// Signals that make every rank finish its step, save a checkpoint (with `--save`) and exit
+    /// 0, comma-separated (`none` disables; a second signal exits at once). Slurm sends
+    /// SIGTERM before it kills a job.
+    #[arg(long, default_value = "SIGTERM,SIGINT", value_name = "SIGNALS")]
+    pub exit_signal: String,
+    /// Finish the step, save and exit 0 once the job has run this many minutes.
+    #[arg(long, value_name = "MINUTES")]
+    pub exit_duration_in_mins: Option<f64>,
+    /// Finish the step, save and exit 0 after a step that is a multiple of N.
+    #[arg(long, value_name = "N")]
+    pub exit_interval: Option<usize>,
+    /// After each save, keep only the K newest checkpoints (and the one `latest` names);
+    /// older `iter_*` directories are removed crash-safely.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_last: Option<u64>,
+    /// Held-out data for a validation loss (and perplexity), in any `--data` format; logged
+    /// with the training metrics (`eval_loss`, `eval_ppl`). Changes nothing of the training.
+    #[arg(long, value_name = "FILE")]
+    pub eval_data: Option<PathBuf>,
+    /// Evaluate after every N steps (and after the last step).
+    #[arg(long, default_value_t = 1000, value_name = "N", requires = "eval_data")]
+    pub eval_interval: usize,
+    /// Global batches (`--gbs` sequences each) per evaluation; the same batches every time.
+    #[arg(long, default_value_t = 100, value_name = "K", requires = "eval_data")]
+    pub eval_iters: usize,
 }
 
 /// `--aux-loss-type` values.
@@ -359,6 +397,8 @@ fn job(args: &Args) -> TrainJob {
     trainer.moe_shared_expert_overlap = args.moe_shared_expert_overlap;
     trainer.cp_comm_type = args.cp_comm_type;
     trainer.optimizer.epsilon = args.adam_eps as f32;
+    trainer.check_for_nan_in_loss_and_grad = !args.no_check_for_nan_in_loss_and_grad;
+    trainer.skip_nonfinite_steps = args.skip_nonfinite_steps;
     trainer.optimizer.max_grad_norm = (args.clip_grad > 0.0).then_some(args.clip_grad);
     TrainJob {
         model: args.model.clone(),
@@ -386,7 +426,31 @@ fn job(args: &Args) -> TrainJob {
             AuxLoss::SeqAux => AuxLossType::SeqAux,
             AuxLoss::GlobalAux => AuxLossType::GlobalAux,
         }),
+        keep_last: args.keep_last.map(|k| k as usize),
+        exit: ExitPolicy {
+            signal: None,
+            duration: args
+                .exit_duration_in_mins
+                .map(|m| Duration::from_secs_f64((m * 60.0).max(0.0))),
+            interval: args.exit_interval,
+        },
+        eval: args.eval_data.as_ref().map(|data| EvalJob {
+            data: data.clone(),
+            interval: args.eval_interval,
+            iters: args.eval_iters,
+        }),
     }
+}
+
+/// The signals of `--exit-signal` (none for `none`).
+fn exit_signals(spec: &str) -> anyhow::Result<Vec<i32>> {
+    if spec.trim().eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    spec.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| preempt::parse_signal(s).map_err(|e| anyhow::anyhow!("--exit-signal: {e}")))
+        .collect()
 }
 
 fn print_summary(report: &TrainJobReport) {
@@ -405,11 +469,27 @@ fn print_summary(report: &TrainJobReport) {
     for dir in &report.saved {
         println!("saved {}", dir.display());
     }
+    if let Some(reason) = &report.stopped {
+        let step = report.metrics.last().map_or(report.first_step, |m| m.step);
+        match report.saved.last() {
+            Some(dir) => println!(
+                "stopped after step {step}: {reason}; saved {}; continue with --resume",
+                dir.display()
+            ),
+            None => println!("stopped after step {step}: {reason}; nothing saved (no --save)"),
+        }
+    }
 }
 
 /// Runs `moe train`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let job = job(&args);
+    let mut job = job(&args);
+    let signals = exit_signals(&args.exit_signal)?;
+    if !signals.is_empty() {
+        let handlers = preempt::ExitSignals::install(&signals)
+            .context("installing the --exit-signal handlers")?;
+        job.exit.signal = Some(handlers.flag());
+    }
     // A device this binary cannot provide fails here, before any rank starts.
     job.device.device()?;
     let transport = match args.transport {
@@ -438,6 +518,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             aux_loss = m.aux_loss,
             mtp_loss = m.mtp_loss,
             grad_norm = m.grad_norm,
+            eval_loss = m.eval_loss,
+            skipped = m.skipped,
             "step"
         );
         if let Some(w) = &metrics
