@@ -121,3 +121,95 @@ fn the_hook_is_refused_under_pipeline_stages() {
         assert!(loss.is_finite() && loss > 0.0, "rank {rank}: {loss}");
     }
 }
+
+/// The non-finite guard through the loss hook: an objective that is NaN on rank 1 alone is
+/// refused on both ranks (agreed over the world, naming rank 1); with a skip budget the step
+/// is skipped and changes nothing (the next step equals the same step of a run that never
+/// saw it, bit for bit); past the budget the step fails, again changing nothing.
+#[test]
+fn a_non_finite_objective_on_one_rank_is_skipped_then_refused_on_every_rank() {
+    let device = Device::flex().autodiff();
+    let full = fixture().init(&device).expect("init");
+    let layout = ParallelLayout::parse(2, "ep=2").expect("layout");
+    let config = TrainerConfig {
+        skip_nonfinite_steps: 1,
+        ..TrainerConfig::default()
+    };
+    let (full, layout, config, dev) = (&full, &layout, &config, &device);
+    let results = World::run(2, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let mut skipping =
+            Trainer::new(full, &pg, ctx.world()?, config.clone(), dev).map_err(backend)?;
+        let mut plain =
+            Trainer::new(full, &pg, ctx.world()?, config.clone(), dev).map_err(backend)?;
+        let rank = ctx.rank();
+        let batch = |step: usize| {
+            let ids: Vec<i64> = (0..16)
+                .map(|i| ((i * 7 + step * 13 + rank * 29) % 250) as i64)
+                .collect();
+            TrainBatch::causal(ids, 2).map_err(backend)
+        };
+        // The objective, NaN on rank 1 when `poison`.
+        let hook = |poison: bool| {
+            move |shard: &moe_models::distributed::ParallelQwen3Moe, b: &TrainBatch, scale: f64| {
+                let out =
+                    shard.forward_loss_scaled(&b.input_ids, &b.labels, b.batch, dev, scale)?;
+                let loss = if poison && rank == 1 {
+                    out.loss.mul_scalar(f64::NAN)
+                } else {
+                    out.loss
+                };
+                Ok((loss, b.target_tokens()))
+            }
+        };
+        let flat = |t: &Trainer| {
+            t.optimizer()
+                .table()
+                .flatten_values(&t.model().model)
+                .expect("flatten")
+        };
+        let b0 = batch(0)?;
+        skipping
+            .step_with(std::slice::from_ref(&b0), hook(false))
+            .map_err(backend)?;
+        plain
+            .step_with(std::slice::from_ref(&b0), hook(false))
+            .map_err(backend)?;
+        let before = flat(&skipping);
+        let stats = skipping
+            .step_with(std::slice::from_ref(&b0), hook(true))
+            .map_err(backend)?;
+        assert!(stats.skipped, "rank {rank}: skipped on every rank");
+        assert_eq!(skipping.skipped_steps(), 1);
+        assert_eq!(flat(&skipping), before, "a skipped step changes nothing");
+        let b1 = batch(1)?;
+        let a = skipping
+            .step_with(std::slice::from_ref(&b1), hook(false))
+            .map_err(backend)?;
+        let b = plain
+            .step_with(std::slice::from_ref(&b1), hook(false))
+            .map_err(backend)?;
+        assert_eq!((a.loss, a.grad_norm), (b.loss, b.grad_norm));
+        assert_eq!(
+            flat(&skipping),
+            flat(&plain),
+            "as if the step never happened"
+        );
+        // The budget is spent: refused, naming rank 1, nothing changed.
+        let before = flat(&skipping);
+        let e = skipping
+            .step_with(std::slice::from_ref(&b1), hook(true))
+            .expect_err("refused past the budget");
+        assert!(e.is_non_finite(), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("rank 1") && text.contains("objective"),
+            "{text}"
+        );
+        assert_eq!(flat(&skipping), before, "a refused step changes nothing");
+        Ok(())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+}
