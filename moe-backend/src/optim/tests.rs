@@ -425,3 +425,62 @@ fn step_in_place_updates_the_master_where_it_lies() {
     .remove(0)
     .unwrap();
 }
+
+/// A NaN in one rank's expert gradients: every rank refuses the step (the global norm is the
+/// same everywhere), naming the expert group and that rank; master weights, moments, the step
+/// count and the module are untouched.
+#[test]
+fn a_non_finite_gradient_on_one_rank_is_refused_on_every_rank_changing_nothing() {
+    let reference = reference_layer();
+    let reference = &reference;
+    let results = World::run(2, |ctx| {
+        let layout = ParallelLayout::parse(2, "ep=2").unwrap();
+        let pg = ctx.process_groups(&layout)?;
+        let (d, mut layer) = rank_layer(&pg, &layout, reference)?;
+        let cfg = config(Some(0.5), MomentDtype::F32);
+        let mut optim = DistributedAdamW::new(&layer, &pg, ctx.world()?, cfg)?;
+        let x = tensor(batch(0, ctx.rank(), 1), [T, H], &ad(), DType::F32);
+        let w = tensor(batch(0, ctx.rank(), 2), [T, H], &ad(), DType::F32);
+        let grads = GradientsParams::from_grads(loss(&layer, x, w, &d).backward(), &layer);
+        // Poison one expert gradient element on rank 1.
+        let mut grads = grads;
+        if ctx.rank() == 1 {
+            let id = layer.experts.fc1.id;
+            let g: Tensor<3> = grads.remove(id).expect("expert gradient");
+            let poisoned = g.clone().slice_fill([0..1, 0..1, 0..1], f32::NAN);
+            grads.register(id, poisoned);
+        }
+        let before = (
+            optim.table().flatten_values(&layer)?,
+            values(optim.dense.master.clone()),
+            values(optim.expert.master.clone()),
+            optim.step_count(),
+        );
+        let e = optim
+            .step_in_place(LR, &mut layer, grads)
+            .expect_err("refused");
+        let after = (
+            optim.table().flatten_values(&layer)?,
+            values(optim.dense.master.clone()),
+            values(optim.expert.master.clone()),
+            optim.step_count(),
+        );
+        Ok((e, before == after))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (e, unchanged) = r.unwrap();
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                crate::BackendError::NonFiniteGradients { rank: Some(1), .. }
+            ),
+            "rank {rank}: {text}"
+        );
+        assert!(
+            text.contains("expert parameters") && !text.contains("dense"),
+            "{text}"
+        );
+        assert!(unchanged, "rank {rank}: the refused step changed the state");
+    }
+}
