@@ -536,6 +536,29 @@ pub enum BridgeError {
         /// What went wrong.
         reason: String,
     },
+    /// A row of a supervised fine-tuning JSONL file is unusable (not JSON, a missing or
+    /// mistyped field, an unknown role, a template that raises on it, no trained token, over
+    /// the maximum length when such rows are refused).
+    #[error("{path}, line {line}{}: {reason}", field_location(.field))]
+    SftRow {
+        /// The JSONL file.
+        path: PathBuf,
+        /// The row's line in the file (1-based).
+        line: usize,
+        /// The field at fault (`messages[2].role`, `completion`, …), when one is.
+        field: Option<String>,
+        /// What is wrong with the row.
+        reason: String,
+    },
+    /// Supervised fine-tuning data as a whole is unusable with the options given (no rows,
+    /// assistant-only loss on a dataset that is not conversational, a zero length).
+    #[error("{path}: {reason}")]
+    SftData {
+        /// The JSONL file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl From<moe_backend::fs::FsError> for BridgeError {
@@ -558,4 +581,12 @@ fn template_location(name: &Option<String>, line: &Option<usize>) -> String {
         text.push_str(&format!(", line {line}"));
     }
     text
+}
+
+/// `, field `f`` or nothing, for [`BridgeError::SftRow`].
+fn field_location(field: &Option<String>) -> String {
+    field
+        .as_ref()
+        .map(|f| format!(", field `{f}`"))
+        .unwrap_or_default()
 }

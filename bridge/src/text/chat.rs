@@ -11,18 +11,30 @@
 //!
 //! Here the template runs on `minijinja` with the same whitespace settings, Python string and
 //! dict methods (`.strip()`, `.startswith()`, `.split()`, `.items()`, `.get()`, … from
-//! `minijinja-contrib`'s `pycompat`), loop controls, and the filter and globals above;
-//! `{% generation %}…{% endgeneration %}` renders its body (the assistant-mask bookkeeping is
-//! not needed for inference). Known differences: JSON objects passed in arrive with their keys
-//! sorted (serde_json's map order), where Python keeps insertion order, which shows in
-//! `tojson` of a non-sorted object; `strftime_now` formats the current UTC time and supports
-//! the common `%` codes only.
+//! `minijinja-contrib`'s `pycompat`), loop controls, and the filter and globals above.
+//!
+//! `{% generation %}…{% endgeneration %}` renders its body, as transformers' `AssistantTracker`
+//! extension does; [`CompiledChatTemplate::render_with_generation_spans`] also reports where
+//! each block's output lies in the rendered text, in characters (Unicode code points, as
+//! Python's `len` counts them), which is what transformers 5.23's
+//! `_render_with_assistant_indices` records as `generation_indices` for
+//! `apply_chat_template(..., return_assistant_tokens_mask=True)`. The tags are rewritten to a
+//! `{% filter %}` block (the same whitespace control, a body rendered to a string like
+//! transformers' `caller()`), whose filter wraps the body in two Unicode noncharacters that are
+//! stripped after rendering; input text holding those characters is refused. transformers
+//! takes a block's start from the output the template has yielded so far, which is the same
+//! position for blocks at the template's top level (every known template); inside a macro or a
+//! `{% set %}` capture this module reports where the text ends up instead.
+//!
+//! Known differences: JSON objects passed in arrive with their keys sorted (serde_json's map
+//! order), where Python keeps insertion order, which shows in `tojson` of a non-sorted object;
+//! `strftime_now` formats the current UTC time and supports the common `%` codes only.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use minijinja::value::{Kwargs, ValueKind};
-use minijinja::{AutoEscape, Environment, Error, ErrorKind, Value as JValue};
+use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, Value as JValue};
 use serde_json::{Map, Value};
 
 use super::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE};
@@ -205,35 +217,26 @@ impl ChatTemplate {
         special_tokens: &BTreeMap<String, String>,
         kwargs: &Map<String, Value>,
     ) -> Result<String, BridgeError> {
-        let source = rewrite_generation_tags(&self.source);
-        let env = environment();
-        let template = env
-            .template_from_str(&source)
+        self.compile()?
+            .render(messages, add_generation_prompt, special_tokens, kwargs)
+    }
+
+    /// Parses the template once, to render many conversations with it.
+    pub fn compile(&self) -> Result<CompiledChatTemplate, BridgeError> {
+        let mut env = environment();
+        env.add_template_owned(COMPILED_NAME, rewrite_generation_tags(&self.source))
             .map_err(|e| self.template_error(&e))?;
-        let mut context: BTreeMap<String, JValue> = BTreeMap::new();
-        for (name, token) in special_tokens {
-            context.insert(name.clone(), JValue::from(token.as_str()));
-        }
-        for (name, value) in kwargs {
-            context.insert(name.clone(), to_jinja(value));
-        }
-        for name in ["tools", "documents"] {
-            context
-                .entry(name.to_string())
-                .or_insert_with(|| JValue::from(()));
-        }
-        let messages: Vec<JValue> = messages
-            .iter()
-            .map(|m| to_jinja(&prepare_message(m)))
-            .collect();
-        context.insert("messages".into(), JValue::from(messages));
-        context.insert(
-            "add_generation_prompt".into(),
-            JValue::from(add_generation_prompt),
-        );
-        template
-            .render(JValue::from_pairs(context))
-            .map_err(|e| self.template_error(&e))
+        Ok(CompiledChatTemplate {
+            env,
+            template: self.clone(),
+        })
+    }
+
+    /// Whether the template has transformers' `{% generation %}` tag, as TRL 1.16's
+    /// `has_generation_markers` (and transformers' own check) match it: `{%`, an optional `-`,
+    /// whitespace, `generation`, whitespace, an optional `-`, `%}`.
+    pub fn has_generation_markers(&self) -> bool {
+        has_generation_markers(&self.source)
     }
 
     fn error(&self, line: Option<usize>, reason: String) -> BridgeError {
@@ -262,6 +265,194 @@ impl ChatTemplate {
         }
         self.error(line.filter(|&l| l > 0), reason)
     }
+}
+
+/// Name of the one template of a [`CompiledChatTemplate`]'s environment.
+const COMPILED_NAME: &str = "chat_template";
+
+/// Filter the `{% generation %}` tags are rewritten to.
+const GENERATION_FILTER: &str = "__moe_generation";
+
+/// Template variable that turns the generation-span markers on.
+const TRACK_GENERATION: &str = "__moe_track_generation";
+
+/// Marks the start of a generation block's output (a Unicode noncharacter).
+const SPAN_START: char = '\u{FDD0}';
+
+/// Marks the end of a generation block's output (a Unicode noncharacter).
+const SPAN_END: char = '\u{FDD1}';
+
+/// A parsed chat template, ready to render many conversations.
+#[derive(Debug)]
+pub struct CompiledChatTemplate {
+    env: Environment<'static>,
+    template: ChatTemplate,
+}
+
+/// A rendered conversation with the character spans of its `{% generation %}` blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedChat {
+    /// The rendered text.
+    pub text: String,
+    /// `(start, end)` of each generation block's output in `text`, in characters (Unicode
+    /// code points), end exclusive, in the order the blocks finished rendering (transformers'
+    /// `generation_indices`).
+    pub generation_spans: Vec<(usize, usize)>,
+}
+
+impl CompiledChatTemplate {
+    /// The template this was compiled from.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// Renders the template for `messages` (see the module docs for the variables it sees).
+    pub fn render(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        special_tokens: &BTreeMap<String, String>,
+        kwargs: &Map<String, Value>,
+    ) -> Result<String, BridgeError> {
+        let context = template_context(messages, add_generation_prompt, special_tokens, kwargs);
+        self.render_context(context)
+    }
+
+    /// Renders as [`CompiledChatTemplate::render`] and reports the character spans of the
+    /// `{% generation %}` blocks' output, as transformers' `_render_with_assistant_indices`
+    /// does (see the module docs). Text holding U+FDD0 or U+FDD1 (the markers used to find the
+    /// spans) is refused.
+    pub fn render_with_generation_spans(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+        special_tokens: &BTreeMap<String, String>,
+        kwargs: &Map<String, Value>,
+    ) -> Result<RenderedChat, BridgeError> {
+        let mut inputs = messages.iter().chain(kwargs.values());
+        let mut special = special_tokens.iter().flat_map(|(k, v)| [k, v]);
+        if inputs.any(holds_span_marker) || special.any(|s| has_marker(s)) {
+            return Err(self.template.error(
+                None,
+                "the conversation holds U+FDD0 or U+FDD1, which mark the generation blocks".into(),
+            ));
+        }
+        let mut context = template_context(messages, add_generation_prompt, special_tokens, kwargs);
+        context.insert(TRACK_GENERATION.into(), JValue::from(true));
+        let marked = self.render_context(context)?;
+        extract_generation_spans(&marked).ok_or_else(|| {
+            self.template.error(
+                None,
+                "the template writes U+FDD0 or U+FDD1, which mark the generation blocks".into(),
+            )
+        })
+    }
+
+    fn render_context(&self, context: BTreeMap<String, JValue>) -> Result<String, BridgeError> {
+        let template = self
+            .env
+            .get_template(COMPILED_NAME)
+            .map_err(|e| self.template.template_error(&e))?;
+        template
+            .render(JValue::from_pairs(context))
+            .map_err(|e| self.template.template_error(&e))
+    }
+}
+
+/// The variables a template sees (see the module docs).
+fn template_context(
+    messages: &[Value],
+    add_generation_prompt: bool,
+    special_tokens: &BTreeMap<String, String>,
+    kwargs: &Map<String, Value>,
+) -> BTreeMap<String, JValue> {
+    let mut context: BTreeMap<String, JValue> = BTreeMap::new();
+    for (name, token) in special_tokens {
+        context.insert(name.clone(), JValue::from(token.as_str()));
+    }
+    for (name, value) in kwargs {
+        context.insert(name.clone(), to_jinja(value));
+    }
+    for name in ["tools", "documents"] {
+        context
+            .entry(name.to_string())
+            .or_insert_with(|| JValue::from(()));
+    }
+    let messages: Vec<JValue> = messages
+        .iter()
+        .map(|m| to_jinja(&prepare_message(m)))
+        .collect();
+    context.insert("messages".into(), JValue::from(messages));
+    context.insert(
+        "add_generation_prompt".into(),
+        JValue::from(add_generation_prompt),
+    );
+    context
+}
+
+fn has_marker(text: &str) -> bool {
+    text.contains([SPAN_START, SPAN_END])
+}
+
+/// Whether a JSON value holds a generation-span marker in a string or a key.
+fn holds_span_marker(value: &Value) -> bool {
+    match value {
+        Value::String(s) => has_marker(s),
+        Value::Array(items) => items.iter().any(holds_span_marker),
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| has_marker(k) || holds_span_marker(v)),
+        _ => false,
+    }
+}
+
+/// The text without the span markers, and the marked spans in characters (in closing order);
+/// `None` when the markers do not pair up.
+fn extract_generation_spans(marked: &str) -> Option<RenderedChat> {
+    let mut text = String::with_capacity(marked.len());
+    let mut spans = Vec::new();
+    let mut open = Vec::new();
+    let mut chars = 0usize;
+    for c in marked.chars() {
+        match c {
+            SPAN_START => open.push(chars),
+            SPAN_END => spans.push((open.pop()?, chars)),
+            c => {
+                text.push(c);
+                chars += 1;
+            }
+        }
+    }
+    open.is_empty().then_some(RenderedChat {
+        text,
+        generation_spans: spans,
+    })
+}
+
+/// The filter of the rewritten `{% generation %}` blocks: the body, between the span markers
+/// when the render tracks generation spans.
+fn generation_filter(state: &State, body: String) -> String {
+    let tracking = state.lookup(TRACK_GENERATION).is_some_and(|v| v.is_true());
+    if tracking {
+        format!("{SPAN_START}{body}{SPAN_END}")
+    } else {
+        body
+    }
+}
+
+/// transformers' check for the `{% generation %}` tag (the regex
+/// `\{%-?\s*generation\s*-?%\}`).
+pub(crate) fn has_generation_markers(source: &str) -> bool {
+    source.match_indices("{%").any(|(at, _)| {
+        let rest = &source[at + 2..];
+        let rest = rest.strip_prefix('-').unwrap_or(rest);
+        let Some(rest) = rest.trim_start().strip_prefix("generation") else {
+            return false;
+        };
+        let rest = rest.trim_start();
+        let rest = rest.strip_prefix('-').unwrap_or(rest);
+        rest.starts_with("%}")
+    })
 }
 
 /// The kind and detail of a template error (the line is reported separately).
@@ -294,6 +485,7 @@ fn environment<'source>() -> Environment<'source> {
     env.set_auto_escape_callback(|_| AutoEscape::None);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_filter("tojson", tojson);
+    env.add_filter(GENERATION_FILTER, generation_filter);
     env.add_function(
         "raise_exception",
         |message: String| -> Result<JValue, Error> {
@@ -353,9 +545,9 @@ fn to_jinja(value: &Value) -> JValue {
     }
 }
 
-/// Replaces transformers' `{% generation %}` / `{% endgeneration %}` tags by `{% if true %}` /
-/// `{% endif %}`, keeping the whitespace-control markers (so trimming is unchanged) and the
-/// line numbers.
+/// Replaces transformers' `{% generation %}` / `{% endgeneration %}` tags by
+/// `{% filter __moe_generation %}` / `{% endfilter %}`, keeping the whitespace-control markers
+/// (so trimming is unchanged) and the line numbers.
 fn rewrite_generation_tags(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
@@ -366,15 +558,19 @@ fn rewrite_generation_tags(source: &str) -> String {
         let body = &tag[body_start..];
         let trimmed = body.trim_start();
         let keyword_at = body_start + (body.len() - trimmed.len());
-        let replacement = [("endgeneration", "endif"), ("generation", "if true")]
-            .into_iter()
-            .find(|(keyword, _)| {
-                trimmed.starts_with(keyword)
-                    && trimmed[keyword.len()..]
-                        .chars()
-                        .next()
-                        .is_some_and(|c| c.is_whitespace() || c == '-' || c == '+' || c == '%')
-            });
+        let filter = format!("filter {GENERATION_FILTER}");
+        let replacement = [
+            ("endgeneration", "endfilter"),
+            ("generation", filter.as_str()),
+        ]
+        .into_iter()
+        .find(|(keyword, _)| {
+            trimmed.starts_with(keyword)
+                && trimmed[keyword.len()..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_whitespace() || c == '-' || c == '+' || c == '%')
+        });
         match replacement {
             Some((keyword, with)) => {
                 out.push_str(&tag[..keyword_at]);
@@ -708,11 +904,11 @@ mod tests {
     }
 
     #[test]
-    fn generation_tags_become_if_blocks() {
+    fn generation_tags_become_filter_blocks() {
         let src = "a{%- generation -%}b{% endgeneration %}c{% if generation_x %}{% endif %}";
         assert_eq!(
             rewrite_generation_tags(src),
-            "a{%- if true -%}b{% endif %}c{% if generation_x %}{% endif %}"
+            "a{%- filter __moe_generation -%}b{% endfilter %}c{% if generation_x %}{% endif %}"
         );
     }
 

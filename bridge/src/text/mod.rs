@@ -22,11 +22,15 @@
 //! defaults to true; `apply_chat_template` encodes without), and `clean_up_tokenization_spaces`
 //! applied on decode only for non-BPE models unless the config forces it (transformers 5
 //! ignores it for BPE). Chat templates render as `apply_chat_template` renders them
-//! ([`chat`]). Every error names the file and what is wrong with it.
+//! ([`chat`]), with the assistant-token masks of `{% generation %}` blocks
+//! ([`Tokenizer::encode_chat_with_assistant_mask`]); [`sft`] reads supervised fine-tuning data
+//! as TRL prepares it. Every error names the file and what is wrong with it.
 
 pub mod chat;
+pub mod sft;
 #[cfg(test)]
 mod tests;
+pub mod training_templates;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -36,7 +40,7 @@ use serde_json::{Map, Value};
 use tokenizers::{AddedToken, ModelWrapper};
 
 use crate::BridgeError;
-pub use chat::ChatTemplates;
+pub use chat::{ChatTemplate, ChatTemplates, CompiledChatTemplate, RenderedChat};
 
 /// The tokenizer file.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -289,6 +293,42 @@ impl Tokenizer {
             &self.special_tokens,
             kwargs,
         )
+    }
+
+    /// The token ids of a rendered conversation and its assistant mask, as transformers'
+    /// `apply_chat_template(..., tokenize=True, return_dict=True,
+    /// return_assistant_tokens_mask=True)` computes `assistant_masks`: the text is encoded
+    /// without special tokens, with character offsets; for each generation span in order, the
+    /// tokens from `char_to_token(start)` to `char_to_token(end - 1)` are marked (to the end of
+    /// the sequence when that end token is none or the first token), and the first span whose
+    /// start falls on no token ends the marking.
+    pub fn encode_chat_with_assistant_mask(
+        &self,
+        rendered: &RenderedChat,
+    ) -> Result<(Vec<u32>, Vec<bool>), BridgeError> {
+        let encoding = self
+            .inner
+            .encode_char_offsets(rendered.text.as_str(), false)
+            .map_err(|e| self.failure("encode a rendered chat", e))?;
+        let len = encoding.get_ids().len();
+        let mut mask = vec![false; len];
+        for &(start, end) in &rendered.generation_spans {
+            let Some(first) = encoding.char_to_token(start, 0) else {
+                break;
+            };
+            let last = end
+                .checked_sub(1)
+                .and_then(|end| encoding.char_to_token(end, 0));
+            // transformers: `range(start_token, end_token + 1 if end_token else len)`.
+            let stop = match last {
+                Some(last) if last > 0 => last + 1,
+                _ => len,
+            };
+            for slot in mask.iter_mut().take(stop).skip(first) {
+                *slot = true;
+            }
+        }
+        Ok((encoding.get_ids().to_vec(), mask))
     }
 
     /// The chat-template prompt for one user message, with the generation prompt added
