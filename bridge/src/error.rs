@@ -559,6 +559,36 @@ pub enum BridgeError {
         /// What is wrong.
         reason: String,
     },
+    /// A record of a TensorBoard event file is truncated or fails its CRC check.
+    #[error("{path}: event file record at byte {offset}: {reason}")]
+    CorruptEventRecord {
+        /// The event file.
+        path: PathBuf,
+        /// Byte offset of the record's start in the file.
+        offset: u64,
+        /// What is wrong (truncation or which CRC mismatches).
+        reason: String,
+    },
+    /// A record of a TensorBoard event file does not hold a valid `Event` protobuf message.
+    #[error("{path}: event file record at byte {offset}: invalid Event message: {reason}")]
+    InvalidEvent {
+        /// The event file.
+        path: PathBuf,
+        /// Byte offset of the record's start in the file.
+        offset: u64,
+        /// What the decoder found wrong.
+        reason: String,
+    },
+    /// A summary value handed to a TensorBoard event writer cannot be written.
+    #[error("{path}: cannot write summary `{tag}`: {reason}")]
+    InvalidSummary {
+        /// The event file being written.
+        path: PathBuf,
+        /// The value's tag.
+        tag: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl From<moe_backend::fs::FsError> for BridgeError {

@@ -27,6 +27,9 @@
 //!   index, saved by every rank of any parallel layout and committed atomically, read back
 //!   (resharded) under any other; HF ↔ distributed conversion; the training state object.
 //! - [`text`]: the model directory's HF tokenizer ([`Tokenizer`]) and chat templates.
+//! - [`tensorboard`]: TensorBoard event files — a writer for training scalars
+//!   ([`tensorboard::EventWriter`], resumed runs marked so that TensorBoard drops the stale
+//!   steps) and a reader that checks every record ([`tensorboard::read_scalars_dir`]).
 //!
 //! Single files are written atomically through [`moe_backend::fs::write_atomic`] (temporary
 //! file, fsync, rename, directory fsync); checkpoint directories are filled in a hidden
@@ -41,6 +44,7 @@ pub mod hf;
 pub mod mapping;
 pub mod safetensors;
 pub mod schema;
+pub mod tensorboard;
 #[cfg(test)]
 mod test_util;
 pub mod text;
