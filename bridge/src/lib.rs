@@ -27,12 +27,16 @@
 //!   index, saved by every rank of any parallel layout and committed atomically, read back
 //!   (resharded) under any other; HF ↔ distributed conversion; the training state object.
 //! - [`text`]: the model directory's HF tokenizer ([`Tokenizer`]) and chat templates.
+//! - [`data`]: Megatron pretraining data — indexed datasets (`.bin` + `.idx`), Megatron-Core's
+//!   `GPTDataset` samples and `--data-path` blends ([`data::TrainDataset`]), sample for sample
+//!   as Megatron draws them.
 //!
 //! Single files are written atomically through [`moe_backend::fs::write_atomic`] (temporary
 //! file, fsync, rename, directory fsync); checkpoint directories are filled in a hidden
 //! temporary directory and appear whole, by a rename. Errors are one [`BridgeError`] enum whose
 //! messages name the file and tensor involved.
 
+pub mod data;
 pub mod dist;
 mod error;
 pub mod export;
