@@ -77,7 +77,9 @@ pub fn size_per_dataset(normalized_weights: &[f64], size: u64, surplus: f64) -> 
 }
 
 /// `build_blending_indices` (helpers.cpp): for each of `size` blended samples, the component
-/// (index into `weights`) and that component's sample drawn.
+/// (index into `weights`) and that component's sample drawn. Meant for at most
+/// [`MAX_BLEND_COMPONENTS`] weights (Megatron's int16 dataset index), as [`BlendedDataset`]
+/// checks.
 pub fn build_blending_indices(weights: &[f64], size: usize) -> (Vec<u16>, Vec<u64>) {
     let mut drawn = vec![0u64; weights.len()];
     let mut dataset_index = Vec::with_capacity(size);
