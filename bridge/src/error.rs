@@ -589,6 +589,83 @@ pub enum BridgeError {
         /// What is wrong.
         reason: String,
     },
+
+    /// One of the two files of a Megatron indexed dataset (`<prefix>.idx`, `<prefix>.bin`) does
+    /// not exist.
+    #[error(
+        "{path}: no such file (the Megatron indexed dataset `{prefix}` needs both \
+         `{prefix}.idx` and `{prefix}.bin`)"
+    )]
+    MissingDataFile {
+        /// The file looked for.
+        path: PathBuf,
+        /// The dataset prefix given.
+        prefix: PathBuf,
+    },
+    /// A Megatron index file (`.idx`, the `MMIDIDX` format) is malformed: bad magic, unknown
+    /// version or dtype code, truncated, counts that do not fit its size, sequence lengths,
+    /// pointers or document indices that disagree.
+    #[error("{path}: invalid Megatron index (.idx) file: {reason}")]
+    InvalidDataIndex {
+        /// The `.idx` file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A Megatron token file (`.bin`) disagrees with its index (length) or holds values that
+    /// are not token ids (a float dtype holding a non-integral value).
+    #[error("{path}: invalid Megatron token (.bin) file: {reason}")]
+    InvalidTokenData {
+        /// The `.bin` file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A token id of a Megatron dataset lies outside the model's vocabulary.
+    #[error(
+        "{path}: sequence {sequence}, position {position}: token id {token} is outside the \
+         vocabulary 0..{vocab}"
+    )]
+    TokenOutOfVocab {
+        /// The `.bin` file.
+        path: PathBuf,
+        /// The sequence (0-based index in the `.idx`).
+        sequence: usize,
+        /// The token's position in the sequence (0-based).
+        position: usize,
+        /// The token id found.
+        token: i64,
+        /// The vocabulary size.
+        vocab: u64,
+    },
+    /// A sequence, token range or sample was asked for that the dataset does not hold.
+    #[error("{path}: {reason}")]
+    DataIndexOutOfRange {
+        /// The dataset (`.bin` file, or the prefix of a blended dataset's first component).
+        path: PathBuf,
+        /// What was asked for and what exists.
+        reason: String,
+    },
+    /// Samples cannot be built from a Megatron dataset (sequence length, an empty dataset, a
+    /// blend that oversamples a component, sizes past the index types).
+    #[error("{path}: cannot build training samples: {reason}")]
+    DataSampling {
+        /// The dataset prefix involved.
+        path: PathBuf,
+        /// Why not.
+        reason: String,
+    },
+    /// A `--data-path` list is malformed (odd count, a weight that is not a positive finite
+    /// number, an empty prefix, a zero total weight).
+    #[error("--data-path item {position} (`{item}`): {reason}")]
+    InvalidDataPath {
+        /// The item's position in the list (1-based).
+        position: usize,
+        /// The item as given.
+        item: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl From<moe_backend::fs::FsError> for BridgeError {

@@ -30,12 +30,16 @@
 //! - [`tensorboard`]: TensorBoard event files — a writer for training scalars
 //!   ([`tensorboard::EventWriter`], resumed runs marked so that TensorBoard drops the stale
 //!   steps) and a reader that checks every record ([`tensorboard::read_scalars_dir`]).
+//! - [`data`]: Megatron pretraining data — indexed datasets (`.bin` + `.idx`), Megatron-Core's
+//!   `GPTDataset` samples and `--data-path` blends ([`data::TrainDataset`]), sample for sample
+//!   as Megatron draws them.
 //!
 //! Single files are written atomically through [`moe_backend::fs::write_atomic`] (temporary
 //! file, fsync, rename, directory fsync); checkpoint directories are filled in a hidden
 //! temporary directory and appear whole, by a rename. Errors are one [`BridgeError`] enum whose
 //! messages name the file and tensor involved.
 
+pub mod data;
 pub mod dist;
 mod error;
 pub mod export;
