@@ -25,12 +25,13 @@
 //! advantages → policy update → weight sync on the ranks of a layout.
 //! [`train_job`] is the training job behind `moe train`, one rank's part of it on threads or
 //! processes (with its non-finite guard, evaluation, retention and clean early exits);
-//! [`preempt`] installs the exit-signal handlers of `moe train`; [`device`] maps `--device cpu|vulkan|cuda` to a Burn device; [`launch`] picks the transport at start-up (threads, or one process per rank over
+//! [`job_data`] reads Megatron's indexed datasets and SFT data for it; [`preempt`] installs the exit-signal handlers of `moe train`; [`device`] maps `--device cpu|vulkan|cuda` to a Burn device; [`launch`] picks the transport at start-up (threads, or one process per rank over
 //! TCP or MPI) and runs a rank closure on it.
 
 pub mod device;
 pub mod finetune;
 pub mod grpo;
+pub mod job_data;
 pub mod launch;
 pub mod preempt;
 pub mod quickstart;

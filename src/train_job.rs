@@ -135,6 +135,16 @@ pub struct TrainJob {
     /// Directory holding the tokenizer for text `data` (default: `model`, which must then be
     /// an HF directory with tokenizer.json).
     pub tokenizer: Option<PathBuf>,
+    /// Megatron's `--data-path`: indexed datasets (`prefix.bin` + `prefix.idx`), one prefix or
+    /// `weight prefix` pairs to blend; sampled as Megatron's `GPTDataset` into sequences of
+    /// `seq_len + 1` tokens (sample `s·gbs + i` is row `i` of step `s`), shuffled by `seed`.
+    /// Empty: not used (it replaces `data`).
+    pub data_path: Vec<String>,
+    /// Seed of the data order (Megatron's `--seed`, 1234 by default).
+    pub seed: u64,
+    /// How SFT data (`data` a JSONL file of conversations or prompt–completion pairs) becomes
+    /// rows.
+    pub sft: crate::job_data::SftSettings,
     /// Trainer settings (learning rate, optimizer, dispatcher, aux-loss coefficient, FP8).
     pub trainer: TrainerConfig,
     /// Checkpoint root to save into.
@@ -209,6 +219,9 @@ impl Default for TrainJob {
             seq_len: 16,
             data: None,
             tokenizer: None,
+            data_path: Vec::new(),
+            seed: 1234,
+            sft: crate::job_data::SftSettings::default(),
             trainer: TrainerConfig {
                 lr: 3e-3,
                 ..TrainerConfig::default()
@@ -254,7 +267,8 @@ pub fn router_loss_settings(job: &TrainJob, config: &Value) -> TrainerConfig {
 pub struct StepMetrics {
     /// Steps taken after this one (1-based).
     pub step: usize,
-    /// Cross-entropy averaged over the data-parallel replicas.
+    /// Cross-entropy of the global batch: the mean over its target tokens (every replica's,
+    /// weighted by their token counts, as one rank computes it).
     pub loss: f32,
     /// Load-balancing loss (mean over MoE layers, without its coefficient) averaged over the
     /// data-parallel replicas.
@@ -351,11 +365,25 @@ enum Data {
         rows: usize,
         seq_len: usize,
     },
+    /// Megatron's indexed datasets: sample `s·gbs + i`, `seq_len + 1` tokens.
+    Megatron {
+        samples: Arc<moe_bridge::data::TrainDataset>,
+        row_len: usize,
+    },
+    /// SFT rows (packed or padded) with their labels and layouts.
+    Sft(Arc<crate::job_data::SftRows>),
 }
 
 impl Data {
     /// The data of `path` (`job.data` for training; `None`: the built-in corpus).
     fn open(job: &TrainJob, path: Option<&Path>, vocab: usize) -> Result<Self, TrainJobError> {
+        if let Some(path) = path
+            && path.with_extension("idx").is_file()
+            && path.extension().is_none_or(|e| e != "idx")
+        {
+            // An evaluation set given as a Megatron prefix.
+            return Self::megatron(job, &[path.display().to_string()], vocab);
+        }
         let Some(path) = path else {
             if job.seq_len < 2 {
                 return Err(invalid("seq_len", "sequences need at least 2 tokens"));
@@ -364,6 +392,17 @@ impl Data {
                 seq_len: job.seq_len,
             });
         };
+        if TextFormat::of(path) == Some(TextFormat::Jsonl) && crate::job_data::is_sft_jsonl(path) {
+            let dir = crate::job_data::tokenizer_dir(job.tokenizer.as_ref(), &job.model);
+            let tokenizer = Tokenizer::from_dir(&dir)?;
+            return Ok(Data::Sft(Arc::new(crate::job_data::SftRows::open(
+                path,
+                &tokenizer,
+                job.seq_len,
+                job.sft,
+                vocab,
+            )?)));
+        }
         if let Some(format) = TextFormat::of(path) {
             return Self::from_text(job, path, format, vocab);
         }
@@ -505,10 +544,40 @@ impl Data {
         Ok(Data::Ids { ids, rows, seq_len })
     }
 
+    /// Megatron's datasets of `--data-path` `args`, sampled for the job's steps.
+    fn megatron(job: &TrainJob, args: &[String], vocab: usize) -> Result<Self, TrainJobError> {
+        let samples = job.steps.saturating_mul(job.gbs).max(1);
+        let samples =
+            crate::job_data::megatron_dataset(args, job.seq_len, job.seed, samples, vocab)?;
+        if samples.is_empty() {
+            return Err(invalid("data_path", "no sample could be built"));
+        }
+        Ok(Data::Megatron {
+            samples: Arc::new(samples),
+            row_len: job.seq_len + 1,
+        })
+    }
+
+    /// The training data of `job`.
+    fn training(job: &TrainJob, vocab: usize) -> Result<Self, TrainJobError> {
+        if !job.data_path.is_empty() {
+            if job.data.is_some() {
+                return Err(invalid(
+                    "data_path",
+                    "--data-path and --data are two training sets: give one",
+                ));
+            }
+            return Self::megatron(job, &job.data_path, vocab);
+        }
+        Self::open(job, job.data.as_deref(), vocab)
+    }
+
     /// Tokens per row of the batches this data makes.
     fn row_len(&self) -> usize {
         match self {
             Data::Corpus { seq_len } | Data::Ids { seq_len, .. } => *seq_len,
+            Data::Megatron { row_len, .. } => *row_len,
+            Data::Sft(rows) => rows.row_len(),
         }
     }
 
@@ -521,10 +590,21 @@ impl Data {
         count: usize,
         vocab: usize,
     ) -> Result<TrainBatch, TrainJobError> {
-        Ok(TrainBatch::causal(
-            self.sequences(index, gbs, first, count, vocab),
-            count,
-        )?)
+        match self {
+            Data::Sft(rows) => rows.batch(index, gbs, first, count),
+            Data::Megatron { samples, .. } => {
+                let mut ids = Vec::new();
+                for i in first..first + count {
+                    let n = samples.len().max(1);
+                    ids.extend(samples.sample((index * gbs + i) % n)?);
+                }
+                Ok(TrainBatch::causal(ids, count)?)
+            }
+            _ => Ok(TrainBatch::causal(
+                self.sequences(index, gbs, first, count, vocab),
+                count,
+            )?),
+        }
     }
 
     /// Sequences `first..first + count` of step `step` (global batch `gbs`), flattened.
@@ -546,6 +626,7 @@ impl Data {
                     let row = (step * gbs + i) % rows;
                     out.extend_from_slice(&ids[row * seq_len..(row + 1) * seq_len]);
                 }
+                Data::Megatron { .. } | Data::Sft(_) => {}
             }
         }
         out
@@ -926,7 +1007,7 @@ fn run_model<M: JobModel>(
             (trainer, state, config, Some(M::FAMILY.into()), vocab)
         }
     };
-    let data = Data::open(job, job.data.as_deref(), vocab)?;
+    let data = Data::training(job, vocab)?;
     let seq_len = data.row_len();
     if layout.cp > 1 && !seq_len.is_multiple_of(2 * layout.cp) {
         return Err(invalid(
@@ -1166,14 +1247,14 @@ fn reduce_metrics(
     eval: Option<(f64, usize)>,
     votes: ExitVotes,
 ) -> Result<(StepMetrics, Option<String>), TrainJobError> {
-    // Every TP / CP / EP rank of a replica reports its replica's loss and tokens: dividing by the
-    // world size averages over replicas; tokens count once per replica.
+    // Every TP / CP / EP rank of a replica reports its replica's values: dividing by the world
+    // size averages over replicas; tokens per second count once per replica.
     let ranks_per_replica = (layout.world / layout.dp) as f32;
     let (eval_sum, eval_tokens) = eval.unwrap_or((0.0, 0));
     let flag = |b: bool| if b { 1.0f32 } else { 0.0 };
     let local = Tensor::<1>::from_data(
         [
-            stats.loss,
+            stats.loss * stats.tokens as f32,
             stats.aux_loss,
             stats.tokens_per_second as f32 / ranks_per_replica,
             stats.mtp_loss.unwrap_or(0.0),
@@ -1182,6 +1263,7 @@ fn reduce_metrics(
             flag(votes.signal),
             flag(votes.duration),
             flag(votes.interval),
+            stats.tokens as f32,
         ],
         &Device::flex(),
     );
@@ -1211,7 +1293,9 @@ fn reduce_metrics(
     };
     let metrics = StepMetrics {
         step,
-        loss: sum(0) / n,
+        // Token-weighted over the replicas (each replica's ranks report it alike): the mean
+        // cross-entropy of the global batch, as one rank computes it.
+        loss: sum(0) / sum(9).max(1.0),
         aux_loss: sum(1) / (replicas * layout.pp as f32),
         mtp_loss: stats.mtp_loss.map(|_| sum(3) / n),
         grad_norm: stats.grad_norm,

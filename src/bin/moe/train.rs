@@ -11,6 +11,9 @@ use burn_moe::backend::optim::{
     LrDecayStyle, LrSchedule, MuonConfig, WdIncrStyle, WdSchedule, WsdDecay,
 };
 use burn_moe::backend::router::AuxLossType;
+use burn_moe::bridge::tensorboard::EventWriter;
+use burn_moe::bridge::text::sft::Truncation;
+use burn_moe::job_data::{SftPacking, SftSettings};
 use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::{CpCommType, DispatcherKind};
 use burn_moe::models::train::TrainerConfig;
@@ -82,6 +85,24 @@ pub enum Dispatcher {
     AllGather,
     /// One all-to-all over the combined TP×EP group.
     Flex,
+}
+
+/// `--sft-packing` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SftPackingArg {
+    /// Several examples per row.
+    Packed,
+    /// One example per row, padded.
+    None,
+}
+
+/// `--sft-truncation` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SftTruncationArg {
+    /// Keep the first `--seq-len` tokens.
+    Truncate,
+    /// Refuse the example, naming its line.
+    Refuse,
 }
 
 /// Optimizer.
@@ -170,13 +191,40 @@ pub struct Args {
     /// file (one object per line with a `text` string) or a `.txt` file (one document per
     /// line), tokenized with the model's tokenizer.json, each document followed by the EOS
     /// token, concatenated and cut into rows of `--seq-len` tokens (the last partial row
-    /// dropped). Without it, a built-in corpus of arithmetic sequences is used.
+    /// dropped). A `.jsonl` file of SFT rows — conversations (`messages`) or `prompt` /
+    /// `completion` pairs, as HF TRL reads them — trains on the assistant / completion tokens
+    /// only (see `--sft-*`). Without it, a built-in corpus of arithmetic sequences is used.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
     /// Directory with the tokenizer (tokenizer.json, tokenizer_config.json) for text `--data`
     /// (default: `--model`; needed when that is a distributed checkpoint).
-    #[arg(long, value_name = "DIR", requires = "data")]
+    #[arg(long, value_name = "DIR")]
     pub tokenizer: Option<PathBuf>,
+    /// Megatron indexed datasets (`prefix.bin` + `prefix.idx` from Megatron's
+    /// preprocess_data.py): one prefix, or weight–prefix pairs to blend (`--data-path 0.3 a
+    /// 0.7 b`). Samples of `--seq-len + 1` tokens across documents, shuffled by `--seed`, as
+    /// Megatron's GPTDataset builds them.
+    #[arg(long, value_name = "[WEIGHT] PREFIX", num_args = 1.., conflicts_with = "data")]
+    pub data_path: Vec<String>,
+    /// Seed of the data order (`--data-path`).
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// SFT data (`--data` JSONL with `messages`, or `prompt` and `completion`): `packed`
+    /// (several examples per row, best-fit decreasing as TRL packs; attention and positions
+    /// never cross examples) or `none` (one example per row, padded).
+    #[arg(long, value_enum, default_value_t = SftPackingArg::Packed)]
+    pub sft_packing: SftPackingArg,
+    /// SFT examples longer than `--seq-len`: `truncate` (keep the start, as TRL) or `refuse`.
+    #[arg(long, value_enum, default_value_t = SftTruncationArg::Truncate)]
+    pub sft_truncation: SftTruncationArg,
+    /// SFT conversations: train on every token, not only the assistant turns.
+    #[arg(long)]
+    pub sft_train_on_prompts: bool,
+    /// TensorBoard event files (loss, aux and MTP losses, grad norm, learning rate, tokens/s,
+    /// validation loss, skipped steps), written by rank 0, flushed every step; a resumed run
+    /// adds a file to the same directory.
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard_dir: Option<PathBuf>,
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
@@ -413,6 +461,19 @@ fn job(args: &Args) -> TrainJob {
         seq_len: args.seq_len,
         data: args.data.clone(),
         tokenizer: args.tokenizer.clone(),
+        data_path: args.data_path.clone(),
+        seed: args.seed,
+        sft: SftSettings {
+            packing: match args.sft_packing {
+                SftPackingArg::Packed => SftPacking::Packed,
+                SftPackingArg::None => SftPacking::Padded,
+            },
+            truncation: match args.sft_truncation {
+                SftTruncationArg::Truncate => Truncation::Truncate,
+                SftTruncationArg::Refuse => Truncation::Refuse,
+            },
+            assistant_only_loss: !args.sft_train_on_prompts,
+        },
         trainer,
         save: args.save.clone(),
         save_every: args.save_every,
@@ -505,6 +566,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (Some(path), true) => Some(MetricsWriter::open(path, job.resume)?),
         _ => None,
     };
+    // TensorBoard: rank 0's writer, created at the run's first step (a resumed run's START
+    // event there makes TensorBoard drop what the interrupted run logged past the checkpoint).
+    let tensorboard: Option<std::sync::Mutex<Option<EventWriter>>> =
+        (reporter && args.tensorboard_dir.is_some()).then(|| std::sync::Mutex::new(None));
     let bar = crate::progress::bar(job.steps as u64, "training");
     if !reporter {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -526,6 +591,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             && let Err(e) = w.write(m)
         {
             tracing::error!("{e}");
+        }
+        if let (Some(tb), Some(dir)) = (&tensorboard, &args.tensorboard_dir) {
+            let mut slot = tb.lock().unwrap_or_else(|p| p.into_inner());
+            let step = m.step as i64;
+            let scalars: Vec<(&str, f32)> = m
+                .scalars()
+                .into_iter()
+                .map(|(t, v)| (t, v as f32))
+                .collect();
+            let mut write = || -> Result<(), burn_moe::bridge::BridgeError> {
+                if slot.is_none() {
+                    *slot = Some(EventWriter::create(dir, step)?);
+                }
+                if let Some(writer) = slot.as_mut() {
+                    writer.add_scalars(step, &scalars)?;
+                    writer.flush()?;
+                }
+                Ok(())
+            };
+            let written = write();
+            if let Err(e) = written {
+                tracing::error!("{e}");
+            }
         }
     };
     let report = run_job(
