@@ -94,34 +94,29 @@ pub struct SftRows {
     packing: SftPacking,
 }
 
+/// The first non-blank line of the JSONL file `path`, parsed.
+fn first_row(path: &Path) -> Option<Value> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| !l.trim().is_empty())?;
+    serde_json::from_str(line).ok()
+}
+
 /// Whether the JSONL file `path` holds SFT rows (`messages`, or `prompt` and `completion`)
 /// rather than pretraining text (`text`): decided by its first non-blank line.
 pub fn is_sft_jsonl(path: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return false;
-    };
-    text.lines()
-        .find(|l| !l.trim().is_empty())
-        .and_then(|l| serde_json::from_str::<Value>(l).ok())
-        .is_some_and(|v| {
-            v.get("messages").is_some()
-                || v.get("prompt").is_some()
-                || v.get("completion").is_some()
-        })
+    first_row(path).is_some_and(|v| {
+        ["messages", "prompt", "completion"]
+            .iter()
+            .any(|k| v.get(k).is_some())
+    })
 }
 
 /// Whether the first row of the JSONL file `path` is conversational: `messages`, or a
 /// `prompt` given as a list of messages.
 fn is_conversational(path: &Path) -> bool {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return false;
-    };
-    text.lines()
-        .find(|l| !l.trim().is_empty())
-        .and_then(|l| serde_json::from_str::<Value>(l).ok())
-        .is_some_and(|v| {
-            v.get("messages").is_some() || v.get("prompt").is_some_and(Value::is_array)
-        })
+    first_row(path).is_some_and(|v| {
+        v.get("messages").is_some() || v.get("prompt").is_some_and(Value::is_array)
+    })
 }
 
 impl SftRows {

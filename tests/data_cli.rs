@@ -8,7 +8,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use burn_moe::bridge::tensorboard::read_scalars_dir;
@@ -19,22 +19,6 @@ const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
 
 fn fixture(rel: &str) -> String {
     format!("{FIXTURES}/{rel}")
-}
-
-fn moe(args: &[String]) -> Output {
-    Command::new(MOE)
-        .args(args)
-        .args(["--transport", "threads"])
-        .output()
-        .expect("moe")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 fn losses(dir: &Path) -> Vec<f64> {
@@ -106,8 +90,8 @@ fn megatron_datasets_train_blend_and_resume_under_another_layout_on_the_same_sam
     std::fs::write(copy.with_extension("bin"), bin).expect("write");
     let mut args = train_args(&bad, "ep=2", 2, &common);
     args.extend(["--data-path".into(), copy.display().to_string()]);
-    let out = moe(&args);
-    let all = text(&out);
+    let out = moe_threads(&args);
+    let all = output_text(&out);
     assert!(!out.status.success(), "{all}");
     assert!(
         all.contains("broken.bin") && !all.contains("panicked"),
@@ -263,8 +247,8 @@ fn bad_sft_rows_are_refused_naming_the_line() {
         let data = dir.join(format!("bad{i}.jsonl"));
         std::fs::write(&data, rows).expect("write");
         let args = sft_args(&dir, "", &data.display().to_string(), &[]);
-        let out = moe(&args);
-        let all = text(&out);
+        let out = moe_threads(&args);
+        let all = output_text(&out);
         assert!(!out.status.success(), "case {i}: {all}");
         assert!(!all.contains("panicked"), "{all}");
         for n in needles.iter() {
@@ -284,8 +268,8 @@ fn bad_sft_rows_are_refused_naming_the_line() {
         &data.display().to_string(),
         &["--sft-truncation", "refuse"],
     );
-    let out = moe(&args);
-    let all = text(&out);
+    let out = moe_threads(&args);
+    let all = output_text(&out);
     assert!(!out.status.success() && all.contains("line 1"), "{all}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -8,7 +8,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use burn_moe::bridge::dist::DistCheckpoint;
@@ -17,22 +17,6 @@ use burn_moe::models::hf::ModelConfig;
 use common::*;
 
 const DEEPSEEK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/deepseek_v3");
-
-fn moe(args: &[String]) -> Output {
-    Command::new(MOE)
-        .args(args)
-        .args(["--transport", "threads"])
-        .output()
-        .expect("moe")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 /// The `iter_*` directory `latest` names under `root`.
 fn latest(root: &Path) -> PathBuf {
@@ -50,8 +34,8 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_the_last_finite_checkpoint() 
         20,
         &["--lr", "1e8", "--clip-grad", "0", "--save-every", "1"],
     );
-    let out = moe(&args);
-    let all = text(&out);
+    let out = moe_threads(&args);
+    let all = output_text(&out);
     assert!(!out.status.success(), "a diverging run fails:\n{all}");
     assert!(!all.contains("panicked"), "{all}");
     let m = metrics(&dir);
@@ -75,7 +59,7 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_the_last_finite_checkpoint() 
         .args(["validate", &root.display().to_string()])
         .output()
         .expect("validate");
-    assert!(status.status.success(), "{}", text(&status));
+    assert!(status.status.success(), "{}", output_text(&status));
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -95,8 +79,8 @@ fn skip_nonfinite_steps_skips_counts_and_then_fails() {
             "2",
         ],
     );
-    let out = moe(&args);
-    let all = text(&out);
+    let out = moe_threads(&args);
+    let all = output_text(&out);
     assert!(!out.status.success(), "{all}");
     let m = metrics(&dir);
     // Step 1 diverges the weights; steps 2 and 3 are skipped; step 4 exceeds the budget.
@@ -142,21 +126,21 @@ fn poison(iter: &Path) -> String {
 fn validate_and_resume_refuse_a_checkpoint_holding_a_nan() {
     let dir = scratch("nan-ckpt");
     let root = dir.join("ckpt");
-    moe(&train_args(&dir, "ep=2", 2, &[]));
+    moe_threads(&train_args(&dir, "ep=2", 2, &[]));
     let tensor = poison(&latest(&root));
     let out = Command::new(MOE)
         .args(["validate", &root.display().to_string()])
         .output()
         .expect("validate");
-    let all = text(&out);
+    let all = output_text(&out);
     assert!(!out.status.success(), "a NaN checkpoint is invalid:\n{all}");
     for needle in [tensor.as_str(), "2 non-finite value(s)"] {
         assert!(all.contains(needle), "names `{needle}`:\n{all}");
     }
     let mut resume = train_args(&dir, "ep=2", 3, &[]);
     resume.push("--resume".into());
-    let out = moe(&resume);
-    let all = text(&out);
+    let out = moe_threads(&resume);
+    let all = output_text(&out);
     assert!(!out.status.success(), "resuming from it is refused:\n{all}");
     assert!(all.contains(&tensor) && all.contains("non-finite"), "{all}");
     assert!(!all.contains("panicked"), "{all}");
@@ -186,7 +170,7 @@ fn sigterm_under_threads_saves_exits_zero_and_resumes_to_the_same_run() {
         .expect("kill");
     assert!(status.success());
     let out = child.wait_with_output().expect("wait");
-    let all = text(&out);
+    let all = output_text(&out);
     assert!(out.status.success(), "exit 0 after SIGTERM:\n{all}");
     assert!(all.contains("stopped after step") && all.contains("SIG") || all.contains("signal"));
     let reached = metrics(&dir).len();
@@ -209,7 +193,11 @@ fn sigterm_under_threads_saves_exits_zero_and_resumes_to_the_same_run() {
 fn exit_interval_and_duration_save_and_exit_zero() {
     let dir = scratch("exit-interval");
     let out = threads(&train_args(&dir, "ep=2", 10, &["--exit-interval", "3"]));
-    assert!(text(&out).contains("--exit-interval"), "{}", text(&out));
+    assert!(
+        output_text(&out).contains("--exit-interval"),
+        "{}",
+        output_text(&out)
+    );
     assert_eq!(metrics(&dir).len(), 3);
     assert!(latest(&dir.join("ckpt")).ends_with("iter_0000003"));
     let dir2 = scratch("exit-duration");
@@ -220,9 +208,9 @@ fn exit_interval_and_duration_save_and_exit_zero() {
         &["--exit-duration-in-mins", "0"],
     ));
     assert!(
-        text(&out).contains("--exit-duration-in-mins"),
+        output_text(&out).contains("--exit-duration-in-mins"),
         "{}",
-        text(&out)
+        output_text(&out)
     );
     assert_eq!(
         metrics(&dir2).len(),
@@ -262,7 +250,7 @@ fn keep_last_keeps_the_newest_and_a_kill_9_mid_removal_leaves_loadable_checkpoin
         .env("MOE_TEST_KILL_IN_RETENTION", "1")
         .output()
         .expect("moe");
-    assert!(!out.status.success(), "killed: {}", text(&out));
+    assert!(!out.status.success(), "killed: {}", output_text(&out));
     let left = iter_dirs(&root);
     assert_eq!(
         left,

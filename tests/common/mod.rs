@@ -71,6 +71,24 @@ pub fn check(out: Output, what: &str) -> Output {
     out
 }
 
+/// `moe` with `args` on threads, success or not.
+pub fn moe_threads(args: &[String]) -> Output {
+    Command::new(MOE)
+        .args(args)
+        .args(["--transport", "threads"])
+        .output()
+        .expect("moe")
+}
+
+/// An output's stdout and stderr, joined.
+pub fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 pub fn threads(args: &[String]) -> Output {
     let out = Command::new(MOE)
         .args(args)

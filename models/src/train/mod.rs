@@ -1018,46 +1018,22 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if !self.config.check_for_nan_in_loss_and_grad {
             return Ok(None);
         }
-        let world = self.world.size();
         let bad: Vec<bool> = values.iter().map(|v| !v.is_finite()).collect();
-        // Per value a flag, then `world − rank` of a rank with a bad value (the maximum names
-        // the lowest such rank).
-        let mut flags: Vec<f64> = bad.iter().map(|&b| f64::from(u8::from(b))).collect();
-        let any = bad.iter().any(|&b| b);
-        flags.push(if any {
-            (world - self.world.rank()) as f64
-        } else {
-            0.0
-        });
-        let n = flags.len();
-        let t = Tensor::<1>::from_data(
-            burn::tensor::TensorData::new(flags, [n]),
-            (&self.device, burn::tensor::DType::F64),
-        );
-        let agreed = self
-            .world
-            .all_reduce(t, ReduceOp::Max)
-            .map_err(err)?
-            .into_data()
-            .iter::<f64>()
-            .collect::<Vec<f64>>();
-        let Some((&lowest, flags)) = agreed.split_last() else {
+        let vote = self.world.vote(&bad).map_err(err)?;
+        let Some(rank) = vote.first else {
             return Ok(None);
         };
-        if lowest == 0.0 {
-            return Ok(None);
-        }
-        let what: Vec<&str> = flags
+        let mut what: Vec<&str> = vote
+            .raised
             .iter()
             .enumerate()
-            .filter(|(_, f)| **f > 0.0)
+            .filter(|(_, raised)| **raised)
             .map(|(i, _)| names.get(i).copied().unwrap_or("MTP loss"))
             .collect();
-        let mut what = what;
         what.dedup();
         Ok(Some(ModelError::NonFiniteLoss {
             what: what.join(" and "),
-            rank: world - lowest as usize,
+            rank,
         }))
     }
 

@@ -85,6 +85,15 @@ pub enum ReduceOp {
     Max,
 }
 
+/// What [`Comm::vote`] agreed on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vote {
+    /// Per flag: whether any member raised it.
+    pub raised: Vec<bool>,
+    /// The lowest member index (in the group) that raised any flag.
+    pub first: Option<usize>,
+}
+
 /// Bytes a member has addressed to the other members of its group (payload only: a ring or
 /// tree algorithm may move more on the wire).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -313,6 +322,37 @@ impl Comm {
             ReduceOp::Max => autograd::GradCollective::NotDifferentiable("all_reduce(max)"),
         };
         Ok(K::link(tensor, to_tensor(out, &device), grad))
+    }
+
+    /// Agreement on boolean flags (one collective, on the host): which of `local`'s flags any
+    /// member raised, and the lowest member index that raised one. Every member gets the same
+    /// answer, e.g. to refuse a step on every rank when one rank saw a non-finite value.
+    #[track_caller]
+    pub fn vote(&self, local: &[bool]) -> Result<Vote> {
+        let size = self.size();
+        // Per flag 0/1, then `size − index` where this member raised any (the maximum names
+        // the lowest such member).
+        let mut values: Vec<f64> = local.iter().map(|&b| f64::from(u8::from(b))).collect();
+        values.push(if local.iter().any(|&b| b) {
+            (size - self.rank()) as f64
+        } else {
+            0.0
+        });
+        let n = values.len();
+        let t = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(values, [n]),
+            (&burn::tensor::Device::flex(), burn::tensor::DType::F64),
+        );
+        let agreed: Vec<f64> = self
+            .all_reduce(t, ReduceOp::Max)?
+            .into_data()
+            .iter::<f64>()
+            .collect();
+        let lowest = agreed.last().copied().unwrap_or(0.0);
+        Ok(Vote {
+            raised: agreed.iter().take(local.len()).map(|&v| v > 0.0).collect(),
+            first: (lowest > 0.0).then(|| size - lowest as usize),
+        })
     }
 
     /// Concatenation along dim 0 of every member's tensor; all members must have the same row

@@ -889,29 +889,18 @@ impl DistributedAdamW {
     /// over the world (every rank is on this path, as the norm is the same everywhere) tells
     /// which groups hold them on any rank.
     fn non_finite_error(&self, norm: f64, local_bad: [bool; 2]) -> Result<BackendError> {
-        // Per group a flag, then `world − rank` where this rank's shards are bad (the maximum
-        // names the lowest such rank).
-        let world = self.world.size();
-        let mut flags: Vec<f32> = local_bad.map(|b| f32::from(u8::from(b))).to_vec();
-        flags.push(if local_bad.iter().any(|&b| b) {
-            (world - self.world.rank()) as f32
-        } else {
-            0.0
-        });
-        let flags = Tensor::<1>::from_data(TensorData::new(flags, [3]), &self.dense.device);
-        let flags = host_f32(self.world.all_reduce(flags, ReduceOp::Max)?, "gradients")?;
+        let vote = self.world.vote(&local_bad)?;
         let names = ["dense parameters", "expert parameters"];
         let groups: Vec<&str> = names
             .iter()
-            .zip(&flags)
-            .filter(|(_, f)| **f > 0.0)
+            .zip(&vote.raised)
+            .filter(|(_, raised)| **raised)
             .map(|(n, _)| *n)
             .collect();
-        let lowest = flags.get(2).copied().unwrap_or(0.0);
         Ok(BackendError::NonFiniteGradients {
             op: "DistributedAdamW",
             norm,
-            rank: (lowest > 0.0).then(|| world - lowest as usize),
+            rank: vote.first,
             groups: if groups.is_empty() {
                 "the norm's sum".into()
             } else {
