@@ -111,7 +111,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<()> {
     let ckpt = opened?;
     ckpt.validate::<ModelConfig>()?;
     println!(
-        "{}: valid ({} tensors, every element covered exactly once)",
+        "{}: valid ({} tensors, every element covered exactly once and finite)",
         ckpt.dir().display(),
         ckpt.index().tensors.len()
     );

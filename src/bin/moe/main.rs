@@ -72,11 +72,11 @@ enum Command {
     Convert(checkpoint::ConvertArgs),
     /// Rewrite a distributed checkpoint under another layout.
     Reshard(checkpoint::ReshardArgs),
-    /// Check that every element of every tensor is stored exactly once.
+    /// Check that every element of every tensor is stored exactly once, and finite.
     Validate(checkpoint::ValidateArgs),
     /// Fine-tune a Qwen3-MoE, DeepSeek-V3 or Qwen3 checkpoint under a parallel layout
     /// (threads, or one process per rank under mpirun / srun).
-    Train(train::Args),
+    Train(Box<train::Args>),
 }
 
 fn main() -> std::process::ExitCode {
@@ -93,7 +93,7 @@ fn main() -> std::process::ExitCode {
         Command::Convert(args) => checkpoint::convert(args),
         Command::Reshard(args) => checkpoint::reshard_cmd(args),
         Command::Validate(args) => checkpoint::validate(args),
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(*args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
