@@ -143,14 +143,24 @@ pub fn tiny_moe_with_optimizer() -> Vec<TensorMeta> {
     out
 }
 
-/// Deterministic bytes for a tensor (distinct per fqn and position).
+/// Deterministic bytes for a tensor (distinct per fqn and position), finite values only: an
+/// element of a float dtype whose random bits are NaN or infinite gets bit 6 of its top byte
+/// cleared (its exponent is then below all-ones in every float format), as a checkpoint never
+/// holds a non-finite value (reading one is refused).
 pub fn synthetic_bytes(meta: &TensorMeta) -> Vec<u8> {
-    let n: usize = meta.global_shape.iter().product::<usize>() * meta.dtype.size();
+    let size = meta.dtype.size();
+    let n: usize = meta.global_shape.iter().product::<usize>() * size;
     let seed = meta.fqn.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     });
     let mut rng = SplitMix::new(seed);
-    (0..n).map(|_| rng.next_u64() as u8).collect()
+    let mut bytes: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
+    for element in bytes.chunks_exact_mut(size) {
+        if crate::safetensors::elem::count_non_finite(meta.dtype, element) > 0 {
+            element[size - 1] &= !0x40;
+        }
+    }
+    bytes
 }
 
 /// The split of the tiny model's tensors (the models' table for these names: TP rows of the
