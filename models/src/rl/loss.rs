@@ -239,6 +239,35 @@ pub struct PolicyLossOutput {
     pub approx_kl: f64,
 }
 
+/// A policy loss's per-token values `[B, S]` (differentiable through `logprobs`; finite at
+/// masked positions) and its metrics, before aggregation.
+pub(crate) struct TokenLosses {
+    /// The per-token loss `l`.
+    pub(crate) token_loss: Tensor<2>,
+    /// See [`PolicyLossOutput::clip_fraction`].
+    pub(crate) clip_fraction: f64,
+    /// See [`PolicyLossOutput::dual_clip_fraction`].
+    pub(crate) dual_clip_fraction: f64,
+    /// See [`PolicyLossOutput::approx_kl`].
+    pub(crate) approx_kl: f64,
+}
+
+impl TokenLosses {
+    /// [`aggregate`]s the token losses into a [`PolicyLossOutput`].
+    pub(crate) fn aggregate(
+        self,
+        mask: &ResponseMask,
+        agg: LossAgg,
+    ) -> Result<PolicyLossOutput, ModelError> {
+        Ok(PolicyLossOutput {
+            loss: aggregate(self.token_loss, mask, agg)?,
+            clip_fraction: self.clip_fraction,
+            dual_clip_fraction: self.dual_clip_fraction,
+            approx_kl: self.approx_kl,
+        })
+    }
+}
+
 /// The checked, masked inputs of a policy loss: `(logprobs, old_logprobs, advantages)`.
 fn policy_inputs(
     logprobs: Tensor<2>,
@@ -277,6 +306,17 @@ pub fn ppo_loss(
     mask: &ResponseMask,
     config: &PpoConfig,
 ) -> Result<PolicyLossOutput, ModelError> {
+    ppo_token_losses(logprobs, old_logprobs, advantages, mask, config)?.aggregate(mask, config.agg)
+}
+
+/// The per-token losses of [`ppo_loss`] before aggregation, with its metrics.
+pub(crate) fn ppo_token_losses(
+    logprobs: Tensor<2>,
+    old_logprobs: Tensor<2>,
+    advantages: Tensor<2>,
+    mask: &ResponseMask,
+    config: &PpoConfig,
+) -> Result<TokenLosses, ModelError> {
     config.validate()?;
     let (logp, old, adv) = policy_inputs(logprobs, old_logprobs, advantages, mask)?;
     let log_ratio = (logp - old).clamp(-PPO_LOG_RATIO_BOUND, PPO_LOG_RATIO_BOUND);
@@ -297,8 +337,8 @@ pub fn ppo_loss(
         token_loss = token_loss.mask_where(negative, bounded);
     }
     let approx_kl = mask.host_mean(log_ratio.neg())?;
-    Ok(PolicyLossOutput {
-        loss: aggregate(token_loss, mask, config.agg)?,
+    Ok(TokenLosses {
+        token_loss,
         clip_fraction,
         dual_clip_fraction,
         approx_kl,
@@ -324,6 +364,17 @@ pub fn gspo_loss(
     mask: &ResponseMask,
     config: &GspoConfig,
 ) -> Result<PolicyLossOutput, ModelError> {
+    gspo_token_losses(logprobs, old_logprobs, advantages, mask, config)?.aggregate(mask, config.agg)
+}
+
+/// The per-token losses of [`gspo_loss`] before aggregation, with its metrics.
+pub(crate) fn gspo_token_losses(
+    logprobs: Tensor<2>,
+    old_logprobs: Tensor<2>,
+    advantages: Tensor<2>,
+    mask: &ResponseMask,
+    config: &GspoConfig,
+) -> Result<TokenLosses, ModelError> {
     config.validate()?;
     let (logp, old, adv) = policy_inputs(logprobs, old_logprobs, advantages, mask)?;
     let [batch, _] = mask.dims();
@@ -347,8 +398,8 @@ pub fn gspo_loss(
     let clip_fraction =
         mask.host_fraction(clipped.clone().detach().greater(unclipped.clone().detach()))?;
     let token_loss = unclipped.max_pair(clipped);
-    Ok(PolicyLossOutput {
-        loss: aggregate(token_loss, mask, config.agg)?,
+    Ok(TokenLosses {
+        token_loss,
         clip_fraction,
         dual_clip_fraction: 0.0,
         approx_kl: mask.host_mean(log_ratio.neg())?,

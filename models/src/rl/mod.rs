@@ -8,7 +8,10 @@
 //! - [`kl_penalty`] with the [`KlEstimator`]s of verl's `kl_penalty` and
 //!   [`entropy_from_logits`];
 //! - [`PolicyObjective`]: policy loss − entropy bonus + KL loss, as verl's actor combines them;
-//! - [`grpo_advantages`] and [`token_advantages`]: GRPO outcome advantages.
+//! - [`grpo_advantages`] and [`token_advantages`]: GRPO outcome advantages;
+//! - [`rollout_correction`]: truncated importance sampling and rejection sampling between the
+//!   rollout engine's policy and the trainer's, with the train–inference mismatch metrics
+//!   (verl's `rollout_corr_helper.py`), an option of [`PolicyObjective`].
 //!
 //! Every input is `[batch, seq]` over the response tokens, with the [`ResponseMask`] marking
 //! the tokens that count. Values at masked positions are never read into a loss or a metric
@@ -17,6 +20,7 @@
 //! are detached and cast to the dtype of `logprobs`.
 
 mod advantage;
+mod correction;
 mod kl;
 pub mod logprobs;
 mod loss;
@@ -24,6 +28,11 @@ mod mask;
 mod objective;
 
 pub use advantage::{grpo_advantages, token_advantages};
+pub use correction::{
+    IsLevel, IsMetrics, MismatchMetrics, RolloutCorrection, RolloutCorrectionMetrics,
+    RolloutCorrectionOutput, RolloutIs, RsCriterion, RsCriterionMetrics, RsMetrics, RsOption,
+    rollout_correction,
+};
 pub use kl::{KlEstimator, entropy_from_logits, kl_penalty};
 pub use loss::{GspoConfig, LossAgg, PolicyLossOutput, PpoConfig, aggregate, gspo_loss, ppo_loss};
 pub use mask::ResponseMask;

@@ -8,7 +8,7 @@ use super::*;
 use crate::ModelError;
 
 /// `n` values uniform in `[lo, hi)`.
-trait UniformValues {
+pub(super) trait UniformValues {
     fn values_in(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64>;
 }
 
@@ -18,32 +18,32 @@ impl UniformValues for Rng {
     }
 }
 
-fn ad() -> Device {
+pub(super) fn ad() -> Device {
     Device::flex().autodiff()
 }
 
-fn tensor(values: &[f64], shape: [usize; 2], dtype: DType) -> Tensor<2> {
+pub(super) fn tensor(values: &[f64], shape: [usize; 2], dtype: DType) -> Tensor<2> {
     Tensor::<2>::from_data(TensorData::new(values.to_vec(), shape), (&ad(), DType::F64)).cast(dtype)
 }
 
-fn leaf(values: &[f64], shape: [usize; 2]) -> Tensor<2> {
+pub(super) fn leaf(values: &[f64], shape: [usize; 2]) -> Tensor<2> {
     tensor(values, shape, DType::F64).require_grad()
 }
 
-fn host<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+pub(super) fn host<const D: usize>(t: Tensor<D>) -> Vec<f64> {
     t.try_into_vec_as::<f64>().expect("float values")
 }
 
-fn scalar(t: Tensor<1>) -> f64 {
+pub(super) fn scalar(t: Tensor<1>) -> f64 {
     host(t)[0]
 }
 
-fn response_mask(bits: &[bool], [b, s]: [usize; 2]) -> ResponseMask {
+pub(super) fn response_mask(bits: &[bool], [b, s]: [usize; 2]) -> ResponseMask {
     let t = Tensor::<2, Bool>::from_data(TensorData::new(bits.to_vec(), [b, s]), &ad());
     ResponseMask::from_bool(t).expect("mask")
 }
 
-fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+pub(super) fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
@@ -55,18 +55,19 @@ fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
 
 /// A random batch: row 1 has no response token, row 0 is all response tokens, the others
 /// random; masked positions hold NaN in every input.
-struct Batch {
-    b: usize,
-    s: usize,
-    mask: Vec<bool>,
-    logp: Vec<f64>,
-    old: Vec<f64>,
-    adv: Vec<f64>,
+#[derive(Clone)]
+pub(super) struct Batch {
+    pub(super) b: usize,
+    pub(super) s: usize,
+    pub(super) mask: Vec<bool>,
+    pub(super) logp: Vec<f64>,
+    pub(super) old: Vec<f64>,
+    pub(super) adv: Vec<f64>,
 }
 
 impl Batch {
     /// `log π − log π_old` uniform in `±spread`; one advantage per sequence when `per_seq`.
-    fn random(rng: &mut Rng, [b, s]: [usize; 2], spread: f64, per_seq: bool) -> Self {
+    pub(super) fn random(rng: &mut Rng, [b, s]: [usize; 2], spread: f64, per_seq: bool) -> Self {
         let mut mask: Vec<bool> = (0..b * s).map(|_| rng.uniform(0.0, 1.0) < 0.7).collect();
         mask[..s].iter_mut().for_each(|m| *m = true);
         mask[s..2 * s].iter_mut().for_each(|m| *m = false);
@@ -95,7 +96,7 @@ impl Batch {
 
     /// Makes every token of `row` a response token with `log π − log π_old ≈ delta` and
     /// advantage `adv`.
-    fn force_row(&mut self, rng: &mut Rng, row: usize, delta: f64, adv: f64) {
+    pub(super) fn force_row(&mut self, rng: &mut Rng, row: usize, delta: f64, adv: f64) {
         for i in row * self.s..(row + 1) * self.s {
             self.mask[i] = true;
             self.logp[i] = rng.uniform(-3.0, -0.05);
@@ -130,16 +131,16 @@ impl Batch {
         }
     }
 
-    fn shape(&self) -> [usize; 2] {
+    pub(super) fn shape(&self) -> [usize; 2] {
         [self.b, self.s]
     }
 
-    fn mask(&self) -> ResponseMask {
+    pub(super) fn mask(&self) -> ResponseMask {
         response_mask(&self.mask, self.shape())
     }
 }
 
-const AGGS: [LossAgg; 5] = [
+pub(super) const AGGS: [LossAgg; 5] = [
     LossAgg::TokenMean,
     LossAgg::SeqMeanTokenSum,
     LossAgg::SeqMeanTokenMean,
@@ -148,7 +149,7 @@ const AGGS: [LossAgg; 5] = [
 ];
 
 /// verl's `agg_loss` over host values (masked values are skipped, so NaN there is harmless).
-fn ref_aggregate(l: &[f64], mask: &[bool], [b, s]: [usize; 2], agg: LossAgg) -> f64 {
+pub(super) fn ref_aggregate(l: &[f64], mask: &[bool], [b, s]: [usize; 2], agg: LossAgg) -> f64 {
     let mut seq_sums = Vec::new();
     let mut seq_lens = Vec::new();
     for row in 0..b {
@@ -183,7 +184,7 @@ fn ref_aggregate(l: &[f64], mask: &[bool], [b, s]: [usize; 2], agg: LossAgg) -> 
 
 /// `∂ aggregate / ∂ l` (the aggregation is linear, so a difference quotient is exact up to
 /// rounding); 0 at masked positions.
-fn ref_agg_weights(mask: &[bool], shape: [usize; 2], agg: LossAgg) -> Vec<f64> {
+pub(super) fn ref_agg_weights(mask: &[bool], shape: [usize; 2], agg: LossAgg) -> Vec<f64> {
     let zeros = vec![0.0; mask.len()];
     finite_difference(|l| ref_aggregate(l, mask, shape, agg), &zeros, 0.5)
 }
@@ -236,14 +237,14 @@ fn rl_aggregate_matches_reference_in_every_mode() {
     assert!("token-sum".parse::<LossAgg>().is_err());
 }
 
-struct RefPolicy {
-    loss: f64,
+pub(super) struct RefPolicy {
+    pub(super) loss: f64,
     /// Per-token `∂ l / ∂ log π` (0 at masked positions), before aggregation.
-    token_grad: Vec<f64>,
-    token_loss: Vec<f64>,
-    clip_fraction: f64,
-    dual_clip_fraction: f64,
-    approx_kl: f64,
+    pub(super) token_grad: Vec<f64>,
+    pub(super) token_loss: Vec<f64>,
+    pub(super) clip_fraction: f64,
+    pub(super) dual_clip_fraction: f64,
+    pub(super) approx_kl: f64,
     clipped_low: usize,
     clipped_high: usize,
 }
@@ -267,7 +268,7 @@ fn clip(x: f64, lo: f64, hi: f64) -> (f64, f64) {
 }
 
 /// PPO per token, from the formulas of verl's `compute_policy_loss_vanilla`.
-fn ref_ppo(batch: &Batch, logp: &[f64], cfg: &PpoConfig) -> RefPolicy {
+pub(super) fn ref_ppo(batch: &Batch, logp: &[f64], cfg: &PpoConfig) -> RefPolicy {
     let n = batch.b * batch.s;
     let (mut token_loss, mut token_grad) = (vec![0.0; n], vec![0.0; n]);
     let (mut clipped, mut dual, mut kl, mut tokens) = (0usize, 0usize, 0.0, 0usize);
@@ -442,7 +443,7 @@ fn rl_ppo_in_f32_matches_the_f64_reference() {
 
 /// GSPO per token, from the paper and verl's `compute_policy_loss_gspo` (GSPO-token
 /// gradient: `∂ s_bt / ∂ log π_bt = s_b`, zero past the clamp at 10).
-fn ref_gspo(batch: &Batch, cfg: &GspoConfig) -> RefPolicy {
+pub(super) fn ref_gspo(batch: &Batch, cfg: &GspoConfig) -> RefPolicy {
     let (b, s) = (batch.b, batch.s);
     let (mut token_loss, mut token_grad) = (vec![0.0; b * s], vec![0.0; b * s]);
     let (mut clipped, mut kl, mut tokens) = (0usize, 0.0, 0usize);
@@ -582,7 +583,7 @@ fn rl_gspo_matches_reference_and_the_sequence_level_gradient() {
 }
 
 /// verl's `kl_penalty` per token and its derivative in `log π`.
-fn ref_kl(lp: f64, reference: f64, estimator: KlEstimator) -> (f64, f64) {
+pub(super) fn ref_kl(lp: f64, reference: f64, estimator: KlEstimator) -> (f64, f64) {
     let d = lp - reference;
     match estimator {
         KlEstimator::K1 => (d, 1.0),
@@ -693,6 +694,7 @@ fn rl_objective_combines_policy_entropy_and_kl() {
         kl_coef: 0.05,
         kl_estimator: KlEstimator::K3,
         entropy_coef: 0.01,
+        rollout_correction: None,
     };
     let batch = Batch::random(&mut rng, [5, 8], 1.2, true);
     let shape = batch.shape();
@@ -717,6 +719,7 @@ fn rl_objective_combines_policy_entropy_and_kl() {
             mask: &mask,
             ref_logprobs: Some(tensor(&reference, shape, DType::F64)),
             entropy: Some(ent.clone()),
+            rollout_logprobs: None,
         })
         .unwrap();
     let pg = ref_ppo(&batch, &batch.logp, &ppo);
@@ -786,6 +789,7 @@ fn rl_objective_combines_policy_entropy_and_kl() {
             mask: &mask,
             ref_logprobs: None,
             entropy: None,
+            rollout_logprobs: None,
         })
         .unwrap();
     let want = ref_gspo(&batch, &GspoConfig::default());
@@ -1000,6 +1004,7 @@ fn rl_masks_from_floats_and_input_errors() {
         mask: &mask,
         ref_logprobs,
         entropy,
+        rollout_logprobs: None,
     };
     let with_kl = PolicyObjective {
         kl_coef: 0.1,
