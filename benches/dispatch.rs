@@ -1,6 +1,6 @@
 //! Bytes per rank and wall time of one dispatch + combine for the three token dispatchers on
 //! an in-process world, against the all-to-all volume formula `T·k·h·bytes·(EP−1)/EP`
-//! (parallelism.md §7). Run: `cargo bench --bench dispatch`.
+//! (docs/parallelism.md §Planner formulas). Run: `cargo bench --bench dispatch`.
 
 use std::time::Instant;
 

@@ -1,5 +1,6 @@
 //! Upcycling: turn the shipped dense Qwen3 fixture into a Qwen3-MoE checkpoint
-//! (checkpoints.md §9) and compare the two models' logits on the fixture's golden input.
+//! (docs/checkpoints.md §Upcycling) and compare the two models' logits on the fixture's golden
+//! input.
 //!
 //! Run: `cargo run --release --example upcycle` (G = 1 and G = 2 into a temporary directory),
 //! or with options:

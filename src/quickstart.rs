@@ -1,5 +1,6 @@
 //! The main-job pipeline of `examples/quickstart.rs`, from an HF checkpoint to a trained HF
-//! checkpoint through distributed checkpoints (checkpoints.md §5–§7):
+//! checkpoint through distributed checkpoints (docs/checkpoints.md §Streaming conversion,
+//! §Training checkpoints, §Resharding):
 //!
 //! 1. **convert** the HF Qwen3-MoE directory to a distributed checkpoint under the training
 //!    layout (default attention TP2 × DP2, experts EP4 on 4 ranks), streaming;

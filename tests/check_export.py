@@ -9,16 +9,17 @@ For every committed fixture in tests/fixtures/, this script
    and asserts that `missing_keys`, `mismatched_keys` and `error_msgs` are empty and that
    `unexpected_keys` is empty too, except for DeepSeek-V3's MTP layers `model.layers.{N+j}.*`:
    HF 5.23 has no MTP module and reports them as unexpected for the source fixture as well
-   (it only ignores the official model's `model.layers.61.*`), while checkpoints.md §1 requires
-   exporting them; any other unexpected key fails;
+   (it only ignores the official model's `model.layers.61.*`), while
+   docs/checkpoints.md §Minimal loadable export requires exporting them; any other unexpected
+   key fails;
 3. runs both the exported and the source model on the golden `input_ids` and asserts that the
    logits are equal (bit for bit: the export is lossless, so the same arithmetic runs on the
    same weights).
 
 The FP8 fixture is exported as BF16 (`--dtype bf16`); its "source model" is the exact
 dequantisation in `deepseek_v3_fp8_dequant/`, because transformers' CPU FP8 path infers the
-block size wrongly for these shapes (models.md §8) and must not be used as an oracle. The
-export must also contain no `*_scale_inv` tensor and no `quantization_config`.
+block size wrongly for these shapes (docs/models.md §Fixtures) and must not be used as an
+oracle. The export must also contain no `*_scale_inv` tensor and no `quantization_config`.
 
 It needs torch + transformers==5.23.0 (not in CI). Run it from the repository root, after
 building the CLI:

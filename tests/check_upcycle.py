@@ -1,5 +1,5 @@
-"""Checks that upcycled checkpoints (checkpoints.md §9) are valid Qwen3-MoE checkpoints for
-transformers 5.23 and that our Qwen3-MoE forward of them matches transformers'.
+"""Checks that upcycled checkpoints (docs/checkpoints.md §Upcycling) are valid Qwen3-MoE
+checkpoints for transformers 5.23 and that our Qwen3-MoE forward of them matches transformers'.
 
 For granularity G = 1 and G = 2 (E = 4, k = 2, post-softmax, seed 0) this script
 
@@ -12,11 +12,11 @@ For granularity G = 1 and G = 2 (E = 4, k = 2, post-softmax, seed 0) this script
    `Qwen3MoeForCausalLM` with tied embeddings;
 3. asserts that transformers' logits equal ours (`allclose(rtol=1e-4, atol=1e-4)`, f32), and
    that they are close to the dense fixture's golden logits: within 1e-5 relative to
-   max |logit| for G = 1; for G = 2 the spec's SiLU tolerance `rtol 0.1, atol 0.1` (stated
-   for Megatron's std-0.02 init) is not met everywhere on this fixture (initializer_range 0.1:
-   transformers and we both measure max |Δ| = 0.137, 4 of 6144 logits outside), so the check
-   is max |Δ| ≤ 0.15 with at most 0.1 % of the logits outside; `tests/upcycle.rs` asserts the
-   strict tolerance on a std-0.02 copy of the fixture.
+   max |logit| for G = 1; for G = 2 the SiLU tolerance of Megatron's `test_upcycling`
+   `rtol 0.1, atol 0.1` (stated for Megatron's std-0.02 init) is not met everywhere on this
+   fixture (initializer_range 0.1: transformers and we both measure max |Δ| = 0.137, 4 of 6144
+   logits outside), so the check is max |Δ| ≤ 0.15 with at most 0.1 % of the logits outside;
+   `tests/upcycle.rs` asserts the strict tolerance on a std-0.02 copy of the fixture.
 
 Needs torch + transformers==5.23.0 (not in CI). Run from the repository root:
 

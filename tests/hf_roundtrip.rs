@@ -1,9 +1,10 @@
-//! HF checkpoints through `moe-bridge` end to end (no Python): every committed fixture loads
-//! with [`moe_models::hf::load_causal_lm`] and matches the transformers 5.23 goldens (models.md §7:
-//! `max|ours − golden| ≤ 1e-4 · max|golden|`, losses to 1e-5 relative, greedy continuations
-//! token for token); sharded and single-file copies give bit-identical logits; an FP8
-//! checkpoint loads like its exact dequantisation; and an export reloads with the same key set
-//! and bit-identical tensors (checkpoints.md §1, §2, §5).
+//! HF checkpoints through `moe-bridge` end to end (no Python): every committed fixture loads with
+//! [`moe_models::hf::load_causal_lm`] and matches the transformers 5.23 goldens
+//! (docs/models.md §Goldens and parity tests: `max|ours − golden| ≤ 1e-4 · max|golden|`, losses to
+//! 1e-5 relative, greedy continuations token for token); sharded and single-file copies give
+//! bit-identical logits; an FP8 checkpoint loads like its exact dequantisation; and an export
+//! reloads with the same key set and bit-identical tensors
+//! (docs/checkpoints.md §Minimal loadable export, §FP8 release format, §Streaming conversion).
 
 use std::path::{Path, PathBuf};
 

@@ -1,6 +1,6 @@
-//! Upcycling the Qwen3 dense fixture into Qwen3-MoE (checkpoints.md §9): the upcycled model's
-//! logits against the dense model's, for `G = 1` (exact up to rounding) and `G = 2`
-//! (approximate for SiLU; the spec's tolerance `rtol 0.1, atol 0.1`).
+//! Upcycling the Qwen3 dense fixture into Qwen3-MoE (docs/checkpoints.md §Upcycling): the upcycled
+//! model's logits against the dense model's, for `G = 1` (exact up to rounding) and `G = 2`
+//! (approximate for SiLU; Megatron's `test_upcycling` tolerance `rtol 0.1, atol 0.1`).
 
 use std::path::{Path, PathBuf};
 
@@ -175,7 +175,7 @@ fn granularity_2_stays_within_the_spec_tolerance_for_silu() {
     let device = Device::flex();
     let scratch = Scratch::new("g2");
     // E2G2T2: E = 4, G = 2, k = 2 (= G), post-softmax. In Megatron's init regime (std 0.02)
-    // the spec's tolerance holds for every logit.
+    // Megatron's tolerance holds for every logit.
     let dense_dir = dense_with_std_002(&scratch);
     let out = upcycled_from(&dense_dir, &scratch, 4, 2, 2);
     let config = HfCheckpoint::open(&out).unwrap().config_json().unwrap();

@@ -15,8 +15,8 @@
 # (the optional cube_tests 60 s included); the fallback only uses what the first run left.
 #
 # Expects, relative to the repository root (the working directory):
-#   .gl/*.deb          Vulkan loader + GL vendor-neutral dispatch debs (see
-#                      /work/.library/device/README.md: `apt-get download libvulkan1 libegl1 ...`)
+#   .gl/*.deb          Vulkan loader + GL vendor-neutral dispatch debs (on a Debian machine:
+#                      `apt-get download libvulkan1 libegl1 ...`)
 #   .bench/cube_ops.xz, .bench/cube_train_step.xz   the stripped bench binaries, built with
 #       cargo build -p moe-backend --features vulkan --bench cube_ops
 #       cargo build -p moe-models --features vulkan --bench cube_train_step

@@ -427,7 +427,7 @@ pub enum BridgeError {
         reason: String,
     },
     /// The chunks of a tensor do not cover its global shape exactly once, or a requested box is
-    /// not covered (checkpoints.md §7, §8).
+    /// not covered (docs/checkpoints.md §Resharding, §Distributed checkpoint validation).
     #[error("{path}: tensor `{tensor}`: coverage error: {reason}")]
     Coverage {
         /// The checkpoint directory.

@@ -1,5 +1,6 @@
-//! HF → HF export (checkpoints.md §1 "minimal loadable export", §5): e.g. an FP8 release
-//! checkpoint to BF16, a stacked-expert checkpoint to per-expert names, or a re-sharding.
+//! HF → HF export (docs/checkpoints.md §Minimal loadable export, §Streaming conversion): e.g. an
+//! FP8 release checkpoint to BF16, a stacked-expert checkpoint to per-expert names, or a
+//! re-sharding.
 //!
 //! - Weights under per-expert HF names, in the requested dtype (FP8 weights are dequantised,
 //!   computing in f32 and rounding once); `e_score_correction_bias` stays F32 (mapping rule);
@@ -8,8 +9,9 @@
 //!   through, and optionally emitted when absent.
 //! - `config.json` starts from the source (unknown keys kept), with `dtype` (and a legacy
 //!   `torch_dtype`) updated and `quantization_config` removed when the source was quantised;
-//!   `generation_config.json` is copied, or the default of §1 written; other files (tokenizer)
-//!   are copied through untouched.
+//!   `generation_config.json` is copied, or the default of
+//!   docs/checkpoints.md §Minimal loadable export written; other files (tokenizer) are copied
+//!   through untouched.
 //! - Shards are planned greedily over sorted names up to `max_shard_size` and each is written
 //!   as soon as its tensors are produced; the directory appears atomically
 //!   ([`HfDirWriter`]). Reading an HF checkpoint this writes gives bit-identical tensors.
@@ -127,7 +129,8 @@ pub fn export_config(source: &Value, dtype: Option<Dtype>, dequantized: bool) ->
     config
 }
 
-/// The `generation_config.json` written when the source has none (checkpoints.md §1).
+/// The `generation_config.json` written when the source has none
+/// (docs/checkpoints.md §Minimal loadable export).
 pub fn default_generation_config(config: &Value) -> Value {
     json!({
         "_from_model_config": true,

@@ -1,4 +1,5 @@
-//! Blockwise FP8 weights of release checkpoints (DeepSeek-V3), checkpoints.md §2.
+//! Blockwise FP8 weights of release checkpoints (DeepSeek-V3),
+//! docs/checkpoints.md §FP8 release format.
 //!
 //! - **Rule:** a tensor is dequantised iff its dtype is one byte wide and `<name>_scale_inv`
 //!   exists ([`should_dequantize`]); the list of quantised tensors is never hard-coded. An FP8
@@ -119,8 +120,8 @@ pub fn scale_shape(shape: &[usize], block: [usize; 2]) -> Option<Vec<usize>> {
     Some(out)
 }
 
-/// Dequantises `q` (any one-byte dtype, rank ≥ 2) with its inverse scale `scale` (any float
-/// dtype) and block size `block`, naming the result `q.name` (checkpoints.md §2).
+/// Dequantises `q` (any one-byte dtype, rank ≥ 2) with its inverse scale `scale` (any float dtype)
+/// and block size `block`, naming the result `q.name` (docs/checkpoints.md §FP8 release format).
 pub fn dequantize_blockwise(
     q: &TensorView<'_>,
     scale: &TensorView<'_>,
@@ -223,9 +224,9 @@ impl HfCheckpoint {
         }
     }
 
-    /// Reads tensor `name` applying the FP8 load hook (checkpoints.md §2): dequantised to `out`
-    /// when one byte wide with a `<name>_scale_inv`; value-cast to `out` when FP8
-    /// (`F8_E4M3`/`F8_E5M2`) without a scale; otherwise returned as stored.
+    /// Reads tensor `name` applying the FP8 load hook (docs/checkpoints.md §FP8 release format):
+    /// dequantised to `out` when one byte wide with a `<name>_scale_inv`; value-cast to `out` when
+    /// FP8 (`F8_E4M3`/`F8_E5M2`) without a scale; otherwise returned as stored.
     pub fn read_dequantized(&self, name: &str, out: OutDtype) -> Result<OwnedTensor, BridgeError> {
         let view = self.tensor(name)?;
         let scale_name = scale_inv_name(name);

@@ -1,5 +1,5 @@
-//! Checkpoint formats for burn-moe: HuggingFace safetensors checkpoints in and out
-//! (checkpoints.md §1–§5), distributed checkpoints (§5–§8) and a model directory's text side.
+//! Checkpoint formats for burn-moe: HuggingFace safetensors checkpoints in and out, distributed
+//! checkpoints and a model directory's text side (docs/checkpoints.md).
 //!
 //! This crate holds the formats and knows no model: what it must know of one (its parsed
 //! `config.json`, name-mapping rules, the HF tensors it implies, how its tensors are split) it

@@ -1,6 +1,6 @@
 //! What every causal LM shares: the LM head, the causal-LM loss, HF's load-balancing loss for
-//! Qwen3-MoE (models.md §5.3), greedy/sampled generation with a KV cache, and shape-only
-//! parameter counting.
+//! Qwen3-MoE (docs/models.md §Qwen3-MoE load-balancing loss), greedy/sampled generation with a KV
+//! cache, and shape-only parameter counting.
 
 mod generation;
 
@@ -132,13 +132,13 @@ pub fn causal_lm_loss(logits: Tensor<3>, labels: &[i64]) -> Result<Tensor<1>, Mo
     Ok(picked.sum().neg().div_scalar(valid))
 }
 
-/// HF `load_balancing_loss_func` (models.md §5.3) over the router logits `[T, E]` of every MoE
-/// layer, treated as concatenated: `aux = E · Σ_e (c_e / D)·(p_e / D)` with `c_e` the top-k
-/// assignments and `p_e` the softmax mass of expert `e`, both summed over layers and rows
-/// weighted by `attention_mask` (`[T]` host values, 1 = real token; `None` ⇒ all ones), and
-/// `D = n_layers · Σ mask`. Equals `k` for a uniform router. Returns `[1]`, differentiable
-/// through the logits. The softmax is taken in f32 (HF takes it in the logits' dtype, which is
-/// the same thing under this crate's default f32 compute).
+/// HF `load_balancing_loss_func` (docs/models.md §Qwen3-MoE load-balancing loss) over the router
+/// logits `[T, E]` of every MoE layer, treated as concatenated: `aux = E · Σ_e (c_e / D)·(p_e / D)`
+/// with `c_e` the top-k assignments and `p_e` the softmax mass of expert `e`, both summed over
+/// layers and rows weighted by `attention_mask` (`[T]` host values, 1 = real token; `None` ⇒ all
+/// ones), and `D = n_layers · Σ mask`. Equals `k` for a uniform router. Returns `[1]`,
+/// differentiable through the logits. The softmax is taken in f32 (HF takes it in the logits'
+/// dtype, which is the same thing under this crate's default f32 compute).
 pub fn hf_load_balancing_loss(
     router_logits: &[Tensor<2>],
     top_k: usize,

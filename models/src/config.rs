@@ -1,4 +1,4 @@
-//! HF `config.json` parsing and validation (models.md §2, §5.1).
+//! HF `config.json` parsing and validation (docs/models.md §Config parsing, §Qwen3-MoE config).
 //!
 //! Each config struct mirrors its HF twin field by field, with HF's class defaults for absent
 //! keys, both accepted spellings of renamed keys, and the keys we do not interpret kept verbatim
@@ -298,7 +298,7 @@ impl Qwen3MoeConfig {
 
     /// Whether decoder layer `layer` (0-based) uses the MoE block rather than the dense MLP:
     /// `layer ∉ mlp_only_layers ∧ num_experts > 0 ∧ (layer + 1) % decoder_sparse_step == 0`
-    /// (models.md §5.1). A zero `decoder_sparse_step` makes every layer dense.
+    /// (docs/models.md §Qwen3-MoE config). A zero `decoder_sparse_step` makes every layer dense.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         !self.mlp_only_layers.contains(&layer)
             && self.num_experts > 0

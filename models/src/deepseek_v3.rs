@@ -1,5 +1,5 @@
 //! DeepSeek-V3, read beside HF transformers 5.23 `models/deepseek_v3/modeling_deepseek_v3.py`
-//! (models.md §3).
+//! (docs/models.md §DeepSeek-V3).
 //!
 //! `embed_tokens → [input_layernorm → MLA → residual → post_attention_layernorm → MLP or MoE →
 //! residual] × N → norm → lm_head`. Layers `0..first_k_dense_replace` use a dense SwiGLU MLP;
@@ -8,7 +8,8 @@
 //! `e_score_correction_bias` for the selection only, weights renormalised
 //! (`norm_topk_prob`) and scaled by `routed_scaling_factor`, plus the shared experts.
 //! The MTP modules (`model.layers.{N+j}`, [`crate::mtp`]) are loaded when
-//! `num_nextn_predict_layers > 0` but are not part of the main forward (models.md §3.6).
+//! `num_nextn_predict_layers > 0` but are not part of the main forward
+//! (docs/models.md §Multi-token prediction).
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
@@ -30,7 +31,8 @@ use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl DeepseekV3Config {
-    /// The MLA block of every layer (softmax scale per models.md §3.2).
+    /// The MLA block of every layer (softmax scale per
+    /// docs/models.md §Multi-head latent attention).
     pub fn mla_config(&self) -> MlaConfig {
         MlaConfig::new(
             self.hidden_size,
@@ -46,9 +48,9 @@ impl DeepseekV3Config {
         .with_rope_interleave(self.rope_interleave)
     }
 
-    /// The moe-backend layer of an MoE block (models.md §3.4, §3.5): sigmoid scores,
-    /// `group_score_topk = 2`, expert bias for selection, normalisation and scaling, shared
-    /// experts of width `Im · n_shared_experts`.
+    /// The moe-backend layer of an MoE block (docs/models.md §DeepSeek-V3 router,
+    /// §DeepSeek-V3 MoE block): sigmoid scores, `group_score_topk = 2`, expert bias for selection,
+    /// normalisation and scaling, shared experts of width `Im · n_shared_experts`.
     pub fn moe_layer_config(&self) -> Result<MoeLayerConfig, ModelError> {
         if self.norm_topk_prob && self.num_experts_per_tok == 1 {
             // HF renormalises a single weight to 1; moe-backend normalises only for k > 1.
@@ -298,8 +300,8 @@ crate::distributed::stage_model!(DeepseekV3ForCausalLM, |model, stage| {
 });
 
 impl DeepseekV3ForCausalLM {
-    /// Loads every main-model tensor by its HF name (models.md §6); experts per expert or
-    /// stacked, not mixed; `e_score_correction_bias` is kept in f32 and never trained.
+    /// Loads every main-model tensor by its HF name (docs/models.md §HF tensor names); experts per
+    /// expert or stacked, not mixed; `e_score_correction_bias` is kept in f32 and never trained.
     /// Modules are built from the loaded tensors (nothing is initialised and overwritten).
     pub fn from_weights(
         config: &DeepseekV3Config,
@@ -357,9 +359,9 @@ impl DeepseekV3ForCausalLM {
         self.run(input_ids, None, None, Some(layout))
     }
 
-    /// MTP logits of every depth `j < D` (models.md §3.6): `[B, S − 1 − j, V]`, position `i`
-    /// predicting token `i + j + 2`, from `input_ids [B, S]` and the main forward's
-    /// final-normed `hidden` ([`DeepseekV3Output::hidden`]).
+    /// MTP logits of every depth `j < D` (docs/models.md §Multi-token prediction):
+    /// `[B, S − 1 − j, V]`, position `i` predicting token `i + j + 2`, from `input_ids [B, S]` and
+    /// the main forward's final-normed `hidden` ([`DeepseekV3Output::hidden`]).
     pub fn forward_mtp(
         &self,
         input_ids: Tensor<2, Int>,

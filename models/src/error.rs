@@ -104,7 +104,8 @@ pub enum ModelError {
         /// What went wrong.
         reason: String,
     },
-    /// Routed experts are stored both stacked and per expert in one checkpoint (models.md §6).
+    /// Routed experts are stored both stacked and per expert in one checkpoint
+    /// (docs/models.md §HF tensor names).
     #[error(
         "experts under `{prefix}` mix the stacked layout (`{stacked}`) with per-expert tensors \
          (`{per_expert}`); a checkpoint must use one layout"

@@ -1,5 +1,6 @@
-//! Streaming export of a live model's weights in HF layout and names (checkpoints.md §1, §3),
-//! e.g. to hand fresh weights to an inference engine after every RL step.
+//! Streaming export of a live model's weights in HF layout and names
+//! (docs/checkpoints.md §Minimal loadable export, §Canonical names and sharding), e.g. to hand
+//! fresh weights to an inference engine after every RL step.
 //!
 //! [`export_hf_tensors`] returns an [`HfTensors`] iterator over `(hf_name, TensorData)`:
 //! - names are HF's (`model.layers.{l}.self_attn.q_proj.weight`, …) with routed experts
@@ -7,8 +8,9 @@
 //! - orientation is PyTorch `[out, in]` (Burn's `[in, out]` linears are transposed);
 //! - a tied `lm_head` is omitted; DeepSeek-V3's `e_score_correction_bias` is F32; every other
 //!   tensor keeps the parameter dtype (f32 by default); DeepSeek-V3 MTP layers are exported as
-//!   `model.layers.{N+j}.*` without the `embed_tokens` / `shared_head.head` copies (as stored
-//!   by our checkpoints, §3; see [`HfTensors::with_mtp_copies`]).
+//!   `model.layers.{N+j}.*` without the `embed_tokens` / `shared_head.head` copies (as stored by
+//!   our checkpoints, docs/checkpoints.md §Canonical names and sharding; see
+//!   [`HfTensors::with_mtp_copies`]).
 //!
 //! Memory is bounded by one tensor: the iterator knows every name, shape and dtype up front
 //! ([`HfTensors::specs`], so a writer can plan shards before any data moves) and pulls each
@@ -17,10 +19,10 @@
 //! [`for_each_hf_tensor`] is the callback form; moe-bridge's `live_export` writes an HF
 //! directory from it (BF16/F32/FP8).
 //!
-//! Routed experts come per expert by default; [`export_hf_tensors_as`] with
-//! [`ExpertNames::Fused`] yields HF's fused layout instead, one `…mlp.experts.gate_up_proj
-//! [E, 2·Im, H]` (rows `[gate; up]` per expert) and one `…mlp.experts.down_proj [E, H, Im]`
-//! per MoE layer (the canonical stacked tensors of checkpoints.md §3).
+//! Routed experts come per expert by default; [`export_hf_tensors_as`] with [`ExpertNames::Fused`]
+//! yields HF's fused layout instead, one `…mlp.experts.gate_up_proj [E, 2·Im, H]` (rows
+//! `[gate; up]` per expert) and one `…mlp.experts.down_proj [E, H, Im]` per MoE layer (the
+//! canonical stacked tensors of docs/checkpoints.md §Canonical names and sharding).
 //!
 //! **Scope: one rank holding the whole model.** Under TP/EP each rank holds a shard:
 //! [`crate::weight_sync`] streams the full tensors of a sharded model from this iterator's
@@ -143,9 +145,10 @@ impl HfTensors {
     }
 
     /// Also emits DeepSeek-V3 MTP copies `model.layers.{N+j}.embed_tokens.weight` and
-    /// `…shared_head.head.weight` (the release layout, checkpoints.md §1); call it on the
-    /// iterator of a [`DeepseekV3ForCausalLM`] before consuming it. No-op for other models.
-    /// A model without its embedding (a pipeline stage) has no copies to emit.
+    /// `…shared_head.head.weight` (the release layout,
+    /// docs/checkpoints.md §Minimal loadable export); call it on the iterator of a
+    /// [`DeepseekV3ForCausalLM`] before consuming it. No-op for other models. A model without its
+    /// embedding (a pipeline stage) has no copies to emit.
     pub fn with_mtp_copies(mut self, model: &DeepseekV3ForCausalLM) -> Self {
         let n = model.config().num_hidden_layers;
         let Some(embedding) = &model.model.embed_tokens else {
@@ -239,7 +242,8 @@ impl PlanExport {
             })
         };
         if entry.grad == GradClass::Buffer {
-            // Buffers (DeepSeek-V3's expert bias) are stored in F32 (checkpoints.md §1).
+            // Buffers (DeepSeek-V3's expert bias) are stored in F32
+            // (docs/checkpoints.md §Minimal loadable export).
             self.out.push(name, t.cast(DType::F32));
             return Ok(());
         }
@@ -346,8 +350,8 @@ pub fn export_hf_tensors_as<M: ExportHf + ?Sized>(
     model.hf_tensors_as(experts)
 }
 
-/// Whether the HF tensor `name` is stored in F32 whatever the export dtype (checkpoints.md §1:
-/// DeepSeek-V3's `e_score_correction_bias`).
+/// Whether the HF tensor `name` is stored in F32 whatever the export dtype
+/// (docs/checkpoints.md §Minimal loadable export: DeepSeek-V3's `e_score_correction_bias`).
 pub fn keeps_f32(name: &str) -> bool {
     deepseek_v3::is_expert_bias(name)
 }

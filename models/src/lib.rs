@@ -51,7 +51,7 @@
 //!
 //! Tensors are `Tensor<D>` on a runtime [`burn::tensor::Device`] (e.g. `Device::flex()`); wrap
 //! the device with `.autodiff()` for training. Compute is f32 by default; bf16 checkpoints are
-//! upcast on load (models.md §7 arithmetic policy).
+//! upcast on load (the arithmetic policy of docs/models.md §Goldens and parity tests).
 
 pub mod causal_lm;
 pub mod checkpoint;

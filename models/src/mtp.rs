@@ -1,4 +1,5 @@
-//! DeepSeek-V3 multi-token prediction (models.md §3.6), beside HF 5.23's `MtpLayer`.
+//! DeepSeek-V3 multi-token prediction (docs/models.md §Multi-token prediction), beside HF 5.23's
+//! `MtpLayer`.
 //!
 //! Module `j` is stored as decoder layer `N + j`. For position `i` it combines the embedding of
 //! token `i + j + 1` with the previous depth's hidden state `hʲᵢ` (`h⁰` = the main model's
@@ -74,8 +75,8 @@ impl MtpModule {
     }
 }
 
-/// MTP loss (models.md §3.6): `λ / D · Σ_j CE_j`, where depth `j`'s logits `[B, S − 1 − j, V]`
-/// (from [`crate::deepseek_v3::DeepseekV3ForCausalLM::forward_mtp`]) predict
+/// MTP loss (docs/models.md §Multi-token prediction): `λ / D · Σ_j CE_j`, where depth `j`'s logits
+/// `[B, S − 1 − j, V]` (from [`crate::deepseek_v3::DeepseekV3ForCausalLM::forward_mtp`]) predict
 /// `labels[:, i + j + 2]` (host values `[B, S]`, −100 ignored). Returns `[1]`.
 pub fn mtp_loss(
     mtp_logits: &[Tensor<3>],

@@ -1,5 +1,5 @@
 //! Dense Qwen3, read beside HF transformers 5.23 `models/qwen3/modeling_qwen3.py`
-//! (models.md §1, §4).
+//! (docs/models.md §Shared building blocks, §Qwen3 and its attention).
 //!
 //! `embed_tokens → [input_layernorm → Attention (QK-norm, RoPE, GQA) → residual →
 //! post_attention_layernorm → SwiGLU MLP → residual] × L → norm → lm_head` (tied to
@@ -126,8 +126,9 @@ pub struct Qwen3ForCausalLM {
 crate::distributed::stage_model!(Qwen3ForCausalLM);
 
 impl Qwen3ForCausalLM {
-    /// Loads every tensor by its HF name (models.md §6) from `source`; shapes are checked and
-    /// errors name the tensor. `lm_head.weight` is read only when embeddings are untied.
+    /// Loads every tensor by its HF name (docs/models.md §HF tensor names) from `source`; shapes
+    /// are checked and errors name the tensor. `lm_head.weight` is read only when embeddings are
+    /// untied.
     pub fn from_weights(
         config: &Qwen3Config,
         source: &dyn WeightSource,

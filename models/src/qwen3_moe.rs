@@ -1,5 +1,5 @@
 //! Qwen3-MoE, read beside HF transformers 5.23 `models/qwen3_moe/modeling_qwen3_moe.py`
-//! (models.md §4, §5).
+//! (docs/models.md §Qwen3 and its attention, §Qwen3-MoE).
 //!
 //! The decoder is Qwen3's (QK-norm GQA attention, pre-norm residuals); layer `i` uses the
 //! sparse MoE block iff `i ∉ mlp_only_layers ∧ E > 0 ∧ (i+1) % decoder_sparse_step == 0`,
@@ -40,9 +40,9 @@ impl Qwen3MoeConfig {
         .with_qk_norm(true)
     }
 
-    /// The moe-backend layer of a sparse block (models.md §5.2): softmax scores, pre-softmax
-    /// (plain top-k of the probabilities) without `norm_topk_prob`, post-softmax (top-k then
-    /// softmax over the k, i.e. renormalised) with it; f32 router.
+    /// The moe-backend layer of a sparse block (docs/models.md §Qwen3-MoE router): softmax scores,
+    /// pre-softmax (plain top-k of the probabilities) without `norm_topk_prob`, post-softmax (top-k
+    /// then softmax over the k, i.e. renormalised) with it; f32 router.
     pub fn moe_layer_config(&self) -> Result<MoeLayerConfig, ModelError> {
         if self.norm_topk_prob && self.num_experts_per_tok == 1 {
             return Err(ModelError::invalid(
@@ -177,7 +177,7 @@ pub struct Qwen3MoeOutput {
     pub topk_indices: Vec<Tensor<2, Int>>,
 }
 
-/// Losses of a labelled forward (models.md §5.3).
+/// Losses of a labelled forward (docs/models.md §Qwen3-MoE load-balancing loss).
 #[derive(Debug, Clone)]
 pub struct Qwen3MoeLoss {
     /// `ce + router_aux_loss_coef · aux_loss`, `[1]`.
@@ -204,9 +204,9 @@ pub struct Qwen3MoeForCausalLM {
 crate::distributed::stage_model!(Qwen3MoeForCausalLM);
 
 impl Qwen3MoeForCausalLM {
-    /// Loads every tensor by its HF name (models.md §6). Experts may be stored per expert or
-    /// stacked (`mlp.experts.gate_up_proj` / `down_proj`), not mixed; shapes are checked and
-    /// errors name the tensor. Modules are built from the loaded tensors (nothing is
+    /// Loads every tensor by its HF name (docs/models.md §HF tensor names). Experts may be stored
+    /// per expert or stacked (`mlp.experts.gate_up_proj` / `down_proj`), not mixed; shapes are
+    /// checked and errors name the tensor. Modules are built from the loaded tensors (nothing is
     /// initialised and overwritten).
     pub fn from_weights(
         config: &Qwen3MoeConfig,
@@ -242,9 +242,10 @@ impl Qwen3MoeForCausalLM {
     }
 
     /// The same model with the routed experts' fc1/fc2 GEMMs of every sparse layer in FP8
-    /// (`Some(recipe)`, blockwise recipe of fp8.md §3) or back in high precision (`None`).
-    /// Attention, dense MLPs, the router, embeddings, the LM head and norms stay in high
-    /// precision (fp8.md §7). A training-time choice, so it is not part of the HF config.
+    /// (`Some(recipe)`, blockwise recipe of docs/fp8.md §Recipes) or back in high precision
+    /// (`None`). Attention, dense MLPs, the router, embeddings, the LM head and norms stay in high
+    /// precision (docs/fp8.md §Selective precision). A training-time choice, so it is not part of
+    /// the HF config.
     pub fn with_fp8_experts(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
         self.model.layers = self.model.layers.try_map(|layer| {
             let mlp = match layer.mlp {
@@ -262,9 +263,9 @@ impl Qwen3MoeForCausalLM {
 
     /// The same model with the dense linears — every layer's attention projections
     /// (`q/k/v/o_proj`) and the dense MLPs of `mlp_only_layers` — in FP8 (`Some(recipe)`,
-    /// fp8.md §3) or back in high precision (`None`). The routed experts keep their own
+    /// docs/fp8.md §Recipes) or back in high precision (`None`). The routed experts keep their own
     /// setting ([`Self::with_fp8_experts`]); the router, embeddings, LM head, norms and the
-    /// attention core stay in high precision (fp8.md §7).
+    /// attention core stay in high precision (docs/fp8.md §Selective precision).
     pub fn with_fp8_linears(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
         if let Some(r) = &recipe {
             r.validate()?;
@@ -299,7 +300,7 @@ impl Qwen3MoeForCausalLM {
     /// HF's labelled forward with `output_router_logits=True`: cross-entropy of `labels`
     /// (`[B, S]` host values, −100 ignored) plus `router_aux_loss_coef` × the load-balancing
     /// loss, with `attention_mask` (`[B, S]` host values, 1 = token) applied to the aux loss
-    /// only (models.md §5.3).
+    /// only (docs/models.md §Qwen3-MoE load-balancing loss).
     pub fn loss(
         &self,
         output: &Qwen3MoeOutput,

@@ -1,5 +1,6 @@
-//! Router replay for RL (moe-ops §10): record the routing of a forward pass, store it in a
-//! small safetensors file, and force it in a later Qwen3-MoE or DeepSeek-V3 forward.
+//! Router replay for RL (docs/training-and-rl.md §Router replay): record the routing of a forward
+//! pass, store it in a small safetensors file, and force it in a later Qwen3-MoE or DeepSeek-V3
+//! forward.
 //!
 //! # File format
 //!
@@ -16,8 +17,9 @@
 //!   have no tensor and the set of `i` must equal the model's MoE layers);
 //! - `T = B·S`: tokens of the micro-batch in `b·S + s` order (the row-major flattening of
 //!   `input_ids [B, S]`), the same for every layer;
-//! - the order of the `k` ids in a row does not matter for the routing weights (they are
-//!   gathered at the ids, moe-ops §10); ids are in `0..E` and distinct within a row;
+//! - the order of the `k` ids in a row does not matter for the routing weights (they are gathered
+//!   at the ids, docs/routing-and-dispatch.md §Router replay); ids are in `0..E` and distinct
+//!   within a row;
 //! - `__metadata__` (all values are strings, as safetensors requires): `model_type`
 //!   (`"qwen3_moe"` / `"deepseek_v3"`) and `k` are required; the writer also sets
 //!   `format = "moe-router-replay"`, `version = "1"` and `num_tokens`. Other keys are ignored.

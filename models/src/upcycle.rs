@@ -1,5 +1,5 @@
-//! Upcycling a dense Qwen3 HF checkpoint into a Qwen3-MoE one (checkpoints.md §9, Megatron
-//! `upcycling_utils`).
+//! Upcycling a dense Qwen3 HF checkpoint into a Qwen3-MoE one (docs/checkpoints.md §Upcycling,
+//! Megatron `upcycling_utils`).
 //!
 //! Every layer's dense SwiGLU MLP becomes a sparse block of `E` experts of width `F/G`:
 //! - **virtual groups**: the dense MLP is split into `G` shards (gate and up row blocks split
@@ -17,8 +17,8 @@
 //! `model.layers.{l}.mlp.gate.weight`) and a Qwen3-MoE `config.json` ([`upcycled_config`]).
 //!
 //! Exactness: `G = 1` post-softmax reproduces the dense logits up to rounding; `G > 1` with
-//! `k = G` is exact for ReLU-like activations and approximate for SiLU (the spec's test
-//! tolerance is `rtol 0.1, atol 0.1`).
+//! `k = G` is exact for ReLU-like activations and approximate for SiLU (Megatron's
+//! `test_upcycling` tolerance is `rtol 0.1, atol 0.1`, docs/checkpoints.md §Upcycling).
 
 mod math;
 
@@ -110,12 +110,12 @@ fn config_usize(config: &Value, path: &Path, field: &str) -> Result<usize, Bridg
         })
 }
 
-/// The Qwen3-MoE `config.json` of an upcycled dense Qwen3 `source` (checkpoints.md §9):
-/// `model_type = qwen3_moe`, `architectures = [Qwen3MoeForCausalLM]`,
-/// `moe_intermediate_size = F/G`, `num_experts = E`, `num_experts_per_tok = k`,
-/// `norm_topk_prob` = post-softmax, `mlp_only_layers = []`, `decoder_sparse_step = 1`;
-/// every other key (including `tie_word_embeddings` and the dense `intermediate_size`) is
-/// copied.
+/// The Qwen3-MoE `config.json` of an upcycled dense Qwen3 `source`
+/// (docs/checkpoints.md §Upcycling): `model_type = qwen3_moe`,
+/// `architectures = [Qwen3MoeForCausalLM]`, `moe_intermediate_size = F/G`, `num_experts = E`,
+/// `num_experts_per_tok = k`, `norm_topk_prob` = post-softmax, `mlp_only_layers = []`,
+/// `decoder_sparse_step = 1`; every other key (including `tie_word_embeddings` and the dense
+/// `intermediate_size`) is copied.
 pub fn upcycled_config(source: &Value, scale: &UpcycleScale, mode: RouterMode) -> Value {
     let mut config = source.clone();
     if let Value::Object(map) = &mut config {

@@ -1,4 +1,5 @@
-//! Reading model weights from HF tensor names (models.md §6), whole or as one rank's shard.
+//! Reading model weights from HF tensor names (docs/models.md §HF tensor names), whole or as one
+//! rank's shard.
 //!
 //! The models do not read files themselves: a [`WeightSource`] hands out named f32 tensors, or
 //! boxes of them (the bridge implements it for HF checkpoint directories with positioned reads
@@ -361,8 +362,8 @@ impl<'a> WeightLoader<'a> {
     ///
     /// Accepts the stacked layout (`{prefix}.gate_up_proj [E, 2·Im, H]`,
     /// `{prefix}.down_proj [E, H, Im]`) or per-expert names
-    /// (`{prefix}.{e}.{gate_proj,up_proj} [Im, H]`, `{prefix}.{e}.down_proj [H, Im]`);
-    /// a mix of both is rejected (models.md §6). Only this rank's boxes are read.
+    /// (`{prefix}.{e}.{gate_proj,up_proj} [Im, H]`, `{prefix}.{e}.down_proj [H, Im]`); a mix of
+    /// both is rejected (docs/models.md §HF tensor names). Only this rank's boxes are read.
     pub fn experts(
         &self,
         prefix: &str,

@@ -1,4 +1,4 @@
-//! A tiny Qwen3-MoE trained 50 steps with FP8 expert GEMMs (blockwise recipe, fp8.md §3)
+//! A tiny Qwen3-MoE trained 50 steps with FP8 expert GEMMs (blockwise recipe, docs/fp8.md §Recipes)
 //! tracks the same run in f32: same initial weights, same data, same optimizer.
 
 use std::time::Instant;

@@ -1,6 +1,7 @@
-//! Parity with HF transformers 5.23 goldens (models.md §7) on the committed tiny fixtures
-//! (`tests/fixtures/make_fixtures.py`). Tolerance: `max|ours − golden| ≤ 1e-4 · max|golden|`
-//! for logits, 1e-5 relative for losses; greedy continuations token for token.
+//! Parity with HF transformers 5.23 goldens (docs/models.md §Goldens and parity tests) on the
+//! committed tiny fixtures (`tests/fixtures/make_fixtures.py`). Tolerance:
+//! `max|ours − golden| ≤ 1e-4 · max|golden|` for logits, 1e-5 relative for losses; greedy
+//! continuations token for token.
 
 mod common;
 
@@ -80,7 +81,8 @@ fn check_qwen3_moe(name: &str) {
         let (_, want) = golden.f32(key);
         assert_rel(&format!("{name} {key}"), ours.into_scalar::<f32>(), want[0]);
     }
-    // The masked aux loss on HF's own router logits (models.md §5.3).
+    // The masked aux loss on HF's own router logits
+    // (docs/models.md §Qwen3-MoE load-balancing loss).
     let (_, mask) = golden.i64("aux_attention_mask");
     let mask: Vec<f32> = mask.iter().map(|&m| m as f32).collect();
     let layers: Vec<Tensor<2>> = [1, 2]
@@ -179,7 +181,8 @@ fn deepseek(dir: &str) -> (DeepseekV3ForCausalLM, Device) {
     (model, device)
 }
 
-/// Rows of `(indices, weights)` sorted by expert index (HF's top-k is `sorted=False`, §7.2).
+/// Rows of `(indices, weights)` sorted by expert index (HF's top-k is `sorted=False`,
+/// docs/models.md §Goldens and parity tests, item 2).
 fn sorted_rows(idx: &[i64], w: &[f32], k: usize) -> Vec<Vec<(i64, f32)>> {
     idx.chunks(k)
         .zip(w.chunks(k))
@@ -199,7 +202,8 @@ fn check_deepseek(dir: &str, golden_name: &str, greedy: bool) {
     // Layer 1 is the first MoE layer (first_k_dense_replace = 1).
     let routing = out.routing[0].clone();
     if golden.has("mtp_logits") {
-        // models.md §3.6: MTP module 0 (stored as layer N = 3) against HF 5.23's `MtpLayer`.
+        // docs/models.md §Multi-token prediction: MTP module 0 (stored as layer N = 3) against HF
+        // 5.23's `MtpLayer`.
         assert_eq!(model.mtp.len(), 1, "{dir}: the MTP layer should be loaded");
         let mtp = model.forward_mtp(t, out.hidden.clone()).expect("mtp");
         let (shape, want) = golden.f32("mtp_logits");
@@ -277,7 +281,8 @@ fn deepseek_v3_fp8_reference_dequant_matches_transformers() {
 
 #[test]
 fn deepseek_v3_router_in_isolation_reproduces_topk_from_golden_logits() {
-    // models.md §7.2: golden router_logits → identical top-k indices, weights to 1e-6.
+    // docs/models.md §Goldens and parity tests, item 2: golden router_logits → identical top-k
+    // indices, weights to 1e-6.
     use burn::tensor::TensorData;
     use moe_backend::router::{GroupLimitConfig, ScoreFunction, ScoreSpec, compute_routing};
     let device = Device::flex();

@@ -6,7 +6,7 @@
 //! (same token-mean loss, router losses over the same tokens, same gradients and parameters),
 //! and bad packing inputs are errors naming the field.
 //!
-//! "Equal" is the f32 equivalence tolerance of next-architecture.md §5:
+//! "Equal" is the f32 equivalence tolerance of docs/architecture.md §Equality and tolerances:
 //! `|a − b| ≤ 1e-5·max|b| + 1e-6` element-wise (scalars: `1e-5` relative).
 
 mod common;

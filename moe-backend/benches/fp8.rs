@@ -1,4 +1,5 @@
-//! FP8 benchmarks (fp8.md §2–§4), each against a baseline measured in the same run:
+//! FP8 benchmarks (docs/fp8.md §Scaling, §Recipes, §FP8 primary weights), each against a baseline
+//! measured in the same run:
 //!
 //! (a) blockwise / per-tensor / columnwise quantise and dequantise bandwidth over a `memcpy`
 //!     of the f32 buffer (traffic = bytes read + bytes written);
@@ -7,7 +8,7 @@
 //! (c) memory of FP8 primary weights (E4M3 bytes + f32 128×128 block scales) against BF16
 //!     weights: measured by quantising a synthetic one-layer model, and by shape arithmetic
 //!     for a Qwen3-30B-A3B-shaped model (linear layers in FP8; embeddings, LM head, router and
-//!     norms stay BF16, fp8.md §7);
+//!     norms stay BF16, docs/fp8.md §Selective precision);
 //! (d) the ZeRO-1 optimizer step with f32 parameters against FP8 primary expert weights on 4
 //!     in-process ranks: expert-data-parallel bytes sent per rank and step time.
 //!

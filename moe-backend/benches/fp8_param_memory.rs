@@ -1,6 +1,6 @@
-//! Weight memory a module holds for an FP8-eligible layer (issue 21, fp8.md §4), measured from
-//! the storage of its parameters ([`param_storage_bytes`]: the distinct buffers its float
-//! parameters reference):
+//! Weight memory a module holds for an FP8-eligible layer (issue 21,
+//! docs/fp8.md §FP8 primary weights), measured from the storage of its parameters
+//! ([`param_storage_bytes`]: the distinct buffers its float parameters reference):
 //!
 //! - before: the parameters as built (f32), and the BF16 reference (two bytes per element);
 //! - after: FP8 primary weights enabled in `DistributedAdamW` with the default (packed)

@@ -1,5 +1,6 @@
 //! Expert MLPs: [`GroupedExperts`] (all routed experts of a rank as grouped GEMMs) and
-//! [`SharedExperts`] (a dense SwiGLU applied to every token), moe-ops §8 and §10.
+//! [`SharedExperts`] (a dense SwiGLU applied to every token),
+//! docs/routing-and-dispatch.md §Experts, §Shared experts.
 
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -49,8 +50,8 @@ pub struct GroupedExpertsConfig {
     /// Standard deviation of the normal weight initialisation.
     #[config(default = 0.02)]
     pub init_std: f64,
-    /// Run fc1 and fc2 as FP8 grouped GEMMs with this blockwise recipe (fp8.md §3); `None`
-    /// keeps them in the parameters' precision.
+    /// Run fc1 and fc2 as FP8 grouped GEMMs with this blockwise recipe (docs/fp8.md §Recipes);
+    /// `None` keeps them in the parameters' precision.
     #[config(default = "None")]
     pub fp8: Option<Fp8Recipe>,
 }
@@ -91,9 +92,9 @@ impl GroupedExpertsConfig {
 
 /// The routed experts of one rank, computed with grouped GEMMs over expert-major rows.
 ///
-/// Weights use PyTorch orientation (`[out, in]`), stacked over experts:
-/// `fc1 [L, 2F, H]` with rows `[gate (F); up (F)]` for SwiGLU, `fc2 [L, H, F]`.
-/// Probabilities are applied after the activation and before `fc2` (moe-ops §8 step 4).
+/// Weights use PyTorch orientation (`[out, in]`), stacked over experts: `fc1 [L, 2F, H]` with rows
+/// `[gate (F); up (F)]` for SwiGLU, `fc2 [L, H, F]`. Probabilities are applied after the activation
+/// and before `fc2` (docs/routing-and-dispatch.md §Experts, step 4).
 #[derive(Module, Debug)]
 pub struct GroupedExperts {
     /// `[L, 2F, H]` (gated) or `[L, F, H]`.
@@ -102,13 +103,15 @@ pub struct GroupedExperts {
     pub fc2: Param<Tensor<3>>,
     /// Optional `[L, 2F]` / `[L, F]` fc1 bias.
     pub fc1_bias: Option<Param<Tensor<2>>>,
-    /// Optional `[L, H]` fc2 bias (scaled by the routing prob, moe-ops §8 step 5).
+    /// Optional `[L, H]` fc2 bias (scaled by the routing prob,
+    /// docs/routing-and-dispatch.md §Experts, step 5).
     pub fc2_bias: Option<Param<Tensor<2>>>,
     /// Activation.
     #[module(skip)]
     pub activation: ExpertActivation,
     /// FP8 recipe of the expert GEMMs (`None`: the parameters' precision). Only fc1/fc2 are
-    /// quantised; biases, the activation and the probs stay in high precision (fp8.md §7).
+    /// quantised; biases, the activation and the probs stay in high precision
+    /// (docs/fp8.md §Selective precision).
     #[module(skip)]
     pub fp8: Option<Fp8Recipe>,
 }
@@ -204,9 +207,9 @@ impl GroupedExperts {
         })
     }
 
-    /// The activation (with the routing probs applied after it, moe-ops §8 step 4), `fc2`
-    /// and its bias on the `fc1` output `hidden [N, 2F]` of the rows grouped by
-    /// `tokens_per_expert`.
+    /// The activation (with the routing probs applied after it,
+    /// docs/routing-and-dispatch.md §Experts, step 4), `fc2` and its bias on the `fc1` output
+    /// `hidden [N, 2F]` of the rows grouped by `tokens_per_expert`.
     fn activation_fc2(
         &self,
         hidden: Tensor<2>,
@@ -276,8 +279,9 @@ impl SharedExpertsConfig {
     }
 }
 
-/// Dense SwiGLU MLP applied to every token and added to the routed output (moe-ops §10):
-/// `y = down(silu(gate(x)) ⊙ up(x))`, optionally `y ⊙= sigmoid(x · g)`.
+/// Dense SwiGLU MLP applied to every token and added to the routed output
+/// (docs/routing-and-dispatch.md §Shared experts): `y = down(silu(gate(x)) ⊙ up(x))`, optionally
+/// `y ⊙= sigmoid(x · g)`.
 #[derive(Module, Debug)]
 pub struct SharedExperts {
     /// `H -> F` gate projection.

@@ -1,5 +1,5 @@
 //! [`MoeLayer`]: route → dispatch (permute) → experts → combine (unpermute), plus shared
-//! experts, on one rank (moe-ops §11).
+//! experts, on one rank (docs/routing-and-dispatch.md §The MoE layer forward).
 
 use burn::config::Config;
 use burn::module::Module;
@@ -33,7 +33,7 @@ pub struct MoeLayerConfig {
     #[config(default = 0.02)]
     pub init_std: f64,
     /// FP8 recipe for the routed experts' GEMMs (`None`: high precision). The router, the
-    /// shared experts and the combine stay in high precision (fp8.md §7).
+    /// shared experts and the combine stay in high precision (docs/fp8.md §Selective precision).
     #[config(default = "None")]
     pub fp8: Option<Fp8Recipe>,
 }

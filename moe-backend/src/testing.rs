@@ -1,7 +1,8 @@
 //! Reference implementations and helpers for tests (feature `testing`).
 //!
-//! The references are written with plain Burn tensor ops and per-expert / per-group loops, the
-//! way the spec states each operation, independent of the [`crate::ops`] kernels they check.
+//! The references are written with plain Burn tensor ops and per-expert / per-group loops, the way
+//! docs/routing-and-dispatch.md states each operation, independent of the [`crate::ops`] kernels
+//! they check.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};

@@ -143,7 +143,7 @@ fn permute_equals_flex_dropless_and_drop_and_pad() {
 
 #[test]
 fn spec_ep2_vector_and_drop_and_pad_order() {
-    // moe-ops §15: rank 0 tokens a -> {0,2}, b -> {1,3}.
+    // docs/routing-and-dispatch.md §EP2 worked example: rank 0 tokens a -> {0,2}, b -> {1,3}.
     let idx = int_tensor(vec![0, 2, 1, 3], [2, 2], &cube());
     let x = tensor(vec![1.0, 2.0], [2, 1], &cube(), DType::F32);
     let out = permute_with_indices(x, idx, None, 4, PermuteMode::Dropless).expect("permute");

@@ -138,7 +138,8 @@ pub fn params(dir: &Path) -> BTreeMap<String, Vec<f32>> {
         .collect()
 }
 
-/// Parallel-equivalence tolerance (next-architecture.md §5): `1e-5·max|want| + 1e-6`.
+/// Parallel-equivalence tolerance (docs/architecture.md §Equality and tolerances):
+/// `1e-5·max|want| + 1e-6`.
 pub fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));

@@ -1,6 +1,7 @@
-//! The atomic commit of a distributed checkpoint (checkpoints.md §6 steps 1, 3–5): a hidden
-//! `.tmp-iter_{step:07}-{nonce}` directory, validated and completed by rank 0, renamed into
-//! place, then `latest` replaced atomically.
+//! The atomic commit of a distributed checkpoint
+//! (docs/checkpoints.md §Distributed checkpoint format, atomic commit steps 1, 3–5): a hidden
+//! `.tmp-iter_{step:07}-{nonce}` directory, validated and completed by rank 0, renamed into place,
+//! then `latest` replaced atomically.
 //!
 //! Each temporary directory carries an owner file ([`stale::OWNER_FILE`]) while the save runs;
 //! [`begin_save`] first removes the temporary directories of earlier saves that died (see
@@ -134,10 +135,11 @@ pub fn merge_chunks(
     Ok(())
 }
 
-/// Steps 3–4 (rank 0): validates the index against §8 and the files' headers, writes the
-/// index, `config.json` and `extra` JSON files, `.complete`, renames `tmp` to
-/// `<root>/iter_{step:07}` and points `latest` at it. Returns the checkpoint directory.
-/// On failure `tmp` is removed and nothing visible changes.
+/// Steps 3–4 (rank 0): validates the index against
+/// docs/checkpoints.md §Distributed checkpoint validation and the files' headers, writes the index,
+/// `config.json` and `extra` JSON files, `.complete`, renames `tmp` to `<root>/iter_{step:07}` and
+/// points `latest` at it. Returns the checkpoint directory. On failure `tmp` is removed and nothing
+/// visible changes.
 pub fn commit_save(
     root: &Path,
     tmp: &Path,

@@ -1,5 +1,5 @@
 //! Streaming conversion between HF checkpoints and distributed checkpoints
-//! (checkpoints.md §5).
+//! (docs/checkpoints.md §Streaming conversion).
 //!
 //! HF → distributed ([`convert_hf_to_dist`]): canonical tensors are processed one at a time in
 //! sorted order. Each HF tensor feeding one (a whole tensor, or one expert's `gate_proj` /

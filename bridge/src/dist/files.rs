@@ -1,5 +1,5 @@
 //! One rank's chunk files: `shard-{rank:05}-model-{j:05}-of-{n:05}.safetensors`
-//! (checkpoints.md §6).
+//! (docs/checkpoints.md §Distributed checkpoint format).
 //!
 //! The headers are planned up front from the chunks' dtypes and shapes (so a file can be
 //! filled piece by piece, at computed offsets, without ever holding a whole chunk): tensors are

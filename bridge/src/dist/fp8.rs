@@ -1,8 +1,9 @@
-//! FP8 weights in distributed checkpoints (fp8.md §4, checkpoints.md §2): a blockwise-quantised
-//! weight is stored as its FP8 bytes (`F8_E4M3` chunks, sharded like any parameter) beside a
-//! companion tensor `<fqn>_scale_inv` (kind [`TensorKind::Scale`]) holding one dequantisation
-//! multiplier per block, shaped `[.., ceil(rows/b0), ceil(cols/b1)]` over the weight's last two
-//! dimensions, with the block `[b0, b1]` of the index's `fp8` record.
+//! FP8 weights in distributed checkpoints (docs/checkpoints.md §Distributed checkpoint format,
+//! docs/fp8.md §FP8 checkpoints): a blockwise-quantised weight is stored as its FP8 bytes
+//! (`F8_E4M3` chunks, sharded like any parameter) beside a companion tensor `<fqn>_scale_inv` (kind
+//! [`TensorKind::Scale`]) holding one dequantisation multiplier per block, shaped
+//! `[.., ceil(rows/b0), ceil(cols/b1)]` over the weight's last two dimensions, with the block
+//! `[b0, b1]` of the index's `fp8` record.
 //!
 //! The bytes are never re-quantised: HF FP8 → distributed → (any resharding) → HF FP8 moves the
 //! release bytes and scales unchanged. Readers that need values dequantise a box on the fly
@@ -41,9 +42,10 @@ pub fn is_fp8_weight(index: &DcpIndex, fqn: &str, entry: &TensorEntry) -> bool {
             .is_some_and(|s| s.kind == TensorKind::Scale)
 }
 
-/// §8-style checks of the FP8 entries of `index`: every FP8 parameter has its scale (its
-/// bytes alone would read as unscaled values), every scale belongs to a one-byte weight, the
-/// index has an `fp8` record, and each scale has the block-grid shape of its weight.
+/// Coverage checks (as docs/checkpoints.md §Distributed checkpoint validation) of the FP8 entries
+/// of `index`: every FP8 parameter has its scale (its bytes alone would read as unscaled values),
+/// every scale belongs to a one-byte weight, the index has an `fp8` record, and each scale has the
+/// block-grid shape of its weight.
 pub fn validate_fp8(dir: &std::path::Path, index: &DcpIndex) -> Result<(), BridgeError> {
     let invalid = |reason: String| BridgeError::InvalidDistIndex {
         path: dir.to_path_buf(),

@@ -1,5 +1,6 @@
-//! The distributed checkpoint index `moe_dcp.index.json` (checkpoints.md §6, `format_version`
-//! 1) and the per-file `__metadata__` of the PyTorch DCP HuggingFace storage convention.
+//! The distributed checkpoint index `moe_dcp.index.json`
+//! (docs/checkpoints.md §Distributed checkpoint format, `format_version` 1) and the per-file
+//! `__metadata__` of the PyTorch DCP HuggingFace storage convention.
 //!
 //! The index is the source of truth: per fqn its kind, dtype, global shape, HF names and the
 //! chunks (file, global offsets, shape, writer rank) that tile it. Each chunk file additionally

@@ -1,4 +1,5 @@
-//! Opening and reading distributed checkpoints, with resharding (checkpoints.md §6–§7).
+//! Opening and reading distributed checkpoints, with resharding
+//! (docs/checkpoints.md §Distributed checkpoint format, §Resharding).
 //!
 //! [`DistCheckpoint::open`] accepts a checkpoint root (its `latest` is followed) or one
 //! `iter_*` directory and refuses `.tmp-*` directories and directories without `.complete` or
@@ -89,10 +90,10 @@ pub struct DistCheckpoint {
 }
 
 impl DistCheckpoint {
-    /// Opens `path` (see [`resolve_checkpoint_dir`]) and validates the index (§8 coverage,
-    /// FP8 scales) and its agreement with the directory's `config.json`, when there is one,
-    /// read as the model config `C` ([`validate_config`]); chunk files are opened on first
-    /// read.
+    /// Opens `path` (see [`resolve_checkpoint_dir`]) and validates the index (coverage as
+    /// docs/checkpoints.md §Distributed checkpoint validation, FP8 scales) and its agreement with
+    /// the directory's `config.json`, when there is one, read as the model config `C`
+    /// ([`validate_config`]); chunk files are opened on first read.
     pub fn open<C: ModelSchema>(path: impl AsRef<Path>) -> Result<Self, BridgeError> {
         let dir = resolve_checkpoint_dir(path.as_ref())?;
         let index = DcpIndex::read(&dir.join(INDEX_FILE))?;

@@ -1,5 +1,5 @@
-//! Distributed checkpoints (checkpoints.md §5–§8): DCP-compatible safetensors files, one set per
-//! writing rank, and a JSON index that is the source of truth.
+//! Distributed checkpoints (docs/checkpoints.md §Distributed checkpoint format): DCP-compatible
+//! safetensors files, one set per writing rank, and a JSON index that is the source of truth.
 //!
 //! - [`index`]: the `moe_dcp.index.json` schema and the per-file DCP `__metadata__`.
 //! - [`sharding`]: the box each rank holds of each canonical tensor under a
@@ -10,7 +10,8 @@
 //!   conversion ([`save::OfflineWriter`]); the commit is atomic ([`commit`]).
 //! - [`load`]: opening (refusing partial saves) and reading any box from the overlapping chunks
 //!   ([`load::DistCheckpoint`]); resharding is loading another layout's boxes.
-//! - [`validate`]: §8 coverage and file-header checks.
+//! - [`validate`]: coverage and file-header checks
+//!   (docs/checkpoints.md §Distributed checkpoint validation).
 //! - [`convert`]: streaming HF → distributed conversion and distributed → HF export.
 //! - [`fp8`]: FP8 weights kept as bytes plus `<fqn>_scale_inv` block scales, and their
 //!   dequantisation on read.

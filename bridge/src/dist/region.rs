@@ -1,5 +1,5 @@
-//! Hyper-rectangles of global tensors ([`TensorBox`]) and strided copies between row-major
-//! buffers (checkpoints.md §7: copy the overlap of a stored chunk and a requested box in
+//! Hyper-rectangles of global tensors ([`TensorBox`]) and strided copies between row-major buffers
+//! (docs/checkpoints.md §Resharding: copy the overlap of a stored chunk and a requested box in
 //! contiguous runs along the trailing dimensions).
 
 /// A box `[offsets, offsets + shape)` of a global tensor.
@@ -206,9 +206,10 @@ pub fn for_each_run(
 }
 
 /// The boxes (at most `2·ndim − 1`) that make up the flat element range `[start, end)` of a
-/// row-major tensor of `shape` (checkpoints.md §6: how a DistOpt flat range is stored): partial
-/// leading rows, a full middle block, partial trailing rows, recursively. The decomposition is
-/// [`moe_backend::optim::flat_range_boxes`], which the optimizer uses for its state pieces.
+/// row-major tensor of `shape` (docs/checkpoints.md §Distributed checkpoint format: how a DistOpt
+/// flat range is stored): partial leading rows, a full middle block, partial trailing rows,
+/// recursively. The decomposition is [`moe_backend::optim::flat_range_boxes`], which the optimizer
+/// uses for its state pieces.
 pub fn flat_range_boxes(shape: &[usize], start: usize, end: usize) -> Vec<TensorBox> {
     moe_backend::optim::flat_range_boxes(shape, start, end)
         .into_iter()

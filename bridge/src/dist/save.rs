@@ -1,16 +1,18 @@
-//! Saving distributed checkpoints (checkpoints.md §6): the SPMD entry every rank of a job
-//! calls with its own chunks ([`save_spmd`]), and the offline single-process writer that
-//! writes the chunks of every virtual rank of a layout ([`OfflineWriter`], [`save_offline`]).
+//! Saving distributed checkpoints (docs/checkpoints.md §Distributed checkpoint format): the SPMD
+//! entry every rank of a job calls with its own chunks ([`save_spmd`]), and the offline
+//! single-process writer that writes the chunks of every virtual rank of a layout
+//! ([`OfflineWriter`], [`save_offline`]).
 //!
 //! SPMD protocol (over the [`Comm`] of all ranks, payloads as `U8` tensors through
 //! `all_gather_v`, so it works on any [`moe_backend::comm::Communicator`]):
 //! 1. rank 0 removes the stale temporary directories of earlier, dead saves
-//!    ([`super::commit::stale`]), creates `<root>/.tmp-iter_{step:07}-{nonce}/` with its owner
-//!    file and sends its name to every rank (this exchange doubles as the barrier of §6
-//!    step 1);
+//!    ([`super::commit::stale`]), creates `<root>/.tmp-iter_{step:07}-{nonce}/` with its owner file
+//!    and sends its name to every rank (this exchange doubles as the barrier of
+//!    docs/checkpoints.md §Distributed checkpoint format, atomic commit step 1);
 //! 2. every rank writes and fsyncs its files there, then all ranks exchange their chunk
 //!    records (JSON) or their error; only rank 0 uses them;
-//! 3. rank 0 aborts if any rank failed, else validates (§8), writes the index, `config.json`,
+//! 3. rank 0 aborts if any rank failed, else validates
+//!    (docs/checkpoints.md §Distributed checkpoint validation), writes the index, `config.json`,
 //!    `.complete`, renames the directory and updates `latest` ([`commit_save`]);
 //! 4. rank 0 sends the outcome, so every rank returns the same `Ok(dir)` or
 //!    [`BridgeError::SaveAborted`].

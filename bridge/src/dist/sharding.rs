@@ -1,6 +1,6 @@
-//! Which box of each canonical tensor a rank holds under a [`ParallelLayout`], and whether
-//! that copy is the main replica that writes it (checkpoints.md §3 sharding table, §6 writer
-//! rules).
+//! Which box of each canonical tensor a rank holds under a [`ParallelLayout`], and whether that
+//! copy is the main replica that writes it (docs/checkpoints.md §Canonical names and sharding, and
+//! the main replicas of §Distributed checkpoint format).
 //!
 //! How each tensor is split ([`ShardRule`]) is the models' knowledge: a [`ShardingPlan`] is
 //! built with the split rule of the model it places ([`ShardRuleFn`]; moe-models'
@@ -15,8 +15,8 @@
 //! | everything else: norms (incl. `q_a_layernorm`, `kv_a_layernorm`, MTP `enorm`/`hnorm`/`shared_head.norm`), router `gate.weight`, `e_score_correction_bias`, `q_a_proj`, `kv_a_proj_with_mqa`, `o_proj.bias`, the shared experts `mlp.shared_experts.*`, MTP `eh_proj` | replicated |
 //!
 //! The shared experts are replicated as the sharded models hold them (they run on the
-//! sequence-parallel tokens, their gradients summed over TP); checkpoints.md §3 lists them with
-//! the dense MLPs, which no model here shards that way.
+//! sequence-parallel tokens, their gradients summed over TP); Megatron shards them over TP like
+//! the dense MLPs.
 //!
 //! Main replicas: TP-sharded dense tensors are written by `dp_cp` rank 0, replicated dense
 //! tensors by `tp` rank 0 ∧ `dp_cp` rank 0, expert tensors by `expt_dp` rank 0. With PP a
@@ -345,7 +345,8 @@ mod tests {
 
     #[test]
     fn expert_boxes_follow_ep_and_etp_ranks() {
-        // world 8, etp 2, ep 2, edp 2 (parallelism.md §4 vectors): ep [[0,2],[1,3],..].
+        // world 8, etp 2, ep 2, edp 2 (docs/parallelism.md §Group test vectors):
+        // ep [[0,2],[1,3],..].
         let layout = ParallelLayout::parse(8, "tp=2,etp=2,ep=2").unwrap();
         let plan = ShardingPlan::new(&layout, None, tiny_rule, tiny_stage).unwrap();
         let shape = [8, 2, 32, 64];

@@ -1,9 +1,9 @@
-//! Validation of a distributed checkpoint (checkpoints.md §8): per fqn every chunk has the
-//! index dtype and lies inside the global shape, chunk volumes add up to the global volume and
-//! no two chunks intersect (so every element is covered exactly once); every chunk file's
-//! header shape, dtype and DCP `saved_offsets` equal the index entry. FP8 scale tensors must
-//! have the block-grid shape of their weight ([`super::fp8::validate_fp8`]). The index must
-//! describe the model of the directory's `config.json` ([`validate_config`]).
+//! Validation of a distributed checkpoint (docs/checkpoints.md §Distributed checkpoint validation):
+//! per fqn every chunk has the index dtype and lies inside the global shape, chunk volumes add up
+//! to the global volume and no two chunks intersect (so every element is covered exactly once);
+//! every chunk file's header shape, dtype and DCP `saved_offsets` equal the index entry. FP8 scale
+//! tensors must have the block-grid shape of their weight ([`super::fp8::validate_fp8`]). The index
+//! must describe the model of the directory's `config.json` ([`validate_config`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -58,7 +58,8 @@ pub fn check_tiling(boxes: &[TensorBox], global: &[usize]) -> Result<(), String>
     Ok(())
 }
 
-/// §8 checks of one index entry; `dir` names the checkpoint in errors.
+/// The checks of docs/checkpoints.md §Distributed checkpoint validation on one index entry; `dir`
+/// names the checkpoint in errors.
 pub fn validate_entry(dir: &Path, fqn: &str, entry: &TensorEntry) -> Result<(), BridgeError> {
     let boxes: Vec<TensorBox> = entry
         .chunks
@@ -87,7 +88,8 @@ pub fn validate_entry(dir: &Path, fqn: &str, entry: &TensorEntry) -> Result<(), 
     })
 }
 
-/// §8 checks of every entry of `index` (no file is opened).
+/// The checks of docs/checkpoints.md §Distributed checkpoint validation on every entry of `index`
+/// (no file is opened).
 pub fn validate_index(dir: &Path, index: &DcpIndex) -> Result<(), BridgeError> {
     super::fp8::validate_fp8(dir, index)?;
     for (fqn, entry) in &index.tensors {

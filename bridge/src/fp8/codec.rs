@@ -1,5 +1,5 @@
 //! f32 → `F8_E4M3` (`float8_e4m3fn`) encoding: round to nearest even, saturating to ±448
-//! (fp8.md §1; the encoder lives in `moe_backend::fp8`; these tests check it against the
+//! (docs/fp8.md §Formats; the encoder lives in `moe_backend::fp8`; these tests check it against the
 //! decoding tables of this crate's safetensors reader).
 
 pub use moe_backend::fp8::{E4M3_MAX, f32_to_e4m3};
@@ -35,7 +35,7 @@ mod tests {
         assert_eq!(f32_to_e4m3(450.0), 0x7E);
         assert_eq!(f32_to_e4m3(463.9), 0x7E);
         assert_eq!(f32_to_e4m3(464.0), 0x7E);
-        // Beyond the 464 midpoint finite values saturate (fp8.md §1), never NaN.
+        // Beyond the 464 midpoint finite values saturate (docs/fp8.md §Formats), never NaN.
         assert_eq!(f32_to_e4m3(464.1), 0x7E);
         assert_eq!(f32_to_e4m3(1e6), 0x7E);
         assert_eq!(f32_to_e4m3(-1e6), 0xFE);

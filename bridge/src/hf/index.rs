@@ -14,8 +14,9 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// Parses an index file's text into `tensor name → shard file name`.
 ///
-/// Only `weight_map` is required (checkpoints.md §1); `metadata` is ignored. Shard names must be
-/// plain file names in the checkpoint directory (no separators, not `.`/`..`).
+/// Only `weight_map` is required (docs/checkpoints.md §HF checkpoint conventions); `metadata` is
+/// ignored. Shard names must be plain file names in the checkpoint directory (no separators, not
+/// `.`/`..`).
 pub fn parse_index(text: &str, path: &Path) -> Result<BTreeMap<String, String>, BridgeError> {
     let invalid = |reason: String| BridgeError::InvalidIndex {
         path: path.to_path_buf(),

@@ -1,7 +1,7 @@
 //! HuggingFace checkpoint directories: `model.safetensors` or a sharded
 //! `model.safetensors.index.json`, plus `config.json` / `generation_config.json`
-//! (checkpoints.md §1), and their validation against the config before any weight is used
-//! ([`HfCheckpoint::check`]).
+//! (docs/checkpoints.md §HF checkpoint conventions), and their validation against the config before
+//! any weight is used ([`HfCheckpoint::check`]).
 
 mod check;
 #[cfg(feature = "hub")]

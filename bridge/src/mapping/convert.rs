@@ -1,6 +1,6 @@
-//! Canonical tensors from HF tensors and back (checkpoints.md §3, §5): per-expert HF tensors are
-//! stacked into `[E, 2, Im, H]` / `[E, H, Im]`, fused HF tensors reshaped, and canonical tensors
-//! split into per-expert HF tensors for export.
+//! Canonical tensors from HF tensors and back (docs/checkpoints.md §Canonical names and sharding,
+//! §Streaming conversion): per-expert HF tensors are stacked into `[E, 2, Im, H]` / `[E, H, Im]`,
+//! fused HF tensors reshaped, and canonical tensors split into per-expert HF tensors for export.
 //!
 //! Stacked expert pieces are contiguous in the canonical layout (experts outer, parts inner), so
 //! stacking and splitting are byte concatenation and byte slicing.

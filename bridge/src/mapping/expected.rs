@@ -1,8 +1,8 @@
-//! The HF tensors a model's `config.json` implies: name, shape and role of every tensor the
-//! model loads, with the optional FP8 `*_scale_inv` companions of every matrix
-//! (checkpoints.md §2). The tables themselves are the models' (moe-models declares one per
-//! family and hands it over through [`ModelSchema::expected_hf_tensors`]); this module holds
-//! their types and the checked [`ExpectedBuilder`] they are written with.
+//! The HF tensors a model's `config.json` implies: name, shape and role of every tensor the model
+//! loads, with the optional FP8 `*_scale_inv` companions of every matrix
+//! (docs/checkpoints.md §FP8 release format). The tables themselves are the models' (moe-models
+//! declares one per family and hands it over through [`ModelSchema::expected_hf_tensors`]); this
+//! module holds their types and the checked [`ExpectedBuilder`] they are written with.
 //!
 //! This is the shape source of checkpoint validation ([`HfCheckpoint::check`]): a weight the
 //! table requires must be present with exactly this shape; a tensor the table does not list is

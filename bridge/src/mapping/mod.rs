@@ -1,4 +1,4 @@
-//! The HF ↔ canonical name-mapping registry (checkpoints.md §4).
+//! The HF ↔ canonical name-mapping registry (docs/checkpoints.md §Name mapping).
 //!
 //! - [`Pattern`]: `*` = `\d+`, `**` = `.*`, `{e}` = the expert index; anchored.
 //! - [`Rule`]: `Direct` (optional export dtype), `StackExperts` (per-expert HF tensors ↔ one

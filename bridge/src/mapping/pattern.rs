@@ -1,6 +1,6 @@
-//! Name patterns of the mapping registry (checkpoints.md §4): `*` matches `\d+`, `**` matches
-//! `.*`, `{e}` matches `\d+` and marks the expert index; everything else is literal. Matching is
-//! anchored (the whole name) and, like a regex, greedy with backtracking.
+//! Name patterns of the mapping registry (docs/checkpoints.md §Name mapping): `*` matches `\d+`,
+//! `**` matches `.*`, `{e}` matches `\d+` and marks the expert index; everything else is literal.
+//! Matching is anchored (the whole name) and, like a regex, greedy with backtracking.
 //!
 //! A small hand-written matcher instead of the `regex` crate: three wildcard kinds are all the
 //! registry needs.

@@ -1,4 +1,5 @@
-//! The ordered rule list and name resolution in both directions (checkpoints.md §4).
+//! The ordered rule list and name resolution in both directions
+//! (docs/checkpoints.md §Name mapping).
 
 use std::path::Path;
 

@@ -1,5 +1,6 @@
 //! Completeness report of an HF checkpoint against the canonical tensors a model expects, like
-//! transformers' loading info (checkpoints.md §4): missing, unexpected, mismatched, duplicate.
+//! transformers' loading info (docs/checkpoints.md §Name mapping): missing, unexpected, mismatched,
+//! duplicate.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

@@ -3,7 +3,7 @@
 use super::pattern::Pattern;
 use crate::safetensors::Dtype;
 
-/// How HF tensors relate to canonical ones (checkpoints.md §4).
+/// How HF tensors relate to canonical ones (docs/checkpoints.md §Name mapping).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RuleKind {
     /// One HF tensor is one canonical tensor; `export_dtype` forces a dtype on export (e.g.

@@ -1,6 +1,6 @@
 //! Exact scalar decoding of the 8-bit float formats and f32 ↔ bf16.
 //!
-//! FP8 formats (fp8.md, checkpoints.md §2):
+//! FP8 formats (docs/fp8.md §Formats, docs/checkpoints.md §FP8 release format):
 //! - `F8_E4M3` = torch `float8_e4m3fn` and `F8_E5M2`: moe-backend's exact decode tables
 //!   ([`moe_backend::fp8`]);
 //! - `F8_E8M0`: unsigned power of two `2^(x−127)`, `0xFF` is NaN (moe-backend has no E8M0

@@ -1,4 +1,4 @@
-//! Parsing and validating a safetensors header (checkpoints.md §1).
+//! Parsing and validating a safetensors header (docs/checkpoints.md §HF checkpoint conventions).
 //!
 //! Everything read from the file is treated as untrusted and every failure is a typed
 //! [`BridgeError`] naming the file and, where one is involved, the tensor.

@@ -2,7 +2,7 @@
 //!
 //! Layout: an 8-byte little-endian header length `n`, `n` bytes of JSON, then the data section.
 //! Unlike burn-store we accept the FP8 dtypes (`F8_E4M3`, `F8_E5M2`, `F8_E8M0`), which
-//! DeepSeek-V3 release checkpoints use (checkpoints.md §2).
+//! DeepSeek-V3 release checkpoints use (docs/checkpoints.md §FP8 release format).
 //!
 //! The format itself is the `safetensors` crate's: headers are validated by its
 //! `Metadata` and written in its layout (the `header` and `writer` module docs say what is kept on

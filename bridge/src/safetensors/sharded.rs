@@ -1,4 +1,5 @@
-//! Sharded HuggingFace checkpoint writer (checkpoints.md §1, §5).
+//! Sharded HuggingFace checkpoint writer (docs/checkpoints.md §Minimal loadable export,
+//! §Streaming conversion).
 //!
 //! A [`ShardPlan`] fixes up front which tensor goes to which file. An [`HfDirWriter`] writes
 //! shards into a hidden temporary directory next to the target, each as soon as all of its

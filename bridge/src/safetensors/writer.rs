@@ -1,4 +1,5 @@
-//! Writing safetensors files (checkpoints.md §1) in the `safetensors` crate's layout.
+//! Writing safetensors files (docs/checkpoints.md §HF checkpoint conventions) in the `safetensors`
+//! crate's layout.
 //!
 //! The layout is the crate's `serialize` output byte for byte (tested): tensors in descending
 //! order of the crate's [`Dtype`](::safetensors::Dtype) (by alignment, then by name), the

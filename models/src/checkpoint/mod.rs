@@ -1,5 +1,5 @@
 //! Training checkpoints of these models on moe-bridge's distributed checkpoint format
-//! (checkpoints.md §3, §6–§7).
+//! (docs/checkpoints.md §Training checkpoints).
 //!
 //! - [`placement`]: where each parameter of a rank's model shard lies in the canonical,
 //!   layout-independent tensors ([`PlacedModel`], from the model's parallel plan): the model's

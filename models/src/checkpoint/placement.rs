@@ -1,6 +1,7 @@
-//! Where the parameters of one rank's model shard lie in the canonical, layout-independent
-//! tensors of a distributed checkpoint (checkpoints.md §3): canonical fqn, global shape, the
-//! rank's box ([`ShardingPlan::rank_shard`]) and the orientation of Burn's storage.
+//! Where the parameters of one rank's model shard lie in the canonical, layout-independent tensors
+//! of a distributed checkpoint (docs/checkpoints.md §Canonical names and sharding): canonical fqn,
+//! global shape, the rank's box ([`ShardingPlan::rank_shard`]) and the orientation of Burn's
+//! storage.
 //!
 //! Every model the [`Trainer`](crate::train::Trainer) trains is placed the same way
 //! ([`PlacedModel`], implemented for every [`Planned`] model): its parallel plan

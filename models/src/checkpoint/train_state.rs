@@ -1,6 +1,6 @@
-//! Training checkpoints: model parameters, optimizer state and the small training state
-//! (step, data-loader position, RNG seed) in one distributed checkpoint, saved atomically by
-//! every rank and restored under any layout (checkpoints.md §6–§7).
+//! Training checkpoints: model parameters, optimizer state and the small training state (step,
+//! data-loader position, RNG seed) in one distributed checkpoint, saved atomically by every rank
+//! and restored under any layout (docs/checkpoints.md §Training checkpoints, §Resharding).
 //!
 //! - Parameters and buffers (e.g. the expert bias) are saved as canonical tensors from each
 //!   rank's model shard ([`super::placement::PlacedModel`]: Qwen3-MoE, DeepSeek-V3 with its MTP

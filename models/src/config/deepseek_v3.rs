@@ -1,5 +1,5 @@
 //! DeepSeek-V3 configuration (`model_type = "deepseek_v3"`), HF `DeepseekV3Config`
-//! (models.md §2, §3.1).
+//! (docs/models.md §Config parsing, §DeepSeek-V3 config).
 
 use std::path::Path;
 
@@ -361,8 +361,8 @@ impl DeepseekV3Config {
         layer >= self.first_k_dense_replace
     }
 
-    /// Non-fatal findings (models.md §2): settings HF 5.23 ignores (`scoring_func`,
-    /// `topk_method`, `moe_layer_freq`) and a YaRN `factor` that differs from
+    /// Non-fatal findings (docs/models.md §Config parsing): settings HF 5.23 ignores
+    /// (`scoring_func`, `topk_method`, `moe_layer_freq`) and a YaRN `factor` that differs from
     /// `max_position_embeddings / original_max_position_embeddings`.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();

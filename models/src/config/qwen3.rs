@@ -1,4 +1,5 @@
-//! Dense Qwen3 configuration (`model_type = "qwen3"`), HF `Qwen3Config` (models.md §2, §4).
+//! Dense Qwen3 configuration (`model_type = "qwen3"`), HF `Qwen3Config`
+//! (docs/models.md §Config parsing, §Qwen3 and its attention).
 
 use std::path::Path;
 

@@ -1,4 +1,5 @@
-//! RoPE parameters, normalised from either spelling (models.md §2, §3.3).
+//! RoPE parameters, normalised from either spelling (docs/models.md §Config parsing,
+//! §RoPE and YaRN).
 //!
 //! HF 5.23 writes `rope_parameters {rope_type, rope_theta, ...}`; older configs write a top-level
 //! `rope_theta` plus `rope_scaling {type | rope_type, ...}` (`null` meaning plain RoPE). Both
@@ -51,7 +52,7 @@ pub enum RopeScaling {
     Yarn(YarnParameters),
 }
 
-/// YaRN parameters with HF's defaults already applied (models.md §3.3).
+/// YaRN parameters with HF's defaults already applied (docs/models.md §RoPE and YaRN).
 #[derive(Debug, Clone, PartialEq)]
 pub struct YarnParameters {
     /// Context extension factor; a `null`/absent `factor` is derived as

@@ -38,7 +38,7 @@ const QWEN3_30B_A3B: &str = r#"{
   "vocab_size": 151936
 }"#;
 
-/// The tiny fixture of models.md §8 as transformers 5.23 writes it.
+/// The tiny fixture of docs/models.md §Fixtures as transformers 5.23 writes it.
 const TINY_523: &str = r#"{
   "architectures": ["Qwen3MoeForCausalLM"],
   "dtype": "float32",

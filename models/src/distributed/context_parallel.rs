@@ -1,11 +1,11 @@
-//! Context parallelism (parallelism.md §1, the Megatron Core MoE report §6.3): the `cp` ranks
-//! of a replica share its sequences. Every row of `S` positions is cut into `2·cp` equal
-//! chunks and rank `r` holds chunks `r` and `2·cp − 1 − r` (causal load balance: each rank
-//! gets one early and one late chunk, so the attention work is even). Everything but
+//! Context parallelism (docs/parallelism.md §Context parallelism; the Megatron Core MoE
+//! report §6.3): the `cp` ranks of a replica share its sequences. Every row of `S` positions is cut
+//! into `2·cp` equal chunks and rank `r` holds chunks `r` and `2·cp − 1 − r` (causal load balance:
+//! each rank gets one early and one late chunk, so the attention work is even). Everything but
 //! attention is per token; attention all-gathers the keys and values (GQA) or the compressed
-//! latents (MLA) of the group along the sequence, and each query sees the gathered keys by
-//! their global positions (causal, and within its document for a packed batch). The
-//! all-gather's backward reduce-scatters the keys' gradients back to the ranks that own them.
+//! latents (MLA) of the group along the sequence, and each query sees the gathered keys by their
+//! global positions (causal, and within its document for a packed batch). The all-gather's backward
+//! reduce-scatters the keys' gradients back to the ranks that own them.
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use moe_backend::comm::Comm;

@@ -1,8 +1,9 @@
-//! Qwen3-MoE (and DeepSeek-V3, [`ParallelDeepseekV3`]) under any [`ParallelLayout`] on the
-//! ranks of a moe-backend world: attention and
-//! dense MLPs tensor-parallel with sequence parallelism, vocab-parallel embedding, LM head and
-//! cross-entropy, routed experts expert-parallel (EP × ETP) behind a token dispatcher, data
-//! parallelism over the remaining ranks (parallelism.md §1–§5, moe-ops §11–§14).
+//! Qwen3-MoE (and DeepSeek-V3, [`ParallelDeepseekV3`]) under any [`ParallelLayout`] on the ranks of
+//! a moe-backend world: attention and dense MLPs tensor-parallel with sequence parallelism,
+//! vocab-parallel embedding, LM head and cross-entropy, routed experts expert-parallel (EP × ETP)
+//! behind a token dispatcher, data parallelism over the remaining ranks
+//! (docs/parallelism.md §Tensor and sequence parallelism,
+//! docs/routing-and-dispatch.md §Token dispatchers).
 //!
 //! Activations between blocks are sequence-parallel: the `B·S` tokens of a replica's batch
 //! (rows `b·S + s`) are split into `tp` equal blocks. Attention and dense MLPs all-gather them,

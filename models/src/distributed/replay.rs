@@ -1,4 +1,5 @@
-//! Router replay in the sharded training forward (RL "R3" routing replay, moe-ops §10).
+//! Router replay in the sharded training forward (RL "R3" routing replay,
+//! docs/training-and-rl.md §Router replay).
 //!
 //! An RL framework hands the trainer the experts its inference engine routed every token to,
 //! as `routed_experts [batch, seq, layers, topk]` (NeMo-RL / verl `router_replay`):

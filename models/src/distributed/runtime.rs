@@ -78,9 +78,10 @@ pub struct SpRuntime {
     pub(crate) pipeline: Option<super::pipeline::PipelinePlace>,
 }
 
-/// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global
-/// batch's micro-batches so far and their number `n` (moe-ops §4). Training forwards add to
-/// them; the trainer clears them at the start of each step. A clone starts from a copy.
+/// Per MoE layer (forward order): the reduced `global_aux_loss` counts `G` of the global batch's
+/// micro-batches so far and their number `n`
+/// (docs/routing-and-dispatch.md §Load-balancing losses and z-loss). Training forwards add to them;
+/// the trainer clears them at the start of each step. A clone starts from a copy.
 #[derive(Debug, Default)]
 struct GlobalAuxCounts(std::sync::Mutex<Vec<(Vec<f64>, usize)>>);
 
@@ -690,9 +691,10 @@ impl SpRuntime {
             .with_batch_size(batch)
             .with_row_sequences(&rows)
             .with_count_reducer(&self.reducer)
-            // Megatron's `loss_scale·|cp|/num_microbatches` (moe-ops §4): the data-parallel
-            // gradient average runs over `dp_cp`, while the context-parallel ranks' router
-            // losses are parts of one replica's loss.
+            // Megatron's `loss_scale·|cp|/num_microbatches`
+            // (docs/routing-and-dispatch.md §Load-balancing losses and z-loss): the data-parallel
+            // gradient average runs over `dp_cp`, while the context-parallel ranks' router losses
+            // are parts of one replica's loss.
             .with_grad_scale(trace.aux_grad_scale * self.cp.size() as f64)
             .with_training(trace.training);
         if let Some(padding) = &trace.padding {

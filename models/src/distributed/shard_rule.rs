@@ -1,8 +1,8 @@
-//! Which dimension of each canonical tensor the sharded models split (checkpoints.md §3),
-//! by canonical name: the rule the distributed checkpoint (handed to moe-bridge's
-//! `dist::ShardingPlan`, and through [`ModelConfig`](crate::hf::ModelConfig)'s
-//! `ModelSchema::shard_rule` to its conversions) and the weight sync ([`crate::weight_sync`])
-//! read when they have a tensor name but no model.
+//! Which dimension of each canonical tensor the sharded models split
+//! (docs/checkpoints.md §Canonical names and sharding), by canonical name: the rule the distributed
+//! checkpoint (handed to moe-bridge's `dist::ShardingPlan`, and through
+//! [`ModelConfig`](crate::hf::ModelConfig)'s `ModelSchema::shard_rule` to its conversions) and the
+//! weight sync ([`crate::weight_sync`]) read when they have a tensor name but no model.
 //!
 //! The rules are the models' parallel plans ([`crate::param_plan`]) read backwards: a name
 //! takes the split of the plan entry whose HF template it matches (a `{…}` placeholder matches

@@ -1,7 +1,7 @@
-//! The HF tensors a model's `config.json` implies: name, shape and role of every tensor the
-//! model loads (models.md §6), per family ([`qwen3_expected`], [`qwen3_moe_expected`],
+//! The HF tensors a model's `config.json` implies: name, shape and role of every tensor the model
+//! loads (docs/models.md §HF tensor names), per family ([`qwen3_expected`], [`qwen3_moe_expected`],
 //! [`deepseek_v3_expected`]), with the optional FP8 `*_scale_inv` companions of every matrix
-//! (checkpoints.md §2) and DeepSeek-V3's MTP layers.
+//! (docs/checkpoints.md §FP8 release format) and DeepSeek-V3's MTP layers.
 //!
 //! This is the shape source of checkpoint validation ([`HfCheckpoint::check`]): a weight the
 //! table requires must be present with exactly this shape; a tensor the table does not list is

@@ -1,5 +1,6 @@
 //! Writing a live model's weights as an HF checkpoint directory with bounded memory
-//! (checkpoints.md §1, §2; issue 7 "weight export during training").
+//! (docs/checkpoints.md §Minimal loadable export, §FP8 release format; issue 7 "weight export
+//! during training").
 //!
 //! The input is moe-models' streaming iterator ([`HfTensors`], from
 //! [`crate::export::export_hf_tensors`]), whose specs give every name, shape and dtype
@@ -100,7 +101,7 @@ impl Planned {
 }
 
 /// Whether `name` (rank 2) is quantised in FP8 mode: every projection, not embeddings,
-/// heads or routers (checkpoints.md §2 release list).
+/// heads or routers (the release list of docs/checkpoints.md §FP8 release format).
 fn fp8_quantized(spec: &HfTensorSpec) -> bool {
     let n = &spec.name;
     spec.shape.len() == 2
@@ -223,7 +224,7 @@ fn encode(
 /// Writes `tensors` as an HF checkpoint directory at `target` (see the module docs), with
 /// `config` (the model's `config.json`, e.g. the source checkpoint's; `dtype` updated,
 /// `quantization_config` set for FP8 and removed otherwise) and `generation_config` (or the
-/// default of checkpoints.md §1).
+/// default of docs/checkpoints.md §Minimal loadable export).
 pub fn write_hf_tensors(
     tensors: HfTensors,
     config: &Value,

@@ -1,9 +1,9 @@
 //! HF checkpoints as model weights: moe-bridge's [`HfCheckpoint`] implements
 //! [`WeightSource`], and [`load_causal_lm`] builds whichever model `config.json` names.
 //!
-//! - Every tensor goes through the FP8 load hook of checkpoints.md §2 (dequantised iff one
-//!   byte wide with a `<name>_scale_inv`, to BF16 then widened to f32 — the values transformers
-//!   sees), so an FP8 release checkpoint loads like its BF16 dequantisation.
+//! - Every tensor goes through the FP8 load hook of docs/checkpoints.md §FP8 release format
+//!   (dequantised iff one byte wide with a `<name>_scale_inv`, to BF16 then widened to f32 — the
+//!   values transformers sees), so an FP8 release checkpoint loads like its BF16 dequantisation.
 //! - [`ModelConfig`] parses `config.json` by `model_type` (`qwen3`, `qwen3_moe`,
 //!   `deepseek_v3`) without touching the weights: enough for shape-only parameter counts.
 //! - [`AnyCausalLm`] is one of the three models, with forward, losses and generation
@@ -47,10 +47,11 @@ pub use any_lm::{AnyCausalLm, LmLosses};
 pub type CheckReport = moe_bridge::hf::CheckReport<ModelConfig>;
 
 impl WeightSource for HfCheckpoint {
-    /// [`HfCheckpoint::read_f32`]: FP8 weights dequantised per checkpoints.md §2 (to BF16, then
-    /// widened), every other float dtype widened to f32. A tensor absent from the checkpoint is
-    /// [`ModelError::MissingTensor`]; any read failure is [`ModelError::TensorRead`] whose reason
-    /// is the bridge error (naming the file).
+    /// [`HfCheckpoint::read_f32`]: FP8 weights dequantised per
+    /// docs/checkpoints.md §FP8 release format (to BF16, then widened), every other float dtype
+    /// widened to f32. A tensor absent from the checkpoint is [`ModelError::MissingTensor`]; any
+    /// read failure is [`ModelError::TensorRead`] whose reason is the bridge error (naming the
+    /// file).
     fn tensor_f32(&self, hf_name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
         if !HfCheckpoint::contains(self, hf_name) {
             return Err(ModelError::MissingTensor {
@@ -97,8 +98,8 @@ impl WeightSource for HfCheckpoint {
     }
 }
 
-/// Precision of the weights handed to a model (compute stays f32; models.md §7 arithmetic
-/// policy).
+/// Precision of the weights handed to a model (compute stays f32: the arithmetic policy of
+/// docs/models.md §Goldens and parity tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightPrecision {
     /// Values as stored, widened to f32 (the default and the parity setting).

@@ -1,12 +1,13 @@
-//! Per-model mapping tables: Qwen3 (dense), Qwen3-MoE and DeepSeek-V3 (models.md §6), as
-//! rules of moe-bridge's name-mapping engine ([`Registry`], [`Rule`]).
+//! Per-model mapping tables: Qwen3 (dense), Qwen3-MoE and DeepSeek-V3
+//! (docs/models.md §HF tensor names), as rules of moe-bridge's name-mapping engine ([`Registry`],
+//! [`Rule`]).
 //!
-//! Every table lists the HF names explicitly (no catch-all), so a key no rule knows is reported
-//! as unexpected. Canonical names equal HF names except routed experts, which are stacked per
-//! layer into `mlp.experts.gate_up_proj [E, 2, Im, H]` and `mlp.experts.down_proj [E, H, Im]`
-//! (checkpoints.md §3). The names themselves are each model's, spelled in its plan file
-//! (`param_plan/{qwen3,qwen3_moe,deepseek_v3}.rs`, shared Llama-family names in
-//! [`crate::param_plan::hf_names`]); this module assembles the registries.
+//! Every table lists the HF names explicitly (no catch-all), so a key no rule knows is reported as
+//! unexpected. Canonical names equal HF names except routed experts, which are stacked per layer
+//! into `mlp.experts.gate_up_proj [E, 2, Im, H]` and `mlp.experts.down_proj [E, H, Im]`
+//! (docs/checkpoints.md §Canonical names and sharding). The names themselves are each model's,
+//! spelled in its plan file (`param_plan/{qwen3,qwen3_moe,deepseek_v3}.rs`, shared Llama-family
+//! names in [`crate::param_plan::hf_names`]); this module assembles the registries.
 
 use std::path::Path;
 

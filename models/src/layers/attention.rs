@@ -1,5 +1,6 @@
-//! Grouped-query attention with per-head QK RMSNorm (Qwen3 / Qwen3-MoE, models.md §4) and the
-//! shared causal attention core (models.md §1).
+//! Grouped-query attention with per-head QK RMSNorm (Qwen3 / Qwen3-MoE,
+//! docs/models.md §Qwen3 and its attention) and the shared causal attention core
+//! (docs/models.md §Shared building blocks).
 
 use std::convert::Infallible;
 
@@ -136,8 +137,9 @@ impl AttentionConfig {
     }
 }
 
-/// GQA self-attention, HF `Qwen3Attention` (models.md §4): `q = q_norm(q_proj(x))`,
-/// `k = k_norm(k_proj(x))` per head, RoPE on q and k, causal softmax with `scale = hd^-0.5`.
+/// GQA self-attention, HF `Qwen3Attention` (docs/models.md §Qwen3 and its attention):
+/// `q = q_norm(q_proj(x))`, `k = k_norm(k_proj(x))` per head, RoPE on q and k, causal softmax with
+/// `scale = hd^-0.5`.
 #[derive(Module, Debug)]
 pub struct Attention {
     /// `H → nh·hd`.
@@ -158,8 +160,9 @@ pub struct Attention {
     pub num_kv_heads: usize,
     /// `hd`.
     pub head_dim: usize,
-    /// FP8 recipe of the four projections (fp8.md §3; `None`: the parameters' precision).
-    /// QK-norms, RoPE and the softmax core stay in high precision (fp8.md §7).
+    /// FP8 recipe of the four projections (docs/fp8.md §Recipes; `None`: the parameters'
+    /// precision). QK-norms, RoPE and the softmax core stay in high precision
+    /// (docs/fp8.md §Selective precision).
     #[module(skip)]
     pub fp8: Option<Fp8Recipe>,
 }
@@ -335,8 +338,8 @@ pub fn repeat_kv(x: Tensor<4>, rep: usize) -> Tensor<4> {
 /// Query rows per block of [`causal_attention`]: below two blocks it runs in one piece.
 const CAUSAL_QUERY_BLOCK: usize = 128;
 
-/// Causal attention core (models.md §1): `softmax(q·kᵀ·scale + mask)` in f32, cast to q's
-/// dtype, `· v`.
+/// Causal attention core (docs/models.md §Shared building blocks): `softmax(q·kᵀ·scale + mask)` in
+/// f32, cast to q's dtype, `· v`.
 ///
 /// `q [B, nh, S, d]`, `k [B, nkv, Sk, d]`, `v [B, nkv, Sk, dv]` with `nkv | nh` (GQA); query `i`
 /// sits at absolute position `offset + i` and sees keys `0..=offset + i`. Returns

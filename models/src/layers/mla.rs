@@ -1,4 +1,5 @@
-//! Multi-head latent attention (DeepSeek-V3 `DeepseekV3Attention`, models.md §3.2).
+//! Multi-head latent attention (DeepSeek-V3 `DeepseekV3Attention`,
+//! docs/models.md §Multi-head latent attention).
 //!
 //! Queries go through an optional low-rank bottleneck (`q_a_proj → q_a_layernorm → q_b_proj`,
 //! or a plain `q_proj`); keys and values share a compressed latent `kv_c` (normed) plus one
@@ -20,10 +21,10 @@ use crate::ModelError;
 use crate::config::{RopeParameters, RopeScaling};
 
 /// Epsilon of `q_a_layernorm` and `kv_a_layernorm`: HF and the official code build them with
-/// the default 1e-6 whatever `rms_norm_eps` is (models.md §3.2).
+/// the default 1e-6 whatever `rms_norm_eps` is (docs/models.md §Multi-head latent attention).
 pub const MLA_LATENT_NORM_EPS: f64 = 1e-6;
 
-/// Softmax scale of MLA (models.md §3.2): `d_qk^-0.5`, times `m²` with
+/// Softmax scale of MLA (docs/models.md §Multi-head latent attention): `d_qk^-0.5`, times `m²` with
 /// `m = get_mscale(factor, mscale_all_dim)` for YaRN when `mscale_all_dim` is non-zero.
 pub fn mla_softmax_scale(qk_head_dim: usize, rope: &RopeParameters) -> f64 {
     let scale = (qk_head_dim as f64).powf(-0.5);

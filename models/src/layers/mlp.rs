@@ -1,4 +1,5 @@
-//! Dense SwiGLU MLP (models.md §1): `down(silu(gate(x)) ⊙ up(x))`, no biases.
+//! Dense SwiGLU MLP (docs/models.md §Shared building blocks): `down(silu(gate(x)) ⊙ up(x))`, no
+//! biases.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -41,7 +42,8 @@ pub struct Mlp {
     pub up_proj: Linear,
     /// `I → H`, weight `[I, H]` in Burn (`[H, I]` in checkpoints).
     pub down_proj: Linear,
-    /// FP8 recipe of the three projections (fp8.md §3; `None`: the parameters' precision).
+    /// FP8 recipe of the three projections (docs/fp8.md §Recipes; `None`: the parameters'
+    /// precision).
     #[module(skip)]
     pub fp8: Option<Fp8Recipe>,
 }

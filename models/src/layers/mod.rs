@@ -1,4 +1,5 @@
-//! Building blocks shared by the model families (models.md §1, §3.3, §4).
+//! Building blocks shared by the model families (docs/models.md §Shared building blocks,
+//! §RoPE and YaRN, §Qwen3 and its attention).
 
 pub mod attention;
 pub mod kv_cache;

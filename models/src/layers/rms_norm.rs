@@ -1,4 +1,4 @@
-//! RMSNorm with HF semantics (models.md §1).
+//! RMSNorm with HF semantics (docs/models.md §Shared building blocks).
 
 use burn::config::Config;
 use burn::module::{Module, Param};

@@ -1,5 +1,5 @@
 //! Rotary position embeddings: default and YaRN frequencies, rotate-half and interleaved layouts
-//! (models.md §3.3, §4).
+//! (docs/models.md §RoPE and YaRN, §Qwen3 and its attention).
 
 use burn::tensor::{Device, Tensor, TensorData};
 
@@ -48,7 +48,7 @@ impl RotaryEmbedding {
         }
     }
 
-    /// HF `_compute_yarn_parameters` (models.md §3.3).
+    /// HF `_compute_yarn_parameters` (docs/models.md §RoPE and YaRN).
     fn yarn(y: &YarnParameters, theta: f64, dim: usize, pos_freqs: &[f32]) -> Self {
         let factor = y.factor;
         let corr = |rotations: f64| {
@@ -168,7 +168,7 @@ pub fn apply_rotary(x: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
 }
 
 /// RoPE for checkpoints that store rotary dims as interleaved pairs (`rope_interleave`,
-/// models.md §3.3): de-interleave `[x0, x1, x2, …] → [x0, x2, …, x1, x3, …]`, then
+/// docs/models.md §RoPE and YaRN): de-interleave `[x0, x1, x2, …] → [x0, x2, …, x1, x3, …]`, then
 /// [`apply_rotary`]. The output stays de-interleaved; q and k must both go through it.
 pub fn apply_rotary_interleaved(x: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
     let [b, h, s, d] = x.dims();
@@ -203,7 +203,7 @@ mod tests {
 
     #[test]
     fn yarn_matches_the_spec_goldens() {
-        // models.md §3.3: official DeepSeek-V3 (dim 64, factor 40, orig 4096).
+        // docs/models.md §RoPE and YaRN: official DeepSeek-V3 (dim 64, factor 40, orig 4096).
         let r = yarn(64, 40.0, 4096);
         let f = r.inv_freq();
         for (got, want) in f[..3].iter().zip([1.0, 0.7498942, 0.5623413]) {
@@ -224,7 +224,8 @@ mod tests {
 
     #[test]
     fn interleaved_and_rotate_half_give_equal_dot_products() {
-        // models.md §7.4: q·k is layout independent when q and k use the same layout.
+        // docs/models.md §Goldens and parity tests, item 4: q·k is layout independent when q and k
+        // use the same layout.
         let device = Device::flex();
         let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
         let tables = rope.tables(3, 4, &device);

@@ -122,10 +122,10 @@ fn layer(l: &str, h: &str) -> Vec<PlanEntry> {
     rows
 }
 
-/// The plan of [`crate::DeepseekV3ForCausalLM`] and its shards: vocab-parallel embedding
-/// and head, the decoder layers (MLA; a dense MLP or an MoE block with replicated shared
-/// experts), and MTP module `j` stored as layer
-/// `num_hidden_layers + j` (checkpoints.md §3): `enorm`, `hnorm`, `eh_proj` and
+/// The plan of [`crate::DeepseekV3ForCausalLM`] and its shards: vocab-parallel embedding and head,
+/// the decoder layers (MLA; a dense MLP or an MoE block with replicated shared experts), and MTP
+/// module `j` stored as layer `num_hidden_layers + j`
+/// (docs/checkpoints.md §Canonical names and sharding): `enorm`, `hnorm`, `eh_proj` and
 /// `shared_head.norm` replicated, its block sharded like any decoder layer.
 pub fn deepseek_v3_plan() -> ParallelPlan {
     let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);

@@ -1,14 +1,15 @@
-//! Each model's **parallel plan** (next-architecture.md §1): one declarative table per model,
-//! keyed by Burn module path, that says for every parameter and buffer
+//! Each model's **parallel plan** (docs/parallelism.md §The parallel plan): one declarative table
+//! per model, keyed by Burn module path, that says for every parameter and buffer
 //!
-//! - its canonical HF name (checkpoints.md §3: HF names, routed experts stacked per MoE
-//!   layer) and how the Burn tensor relates to it ([`Storage`]: identity, `[in, out]`
-//!   transpose, gated experts `[E, 2F, H]` ≡ `[E, 2, F, H]`);
+//! - its canonical HF name (docs/checkpoints.md §Canonical names and sharding: HF names, routed
+//!   experts stacked per MoE layer) and how the Burn tensor relates to it ([`Storage`]: identity,
+//!   `[in, out]` transpose, gated experts `[E, 2F, H]` ≡ `[E, 2, F, H]`);
 //! - how it is split over the ranks of a stage ([`ShardRule`]: replicated, TP along a
 //!   canonical dimension (vocabulary rows for embeddings and the LM head), EP × ETP);
-//! - how its gradient is reduced ([`GradClass`]: a [`ParamClass`] of parallelism.md §5, or a
-//!   buffer that is not optimised, such as DeepSeek-V3's expert bias);
-//! - whether it may be held and computed in FP8 (fp8.md §3).
+//! - how its gradient is reduced ([`GradClass`]: a [`ParamClass`] of
+//!   docs/parallelism.md §Gradient reduction and scaling, or a buffer that is not optimised, such
+//!   as DeepSeek-V3's expert bias);
+//! - whether it may be held and computed in FP8 (docs/fp8.md §Recipes).
 //!
 //! Gradient classes, gathering a shard back to the full tensor, checkpoint placement and the
 //! FP8 primary-weight selection read the plan; a parameter the plan does not classify is an

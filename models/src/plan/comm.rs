@@ -4,8 +4,9 @@
 //! rank's block to every other member, a reduce-scatter every block but its own, an all-to-all
 //! every block addressed elsewhere, an all-reduce its whole buffer to every other member.
 //!
-//! Collectives follow this project's implementation (models/src/distributed, moe-ops §12–§13,
-//! parallelism.md §6):
+//! Collectives follow this project's implementation (models/src/distributed,
+//! docs/routing-and-dispatch.md §Token dispatchers,
+//! docs/parallelism.md §Distributed optimizer (ZeRO-1)):
 //! - TP with sequence parallelism: attention and dense MLPs all-gather their normed input and
 //!   reduce-scatter their output (backward: the transposes), the vocab-parallel embedding
 //!   reduce-scatters, the head all-gathers, the cross-entropy all-reduces three f32 values per
@@ -434,8 +435,9 @@ mod tests {
 
     #[test]
     fn uniform_all_to_all_matches_the_spec_formula() {
-        // parallelism.md §7: T·k·h·bytes·(EP−1)/EP per direction; dispatch + combine, forward
-        // + backward = 4×. V4 example: T = 4096, k = 6, h = 7168, BF16, EP64 ⇒ 1323 MiB.
+        // docs/parallelism.md §Planner formulas: T·k·h·bytes·(EP−1)/EP per direction; dispatch +
+        // combine, forward + backward = 4×. V4 example: T = 4096, k = 6, h = 7168, BF16, EP64 ⇒
+        // 1323 MiB.
         let s = shape(384, 6, 7168);
         let layout = ParallelLayout::parse(64, "ep=64").unwrap();
         let opts = CommOptions::default();

@@ -1,7 +1,8 @@
-//! Weights, gradients, master weights and optimizer state per GPU (parallelism.md §6): BF16 (or
-//! FP8 primary) weights, f32 main gradients, f32 master weights and Adam moments in f32 or BF16,
-//! sharded by the distributed optimizer over `dp·cp` for dense parameters and over `edp` for
-//! routed experts (ZeRO-1), or replicated on every data-parallel rank without it.
+//! Weights, gradients, master weights and optimizer state per GPU
+//! (docs/parallelism.md §Distributed optimizer (ZeRO-1)): BF16 (or FP8 primary) weights, f32 main
+//! gradients, f32 master weights and Adam moments in f32 or BF16, sharded by the distributed
+//! optimizer over `dp·cp` for dense parameters and over `edp` for routed experts (ZeRO-1), or
+//! replicated on every data-parallel rank without it.
 
 use std::str::FromStr;
 
@@ -124,7 +125,8 @@ mod tests {
 
     #[test]
     fn bytes_per_parameter_follow_the_spec() {
-        // parallelism.md §6: 6 + 12/d with f32 moments, 6 + 8/d with BF16 moments.
+        // docs/parallelism.md §Distributed optimizer (ZeRO-1): 6 + 12/d with f32 moments, 6 + 8/d
+        // with BF16 moments.
         let layout = ParallelLayout::parse(8, "").unwrap();
         let p = RankParams {
             dense_sharded: 1000,

@@ -1,17 +1,17 @@
-//! Layout planner formulas (parallelism.md §6–§8): parameters held by each rank under a
-//! [`ParallelLayout`], optimizer-state bytes, and the communication volumes of expert and tensor
-//! parallelism (EP all-to-all, MegaScale-MoE's TP / SP / EP volumes, the compute/communication
-//! ratio `R`).
+//! Layout planner formulas (docs/parallelism.md §Planner formulas, §Memory reference figures):
+//! parameters held by each rank under a [`ParallelLayout`], optimizer-state bytes, and the
+//! communication volumes of expert and tensor parallelism (EP all-to-all, MegaScale-MoE's TP / SP /
+//! EP volumes, the compute/communication ratio `R`).
 //!
-//! Parameter counts follow this project's sharding exactly (parallelism.md §3, checkpoints.md
-//! §3): vocabulary, attention heads, dense and TP-sharded MLP columns split over `tp`; routed
-//! experts over `ep` and their FFN width over `etp`; norms, routers, expert biases, shared
-//! experts and MLA's latent down-projections replicated. With `pp > 1` the layers follow a
-//! [`PipelineSplit`] over `pp · vpp` virtual stages ([`planner_split`]): the layout's explicit
-//! pipeline layout (`pp_layout=…`, Megatron's `--pipeline-model-parallel-layout`) or, without
-//! one, contiguous virtual stages with the remainder on the earlier ones (the first virtual stage
-//! holds the embedding, the last the head and the MTP modules); pipeline rank `r` holds virtual
-//! stages `r, r + pp, …` (its chunks).
+//! Parameter counts follow this project's sharding exactly (docs/parallelism.md §The parallel plan,
+//! docs/checkpoints.md §Canonical names and sharding): vocabulary, attention heads, dense and
+//! TP-sharded MLP columns split over `tp`; routed experts over `ep` and their FFN width over `etp`;
+//! norms, routers, expert biases, shared experts and MLA's latent down-projections replicated. With
+//! `pp > 1` the layers follow a [`PipelineSplit`] over `pp · vpp` virtual stages
+//! ([`planner_split`]): the layout's explicit pipeline layout (`pp_layout=…`, Megatron's
+//! `--pipeline-model-parallel-layout`) or, without one, contiguous virtual stages with the
+//! remainder on the earlier ones (the first virtual stage holds the embedding, the last the head
+//! and the MTP modules); pipeline rank `r` holds virtual stages `r, r + pp, …` (its chunks).
 //!
 //! Submodules: [`shape`] (the dimensions of a Qwen3-MoE / DeepSeek-V3 config), [`memory`]
 //! (weights, gradients, master weights, moments), [`activations`] (saved activations by module
@@ -400,20 +400,22 @@ pub fn deepseek_v3_chunk_params(
     p
 }
 
-/// Bytes per parameter per rank for BF16 weights, f32 main grads and a distributed optimizer
-/// over `d` ranks: f32 master + two moments (`moment_bytes` each) sharded over `d`
-/// (parallelism.md §6: `6 + 12/d`, or `6 + 8/d` with BF16 moments).
+/// Bytes per parameter per rank for BF16 weights, f32 main grads and a distributed optimizer over
+/// `d` ranks: f32 master + two moments (`moment_bytes` each) sharded over `d`
+/// (docs/parallelism.md §Distributed optimizer (ZeRO-1): `6 + 12/d`, or `6 + 8/d` with BF16
+/// moments).
 pub fn bytes_per_param(d: usize, moment_bytes: usize) -> f64 {
     6.0 + (4 + 2 * moment_bytes) as f64 / d as f64
 }
 
 /// EP all-to-all payload per rank, per MoE layer and direction, under uniform routing
-/// (parallelism.md §7): `T·k·h·bytes·(EP−1)/EP`.
+/// (docs/parallelism.md §Planner formulas): `T·k·h·bytes·(EP−1)/EP`.
 pub fn a2a_remote_bytes(tokens: usize, k: usize, hidden: usize, bytes: usize, ep: usize) -> f64 {
     (tokens * k * hidden * bytes) as f64 * (ep - 1) as f64 / ep as f64
 }
 
-/// MegaScale-MoE per-layer volumes (bytes) for one micro-batch (parallelism.md §7).
+/// MegaScale-MoE per-layer volumes (bytes) for one micro-batch
+/// (docs/parallelism.md §Planner formulas).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MegaScaleVolumes {
     /// `A = b·s·h·bytes`.
@@ -450,8 +452,9 @@ impl MegaScaleVolumes {
     }
 }
 
-/// MegaScale's compute/communication ratio of expert parallelism (parallelism.md §7):
-/// `R = 1.5·h_ff·(B/P)·n/(n−1)`, or the approximation `1.5·h_ff·B/P` when `n` is `None`.
+/// MegaScale's compute/communication ratio of expert parallelism
+/// (docs/parallelism.md §Planner formulas): `R = 1.5·h_ff·(B/P)·n/(n−1)`, or the approximation
+/// `1.5·h_ff·B/P` when `n` is `None`.
 pub fn compute_comm_ratio(
     h_ff: usize,
     link_bytes_per_s: f64,
@@ -533,11 +536,12 @@ mod tests {
         assert_eq!(bytes_per_param(4, 2), 8.0); // 6 + 8/4
     }
 
-    /// parallelism.md §8 (report Table 3): DeepSeek-V3, BF16, PP4 × VPP4 × EP64 on 256 GPUs.
-    /// Assumptions: TP = CP = ETP = 1 (so DP = 64, EDP = 1); a middle pipeline stage (no
-    /// embedding or head; VPP only interleaves the same ≈ 61/4 layers per GPU); BF16 weights +
-    /// f32 main grads (6 B/param); distributed optimizer with f32 master and f32 moments
-    /// (12 B/param sharded over DP for dense, EDP for experts); MTP and activations excluded.
+    /// docs/parallelism.md §Memory reference figures (report Table 3): DeepSeek-V3, BF16, PP4 ×
+    /// VPP4 × EP64 on 256 GPUs. Assumptions: TP = CP = ETP = 1 (so DP = 64, EDP = 1); a middle
+    /// pipeline stage (no embedding or head; VPP only interleaves the same ≈ 61/4 layers per GPU);
+    /// BF16 weights + f32 main grads (6 B/param); distributed optimizer with f32 master and f32
+    /// moments (12 B/param sharded over DP for dense, EDP for experts); MTP and activations
+    /// excluded.
     #[test]
     fn deepseek_v3_memory_breakdown_matches_the_report() {
         let config = DeepseekV3Config::from_json_str(
@@ -568,10 +572,10 @@ mod tests {
         );
     }
 
-    /// parallelism.md §8 (report Table 3): activations 131.0 GB per GPU for DeepSeek-V3, BF16,
-    /// PP4 × VPP4 × EP64 on 256 GPUs; tolerance 25%.
+    /// docs/parallelism.md §Memory reference figures (report Table 3): activations 131.0 GB per GPU
+    /// for DeepSeek-V3, BF16, PP4 × VPP4 × EP64 on 256 GPUs; tolerance 25%.
     ///
-    /// Assumptions (the settings the report states for this layout, spec §8 / report Table 20:
+    /// Assumptions (the settings the report states for this layout in its Table 20:
     /// `TP1 PP4 EP64 VPP4 MBS1 GBS8192`, 4096-token sequences): seq 4096, micro-batch 1,
     /// TP = CP = ETP = 1 (DP 64, so 8192/64 = 128 micro-batches per step), BF16 activations,
     /// no recomputation, no FP8, no memory-efficient permutation (Table 3 is the baseline the

@@ -263,15 +263,15 @@ pub struct TrainerConfig {
     /// depths, each depth's cross-entropy normalised per target token over the global batch;
     /// 0 skips the MTP modules (they then get no gradient).
     pub mtp_loss_scaling_factor: f64,
-    /// Run the routed experts' GEMMs in FP8 with this blockwise recipe (fp8.md §3); `None`
-    /// keeps them in the parameters' precision. Router, attention, norms, embeddings and head
-    /// stay in high precision (fp8.md §7).
+    /// Run the routed experts' GEMMs in FP8 with this blockwise recipe (docs/fp8.md §Recipes);
+    /// `None` keeps them in the parameters' precision. Router, attention, norms, embeddings and
+    /// head stay in high precision (docs/fp8.md §Selective precision).
     pub fp8: Option<Fp8Recipe>,
     /// With `fp8`: also run the dense linears (attention projections, dense MLPs) in FP8.
     pub fp8_linears: bool,
-    /// With `fp8`: keep the FP8 layers' weights as FP8 primary weights (fp8.md §4): the
-    /// optimizer casts its f32 master shards straight to blockwise E4M3 with the recipe's
-    /// blocks and all-gathers one byte per element.
+    /// With `fp8`: keep the FP8 layers' weights as FP8 primary weights
+    /// (docs/fp8.md §FP8 primary weights): the optimizer casts its f32 master shards straight to
+    /// blockwise E4M3 with the recipe's blocks and all-gathers one byte per element.
     pub fp8_primary_weights: bool,
     /// Activations recomputed in the backward pass instead of kept (Megatron's
     /// `--recompute-granularity full`, or `selective` with `--recompute-modules` `core_attn`,

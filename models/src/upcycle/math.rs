@@ -1,8 +1,8 @@
-//! The numerics of upcycling (checkpoints.md §9) on host f32 buffers: the scale rule, the
-//! seeded router draw with repeated rows, and the split of a dense SwiGLU MLP into `G` expert
+//! The numerics of upcycling (docs/checkpoints.md §Upcycling) on host f32 buffers: the scale rule,
+//! the seeded router draw with repeated rows, and the split of a dense SwiGLU MLP into `G` expert
 //! shards.
 
-/// How routing weights are formed in the upcycled model (checkpoints.md §9).
+/// How routing weights are formed in the upcycled model (docs/checkpoints.md §Upcycling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RouterMode {
     /// Top-k of the logits, softmax over the selected k (HF `norm_topk_prob = true`):
@@ -14,7 +14,7 @@ pub enum RouterMode {
     PreSoftmax,
 }
 
-/// The derived sizes and factors of one upcycling (checkpoints.md §9 steps 1 and 4).
+/// The derived sizes and factors of one upcycling (docs/checkpoints.md §Upcycling, steps 1 and 4).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct UpcycleScale {
     /// `E`, routed experts.
@@ -132,10 +132,10 @@ impl SplitMix64 {
     }
 }
 
-/// The upcycled router `[E, H]` (row-major) for one layer (checkpoints.md §9 step 3): the MoE
-/// model's own router `[E, H]` is drawn from `N(0, std²)` with `rng` (HF's
-/// `initializer_range` init), its first `E/G` rows are kept and each is repeated `G` times,
-/// so row `e` is drawn row `⌊e/G⌋`.
+/// The upcycled router `[E, H]` (row-major) for one layer (docs/checkpoints.md §Upcycling, step 3):
+/// the MoE model's own router `[E, H]` is drawn from `N(0, std²)` with `rng` (HF's
+/// `initializer_range` init), its first `E/G` rows are kept and each is repeated `G` times, so row
+/// `e` is drawn row `⌊e/G⌋`.
 pub fn upcycled_router(
     rng: &mut SplitMix64,
     scale: &UpcycleScale,
@@ -165,8 +165,8 @@ pub struct ExpertShard {
 }
 
 /// Splits a dense SwiGLU MLP (`gate`, `up` `[F, H]`, `down` `[H, F]`, row-major) into the `G`
-/// shards of checkpoints.md §9 steps 4–6: gate and up are split **separately** into `G` row
-/// blocks (shard `i` = `(gate_i, up_i)`), down into `G` column blocks; every value is
+/// shards of docs/checkpoints.md §Upcycling, steps 4–6: gate and up are split **separately** into
+/// `G` row blocks (shard `i` = `(gate_i, up_i)`), down into `G` column blocks; every value is
 /// multiplied by `c` (in f64, rounded once to f32).
 pub fn split_dense_mlp(
     gate: &[f32],

@@ -1,5 +1,6 @@
-//! AllGather dispatcher (moe-ops §12): every rank of `tp_ep` sees every token of the group,
-//! computes its local experts' share and reduce-scatters the partial outputs back.
+//! AllGather dispatcher (docs/routing-and-dispatch.md §AllGather dispatcher): every rank of `tp_ep`
+//! sees every token of the group, computes its local experts' share and reduce-scatters the partial
+//! outputs back.
 
 use std::ops::Range;
 

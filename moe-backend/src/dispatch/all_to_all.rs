@@ -1,5 +1,5 @@
-//! AlltoAll dispatcher (moe-ops §13): permute, all-to-all over `ep`, all-gather over
-//! `expt_tp`, sort chunks by local expert; combine is the exact inverse.
+//! AlltoAll dispatcher (docs/routing-and-dispatch.md §AlltoAll dispatcher): permute, all-to-all
+//! over `ep`, all-gather over `expt_tp`, sort chunks by local expert; combine is the exact inverse.
 
 use std::ops::Range;
 
@@ -47,7 +47,8 @@ impl AllToAllDispatcher {
         })
     }
 
-    /// Splits of moe-ops §13 `preprocess` from the per-expert counts `n [E]` of this rank.
+    /// The preprocess splits (docs/routing-and-dispatch.md §AlltoAll dispatcher) from the
+    /// per-expert counts `n [E]` of this rank.
     fn plan(&self, n: &[usize]) -> Result<(SplitPlan, Vec<usize>)> {
         let (epn, tpn) = (self.ep.size(), self.expt_tp.size());
         let l = self.local.len();

@@ -1,6 +1,6 @@
-//! Flex dispatcher (moe-ops §14): one copy of a token per destination rank of `tp_ep`,
-//! however many of that rank's experts it chose; local permute on the receiver; the token's
-//! local-expert outputs are summed before they travel back.
+//! Flex dispatcher (docs/routing-and-dispatch.md §Flex dispatcher): one copy of a token per
+//! destination rank of `tp_ep`, however many of that rank's experts it chose; local permute on the
+//! receiver; the token's local-expert outputs are summed before they travel back.
 
 use std::ops::Range;
 

@@ -1,5 +1,5 @@
 //! Token dispatchers: move each token's routed copies to the ranks owning the chosen experts
-//! and bring the expert outputs back (moe-ops §11–§13).
+//! and bring the expert outputs back (docs/routing-and-dispatch.md §Token dispatchers).
 //!
 //! Every dispatcher implements [`TokenDispatcher`]: [`dispatch`](TokenDispatcher::dispatch)
 //! turns local tokens `[T, H]` with `probs`/`routing_map [T, E]` into rows for this rank's `L`

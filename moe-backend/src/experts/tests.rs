@@ -120,7 +120,8 @@ fn grouped_matches_sequential_outputs_and_all_gradients() {
 
 #[test]
 fn parameter_count_matches_spec() {
-    // moe-ops §16 item 20: H = 12, E = 2, GLU, F = 48 -> experts 2·3·12·48 = 3456.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 20: H = 12, E = 2, GLU, F = 48 ->
+    // experts 2·3·12·48 = 3456.
     let experts = GroupedExpertsConfig::new(2, 12, 48)
         .init(&Device::flex())
         .expect("init");

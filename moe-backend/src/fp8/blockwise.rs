@@ -1,6 +1,6 @@
-//! Scaled FP8 quantisation of row-major matrices (fp8.md §2, §3): per-tensor current scaling
-//! and blockwise scaling with any block shape (weights `128×128`, activations and gradients
-//! `1×128` along the GEMM reduction dimension), with partial edge blocks and optional
+//! Scaled FP8 quantisation of row-major matrices (docs/fp8.md §Scaling, §Recipes): per-tensor
+//! current scaling and blockwise scaling with any block shape (weights `128×128`, activations and
+//! gradients `1×128` along the GEMM reduction dimension), with partial edge blocks and optional
 //! power-of-two scales.
 //!
 //! Per block: `amax = max |x|` (NaN elements are ignored; they encode to NaN),
@@ -96,7 +96,7 @@ impl Fp8Blocks {
 
     /// The transposed matrix `[cols, rows]` with block `[b1, b0]`: bytes and scale grid
     /// transposed, no requantisation (a block's elements and scale are the same either way).
-    /// This is the FP8 "columnwise" weight copy the backward GEMM reads (fp8.md §3).
+    /// This is the FP8 "columnwise" weight copy the backward GEMM reads (docs/fp8.md §Recipes).
     pub fn transpose(&self) -> Self {
         transpose_blocks(
             self.format,
@@ -234,7 +234,7 @@ fn abs_max(x: &[f32]) -> f32 {
 }
 
 /// Blockwise quantisation of a row-major `[rows, cols]` matrix with `[b0, b1]` blocks (edge
-/// blocks partial), scales from each block's amax (fp8.md §2), optionally powers of two.
+/// blocks partial), scales from each block's amax (docs/fp8.md §Scaling), optionally powers of two.
 pub fn quantize_blockwise(
     values: &[f32],
     rows: usize,
@@ -301,8 +301,8 @@ pub fn quantize_blockwise(
     })
 }
 
-/// Per-tensor current scaling (fp8.md §3): one scale from the live amax of the whole tensor.
-/// Returned as a single block covering the matrix.
+/// Per-tensor current scaling (docs/fp8.md §Recipes): one scale from the live amax of the whole
+/// tensor. Returned as a single block covering the matrix.
 pub fn quantize_per_tensor(
     values: &[f32],
     rows: usize,
@@ -334,10 +334,10 @@ pub fn quantize_per_tensor(
     })
 }
 
-/// Fused cast + transpose for the wgrad operands (fp8.md §3, "columnwise copy"): quantises the
-/// columns of a row-major `[rows, cols]` matrix in tiles of `tile` consecutive rows and returns
-/// the transposed matrix `[cols, rows]` with `[1, tile]` blocks, i.e. `1×tile` tiles along
-/// `rows` (the token dimension, the reduction dimension of wgrad).
+/// Fused cast + transpose for the wgrad operands (docs/fp8.md §Recipes: the columnwise copy):
+/// quantises the columns of a row-major `[rows, cols]` matrix in tiles of `tile` consecutive rows
+/// and returns the transposed matrix `[cols, rows]` with `[1, tile]` blocks, i.e. `1×tile` tiles
+/// along `rows` (the token dimension, the reduction dimension of wgrad).
 pub fn quantize_columnwise(
     values: &[f32],
     rows: usize,
@@ -404,8 +404,8 @@ mod tests {
     use super::*;
     use crate::testing::SplitMix;
 
-    /// Independent fake-quant reference: per-block amax by a plain loop, scale by the spec's
-    /// formula (fp8.md §2), encode/decode with the `float8` crate.
+    /// Independent fake-quant reference: per-block amax by a plain loop, scale by the
+    /// formula (docs/fp8.md §Scaling), encode/decode with the `float8` crate.
     fn reference(
         values: &[f32],
         rows: usize,

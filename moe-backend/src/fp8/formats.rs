@@ -1,4 +1,4 @@
-//! FP8 formats (fp8.md §1): `F8_E4M3` (`float8_e4m3fn`) and `F8_E5M2` codecs.
+//! FP8 formats (docs/fp8.md §Formats): `F8_E4M3` (`float8_e4m3fn`) and `F8_E5M2` codecs.
 //!
 //! | format | layout | bias | max finite | inf | NaN | min normal / subnormal |
 //! |---|---|---|---|---|---|---|
@@ -13,12 +13,12 @@
 //! - finite values whose rounding would leave the finite range **saturate** to ±max (E4M3:
 //!   `|x| > 464`, the midpoint above 448; E5M2: `|x| ≥ 61440`, the midpoint above 57344, which
 //!   ties to the infinity code) — a finite input never gives NaN or infinity;
-//! - ±inf saturates to ±max as well (E5M2 included: fp8.md §1 allows the E5M2 encoder to
+//! - ±inf saturates to ±max as well (E5M2 included: docs/fp8.md §Formats lets the E5M2 encoder
 //!   saturate like E4M3; this is CUDA's `__NV_SATFINITE` rule);
 //! - NaN gives NaN with the input's sign (E4M3 `0x7F`/`0xFF`, E5M2 `0x7E`/`0xFE`).
 //!
-//! Within the scaling of fp8.md §2 (`|x · scale| ≤ max` up to f32 rounding) saturating and
-//! non-saturating encoders produce the same bytes.
+//! Within the scaling of docs/fp8.md §Scaling (`|x · scale| ≤ max` up to f32 rounding) saturating
+//! and non-saturating encoders produce the same bytes.
 
 use burn::config::Config;
 
@@ -103,14 +103,14 @@ fn encode<const M: u32, const BIAS: u32>(x: f32, max_code: u32, nan_code: u8) ->
 }
 
 /// Encodes `x` as an `F8_E4M3` (`float8_e4m3fn`) byte: round to nearest even, saturating to
-/// ±448 (finite inputs and ±inf), NaN → `0x7F` with the input's sign (fp8.md §1).
+/// ±448 (finite inputs and ±inf), NaN → `0x7F` with the input's sign (docs/fp8.md §Formats).
 #[inline(always)]
 pub fn f32_to_e4m3(x: f32) -> u8 {
     encode::<3, 7>(x, 0x7E, 0x7F)
 }
 
 /// Encodes `x` as an `F8_E5M2` byte: round to nearest even, saturating to ±57344 (finite
-/// inputs and ±inf), NaN → `0x7E` with the input's sign (fp8.md §1).
+/// inputs and ±inf), NaN → `0x7E` with the input's sign (docs/fp8.md §Formats).
 #[inline(always)]
 pub fn f32_to_e5m2(x: f32) -> u8 {
     encode::<2, 15>(x, 0x7B, 0x7E)
@@ -166,8 +166,9 @@ static E5M2_TABLE: [f32; 256] = decode_table(2, 15, false);
 mod tests {
     use super::*;
 
-    /// Independent reference (fp8.md §1 formulas, in f64): sign, exponent and mantissa fields,
-    /// `(−1)^s · 2^(e−bias) · (1 + m/2^M)` for normals, `2^(1−bias) · m/2^M` for subnormals.
+    /// Independent reference (the formulas of docs/fp8.md §Formats, in f64): sign, exponent and
+    /// mantissa fields, `(−1)^s · 2^(e−bias) · (1 + m/2^M)` for normals, `2^(1−bias) · m/2^M` for
+    /// subnormals.
     fn reference(byte: u8, format: Fp8Format) -> f64 {
         let (m_bits, bias) = match format {
             Fp8Format::E4M3 => (3, 7),
@@ -208,7 +209,7 @@ mod tests {
             assert_eq!(crate_e4m3.is_nan(), e4m3_to_f32(b).is_nan(), "{b:#04x}");
             assert_eq!(crate_e5m2.is_nan(), e5m2_to_f32(b).is_nan(), "{b:#04x}");
         }
-        // The spec's table (fp8.md §1).
+        // The table of docs/fp8.md §Formats.
         assert_eq!(e4m3_to_f32(0x7E), 448.0);
         assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));

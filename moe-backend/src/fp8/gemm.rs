@@ -1,7 +1,7 @@
-//! FP8 GEMMs emulated on the CPU (fp8.md §3 blockwise recipe): every operand is held as FP8
-//! bytes plus block scales, and each K-block of the reduction is dequantised into small f32
-//! tiles that are accumulated into the f32 output with the `gemm` crate. No full-precision
-//! copy of an operand is ever materialised.
+//! FP8 GEMMs emulated on the CPU (the blockwise recipe of docs/fp8.md §Recipes): every operand is
+//! held as FP8 bytes plus block scales, and each K-block of the reduction is dequantised into small
+//! f32 tiles that are accumulated into the f32 output with the `gemm` crate. No full-precision copy
+//! of an operand is ever materialised.
 //!
 //! All products are "TN" (`out = A · Bᵀ`, both operands row-major with the reduction dimension
 //! last), as Hopper FP8 tensor cores require; the backward passes use the transposed FP8
@@ -13,9 +13,8 @@
 //! | dgrad | `dy_g [n_g, M]` rowwise | `W_gᵀ [K, M]` (same blocks, transposed bytes) | `dx_g [n_g, K]` |
 //! | wgrad | `dy_gᵀ [M, n_g]` columnwise | `x_gᵀ [K, n_g]` columnwise | `dW_g [M, K]` |
 //!
-//! Numerical contract (fp8.md §3): `out = dq(q(A)) · dq(q(B))ᵀ` with f32 accumulation; the
-//! result differs from a plain f32 product of the dequantised operands only by summation
-//! order.
+//! Numerical contract (docs/fp8.md §Recipes): `out = dq(q(A)) · dq(q(B))ᵀ` with f32 accumulation;
+//! the result differs from a plain f32 product of the dequantised operands only by summation order.
 
 use rayon::prelude::*;
 

@@ -1,4 +1,4 @@
-//! FP8 (fp8.md): E4M3/E5M2 codecs, per-tensor and blockwise scaled quantisation, emulated FP8
+//! FP8 (docs/fp8.md): E4M3/E5M2 codecs, per-tensor and blockwise scaled quantisation, emulated FP8
 //! GEMMs with the blockwise recipe (the `Fp8Ops` backend extension, used by the experts when
 //! [`Fp8Recipe`] is set), and FP8 primary weights — the f32 master shards of the distributed
 //! optimizer cast straight to blockwise FP8 without a BF16 weight copy, with per-block amaxes

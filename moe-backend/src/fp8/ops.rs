@@ -21,7 +21,7 @@ use burn::tensor::Tensor;
 use super::recipe::Fp8Recipe;
 use crate::error::{BackendError, Result};
 
-/// Backend extension with the FP8 grouped GEMMs of the blockwise recipe (fp8.md §3).
+/// Backend extension with the FP8 grouped GEMMs of the blockwise recipe (docs/fp8.md §Recipes).
 ///
 /// `group_sizes` are host row counts per group (they must sum to the row count; the
 /// user-facing functions check this). Outputs have the dtype of the first tensor argument,
@@ -115,13 +115,13 @@ pub fn fp8_linear(x: Tensor<2>, weight: Tensor<2>, recipe: &Fp8Recipe) -> Result
     )))
 }
 
-/// A Burn [`Linear`] run in FP8 (fp8.md §3): `y = dq(q(x)) · dq(q(W))ᵀ + b` over the last
-/// dimension of `x [..., in]`. The weight (Burn `[in, out]`) is quantised as its canonical
+/// A Burn [`Linear`] run in FP8 (docs/fp8.md §Recipes): `y = dq(q(x)) · dq(q(W))ᵀ + b` over the
+/// last dimension of `x [..., in]`. The weight (Burn `[in, out]`) is quantised as its canonical
 /// `[out, in]` matrix in `b×b` blocks — the blocks FP8 primary weights use
 /// ([`crate::optim::Fp8ParamLayout::linear`]) — and the bias stays in high precision.
 /// Differentiable: the backward runs the FP8 dgrad and wgrad. A packed FP8 primary weight
-/// ([`super::PackedFp8`]) is used as its codes and scales: the op receives the weight's
-/// transposed view (zero-copy), never a materialised copy.
+/// ([`super::PackedFp8`]) is used as its codes and scales: the op receives the weight's transposed
+/// view (zero-copy), never a materialised copy.
 ///
 /// # Panics
 /// Like [`Linear::forward`], when the last dimension of `x` is not the linear's input size.

@@ -1,6 +1,7 @@
-//! FP8 primary weights held *in the parameter* (fp8.md §4, issue 21): a parameter whose
-//! storage is its blockwise E4M3 codes plus `scale_inv` per block — about one byte per element
-//! instead of four (f32) or two (the BF16 reference) — and that the FP8 GEMMs read directly.
+//! FP8 primary weights held *in the parameter* (docs/fp8.md §FP8 primary weights, issue 21): a
+//! parameter whose storage is its blockwise E4M3 codes plus `scale_inv` per block — about one byte
+//! per element instead of four (f32) or two (the BF16 reference) — and that the FP8 GEMMs read
+//! directly.
 //!
 //! # Why not Burn's quantised tensors
 //!

@@ -1,7 +1,7 @@
-//! FP8 primary weights (fp8.md §2, §4): a rank owning the flat range `[start, start+len)` of a
-//! row-major `[h, w]` weight computes partial per-block amaxes over its elements (BF16-cast,
-//! as the model dtype), all-reduces them (MAX) over the optimizer's group, derives every
-//! block's scale and quantises only its own elements. The result is bit-identical to
+//! FP8 primary weights (docs/fp8.md §Scaling, §FP8 primary weights): a rank owning the flat range
+//! `[start, start+len)` of a row-major `[h, w]` weight computes partial per-block amaxes over its
+//! elements (BF16-cast, as the model dtype), all-reduces them (MAX) over the optimizer's group,
+//! derives every block's scale and quantises only its own elements. The result is bit-identical to
 //! quantising the whole BF16-cast weight on one rank, for any shard boundaries.
 
 use burn::tensor::TensorData;
@@ -143,8 +143,8 @@ impl BlockGrid {
     }
 }
 
-/// `compute_scale_from_amax` (fp8.md §2): `a = max(amax, eps)`; 1 when `a` is 0, inf or NaN;
-/// else `fp8_max / a` (inf → `f32::MAX`), optionally rounded down to a power of two.
+/// `compute_scale_from_amax` (docs/fp8.md §Scaling): `a = max(amax, eps)`; 1 when `a` is 0, inf or
+/// NaN; else `fp8_max / a` (inf → `f32::MAX`), optionally rounded down to a power of two.
 pub fn compute_scale_from_amax(amax: f32, fp8_max: f32, pow2: bool, eps: f32) -> f32 {
     let a = amax.max(eps);
     if a == 0.0 || !a.is_finite() {
@@ -251,9 +251,9 @@ pub fn cast_shard_with_scales(
     Ok(out)
 }
 
-/// Steps 2–5 of fp8.md §4 on one rank: partial amax, MAX all-reduce over `group` (every rank
-/// of the weight's optimizer group calls this), scales, partial cast. Returns this shard's
-/// E4M3 bytes and the full `scale_inv` grid (identical on every rank).
+/// docs/fp8.md §FP8 primary weights, steps 2–5, on one rank: partial amax, MAX all-reduce over
+/// `group` (every rank of the weight's optimizer group calls this), scales, partial cast. Returns
+/// this shard's E4M3 bytes and the full `scale_inv` grid (identical on every rank).
 pub fn cast_master_shard(
     group: &Comm,
     values: &[f32],
@@ -421,8 +421,9 @@ mod tests {
         }
     }
 
-    /// fp8.md §4 property: sharded cast == unsharded cast, bit for bit, for any boundaries
-    /// (equal DistOpt shards cutting through blocks, and random ones), with partial edge blocks.
+    /// The property of docs/fp8.md §FP8 primary weights: sharded cast == unsharded cast, bit for
+    /// bit, for any boundaries (equal DistOpt shards cutting through blocks, and random ones), with
+    /// partial edge blocks.
     #[test]
     fn sharded_master_cast_equals_the_unsharded_cast() {
         let (h, w) = (130, 260); // 2 x 3 grid of 128-blocks, partial on both edges

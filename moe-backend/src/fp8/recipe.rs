@@ -1,13 +1,13 @@
-//! [`Fp8Recipe`]: the blockwise FP8 training recipe (fp8.md §3, Hopper default).
+//! [`Fp8Recipe`]: the blockwise FP8 training recipe (docs/fp8.md §Recipes, Hopper default).
 
 use burn::config::Config;
 
 use super::formats::Fp8Format;
 use crate::error::BackendError;
 
-/// Blockwise FP8 recipe for linear layers (fp8.md §3): weights in `b×b` blocks, activations
-/// and gradients in `1×b` tiles along the GEMM reduction dimension (rowwise for fprop and
-/// dgrad, columnwise along tokens for wgrad), all E4M3 by default, f32 accumulation.
+/// Blockwise FP8 recipe for linear layers (docs/fp8.md §Recipes): weights in `b×b` blocks,
+/// activations and gradients in `1×b` tiles along the GEMM reduction dimension (rowwise for fprop
+/// and dgrad, columnwise along tokens for wgrad), all E4M3 by default, f32 accumulation.
 ///
 /// The reduction blocks of both operands of every GEMM must coincide, which is why one block
 /// size `b` serves weights and activations.

@@ -162,14 +162,15 @@ fn layer_matches_per_expert_reference_forward_and_backward() {
 
 #[test]
 fn layer_parameter_count_matches_spec() {
-    // moe-ops §16 item 20: H = 12, E = 2, GLU, F = 48 -> router 24 + experts 3456 = 3480.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 20: H = 12, E = 2, GLU, F = 48 ->
+    // router 24 + experts 3456 = 3480.
     let cfg = MoeLayerConfig::new(TopKRouterConfig::new(12, 2, 1).with_pre_softmax(true), 48);
     assert_eq!(cfg.init(&Device::flex()).expect("init").num_params(), 3480);
 }
 
 #[test]
 fn router_grad_is_zero_without_losses_when_output_is_zeroed_and_non_zero_with_aux() {
-    // moe-ops §16 item 2.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 2.
     let (t, h, e, k) = (8, 12, 4, 2);
     let mut rng = SplitMix::new(22);
     let xv = rng.values(t * h);

@@ -1,5 +1,6 @@
-//! `MoeOps` for `Autodiff<B>`: every differentiable op gets a hand-written backward pass built
-//! from the inner backend's `MoeOps` kernels (moe-ops §6, §7, §9).
+//! `MoeOps` for `Autodiff<B>`: every differentiable op gets a hand-written backward pass built from
+//! the inner backend's `MoeOps` kernels (docs/routing-and-dispatch.md §Permute and unpermute,
+//! §Chunk sorting, §Grouped GEMM).
 //!
 //! | op | backward |
 //! |---|---|

@@ -1,8 +1,8 @@
 //! `MoeOps` for the Flex CPU backend: converts tensors to contiguous host slices and runs the
 //! kernels of [`super::kernels`].
 //!
-//! `f32` and `f64` are computed natively; `f16`/`bf16` are widened to `f32`, computed, and
-//! narrowed once at the end (f32 accumulation, moe-ops §0).
+//! `f32` and `f64` are computed natively; `f16`/`bf16` are widened to `f32`, computed, and narrowed
+//! once at the end (f32 accumulation, docs/routing-and-dispatch.md §Notation and conventions).
 
 use burn::backend::{
     Flex,

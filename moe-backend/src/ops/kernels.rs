@@ -3,8 +3,8 @@
 //! These are the compute bodies of the Flex implementation of [`MoeOps`](super::MoeOps). They work on
 //! slices (no Burn calls inside), use the `gemm` crate for matrix products and rayon for
 //! parallelism, and are generic over the two native float types `f32` and `f64`. Half-precision
-//! inputs are widened to `f32` by the caller, which gives the f32 accumulation the spec requires
-//! (moe-ops §0, §6, §9).
+//! inputs are widened to `f32` by the caller, which gives the f32 accumulation of
+//! docs/routing-and-dispatch.md §Notation and conventions.
 
 use rayon::prelude::*;
 
@@ -215,8 +215,8 @@ pub fn scatter_add_rows<T: KernelFloat>(
     out
 }
 
-/// Row index list realising `sort_chunks_by_idxs` (moe-ops §7): output row `j` is input row
-/// `index[j]`, chunks taken in `sorted_idxs` order.
+/// Row index list realising `sort_chunks_by_idxs` (docs/routing-and-dispatch.md §Chunk sorting):
+/// output row `j` is input row `index[j]`, chunks taken in `sorted_idxs` order.
 pub fn sort_chunks_row_index(split_sizes: &[usize], sorted_idxs: &[usize]) -> Vec<usize> {
     let offsets = offsets_of(split_sizes);
     let mut index = Vec::with_capacity(offsets[split_sizes.len()]);
@@ -363,8 +363,9 @@ unsafe fn transpose_into<T: Copy>(src: &[T], rows: usize, cols: usize, dst: *mut
 /// amortises (2048-row experts: 1.07 instead of 0.53). Measured on 2 AVX-512 cores.
 const SCRATCH_MAX_ROWS: usize = 768;
 
-/// Grouped GEMM forward (moe-ops §9): rows of `x [N, K]` form consecutive segments of
-/// `sizes`; `out[seg_g] = x[seg_g] · W_gᵀ` (`OutIn`) or `x[seg_g] · W_g` (`InOut`).
+/// Grouped GEMM forward (docs/routing-and-dispatch.md §Grouped GEMM): rows of `x [N, K]` form
+/// consecutive segments of `sizes`; `out[seg_g] = x[seg_g] · W_gᵀ` (`OutIn`) or `x[seg_g] · W_g`
+/// (`InOut`).
 ///
 /// `w` holds `G` matrices of `m·k` elements each. Empty groups produce no rows.
 /// Callers guarantee `Σ sizes = N` and buffer lengths.
@@ -533,8 +534,8 @@ impl ActivationFloat for f64 {
     }
 }
 
-/// Fused SwiGLU with routing weights (moe-ops §8 steps 3–4): for `hidden [N, 2F]` with rows
-/// `[gate; up]`, `z[r] = silu(gate[r]) ⊙ up[r] · p_r`. Output `[N, F]`.
+/// Fused SwiGLU with routing weights (docs/routing-and-dispatch.md §Experts, steps 3–4): for
+/// `hidden [N, 2F]` with rows `[gate; up]`, `z[r] = silu(gate[r]) ⊙ up[r] · p_r`. Output `[N, F]`.
 pub fn swiglu_probs<T: ActivationFloat>(hidden: &[T], f: usize, probs: &[T]) -> Vec<T> {
     let n = probs.len();
     let mut out = uninit_output::<T>(n * f);

@@ -24,13 +24,15 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 use crate::error::{BackendError, Result};
 
-/// Backend extension with the primitive MoE kernels (moe-ops §6, §7, §9).
+/// Backend extension with the primitive MoE kernels
+/// (docs/routing-and-dispatch.md §Permute and unpermute, §Chunk sorting, §Grouped GEMM).
 ///
 /// Integer outputs use `i32`. Implementations must be deterministic: results do not depend on
 /// thread count.
 #[backend_extension(Flex, Autodiff, Cube: cfg(feature = "cube"))]
 pub trait MoeOps: Backend {
-    /// Expert-major row order for `routing_map [T, E]` (moe-ops §6).
+    /// Expert-major row order for `routing_map [T, E]`
+    /// (docs/routing-and-dispatch.md §Permute and unpermute).
     ///
     /// Returns `(sorted_indices [N], probs_index [N], tokens_per_expert [E])`: row `r` of the
     /// permuted tensor is token `sorted_indices[r]`; `probs_index[r] = t·E + e` indexes the
@@ -43,7 +45,8 @@ pub trait MoeOps: Backend {
     ) -> (IntTensor<Self>, IntTensor<Self>, IntTensor<Self>);
 
     /// Indices of the `k` largest entries of each row of `scores [T, E]`, in descending value
-    /// order; among equal values the lower index wins (moe-ops §0). Output `[T, k]`.
+    /// order; among equal values the lower index wins
+    /// (docs/routing-and-dispatch.md §Notation and conventions). Output `[T, k]`.
     fn moe_topk_indices(scores: FloatTensor<Self>, k: usize) -> IntTensor<Self>;
 
     /// Gathers token rows: `out[r] = tokens[sorted_indices[r]]` (`[T, H] -> [N, H]`).
@@ -67,9 +70,9 @@ pub trait MoeOps: Backend {
         num_tokens: usize,
     ) -> FloatTensor<Self>;
 
-    /// Grouped GEMM (moe-ops §9): `x [N, K]` in consecutive segments of `group_sizes [G]`.
-    /// With `transpose_weights`, `weights [G, M, K]` and `Y_g = X_g · W_gᵀ`; otherwise
-    /// `weights [G, K, M]` and `Y_g = X_g · W_g`. Output `[N, M]`.
+    /// Grouped GEMM (docs/routing-and-dispatch.md §Grouped GEMM): `x [N, K]` in consecutive
+    /// segments of `group_sizes [G]`. With `transpose_weights`, `weights [G, M, K]` and
+    /// `Y_g = X_g · W_gᵀ`; otherwise `weights [G, K, M]` and `Y_g = X_g · W_g`. Output `[N, M]`.
     fn moe_grouped_matmul(
         x: FloatTensor<Self>,
         weights: FloatTensor<Self>,
@@ -85,16 +88,17 @@ pub trait MoeOps: Backend {
         group_sizes: IntTensor<Self>,
     ) -> FloatTensor<Self>;
 
-    /// `sort_chunks_by_idxs` (moe-ops §7): split rows into chunks of `split_sizes` and
-    /// concatenate them in `sorted_idxs` order.
+    /// `sort_chunks_by_idxs` (docs/routing-and-dispatch.md §Chunk sorting): split rows into chunks
+    /// of `split_sizes` and concatenate them in `sorted_idxs` order.
     fn moe_sort_chunks(
         x: FloatTensor<Self>,
         split_sizes: Vec<usize>,
         sorted_idxs: Vec<usize>,
     ) -> FloatTensor<Self>;
 
-    /// Fused SwiGLU with routing weights (moe-ops §8 steps 3–4): `hidden [N, 2F]` with rows
-    /// `[gate; up]`, `probs [N]`; returns `z = silu(gate) ⊙ up · p` as `[N, F]`.
+    /// Fused SwiGLU with routing weights (docs/routing-and-dispatch.md §Experts, steps 3–4):
+    /// `hidden [N, 2F]` with rows `[gate; up]`, `probs [N]`; returns `z = silu(gate) ⊙ up · p` as
+    /// `[N, F]`.
     fn moe_swiglu(hidden: FloatTensor<Self>, probs: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// Backward of [`moe_swiglu`](MoeOps::moe_swiglu): `(d_hidden [N, 2F], d_probs [N])` for the
@@ -106,8 +110,9 @@ pub trait MoeOps: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// Identity on `x` whose backward also sends the constant gradient `grad_scale` to `loss`
-    /// (Megatron's `MoEAuxLossAutoScaler`, moe-ops §4): attaches an auxiliary loss to the graph
-    /// without adding it to the main loss.
+    /// (Megatron's `MoEAuxLossAutoScaler`,
+    /// docs/routing-and-dispatch.md §Load-balancing losses and z-loss): attaches an auxiliary loss
+    /// to the graph without adding it to the main loss.
     fn moe_attach_loss(
         x: FloatTensor<Self>,
         loss: FloatTensor<Self>,
@@ -177,7 +182,8 @@ pub fn routing_map_from_indices(indices: Tensor<2, Int>, num_experts: usize) -> 
         .greater_elem(0)
 }
 
-/// Permutes `tokens [T, H]` into expert-major rows (moe-ops §6).
+/// Permutes `tokens [T, H]` into expert-major rows
+/// (docs/routing-and-dispatch.md §Permute and unpermute).
 ///
 /// `routing_map [T, E]` selects the (token, expert) pairs; `probs [T, E]` (optional) are gathered
 /// in the same order and stay differentiable. Rows are expert-major with ascending token index
@@ -290,8 +296,9 @@ pub fn permute_with_indices(
     permute(tokens, map, dense, mode)
 }
 
-/// Restores `[T, H]` from permuted rows `[N, H]`: each token gets the sum of its copies,
-/// optionally weighted by `probs [N]` (moe-ops §6). Unrouted tokens get zeros.
+/// Restores `[T, H]` from permuted rows `[N, H]`: each token gets the sum of its copies, optionally
+/// weighted by `probs [N]` (docs/routing-and-dispatch.md §Permute and unpermute). Unrouted tokens
+/// get zeros.
 pub fn unpermute(
     rows: Tensor<2>,
     row_id_map: &RowIdMap,
@@ -340,8 +347,9 @@ pub enum WeightLayout {
     InOut,
 }
 
-/// Grouped GEMM: `x [N, K]` split into consecutive row segments by `sizes`, each multiplied by
-/// its own weight matrix (moe-ops §9). Differentiable in `x` and `weights`.
+/// Grouped GEMM: `x [N, K]` split into consecutive row segments by `sizes`, each multiplied by its
+/// own weight matrix (docs/routing-and-dispatch.md §Grouped GEMM). Differentiable in `x` and
+/// `weights`.
 pub fn grouped_matmul(
     x: Tensor<2>,
     weights: Tensor<3>,
@@ -431,8 +439,9 @@ fn group_sizes_tensor(
     }
 }
 
-/// `sort_chunks_by_idxs` (moe-ops §7): splits `x` along rows into chunks of `split_sizes` and
-/// concatenates them in `sorted_idxs` order. Differentiable (backward is the inverse reorder).
+/// `sort_chunks_by_idxs` (docs/routing-and-dispatch.md §Chunk sorting): splits `x` along rows into
+/// chunks of `split_sizes` and concatenates them in `sorted_idxs` order. Differentiable (backward
+/// is the inverse reorder).
 pub fn sort_chunks_by_idxs(
     x: Tensor<2>,
     split_sizes: &[usize],
@@ -473,7 +482,8 @@ pub(crate) fn check_permutation(op: &'static str, order: &[usize], n: usize) -> 
 }
 
 /// Indices of the `k` largest entries per row of `scores [T, E]`, descending, ties to the lower
-/// index (moe-ops §0). Not differentiable (gather the scores with the result instead).
+/// index (docs/routing-and-dispatch.md §Notation and conventions). Not differentiable (gather the
+/// scores with the result instead).
 pub fn topk_indices(scores: Tensor<2>, k: usize) -> Result<Tensor<2, Int>> {
     let [_, e] = scores.dims();
     if k == 0 || k > e {
@@ -489,7 +499,8 @@ pub fn topk_indices(scores: Tensor<2>, k: usize) -> Result<Tensor<2, Int>> {
 }
 
 /// Fused SwiGLU with routing weights: `hidden [N, 2F]` (rows `[gate; up]`), `probs [N]` ->
-/// `silu(gate) ⊙ up · p` `[N, F]` (moe-ops §8 steps 3–4). Differentiable in both inputs.
+/// `silu(gate) ⊙ up · p` `[N, F]` (docs/routing-and-dispatch.md §Experts, steps 3–4).
+/// Differentiable in both inputs.
 pub fn swiglu_with_probs(hidden: Tensor<2>, probs: Tensor<1>) -> Result<Tensor<2>> {
     let [n, two_f] = hidden.dims();
     if two_f % 2 != 0 || probs.dims() != [n] {
@@ -508,8 +519,9 @@ pub fn swiglu_with_probs(hidden: Tensor<2>, probs: Tensor<1>) -> Result<Tensor<2
     )))
 }
 
-/// Returns `x` unchanged; in the backward pass `loss` receives the constant gradient
-/// `grad_scale` (moe-ops §4 attachment). `loss` is never added to the main loss.
+/// Returns `x` unchanged; in the backward pass `loss` receives the constant gradient `grad_scale`
+/// (the attachment of docs/routing-and-dispatch.md §Load-balancing losses and z-loss). `loss` is
+/// never added to the main loss.
 pub fn attach_loss<const D: usize>(x: Tensor<D>, loss: Tensor<1>, grad_scale: f64) -> Tensor<D> {
     Tensor::from_dispatch(Dispatch::moe_attach_loss(
         x.into_dispatch(),

@@ -87,7 +87,8 @@ fn permute_matches_per_expert_reference_and_orders_expert_major() {
 
 #[test]
 fn spec_ep2_vector_permute_order() {
-    // moe-ops §15: rank 0 tokens a -> {0,2}, b -> {1,3}; rank 1 c -> {1,2}, d -> {2,3}.
+    // docs/routing-and-dispatch.md §EP2 worked example: rank 0 tokens a -> {0,2}, b -> {1,3}; rank
+    // 1 c -> {1,2}, d -> {2,3}.
     for (pairs, expect) in [
         ([[0, 2], [1, 3]], vec![0, 1, 0, 1]),
         ([[1, 2], [2, 3]], vec![0, 0, 1, 1]),
@@ -471,7 +472,8 @@ fn wgrad_op_is_differentiable() {
 
 #[test]
 fn sort_chunks_reproduces_spec_ep2_vector_and_inverts_in_backward() {
-    // moe-ops §15 rank 1: rows [a_e2, b_e3 | c_e2, d_e2, d_e3], gl = [[1,1],[2,1]], idx [0,2,1,3].
+    // docs/routing-and-dispatch.md §EP2 worked example, rank 1: rows [a_e2, b_e3 | c_e2, d_e2,
+    // d_e3], gl = [[1,1],[2,1]], idx [0,2,1,3].
     let x = tensor(vec![1.0, 2.0, 3.0, 4.0, 5.0], [5, 1], &ad(), DType::F32).require_grad();
     let y = sort_chunks_by_idxs(x.clone(), &[1, 1, 2, 1], &[0, 2, 1, 3]).expect("sort");
     assert_eq!(values(y.clone()), vec![1.0, 3.0, 4.0, 2.0, 5.0]);

@@ -1,4 +1,5 @@
-//! AdamW as a distributed optimizer (ZeRO-1, parallelism.md §5–§6).
+//! AdamW as a distributed optimizer (ZeRO-1, docs/parallelism.md §Gradient reduction and scaling,
+//! §Distributed optimizer (ZeRO-1)).
 //!
 //! Per class (dense over `dp_cp`, experts over `expt_dp`) the flat gradient buffer is padded
 //! to a multiple of the group size and reduce-scattered (sum, pre-factor `1/|dp_cp|` for both
@@ -499,13 +500,13 @@ impl DistributedAdamW {
         })
     }
 
-    /// Switches the parameters `select` picks (with their matrix layout) to FP8 primary
-    /// weights (fp8.md §4, see [`super::fp8_primary`]): from now on every step casts their
-    /// master shards straight to blockwise E4M3 (partial amax, MAX all-reduce over the
-    /// class's group, partial cast) and all-gathers one byte per element. Casts the current
-    /// master weights right away and returns `module` holding the FP8 weights as
-    /// `config.storage` says (packed codes and scales, or decoded values). A collective: every
-    /// rank of the world calls it with the same selection.
+    /// Switches the parameters `select` picks (with their matrix layout) to FP8 primary weights
+    /// (docs/fp8.md §FP8 primary weights, see [`super::fp8_primary`]): from now on every step casts
+    /// their master shards straight to blockwise E4M3 (partial amax, MAX all-reduce over the
+    /// class's group, partial cast) and all-gathers one byte per element. Casts the current master
+    /// weights right away and returns `module` holding the FP8 weights as `config.storage` says
+    /// (packed codes and scales, or decoded values). A collective: every rank of the world calls it
+    /// with the same selection.
     pub fn enable_fp8_primary_weights<M: Module>(
         &mut self,
         module: M,
@@ -986,9 +987,10 @@ impl DistributedAdamW {
         ))
     }
 
-    /// Sums the gradients of sequence-parallel replicated parameters over `tp` (§5 step 2):
-    /// `dense` are the dense class's pieces in table order; the SP ones are packed into one
-    /// device tensor, all-reduced and split back.
+    /// Sums the gradients of sequence-parallel replicated parameters over `tp`
+    /// (docs/parallelism.md §Gradient reduction and scaling, step 2): `dense` are the dense class's
+    /// pieces in table order; the SP ones are packed into one device tensor, all-reduced and split
+    /// back.
     fn sum_sequence_parallel_over_tp(&self, dense: &mut [Tensor<1>]) -> Result<()> {
         if self.tp.size() == 1 {
             return Ok(());

@@ -1,5 +1,5 @@
-//! FP8 primary weights in the distributed optimizer (fp8.md §4): after each update the f32
-//! master shards are cast *directly* to blockwise E4M3, without a BF16 weight copy.
+//! FP8 primary weights in the distributed optimizer (docs/fp8.md §FP8 primary weights): after each
+//! update the f32 master shards are cast *directly* to blockwise E4M3, without a BF16 weight copy.
 //!
 //! Per class buffer (dense over `dp_cp`, experts over `expt_dp`) and step:
 //! 1. every rank computes, for each FP8 parameter, partial per-block amaxes of the BF16-cast

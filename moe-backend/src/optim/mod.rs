@@ -1,9 +1,10 @@
-//! Distributed optimisation: parameters as flat per-class buffers ([`ParamTable`]) and AdamW
-//! as a ZeRO-1 distributed optimizer ([`DistributedAdamW`]) with global grad-norm clipping
-//! (parallelism.md §5–§6). [`StatePiece`]s map each rank's owned flat ranges to boxes of the
-//! global parameters, so the optimizer state can be checkpointed and resharded
-//! (checkpoints.md §6). FP8 primary weights ([`fp8_primary`]) cast the master shards straight to
-//! blockwise E4M3 after each step (fp8.md §4).
+//! Distributed optimisation: parameters as flat per-class buffers ([`ParamTable`]) and AdamW as a
+//! ZeRO-1 distributed optimizer ([`DistributedAdamW`]) with global grad-norm clipping
+//! (docs/parallelism.md §Gradient reduction and scaling, §Distributed optimizer (ZeRO-1)).
+//! [`StatePiece`]s map each rank's owned flat ranges to boxes of the global parameters, so the
+//! optimizer state can be checkpointed and resharded
+//! (docs/checkpoints.md §Distributed checkpoint format). FP8 primary weights ([`fp8_primary`]) cast
+//! the master shards straight to blockwise E4M3 after each step (docs/fp8.md §FP8 primary weights).
 
 mod distributed_adam;
 pub mod fp8_primary;

@@ -42,7 +42,8 @@
 //!
 //! # Distribution
 //!
-//! Per parameter class (as [`DistributedAdamW`], parallelism.md §5):
+//! Per parameter class (as [`DistributedAdamW`],
+//! docs/parallelism.md §Gradient reduction and scaling):
 //!
 //! 1. `DenseSequenceParallel` gradients are summed over `tp` first.
 //! 2. Gradients are reduced over the data-parallel group of the class, `dp_cp` for dense and

@@ -8,7 +8,8 @@ use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 
 use crate::error::{BackendError, Result};
 
-/// How a parameter is distributed and how its gradient is reduced (parallelism.md §5).
+/// How a parameter is distributed and how its gradient is reduced
+/// (docs/parallelism.md §Gradient reduction and scaling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ParamClass {
     /// Replicated on every TP rank with identical gradients; reduced over `dp_cp`.

@@ -1,6 +1,6 @@
 //! The optimizer state of a [`DistributedAdamW`] in global, layout-independent coordinates
-//! (checkpoints.md §6): which elements of which model parameter each rank's ZeRO-1 shard
-//! covers, and reading / writing the master weights and moments of those elements.
+//! (docs/checkpoints.md §Training checkpoints): which elements of which model parameter each rank's
+//! ZeRO-1 shard covers, and reading / writing the master weights and moments of those elements.
 //!
 //! Each class buffer (dense, expert) is the concatenation of this rank's *local* parameters
 //! (TP/EP/ETP shards) in [`ParamTable`](super::ParamTable) order; the rank owns the flat range
@@ -79,10 +79,10 @@ impl FlatBox {
     }
 }
 
-/// The boxes (at most `2·ndim − 1`, in row-major order, each a contiguous run) that make up
-/// the flat element range `[start, end)` of a row-major tensor of `shape` (checkpoints.md §6:
-/// how a DistOpt flat range is stored): partial leading rows, a full middle block, partial
-/// trailing rows, recursively.
+/// The boxes (at most `2·ndim − 1`, in row-major order, each a contiguous run) that make up the
+/// flat element range `[start, end)` of a row-major tensor of `shape`
+/// (docs/checkpoints.md §Distributed checkpoint format: how a DistOpt flat range is stored):
+/// partial leading rows, a full middle block, partial trailing rows, recursively.
 pub fn flat_range_boxes(shape: &[usize], start: usize, end: usize) -> Vec<FlatBox> {
     let mut out = Vec::new();
     let total: usize = shape.iter().product();
@@ -174,8 +174,9 @@ pub struct StatePiece {
     pub shard: Range<usize>,
     /// The shard stores the box transposed (see [`ParamPlacement::transposed`]).
     pub transposed: bool,
-    /// Whether this rank writes the box to checkpoints: every rank for its own range, except
-    /// that TP-replicated parameters are written by TP rank 0 only (checkpoints.md §6).
+    /// Whether this rank writes the box to checkpoints: every rank for its own range, except that
+    /// TP-replicated parameters are written by TP rank 0 only
+    /// (docs/checkpoints.md §Distributed checkpoint format).
     pub main_replica: bool,
 }
 

@@ -1,5 +1,5 @@
-//! Process-group families of a [`ParallelLayout`] (parallelism.md §3) and the experts each EP
-//! rank owns.
+//! Process-group families of a [`ParallelLayout`] (docs/parallelism.md §Process groups) and the
+//! experts each EP rank owns.
 
 use std::ops::Range;
 
@@ -51,7 +51,8 @@ pub enum GroupFamily {
 }
 
 impl GroupFamily {
-    /// Every family, in the deterministic creation order (parallelism.md §3 member table order).
+    /// Every family, in the deterministic creation order (the table order of
+    /// docs/parallelism.md §Process groups).
     pub const ALL: [GroupFamily; 15] = [
         GroupFamily::Tp,
         GroupFamily::Cp,
@@ -70,7 +71,7 @@ impl GroupFamily {
         GroupFamily::ExptDp,
     ];
 
-    /// The member name used in the spec (`tp`, `dp_cp`, `expt_dp`, ...).
+    /// The family name of docs/parallelism.md §Process groups (`tp`, `dp_cp`, `expt_dp`, ...).
     pub fn name(self) -> &'static str {
         match self {
             GroupFamily::Tp => "tp",
@@ -247,7 +248,8 @@ impl Membership {
     }
 }
 
-/// Every group one rank belongs to (parallelism.md §3 `ProcessGroupCollection`).
+/// Every group one rank belongs to (Megatron's `ProcessGroupCollection`,
+/// docs/parallelism.md §Process groups).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessGroups {
     /// Global rank.

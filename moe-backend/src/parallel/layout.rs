@@ -1,12 +1,12 @@
 //! [`ParallelLayout`]: the dense (`TP × CP × DP × PP`) and expert (`ETP × EP × EDP × PP`) grids
-//! folded over the same world (parallelism.md §1), with parsing and validation.
+//! folded over the same world (docs/parallelism.md §Parallel folding), with parsing and validation.
 
 use std::fmt;
 use std::str::FromStr;
 
 use crate::error::{BackendError, Result};
 
-/// The default rank order: the first token varies fastest (parallelism.md §2).
+/// The default rank order: the first token varies fastest (docs/parallelism.md §Rank groups).
 pub const DEFAULT_ORDER: &str = "tp-cp-ep-dp-pp";
 
 /// Parallel degrees of one training job.
@@ -25,9 +25,9 @@ pub struct ParallelLayout {
     pub pp: usize,
     /// Expert parallelism.
     pub ep: usize,
-    /// Expert tensor parallelism (defaults to 1, as every omitted size; checkpoints.md §10's
-    /// `world=4,tp=2,ep=4` = experts EP4 × EDP1 needs that, although parallelism.md §1 says
-    /// Megatron defaults it to `tp`).
+    /// Expert tensor parallelism (defaults to 1, as every omitted size: `world=4,tp=2,ep=4` =
+    /// experts EP4 × EDP1 needs that, although Megatron defaults it to `tp`;
+    /// docs/parallelism.md §Layout syntax).
     pub etp: usize,
     /// Dense data parallelism (derived).
     pub dp: usize,
@@ -77,7 +77,7 @@ impl FromStr for LayoutSpec {
     type Err = BackendError;
 
     /// Parses `world=4,tp=2,ep=4,order=tp-cp-ep-dp-pp` (any subset, any order; spaces allowed;
-    /// omitted sizes are 1, `etp` defaults to `tp`); `vpp=V` and `pp_layout=…` describe the
+    /// omitted sizes are 1, `etp` included); `vpp=V` and `pp_layout=…` describe the
     /// pipeline's virtual stages and their layers.
     fn from_str(s: &str) -> Result<Self> {
         let mut spec = LayoutSpec::default();
@@ -346,7 +346,8 @@ fn normalize_order(order: &str) -> Result<String> {
     Ok(order.to_string())
 }
 
-/// Megatron's `RankGenerator`: enumerates the rank groups of one grid (parallelism.md §2).
+/// Megatron's `RankGenerator`: enumerates the rank groups of one grid
+/// (docs/parallelism.md §Rank groups).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankGenerator {
     tokens: Vec<&'static str>,
@@ -463,8 +464,8 @@ fn dot(a: &[usize], b: &[usize]) -> usize {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// The masked orthogonal rank-group algorithm of parallelism.md §2 (group order and member order
-/// are normative).
+/// The masked orthogonal rank-group algorithm of docs/parallelism.md §Rank groups (group order and
+/// member order are normative).
 pub fn generate_masked_orthogonal_rank_groups(
     world: usize,
     sizes: &[usize],
@@ -561,7 +562,7 @@ mod tests {
 
     #[test]
     fn world_defaults_to_the_smallest_common_tiling() {
-        // checkpoints.md §10: attention TP2 × DP2, experts EP4 × EDP1.
+        // docs/parallelism.md §Layout syntax: attention TP2 × DP2, experts EP4 × EDP1.
         let l = ParallelLayout::parse_spec("tp=2,ep=4").unwrap();
         assert_eq!((l.world, l.dp, l.etp, l.edp), (4, 2, 1, 1));
         let l = ParallelLayout::parse_spec("world=8,tp=2,ep=4").unwrap();

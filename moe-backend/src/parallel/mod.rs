@@ -1,4 +1,5 @@
-//! Parallel layouts and process groups (parallelism.md §1–§4).
+//! Parallel layouts and process groups (docs/parallelism.md §Parallel folding to
+//! §Group test vectors).
 //!
 //! A [`ParallelLayout`] folds two grids over the same ranks: dense `TP × CP × DP × PP` and
 //! expert `ETP × EP × EDP × PP`. [`GroupTable`] enumerates every group family with Megatron's

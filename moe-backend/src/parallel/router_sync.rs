@@ -1,6 +1,7 @@
-//! Router state across ranks: a [`CountReducer`] over the real process groups, and the
-//! expert-bias update after the data-parallel sync with counts summed over `tp_dp_cp`
-//! (moe-ops §5, parallelism.md §5 step 4).
+//! Router state across ranks: a [`CountReducer`] over the real process groups, and the expert-bias
+//! update after the data-parallel sync with counts summed over `tp_dp_cp`
+//! (docs/routing-and-dispatch.md §Aux-loss-free expert bias,
+//! docs/parallelism.md §Gradient reduction and scaling, step 4).
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 

@@ -1,4 +1,4 @@
-//! Pipeline-parallel schedules as plain data (parallelism.md, PP and VPP).
+//! Pipeline-parallel schedules as plain data (docs/parallelism.md §Pipeline parallelism).
 //!
 //! A [`PipelineSchedule`] lists, for every pipeline rank, the order in which that rank runs the
 //! forward and backward passes of its model chunks, exactly as Megatron-LM orders them:

@@ -1,4 +1,5 @@
-//! Load-balancing losses and z-loss (moe-ops §4).
+//! Load-balancing losses and z-loss
+//! (docs/routing-and-dispatch.md §Load-balancing losses and z-loss).
 //!
 //! The losses are computed from inputs kept apart from the routing decision: `P [T, E]`
 //! ([`aux_loss_scores`](super::scoring::aux_loss_scores)) and its plain top-`k` mask `M`
@@ -39,7 +40,8 @@ fn host_f64_as<const D: usize>(
     Tensor::from_data(data, (device, dtype))
 }
 
-/// Process group over which per-expert counts are summed (moe-ops §4 table).
+/// Process group over which per-expert counts are summed (the table of
+/// docs/routing-and-dispatch.md §Load-balancing losses and z-loss).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CountGroup {
     /// `tp_cp`: counts of `aux_loss` and `seq_aux_loss`.
@@ -130,7 +132,8 @@ pub fn column_counts(map: Tensor<2, Bool>) -> Vec<f64> {
         .collect()
 }
 
-/// Core switch loss (moe-ops §4): `coeff · E/(k·T²) · Σ_c (Σ_r P_rc) · counts_c`.
+/// Core switch loss (docs/routing-and-dispatch.md §Load-balancing losses and z-loss):
+/// `coeff · E/(k·T²) · Σ_c (Σ_r P_rc) · counts_c`.
 ///
 /// `probs [R, C]` are this rank's aux-loss scores (`C = E`, or `B·E` for the per-sequence
 /// form), `counts [C]` the (possibly reduced) counts and `total_tokens` the `T` of the formula.
@@ -161,9 +164,10 @@ pub fn switch_loss(
     Ok(dot.mul_scalar(scale))
 }
 
-/// z-loss (moe-ops §4): `coeff · Σ_valid logsumexp(logits_t)² / max(n_valid, 1)` — the mean
-/// of the squares over the valid rows. `valid_rows [T, 1]` marks the non-padded rows (all
-/// rows when `None`). The caller divides `coeff` by `|tp_cp|`. Returns `[1]`.
+/// z-loss (docs/routing-and-dispatch.md §Load-balancing losses and z-loss):
+/// `coeff · Σ_valid logsumexp(logits_t)² / max(n_valid, 1)` — the mean of the squares over the
+/// valid rows. `valid_rows [T, 1]` marks the non-padded rows (all rows when `None`). The caller
+/// divides `coeff` by `|tp_cp|`. Returns `[1]`.
 pub fn z_loss(
     logits: Tensor<2>,
     valid_rows: Option<Tensor<2, Bool>>,
@@ -254,7 +258,8 @@ pub struct GlobalCounts<'a> {
     pub steps: usize,
 }
 
-/// Computes one load-balancing loss (moe-ops §4 table), coefficient included.
+/// Computes one load-balancing loss (the table of
+/// docs/routing-and-dispatch.md §Load-balancing losses and z-loss), coefficient included.
 ///
 /// Returns the loss and, for [`AuxLossType::GlobalAux`], this micro-batch's reduced counts
 /// `c_mb` (to be added to the running counts once the forward is committed).

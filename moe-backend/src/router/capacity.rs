@@ -1,4 +1,5 @@
-//! Expert capacity, token dropping and padding (moe-ops §3).
+//! Expert capacity, token dropping and padding
+//! (docs/routing-and-dispatch.md §Capacity, dropping and padding).
 
 use burn::tensor::{Bool, Int, Tensor};
 
@@ -6,7 +7,8 @@ use super::config::DropPolicy;
 use crate::error::{BackendError, Result};
 use crate::ops::{routing_map_from_indices, topk_indices};
 
-/// `cap = max(ceil(T·k/E · cf), min_capacity)` (moe-ops §3; Megatron `get_capacity` with
+/// `cap = max(ceil(T·k/E · cf), min_capacity)`
+/// (docs/routing-and-dispatch.md §Capacity, dropping and padding; Megatron `get_capacity` with
 /// `num_tokens = T·k`).
 pub fn expert_capacity(
     num_tokens: usize,
@@ -20,11 +22,12 @@ pub fn expert_capacity(
     (cap as usize).max(min_capacity.unwrap_or(0))
 }
 
-/// Per-expert selection of exactly `capacity` rows (moe-ops §3): column `e` of the result
-/// holds the `capacity` best routed tokens of `routing_map[:, e]` — by descending
-/// `probs[:, e]` ([`DropPolicy::Probs`]) or by ascending token index
-/// ([`DropPolicy::Position`]), ties to the lower token index — followed, when an expert has
-/// fewer routed tokens, by unrouted tokens in ascending index. Requires `capacity ≤ T`.
+/// Per-expert selection of exactly `capacity` rows
+/// (docs/routing-and-dispatch.md §Capacity, dropping and padding): column `e` of the result holds
+/// the `capacity` best routed tokens of `routing_map[:, e]` — by descending `probs[:, e]`
+/// ([`DropPolicy::Probs`]) or by ascending token index ([`DropPolicy::Position`]), ties to the
+/// lower token index — followed, when an expert has fewer routed tokens, by unrouted tokens in
+/// ascending index. Requires `capacity ≤ T`.
 pub fn capacity_mask(
     probs: Tensor<2>,
     routing_map: Tensor<2, Bool>,
@@ -79,7 +82,7 @@ pub struct CapacitySpec {
 }
 
 /// Applies the expert capacity to a top-`k` routing (`apply_router_token_dropping`,
-/// moe-ops §3).
+/// docs/routing-and-dispatch.md §Capacity, dropping and padding).
 ///
 /// `valid_rows [T, E]` (from a padding mask) removes padded tokens from the routing before the
 /// capacity is enforced, and the capacity is computed from the number of valid tokens, so the

@@ -1,4 +1,5 @@
-//! [`TopKRouterConfig`] and its validation (moe-ops §2–§5).
+//! [`TopKRouterConfig`] and its validation (docs/routing-and-dispatch.md, from §Score functions
+//! and top-k to §Aux-loss-free expert bias).
 
 use burn::config::Config;
 use burn::module::{Initializer, Param};
@@ -8,7 +9,8 @@ use super::TopKRouter;
 use super::scoring::{ScoreFunction, ScoreSpec};
 use crate::error::{BackendError, Result as BackendResult};
 
-/// Which tokens are dropped first when an expert exceeds its capacity (moe-ops §3).
+/// Which tokens are dropped first when an expert exceeds its capacity
+/// (docs/routing-and-dispatch.md §Capacity, dropping and padding).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum DropPolicy {
     /// Keep the `cap` largest `probs[:, e]` (ties → lower token index).
@@ -17,7 +19,7 @@ pub enum DropPolicy {
     Position,
 }
 
-/// Load-balancing loss types (moe-ops §4).
+/// Load-balancing loss types (docs/routing-and-dispatch.md §Load-balancing losses and z-loss).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum AuxLossType {
     /// Switch loss over the micro-batch (`aux_loss`).
@@ -49,8 +51,8 @@ pub struct AuxLossSpec {
     pub coeff: f64,
 }
 
-/// Group-limited top-k (moe-ops §2.1): experts are split into `num_groups` equal groups and
-/// every token picks its experts from its `group_topk` best groups.
+/// Group-limited top-k (docs/routing-and-dispatch.md §Group-limited top-k): experts are split into
+/// `num_groups` equal groups and every token picks its experts from its `group_topk` best groups.
 #[derive(Config, Debug, PartialEq, Eq)]
 pub struct GroupLimitConfig {
     /// `G`, the number of expert groups (`E % G == 0`).
@@ -62,7 +64,8 @@ pub struct GroupLimitConfig {
     pub group_score_topk: usize,
 }
 
-/// Configuration of a [`TopKRouter`] (Megatron's `moe_router_*` options, moe-ops §1–§5).
+/// Configuration of a [`TopKRouter`] (Megatron's `moe_router_*` options,
+/// docs/routing-and-dispatch.md).
 #[derive(Config, Debug)]
 pub struct TopKRouterConfig {
     /// `H`, the hidden size of the router input.
@@ -83,16 +86,18 @@ pub struct TopKRouterConfig {
     pub normalize: bool,
     /// Multiplies the selected probs (`moe_router_topk_scaling_factor`).
     pub topk_scaling_factor: Option<f64>,
-    /// Group-limited routing (moe-ops §2.1).
+    /// Group-limited routing (docs/routing-and-dispatch.md §Group-limited top-k).
     pub group_limit: Option<GroupLimitConfig>,
-    /// Aux-loss-free load balancing: a per-expert selection bias (moe-ops §5). Only valid with
-    /// the sigmoid and sqrt-softplus score functions.
+    /// Aux-loss-free load balancing: a per-expert selection bias
+    /// (docs/routing-and-dispatch.md §Aux-loss-free expert bias). Only valid with the sigmoid and
+    /// sqrt-softplus score functions.
     #[config(default = false)]
     pub enable_expert_bias: bool,
     /// Expert-bias update rate (`bias += rate · sign(mean(c) − c)`).
     #[config(default = 1e-3)]
     pub expert_bias_update_rate: f64,
-    /// Capacity factor `cf`; `None` or a negative value means dropless (moe-ops §3).
+    /// Capacity factor `cf`; `None` or a negative value means dropless
+    /// (docs/routing-and-dispatch.md §Capacity, dropping and padding).
     pub capacity_factor: Option<f64>,
     /// Which tokens are dropped at capacity.
     #[config(default = "DropPolicy::Probs")]
@@ -108,7 +113,8 @@ pub struct TopKRouterConfig {
     /// z-loss coefficient (`moe_z_loss_coeff`); `None` or 0 disables it.
     pub z_loss_coeff: Option<f64>,
     /// Per-token-loss mode (`calculate_per_token_loss`): attached losses are pre-multiplied by
-    /// `valid_tokens · tp_cp_size` (moe-ops §4).
+    /// `valid_tokens · tp_cp_size`
+    /// (docs/routing-and-dispatch.md §Load-balancing losses and z-loss).
     #[config(default = false)]
     pub per_token_loss: bool,
     /// dtype of the router math; the input, weight and bias are cast to it.
@@ -171,7 +177,8 @@ impl TopKRouterConfig {
         }
     }
 
-    /// Checks every rule of moe-ops §2–§5; the error names the offending field.
+    /// Checks every rule of docs/routing-and-dispatch.md, from §Score functions and top-k to
+    /// §Aux-loss-free expert bias; the error names the offending field.
     pub fn validate(&self) -> BackendResult<()> {
         let (e, k) = (self.num_experts, self.topk);
         if self.hidden_size == 0 {

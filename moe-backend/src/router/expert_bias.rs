@@ -1,10 +1,11 @@
-//! Aux-loss-free load balancing: the expert-bias update (moe-ops §5).
+//! Aux-loss-free load balancing: the expert-bias update
+//! (docs/routing-and-dispatch.md §Aux-loss-free expert bias).
 //!
 //! The bias `[E]` lives in [`TopKRouter::expert_bias`] as an f32 parameter that never requires a
-//! gradient (so it is checkpointed with the module and ignored by optimizers); it only shifts
-//! the selection scores (moe-ops §2). Counts are accumulated in
-//! [`RouterState`] from committed grad-enabled forwards, and the
-//! bias is updated once per global batch, after the gradient sync.
+//! gradient (so it is checkpointed with the module and ignored by optimizers); it only shifts the
+//! selection scores (docs/routing-and-dispatch.md §Score functions and top-k). Counts are
+//! accumulated in [`RouterState`] from committed grad-enabled forwards, and the bias is updated
+//! once per global batch, after the gradient sync.
 
 use burn::tensor::{DType, Tensor, TensorData};
 
@@ -12,8 +13,9 @@ use super::TopKRouter;
 use super::state::RouterState;
 use crate::error::{BackendError, Result};
 
-/// `bias + rate · sign(mean(c) − c)` with `sign(0) = 0`, in f32 (moe-ops §5): underloaded
-/// experts move up by `rate`, overloaded ones down by `rate`.
+/// `bias + rate · sign(mean(c) − c)` with `sign(0) = 0`, in f32
+/// (docs/routing-and-dispatch.md §Aux-loss-free expert bias): underloaded experts move up by
+/// `rate`, overloaded ones down by `rate`.
 pub fn updated_expert_bias(bias: &[f32], counts: &[f64], rate: f64) -> Result<Vec<f32>> {
     if bias.len() != counts.len() || counts.is_empty() {
         return Err(BackendError::Shape {
@@ -64,7 +66,8 @@ impl TopKRouter {
     }
 
     /// Expert-bias update with counts already summed over `tp_dp_cp`
-    /// (`allreduce_SUM(local_tokens_per_expert)`, moe-ops §5 step 2).
+    /// (`allreduce_SUM(local_tokens_per_expert)`,
+    /// docs/routing-and-dispatch.md §Aux-loss-free expert bias, step 2).
     pub fn update_expert_bias_with_counts(&mut self, reduced_counts: &[f64]) -> Result<()> {
         let Some(old) = self.expert_bias_values()? else {
             return Err(BackendError::Config {

@@ -1,5 +1,5 @@
-//! Phase 1 of an MoE layer, **route**: [`TopKRouter`] (Megatron-Core `TopKRouter`, moe-ops
-//! §1–§5, §10).
+//! Phase 1 of an MoE layer, **route**: [`TopKRouter`] (Megatron-Core `TopKRouter`;
+//! docs/routing-and-dispatch.md, from §Gating to §Aux-loss-free expert bias, and §Router replay).
 //!
 //! One forward runs, in Megatron's order: gating `logits = x·Wᵀ (+ b)` in the router dtype →
 //! z-loss → score function + (group-limited) top-k or replayed indices → capacity dropping /
@@ -55,7 +55,8 @@ use crate::ops::{attach_loss, int_tensor_to_usize, routing_map_from_indices, top
 use aux_loss::{AuxInputs, GlobalCounts, LossContext, column_counts, load_balancing_loss};
 use capacity::{CapacitySpec, apply_capacity};
 
-/// Top-k router (moe-ops §1–§5, §10). Create it with [`TopKRouterConfig::init`].
+/// Top-k router (docs/routing-and-dispatch.md, from §Gating to §Aux-loss-free expert bias, and
+/// §Router replay). Create it with [`TopKRouterConfig::init`].
 #[derive(Module, Debug)]
 pub struct TopKRouter {
     /// `[E, H]` gating weight, PyTorch orientation (`logits = x·Wᵀ`).
@@ -72,11 +73,12 @@ pub struct TopKRouter {
 /// Per-call inputs of [`TopKRouter::forward`] besides the tokens.
 #[derive(Clone)]
 pub struct RouteOptions<'a> {
-    /// `[T]` padding mask, `true` = padded row (Megatron's convention). Padded rows are left
-    /// out of the losses, the counts and the capacity competition (moe-ops §4). In a group
-    /// whose counts are summed (`tp_cp`, `tp_dp_cp`) every rank passes a mask or none: with
-    /// masks the ranks may hold different numbers of valid rows, so the loss token totals come
-    /// from the summed counts and the z-loss sums its row count over `tp_cp`.
+    /// `[T]` padding mask, `true` = padded row (Megatron's convention). Padded rows are left out of
+    /// the losses, the counts and the capacity competition
+    /// (docs/routing-and-dispatch.md §Load-balancing losses and z-loss). In a group whose counts
+    /// are summed (`tp_cp`, `tp_dp_cp`) every rank passes a mask or none: with masks the ranks may
+    /// hold different numbers of valid rows, so the loss token totals come from the summed counts
+    /// and the z-loss sums its row count over `tp_cp`.
     pub padding_mask: Option<Tensor<1, Bool>>,
     /// `B`, sequences in the micro-batch; rows are `t = s·B + b` unless
     /// [`row_sequences`](Self::row_sequences) is set (used by `seq_aux_loss`).
@@ -85,7 +87,7 @@ pub struct RouteOptions<'a> {
     /// `seq_aux_loss`; e.g. a sequence-parallel slice of batch-major rows).
     pub row_sequences: Option<&'a [usize]>,
     /// Upstream gradient of the attached losses: the trainer's main-loss backward scale
-    /// (moe-ops §4 attachment).
+    /// (the attachment of docs/routing-and-dispatch.md §Load-balancing losses and z-loss).
     pub grad_scale: f64,
     /// Sums aux-loss counts over process groups; required when a group size is > 1.
     pub count_reducer: Option<&'a dyn CountReducer>,
@@ -239,8 +241,9 @@ impl TopKRouter {
         self.forward(x.reshape([s * b, h]), state, &options)
     }
 
-    /// Routes `x [T, H]` (moe-ops §1–§5, §10). Reads `state` (global-aux counts, replay
-    /// buffer); returns the decisions, the logged losses and the state update to commit.
+    /// Routes `x [T, H]` (docs/routing-and-dispatch.md, from §Gating to §Router replay). Reads
+    /// `state` (global-aux counts, replay buffer); returns the decisions, the logged losses and the
+    /// state update to commit.
     pub fn forward(
         &self,
         x: Tensor<2>,
@@ -278,7 +281,8 @@ impl TopKRouter {
             cfg.router_dtype,
         );
         let grad_enabled = logits.is_tracked() || options.training;
-        // Per-token-loss mode pre-multiplies attached losses by valid_tokens·|tp_cp| (§4).
+        // Per-token-loss mode pre-multiplies attached losses by valid_tokens·|tp_cp|
+        // (docs/routing-and-dispatch.md §Load-balancing losses and z-loss).
         let token_scale = if cfg.per_token_loss {
             (n_valid * cfg.tp_cp_size) as f64
         } else {
@@ -401,7 +405,9 @@ impl TopKRouter {
         })
     }
 
-    /// Aux-loss inputs `P` and `M` (moe-ops §4), with padded rows zeroed / unselected.
+    /// Aux-loss inputs `P` and `M`
+    /// (docs/routing-and-dispatch.md §Load-balancing losses and z-loss), with padded rows zeroed /
+    /// unselected.
     fn aux_inputs(
         &self,
         logits: Tensor<2>,

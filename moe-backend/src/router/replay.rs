@@ -1,5 +1,6 @@
-//! Router replay (moe-ops §10): record the natural top-k indices of a forward, or force the
-//! indices of a later forward (e.g. to reproduce an inference engine's routing in RL).
+//! Router replay (docs/routing-and-dispatch.md §Router replay): record the natural top-k indices of
+//! a forward, or force the indices of a later forward (e.g. to reproduce an inference engine's
+//! routing in RL).
 
 use burn::tensor::{Int, Tensor};
 

@@ -1,10 +1,13 @@
-//! Gating, score functions and top-k probabilities (moe-ops §1, §2, §4 aux inputs, z-loss).
+//! Gating, score functions and top-k probabilities (docs/routing-and-dispatch.md §Gating,
+//! §Score functions and top-k, and the loss inputs and z-loss of
+//! §Load-balancing losses and z-loss).
 
 use burn::config::Config;
 use burn::tensor::activation::{sigmoid, softmax, softplus};
 use burn::tensor::{FloatDType, Int, Tensor};
 
-/// Score function applied to the router logits (moe-ops §2).
+/// Score function applied to the router logits
+/// (docs/routing-and-dispatch.md §Score functions and top-k).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum ScoreFunction {
     /// Softmax over experts (pre- or post-top-k, see [`ScoreSpec::pre_softmax`]).
@@ -15,7 +18,8 @@ pub enum ScoreFunction {
     SqrtSoftplus,
 }
 
-/// How selected experts' probabilities are computed from the logits (moe-ops §2 table).
+/// How selected experts' probabilities are computed from the logits (the table of
+/// docs/routing-and-dispatch.md §Score functions and top-k).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScoreSpec {
     /// Score function.
@@ -38,8 +42,8 @@ pub struct Scores {
     pub selection: Tensor<2>,
 }
 
-/// Router gating (moe-ops §1): `logits = x·Wᵀ (+ b)` with `x [T, H]`, `W [E, H]`, `b [E]`, all
-/// cast to `dtype` before the matmul. Output `[T, E]` in `dtype`.
+/// Router gating (docs/routing-and-dispatch.md §Gating): `logits = x·Wᵀ (+ b)` with `x [T, H]`,
+/// `W [E, H]`, `b [E]`, all cast to `dtype` before the matmul. Output `[T, E]` in `dtype`.
 pub fn gating(
     x: Tensor<2>,
     weight: Tensor<2>,
@@ -63,8 +67,9 @@ fn base_scores(logits: Tensor<2>, function: ScoreFunction) -> Tensor<2> {
 }
 
 impl ScoreSpec {
-    /// Computes the selection scores of `logits [T, E]` (moe-ops §2 table). `expert_bias [E]`
-    /// is added to the selection scores only (sigmoid / sqrt-softplus).
+    /// Computes the selection scores of `logits [T, E]` (the table of
+    /// docs/routing-and-dispatch.md §Score functions and top-k). `expert_bias [E]` is added to the
+    /// selection scores only (sigmoid / sqrt-softplus).
     pub fn scores(&self, logits: Tensor<2>, expert_bias: Option<Tensor<1>>) -> Scores {
         let source = match self.function {
             ScoreFunction::Softmax if !self.pre_softmax => logits,
@@ -80,8 +85,9 @@ impl ScoreSpec {
         Scores { source, selection }
     }
 
-    /// Probabilities of the experts `indices [T, k]` gathered from `source [T, E]`, normalised
-    /// and scaled as in moe-ops §2. Output `[T, k]`, differentiable through `source`.
+    /// Probabilities of the experts `indices [T, k]` gathered from `source [T, E]`, normalised and
+    /// scaled as in docs/routing-and-dispatch.md §Score functions and top-k. Output `[T, k]`,
+    /// differentiable through `source`.
     pub fn topk_probs(&self, source: Tensor<2>, indices: Tensor<2, Int>) -> Tensor<2> {
         let k = indices.dims()[1];
         let gathered = source.gather(1, indices);
@@ -101,8 +107,9 @@ impl ScoreSpec {
     }
 }
 
-/// Aux-loss input `P [T, E]` (moe-ops §4): `softmax(logits)` for softmax routers, otherwise the
-/// sigmoid / sqrt-softplus scores normalised over all experts (`s / (Σ_E s + 1e-20)`).
+/// Aux-loss input `P [T, E]` (docs/routing-and-dispatch.md §Load-balancing losses and z-loss):
+/// `softmax(logits)` for softmax routers, otherwise the sigmoid / sqrt-softplus scores normalised
+/// over all experts (`s / (Σ_E s + 1e-20)`).
 pub fn aux_loss_scores(logits: Tensor<2>, function: ScoreFunction) -> Tensor<2> {
     let scores = base_scores(logits, function);
     if function == ScoreFunction::Softmax {

@@ -1,5 +1,6 @@
 //! Mutable per-layer router state that is not a parameter: expert-bias token counts
-//! (moe-ops §5), global-aux-loss running counts (§4) and the replay buffer (§10).
+//! (docs/routing-and-dispatch.md §Aux-loss-free expert bias), global-aux-loss running counts
+//! (§Load-balancing losses and z-loss) and the replay buffer (§Router replay).
 //!
 //! Design: [`TopKRouter::forward`](super::TopKRouter::forward) takes `&self` and only *reads*
 //! a [`RouterState`]; everything a forward would change is returned as a

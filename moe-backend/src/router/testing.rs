@@ -1,6 +1,7 @@
 //! Host-side helpers and naive references for the router tests (feature `testing`).
 //!
-//! The references are plain loops over host `f64` values written from the spec formulas.
+//! The references are plain loops over host `f64` values written from the formulas of
+//! docs/routing-and-dispatch.md.
 
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
@@ -81,9 +82,10 @@ pub fn ref_aux_loss(p: &[f64], e: usize, k: usize, rows: &[usize], coeff: f64) -
     coeff * dot * e as f64 / (k as f64 * t * t)
 }
 
-/// Naive capacity selection of one expert column (moe-ops §3): routed tokens by descending
-/// prob ([`DropPolicy::Probs`](super::DropPolicy::Probs), ties to the lower index) or by
-/// ascending index, then unrouted tokens ascending; the first `cap` are kept.
+/// Naive capacity selection of one expert column
+/// (docs/routing-and-dispatch.md §Capacity, dropping and padding): routed tokens by descending prob
+/// ([`DropPolicy::Probs`](super::DropPolicy::Probs), ties to the lower index) or by ascending
+/// index, then unrouted tokens ascending; the first `cap` are kept.
 pub fn ref_capacity_column(
     probs: &[f64],
     routed: &[bool],

@@ -1,4 +1,5 @@
-//! Expert selection: plain and group-limited top-k (moe-ops §2, §2.1) and
+//! Expert selection: plain and group-limited top-k
+//! (docs/routing-and-dispatch.md §Score functions and top-k, §Group-limited top-k) and
 //! `topk_routing_with_score_function`.
 
 use burn::tensor::{Bool, IndexingUpdateOp, Int, Tensor};
@@ -8,10 +9,11 @@ use super::scoring::ScoreSpec;
 use crate::error::{BackendError, Result};
 use crate::ops::{routing_map_from_indices, topk_indices};
 
-/// Group-limited top-k (moe-ops §2.1) of `selection [T, E]`: group score = sum of the top
-/// `group_score_topk` scores of each of the `num_groups` groups; the `group_topk` best groups
-/// are kept (ties → lower group index), the other experts are masked with −inf, and the top `k`
-/// of the masked scores are returned (`[T, k]`, descending, ties → lower index).
+/// Group-limited top-k (docs/routing-and-dispatch.md §Group-limited top-k) of `selection [T, E]`:
+/// group score = sum of the top `group_score_topk` scores of each of the `num_groups` groups; the
+/// `group_topk` best groups are kept (ties → lower group index), the other experts are masked with
+/// −inf, and the top `k` of the masked scores are returned (`[T, k]`, descending, ties → lower
+/// index).
 pub fn group_limited_topk(
     selection: Tensor<2>,
     k: usize,
@@ -61,13 +63,15 @@ pub struct Routing {
     pub routing_map: Tensor<2, Bool>,
 }
 
-/// `topk_routing_with_score_function` (moe-ops §2): scores `logits [T, E]`, selects `k`
-/// experts per row (group-limited when `group` is set; `expert_bias [E]` shifts the selection
-/// only), computes the normalised and scaled probs and scatters them into dense `[T, E]`.
+/// `topk_routing_with_score_function` (docs/routing-and-dispatch.md §Score functions and top-k):
+/// scores `logits [T, E]`, selects `k` experts per row (group-limited when `group` is set;
+/// `expert_bias [E]` shifts the selection only), computes the normalised and scaled probs and
+/// scatters them into dense `[T, E]`.
 ///
-/// With `forced = Some(indices [T, k])` (router replay) the selection is skipped and the probs
-/// are gathered at the forced indices, then normalised and scaled the same way (moe-ops §10).
-/// Forced indices must be in range and distinct per row (checked by the caller).
+/// With `forced = Some(indices [T, k])` (router replay) the selection is skipped and the probs are
+/// gathered at the forced indices, then normalised and scaled the same way
+/// (docs/routing-and-dispatch.md §Router replay). Forced indices must be in range and distinct per
+/// row (checked by the caller).
 pub fn compute_routing(
     logits: Tensor<2>,
     spec: &ScoreSpec,
@@ -113,7 +117,7 @@ mod tests {
     use crate::router::testing::{f64_tensor, host_f64, host_usize, lcg_values, ref_topk};
     use burn::tensor::Device;
 
-    /// Naive group-limited top-k on one row (moe-ops §2.1).
+    /// Naive group-limited top-k on one row (docs/routing-and-dispatch.md §Group-limited top-k).
     fn ref_group_topk(row: &[f64], k: usize, g: &GroupLimitConfig) -> Vec<usize> {
         let per = row.len() / g.num_groups;
         let group_scores: Vec<f64> = (0..g.num_groups)
@@ -142,7 +146,8 @@ mod tests {
 
     #[test]
     fn router_group_limited_topk_spans_at_most_g_groups() {
-        // moe-ops §16 property 6: E=16, k=4, (g, G) ∈ {(3, 8), (2, 4)}; m = k / g as in Megatron.
+        // docs/routing-and-dispatch.md §Acceptance properties, item 6: E=16, k=4, (g, G) ∈ {(3, 8),
+        // (2, 4)}; m = k / g as in Megatron.
         let device = Device::flex();
         let (t, e, k) = (64, 16, 4);
         for (g, groups) in [(3, 8), (2, 4)] {

@@ -1,7 +1,7 @@
 //! `moe plan`: per-GPU parameters, memory (weights, gradients, optimizer, activations by
 //! module) and per-layer / per-step communication of a layout, without running it; with
-//! `--layout` omitted, the best layouts of `--gpus` that fit `--gpu-memory` (parallelism.md
-//! §6–§8; models in `moe_models::plan`).
+//! `--layout` omitted, the best layouts of `--gpus` that fit `--gpu-memory`
+//! (docs/parallelism.md §Planner formulas; models in `moe_models::plan`).
 
 use std::path::PathBuf;
 

@@ -1,4 +1,4 @@
-//! `moe upcycle`: a dense Qwen3 checkpoint into a Qwen3-MoE one (checkpoints.md §9).
+//! `moe upcycle`: a dense Qwen3 checkpoint into a Qwen3-MoE one (docs/checkpoints.md §Upcycling).
 
 use std::path::PathBuf;
 

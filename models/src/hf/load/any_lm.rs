@@ -24,7 +24,7 @@ pub enum AnyCausalLm {
 #[derive(Debug, Clone)]
 pub struct LmLosses {
     /// What HF's `outputs.loss` is: cross-entropy, plus `router_aux_loss_coef · aux_loss` for
-    /// Qwen3-MoE (models.md §5.3).
+    /// Qwen3-MoE (docs/models.md §Qwen3-MoE load-balancing loss).
     pub loss: Tensor<1>,
     /// HF's load-balancing loss (Qwen3-MoE); `None` for models HF computes none for (dense
     /// Qwen3, DeepSeek-V3, whose routing is auxiliary-loss free).

@@ -193,8 +193,8 @@ fn broadcast_send_recv_barrier() {
     }
 }
 
-/// The EP2 worked example of moe-ops §15: tokens per expert exchanged with `all_to_all_v`
-/// (ints), then the token rows; splits and received rows as the spec states.
+/// docs/routing-and-dispatch.md §EP2 worked example: tokens per expert exchanged with
+/// `all_to_all_v` (ints), then the token rows; splits and received rows as that section states.
 #[test]
 fn ep2_worked_example_through_all_to_all_v() {
     use crate::ops::{PermuteMode, int_tensor_to_usize, permute_with_indices};

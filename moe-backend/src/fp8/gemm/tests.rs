@@ -1,6 +1,6 @@
 //! FP8 grouped GEMMs against a naive reference: quantise → dequantise with an independent
-//! fake-quant (per-block amax loop, the spec's scale formula, the `float8` crate's E4M3
-//! codec), then an f64 triple-loop product.
+//! fake-quant (per-block amax loop, the scale formula of docs/fp8.md §Scaling, the `float8` crate's
+//! E4M3 codec), then an f64 triple-loop product.
 //!
 //! Tolerance: the kernel accumulates the same dequantised products in f32 in a different
 //! order, so `|y − ref| ≤ K·2⁻²³·Σₖ|aₖ·bₖ|` (recursive-summation bound γ_K with u = 2⁻²⁴,

@@ -1,4 +1,5 @@
-//! Grouped GEMM kernels (moe-ops §9) that read group sizes from device memory.
+//! Grouped GEMM kernels (docs/routing-and-dispatch.md §Grouped GEMM) that read group sizes from
+//! device memory.
 //!
 //! A tiny scan kernel turns `group_sizes [G]` into row offsets and row-tile offsets on the
 //! device. The forward / dgrad kernel is launched over an upper bound of row tiles,

@@ -1,5 +1,6 @@
-//! Routing kernels: expert-major row order of a routing map (moe-ops §6) and top-k expert
-//! indices with the lower-index tie rule (moe-ops §0).
+//! Routing kernels: expert-major row order of a routing map
+//! (docs/routing-and-dispatch.md §Permute and unpermute) and top-k expert indices with the
+//! lower-index tie rule (docs/routing-and-dispatch.md §Notation and conventions).
 //!
 //! Both run one unit per expert (routing index) or per token (top-k) and loop sequentially over
 //! the other axis, so every order is fixed by construction. Dropless routing reads the `[E]`

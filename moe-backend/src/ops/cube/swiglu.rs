@@ -1,5 +1,5 @@
-//! Fused SwiGLU with routing weights (moe-ops §8 steps 3–4), forward and backward, computed in
-//! f32 for every input dtype.
+//! Fused SwiGLU with routing weights (docs/routing-and-dispatch.md §Experts, steps 3–4), forward
+//! and backward, computed in f32 for every input dtype.
 
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;

@@ -1,7 +1,7 @@
-//! FP8 primary weights in `DistributedAdamW`: the cast-and-gather protocol against the
-//! single-rank cast of the gathered master (fp8.md §4 property), the one-byte parameter
-//! all-gather, the lossless re-quantisation by the FP8 GEMMs, packed parameters (codes and
-//! scales held by the module, shared with the optimizer) training bit-identically to decoded
+//! FP8 primary weights in `DistributedAdamW`: the cast-and-gather protocol against the single-rank
+//! cast of the gathered master (the property of docs/fp8.md §FP8 primary weights), the one-byte
+//! parameter all-gather, the lossless re-quantisation by the FP8 GEMMs, packed parameters (codes
+//! and scales held by the module, shared with the optimizer) training bit-identically to decoded
 //! f32 ones, and the memory they hold.
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -300,9 +300,10 @@ fn run(world: usize, spec: &str, config: Fp8PrimaryConfig, reference: &MoeLayer)
         .collect()
 }
 
-/// fp8.md §4 property through the optimizer: for DistOpt groups of 1–4 ranks (EDP 1, 2, 3, 4;
-/// dense `dp_cp` up to 4), with shard boundaries cutting through blocks and partial edge
-/// blocks, the gathered FP8 bytes and scales equal the single-rank cast, bit for bit.
+/// The property of docs/fp8.md §FP8 primary weights through the optimizer: for DistOpt groups of
+/// 1–4 ranks (EDP 1, 2, 3, 4; dense `dp_cp` up to 4), with shard boundaries cutting through blocks
+/// and partial edge blocks, the gathered FP8 bytes and scales equal the single-rank cast, bit for
+/// bit.
 #[test]
 fn fp8_primary_weights_equal_the_unsharded_cast_under_any_group_size() {
     for (block, pow2) in [([4, 4], true), ([3, 5], false), ([16, 16], true)] {

@@ -69,7 +69,8 @@ fn ref_scores(logits: &[f64], e: usize, function: ScoreFunction) -> Vec<f64> {
 
 #[test]
 fn router_uniform_router_gives_each_aux_loss_exactly_its_coeff() {
-    // moe-ops §16 property 12 (and §4 uniform property), for softmax and sigmoid scores.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 12 (and the uniform property of
+    // §Load-balancing losses and z-loss), for softmax and sigmoid scores.
     let device = Device::flex().autodiff();
     let (t, h, e, k, b) = (16, 4, 8, 2, 2);
     for function in [ScoreFunction::Softmax, ScoreFunction::Sigmoid] {
@@ -88,8 +89,9 @@ fn router_uniform_router_gives_each_aux_loss_exactly_its_coeff() {
 
 #[test]
 fn router_seq_aux_equals_aux_bit_exactly_for_one_sequence() {
-    // moe-ops §16 property 10: B=1 ⇒ seq_aux == aux bit-exact (E=32, k=8, f64); B=2 ⇒ the mean
-    // of per-sequence aux losses; aux itself against the host reference.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 10: B=1 ⇒ seq_aux == aux bit-exact
+    // (E=32, k=8, f64); B=2 ⇒ the mean of per-sequence aux losses; aux itself against the host
+    // reference.
     let device = Device::flex().autodiff();
     let (t, h, e, k) = (24, 6, 32, 8);
     let w = lcg_values(e * h, 61);
@@ -142,8 +144,9 @@ fn router_seq_aux_equals_aux_bit_exactly_for_one_sequence() {
 
 #[test]
 fn router_global_aux_accumulates_counts_and_resets() {
-    // moe-ops §16 property 11 (single rank): counts sum to T·ga_steps·k; equals aux for the first
-    // micro-batch; averaged counts afterwards; reset each global batch.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 11 (single rank): counts sum to
+    // T·ga_steps·k; equals aux for the first micro-batch; averaged counts afterwards; reset each
+    // global batch.
     let device = Device::flex().autodiff();
     let (t, h, e, k) = (12, 5, 8, 2);
     let w = lcg_values(e * h, 71);
@@ -237,8 +240,8 @@ fn router_z_loss_matches_mean_of_squared_logsumexp() {
 
 #[test]
 fn router_zero_coefficients_give_an_exactly_zero_gate_gradient() {
-    // moe-ops §16 property 2: with output × 0, the gate gradient is exactly 0 without losses
-    // and non-zero with an aux or z coefficient of 1.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 2: with output × 0, the gate
+    // gradient is exactly 0 without losses and non-zero with an aux or z coefficient of 1.
     let (t, h, e, k) = (16, 5, 4, 2);
     let device = Device::flex().autodiff();
     let w = lcg_values(e * h, 91);
@@ -369,8 +372,9 @@ fn router_grad_scale_and_per_token_mode_scale_the_attached_gradient() {
 
 #[test]
 fn router_padding_mask_gives_the_same_losses_and_gradients() {
-    // moe-ops §16 property 13: aux, global aux and z-loss values and the gate / input gradients
-    // with padded rows masked equal those of the input without them; padded inputs get 0.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 13: aux, global aux and z-loss
+    // values and the gate / input gradients with padded rows masked equal those of the input
+    // without them; padded inputs get 0.
     let (h, e, k) = (5, 8, 2);
     let padded_at = [0usize, 5, 6];
     let t_full = 14;

@@ -1,5 +1,6 @@
-//! Router-level acceptance properties (moe-ops §16 items 1–8, 10–13), checked against naive
-//! host references written here, never against values printed by the code under test.
+//! Router-level acceptance properties (docs/routing-and-dispatch.md §Acceptance properties, items
+//! 1–8, 10–13), checked against naive host references written here, never against values printed by
+//! the code under test.
 
 mod losses;
 mod routing;

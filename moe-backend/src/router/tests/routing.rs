@@ -21,7 +21,7 @@ fn sigmoid(x: f64) -> f64 {
 
 #[test]
 fn router_parameter_count_is_h_times_e() {
-    // moe-ops §16 property 1.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 1.
     let device = Device::flex();
     let router = TopKRouterConfig::new(12, 4, 2).init(&device).unwrap();
     assert_eq!(router.num_params(), 48);
@@ -34,7 +34,7 @@ fn router_parameter_count_is_h_times_e() {
 
 #[test]
 fn router_probs_dtype_follows_router_dtype_and_gating_is_a_plain_matmul() {
-    // moe-ops §16 property 4 (f64, f32, bf16).
+    // docs/routing-and-dispatch.md §Acceptance properties, item 4 (f64, f32, bf16).
     let device = Device::flex();
     let (t, h, e, k) = (6, 5, 4, 2);
     let x = lcg_values(t * h, 1);
@@ -77,7 +77,8 @@ fn router_probs_dtype_follows_router_dtype_and_gating_is_a_plain_matmul() {
 
 #[test]
 fn router_token_dropping_matches_reference_for_every_policy() {
-    // moe-ops §16 property 5: T=32, E=4, k=2; cf ∈ {None, 1, 2} × {probs, position} × pad.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 5: T=32, E=4, k=2; cf ∈ {None, 1,
+    // 2} × {probs, position} × pad.
     let device = Device::flex();
     let (t, h, e, k) = (32, 6, 4, 2);
     let x = lcg_values(t * h, 11);
@@ -147,7 +148,8 @@ fn router_token_dropping_matches_reference_for_every_policy() {
 
 #[test]
 fn router_group_limited_sigmoid_routing_spans_at_most_g_groups() {
-    // moe-ops §16 property 6 through the router (DeepSeek-style sigmoid + bias + scaling).
+    // docs/routing-and-dispatch.md §Acceptance properties, item 6 through the router
+    // (DeepSeek-style sigmoid + bias + scaling).
     let device = Device::flex();
     let (t, h, e, k) = (24, 5, 16, 4);
     for (g, groups) in [(3, 8), (2, 4)] {
@@ -194,7 +196,8 @@ fn router_uniform_logits_tie_to_the_lowest_experts() {
 
 #[test]
 fn router_expert_bias_counts_update_and_steer_selection() {
-    // moe-ops §16 property 7 (sigmoid, rate 0.1) and §5 (exact ±rate moves, no gradient).
+    // docs/routing-and-dispatch.md §Acceptance properties, item 7 (sigmoid, rate 0.1) and
+    // §Aux-loss-free expert bias (exact ±rate moves, no gradient).
     let device = Device::flex().autodiff();
     let (t, h, e, k) = (16, 6, 8, 2);
     let cfg = TopKRouterConfig::new(h, e, k)
@@ -268,7 +271,7 @@ fn router_expert_bias_counts_update_and_steer_selection() {
 
 #[test]
 fn router_replay_reproduces_recorded_routing_and_honours_forced_indices() {
-    // moe-ops §16 property 8 and §10.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 8 and §Router replay.
     let device = Device::flex();
     let (t, h, e, k) = (10, 4, 8, 2);
     let w = lcg_values(e * h, 41);
@@ -343,8 +346,9 @@ fn router_replay_reproduces_recorded_routing_and_honours_forced_indices() {
 
 #[test]
 fn router_padding_mask_keeps_valid_rows_identical() {
-    // moe-ops §16 property 3: probs of valid rows equal the run without the padded rows; the
-    // expert-bias counts are map[valid].sum(0) and sum to valid·k. Also with capacity.
+    // docs/routing-and-dispatch.md §Acceptance properties, item 3: probs of valid rows equal the
+    // run without the padded rows; the expert-bias counts are map[valid].sum(0) and sum to valid·k.
+    // Also with capacity.
     let device = Device::flex().autodiff();
     let (h, e, k) = (6, 8, 2);
     let padded_at = [2usize, 7, 13];
