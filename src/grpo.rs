@@ -31,7 +31,8 @@ use moe_backend::BackendError;
 use moe_backend::comm::{Comm, GroupComms, ReduceOp, WorldConfig};
 use moe_bridge::hf::HfCheckpoint;
 use moe_models::rl::{
-    LossAgg, PpoConfig, ResponseMask, aggregate, grpo_advantages, ppo_loss, token_advantages,
+    LossAgg, MismatchMetrics, PpoConfig, ResponseMask, RolloutCorrection, aggregate,
+    grpo_advantages, ppo_loss, rollout_correction, token_advantages,
 };
 use moe_models::rollout::{SamplingConfig, generate_batch};
 use moe_models::train::{Trainer, TrainerConfig};
@@ -95,6 +96,13 @@ pub struct GrpoReport {
     pub mean_rewards: Vec<f64>,
     /// Fraction of answers that copied the first digit, per step.
     pub exact: Vec<f64>,
+    /// Per step, the rollout–trainer mismatch on the answer tokens, averaged over replicas
+    /// (NeMo-RL's `token_mult_prob_error`, mean `exp(|log π_trainer − log π_rollout|)`): 1 when
+    /// the rollout model, synced every step, gives the trainer's log-probabilities.
+    pub token_mult_prob_error: Vec<f64>,
+    /// Per step, the K3 estimate of `KL(π_rollout ‖ π_trainer)` on the answer tokens, averaged
+    /// over replicas (verl's `rollout_corr/rollout_k3_kl`).
+    pub rollout_k3_kl: Vec<f64>,
     /// Wall time of the run.
     pub seconds: f64,
     /// The layout that ran.
@@ -178,11 +186,20 @@ pub fn grpo_on(
         let mut policy = full.clone().valid();
         for step in 0..options.steps {
             sync_policy(&trainer, &groups, &world, &mut policy)?;
-            let (mean, exact) = grpo_step(&mut trainer, &policy, options, step, replica, &device)
-                .map_err(to_backend)?;
+            let (mean, exact, mismatch) =
+                grpo_step(&mut trainer, &policy, options, step, replica, &device)
+                    .map_err(to_backend)?;
             // Every TP rank of a replica holds the same rollouts: the world mean weights the
             // replicas equally.
-            let sums = Tensor::<1>::from_data([mean as f32, exact as f32], &Device::flex());
+            let sums = Tensor::<1>::from_data(
+                [
+                    mean as f32,
+                    exact as f32,
+                    mismatch.token_mult_prob_error as f32,
+                    mismatch.k3_kl as f32,
+                ],
+                &Device::flex(),
+            );
             let sums = world
                 .all_reduce(sums, ReduceOp::Mean)?
                 .into_data()
@@ -195,6 +212,12 @@ pub fn grpo_on(
             report
                 .exact
                 .push(f64::from(sums.get(1).copied().unwrap_or(f32::NAN)));
+            report
+                .token_mult_prob_error
+                .push(f64::from(sums.get(2).copied().unwrap_or(f32::NAN)));
+            report
+                .rollout_k3_kl
+                .push(f64::from(sums.get(3).copied().unwrap_or(f32::NAN)));
             if ctx.rank() == 0 {
                 on_step(step, &report);
             }
@@ -231,8 +254,9 @@ fn sync_policy(
     }
 }
 
-/// Steps 2–4 of this rank (the policy synced); returns this replica's mean reward and
-/// exact-copy rate.
+/// Steps 2–4 of this rank (the policy synced); returns this replica's mean reward, exact-copy
+/// rate and the rollout–trainer mismatch of its answer tokens ([`rollout_correction`]'s
+/// metrics, measured on the trainer's log-probabilities before the update).
 fn grpo_step(
     trainer: &mut Trainer,
     policy: &Qwen3MoeForCausalLM,
@@ -240,7 +264,7 @@ fn grpo_step(
     step: usize,
     replica: usize,
     device: &Device,
-) -> Result<(f64, f64), moe_models::ModelError> {
+) -> Result<(f64, f64, MismatchMetrics), moe_models::ModelError> {
     // 2. Rollouts: `samples` answers per prompt, the same on every TP rank of the replica
     // (same model, same seed).
     let prompts: Vec<Vec<i64>> = (0..options.prompts_per_replica)
@@ -283,6 +307,7 @@ fn grpo_step(
         mask[row * (seq - 1) + answer_at] = 1.0;
         old[row * (seq - 1) + answer_at] = r.logprobs.first().copied().unwrap_or(0.0);
     }
+    let mut mismatch = None;
     trainer.step_with(&[()], |shard, (), aux_grad_scale| {
         let lp = shard.forward_logprobs_scaled(&ids, &ids, rows, device, aux_grad_scale)?;
         let dev = lp.logprobs.device();
@@ -292,11 +317,23 @@ fn grpo_step(
         ))?;
         let old = Tensor::<2>::from_data(TensorData::new(old.clone(), [rows, seq - 1]), &dev);
         let adv = token_advantages(&advantages, &mask, DType::F32)?.to_device(&dev);
+        // The rollout engine's log-probabilities against the trainer's (metrics only).
+        let measured = rollout_correction(
+            lp.logprobs.clone(),
+            old.clone(),
+            &mask,
+            &RolloutCorrection::default(),
+        )?;
+        mismatch = Some(measured.metrics.mismatch);
         let out = ppo_loss(lp.logprobs, old, adv, &mask, &PpoConfig::default())?;
         // Entropy bonus: keeps the samples of a group diverse, so their advantages carry a
         // signal after the format is learned.
         let entropy = aggregate(lp.entropy, &mask, LossAgg::TokenMean)?;
         Ok((out.loss - entropy.mul_scalar(options.entropy_coef), rows))
     })?;
-    Ok((mean, exact))
+    let mismatch = mismatch.ok_or_else(|| moe_models::ModelError::InvalidInput {
+        what: "rollouts",
+        reason: "the policy update ran no forward".into(),
+    })?;
+    Ok((mean, exact, mismatch))
 }

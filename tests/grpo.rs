@@ -24,6 +24,19 @@ fn grpo_raises_the_mean_reward() {
     let report = grpo(&options, &|_, _| {}).expect("grpo");
     let r = &report.mean_rewards;
     assert_eq!(r.len(), 150);
+    // The rollout model is synced (f32) before every step: its log-probabilities are the
+    // trainer's up to the rounding of another reduction order (one rank's model vs the EP
+    // shards), every step — a stale or partial sync would move them apart as the policy trains.
+    assert_eq!(report.token_mult_prob_error.len(), 150);
+    for (step, (m, k3)) in report
+        .token_mult_prob_error
+        .iter()
+        .zip(&report.rollout_k3_kl)
+        .enumerate()
+    {
+        assert!((1.0..1.0 + 1e-4).contains(m), "step {step}: exp|Δlogp| {m}");
+        assert!(k3.abs() < 1e-6, "step {step}: K3 {k3}");
+    }
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
     let (first, last) = (mean(&r[..20]), mean(&r[130..]));
     // A random policy scores about 0.01; the copy rate is what rises.
