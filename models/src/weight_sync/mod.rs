@@ -40,6 +40,13 @@
 //! against the model's export and reporting unknown, mis-shaped, duplicate and missing tensors
 //! by name.
 //!
+//! # Across processes
+//!
+//! [`WireSender`] streams a sync over any [`std::io::Write`] (e.g. a `TcpStream`) in a
+//! documented, versioned wire format ([`wire`]: its docs are the specification an external
+//! engine implements), and [`receive_wire`] reads it on the other side into any
+//! receiver, checking magic, version, every CRC32C and the buckets' order and sizes.
+//!
 //! Limits: pipeline and context parallelism are not supported (the sharded models do not run
 //! them either). Weights travel as the module holds them: FP8 layers' high-precision weights,
 //! with FP8 primary weights their decoded FP8 values.
@@ -50,6 +57,9 @@ mod producer;
 mod receiver;
 #[cfg(test)]
 mod tests;
+pub mod wire;
+#[cfg(test)]
+mod wire_tests;
 
 use burn::tensor::DType;
 use moe_backend::BackendError;
@@ -61,6 +71,7 @@ pub use crate::export::ExpertNames;
 pub use bucket::{BucketMeta, SyncManifest, SyncedTensor, WeightBucket};
 pub use producer::{SyncStats, WeightSync, sync_weights};
 pub use receiver::{ModelReceiver, SyncTarget, WeightReceiver};
+pub use wire::{MAX_MANIFEST_BYTES, WIRE_MAGIC, WIRE_VERSION, WireSender, WireStats, receive_wire};
 
 /// Default bucket size: 512 MiB (slime's and NeMo-RL's order of magnitude).
 pub const DEFAULT_BUCKET_BYTES: usize = 512 << 20;
@@ -193,6 +204,91 @@ pub enum WeightSyncError {
         name: String,
         /// What does not match.
         reason: String,
+    },
+    /// The wire stream could not be read or written, or ends early.
+    #[error("weight sync wire: {what} at byte {offset}: {source}")]
+    WireIo {
+        /// What was being read or written (names the bucket and its first tensor).
+        what: String,
+        /// Byte offset in the stream where that field starts.
+        offset: u64,
+        /// The I/O error (`UnexpectedEof` for a truncated stream).
+        #[source]
+        source: std::io::Error,
+    },
+    /// The stream does not start with the wire format's magic.
+    #[error(
+        "weight sync wire: not a weight-sync stream: magic {found:02x?} at byte 0, expected \
+         {expected:02x?}"
+    )]
+    WireMagic {
+        /// The first 8 bytes of the stream.
+        found: [u8; 8],
+        /// [`WIRE_MAGIC`].
+        expected: [u8; 8],
+    },
+    /// The stream's format version is not one this reader supports.
+    #[error(
+        "weight sync wire: the stream has format version {found} (byte 8), this reader supports \
+         version {supported}"
+    )]
+    WireVersion {
+        /// The stream's version.
+        found: u32,
+        /// [`WIRE_VERSION`].
+        supported: u32,
+    },
+    /// The stream breaks the wire format (an unexpected frame tag, an invalid manifest, a wrong
+    /// end frame).
+    #[error("weight sync wire: at byte {offset}: {reason}")]
+    WireFormat {
+        /// Byte offset in the stream of the offending field.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A bucket frame arrived out of order.
+    #[error(
+        "weight sync wire: at byte {offset}: bucket {found} arrived where bucket {expected} was next"
+    )]
+    WireBucketOrder {
+        /// Byte offset of the bucket frame.
+        offset: u64,
+        /// The bucket the manifest puts next.
+        expected: usize,
+        /// The index the frame carries.
+        found: u64,
+    },
+    /// A bucket frame's length differs from the manifest's.
+    #[error(
+        "weight sync wire: {bucket} at byte {offset} has {found} bytes, the manifest says {expected}"
+    )]
+    WireBucketSize {
+        /// The bucket (index and first tensor).
+        bucket: String,
+        /// Byte offset of the bucket frame.
+        offset: u64,
+        /// The manifest's length.
+        expected: u64,
+        /// The frame's length.
+        found: u64,
+    },
+    /// A bucket's bytes do not match its CRC32C.
+    #[error(
+        "weight sync wire: {bucket} is corrupt: CRC32C of its {bytes} bytes at byte {offset} is \
+         {found:#010x}, the frame says {expected:#010x}"
+    )]
+    WireChecksum {
+        /// The bucket (index and first tensor).
+        bucket: String,
+        /// Byte offset of the bucket's data.
+        offset: u64,
+        /// Its length.
+        bytes: u64,
+        /// The CRC32C the frame carries.
+        expected: u32,
+        /// The CRC32C of the bytes received.
+        found: u32,
     },
     /// An error of a user-defined receiver.
     #[error("weight sync: receiver failed: {0}")]
