@@ -38,9 +38,14 @@ use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
 use moe_bridge::{BridgeError, Tokenizer};
 use moe_models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
+use moe_models::distributed::CausalLmShard;
+use moe_models::export::ExportHf;
 use moe_models::hf::{HfShard, ModelConfig, load_shard_checked};
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+use moe_models::weight_sync::{
+    SyncDtype, SyncOptions, WeightReceiver, WeightSyncError, WireSender, sync_weights,
+};
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 };
@@ -86,6 +91,14 @@ pub enum TrainJobError {
         detail: String,
         /// Where the last finite state is (`the latest checkpoint is …`).
         latest: String,
+    },
+    /// The weight sync to a rollout process (`sync_weights_to`) failed.
+    #[error("weight sync to {addr}: {source}")]
+    WeightSync {
+        /// The `HOST:PORT` of the rollout process.
+        addr: String,
+        /// What failed.
+        source: Box<WeightSyncError>,
     },
     /// A file could not be read or written.
     #[error("{path}: {source}")]
@@ -177,6 +190,13 @@ pub struct TrainJob {
     pub exit: ExitPolicy,
     /// Validation loss on held-out data during training.
     pub eval: Option<EvalJob>,
+    /// After the last step, stream the trained weights to a rollout process listening at this
+    /// `HOST:PORT` (e.g. `moe receive-weights`) in the weight-sync wire format
+    /// ([`moe_models::weight_sync::wire`]): global rank 0 connects, every rank takes part in
+    /// the collective sync. Not done when the job stops early (exit signal, budget, interval).
+    pub sync_weights_to: Option<String>,
+    /// The dtype the weights travel in with `sync_weights_to`.
+    pub sync_dtype: SyncDtype,
 }
 
 /// When a job stops early, every rank after the same step, with a checkpoint saved (when the
@@ -237,6 +257,8 @@ impl Default for TrainJob {
             keep_last: None,
             exit: ExitPolicy::default(),
             eval: None,
+            sync_weights_to: None,
+            sync_dtype: SyncDtype::default(),
         }
     }
 }
@@ -858,7 +880,7 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
 /// are read), or, for a distributed checkpoint, a zero skeleton at local shapes
 /// ([`LoadShard::shard_skeleton`](moe_models::distributed::LoadShard::shard_skeleton)) that [`restore_trainer`] fills. No rank builds the full
 /// model.
-pub trait JobModel: HfShard + PlacedModel + Sync {
+pub trait JobModel: HfShard + PlacedModel + ExportHf + Sync {
     /// `model_type` of its `config.json` (also the checkpoints' model family).
     const FAMILY: &'static str;
 
@@ -1162,7 +1184,63 @@ fn run_model<M: JobModel>(
             break;
         }
     }
+    if let Some(addr) = &job.sync_weights_to
+        && report.stopped.is_none()
+    {
+        sync_to_rollout(ctx, &groups, trainer.model().model(), addr, job.sync_dtype)?;
+    }
     Ok(report)
+}
+
+/// Streams `model` (this rank's shard) to the rollout process at `addr` in the weight-sync
+/// wire format: global rank 0 connects and writes, every rank takes part in the collective.
+/// A failed connection still lets the collective run to its end (so no rank waits forever),
+/// then fails the job.
+fn sync_to_rollout<M: ExportHf>(
+    ctx: &RankCtx,
+    groups: &moe_backend::comm::GroupComms,
+    model: &M,
+    addr: &str,
+    dtype: SyncDtype,
+) -> Result<(), TrainJobError> {
+    let failed = |source| TrainJobError::WeightSync {
+        addr: addr.to_owned(),
+        source: Box::new(source),
+    };
+    let stream = (ctx.rank() == 0).then(|| std::net::TcpStream::connect(addr));
+    let mut sender = match &stream {
+        Some(Ok(s)) => Some(WireSender::new(std::io::BufWriter::new(s))),
+        _ => None,
+    };
+    let options = SyncOptions {
+        dtype,
+        ..SyncOptions::default()
+    };
+    let result = sync_weights(
+        model,
+        groups,
+        options,
+        sender.as_mut().map(|s| s as &mut dyn WeightReceiver),
+    );
+    let wire = sender.as_ref().map(WireSender::stats);
+    drop(sender);
+    if let Some(Err(e)) = stream {
+        return Err(failed(WeightSyncError::Unsupported(format!(
+            "cannot connect: {e}"
+        ))));
+    }
+    let stats = result.map_err(failed)?;
+    if let Some(wire) = wire {
+        tracing::info!(
+            addr,
+            tensors = wire.tensors,
+            buckets = wire.buckets,
+            bytes = wire.stream_bytes,
+            seconds = stats.seconds,
+            "synced the trained weights"
+        );
+    }
+    Ok(())
 }
 
 /// `TrainState::extra` key of the count of skipped non-finite steps.

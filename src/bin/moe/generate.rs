@@ -86,6 +86,12 @@ fn positive_temperature(text: &str) -> Result<f64, String> {
 
 /// Runs `moe generate`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    run_with(args, None)
+}
+
+/// Runs `moe generate` with `model` (on the Flex device) instead of the one `--model` loads
+/// (`--model` still provides the tokenizer and the end-of-sequence ids).
+pub fn run_with(args: Args, model: Option<AnyCausalLm>) -> anyhow::Result<()> {
     let device = Device::flex();
     let print = args.print.unwrap_or(if args.prompt.is_some() {
         Print::Text
@@ -139,7 +145,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     config.validate()?;
-    let model = crate::progress::load_model(&args.model, WeightPrecision::F32, &device)?;
+    let model = match model {
+        Some(model) => model,
+        None => crate::progress::load_model(&args.model, WeightPrecision::F32, &device)?,
+    };
     // End-of-sequence ids the model cannot produce are dropped (they never match).
     let vocab = model.vocab_size();
     config

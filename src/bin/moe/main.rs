@@ -12,6 +12,7 @@ mod logits;
 mod logprobs;
 mod plan;
 mod progress;
+mod receive_weights;
 mod train;
 mod upcycle;
 
@@ -62,6 +63,9 @@ enum Command {
     Logprobs(logprobs::Args),
     /// Continue a prompt of token ids, greedily or by sampling.
     Generate(generate::Args),
+    /// Receive a weight sync over TCP (`moe train --sync-weights-to`) into a model, then
+    /// continue a prompt with it as `moe generate` does.
+    ReceiveWeights(receive_weights::Args),
     /// Write a checkpoint as a HuggingFace directory (e.g. FP8 → BF16, re-sharding).
     Export(export::Args),
     /// Turn a dense Qwen3 checkpoint into a Qwen3-MoE one (Megatron's upcycling).
@@ -87,6 +91,7 @@ fn main() -> std::process::ExitCode {
         Command::Logits(args) => logits::run(args),
         Command::Logprobs(args) => logprobs::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::ReceiveWeights(args) => receive_weights::run(args),
         Command::Export(args) => export::run(args),
         Command::Upcycle(args) => upcycle::run(args),
         Command::Plan(args) => plan::run(args),

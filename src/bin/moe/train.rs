@@ -17,6 +17,7 @@ use burn_moe::job_data::{SftPacking, SftSettings};
 use burn_moe::launch::{self, Placement};
 use burn_moe::models::distributed::{CpCommType, DispatcherKind};
 use burn_moe::models::train::TrainerConfig;
+use burn_moe::models::weight_sync::SyncDtype;
 use burn_moe::preempt;
 use burn_moe::train_job::{
     EvalJob, ExitPolicy, MetricsWriter, StepMetrics, TrainJob, TrainJobReport, run_job,
@@ -373,6 +374,23 @@ pub struct Args {
     /// Global batches (`--gbs` sequences each) per evaluation; the same batches every time.
     #[arg(long, default_value_t = 100, value_name = "K", requires = "eval_data")]
     pub eval_iters: usize,
+    /// After the last step, stream the trained weights (HF names) to a rollout process
+    /// listening at HOST:PORT, e.g. `moe receive-weights --listen HOST:PORT`, in the
+    /// weight-sync wire format. Rank 0 connects; the sync is collective over the job's ranks.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub sync_weights_to: Option<String>,
+    /// The dtype the weights travel in with `--sync-weights-to`.
+    #[arg(long, value_enum, default_value_t = SyncDtypeArg::Bf16, requires = "sync_weights_to")]
+    pub sync_dtype: SyncDtypeArg,
+}
+
+/// `--sync-dtype` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncDtypeArg {
+    /// bfloat16, rounded to nearest-even (what inference engines load).
+    Bf16,
+    /// float32, bit for bit the training weights.
+    F32,
 }
 
 /// `--aux-loss-type` values.
@@ -500,6 +518,11 @@ fn job(args: &Args) -> TrainJob {
             interval: args.eval_interval,
             iters: args.eval_iters,
         }),
+        sync_weights_to: args.sync_weights_to.clone(),
+        sync_dtype: match args.sync_dtype {
+            SyncDtypeArg::Bf16 => SyncDtype::Bf16,
+            SyncDtypeArg::F32 => SyncDtype::F32,
+        },
     }
 }
 

@@ -1,0 +1,162 @@
+//! `moe train --sync-weights-to` into a separate `moe receive-weights` process: the receiver
+//! generates what `moe generate` generates from the run's exported checkpoint, and a receiver
+//! holding another model refuses the sync naming the tensor.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+
+use common::{FIXTURE, MOE, check, output_text, scratch, train_args};
+
+const PROMPT: &str = "3,141,59,26,5";
+const NEW_TOKENS: &str = "12";
+
+/// `moe receive-weights` for `model` on a free port: the child and the address it listens on.
+fn receiver(model: &str) -> (Child, String, std::thread::JoinHandle<String>) {
+    let mut child = Command::new(MOE)
+        .args([
+            "receive-weights",
+            "--model",
+            model,
+            "--listen",
+            "127.0.0.1:0",
+            "--prompt-ids",
+            PROMPT,
+            "--max-new-tokens",
+            NEW_TOKENS,
+            "--ignore-eos",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("moe receive-weights");
+    let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut seen = String::new();
+    let addr = loop {
+        let mut line = String::new();
+        if stderr.read_line(&mut line).expect("stderr") == 0 {
+            let _ = child.kill();
+            panic!("receive-weights exited before listening:\n{seen}");
+        }
+        seen.push_str(&line);
+        if let Some(addr) = line.trim().strip_prefix("listening on ") {
+            break addr.to_owned();
+        }
+    };
+    // The rest of stderr, drained so that the child never blocks on it.
+    let rest = std::thread::spawn(move || {
+        let mut text = seen;
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    (child, addr, rest)
+}
+
+fn moe(args: &[&str]) -> std::process::Output {
+    Command::new(MOE).args(args).output().expect("moe")
+}
+
+#[test]
+fn four_rank_train_syncs_into_a_separate_generator() {
+    let dir = scratch("weight-wire");
+    let (mut rx, addr, rx_err) = receiver(FIXTURE);
+    let train = Command::new(MOE)
+        .args(train_args(
+            &dir,
+            "tp=2,ep=4",
+            3,
+            &["--sync-weights-to", &addr, "--transport", "threads"],
+        ))
+        .output()
+        .expect("moe train");
+    let train = check(train, "moe train --sync-weights-to");
+    let rx_out = {
+        let mut s = String::new();
+        rx.stdout
+            .take()
+            .expect("stdout")
+            .read_to_string(&mut s)
+            .expect("stdout");
+        s
+    };
+    let status = rx.wait().expect("receiver");
+    let rx_err = rx_err.join().expect("stderr");
+    assert!(
+        status.success(),
+        "receive-weights failed:\n{rx_out}\n{rx_err}"
+    );
+    assert!(
+        output_text(&train).contains("synced the trained weights")
+            || rx_err.contains("received the weights"),
+        "{}",
+        output_text(&train)
+    );
+
+    // The run's checkpoint, exported in the sync's dtype, and `moe generate` on it.
+    let ckpt = dir.join("ckpt").display().to_string();
+    let hf = dir.join("hf").display().to_string();
+    check(
+        moe(&["export", &ckpt, "--out", &hf, "--dtype", "bf16"]),
+        "moe export",
+    );
+    let generate = |model: &str| {
+        let out = check(
+            moe(&[
+                "generate",
+                "--model",
+                model,
+                "--prompt-ids",
+                PROMPT,
+                "--max-new-tokens",
+                NEW_TOKENS,
+                "--ignore-eos",
+            ]),
+            "moe generate",
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let want = generate(&hf);
+    assert_eq!(want.trim().split(',').count(), 12, "{want}");
+    assert_eq!(rx_out, want, "receiver vs moe generate on the export");
+    // The sync changed the receiver's model: the untrained fixture continues otherwise.
+    assert_ne!(
+        generate(FIXTURE),
+        want,
+        "training changed nothing to compare"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_receiver_of_another_model_names_the_tensor() {
+    let dir = scratch("weight-wire-other");
+    let dense = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3");
+    let (mut rx, addr, rx_err) = receiver(dense);
+    let train = Command::new(MOE)
+        .args(train_args(
+            &dir,
+            "tp=2,ep=4",
+            1,
+            &["--sync-weights-to", &addr, "--transport", "threads"],
+        ))
+        .output()
+        .expect("moe train");
+    let status = rx.wait().expect("receiver");
+    let rx_err = rx_err.join().expect("stderr");
+    assert!(!status.success(), "{rx_err}");
+    assert!(
+        rx_err.contains(
+            "tensor `model.layers.1.mlp.gate.weight` is not a tensor of the target model"
+        ),
+        "{rx_err}"
+    );
+    // The trainer learns that its sync did not go through.
+    assert!(!train.status.success(), "{}", output_text(&train));
+    assert!(
+        output_text(&train).contains(&format!("weight sync to {addr}")),
+        "{}",
+        output_text(&train)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
