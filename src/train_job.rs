@@ -44,7 +44,7 @@ use moe_models::hf::{HfShard, ModelConfig, load_shard_checked};
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
-    SyncDtype, SyncOptions, WeightReceiver, WeightSyncError, WireSender, sync_weights,
+    SyncDtype, SyncOptions, WeightReceiver, WeightSyncError, WireSender, read_ack, sync_weights,
 };
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
@@ -1193,9 +1193,10 @@ fn run_model<M: JobModel>(
 }
 
 /// Streams `model` (this rank's shard) to the rollout process at `addr` in the weight-sync
-/// wire format: global rank 0 connects and writes, every rank takes part in the collective.
-/// A failed connection still lets the collective run to its end (so no rank waits forever),
-/// then fails the job.
+/// wire format: global rank 0 connects, writes, then waits for the receiver's acknowledgement;
+/// every rank takes part in the collective. A failed connection still lets the collective run
+/// to its end (so no rank waits forever), then fails the job; a refusal fails it with the
+/// receiver's reason.
 fn sync_to_rollout<M: ExportHf>(
     ctx: &RankCtx,
     groups: &moe_backend::comm::GroupComms,
@@ -1224,12 +1225,27 @@ fn sync_to_rollout<M: ExportHf>(
     );
     let wire = sender.as_ref().map(WireSender::stats);
     drop(sender);
-    if let Some(Err(e)) = stream {
-        return Err(failed(WeightSyncError::Unsupported(format!(
-            "cannot connect: {e}"
-        ))));
+    let stream = match stream {
+        None => return result.map(drop).map_err(failed),
+        Some(Err(e)) => {
+            return Err(failed(WeightSyncError::Unsupported(format!(
+                "cannot connect: {e}"
+            ))));
+        }
+        Some(Ok(stream)) => stream,
+    };
+    if result.is_err() {
+        // The receiver sees the stream end early and answers with its refusal (if it still
+        // can); do not wait long for it.
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
     }
-    let stats = result.map_err(failed)?;
+    let ack = read_ack(&stream);
+    let stats = match (result, ack) {
+        (_, Err(refused @ WeightSyncError::WireRejected { .. })) => return Err(failed(refused)),
+        (Err(e), _) | (Ok(_), Err(e)) => return Err(failed(e)),
+        (Ok(stats), Ok(())) => stats,
+    };
     if let Some(wire) = wire {
         tracing::info!(
             addr,

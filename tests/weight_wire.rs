@@ -151,12 +151,43 @@ fn a_receiver_of_another_model_names_the_tensor() {
         ),
         "{rx_err}"
     );
-    // The trainer learns that its sync did not go through.
-    assert!(!train.status.success(), "{}", output_text(&train));
+    // The trainer learns the receiver's reason from its acknowledgement.
+    let text = output_text(&train);
+    assert!(!train.status.success(), "{text}");
     assert!(
-        output_text(&train).contains(&format!("weight sync to {addr}")),
-        "{}",
-        output_text(&train)
+        text.contains(&format!(
+            "weight sync to {addr}: weight sync wire: the receiving side refused the weights: \
+             weight sync: tensor `model.layers.1.mlp.gate.weight` is not a tensor of the target \
+             model"
+        )),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn train_fails_naming_an_address_nobody_listens_on() {
+    let dir = scratch("weight-wire-nobody");
+    let addr = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").to_string()
+    };
+    let train = Command::new(MOE)
+        .args(train_args(
+            &dir,
+            "tp=2,ep=4",
+            1,
+            &["--sync-weights-to", &addr, "--transport", "threads"],
+        ))
+        .output()
+        .expect("moe train");
+    let text = output_text(&train);
+    assert!(!train.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "weight sync to {addr}: weight sync: cannot connect"
+        )),
+        "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -71,7 +71,10 @@ pub use crate::export::ExpertNames;
 pub use bucket::{BucketMeta, SyncManifest, SyncedTensor, WeightBucket};
 pub use producer::{SyncStats, WeightSync, sync_weights};
 pub use receiver::{ModelReceiver, SyncTarget, WeightReceiver};
-pub use wire::{MAX_MANIFEST_BYTES, WIRE_MAGIC, WIRE_VERSION, WireSender, WireStats, receive_wire};
+pub use wire::{
+    MAX_ACK_MESSAGE_BYTES, MAX_MANIFEST_BYTES, WIRE_MAGIC, WIRE_VERSION, WireSender, WireStats,
+    read_ack, receive_wire, write_ack,
+};
 
 /// Default bucket size: 512 MiB (slime's and NeMo-RL's order of magnitude).
 pub const DEFAULT_BUCKET_BYTES: usize = 512 << 20;
@@ -289,6 +292,12 @@ pub enum WeightSyncError {
         expected: u32,
         /// The CRC32C of the bytes received.
         found: u32,
+    },
+    /// The reading side of a wire stream refused the sync (its acknowledgement).
+    #[error("weight sync wire: the receiving side refused the weights: {message}")]
+    WireRejected {
+        /// Its reason.
+        message: String,
     },
     /// An error of a user-defined receiver.
     #[error("weight sync: receiver failed: {0}")]

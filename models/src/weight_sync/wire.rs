@@ -51,6 +51,21 @@
 //!
 //! After the end frame the stream may continue or close; the reader stops there.
 //!
+//! # Acknowledgement
+//!
+//! Over a two-way connection (a socket) the reading side answers with one frame on the way
+//! back, so that the trainer learns whether the weights were taken:
+//!
+//! ```text
+//! ack := tag: u8 'A' (0x41) | status: u32 (0 = loaded, 1 = refused) | len: u64 | message: len bytes
+//! ```
+//!
+//! `message` is UTF-8 (at most [`MAX_ACK_MESSAGE_BYTES`]): empty when loaded, the reason when
+//! refused. The reader sends it once the receiver's `finish` returned, or as soon as it
+//! refuses the stream; a refusing reader then keeps reading (and discarding) until the sender
+//! closes, so that the sender's remaining writes do not fail before it reads the answer. The
+//! sender reads it after its end frame ([`write_ack`], [`read_ack`]).
+//!
 //! # Errors
 //!
 //! The reader refuses, naming the byte offset of the offending field (and the bucket, with its
@@ -92,6 +107,10 @@ pub const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 const TAG_MANIFEST: u8 = b'M';
 const TAG_BUCKET: u8 = b'B';
 const TAG_END: u8 = b'E';
+const TAG_ACK: u8 = b'A';
+
+/// Longest message of an acknowledgement frame the reader of one accepts (64 KiB).
+pub const MAX_ACK_MESSAGE_BYTES: u64 = 64 << 10;
 
 /// What one wire transfer moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -308,8 +327,8 @@ fn parse_manifest(json: &[u8], offset: u64) -> Result<SyncManifest, WeightSyncEr
 }
 
 /// `bucket i (first tensor `name`)`, for messages.
-fn describe_bucket(index: usize, meta: Option<&BucketMeta>) -> String {
-    match meta.and_then(|m| m.tensors.first()) {
+fn describe_bucket(index: usize, tensors: &[SyncedTensor]) -> String {
+    match tensors.first() {
         Some(t) => format!("bucket {index} (first tensor `{}`)", t.name),
         None => format!("bucket {index}"),
     }
@@ -414,13 +433,7 @@ impl<W: Write> WeightReceiver for WireSender<W> {
                 "wire sender: a bucket before `begin`".to_owned(),
             ));
         };
-        let what = describe_bucket(
-            bucket.index,
-            Some(&BucketMeta {
-                tensors: bucket.tensors.iter().take(1).cloned().collect(),
-                bytes: 0,
-            }),
-        );
+        let what = describe_bucket(bucket.index, &bucket.tensors);
         if self.finished || bucket.index != self.next || self.next >= sizes.len() {
             return Err(WeightSyncError::Unsupported(format!(
                 "wire sender: {what} given where bucket {} of {} was next",
@@ -656,7 +669,7 @@ pub fn receive_wire<R: Read>(
         ..WireStats::default()
     };
     for (index, meta) in manifest.buckets.iter().enumerate() {
-        let what = describe_bucket(index, Some(meta));
+        let what = describe_bucket(index, &meta.tensors);
         let frame_at = r.pos;
         r.tag(TAG_BUCKET, &what)?;
         let found_index = r.u64(|| format!("the index of {what}"))?;
@@ -719,4 +732,72 @@ pub fn receive_wire<R: Read>(
     stats.stream_bytes = r.pos;
     stats.seconds = start.elapsed().as_secs_f64();
     Ok(stats)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acknowledgement.
+
+/// Writes the acknowledgement frame (module docs) of `outcome`, the result of
+/// [`receive_wire`]: status 0 and no message when it succeeded, status 1 and the error's text
+/// (cut to [`MAX_ACK_MESSAGE_BYTES`] at a character boundary) when it failed. Flushes.
+pub fn write_ack<W: Write>(
+    mut writer: W,
+    outcome: Result<&WireStats, &WeightSyncError>,
+) -> io::Result<()> {
+    let (status, message) = match outcome {
+        Ok(_) => (0u32, String::new()),
+        Err(e) => {
+            let mut text = e.to_string();
+            let max = MAX_ACK_MESSAGE_BYTES as usize;
+            if text.len() > max {
+                let mut cut = max;
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                text.truncate(cut);
+            }
+            (1u32, text)
+        }
+    };
+    let mut frame = Vec::with_capacity(1 + 4 + 8 + message.len());
+    frame.push(TAG_ACK);
+    frame.extend_from_slice(&status.to_le_bytes());
+    frame.extend_from_slice(&(message.len() as u64).to_le_bytes());
+    frame.extend_from_slice(message.as_bytes());
+    writer.write_all(&frame)?;
+    writer.flush()
+}
+
+/// Reads the acknowledgement frame (module docs) the reading side sent back: `Ok` when it
+/// loaded the weights, [`WeightSyncError::WireRejected`] with its reason when it refused them;
+/// a malformed or missing frame is [`WeightSyncError::WireFormat`] /
+/// [`WeightSyncError::WireIo`] (offsets count from the start of the answer).
+pub fn read_ack<R: Read>(reader: R) -> Result<(), WeightSyncError> {
+    let mut r = Counted {
+        inner: reader,
+        pos: 0,
+    };
+    r.tag(TAG_ACK, "the acknowledgement")?;
+    let status_at = r.pos;
+    let status = r.u32(|| "the acknowledgement's status".to_owned())?;
+    let len_at = r.pos;
+    let len = r.u64(|| "the acknowledgement's message length".to_owned())?;
+    if len > MAX_ACK_MESSAGE_BYTES {
+        return Err(WeightSyncError::WireFormat {
+            offset: len_at,
+            reason: format!(
+                "an acknowledgement message of {len} bytes (at most {MAX_ACK_MESSAGE_BYTES})"
+            ),
+        });
+    }
+    let message = r.bytes(len, false, || "the acknowledgement's message".to_owned())?;
+    let message = String::from_utf8_lossy(&message).into_owned();
+    match status {
+        0 => Ok(()),
+        1 => Err(WeightSyncError::WireRejected { message }),
+        other => Err(WeightSyncError::WireFormat {
+            offset: status_at,
+            reason: format!("acknowledgement status {other} (0 = loaded, 1 = refused)"),
+        }),
+    }
 }

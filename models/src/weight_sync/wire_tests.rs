@@ -274,19 +274,22 @@ fn wire_sync_over_a_socket_pair() {
     let mut wired = tiny().init(&device).unwrap().map(&mut Zero);
     let sent = std::thread::scope(|s| {
         let sender = s.spawn(|| {
-            let mut sender = WireSender::new(std::io::BufWriter::new(tx));
-            sync_into(
+            let mut sender = WireSender::new(std::io::BufWriter::new(&tx));
+            let stats = sync_into(
                 &source,
                 SyncDtype::Bf16,
                 ExpertNames::PerExpert,
                 &mut sender,
             )
-            .map(|_| sender.stats())
+            .map(|_| sender.stats());
+            read_ack(&tx).map(|()| stats)
         });
-        let got = receive_wire(rx, &mut ModelReceiver::new(&mut wired, &device));
+        let got = receive_wire(&rx, &mut ModelReceiver::new(&mut wired, &device));
+        // The answer on the way back.
+        write_ack(&rx, got.as_ref()).unwrap();
         (sender.join().unwrap(), got)
     });
-    let (sent, got) = (sent.0.unwrap(), sent.1.unwrap());
+    let (sent, got) = (sent.0.unwrap().unwrap(), sent.1.unwrap());
     assert_eq!(sent.stream_bytes, got.stream_bytes);
     assert_eq!(sent.payload_bytes, got.payload_bytes);
     assert_eq!((sent.buckets, sent.tensors), (got.buckets, got.tensors));
@@ -563,4 +566,59 @@ fn invalid_manifests_are_refused_naming_the_tensor() {
         "{err}"
     );
     assert!(sender.finish().is_err());
+}
+
+#[test]
+fn acknowledgements_round_trip_and_refusals_carry_the_reason() {
+    // Loaded: status 0, no message, as the spec writes it.
+    let mut ok = Vec::new();
+    write_ack(&mut ok, Ok(&WireStats::default())).unwrap();
+    assert_eq!(ok, [&[0x41u8, 0, 0, 0, 0][..], &[0u8; 8][..]].concat());
+    read_ack(ok.as_slice()).unwrap();
+
+    // Refused: status 1 and the receiver's error.
+    let refusal = WeightSyncError::UnknownTensor {
+        name: "model.layers.1.mlp.gate.weight".into(),
+    };
+    let mut bad = Vec::new();
+    write_ack(&mut bad, Err(&refusal)).unwrap();
+    let text = refusal.to_string();
+    assert_eq!(&bad[..5], &[0x41, 1, 0, 0, 0]);
+    assert_eq!(&bad[5..13], &(text.len() as u64).to_le_bytes());
+    assert_eq!(&bad[13..], text.as_bytes());
+    let err = read_ack(bad.as_slice()).unwrap_err();
+    assert!(
+        matches!(&err, WeightSyncError::WireRejected { message } if *message == text),
+        "{err}"
+    );
+    assert!(err.to_string().contains("`model.layers.1.mlp.gate.weight`"));
+
+    // A long reason is cut at a character boundary.
+    let long = WeightSyncError::Unsupported("é".repeat(40_000));
+    let mut cut = Vec::new();
+    write_ack(&mut cut, Err(&long)).unwrap();
+    let len = u64::from_le_bytes(cut[5..13].try_into().unwrap());
+    assert!(len <= MAX_ACK_MESSAGE_BYTES && len > MAX_ACK_MESSAGE_BYTES - 2);
+    assert!(std::str::from_utf8(&cut[13..]).is_ok());
+
+    // Malformed answers.
+    let mut status = ok.clone();
+    status[1] = 7;
+    let err = read_ack(status.as_slice()).unwrap_err();
+    assert!(
+        matches!(&err, WeightSyncError::WireFormat { offset: 1, reason } if reason.contains("status 7")),
+        "{err}"
+    );
+    for cut in 0..bad.len() {
+        let err = read_ack(&bad[..cut]).unwrap_err();
+        assert!(
+            matches!(err, WeightSyncError::WireIo { .. }),
+            "{cut}: {err}"
+        );
+    }
+    let err = read_ack(&b"MOEWSYNC"[..]).unwrap_err();
+    assert!(
+        matches!(err, WeightSyncError::WireFormat { offset: 0, .. }),
+        "{err}"
+    );
 }

@@ -2,16 +2,18 @@
 //! of `--model` (its config.json and weights: the skeleton the sync updates), listens on
 //! `--listen HOST:PORT`, accepts one connection, reads one sync in the weight-sync wire format
 //! (`moe_models::weight_sync::wire`, what `moe train --sync-weights-to` sends) into the model,
-//! checking every tensor's name and shape against it, then continues the prompt exactly as
+//! checking every tensor's name and shape against it, answers with the format's
+//! acknowledgement (loaded, or refused with the reason), then continues the prompt exactly as
 //! `moe generate` does with the same flags.
 
 use std::io::BufReader;
 use std::net::TcpListener;
+use std::time::Duration;
 
 use anyhow::Context;
 use burn::tensor::Device;
 use burn_moe::models::hf::{AnyCausalLm, WeightPrecision};
-use burn_moe::models::weight_sync::{ModelReceiver, receive_wire};
+use burn_moe::models::weight_sync::{ModelReceiver, receive_wire, write_ack};
 
 /// Arguments of `moe receive-weights`.
 #[derive(Debug, clap::Args)]
@@ -42,13 +44,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .accept()
         .with_context(|| format!("accepting a connection on {local}"))?;
     tracing::info!(%peer, "receiving a weight sync");
-    let reader = BufReader::with_capacity(1 << 20, stream);
-    let stats = match &mut model {
-        AnyCausalLm::Qwen3(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
-        AnyCausalLm::Qwen3Moe(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
-        AnyCausalLm::DeepseekV3(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
+    let result = {
+        let reader = BufReader::with_capacity(1 << 20, &stream);
+        match &mut model {
+            AnyCausalLm::Qwen3(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
+            AnyCausalLm::Qwen3Moe(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
+            AnyCausalLm::DeepseekV3(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
+        }
+    };
+    // The acknowledgement; after a refusal, read the rest of the stream until the sender
+    // closes (or a minute passes) so that its writes do not fail before it reads the reason.
+    if let Err(e) = write_ack(&stream, result.as_ref()) {
+        tracing::warn!(%peer, "cannot acknowledge the sync: {e}");
+    } else if result.is_err() {
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+        let _ = std::io::copy(&mut &stream, &mut std::io::sink());
     }
-    .with_context(|| format!("receiving weights from {peer} into {model_name}"))?;
+    let stats =
+        result.with_context(|| format!("receiving weights from {peer} into {model_name}"))?;
     tracing::info!(
         tensors = stats.tensors,
         buckets = stats.buckets,
