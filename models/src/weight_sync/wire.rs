@@ -72,7 +72,8 @@
 //! first tensor, where there is one): a wrong magic ([`WeightSyncError::WireMagic`]) or
 //! version ([`WeightSyncError::WireVersion`]); an unexpected tag, an invalid manifest (bad
 //! JSON, an unknown dtype, a tensor whose byte range is not packed as above) or a wrong end frame
-//! ([`WeightSyncError::WireFormat`], or [`WeightSyncError::Malformed`] naming the tensor); a
+//! ([`WeightSyncError::WireFormat`], or [`WeightSyncError::Malformed`] naming the tensor, or
+//! [`WeightSyncError::DuplicateTensor`] for a name listed twice); a
 //! bucket out of order ([`WeightSyncError::WireBucketOrder`]) or of another length than the
 //! manifest's ([`WeightSyncError::WireBucketSize`]); a CRC mismatch
 //! ([`WeightSyncError::WireChecksum`]); a stream that ends early or fails to read
@@ -117,7 +118,7 @@ pub const MAX_ACK_MESSAGE_BYTES: u64 = 64 << 10;
 pub struct WireStats {
     /// Buckets transferred.
     pub buckets: usize,
-    /// Tensors transferred.
+    /// Tensors of the sync (the manifest's).
     pub tensors: usize,
     /// Σ bytes of the buckets (tensor data).
     pub payload_bytes: u64,

@@ -622,3 +622,29 @@ fn acknowledgements_round_trip_and_refusals_carry_the_reason() {
         "{err}"
     );
 }
+
+#[test]
+fn every_single_byte_corruption_is_refused() {
+    let source = tiny().init(&Device::flex()).unwrap();
+    let stream = stream_of(&source, SyncDtype::Bf16, ExpertNames::PerExpert);
+    let (json, buckets, end) = frames(&stream);
+    // Every byte of the header and framing fields, some of the JSON and of the data.
+    let mut at: Vec<usize> = (0..json.start).collect();
+    at.extend(json.clone().step_by(7));
+    for &(frame, data_at, len) in &buckets {
+        at.extend(frame..data_at);
+        at.extend((data_at..data_at + len).step_by(61));
+    }
+    at.extend(end..stream.len());
+    let mut bad = stream.clone();
+    for i in at {
+        bad[i] ^= 0x5A;
+        let mut rec = Recorder::default();
+        assert!(
+            receive_wire(bad.as_slice(), &mut rec).is_err(),
+            "a corruption of byte {i} went through"
+        );
+        assert!(!rec.finished, "byte {i}");
+        bad[i] = stream[i];
+    }
+}
