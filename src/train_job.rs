@@ -197,6 +197,8 @@ pub struct TrainJob {
     pub sync_weights_to: Option<String>,
     /// The dtype the weights travel in with `sync_weights_to`.
     pub sync_dtype: SyncDtype,
+    /// Largest bucket in bytes with `sync_weights_to` (`≥ 1`).
+    pub sync_bucket_bytes: usize,
 }
 
 /// When a job stops early, every rank after the same step, with a checkpoint saved (when the
@@ -259,6 +261,7 @@ impl Default for TrainJob {
             eval: None,
             sync_weights_to: None,
             sync_dtype: SyncDtype::default(),
+            sync_bucket_bytes: moe_models::weight_sync::DEFAULT_BUCKET_BYTES,
         }
     }
 }
@@ -1187,7 +1190,12 @@ fn run_model<M: JobModel>(
     if let Some(addr) = &job.sync_weights_to
         && report.stopped.is_none()
     {
-        sync_to_rollout(ctx, &groups, trainer.model().model(), addr, job.sync_dtype)?;
+        let options = SyncOptions {
+            bucket_bytes: job.sync_bucket_bytes,
+            dtype: job.sync_dtype,
+            ..SyncOptions::default()
+        };
+        sync_to_rollout(ctx, &groups, trainer.model().model(), addr, options)?;
     }
     Ok(report)
 }
@@ -1202,7 +1210,7 @@ fn sync_to_rollout<M: ExportHf>(
     groups: &moe_backend::comm::GroupComms,
     model: &M,
     addr: &str,
-    dtype: SyncDtype,
+    options: SyncOptions,
 ) -> Result<(), TrainJobError> {
     let failed = |source| TrainJobError::WeightSync {
         addr: addr.to_owned(),
@@ -1212,10 +1220,6 @@ fn sync_to_rollout<M: ExportHf>(
     let mut sender = match &stream {
         Some(Ok(s)) => Some(WireSender::new(std::io::BufWriter::new(s))),
         _ => None,
-    };
-    let options = SyncOptions {
-        dtype,
-        ..SyncOptions::default()
     };
     let result = sync_weights(
         model,

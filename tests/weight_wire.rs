@@ -66,7 +66,14 @@ fn four_rank_train_syncs_into_a_separate_generator() {
             &dir,
             "tp=2,ep=4",
             3,
-            &["--sync-weights-to", &addr, "--transport", "threads"],
+            &[
+                "--sync-weights-to",
+                &addr,
+                "--sync-bucket-size",
+                "64KiB",
+                "--transport",
+                "threads",
+            ],
         ))
         .output()
         .expect("moe train");
@@ -86,9 +93,15 @@ fn four_rank_train_syncs_into_a_separate_generator() {
         status.success(),
         "receive-weights failed:\n{rx_out}\n{rx_err}"
     );
+    // Several buckets of at most 64 KiB (the largest tensor, 256 × 64 bf16, is 32 KiB).
+    let buckets: Vec<usize> = rx_err
+        .lines()
+        .filter(|l| l.contains("received the weights"))
+        .filter_map(|l| l.split("buckets=").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert!(matches!(buckets[..], [n] if n > 2), "{rx_err}");
     assert!(
-        output_text(&train).contains("synced the trained weights")
-            || rx_err.contains("received the weights"),
+        output_text(&train).contains("synced the trained weights"),
         "{}",
         output_text(&train)
     );

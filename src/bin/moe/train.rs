@@ -11,6 +11,7 @@ use burn_moe::backend::optim::{
     LrDecayStyle, LrSchedule, MuonConfig, WdIncrStyle, WdSchedule, WsdDecay,
 };
 use burn_moe::backend::router::AuxLossType;
+use burn_moe::bridge::export::parse_size;
 use burn_moe::bridge::tensorboard::EventWriter;
 use burn_moe::bridge::text::sft::Truncation;
 use burn_moe::job_data::{SftPacking, SftSettings};
@@ -382,6 +383,16 @@ pub struct Args {
     /// The dtype the weights travel in with `--sync-weights-to`.
     #[arg(long, value_enum, default_value_t = SyncDtypeArg::Bf16, requires = "sync_weights_to")]
     pub sync_dtype: SyncDtypeArg,
+    /// Largest bucket of `--sync-weights-to`, e.g. `512MiB` (the default), `100MB` or a byte
+    /// count (a larger tensor travels in a bucket of its own).
+    #[arg(
+        long,
+        value_name = "SIZE",
+        default_value = "512MiB",
+        value_parser = parse_size,
+        requires = "sync_weights_to"
+    )]
+    pub sync_bucket_size: u64,
 }
 
 /// `--sync-dtype` values.
@@ -523,6 +534,7 @@ fn job(args: &Args) -> TrainJob {
             SyncDtypeArg::Bf16 => SyncDtype::Bf16,
             SyncDtypeArg::F32 => SyncDtype::F32,
         },
+        sync_bucket_bytes: usize::try_from(args.sync_bucket_size.max(1)).unwrap_or(usize::MAX),
     }
 }
 
