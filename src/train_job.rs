@@ -798,6 +798,24 @@ pub fn job_layout(job: &TrainJob, world: Option<usize>) -> Result<ParallelLayout
 
 /// Checks the settings that do not need the model, before any rank starts.
 pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJobError> {
+    // Refused before training rather than after it.
+    if job.sync_weights_to.is_some() {
+        if layout.pp != 1 || layout.cp != 1 {
+            return Err(invalid(
+                "sync_weights_to",
+                format!(
+                    "the weight sync does not support pipeline or context parallelism (layout \
+                     {layout})"
+                ),
+            ));
+        }
+        if job.sync_bucket_bytes == 0 {
+            return Err(invalid(
+                "sync_bucket_bytes",
+                "a bucket must hold at least 1 byte",
+            ));
+        }
+    }
     // The context-parallel ranks of a replica share its sequences.
     let replicas = layout.dp;
     if job.gbs == 0 || !job.gbs.is_multiple_of(replicas) {
@@ -1246,9 +1264,15 @@ fn sync_to_rollout<M: ExportHf>(
     }
     let ack = read_ack(&stream);
     let stats = match (result, ack) {
-        (_, Err(refused @ WeightSyncError::WireRejected { .. })) => return Err(failed(refused)),
-        (Err(e), _) | (Ok(_), Err(e)) => return Err(failed(e)),
         (Ok(stats), Ok(())) => stats,
+        // A write failed because the receiver refused: its reason is the one to report.
+        (
+            Err(WeightSyncError::WireIo { .. }),
+            Err(refused @ WeightSyncError::WireRejected { .. }),
+        ) => {
+            return Err(failed(refused));
+        }
+        (Err(e), _) | (Ok(_), Err(e)) => return Err(failed(e)),
     };
     if let Some(wire) = wire {
         tracing::info!(

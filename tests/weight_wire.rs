@@ -204,3 +204,25 @@ fn train_fails_naming_an_address_nobody_listens_on() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn pipeline_layouts_are_refused_before_training() {
+    let dir = scratch("weight-wire-pp");
+    let train = Command::new(MOE)
+        .args(train_args(
+            &dir,
+            "pp=2",
+            1,
+            &["--sync-weights-to", "127.0.0.1:9", "--transport", "threads"],
+        ))
+        .output()
+        .expect("moe train");
+    let text = output_text(&train);
+    assert!(!train.status.success(), "{text}");
+    assert!(
+        text.contains("sync_weights_to: the weight sync does not support pipeline"),
+        "{text}"
+    );
+    assert!(!dir.join("metrics.jsonl").exists(), "no step ran");
+    let _ = std::fs::remove_dir_all(&dir);
+}
