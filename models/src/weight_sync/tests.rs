@@ -9,7 +9,8 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn tiny() -> Qwen3MoeConfig {
+/// A tiny Qwen3-MoE (one dense layer, one MoE layer of 4 experts), shared with the wire tests.
+pub(super) fn tiny() -> Qwen3MoeConfig {
     Qwen3MoeConfig {
         vocab_size: 32,
         hidden_size: 16,

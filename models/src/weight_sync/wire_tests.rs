@@ -6,27 +6,10 @@ use burn::tensor::{DType, Device};
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 
+use super::tests::tiny;
 use super::*;
 use crate::export::export_hf_tensors;
 use crate::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
-
-fn tiny() -> Qwen3MoeConfig {
-    Qwen3MoeConfig {
-        vocab_size: 32,
-        hidden_size: 16,
-        intermediate_size: 24,
-        moe_intermediate_size: 8,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        num_experts: 4,
-        num_experts_per_tok: 2,
-        norm_topk_prob: true,
-        mlp_only_layers: vec![0],
-        ..Qwen3MoeConfig::default()
-    }
-}
 
 /// Runs a one-rank sync of `model` into `receiver`.
 fn sync_into(
