@@ -2,7 +2,7 @@
 //! indexed datasets (`--data-path`, blended) and SFT conversations / prompt–completion pairs
 //! (`--data chat.jsonl`), each turned into rows of a [`TrainBatch`].
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use moe_bridge::Tokenizer;
 use moe_bridge::data::{TrainDataset, parse_data_path};
@@ -130,18 +130,14 @@ impl SftRows {
         settings: SftSettings,
         vocab: usize,
     ) -> Result<Self, TrainJobError> {
-        let options = SftOptions {
-            max_length: Some(row_len),
-            truncation: settings.truncation,
-            assistant_only_loss: settings.assistant_only_loss,
-            ..SftOptions::default()
-        };
         // Assistant-only loss is TRL's option for conversations (messages, or prompts and
         // completions given as messages); plain prompt–completion text trains on the
         // completions (`completion_only_loss`).
         let options = SftOptions {
+            max_length: Some(row_len),
+            truncation: settings.truncation,
             assistant_only_loss: settings.assistant_only_loss && is_conversational(path),
-            ..options
+            ..SftOptions::default()
         };
         let dataset = sft::read_sft_jsonl(path, tokenizer, &options)?;
         let file = path.display().to_string();
@@ -176,10 +172,7 @@ impl SftRows {
                 .pack_bfd(row_len)?
                 .into_iter()
                 .map(|row| {
-                    let mut cu = vec![0];
-                    for l in &row.seq_lengths {
-                        cu.push(cu.last().copied().unwrap_or(0) + l);
-                    }
+                    let cu = row.cu_seqlens();
                     pad_row(
                         row.input_ids.iter().map(|&t| i64::from(t)).collect(),
                         row.labels,
@@ -286,9 +279,4 @@ fn pad_row(
         cu_seqlens,
         len,
     }
-}
-
-/// The directory of the tokenizer of a job (`--tokenizer`, else the model directory).
-pub fn tokenizer_dir(tokenizer: Option<&PathBuf>, model: &Path) -> PathBuf {
-    tokenizer.cloned().unwrap_or_else(|| model.to_path_buf())
 }

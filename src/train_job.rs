@@ -403,10 +403,9 @@ impl Data {
     /// The data of `path` (`job.data` for training; `None`: the built-in corpus).
     fn open(job: &TrainJob, path: Option<&Path>, vocab: usize) -> Result<Self, TrainJobError> {
         if let Some(path) = path
-            && path.with_extension("idx").is_file()
-            && path.extension().is_none_or(|e| e != "idx")
+            && moe_bridge::data::idx_path(path).is_file()
         {
-            // An evaluation set given as a Megatron prefix.
+            // A Megatron indexed dataset given by its prefix (`prefix.idx` exists).
             return Self::megatron(job, &[path.display().to_string()], vocab);
         }
         let Some(path) = path else {
@@ -418,8 +417,7 @@ impl Data {
             });
         };
         if TextFormat::of(path) == Some(TextFormat::Jsonl) && crate::job_data::is_sft_jsonl(path) {
-            let dir = crate::job_data::tokenizer_dir(job.tokenizer.as_ref(), &job.model);
-            let tokenizer = Tokenizer::from_dir(&dir)?;
+            let tokenizer = job_tokenizer(job, &path.display().to_string())?;
             return Ok(Data::Sft(Arc::new(crate::job_data::SftRows::open(
                 path,
                 &tokenizer,
@@ -500,21 +498,7 @@ impl Data {
         if documents.is_empty() {
             return Err(invalid(&file, "holds no documents"));
         }
-        let dir = job.tokenizer.as_ref().unwrap_or(&job.model);
-        let tokenizer = Tokenizer::from_dir(dir).map_err(|e| match e {
-            BridgeError::MissingTokenizer { .. } => invalid(
-                &file,
-                format!(
-                    "text data needs a tokenizer: {e}{}",
-                    if job.tokenizer.is_none() {
-                        " (pass --tokenizer DIR, e.g. for a distributed checkpoint)"
-                    } else {
-                        ""
-                    }
-                ),
-            ),
-            other => other.into(),
-        })?;
+        let tokenizer = job_tokenizer(job, &file)?;
         let tokenizer_file = tokenizer.path().display().to_string();
         let eos = tokenizer
             .eos_token_id()
@@ -698,6 +682,25 @@ impl TextFormat {
         }
         Ok(docs)
     }
+}
+
+/// The tokenizer text data `file` needs: `job.tokenizer`, else the model directory's.
+fn job_tokenizer(job: &TrainJob, file: &str) -> Result<Tokenizer, TrainJobError> {
+    let dir = job.tokenizer.as_ref().unwrap_or(&job.model);
+    Tokenizer::from_dir(dir).map_err(|e| match e {
+        BridgeError::MissingTokenizer { .. } => invalid(
+            file,
+            format!(
+                "text data needs a tokenizer: {e}{}",
+                if job.tokenizer.is_none() {
+                    " (pass --tokenizer DIR, e.g. for a distributed checkpoint)"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        other => other.into(),
+    })
 }
 
 fn is_dist_checkpoint(path: &Path) -> bool {

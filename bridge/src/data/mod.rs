@@ -34,7 +34,7 @@ use std::sync::Arc;
 pub use blend::BlendedDataset;
 pub use data_path::{DataBlend, parse_data_path};
 pub use gpt::GptDataset;
-pub use indexed::{IndexedDataset, TokenDtype};
+pub use indexed::{IndexedDataset, TokenDtype, bin_path, idx_path};
 pub use numpy_random::RandomState;
 
 use crate::BridgeError;

@@ -722,9 +722,9 @@ impl<M: ParallelCausalLm> Trainer<M> {
             }
         };
         moe_backend::recompute::clear_param_grads();
-        let n = 1;
+        // `[loss, aux]` as `replica_sums` takes the logged row (the aux entry unused here).
         let logged = Tensor::<1>::from_data(
-            burn::tensor::TensorData::new(vec![loss_sum as f32, 0.0], [n + 1]),
+            burn::tensor::TensorData::new(vec![loss_sum as f32, 0.0], [2]),
             &self.device,
         );
         let (logged, local) = self.replica_sums(Some(logged), local)?;
@@ -1019,7 +1019,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             return Ok(None);
         }
         let bad: Vec<bool> = values.iter().map(|v| !v.is_finite()).collect();
-        let vote = self.world.vote(&bad).map_err(err)?;
+        let vote = self.world.vote(&bad, &self.device).map_err(err)?;
         let Some(rank) = vote.first else {
             return Ok(None);
         };

@@ -167,7 +167,8 @@ fn model_receiver_loads_either_expert_layout() {
     }
 }
 
-struct Zero;
+/// Sets every float parameter to zero (a model a sync must overwrite); shared with the wire tests.
+pub(super) struct Zero;
 impl burn::module::ModuleMapper for Zero {
     fn map_float<const D: usize>(
         &mut self,

@@ -6,7 +6,7 @@ use burn::tensor::{DType, Device};
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 
-use super::tests::tiny;
+use super::tests::{Zero, tiny};
 use super::*;
 use crate::export::export_hf_tensors;
 use crate::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
@@ -57,17 +57,6 @@ fn export_bytes(model: &Qwen3MoeForCausalLM) -> Vec<(String, Vec<u8>)> {
         .expect("export")
         .map(|(n, d)| (n, d.as_bytes().to_vec()))
         .collect()
-}
-
-struct Zero;
-impl burn::module::ModuleMapper for Zero {
-    fn map_float<const D: usize>(
-        &mut self,
-        param: burn::module::Param<burn::tensor::Tensor<D>>,
-    ) -> burn::module::Param<burn::tensor::Tensor<D>> {
-        let (id, t, _) = param.consume();
-        burn::module::Param::initialized(id, t.zeros_like())
-    }
 }
 
 /// A receiver that records the calls it gets.

@@ -324,29 +324,27 @@ impl Comm {
         Ok(K::link(tensor, to_tensor(out, &device), grad))
     }
 
-    /// Agreement on boolean flags (one collective, on the host): which of `local`'s flags any
-    /// member raised, and the lowest member index that raised one. Every member gets the same
-    /// answer, e.g. to refuse a step on every rank when one rank saw a non-finite value.
+    /// Agreement on boolean flags (one collective, on `device`, the caller's compute device):
+    /// which of `local`'s flags any member raised, and the lowest member index that raised one.
+    /// Every member gets the same answer, e.g. to refuse a step on every rank when one rank saw
+    /// a non-finite value. The values travel as f32 (member indices are exact below 2²⁴).
     #[track_caller]
-    pub fn vote(&self, local: &[bool]) -> Result<Vote> {
+    pub fn vote(&self, local: &[bool], device: &burn::tensor::Device) -> Result<Vote> {
         let size = self.size();
         // Per flag 0/1, then `size − index` where this member raised any (the maximum names
         // the lowest such member).
-        let mut values: Vec<f64> = local.iter().map(|&b| f64::from(u8::from(b))).collect();
+        let mut values: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
         values.push(if local.iter().any(|&b| b) {
-            (size - self.rank()) as f64
+            (size - self.rank()) as f32
         } else {
             0.0
         });
         let n = values.len();
-        let t = Tensor::<1>::from_data(
-            burn::tensor::TensorData::new(values, [n]),
-            (&burn::tensor::Device::flex(), burn::tensor::DType::F64),
-        );
-        let agreed: Vec<f64> = self
+        let t = Tensor::<1>::from_data(burn::tensor::TensorData::new(values, [n]), device);
+        let agreed: Vec<f32> = self
             .all_reduce(t, ReduceOp::Max)?
             .into_data()
-            .iter::<f64>()
+            .iter::<f32>()
             .collect();
         let lowest = agreed.last().copied().unwrap_or(0.0);
         Ok(Vote {

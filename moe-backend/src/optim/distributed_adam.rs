@@ -890,7 +890,7 @@ impl DistributedAdamW {
     /// over the world (every rank is on this path, as the norm is the same everywhere) tells
     /// which groups hold them on any rank.
     fn non_finite_error(&self, norm: f64, local_bad: [bool; 2]) -> Result<BackendError> {
-        let vote = self.world.vote(&local_bad)?;
+        let vote = self.world.vote(&local_bad, &self.dense.device)?;
         let names = ["dense parameters", "expert parameters"];
         let groups: Vec<&str> = names
             .iter()
