@@ -18,7 +18,7 @@
 //! - DP: ZeRO-1 reduce-scatter + all-gather of the f32 gradient/parameter buffers over `dp_cp`
 //!   (dense) and `expt_dp` (experts); the f64 gradient-norm all-reduce over the world; the f32
 //!   target-token count of the global batch all-reduced over `dp_cp`; the trainer's non-finite
-//!   check, three f64 all-reduced over the world per step.
+//!   check, three f32 all-reduced over the world per step.
 //! - PP (estimate; not implemented in-process): each chunk sends its `[N/(tp·cp), h]` output
 //!   forward and its input gradient backward.
 //! - CP: every attention layer all-gathers this rank's keys and values (GQA: its heads'
@@ -389,10 +389,10 @@ pub fn chunk_traffic(
     let optimizer = optimizer_traffic(params, layout);
     let m = opts.microbatches.max(1) as f64;
     let mut total = optimizer;
-    // The trainer's non-finite check (on by default): one f64 flag per logged loss
+    // The trainer's non-finite check (on by default): one f32 flag per logged loss
     // (cross-entropy, aux; one more per MTP depth, which the shape does not carry) and the
     // lowest bad rank's slot, all-reduced over the world once per step.
-    total.world += ((layout.world - 1) * 3 * 8) as f64;
+    total.world += ((layout.world - 1) * 3 * 4) as f64;
     for l in &layers {
         total.add_scaled(&l.bytes, m);
     }
