@@ -179,22 +179,60 @@ pub fn check_transfer_order(schedule: &PipelineSchedule) -> Result<()> {
     Ok(())
 }
 
-/// Runs pipeline rank `rank`'s actions of `schedule` on `stage`, exchanging activations and
-/// gradients with the other pipeline ranks over `channels` (a collective of the pipeline
-/// group: every rank calls it with the same schedule).
-pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
+/// One forward action of `rank`: receives the input activation (a tracked leaf when
+/// `track`), runs the stage's chunk and sends an activation on; checks that only the last
+/// virtual stage returns a loss.
+#[allow(clippy::type_complexity)]
+fn run_forward<const D: usize, S: PipelineStage<D>>(
     schedule: &PipelineSchedule,
     rank: usize,
+    action: Action,
     channels: &PipelineChannels,
     stage: &mut S,
-) -> std::result::Result<PipelineRun, S::Error> {
-    let pp = schedule.pp();
+    track: bool,
+) -> std::result::Result<(Option<Tensor<D>>, StageOutput<D>), S::Error> {
+    let (microbatch, chunk) = (action.microbatch(), action.chunk());
+    let vs = schedule.virtual_stage(rank, chunk);
+    let last = schedule.pp() * schedule.vpp() - 1;
+    let input = match schedule.input_of(rank, action) {
+        Some((src, _)) => {
+            let shape = stage.activation_shape(microbatch);
+            let (dtype, device) = (stage.activation_dtype(), stage.device());
+            let x: Tensor<D> = channels.activations.recv(shape, dtype, src, &device)?;
+            Some(if track { x.require_grad() } else { x })
+        }
+        None => None,
+    };
+    let output = stage.forward(chunk, microbatch, input.clone())?;
+    match (&output, schedule.output_of(rank, action)) {
+        (StageOutput::Activation(y), Some((dst, _))) => {
+            channels.activations.send(y.clone().detach(), dst)?;
+        }
+        (StageOutput::Loss(_), None) => {}
+        (StageOutput::Activation(_), None) => {
+            return Err(schedule_error(format!(
+                "virtual stage {vs} (the last of {}) returned an activation instead of a loss",
+                last + 1
+            ))
+            .into());
+        }
+        (StageOutput::Loss(_), Some(_)) => {
+            return Err(schedule_error(format!(
+                "virtual stage {vs} returned a loss; only the last ({last}) may"
+            ))
+            .into());
+        }
+    }
+    Ok((input, output))
+}
+
+/// Checks that `channels` are pipeline rank `rank`'s of a pipeline of `pp` ranks.
+fn check_channels(pp: usize, rank: usize, channels: &PipelineChannels) -> Result<()> {
     if rank >= pp {
         return Err(BackendError::Layout {
             field: "pp",
             detail: format!("pipeline rank {rank} of a schedule over pp = {pp}"),
-        }
-        .into());
+        });
     }
     for (name, comm) in [
         ("activations", &channels.activations),
@@ -208,12 +246,47 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
                     comm.rank(),
                     comm.size()
                 ),
-            }
-            .into());
+            });
         }
     }
+    Ok(())
+}
+
+/// The forwards of pipeline rank `rank`'s part of `schedule` only, in the schedule's order
+/// (Megatron's `forward_only`): activations travel as in [`run_pipeline`], nothing is kept
+/// for a backward and no gradient is exchanged; the last virtual stage's outputs are the
+/// stage's to keep ([`PipelineStage::forward`] sees every micro-batch). A collective of the
+/// pipeline group. Deadlock-free for any schedule [`run_pipeline`] runs: a forward waits only
+/// on earlier virtual stages' forwards, and sends are buffered.
+pub fn run_pipeline_forward<const D: usize, S: PipelineStage<D>>(
+    schedule: &PipelineSchedule,
+    rank: usize,
+    channels: &PipelineChannels,
+    stage: &mut S,
+) -> std::result::Result<PipelineRun, S::Error> {
+    check_channels(schedule.pp(), rank, channels)?;
     check_transfer_order(schedule)?;
-    let last = pp * schedule.vpp() - 1;
+    let mut run = PipelineRun::default();
+    for &action in schedule.actions(rank).iter().filter(|a| a.is_forward()) {
+        run_forward(schedule, rank, action, channels, stage, false)?;
+        run.forwards += 1;
+        run.peak_in_flight = run.peak_in_flight.max(1);
+    }
+    Ok(run)
+}
+
+/// Runs pipeline rank `rank`'s actions of `schedule` on `stage`, exchanging activations and
+/// gradients with the other pipeline ranks over `channels` (a collective of the pipeline
+/// group: every rank calls it with the same schedule).
+pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
+    schedule: &PipelineSchedule,
+    rank: usize,
+    channels: &PipelineChannels,
+    stage: &mut S,
+) -> std::result::Result<PipelineRun, S::Error> {
+    let pp = schedule.pp();
+    check_channels(pp, rank, channels)?;
+    check_transfer_order(schedule)?;
     let device = stage.device();
     let dtype = stage.activation_dtype();
     let mut held: HashMap<(usize, usize), InFlight<D>> = HashMap::new();
@@ -223,34 +296,7 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
         let vs = schedule.virtual_stage(rank, chunk);
         match action {
             Action::Forward { .. } => {
-                let input = match schedule.input_of(rank, action) {
-                    Some((src, _)) => {
-                        let shape = stage.activation_shape(microbatch);
-                        let x: Tensor<D> = channels.activations.recv(shape, dtype, src, &device)?;
-                        Some(x.require_grad())
-                    }
-                    None => None,
-                };
-                let output = stage.forward(chunk, microbatch, input.clone())?;
-                match (&output, schedule.output_of(rank, action)) {
-                    (StageOutput::Activation(y), Some((dst, _))) => {
-                        channels.activations.send(y.clone().detach(), dst)?;
-                    }
-                    (StageOutput::Loss(_), None) => {}
-                    (StageOutput::Activation(_), None) => {
-                        return Err(schedule_error(format!(
-                            "virtual stage {vs} (the last of {}) returned an activation instead of a loss",
-                            last + 1
-                        ))
-                        .into());
-                    }
-                    (StageOutput::Loss(_), Some(_)) => {
-                        return Err(schedule_error(format!(
-                            "virtual stage {vs} returned a loss; only the last ({last}) may"
-                        ))
-                        .into());
-                    }
-                }
+                let (input, output) = run_forward(schedule, rank, action, channels, stage, true)?;
                 held.insert((microbatch, chunk), InFlight { input, output });
                 run.forwards += 1;
                 run.peak_in_flight = run.peak_in_flight.max(held.len());

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 
@@ -288,6 +289,119 @@ fn interleaved_stages_equal_one_rank_bit_for_bit() {
         PipelineSplit::parse("E|t*2|t|t|(t|)*3t*2L", 9, 0, 4, 2).unwrap(),
         PipelineSchedule::interleaved(4, 2, 8).unwrap(),
     );
+}
+
+/// The losses of a forward-only run, per micro-batch, from the stage holding the last
+/// virtual stage: `(micro-batch, loss bits)` in the order the stage saw them.
+struct ForwardOnly {
+    inner: ChainStage,
+    losses: Vec<(usize, u32)>,
+}
+
+impl PipelineStage<2> for ForwardOnly {
+    type Error = BackendError;
+
+    fn activation_shape(&self, microbatch: usize) -> [usize; 2] {
+        self.inner.activation_shape(microbatch)
+    }
+
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+
+    fn forward(
+        &mut self,
+        chunk: usize,
+        microbatch: usize,
+        input: Option<Tensor<2>>,
+    ) -> Result<StageOutput<2>> {
+        assert!(input.as_ref().is_none_or(|x| !x.is_require_grad()));
+        let out = self.inner.forward(chunk, microbatch, input)?;
+        if let StageOutput::Loss(l) = &out {
+            self.losses.push((microbatch, bits(l.clone())[0]));
+        }
+        Ok(out)
+    }
+
+    fn backward_done(
+        &mut self,
+        _chunk: usize,
+        _microbatch: usize,
+        _grads: Gradients,
+    ) -> Result<()> {
+        panic!("a forward-only run has no backward")
+    }
+}
+
+/// [`chain`] without autodiff (what a forward-only run holds).
+fn frozen_chain(layers: usize) -> Vec<Linear> {
+    chain(layers, &device())
+        .into_iter()
+        .map(|l| l.valid())
+        .collect()
+}
+
+/// Megatron's `forward_only`: the forwards of a schedule alone give every micro-batch's loss
+/// bit for bit as one rank's forward, in micro-batch order, with no gradient traffic.
+#[test]
+fn forward_only_runs_give_one_rank_losses() {
+    let cases = [
+        (
+            4,
+            PipelineSplit::even(4, 0, 2, 1),
+            PipelineSchedule::one_f_one_b(2, 3),
+        ),
+        (
+            8,
+            PipelineSplit::even(8, 0, 2, 2),
+            PipelineSchedule::interleaved(2, 2, 4),
+        ),
+    ];
+    for (layers, split, schedule) in cases {
+        let (split, schedule) = (split.unwrap(), schedule.unwrap());
+        let m = schedule.microbatches();
+        let device = Device::flex();
+        let chain1 = frozen_chain(layers);
+        let want: Vec<(usize, u32)> = (0..m)
+            .map(|mb| {
+                let (x, target) = data(mb, &device);
+                let out = chain1.iter().fold(x, |h, layer| block(layer, h));
+                (mb, bits(loss(out, target, m))[0])
+            })
+            .collect();
+        let pp = schedule.pp();
+        let out = World::run(pp, |ctx| {
+            let ranks: Vec<usize> = (0..pp).collect();
+            let channels = PipelineChannels {
+                activations: ctx.group("pp_activations", &ranks)?,
+                gradients: ctx.group("pp_gradients", &ranks)?,
+            };
+            let device = Device::flex();
+            let mut stage = ForwardOnly {
+                inner: ChainStage {
+                    split: split.clone(),
+                    rank: ctx.rank(),
+                    chain: frozen_chain(layers),
+                    microbatches: m,
+                    sums: BTreeMap::new(),
+                    device,
+                },
+                losses: Vec::new(),
+            };
+            let run = run_pipeline_forward(&schedule, ctx.rank(), &channels, &mut stage)?;
+            let grad_bytes = channels.gradients.traffic().bytes_sent;
+            Ok((stage.losses, run, grad_bytes))
+        });
+        let mut seen = Vec::new();
+        for (rank, result) in out.into_iter().enumerate() {
+            let (losses, run, grad_bytes) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            assert_eq!(run.forwards, m * schedule.vpp(), "rank {rank}");
+            assert_eq!(run.backwards, 0);
+            assert_eq!(grad_bytes, 0);
+            seen.extend(losses);
+        }
+        assert_eq!(seen, want);
+    }
 }
 
 #[test]
