@@ -1,7 +1,8 @@
-//! `moe logprobs` end to end on the committed qwen3_moe fixture: the vocab-parallel run under
-//! `tp=2,ep=4` (4 in-process ranks, 2 replicas) writes the single-rank (`--layout ""`)
-//! log-probs and entropies, and bad inputs or layouts are clear errors; the DeepSeek-V3
-//! fixtures (BF16 and FP8) agree across layouts and with the transformers goldens.
+//! `moe logprobs` end to end on the committed fixtures: every layout (tensor, expert, data,
+//! pipeline — 1F1B and interleaved, in micro-batches — and context parallelism) writes the
+//! single-rank (`--layout ""`) log-probs and entropies, for Qwen3-MoE and dense Qwen3; bad
+//! inputs or layouts are clear errors; the DeepSeek-V3 fixtures (BF16 and FP8) agree across
+//! layouts and with the transformers goldens.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -49,16 +50,18 @@ fn logprobs(input: &Path, out: &Path, layout: &str) -> Output {
 
 /// Runs `moe logprobs --model model` on `input` with `layout`, writing `out`.
 fn logprobs_of(model: &str, input: &Path, out: &Path, layout: &str) -> Output {
+    logprobs_with(model, input, out, layout, &[])
+}
+
+/// [`logprobs_of`] with `extra` arguments.
+fn logprobs_with(model: &str, input: &Path, out: &Path, layout: &str, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moe"))
         .args(["logprobs", "--model", model, "--input", path(input)])
         .args(["--out", path(out), "--layout", layout])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .output()
         .expect("run the moe binary")
-}
-
-fn ok(input: &Path, out: &Path, layout: &str) {
-    ok_of(FIXTURE, input, out, layout);
 }
 
 fn ok_of(model: &str, input: &Path, out: &Path, layout: &str) {
@@ -103,40 +106,75 @@ fn read_f32(file: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
     (t.shape.to_vec(), t.to_f32_vec().expect("f32"))
 }
 
-/// `[4, 10]` deterministic ids below 256 (the fixture's vocabulary).
+/// `[4, 12]` deterministic ids below 256 (the fixtures' vocabulary).
 fn ids() -> Vec<i64> {
-    XorShift64::new(0x1234_5678_9abc_def1).ids(40, 256)
+    XorShift64::new(0x1234_5678_9abc_def1).ids(48, 256)
 }
 
+/// Every layout, pipeline (1F1B and interleaved, in micro-batches) and context parallelism
+/// included, writes the single-rank log-probs and entropies; dense Qwen3 too.
 #[test]
-fn tensor_and_expert_parallel_logprobs_equal_the_single_rank_ones() {
+fn every_layout_writes_the_single_rank_logprobs() {
     let tmp = TempDir::new("equal");
     let input = tmp.join("ids.safetensors");
-    // I32 ids are accepted like I64 ones.
-    write_ids(&input, Dtype::I32, vec![4, 10], &ids());
-    let (one, sharded) = (tmp.join("one.safetensors"), tmp.join("tp2ep4.safetensors"));
-    ok(&input, &one, "");
-    ok(&input, &sharded, "tp=2,ep=4");
-    for name in ["logprobs", "entropy"] {
-        let (shape, want) = read_f32(&one, name);
-        assert_eq!(shape, vec![4, 9], "{name}");
-        let (shape, got) = read_f32(&sharded, name);
-        assert_eq!(shape, vec![4, 9], "{name}");
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let err = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        println!("{name}: max err {err:.3e}, max|value| {scale:.4}");
-        assert!(
-            err <= 1e-5 * scale,
-            "{name}: max error {err} > 1e-5 · {scale}"
+    // I32 ids are accepted like I64 ones; 12 positions split over 2·cp = 4 chunks.
+    write_ids(&input, Dtype::I32, vec![4, 12], &ids());
+    let qwen3 = fixture("qwen3");
+    let cases: [(&str, &str, &[&str]); 7] = [
+        (FIXTURE, "tp=2,ep=4", &[]),
+        (
+            FIXTURE,
+            "pp=2,pp_layout=Et|t*2L",
+            &["--micro-batch-size", "1"],
+        ),
+        (
+            FIXTURE,
+            "pp=2,vpp=2,pp_layout=E|t|t|tL",
+            &["--micro-batch-size", "2"],
+        ),
+        (
+            FIXTURE,
+            "pp=2,cp=2,ep=2,pp_layout=Et*2|tL",
+            &["--micro-batch-size", "2"],
+        ),
+        (
+            FIXTURE,
+            "world=8,tp=2,cp=2,pp=2,ep=4,pp_layout=Et|t*2L",
+            &[],
+        ),
+        (&qwen3, "pp=2,cp=2", &["--micro-batch-size", "2"]),
+        (&qwen3, "tp=2", &[]),
+    ];
+    for (i, (model, layout, extra)) in cases.into_iter().enumerate() {
+        let (one, sharded) = (
+            tmp.join(&format!("one-{i}.safetensors")),
+            tmp.join(&format!("sharded-{i}.safetensors")),
         );
-        assert!(want.iter().all(|v| v.is_finite()), "{name}");
+        ok_of(model, &input, &one, "");
+        let o = logprobs_with(model, &input, &sharded, layout, extra);
+        assert!(
+            o.status.success(),
+            "layout {layout:?} failed ({}):\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        for name in ["logprobs", "entropy"] {
+            let (shape, want) = read_f32(&one, name);
+            assert_eq!(shape, vec![4, 11], "{name}");
+            let (shape, got) = read_f32(&sharded, name);
+            assert_eq!(shape, vec![4, 11], "{name}");
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = max_err(&got, &want);
+            println!("{layout} {name}: max err {err:.3e}, max|value| {scale:.4}");
+            assert!(
+                err <= 1e-5 * scale,
+                "{layout} {name}: max error {err} > 1e-5 · {scale}"
+            );
+            assert!(want.iter().all(|v| v.is_finite()), "{name}");
+        }
+        let (_, lp) = read_f32(&one, "logprobs");
+        assert!(lp.iter().all(|&v| v < 0.0), "log-probs are negative");
     }
-    let (_, lp) = read_f32(&one, "logprobs");
-    assert!(lp.iter().all(|&v| v < 0.0), "log-probs are negative");
 }
 
 #[test]
@@ -145,7 +183,7 @@ fn bad_inputs_and_layouts_are_clear_errors() {
     let ids = ids();
     // 3 sequences cannot split over the 2 replicas of tp=2,ep=4 (world 4).
     let odd = tmp.join("odd.safetensors");
-    write_ids(&odd, Dtype::I64, vec![3, 10], &ids[..30]);
+    write_ids(&odd, Dtype::I64, vec![3, 12], &ids[..36]);
     let err = fails(&odd, "tp=2,ep=4");
     assert!(
         err.contains("3 sequences") && err.contains("2 data-parallel"),
@@ -158,15 +196,15 @@ fn bad_inputs_and_layouts_are_clear_errors() {
     assert!(err.contains("at least 2 tokens"), "{err}");
     // Float ids, 1-D ids, ids outside the vocabulary.
     let float = tmp.join("float.safetensors");
-    write_ids(&float, Dtype::F32, vec![4, 10], &ids);
+    write_ids(&float, Dtype::F32, vec![4, 12], &ids);
     assert!(fails(&float, "").contains("I64 or I32"));
     let flat = tmp.join("flat.safetensors");
-    write_ids(&flat, Dtype::I64, vec![40], &ids);
+    write_ids(&flat, Dtype::I64, vec![48], &ids);
     assert!(fails(&flat, "").contains("expected [batch, seq]"));
     let oov = tmp.join("oov.safetensors");
     let mut bad = ids.clone();
-    bad[13] = 256;
-    write_ids(&oov, Dtype::I64, vec![4, 10], &bad);
+    bad[15] = 256;
+    write_ids(&oov, Dtype::I64, vec![4, 12], &bad);
     let err = fails(&oov, "tp=2,ep=4");
     assert!(
         err.contains("row 1 column 3 holds 256") && err.contains("0..256"),
@@ -174,7 +212,7 @@ fn bad_inputs_and_layouts_are_clear_errors() {
     );
     // A layout the model cannot be sharded under (4 query / 2 KV heads over tp=4).
     let input = tmp.join("ids.safetensors");
-    write_ids(&input, Dtype::I64, vec![4, 10], &ids);
+    write_ids(&input, Dtype::I64, vec![4, 12], &ids);
     let err = fails(&input, "tp=4");
     assert!(err.contains("heads") && err.contains("tp = 4"), "{err}");
 }

@@ -733,8 +733,8 @@ fn training_mtp_loss_equals_single_rank_forward_mtp() {
 }
 
 /// Context-parallel inputs the layout cannot take are refused with an error naming the
-/// field, before anything runs: a sequence length not divisible by `2·cp`, and forwards that
-/// need whole sequences on every rank (generation, per-token log-probs).
+/// field, before anything runs: a sequence length not divisible by `2·cp` (training, per-token
+/// log-probs), and generation (it needs whole sequences on every rank).
 #[test]
 fn impossible_context_parallel_inputs_are_refused() {
     use moe_models::causal_lm::CausalLm;
@@ -765,9 +765,10 @@ fn impossible_context_parallel_inputs_are_refused() {
             )
             .expect_err("generation under cp = 2")
             .to_string();
+        let row = [1, 2, 3, 4, 5, 6];
         let logprobs = shard
-            .forward_logprobs(&[1, 2, 3, 4], &[1, 2, 3, 4], 1, &ad())
-            .expect_err("log-probs under cp = 2")
+            .forward_logprobs(&row, &row, 1, &ad())
+            .expect_err("log-probs of 6 tokens under cp = 2")
             .to_string();
         Ok((step, logits, logprobs))
     });
@@ -780,7 +781,7 @@ fn impossible_context_parallel_inputs_are_refused() {
             "{logits}"
         );
         assert!(
-            logprobs.contains("cp") && logprobs.contains("log-probs"),
+            logprobs.contains("2·cp = 4") && logprobs.contains("sequence length 6"),
             "{logprobs}"
         );
     }

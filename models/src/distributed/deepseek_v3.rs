@@ -339,9 +339,9 @@ impl CausalLmShard for ParallelDeepseekV3 {
         };
         match self.forward_train_chunk(&whole, 0, batch, device, aux_grad_scale, mtp, None)? {
             ChunkForward::Loss(out) => Ok(out),
-            ChunkForward::Activation { .. } => Err(ModelError::layout(
+            _ => Err(ModelError::layout(
                 "pp",
-                "the whole model's forward returned an activation",
+                "the whole model's forward returned no loss",
             )),
         }
     }

@@ -23,11 +23,16 @@
 use std::ops::Range;
 
 use burn::module::Module;
-use burn::tensor::{DType, Device, Tensor};
-use moe_backend::comm::autograd::reduce_from_tensor_parallel_region;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use moe_backend::comm::autograd::{
+    gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
+};
 use moe_backend::comm::{Comm, ReduceOp};
 
-use super::{ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, err};
+use super::context_parallel::gathered_positions;
+use super::runtime::{Prepared, SpRuntime};
+use super::sharded::{CausalLmShard, ChunkForward};
+use super::{ChunkParts, ParallelDeepseekV3, ParallelQwen3Moe, err};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::rl::logprobs::{TokenLogProbs, check_ids, next_token_targets, target_columns};
@@ -100,6 +105,90 @@ pub fn vocab_parallel_logprobs(
     Ok((logprobs, entropy))
 }
 
+impl SpRuntime {
+    /// Per-token next-token log-probs and entropies `[rows, S − 1]` of this rank's head
+    /// `logits [rows·P, V/tp]` at its positions `p.positions` (`P = S`, or its two chunks
+    /// under context parallelism), scoring `p.targets` ([`vocab_parallel_logprobs`]); under
+    /// context parallelism the rows are all-gathered over the CP group and put back in
+    /// position order, with the backward taking each rank's own positions (every CP rank then
+    /// holds the same values, and a loss computed from them alike on every CP rank gets each
+    /// rank's share of the gradient, as under TP). Differentiable.
+    pub(crate) fn token_logprobs(
+        &self,
+        logits: Tensor<2>,
+        p: &Prepared<'_>,
+        rows: usize,
+    ) -> Result<TokenLogProbs, ModelError> {
+        let (logprobs, entropy) =
+            vocab_parallel_logprobs(logits, &p.targets, self.vocab.clone(), &self.tp)?;
+        let held = p.positions.len();
+        let whole = |t: Tensor<1>| -> Result<Tensor<2>, ModelError> {
+            let t = self.cp_whole_rows(t.reshape([rows, held]), p.s)?;
+            Ok(t.narrow(1, 0, p.s - 1))
+        };
+        Ok(TokenLogProbs {
+            logprobs: whole(logprobs)?,
+            entropy: whole(entropy)?,
+        })
+    }
+
+    /// `t [rows, P]` at this rank's context-parallel positions → `[rows, S]` in position order
+    /// (all-gathered over `cp`; backward: this rank's positions of the gradient).
+    fn cp_whole_rows(&self, t: Tensor<2>, s: usize) -> Result<Tensor<2>, ModelError> {
+        let cp = self.cp.size();
+        if cp == 1 {
+            return Ok(t);
+        }
+        let gathered = gather_from_sequence_parallel_region(&self.cp, t.swap_dims(0, 1), false)
+            .map_err(err)?;
+        // Row `i` of the gathered block holds position `order[i]`.
+        let order = gathered_positions(s, cp);
+        let mut at = vec![0i64; s];
+        for (i, &pos) in order.iter().enumerate() {
+            if let Some(slot) = at.get_mut(pos) {
+                *slot = i as i64;
+            }
+        }
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(at, [s]), &gathered.device());
+        Ok(gathered.select(0, idx).swap_dims(0, 1))
+    }
+}
+
+/// Per-token next-token log-probs and entropies `[batch, S − 1]` of one replica micro-batch
+/// through `shard`'s whole model (every layer on this rank: `pp = 1`), packed or padded when
+/// the batch carries a layout, under any tp / sp / cp / ep / etp / dp layout (whole rows on
+/// every rank of the replica); router losses attached with `aux_grad_scale`. Under pipeline
+/// parallelism use [`shard_logprobs`](super::logprob_pipeline::shard_logprobs) or the
+/// trainer's [`step_with_logprobs`](crate::train::Trainer::step_with_logprobs).
+pub fn shard_logprobs_batch<S: CausalLmShard>(
+    shard: &S,
+    batch: &TrainBatch,
+    device: &Device,
+    aux_grad_scale: f64,
+) -> Result<TokenLogProbs, ModelError> {
+    if shard.pipeline().is_some() {
+        return Err(ModelError::unsupported(
+            "pp",
+            "a whole-model log-prob forward needs every layer on one rank; under pipeline \
+             parallelism use `shard_logprobs` or `Trainer::step_with_logprobs` (they run the \
+             pipeline schedule)",
+        ));
+    }
+    let whole = ChunkParts {
+        virtual_stage: 0,
+        embedding: true,
+        layers: 0..shard.local_layers(),
+        loss: true,
+    };
+    match shard.forward_logprobs_chunk(&whole, 0, batch, device, aux_grad_scale, None)? {
+        ChunkForward::LogProbs { logprobs, .. } => Ok(logprobs),
+        _ => Err(ModelError::layout(
+            "pp",
+            "the whole model's log-prob forward returned no log-probs",
+        )),
+    }
+}
+
 /// Checks `input_ids` form `batch` rows of at least 2 ids in `0..vocab`; returns `S`.
 fn check_logprob_ids(input_ids: &[i64], batch: usize, vocab: usize) -> Result<usize, ModelError> {
     let seq = input_ids.len().checked_div(batch).unwrap_or(0);
@@ -116,27 +205,6 @@ fn check_logprob_ids(input_ids: &[i64], batch: usize, vocab: usize) -> Result<us
     Ok(seq)
 }
 
-/// [`vocab_parallel_logprobs`] of a sharded forward's `[B·S, V/tp]` logits at positions
-/// `0..S−1` of every row, against `targets [B·(S−1)]`; `[B, S − 1]` each.
-fn sharded_token_logprobs(
-    out: ParallelOutput,
-    targets: &[i64],
-    [batch, seq]: [usize; 2],
-    tp: &Comm,
-) -> Result<TokenLogProbs, ModelError> {
-    let vl = out.vocab.len();
-    let logits = out
-        .logits
-        .reshape([batch, seq, vl])
-        .narrow(1, 0, seq - 1)
-        .reshape([batch * (seq - 1), vl]);
-    let (logprobs, entropy) = vocab_parallel_logprobs(logits, targets, out.vocab, tp)?;
-    Ok(TokenLogProbs {
-        logprobs: logprobs.reshape([batch, seq - 1]),
-        entropy: entropy.reshape([batch, seq - 1]),
-    })
-}
-
 impl ParallelDeepseekV3 {
     /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
     /// [`TrainBatch`] (identical on its TP ranks; packed or padded when the batch carries a
@@ -150,13 +218,8 @@ impl ParallelDeepseekV3 {
         aux_grad_scale: f64,
     ) -> Result<TokenLogProbs, ModelError> {
         let vocab = self.model.config().vocab_size;
-        let (rows, ids) = (batch.batch, &batch.input_ids);
-        let seq = check_logprob_ids(ids, rows, vocab)?;
-        let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
-        let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
-        self.runtime()
-            .require_whole_sequence("per-token log-probs")?;
-        sharded_token_logprobs(out, &targets, [rows, seq], &self.runtime().tp)
+        check_logprob_ids(&batch.input_ids, batch.batch, vocab)?;
+        shard_logprobs_batch(self, batch, device, aux_grad_scale)
     }
 
     /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
@@ -191,11 +254,9 @@ impl ParallelDeepseekV3 {
     ) -> Result<TokenLogProbs, ModelError> {
         let vocab = self.model.config().vocab_size;
         let seq = check_logprob_ids(input_ids, batch, vocab)?;
-        let targets = next_token_targets(labels, batch, seq, vocab)?;
-        let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
-        self.runtime()
-            .require_whole_sequence("per-token log-probs")?;
-        sharded_token_logprobs(out, &targets, [batch, seq], &self.runtime().tp)
+        next_token_targets(labels, batch, seq, vocab)?;
+        let batch = TrainBatch::new(input_ids.to_vec(), labels.to_vec(), batch)?;
+        shard_logprobs_batch(self, &batch, device, aux_grad_scale)
     }
 
     /// A forward-only copy of this rank's model (old and reference policies): parameters on the
@@ -261,10 +322,9 @@ impl ParallelQwen3Moe {
     ) -> Result<TokenLogProbs, ModelError> {
         let vocab = self.model.config().vocab_size;
         let seq = check_logprob_ids(input_ids, batch, vocab)?;
-        let targets = next_token_targets(labels, batch, seq, vocab)?;
-        let out = self.forward_loss_scaled(input_ids, labels, batch, device, aux_grad_scale)?;
-        self.rt.require_whole_sequence("per-token log-probs")?;
-        sharded_token_logprobs(out, &targets, [batch, seq], &self.rt.tp)
+        next_token_targets(labels, batch, seq, vocab)?;
+        let batch = TrainBatch::new(input_ids.to_vec(), labels.to_vec(), batch)?;
+        shard_logprobs_batch(self, &batch, device, aux_grad_scale)
     }
 
     /// [`forward_logprobs_scaled`](Self::forward_logprobs_scaled) of a [`TrainBatch`], packed
@@ -279,12 +339,8 @@ impl ParallelQwen3Moe {
         aux_grad_scale: f64,
     ) -> Result<TokenLogProbs, ModelError> {
         let vocab = self.model.config().vocab_size;
-        let (rows, ids) = (batch.batch, &batch.input_ids);
-        let seq = check_logprob_ids(ids, rows, vocab)?;
-        let targets = next_token_targets(&batch.labels, rows, seq, vocab)?;
-        let out = self.forward_loss_batch(batch, device, aux_grad_scale)?;
-        self.rt.require_whole_sequence("per-token log-probs")?;
-        sharded_token_logprobs(out, &targets, [rows, seq], &self.rt.tp)
+        check_logprob_ids(&batch.input_ids, batch.batch, vocab)?;
+        shard_logprobs_batch(self, batch, device, aux_grad_scale)
     }
 
     /// A forward-only copy of this rank's model (old and reference policies): parameters on the

@@ -43,6 +43,7 @@ use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids}
 mod context_parallel;
 mod deepseek_v3;
 mod gather;
+pub mod logprob_pipeline;
 pub mod logprobs;
 mod pipeline;
 mod qwen3;

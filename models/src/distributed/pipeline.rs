@@ -238,6 +238,31 @@ macro_rules! stage_accessors {
             self.rt.pipeline()
         }
 
+        fn forward_logprobs_chunk(
+            &self,
+            chunk: &$crate::distributed::ChunkParts,
+            moe_offset: usize,
+            batch: &$crate::train::TrainBatch,
+            device: &burn::tensor::Device,
+            aux_grad_scale: f64,
+            input: Option<burn::tensor::Tensor<2>>,
+        ) -> Result<$crate::distributed::sharded::ChunkForward, $crate::ModelError> {
+            let (model, rt) = (&self.model, &self.rt);
+            rt.logprobs_chunk(
+                model,
+                chunk,
+                moe_offset,
+                batch,
+                device,
+                aux_grad_scale,
+                input,
+            )
+        }
+
+        fn local_layers(&self) -> usize {
+            $crate::distributed::DecoderStack::num_layers(&self.model)
+        }
+
         fn embedding(&self) -> Option<&burn::nn::Embedding> {
             self.model.model.embed_tokens.as_ref()
         }

@@ -775,6 +775,27 @@ impl SpRuntime {
         })
     }
 
+    /// The vocab-parallel head on this rank's normed sequence-parallel block: the replica's
+    /// rows gathered over TP, times this rank's vocabulary columns (`lm_head`, or the
+    /// embedding shard it is tied to): `[rows, V/tp]`.
+    pub fn vocab_parallel_logits(
+        &self,
+        normed: Tensor<2>,
+        lm_head: Option<&Linear>,
+        embed: Option<&Embedding>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let full = self.gather(normed)?;
+        Ok(match lm_head {
+            Some(head) => head.forward(full),
+            None => full.matmul(
+                super::held(embed, "the output layer (or the embedding it is tied to)")?
+                    .weight
+                    .val()
+                    .transpose(),
+            ),
+        })
+    }
+
     /// The head on this rank's already normed sequence-parallel block, gathered to the
     /// replica's full-vocabulary logits `[B·S, V]` (identical on its TP ranks): what
     /// generation samples from.
@@ -784,16 +805,7 @@ impl SpRuntime {
         lm_head: Option<&Linear>,
         embed: Option<&Embedding>,
     ) -> Result<Tensor<2>, ModelError> {
-        let full = self.gather(normed)?;
-        let local = match lm_head {
-            Some(head) => head.forward(full),
-            None => full.matmul(
-                super::held(embed, "the output layer (or the embedding it is tied to)")?
-                    .weight
-                    .val()
-                    .transpose(),
-            ),
-        };
+        let local = self.vocab_parallel_logits(normed, lm_head, embed)?;
         if self.tp.size() == 1 {
             return Ok(local);
         }
@@ -820,16 +832,7 @@ impl SpRuntime {
         embed: Option<&Embedding>,
         targets: &[i64],
     ) -> Result<(Tensor<1>, Tensor<2>), ModelError> {
-        let full = self.gather(normed)?;
-        let logits = match lm_head {
-            Some(head) => head.forward(full),
-            None => full.matmul(
-                super::held(embed, "the output layer (or the embedding it is tied to)")?
-                    .weight
-                    .val()
-                    .transpose(),
-            ),
-        };
+        let logits = self.vocab_parallel_logits(normed, lm_head, embed)?;
         let loss = vocab_parallel_cross_entropy(
             logits.clone(),
             targets,

@@ -142,6 +142,33 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         (self.forward_train_batch(batch, device, aux_grad_scale, mtp)).map(ChunkForward::Loss)
     }
 
+    /// The log-prob forward of this pipeline rank's chunk `chunk` on one micro-batch: as
+    /// [`forward_train_chunk`](Self::forward_train_chunk), but the last virtual stage returns
+    /// [`ChunkForward::LogProbs`], the per-token next-token log-probs and entropies of the
+    /// micro-batch's labels (vocab-parallel, gathered over context parallelism; MTP modules
+    /// do not run). The default refuses (a model without a log-prob head).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_logprobs_chunk(
+        &self,
+        chunk: &super::ChunkParts,
+        moe_offset: usize,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        input: Option<Tensor<2>>,
+    ) -> Result<ChunkForward, ModelError> {
+        let _ = (chunk, moe_offset, batch, device, aux_grad_scale, input);
+        Err(ModelError::unsupported(
+            "logprobs",
+            "this model has no log-prob forward (implement `forward_logprobs_chunk`)",
+        ))
+    }
+
+    /// Decoder layers this rank holds (all of them when `pp = 1`; the default: none).
+    fn local_layers(&self) -> usize {
+        0
+    }
+
     /// This rank's place in its pipeline (`None` when `pp = 1`, the default).
     fn pipeline(&self) -> Option<&super::PipelinePlace> {
         None
@@ -221,6 +248,18 @@ pub enum ChunkForward {
     },
     /// The last virtual stage: the losses (its own router losses and counts inside).
     Loss(TrainForward),
+    /// The last virtual stage of a log-prob forward
+    /// ([`CausalLmShard::forward_logprobs_chunk`]): the replica's per-token log-probs.
+    LogProbs {
+        /// Next-token log-probs and entropies `[B, S − 1]` of the micro-batch's whole rows
+        /// (gathered over the context-parallel group), identical on the replica's TP and CP
+        /// ranks.
+        logprobs: crate::rl::logprobs::TokenLogProbs,
+        /// The router losses of the chunk's MoE layers (forward order), this rank's part.
+        router_losses: Vec<Vec<RouterLoss>>,
+        /// The chunk's routers' expert-bias counts (forward order).
+        expert_load: Vec<Option<Vec<f64>>>,
+    },
 }
 
 /// Row-major `values [B, S]` with every row shifted left by `by` and `fill` in the `by` freed

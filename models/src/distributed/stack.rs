@@ -557,6 +557,48 @@ impl SpRuntime {
     }
 }
 
+impl SpRuntime {
+    /// The log-prob forward of pipeline chunk `chunk` of `model` on one micro-batch:
+    /// [`chunk_layers`](Self::chunk_layers), and on the last virtual stage the final norm,
+    /// the vocab-parallel head and the per-token log-probs and entropies of the micro-batch's
+    /// targets, whole rows gathered over context parallelism
+    /// ([`token_logprobs`](Self::token_logprobs)).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn logprobs_chunk<M: DecoderStack + ?Sized>(
+        &self,
+        model: &M,
+        chunk: &ChunkParts,
+        moe_offset: usize,
+        batch: &crate::train::TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        input: Option<Tensor<2>>,
+    ) -> Result<ChunkForward, ModelError> {
+        let run = self.chunk_layers(
+            model,
+            chunk,
+            moe_offset,
+            batch,
+            device,
+            aux_grad_scale,
+            input,
+        )?;
+        if !chunk.loss {
+            return Ok(run.passed_on());
+        }
+        let ChunkRun { p, trace, x } = run;
+        let normed = model.final_norm()?.forward(x);
+        let logits =
+            self.vocab_parallel_logits(normed, model.lm_head(), model.embed_tokens().ok())?;
+        let logprobs = self.token_logprobs(logits, &p, batch.batch)?;
+        Ok(ChunkForward::LogProbs {
+            logprobs,
+            router_losses: trace.losses,
+            expert_load: trace.expert_load,
+        })
+    }
+}
+
 /// What a pipeline chunk's layers produced ([`SpRuntime::chunk_layers`]): the prepared
 /// micro-batch, the routers' trace and the chunk's output block.
 pub(crate) struct ChunkRun<'b> {

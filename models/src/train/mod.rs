@@ -43,6 +43,7 @@ use crate::packing::SequenceLayout;
 use crate::param_plan::GradClass;
 use crate::plan::activations::Recompute;
 use crate::qwen3_moe::Qwen3MoeForCausalLM;
+use crate::rl::logprobs::TokenLogProbs;
 
 mod pipeline;
 
@@ -996,6 +997,81 @@ impl<M: ParallelCausalLm> Trainer<M> {
         Ok(stats)
     }
 
+    /// One optimizer step whose objective is a function of the model's per-token log-probs
+    /// (RL policy losses), under **every** layout, pipeline and context parallelism included:
+    /// the trainer runs each micro-batch's forward (on the pipeline schedule under `pp`,
+    /// 1F1B or interleaved), computes the replica's next-token log-probs and entropies
+    /// `[batch, S − 1]` of the micro-batch's labels on the last stage (vocab-parallel; whole
+    /// rows gathered over context parallelism; packed or padded with a layout) and calls
+    /// `loss(i, &micro[i], logprobs)` there — Megatron's `loss_func` of a `forward_step`.
+    /// The hook returns the micro-batch's objective, normalised as the caller wants it for one
+    /// replica's share of the batch (as for [`step_with`](Self::step_with): the optimizer
+    /// averages over the data-parallel replicas), and its token count; it is back-propagated
+    /// through the stages, with the routers' losses weighted `1 / micro-batches` as in
+    /// [`step_micro_batches`](Self::step_micro_batches). Under context parallelism every CP
+    /// rank of a replica computes the same objective from the same gathered log-probs and
+    /// back-propagates it into its own positions (the trainer scales it by `cp`, since the
+    /// optimizer averages over the `dp × cp` ranks), so the hook needs no CP logic.
+    ///
+    /// The routers' expert-bias counts of the step update the biases as in a training step
+    /// (with [`TrainerConfig::update_expert_bias`]). The returned `loss` is the mean over
+    /// micro-batches of the objectives, `tokens` their token count (the same on every rank).
+    pub fn step_with_logprobs(
+        &mut self,
+        micro: &[TrainBatch],
+        mut loss: impl FnMut(
+            usize,
+            &TrainBatch,
+            TokenLogProbs,
+        ) -> Result<(Tensor<1>, usize), ModelError>,
+    ) -> Result<StepStats, ModelError> {
+        let start = Instant::now();
+        if micro.is_empty() {
+            return Err(ModelError::input(
+                "micro_batches",
+                "a step needs at least one micro-batch",
+            ));
+        }
+        self.model.begin_global_batch();
+        moe_backend::recompute::clear_param_grads();
+        let scale = self.cp.size() as f64;
+        let outcome = crate::distributed::logprob_pipeline::run_logprob_step(
+            &self.model,
+            micro,
+            &self.channels,
+            self.tp,
+            &self.device,
+            scale,
+            &mut loss,
+        )?;
+        let mut grads = outcome.grads;
+        if let Some(place) = self.model.pipeline().cloned() {
+            let group = self.embedding_group.as_ref();
+            pipeline::reduce_embedding_grads(&self.model, &place, group, &mut grads, &self.device)?;
+        }
+        // The objectives live on the last stage: summed over the pipeline group.
+        let values = sum_over(
+            &self.pp,
+            &[outcome.value_sum, outcome.tokens as f64],
+            &self.device,
+        )?;
+        let value = values[0] / micro.len() as f64;
+        let tokens = values[1].round() as usize;
+        if let Some(refused) = self.check_losses(&[value], &["objective"])? {
+            return self.refuse(refused, value, 1, start);
+        }
+        let mut stats = match self.finish_step(grads, 0.0, 0.0, tokens, start) {
+            Err(e) if e.is_non_finite() => return self.refuse(e, value, 1, start),
+            other => other?,
+        };
+        if self.config.update_expert_bias {
+            self.update_expert_bias(outcome.loads)?;
+        }
+        stats.loss = value as f32;
+        stats.tokens_per_second = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
+        Ok(stats)
+    }
+
     /// Non-finite steps skipped so far (`TrainerConfig::skip_nonfinite_steps`).
     pub fn skipped_steps(&self) -> u64 {
         self.skipped_steps
@@ -1213,7 +1289,7 @@ impl Optimizer {
 }
 
 /// Adds one forward's per-router counts into the step's running sums.
-fn add_loads(
+pub(crate) fn add_loads(
     sums: &mut Vec<Option<Vec<f64>>>,
     loads: Vec<Option<Vec<f64>>>,
 ) -> Result<(), ModelError> {
@@ -1321,7 +1397,7 @@ fn read_f32(t: Tensor<1>) -> Result<Vec<f32>, ModelError> {
         .map_err(|e| ModelError::input("loss", format!("unreadable values: {e:?}")))
 }
 
-fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {
+pub(crate) fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {
     t.to_data()
         .convert::<f32>()
         .try_into_vec::<f32>()

@@ -147,6 +147,10 @@ impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
                 self.log(row);
                 Ok(StageOutput::Loss(objective))
             }
+            ChunkForward::LogProbs { .. } => Err(ModelError::layout(
+                "pp",
+                "a training forward returned log-probs instead of its loss",
+            )),
         }
     }
 

@@ -1,8 +1,12 @@
-//! `moe logprobs`: per-token next-token log-probabilities and entropies of a Qwen3-MoE or
-//! DeepSeek-V3 checkpoint (FP8 releases are dequantised on load) over a batch of token ids (RL reference / old-policy scoring), under any
-//! parallel layout: in-process ranks (threads) by default, or one process per rank when a
-//! launcher (torchrun, mpirun, srun) started it. The sharded runs compute them vocab-parallel
-//! (`moe_models::distributed::logprobs`); `--layout ""` runs the single-rank model.
+//! `moe logprobs`: per-token next-token log-probabilities and entropies of a Qwen3-MoE,
+//! DeepSeek-V3 or Qwen3 checkpoint (FP8 releases are dequantised on load) over a batch of token
+//! ids (RL reference / old-policy scoring), under any parallel layout — tensor, sequence,
+//! context, pipeline (1F1B or interleaved), expert and data parallelism: in-process ranks
+//! (threads) by default, or one process per rank when a launcher (torchrun, mpirun, srun)
+//! started it. Every layout runs the same sharded path
+//! (`moe_models::distributed::logprob_pipeline::shard_logprobs`: vocab-parallel log-probs on the
+//! last pipeline stage, whole rows gathered over context parallelism); `--layout ""` is one
+//! rank.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,11 +18,12 @@ use burn_moe::backend::comm::GroupComms;
 use burn_moe::backend::parallel::{GroupFamily, ParallelLayout};
 use burn_moe::bridge::safetensors::{Dtype, OwnedTensor, SafetensorsFile, write_safetensors};
 use burn_moe::launch::{Placement, Transport, run_spmd};
-use burn_moe::models::distributed::{DispatcherKind, ParallelDeepseekV3, ParallelQwen3Moe};
+use burn_moe::models::ModelError;
+use burn_moe::models::distributed::logprob_pipeline::shard_logprobs;
+use burn_moe::models::distributed::{DispatcherKind, ParallelCausalLm};
 use burn_moe::models::hf::AnyCausalLm;
 use burn_moe::models::hf::WeightPrecision;
-use burn_moe::models::rl::logprobs::{TokenLogProbs, deepseek_v3_logprobs, qwen3_moe_logprobs};
-use burn_moe::models::{DeepseekV3ForCausalLM, ModelError, Qwen3MoeForCausalLM};
+use burn_moe::models::train::TrainBatch;
 
 /// Name of the token-id tensor read from `--input`.
 const INPUT_IDS: &str = "input_ids";
@@ -26,7 +31,7 @@ const INPUT_IDS: &str = "input_ids";
 /// Arguments of `moe logprobs`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// HF Qwen3-MoE or DeepSeek-V3 checkpoint directory or hub-cache model id (FP8
+    /// HF Qwen3-MoE, DeepSeek-V3 or Qwen3 checkpoint directory or hub-cache model id (FP8
     /// DeepSeek-V3 releases are dequantised to f32 on load).
     #[arg(long, value_name = "DIR")]
     pub model: String,
@@ -43,6 +48,11 @@ pub struct Args {
     /// over the data-parallel replicas, so it must divide by their number. Empty: one rank.
     #[arg(long, default_value = "")]
     pub layout: String,
+    /// Sequences per micro-batch of a data-parallel replica (Megatron's
+    /// `--micro-batch-size`; under pipeline parallelism the micro-batches fill the pipeline).
+    /// Default: a replica's whole share of the batch in one micro-batch.
+    #[arg(long, value_name = "N")]
+    pub micro_batch_size: Option<usize>,
     /// Seconds a rank waits for the others in a collective before the job fails.
     #[arg(long, default_value_t = 300)]
     pub comm_timeout: u64,
@@ -109,11 +119,19 @@ fn check_split(layout: &ParallelLayout, [batch, seq]: [usize; 2]) -> anyhow::Res
              replicas of layout {layout}; use a batch divisible by {replicas} or another layout"
         );
     }
-    let tokens = batch / replicas * seq;
+    let cp = layout.cp;
+    if cp > 1 && !seq.is_multiple_of(2 * cp) {
+        bail!(
+            "context parallelism cuts every sequence into 2·cp = {} chunks; the sequence length \
+             {seq} is not divisible by it (layout {layout})",
+            2 * cp
+        );
+    }
+    let tokens = batch / replicas * seq / cp;
     if !tokens.is_multiple_of(layout.tp) {
         bail!(
-            "a replica's {tokens} tokens ({} sequences of {seq}) do not split into tp = {} \
-             sequence-parallel blocks under layout {layout}",
+            "a rank's {tokens} tokens ({} sequences of {seq} over cp = {cp}) do not split into \
+             tp = {} sequence-parallel blocks under layout {layout}",
             batch / replicas,
             layout.tp
         );
@@ -135,13 +153,6 @@ fn check_vocab(ids: &[i64], seq: usize, vocab: usize, path: &Path) -> anyhow::Re
     Ok(())
 }
 
-fn host(t: Tensor<2>) -> anyhow::Result<Vec<f32>> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| anyhow::anyhow!("cannot read the results back: {e:?}"))
-}
-
 fn model_error(e: burn_moe::models::ModelError) -> BackendError {
     BackendError::Shape {
         op: "model",
@@ -149,68 +160,39 @@ fn model_error(e: burn_moe::models::ModelError) -> BackendError {
     }
 }
 
-/// A checkpoint `moe logprobs` scores.
-enum Scored {
-    Qwen3Moe(Qwen3MoeForCausalLM),
-    DeepseekV3(DeepseekV3ForCausalLM),
-}
-
-impl Scored {
-    fn vocab_size(&self) -> usize {
-        match self {
-            Self::Qwen3Moe(m) => m.config().vocab_size,
-            Self::DeepseekV3(m) => m.config().vocab_size,
-        }
-    }
-
-    /// Single-rank log-probs of `ids [batch, S]` (scored against themselves).
-    fn logprobs(
-        &self,
-        ids: &[i64],
-        batch: usize,
-        device: &Device,
-    ) -> Result<TokenLogProbs, ModelError> {
-        match self {
-            Self::Qwen3Moe(m) => qwen3_moe_logprobs(m, ids, ids, batch, device),
-            Self::DeepseekV3(m) => deepseek_v3_logprobs(m, ids, ids, batch, device),
-        }
-    }
-
-    /// This rank's shard's log-probs of its replica's `ids`: `(replica, replicas, result)`.
-    fn sharded_logprobs(
-        &self,
-        groups: &GroupComms,
-        ids: &[i64],
-        [batch, seq]: [usize; 2],
-        device: &Device,
-    ) -> Result<(usize, TokenLogProbs), ModelError> {
-        let kind = DispatcherKind::AllToAll;
-        let mine = |replica: usize, replicas: usize| {
-            let rows = batch / replicas;
-            (rows, &ids[replica * rows * seq..(replica + 1) * rows * seq])
-        };
-        match self {
-            Self::Qwen3Moe(m) => {
-                let par = ParallelQwen3Moe::shard(m, groups, kind)?;
-                let (rows, mine) = mine(par.replica, par.replicas);
-                Ok((rows, par.forward_logprobs(mine, mine, rows, device)?))
-            }
-            Self::DeepseekV3(m) => {
-                let par = ParallelDeepseekV3::shard(m, groups, kind)?;
-                let (rows, mine) = mine(par.replica, par.replicas);
-                Ok((rows, par.forward_logprobs(mine, mine, rows, device)?))
-            }
-        }
-    }
+/// This rank's part of the log-probs of `ids [batch, S]` under the layout of `groups`: the
+/// rows of its data-parallel replica, in micro-batches of `mbs` rows through the model's
+/// shard (every layout, pipeline and context parallelism included:
+/// [`shard_logprobs`]); `(replica, [rows, S − 1] log-probs, entropies)`.
+fn score<M: ParallelCausalLm>(
+    full: &M,
+    groups: &GroupComms,
+    ids: &[i64],
+    [batch, seq]: [usize; 2],
+    mbs: usize,
+    device: &Device,
+) -> Result<(usize, Tensor<2>, Tensor<2>), ModelError> {
+    let shard = full.shard(groups, DispatcherKind::AllToAll)?;
+    let dp = groups.comm(GroupFamily::Dp);
+    let (replica, rows) = (dp.rank(), batch / dp.size());
+    let mine = &ids[replica * rows * seq..(replica + 1) * rows * seq];
+    let micro = mine
+        .chunks(mbs * seq)
+        .map(|c| TrainBatch::causal(c.to_vec(), c.len() / seq))
+        .collect::<Result<Vec<_>, _>>()?;
+    let out = shard_logprobs(&shard, &micro, groups, device)?;
+    let (lp, h): (Vec<_>, Vec<_>) = out.into_iter().map(|o| (o.logprobs, o.entropy)).unzip();
+    Ok((replica, Tensor::cat(lp, 0), Tensor::cat(h, 0)))
 }
 
 /// Log-probs and entropies of the whole batch (row-major `[B, S-1]` each) on the ranks of
 /// `placement`: every rank shards `full`, scores its replica's rows, and the replicas' rows
-/// are all-gathered over `dp_cp` (in replica order).
+/// are all-gathered over the data-parallel group (in replica order).
 fn sharded(
-    full: &Scored,
+    full: &AnyCausalLm,
     ids: &[i64],
     [batch, seq]: [usize; 2],
+    mbs: usize,
     layout: &ParallelLayout,
     placement: &Placement,
     timeout: Duration,
@@ -218,13 +200,17 @@ fn sharded(
     let device = Device::flex();
     run_spmd(placement, timeout, |ctx| {
         let groups = ctx.process_groups(layout)?;
-        let (rows, out) = full
-            .sharded_logprobs(&groups, ids, [batch, seq], &device)
-            .map_err(model_error)?;
-        let dp_cp = groups.comm(GroupFamily::DpCp);
-        let n = rows * (seq - 1);
+        let shape = [batch, seq];
+        let (_, lp, h) = match full {
+            AnyCausalLm::Qwen3Moe(m) => score(m, &groups, ids, shape, mbs, &device),
+            AnyCausalLm::DeepseekV3(m) => score(m, &groups, ids, shape, mbs, &device),
+            AnyCausalLm::Qwen3(m) => score(m, &groups, ids, shape, mbs, &device),
+        }
+        .map_err(model_error)?;
+        let dp = groups.comm(GroupFamily::Dp);
+        let n = batch / dp.size() * (seq - 1);
         let gather = |t: Tensor<2>| -> Result<Vec<f32>, BackendError> {
-            let all = dp_cp.all_gather(t.reshape([n]))?;
+            let all = dp.all_gather(t.reshape([n]))?;
             all.into_data()
                 .convert::<f32>()
                 .try_into_vec::<f32>()
@@ -233,7 +219,7 @@ fn sharded(
                     detail: format!("cannot read the results back: {e:?}"),
                 })
         };
-        Ok((gather(out.logprobs)?, gather(out.entropy)?))
+        Ok((gather(lp)?, gather(h)?))
     })
 }
 
@@ -251,25 +237,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         other => other,
     };
     let device = Device::flex();
-    let full = match crate::progress::load_model(&args.model, WeightPrecision::F32, &device)? {
-        AnyCausalLm::Qwen3Moe(m) => Scored::Qwen3Moe(m),
-        AnyCausalLm::DeepseekV3(m) => Scored::DeepseekV3(m),
-        AnyCausalLm::Qwen3(_) => bail!(
-            "{}: `moe logprobs` runs MoE checkpoints (Qwen3-MoE, DeepSeek-V3) only",
-            args.model
-        ),
+    let full = crate::progress::load_model(&args.model, WeightPrecision::F32, &device)?;
+    let vocab = match &full {
+        AnyCausalLm::Qwen3Moe(m) => m.config().vocab_size,
+        AnyCausalLm::DeepseekV3(m) => m.config().vocab_size,
+        AnyCausalLm::Qwen3(m) => m.config().vocab_size,
     };
-    let vocab = full.vocab_size();
     check_vocab(&ids, seq, vocab, &args.input)?;
-    tracing::info!(batch, seq, layout = %layout, "log-probs");
+    let rows = batch / layout.dp;
+    let mbs = args.micro_batch_size.unwrap_or(rows);
+    if mbs == 0 || !rows.is_multiple_of(mbs) {
+        bail!(
+            "--micro-batch-size {mbs} does not divide a replica's {rows} sequences (batch \
+             {batch} over {} data-parallel replicas)",
+            layout.dp
+        );
+    }
+    tracing::info!(batch, seq, micro_batch_size = mbs, layout = %layout, "log-probs");
+    let timeout = Duration::from_secs(args.comm_timeout);
     let (logprobs, entropy) = crate::progress::with_spinner("log-probs", || {
-        if layout.world == 1 {
-            let TokenLogProbs { logprobs, entropy } = full.logprobs(&ids, batch, &device)?;
-            anyhow::Ok((host(logprobs)?, host(entropy)?))
-        } else {
-            let timeout = Duration::from_secs(args.comm_timeout);
-            Ok(sharded(&full, &ids, shape, &layout, &placement, timeout)?)
-        }
+        sharded(&full, &ids, shape, mbs, &layout, &placement, timeout)
     })
     .with_context(|| format!("log-probs of {} under layout {layout}", args.model))?;
     if !placement.is_reporter() {
