@@ -20,7 +20,8 @@
 //!    the samples of each prompt ([`grpo_advantages`]);
 //! 4. **policy update**: PPO's clipped objective ([`ppo_loss`]) on the answer tokens, with the
 //!    sharded model's vocab-parallel log-probabilities, through the trainer's loss hook
-//!    ([`Trainer::step_with`]): one ZeRO-1 AdamW step.
+//!    ([`Trainer::step_with_logprobs`], on the last pipeline stage under any layout): one ZeRO-1
+//!    AdamW step.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -29,13 +30,14 @@ use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use moe_backend::BackendError;
 use moe_backend::comm::{Comm, GroupComms, ReduceOp, WorldConfig};
+use moe_backend::parallel::GroupFamily;
 use moe_bridge::hf::HfCheckpoint;
 use moe_models::rl::{
     LossAgg, MismatchMetrics, PpoConfig, ResponseMask, RolloutCorrection, aggregate,
     grpo_advantages, ppo_loss, rollout_correction, token_advantages,
 };
 use moe_models::rollout::{SamplingConfig, generate_batch};
-use moe_models::train::{Trainer, TrainerConfig};
+use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
     ModelReceiver, SyncDest, SyncDtype, SyncOptions, WeightSyncError, sync_weights,
 };
@@ -187,16 +189,16 @@ pub fn grpo_on(
         for step in 0..options.steps {
             sync_policy(&trainer, &groups, &world, &mut policy)?;
             let (mean, exact, mismatch) =
-                grpo_step(&mut trainer, &policy, options, step, replica, &device)
-                    .map_err(to_backend)?;
+                grpo_step(&mut trainer, &policy, options, step, replica).map_err(to_backend)?;
+            let [token_mult_prob_error, k3_kl] = stage_mismatch(&groups, mismatch)?;
             // Every TP rank of a replica holds the same rollouts: the world mean weights the
             // replicas equally.
             let sums = Tensor::<1>::from_data(
                 [
                     mean as f32,
                     exact as f32,
-                    mismatch.token_mult_prob_error as f32,
-                    mismatch.k3_kl as f32,
+                    token_mult_prob_error as f32,
+                    k3_kl as f32,
                 ],
                 &Device::flex(),
             );
@@ -256,15 +258,15 @@ fn sync_policy(
 
 /// Steps 2–4 of this rank (the policy synced); returns this replica's mean reward, exact-copy
 /// rate and the rollout–trainer mismatch of its answer tokens ([`rollout_correction`]'s
-/// metrics, measured on the trainer's log-probabilities before the update).
+/// metrics, measured on the trainer's log-probabilities before the update; `None` off the
+/// last pipeline stage, where the policy loss runs).
 fn grpo_step(
     trainer: &mut Trainer,
     policy: &Qwen3MoeForCausalLM,
     options: &GrpoOptions,
     step: usize,
     replica: usize,
-    device: &Device,
-) -> Result<(f64, f64, MismatchMetrics), moe_models::ModelError> {
+) -> Result<(f64, f64, Option<MismatchMetrics>), moe_models::ModelError> {
     // 2. Rollouts: `samples` answers per prompt, the same on every TP rank of the replica
     // (same model, same seed).
     let prompts: Vec<Vec<i64>> = (0..options.prompts_per_replica)
@@ -308,8 +310,9 @@ fn grpo_step(
         old[row * (seq - 1) + answer_at] = r.logprobs.first().copied().unwrap_or(0.0);
     }
     let mut mismatch = None;
-    trainer.step_with(&[()], |shard, (), aux_grad_scale| {
-        let lp = shard.forward_logprobs_scaled(&ids, &ids, rows, device, aux_grad_scale)?;
+    let batch = TrainBatch::causal(ids, rows)?;
+    // The policy loss of the trainer's log-probs, on the last pipeline stage (every layout).
+    trainer.step_with_logprobs(std::slice::from_ref(&batch), |_, _, lp| {
         let dev = lp.logprobs.device();
         let mask = ResponseMask::from_float(Tensor::<2>::from_data(
             TensorData::new(mask.clone(), [rows, seq - 1]),
@@ -331,9 +334,36 @@ fn grpo_step(
         let entropy = aggregate(lp.entropy, &mask, LossAgg::TokenMean)?;
         Ok((out.loss - entropy.mul_scalar(options.entropy_coef), rows))
     })?;
-    let mismatch = mismatch.ok_or_else(|| moe_models::ModelError::InvalidInput {
-        what: "rollouts",
-        reason: "the policy update ran no forward".into(),
-    })?;
     Ok((mean, exact, mismatch))
+}
+
+/// The last pipeline stage's mismatch metrics (where the policy loss ran) on every stage:
+/// `[token_mult_prob_error, rollout_k3_kl]`.
+fn stage_mismatch(
+    groups: &GroupComms,
+    mismatch: Option<MismatchMetrics>,
+) -> Result<[f64; 2], BackendError> {
+    let pp = groups.comm(GroupFamily::Pp);
+    let last = pp.size() - 1;
+    let local = match (&mismatch, pp.rank() == last) {
+        (Some(m), _) => [m.token_mult_prob_error as f32, m.k3_kl as f32],
+        (None, false) => [0.0; 2],
+        (None, true) => {
+            return Err(BackendError::Config {
+                field: "rollouts",
+                detail: "the policy update ran no forward on the last pipeline stage".into(),
+            });
+        }
+    };
+    let t = Tensor::<1>::from_data(local, &Device::flex());
+    let v = pp
+        .broadcast(t, last)?
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap_or_default();
+    Ok([
+        f64::from(v.first().copied().unwrap_or(f32::NAN)),
+        f64::from(v.get(1).copied().unwrap_or(f32::NAN)),
+    ])
 }
