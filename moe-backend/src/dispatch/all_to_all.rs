@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor};
 
 use super::{CombineState, Dispatched, SplitPlan, TokenDispatcher, check_inputs, permute_rows};
 use crate::comm::{Comm, ReduceOp};
@@ -48,25 +48,38 @@ impl AllToAllDispatcher {
     }
 
     /// The preprocess splits (docs/routing-and-dispatch.md §AlltoAll dispatcher) from the
-    /// per-expert counts `n [E]` of this rank.
-    fn plan(&self, n: &[usize]) -> Result<(SplitPlan, Vec<usize>)> {
+    /// per-expert counts `counts [E]` of this rank, on the routing's device: all-gathered over
+    /// `tp_ep` as they are and read back once (the one host synchronisation of the dispatch:
+    /// the all-to-all's splits are host sizes, as in Megatron's `.cpu()` of its splits).
+    fn plan(&self, counts: Tensor<1, Int>) -> Result<(SplitPlan, Vec<usize>)> {
         let (epn, tpn) = (self.ep.size(), self.expt_tp.size());
         let l = self.local.len();
-        let input_splits: Vec<usize> = n.chunks(l).map(|c| c.iter().sum()).collect();
+        let e = self.num_experts;
         if epn == 1 && tpn == 1 {
+            let n = int_tensor_to_usize(counts);
+            let input_splits: Vec<usize> = n.chunks(l).map(|c| c.iter().sum()).collect();
             let plan = SplitPlan {
                 input_splits: input_splits.clone(),
                 output_splits: input_splits,
                 output_splits_tp: vec![n.iter().sum()],
                 chunks_tp_ep_l: n.to_vec(),
             };
-            return Ok((plan, n.to_vec()));
+            return Ok((plan, n));
         }
-        let e = self.num_experts;
-        let device = burn::tensor::Device::flex();
-        let counts: Vec<i64> = n.iter().map(|&c| c as i64).collect();
-        let counts = Tensor::<2, Int>::from_data(TensorData::new(counts, [1, e]), &device);
-        let g = int_tensor_to_usize(self.tp_ep.all_gather(counts)?);
+        let g = int_tensor_to_usize(self.tp_ep.all_gather(counts.reshape([1, e]))?);
+        // This rank's own counts are its row of the gather.
+        let me = self.tp_ep.rank();
+        let n = g
+            .get(me * e..(me + 1) * e)
+            .ok_or_else(|| BackendError::Shape {
+                op: "AllToAllDispatcher::plan",
+                detail: format!(
+                    "{} gathered counts for {} members of {e} experts",
+                    g.len(),
+                    tpn * epn
+                ),
+            })?;
+        let input_splits: Vec<usize> = n.chunks(l).map(|c| c.iter().sum()).collect();
         // gl[t][ep][l] = g[(ep·tpn + t)·E + local.start + l]
         let at = |t: usize, s: usize, j: usize| g[(s * tpn + t) * e + self.local.start + j];
         let mut chunks = Vec::with_capacity(tpn * epn * l);
@@ -120,8 +133,7 @@ impl TokenDispatcher for AllToAllDispatcher {
         const OP: &str = "AllToAllDispatcher::dispatch";
         check_inputs(OP, &hidden, &probs, &routing_map, self.num_experts)?;
         let (mut x, mut p, row_id_map) = permute_rows(OP, hidden, probs, routing_map)?;
-        let n = row_id_map.tokens_per_expert_host();
-        let (plan, tokens_per_local_expert) = self.plan(&n)?;
+        let (plan, tokens_per_local_expert) = self.plan(row_id_map.tokens_per_expert.clone())?;
         if self.ep.size() > 1 {
             x = self
                 .ep
