@@ -345,6 +345,14 @@ pub enum BridgeError {
         /// What is wrong.
         reason: String,
     },
+    /// An MXFP4 weight (`*_blocks` / `*_scales`) cannot be decoded or encoded.
+    #[error("tensor `{tensor}`: MXFP4: {reason}")]
+    Mxfp4 {
+        /// The weight (its `*_blocks` name, or the weight being packed).
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// Tensors handed to a writer are inconsistent (byte length, duplicate or unplanned name).
     #[error("{path}: tensor `{tensor}`: cannot write: {reason}")]
     InvalidWrite {

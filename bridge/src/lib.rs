@@ -46,6 +46,7 @@ pub mod export;
 pub mod fp8;
 pub mod hf;
 pub mod mapping;
+pub mod mxfp4;
 pub mod safetensors;
 pub mod schema;
 pub mod tensorboard;
