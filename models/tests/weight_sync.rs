@@ -406,7 +406,10 @@ fn exported(dir: &std::path::Path) -> std::collections::BTreeMap<String, (Vec<us
     names
         .into_iter()
         .map(|n| {
-            let data = hf.tensor(&n).and_then(|t| t.to_tensor_data()).expect("tensor");
+            let data = hf
+                .tensor(&n)
+                .and_then(|t| t.to_tensor_data())
+                .expect("tensor");
             assert_eq!(data.dtype(), burn::tensor::DType::F32, "{n}");
             (n, (data.shape().to_vec(), data.as_bytes().to_vec()))
         })
@@ -440,10 +443,7 @@ fn train_save_and_sync<M: Case + moe_models::checkpoint::PlacedModel>(
         };
         let mut trainer =
             Trainer::new(full, &pg, world.clone(), trainer_config, &device).map_err(be)?;
-        let replica = pg
-            .groups
-            .get(moe_backend::parallel::GroupFamily::Dp)
-            .index;
+        let replica = pg.groups.get(moe_backend::parallel::GroupFamily::Dp).index;
         let micro = [batch(2 * replica, vocab), batch(2 * replica + 1, vocab)];
         trainer.step_micro_batches(&micro).map_err(be)?;
         let mut meta = moe_bridge::dist::SaveMeta::new(1, layout);
@@ -507,10 +507,8 @@ fn check_pipeline_model<M: Case + moe_models::checkpoint::PlacedModel>(
         (SyncDtype::F32, ExpertNames::PerExpert, false),
         (SyncDtype::Bf16, ExpertNames::Fused, true),
     ];
-    let syncs: Vec<(SyncOptions, bool)> = cases
-        .iter()
-        .map(|&(d, e, b)| (options(d, e), b))
-        .collect();
+    let syncs: Vec<(SyncOptions, bool)> =
+        cases.iter().map(|&(d, e, b)| (options(d, e), b)).collect();
     let initial = tensors(full);
     let total_f32: u64 = full.hf_tensors().expect("export").total_bytes();
     for (world, spec) in &layouts {

@@ -110,8 +110,9 @@ pub(super) fn plan(
     let mut seen: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
     for (stage, specs) in stages.iter().enumerate() {
         let keys = order_keys(specs);
-        for (at, (name, dtype, shape, split, entry)) in
-            stage_plan(specs, tp, ep, etp, options)?.into_iter().enumerate()
+        for (at, (name, dtype, shape, split, entry)) in stage_plan(specs, tp, ep, etp, options)?
+            .into_iter()
+            .enumerate()
         {
             if let Some((d, s)) = seen.get(&name) {
                 // A copy another stage holds too (the last stage's embedding): the first
@@ -407,7 +408,10 @@ pub(super) fn encode_specs(specs: &[HfTensorSpec]) -> Result<Vec<u8>, WeightSync
 }
 
 /// The specs [`encode_specs`] encoded (`stage` names the sender in errors).
-pub(super) fn decode_specs(bytes: &[u8], stage: usize) -> Result<Vec<HfTensorSpec>, WeightSyncError> {
+pub(super) fn decode_specs(
+    bytes: &[u8],
+    stage: usize,
+) -> Result<Vec<HfTensorSpec>, WeightSyncError> {
     let bad = |reason: String| {
         WeightSyncError::Unsupported(format!(
             "the tensor list of pipeline stage {stage} is unreadable: {reason}"
@@ -423,4 +427,118 @@ pub(super) fn decode_specs(bytes: &[u8], stage: usize) -> Result<Vec<HfTensorSpe
             Ok(HfTensorSpec { name, shape, dtype })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, shape: &[usize]) -> HfTensorSpec {
+        HfTensorSpec {
+            name: name.to_owned(),
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+        }
+    }
+
+    fn layer(l: usize) -> [HfTensorSpec; 2] {
+        [
+            spec(&format!("model.layers.{l}.input_layernorm.weight"), &[4]),
+            spec(
+                &format!("model.layers.{l}.self_attn.q_proj.weight"),
+                &[6, 4],
+            ),
+        ]
+    }
+
+    /// Two pipeline ranks of an interleaved split (rank 0: layers 0 and 2, rank 1: layers 1
+    /// and 3 with the head, a copy of the embedding and an MTP layer 4), under `tp = 2`.
+    fn stages() -> Vec<Vec<HfTensorSpec>> {
+        let embed = spec("model.embed_tokens.weight", &[8, 4]);
+        let mut first = vec![embed.clone()];
+        first.extend(layer(0));
+        first.extend(layer(2));
+        let mut last = vec![embed];
+        last.extend(layer(1));
+        last.extend(layer(3));
+        last.push(spec("model.norm.weight", &[4]));
+        last.push(spec("lm_head.weight", &[8, 4]));
+        last.extend(layer(4));
+        vec![first, last]
+    }
+
+    #[test]
+    fn stages_merge_into_the_export_order() {
+        let options = SyncOptions {
+            dtype: super::super::SyncDtype::F32,
+            ..SyncOptions::default()
+        };
+        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options).unwrap();
+        let mut want: Vec<(String, Vec<usize>, usize, usize)> =
+            vec![("model.embed_tokens.weight".into(), vec![16, 4], 0, 0)];
+        // Layer l's entries: rank l % 2, local layer l / 2 after the embedding.
+        for l in 0..4 {
+            let entry = 1 + 2 * (l / 2);
+            for (k, s) in layer(l).iter().enumerate() {
+                let full = if k == 0 { vec![4] } else { vec![12, 4] };
+                want.push((s.name.clone(), full, l % 2, entry + k));
+            }
+        }
+        want.push(("model.norm.weight".into(), vec![4], 1, 5));
+        want.push(("lm_head.weight".into(), vec![16, 4], 1, 6));
+        want.push((
+            "model.layers.4.input_layernorm.weight".into(),
+            vec![4],
+            1,
+            7,
+        ));
+        want.push((
+            "model.layers.4.self_attn.q_proj.weight".into(),
+            vec![12, 4],
+            1,
+            8,
+        ));
+        let got: Vec<(String, Vec<usize>, usize, usize)> = tensors
+            .iter()
+            .zip(&sources)
+            .map(|((n, _, s), src)| (n.clone(), s.clone(), src.stage, src.entry))
+            .collect();
+        assert_eq!(got, want);
+        // Local shapes and splits are the holder's.
+        let q3 = &sources[got
+            .iter()
+            .position(|g| g.0.contains("3.self_attn"))
+            .unwrap()];
+        assert_eq!(q3.local, [6, 4]);
+        assert_eq!(q3.split, Split::Tp { dim: 0 });
+    }
+
+    #[test]
+    fn a_copy_of_another_shape_is_refused_naming_it() {
+        let mut stages = stages();
+        stages[1][0].shape = vec![9, 4];
+        let err = plan(&stages, 1, 1, 1, &SyncOptions::default()).unwrap_err();
+        assert!(
+            matches!(&err, WeightSyncError::Layout { name, .. } if name == "model.embed_tokens.weight"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("pipeline stage 1"), "{err}");
+    }
+
+    #[test]
+    fn specs_round_trip_and_bad_lists_are_refused() {
+        let mut specs = stages().remove(1);
+        specs[2].dtype = DType::BF16;
+        let bytes = encode_specs(&specs).unwrap();
+        assert_eq!(decode_specs(&bytes, 1).unwrap(), specs);
+        let err = decode_specs(&bytes[..bytes.len() - 1], 3).unwrap_err();
+        assert!(err.to_string().contains("pipeline stage 3"), "{err}");
+        let err = decode_specs(br#"[["x", [2], 9]]"#, 1).unwrap_err();
+        assert!(err.to_string().contains("dtype code 9 of `x`"), "{err}");
+        specs[0].dtype = DType::I64;
+        assert!(matches!(
+            encode_specs(&specs),
+            Err(WeightSyncError::UnsupportedDtype { .. })
+        ));
+    }
 }

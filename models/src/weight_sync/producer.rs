@@ -454,8 +454,9 @@ impl WeightSync {
                         let mut cast = vec![0u8; numel * t.dtype.size()];
                         convert(&t.name, &mut cast, t.dtype, data.as_bytes(), data.dtype())?;
                         stats.hold(0, piece_bytes);
-                        stats.peak_buffer_bytes =
-                            stats.peak_buffer_bytes.max((piece_bytes + cast.len()) as u64);
+                        stats.peak_buffer_bytes = stats
+                            .peak_buffer_bytes
+                            .max((piece_bytes + cast.len()) as u64);
                         TensorData::from_bytes_vec(cast, piece.shape.clone(), t.dtype)
                     };
                     comm.ok_or_else(no_group)?.communicator().send(
@@ -509,7 +510,6 @@ pub fn sync_weights<M: ExportHf + ?Sized>(
 ) -> Result<SyncStats, WeightSyncError> {
     WeightSync::new(shard, groups, options)?.run(receiver)
 }
-
 
 /// Every pipeline stage's local (fused) HF entries, indexed by pipeline rank: this rank's
 /// `local` exchanged over its `pp` group (names, shapes and dtypes only; every rank of a stage
