@@ -802,22 +802,11 @@ pub fn job_layout(job: &TrainJob, world: Option<usize>) -> Result<ParallelLayout
 /// Checks the settings that do not need the model, before any rank starts.
 pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJobError> {
     // Refused before training rather than after it.
-    if job.sync_weights_to.is_some() {
-        if layout.pp != 1 || layout.cp != 1 {
-            return Err(invalid(
-                "sync_weights_to",
-                format!(
-                    "the weight sync does not support pipeline or context parallelism (layout \
-                     {layout})"
-                ),
-            ));
-        }
-        if job.sync_bucket_bytes == 0 {
-            return Err(invalid(
-                "sync_bucket_bytes",
-                "a bucket must hold at least 1 byte",
-            ));
-        }
+    if job.sync_weights_to.is_some() && job.sync_bucket_bytes == 0 {
+        return Err(invalid(
+            "sync_bucket_bytes",
+            "a bucket must hold at least 1 byte",
+        ));
     }
     // The context-parallel ranks of a replica share its sequences.
     let replicas = layout.dp;

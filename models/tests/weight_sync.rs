@@ -4,6 +4,9 @@
 //! same trainer — bit for bit in f32, the bf16 rounding of it in bf16 — for Qwen3-MoE and
 //! DeepSeek-V3 (MTP included), with per-expert and fused expert names, delivered to rank 0 or
 //! broadcast to every rank; and no rank holds more than one bucket plus one tensor's pieces.
+//! Under pipeline and context parallelism (issue 36: `pp=2,ep=2`, `pp=2,vpp=2`, `pp=2,cp=2`,
+//! an uneven `pp_layout` and `tp=2,pp=2,ep=2,etp=2`) the synced tensors equal the HF export
+//! (`moe export`'s conversion) of the trained model's distributed checkpoint.
 
 use burn::module::{ModuleMapper, Param};
 use burn::tensor::{Device, Tensor, bf16};
@@ -343,4 +346,268 @@ fn stream_order_and_receiver_errors() {
             assert!(err.is_none(), "rank {rank}: {err:?}");
         }
     }
+}
+
+/// Records the order of the tensors a sync delivers, passing the buckets on to a model.
+struct Recorder<'a> {
+    inner: &'a mut dyn moe_models::weight_sync::WeightReceiver,
+    names: Vec<String>,
+}
+
+impl moe_models::weight_sync::WeightReceiver for Recorder<'_> {
+    fn begin(
+        &mut self,
+        manifest: &moe_models::weight_sync::SyncManifest,
+    ) -> Result<(), WeightSyncError> {
+        self.inner.begin(manifest)
+    }
+
+    fn receive(
+        &mut self,
+        bucket: &moe_models::weight_sync::WeightBucket,
+    ) -> Result<(), WeightSyncError> {
+        self.names
+            .extend(bucket.tensors.iter().map(|t| t.name.clone()));
+        self.inner.receive(bucket)
+    }
+
+    fn finish(&mut self) -> Result<(), WeightSyncError> {
+        self.inner.finish()
+    }
+}
+
+/// The fixture `name`'s config with 4 decoder layers (so that `pp = 2, vpp = 2` gives every
+/// virtual stage a layer), as the JSON a checkpoint stores.
+fn four_layer_config(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture(name)).expect("config");
+    let mut config: serde_json::Value = serde_json::from_str(&text).expect("config json");
+    config["num_hidden_layers"] = 4.into();
+    config
+}
+
+/// Every tensor of the HF export (`moe export`'s conversion, F32) of the distributed
+/// checkpoint under `dir`, by name.
+fn exported(dir: &std::path::Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    use moe_bridge::dist::DistCheckpoint;
+    use moe_bridge::dist::convert::export_dist_to_hf;
+    use moe_bridge::export::ExportOptions;
+    use moe_bridge::hf::HfCheckpoint;
+    use moe_bridge::safetensors::Dtype;
+
+    let ckpt = DistCheckpoint::open::<moe_models::ModelConfig>(dir.join("ckpt")).expect("ckpt");
+    let hf = dir.join("hf");
+    let opts = ExportOptions {
+        dtype: Some(Dtype::F32),
+        ..ExportOptions::default()
+    };
+    export_dist_to_hf::<moe_models::ModelConfig>(&ckpt, &hf, &opts).expect("export");
+    let hf = HfCheckpoint::open(&hf).expect("export opens");
+    let names: Vec<String> = hf.tensor_names().map(str::to_owned).collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let data = hf
+                .tensor(&n)
+                .and_then(|t| t.to_tensor_data())
+                .expect("tensor");
+            assert_eq!(data.dtype(), burn::tensor::DType::F32, "{n}");
+            (n, (data.shape().to_vec(), data.as_bytes().to_vec()))
+        })
+        .collect()
+}
+
+/// What one rank reports from a pipeline run: whether it is in one of global rank 0's groups
+/// that send (dense `tp-pp`, expert `tp-ep-pp`), and per sync its stats and, where it received,
+/// the tensor names in stream order and the rebuilt model's tensors.
+type PipelineResult = (bool, Vec<(SyncStats, Option<(Vec<String>, Tensors)>)>);
+
+/// Trains `full` (its config `config`) one step of two micro-batches under `layout`, saves the
+/// distributed checkpoint under `dir`, then syncs the trained shards as each `(options,
+/// broadcast)` says into zeroed rollout models.
+fn train_save_and_sync<M: Case + moe_models::checkpoint::PlacedModel>(
+    full: &M,
+    config: &serde_json::Value,
+    layout: &ParallelLayout,
+    dir: &std::path::Path,
+    syncs: &[(SyncOptions, bool)],
+) -> Vec<PipelineResult> {
+    let vocab = full.hf_tensors().expect("export").specs()[0].shape[0];
+    World::run(layout.world, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let world = ctx.world()?;
+        let device = Device::flex().autodiff();
+        let trainer_config = TrainerConfig {
+            lr: 1e-2,
+            expert_bias_update_rate: Some(1e-2),
+            ..TrainerConfig::default()
+        };
+        let mut trainer =
+            Trainer::new(full, &pg, world.clone(), trainer_config, &device).map_err(be)?;
+        let replica = pg.groups.get(moe_backend::parallel::GroupFamily::Dp).index;
+        let micro = [batch(2 * replica, vocab), batch(2 * replica + 1, vocab)];
+        trainer.step_micro_batches(&micro).map_err(be)?;
+        let mut meta = moe_bridge::dist::SaveMeta::new(1, layout);
+        meta.config = Some(config.clone());
+        let state = moe_bridge::dist::TrainState::default();
+        moe_models::checkpoint::save_trainer(&world, &dir.join("ckpt"), meta, &trainer, &state)
+            .map_err(be)?;
+        let mut out = Vec::new();
+        for (opts, bcast) in syncs {
+            let mut opts = opts.clone();
+            if *bcast {
+                opts.dest = SyncDest::Broadcast(world.clone());
+            }
+            let receives = ctx.rank() == 0 || *bcast;
+            let mut rollout = full.clone().valid().map(&mut Zero);
+            let mut rx = ModelReceiver::new(&mut rollout, &Device::flex());
+            let mut rec = Recorder {
+                inner: &mut rx,
+                names: Vec::new(),
+            };
+            let stats = sync_weights(
+                M::shard_model(trainer.model()),
+                &pg,
+                opts,
+                receives.then_some(&mut rec as &mut dyn moe_models::weight_sync::WeightReceiver),
+            )
+            .map_err(be)?;
+            let names = rec.names;
+            drop(rx);
+            out.push((stats, receives.then(|| (names, tensors(&rollout)))));
+        }
+        use moe_backend::parallel::GroupFamily::{Mp, TpEpPp};
+        let sends = [Mp, TpEpPp]
+            .iter()
+            .any(|&f| pg.comm(f).ranks().contains(&0));
+        Ok((sends, out))
+    })
+    .into_iter()
+    .map(|r| r.expect("rank"))
+    .collect()
+}
+
+/// Pipeline (1F1B, interleaved, uneven) and context-parallel layouts: the synced tensors equal
+/// the HF export of the same trained model's distributed checkpoint, bit for bit in f32 (bf16:
+/// its rounding), in the order and under the names of the whole model's export; no rank holds
+/// more than one bucket (two while broadcasting) plus one tensor's pieces.
+fn check_pipeline_model<M: Case + moe_models::checkpoint::PlacedModel>(
+    full: &M,
+    config: &serde_json::Value,
+    what: &str,
+    mtp: &str,
+) {
+    let layouts = [
+        (4, "pp=2,ep=2".to_owned()),
+        (2, "pp=2,vpp=2".to_owned()),
+        (4, "pp=2,cp=2".to_owned()),
+        (2, format!("pp=2,pp_layout=Et|t*3{mtp}L")),
+        (8, "tp=2,pp=2,ep=2,etp=2".to_owned()),
+    ];
+    let cases = [
+        (SyncDtype::F32, ExpertNames::PerExpert, false),
+        (SyncDtype::Bf16, ExpertNames::Fused, true),
+    ];
+    let syncs: Vec<(SyncOptions, bool)> =
+        cases.iter().map(|&(d, e, b)| (options(d, e), b)).collect();
+    let initial = tensors(full);
+    let total_f32: u64 = full.hf_tensors().expect("export").total_bytes();
+    for (world, spec) in &layouts {
+        let layout = ParallelLayout::parse(*world, spec).expect("layout");
+        let dir = std::env::temp_dir().join(format!(
+            "moe-weight-sync-{what}-{}-{}",
+            spec.replace(['=', ',', '|', '*'], "_"),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let results = train_save_and_sync(full, config, &layout, &dir, &syncs);
+        let reference = exported(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        // The export lists the model's tensors; training moved them.
+        assert_eq!(reference.len(), initial.len(), "{what} {spec}");
+        let moved = initial
+            .iter()
+            .filter(|(n, _, b)| reference.get(n).is_some_and(|r| &r.1 != b))
+            .count();
+        assert!(moved * 2 > initial.len(), "{what} {spec}: {moved} moved");
+        for (rank, (sends, per_sync)) in results.iter().enumerate() {
+            for (c, &(dtype, experts, bcast)) in cases.iter().enumerate() {
+                let label =
+                    format!("{what} {spec} rank {rank} {dtype:?} {experts:?} bcast={bcast}");
+                let (stats, received) = &per_sync[c];
+                match received {
+                    Some((names, got)) => {
+                        let want_names: Vec<String> =
+                            moe_models::export::export_hf_tensors_as(full, experts)
+                                .expect("export")
+                                .specs()
+                                .iter()
+                                .map(|s| s.name.clone())
+                                .collect();
+                        assert_eq!(names, &want_names, "{label}: stream order");
+                        assert_eq!(got.len(), reference.len(), "{label}: tensor count");
+                        for (name, shape, bytes) in got {
+                            let (wshape, wbytes) = &reference[name];
+                            let want = match dtype {
+                                SyncDtype::F32 => wbytes.clone(),
+                                SyncDtype::Bf16 => {
+                                    let one = vec![(name.clone(), wshape.clone(), wbytes.clone())];
+                                    bf16_rounded(&one).remove(0).2
+                                }
+                            };
+                            assert!(
+                                shape == wshape && *bytes == want,
+                                "{label}: `{name}` differs"
+                            );
+                        }
+                        assert!(stats.buckets > 1, "{label}: {stats:?}");
+                    }
+                    None => assert!(rank != 0 && !bcast, "{label}: nothing received"),
+                }
+                // Ranks of other replicas (data- and context-parallel) hold copies: they send
+                // nothing.
+                if !sends {
+                    assert_eq!(stats.max_piece_bytes, 0, "{label}: {stats:?}");
+                }
+                let (out_max, f32_max) = largest(full, experts, dtype);
+                let buckets = if bcast { 2 } else { 1 } * (BUCKET as u64).max(out_max);
+                assert!(
+                    stats.peak_buffer_bytes <= buckets + f32_max,
+                    "{label}: peak {} > {buckets} + {f32_max}",
+                    stats.peak_buffer_bytes
+                );
+                assert!(stats.max_piece_bytes <= f32_max, "{label}: {stats:?}");
+                assert!(
+                    stats.peak_buffer_bytes * 2 < total_f32,
+                    "{label}: peak {} of a {total_f32}-byte model",
+                    stats.peak_buffer_bytes
+                );
+                eprintln!(
+                    "{label}: peak {} B (bound {} B), max bucket {} B, max piece {} B",
+                    stats.peak_buffer_bytes,
+                    buckets + f32_max,
+                    stats.max_bucket_bytes,
+                    stats.max_piece_bytes
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn qwen3_moe_syncs_from_pipeline_and_context_layouts() {
+    let config = four_layer_config("qwen3_moe");
+    let full = Qwen3MoeConfig::from_json_str(&config.to_string())
+        .unwrap()
+        .init(&Device::flex().autodiff())
+        .unwrap();
+    check_pipeline_model(&full, &config, "qwen3-moe", "");
+}
+
+#[test]
+fn deepseek_v3_with_mtp_syncs_from_pipeline_and_context_layouts() {
+    let config = four_layer_config("deepseek_v3");
+    let parsed = DeepseekV3Config::from_json_str(&config.to_string()).unwrap();
+    assert_eq!(parsed.num_nextn_predict_layers, 1);
+    let full = parsed.init(&Device::flex().autodiff()).unwrap();
+    check_pipeline_model(&full, &config, "deepseek-v3", "m");
 }

@@ -14,17 +14,26 @@
 //! `model.layers.{N+j}.*`), with routed experts per expert or fused ([`ExpertNames`],
 //! selectable).
 //!
-//! **Global rank 0 assembles every tensor.** Each tensor is split as the one sharding table says
-//! ([`crate::distributed::shard_rule`]): a replicated tensor is rank 0's own copy; a TP-split one
-//! is sent piece by piece to rank 0 by the members of rank 0's `tp` group; routed experts by the
-//! members of rank 0's expert `tp_ep` group (EP × ETP) — for per-expert names only the ETP ranks
-//! of the expert's owner send, each just that expert's slice. Other data-parallel replicas take
-//! no part. Senders cast their pieces to the sync dtype (bf16 by default) and rank 0 copies
-//! them straight into the current bucket, so no rank holds more than one bucket plus one
-//! tensor's pieces ([`SyncStats::peak_buffer_bytes`] reports it). Flow control: once the
-//! tensors a group has sent since its last barrier reach the size of the largest tensor, its
-//! members wait at a barrier until rank 0 has them all, so less than two tensors' pieces are
-//! ever queued in the transport.
+//! **Global rank 0 assembles every tensor, and no rank ever holds the model.** Every rank knows the
+//! whole plan up front: the pipeline stages exchange the names, shapes and dtypes of their local
+//! tensors over the `pp` group (no data), and every rank merges them into the whole model's export
+//! order (a layer's tensors come from the stage owning it, the embedding from the first stage, the
+//! final norm, output layer and MTP layers from the last; the last stage's copy of a shared
+//! embedding is left out). The pipeline split itself (1F1B, interleaved `vpp`, an uneven
+//! `pipeline_layout`) needs no input: each stage's model names its layers by their global index.
+//! Each tensor is split as the one sharding table says ([`crate::distributed::shard_rule`]) over
+//! the ranks of the stage holding it in global rank 0's replica: a replicated tensor is sent by
+//! that stage's `tp` rank 0 (rank 0's own copy on the first stage); a TP-split one piece by piece
+//! by the stage's `tp` ranks (the members of rank 0's `tp-pp` group on that stage); routed experts
+//! by the stage's members of rank 0's expert `tp-ep-pp` group (EP × ETP) — for per-expert names
+//! only the ETP ranks of the expert's owner send, each just that expert's slice. Ranks holding
+//! only copies of those pieces (the other data-parallel or expert-data-parallel replicas, the
+//! other context-parallel ranks) send nothing. Senders cast their pieces to the sync dtype (bf16 by default) and rank 0
+//! copies them straight into the current bucket, so no rank holds more than one bucket plus one
+//! tensor's pieces ([`SyncStats::peak_buffer_bytes`] reports it; a sender counts its piece and the
+//! piece's cast copy). Flow control: once the tensors a group has sent since its last barrier reach
+//! the size of the largest tensor, its members wait at a barrier until rank 0 has them all, so less
+//! than two tensors' pieces are ever queued in the transport.
 //!
 //! A bucket packs consecutive tensors into one flat little-endian byte buffer of at most
 //! [`SyncOptions::bucket_bytes`] (default 512 MiB; a larger tensor gets a bucket of its own)
@@ -47,12 +56,12 @@
 //! engine implements), and [`receive_wire`] reads it on the other side into any
 //! receiver, checking magic, version, every CRC32C and the buckets' order and sizes.
 //!
-//! Limits: pipeline and context parallelism are not supported (the sharded models do not run
-//! them either). Weights travel as the module holds them: FP8 layers' high-precision weights,
-//! with FP8 primary weights their decoded FP8 values.
+//! Limits: weights travel as the module holds them: FP8 layers' high-precision weights, with
+//! FP8 primary weights their decoded FP8 values.
 
 mod bucket;
 mod host;
+mod plan;
 mod producer;
 mod receiver;
 #[cfg(test)]

@@ -9,11 +9,10 @@ use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::parallel::{GroupFamily, GroupTable};
 
 use super::bucket::{SyncManifest, SyncedTensor, WeightBucket};
-use super::host::{PieceBox, convert, scatter};
+use super::host::{convert, scatter};
+use super::plan::{Coords, Source, Split, decode_specs, encode_specs, piece, plan};
 use super::{ExpertNames, SyncDest, SyncOptions, WeightReceiver, WeightSyncError};
-use crate::distributed::{ShardRule, shard_rule};
-use crate::export::{ExportHf, HfTensorSpec, LazyTensor, keeps_f32};
-use crate::param_plan::hf_names;
+use crate::export::{ExportHf, HfTensorSpec, LazyTensor};
 
 /// What a sync did on one rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -30,7 +29,8 @@ pub struct SyncStats {
     /// Largest host piece this rank held (its own slice of a tensor, or one received from a
     /// peer).
     pub max_piece_bytes: u64,
-    /// Most bytes of sync buffers (bucket + piece) this rank held at once.
+    /// Most bytes of sync buffers this rank held at once (bucket + piece; a sender's piece
+    /// plus its copy cast to the sync dtype).
     pub peak_buffer_bytes: u64,
     /// Wall time of the producer on this rank (receiver time excluded).
     pub seconds: f64,
@@ -44,42 +44,6 @@ impl SyncStats {
     }
 }
 
-/// Which part of a layer's local expert tensors a synced tensor is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ExpertPart {
-    /// The fused `gate_up_proj [E, 2·Im, H]`.
-    FusedGateUp,
-    /// The fused `down_proj [E, H, Im]`.
-    FusedDown,
-    /// Expert `e`'s `gate_proj [Im, H]`.
-    Gate(usize),
-    /// Expert `e`'s `up_proj [Im, H]`.
-    Up(usize),
-    /// Expert `e`'s `down_proj [H, Im]`.
-    Down(usize),
-}
-
-/// Where a synced tensor's pieces are: `entry` indexes this rank's local (fused) export.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
-    /// Rank 0's own copy.
-    Replicated { entry: usize },
-    /// One piece per member of rank 0's `tp` group, concatenated along `dim`.
-    Tp { entry: usize, dim: usize },
-    /// Routed experts, from the members of rank 0's expert `tp_ep` group.
-    Experts { entry: usize, part: ExpertPart },
-}
-
-/// One piece of a tensor: how its holder cuts it from its local entry, and where it lands.
-struct Piece {
-    /// `(dim, start, len)` narrowings of the local entry.
-    narrow: Vec<(usize, usize, usize)>,
-    /// Shape of the cut (what travels).
-    shape: Vec<usize>,
-    /// Its box in the synced tensor.
-    bx: PieceBox,
-}
-
 /// Rank 0's group of one family, seen from one of its members.
 struct Group {
     /// The communicator (`None` when the group has one member).
@@ -88,8 +52,8 @@ struct Group {
     me: usize,
     /// Rank 0's member index.
     root: usize,
-    /// `(ep rank, etp rank)` of every member (expert group), or `(tp rank, 0)`.
-    coords: Vec<(usize, usize)>,
+    /// Every member's coordinates.
+    coords: Vec<Coords>,
 }
 
 impl Group {
@@ -97,7 +61,7 @@ impl Group {
     fn of_rank0(
         groups: &GroupComms,
         family: GroupFamily,
-        coords: impl Fn(usize, usize) -> Result<(usize, usize), WeightSyncError>,
+        coords: impl Fn(usize) -> Result<Coords, WeightSyncError>,
     ) -> Result<Option<Self>, WeightSyncError> {
         let comm = groups.comm(family);
         let Some(root) = comm.ranks().iter().position(|&g| g == 0) else {
@@ -106,8 +70,7 @@ impl Group {
         let coords = comm
             .ranks()
             .iter()
-            .enumerate()
-            .map(|(member, &global)| coords(member, global))
+            .map(|&global| coords(global))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Some(Self {
             comm: (comm.size() > 1).then(|| comm.clone()),
@@ -128,8 +91,13 @@ pub struct WeightSync {
     sources: Vec<Source>,
     /// This rank's local (fused) HF entries: spec and lazy device handle.
     local: Vec<(HfTensorSpec, Box<dyn LazyTensor>)>,
+    /// This rank's pipeline rank.
+    stage: usize,
     rank0: bool,
-    tp: Option<Group>,
+    /// Rank 0's dense `tp-pp` group (tensors of any stage of rank 0's replica, `tp`-split or
+    /// replicated).
+    dense: Option<Group>,
+    /// Rank 0's expert `tp-ep-pp` group (routed experts of any stage).
     experts: Option<Group>,
     /// The broadcast group and rank 0's member index in it (this rank a member).
     broadcast: Option<(Comm, usize)>,
@@ -137,7 +105,7 @@ pub struct WeightSync {
     /// Flow control: senders wait for rank 0 at a barrier of their group once the tensors
     /// sent since the last one reach this many bytes (the largest synced tensor).
     window: usize,
-    /// Bytes sent over rank 0's `tp` / `tp_ep` group since its last barrier.
+    /// Bytes sent over rank 0's dense / expert group since its last barrier.
     pending: [usize; 2],
     next: usize,
     first_tensor: usize,
@@ -158,26 +126,26 @@ impl std::fmt::Debug for WeightSync {
 
 impl WeightSync {
     /// The sync of `shard` (this rank's shard of a model trained under the layout of `groups`,
-    /// e.g. `trainer.model().model()`; a full model at `world = 1`). Collective in use: every
-    /// rank builds one with the same options and drains it.
+    /// e.g. `trainer.model().model()`: under pipeline parallelism its stage's parts, layers
+    /// named by their global index; a full model at `world = 1`). Collective: every rank
+    /// builds one with the same options (the pipeline stages exchange their tensor lists
+    /// here) and drains it.
     pub fn new<M: ExportHf + ?Sized>(
         shard: &M,
         groups: &GroupComms,
         options: SyncOptions,
     ) -> Result<Self, WeightSyncError> {
         let layout = &groups.groups.layout;
-        if layout.pp != 1 || layout.cp != 1 {
-            return Err(WeightSyncError::Unsupported(format!(
-                "layout {layout}: pipeline and context parallelism are not supported (pp = cp = 1)"
-            )));
-        }
         if options.bucket_bytes == 0 {
             return Err(WeightSyncError::Unsupported(
                 "bucket_bytes must be at least 1".to_owned(),
             ));
         }
         let local = shard.hf_tensors_as(ExpertNames::Fused)?.into_lazy();
-        let (tensors, sources) = plan(&local, layout.tp, layout.ep, layout.etp, &options)?;
+        let table = GroupTable::new(layout)?;
+        let specs: Vec<HfTensorSpec> = local.iter().map(|(s, _)| s.clone()).collect();
+        let stages = stage_specs(groups, &table, specs)?;
+        let (tensors, sources) = plan(&stages, layout.tp, layout.ep, layout.etp, &options)?;
         let manifest = SyncManifest::pack(
             tensors,
             options.bucket_bytes,
@@ -186,11 +154,22 @@ impl WeightSync {
         );
 
         let rank0 = groups.groups.rank == 0;
-        let tp = Group::of_rank0(groups, GroupFamily::Tp, |member, _| Ok((member, 0)))?;
-        let table = GroupTable::new(layout)?;
-        let experts = Group::of_rank0(groups, GroupFamily::TpEp, |_, global| {
+        let stage = groups.groups.get(GroupFamily::Pp).index;
+        let dense = Group::of_rank0(groups, GroupFamily::Mp, |global| {
             let pg = table.for_rank(global)?;
-            Ok((pg.ep_rank(), pg.get(GroupFamily::ExptTp).index))
+            Ok(Coords {
+                stage: pg.get(GroupFamily::Pp).index,
+                a: pg.get(GroupFamily::Tp).index,
+                b: 0,
+            })
+        })?;
+        let experts = Group::of_rank0(groups, GroupFamily::TpEpPp, |global| {
+            let pg = table.for_rank(global)?;
+            Ok(Coords {
+                stage: pg.get(GroupFamily::Pp).index,
+                a: pg.ep_rank(),
+                b: pg.get(GroupFamily::ExptTp).index,
+            })
         })?;
         let broadcast = match &options.dest {
             SyncDest::Rank0 => None,
@@ -218,8 +197,9 @@ impl WeightSync {
             manifest,
             sources,
             local,
+            stage,
             rank0,
-            tp,
+            dense,
             experts,
             broadcast,
             receives,
@@ -301,7 +281,7 @@ impl WeightSync {
             Vec::new()
         };
         for (j, t) in tensors.iter().enumerate() {
-            let source = self.sources[first + j];
+            let source = self.sources[first + j].clone();
             let region = if self.rank0 {
                 let end = t.offset + t.bytes;
                 Some(
@@ -314,7 +294,7 @@ impl WeightSync {
             } else {
                 None
             };
-            self.transfer(t, source, region, bytes)?;
+            self.transfer(t, &source, region, bytes)?;
         }
         let delivered = match &self.broadcast {
             None => self.rank0.then_some(data),
@@ -352,49 +332,76 @@ impl WeightSync {
     fn transfer(
         &mut self,
         t: &SyncedTensor,
-        source: Source,
+        source: &Source,
         mut region: Option<&mut [u8]>,
         bucket: usize,
     ) -> Result<(), WeightSyncError> {
         let Self {
             local,
+            stage,
             rank0,
-            tp,
+            dense,
             experts,
             stats,
             window,
             pending,
             ..
         } = self;
-        let (entry, group) = match source {
-            Source::Replicated { entry } => (entry, None),
-            Source::Tp { entry, .. } => (entry, tp.as_ref()),
-            Source::Experts { entry, .. } => (entry, experts.as_ref()),
+        let expert = matches!(source.split, Split::Experts { .. });
+        let group = if expert { experts } else { dense };
+        // Not in rank 0's group: no part in this tensor.
+        let Some(group) = group.as_ref() else {
+            return Ok(());
         };
-        let (spec, lazy) = &local[entry];
-        let members: Vec<(usize, usize)> = match (source, group) {
-            (Source::Replicated { .. }, _) if *rank0 => vec![(0, 0)],
-            // Replicated tensors are rank 0's own copies.
-            (Source::Replicated { .. }, _) => return Ok(()),
-            (_, Some(g)) => g.coords.clone(),
-            // Not in rank 0's group: no part in this tensor.
-            (_, None) => return Ok(()),
-        };
-        let (me, root) = group.map_or((0, 0), |g| (g.me, g.root));
-        let comm = group.and_then(|g| g.comm.as_ref());
+        // The members holding the tensor: those on its stage (one for a replicated tensor).
+        let mut senders: Vec<(usize, Coords)> = group
+            .coords
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, c)| c.stage == source.stage)
+            .collect();
+        if source.split == Split::Replicated {
+            senders.retain(|(_, c)| c.a == 0);
+            senders.truncate(1);
+        }
+        if senders.is_empty() {
+            return Err(WeightSyncError::Layout {
+                name: t.name.clone(),
+                reason: format!(
+                    "no rank of pipeline stage {} in global rank 0's group",
+                    source.stage
+                ),
+            });
+        }
+        let comm = group.comm.as_ref();
         let no_group = || WeightSyncError::Layout {
             name: t.name.clone(),
             reason: "a remote piece outside any group".to_owned(),
         };
-        for (member, &coords) in members.iter().enumerate() {
-            let from_me = member == me;
+        for &(member, coords) in &senders {
+            let from_me = member == group.me;
             if !*rank0 && !from_me {
                 continue;
             }
-            let Some(piece) = piece(t, source, coords, &spec.shape)? else {
+            let Some(piece) = piece(t, source, coords)? else {
                 continue;
             };
             let data = if from_me {
+                let lazy = match local.get(source.entry) {
+                    Some((spec, lazy)) if *stage == source.stage && spec.shape == source.local => {
+                        lazy
+                    }
+                    _ => {
+                        return Err(WeightSyncError::Layout {
+                            name: t.name.clone(),
+                            reason: format!(
+                                "pipeline rank {stage} does not hold entry {} {:?} of stage {}",
+                                source.entry, source.local, source.stage
+                            ),
+                        });
+                    }
+                };
                 match piece.narrow.split_first() {
                     None => lazy.fetch(),
                     Some((&(dim, start, len), rest)) => {
@@ -446,12 +453,15 @@ impl WeightSync {
                         }
                         let mut cast = vec![0u8; numel * t.dtype.size()];
                         convert(&t.name, &mut cast, t.dtype, data.as_bytes(), data.dtype())?;
-                        stats.hold(0, piece_bytes + cast.len());
+                        stats.hold(0, piece_bytes);
+                        stats.peak_buffer_bytes = stats
+                            .peak_buffer_bytes
+                            .max((piece_bytes + cast.len()) as u64);
                         TensorData::from_bytes_vec(cast, piece.shape.clone(), t.dtype)
                     };
                     comm.ok_or_else(no_group)?.communicator().send(
                         data,
-                        root,
+                        group.root,
                         Location::caller(),
                     )?
                 }
@@ -459,9 +469,12 @@ impl WeightSync {
         }
         // Flow control: once the tensors sent over this group since its last barrier reach
         // the largest tensor's size, the senders wait until rank 0 has received them all, so
-        // less than two tensors' pieces are ever in flight (every member counts the same plan).
-        if let Some(comm) = comm {
-            let sent = &mut pending[usize::from(matches!(source, Source::Experts { .. }))];
+        // less than two tensors' pieces are ever in flight (every member counts the same plan;
+        // rank 0's own pieces do not travel).
+        if let Some(comm) = comm
+            && senders.iter().any(|&(member, _)| member != group.root)
+        {
+            let sent = &mut pending[usize::from(expert)];
             *sent += t.bytes;
             if *sent >= *window {
                 *sent = 0;
@@ -498,231 +511,58 @@ pub fn sync_weights<M: ExportHf + ?Sized>(
     WeightSync::new(shard, groups, options)?.run(receiver)
 }
 
-type Planned = (Vec<(String, DType, Vec<usize>)>, Vec<Source>);
-
-/// The synced tensors (name, dtype, full shape) and where each comes from, from this rank's
-/// local fused export (the same names and shapes on every rank).
-fn plan(
-    local: &[(HfTensorSpec, Box<dyn LazyTensor>)],
-    tp: usize,
-    ep: usize,
-    etp: usize,
-    options: &SyncOptions,
-) -> Result<Planned, WeightSyncError> {
-    let mut tensors = Vec::new();
-    let mut sources = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, source: Source| {
-        let dtype = if keeps_f32(&name) {
-            DType::F32
-        } else {
-            options.dtype.dtype()
-        };
-        tensors.push((name, dtype, shape));
-        sources.push(source);
-    };
-    let bad = |name: &str, reason: String| WeightSyncError::Layout {
-        name: name.to_owned(),
-        reason,
-    };
-    let mut k = 0;
-    while k < local.len() {
-        let spec = &local[k].0;
-        match shard_rule(&spec.name) {
-            ShardRule::Replicated => push(
-                spec.name.clone(),
-                spec.shape.clone(),
-                Source::Replicated { entry: k },
-            ),
-            ShardRule::Tp { dim } => {
-                let mut shape = spec.shape.clone();
-                let extent = shape.get_mut(dim).ok_or_else(|| {
-                    bad(
-                        &spec.name,
-                        format!("TP splits dim {dim} of {:?}", spec.shape),
-                    )
-                })?;
-                *extent *= tp;
-                push(spec.name.clone(), shape, Source::Tp { entry: k, dim });
-            }
-            ShardRule::Expert { etp_dim } => {
-                let prefix = match hf_names::split_stacked(&spec.name) {
-                    Some((prefix, true)) => prefix,
-                    _ => {
-                        return Err(bad(
-                            &spec.name,
-                            "expected the layer's stacked gate/up projection first".to_owned(),
-                        ));
-                    }
-                };
-                let down_name = hf_names::stacked_down(prefix);
-                let down = local
-                    .get(k + 1)
-                    .map(|(s, _)| s)
-                    .filter(|s| s.name == down_name)
-                    .ok_or_else(|| bad(&spec.name, format!("`{down_name}` does not follow")))?;
-                let (&[l, two_iml, h], &[l2, h2, iml]) =
-                    (spec.shape.as_slice(), down.shape.as_slice())
-                else {
-                    return Err(bad(
-                        &spec.name,
-                        format!("expert shapes {:?} / {:?}", spec.shape, down.shape),
-                    ));
-                };
-                // The pieces below split the FFN width (canonical dim 2 of [E, 2, Im, H]).
-                if etp_dim != 2 || l != l2 || h != h2 || two_iml != 2 * iml {
-                    return Err(bad(
-                        &spec.name,
-                        format!(
-                            "expert shapes {:?} / {:?} (ETP dim {etp_dim})",
-                            spec.shape, down.shape
-                        ),
-                    ));
-                }
-                let (e, im) = (l * ep, iml * etp);
-                let (gu, dn) = (k, k + 1);
-                match options.experts {
-                    ExpertNames::Fused => {
-                        push(
-                            spec.name.clone(),
-                            vec![e, 2 * im, h],
-                            Source::Experts {
-                                entry: gu,
-                                part: ExpertPart::FusedGateUp,
-                            },
-                        );
-                        push(
-                            down_name,
-                            vec![e, h, im],
-                            Source::Experts {
-                                entry: dn,
-                                part: ExpertPart::FusedDown,
-                            },
-                        );
-                    }
-                    ExpertNames::PerExpert => {
-                        for x in 0..e {
-                            for (proj, entry, part, shape) in [
-                                (hf_names::GATE_PROJ, gu, ExpertPart::Gate(x), vec![im, h]),
-                                (hf_names::UP_PROJ, gu, ExpertPart::Up(x), vec![im, h]),
-                                (hf_names::DOWN_PROJ, dn, ExpertPart::Down(x), vec![h, im]),
-                            ] {
-                                push(
-                                    hf_names::expert_proj_weight(prefix, x, proj),
-                                    shape,
-                                    Source::Experts { entry, part },
-                                );
-                            }
-                        }
-                    }
-                }
-                k += 2;
-                continue;
-            }
-        }
-        k += 1;
+/// Every pipeline stage's local (fused) HF entries, indexed by pipeline rank: this rank's
+/// `local` exchanged over its `pp` group (names, shapes and dtypes only; every rank of a stage
+/// lists the same ones).
+fn stage_specs(
+    groups: &GroupComms,
+    table: &GroupTable,
+    local: Vec<HfTensorSpec>,
+) -> Result<Vec<Vec<HfTensorSpec>>, WeightSyncError> {
+    let comm = groups.comm(GroupFamily::Pp);
+    if comm.size() == 1 {
+        return Ok(vec![local]);
     }
-    Ok((tensors, sources))
-}
-
-/// The piece of synced tensor `t` that the group member at `coords` holds (`None`: none),
-/// given the local entry's shape (the same on every rank).
-fn piece(
-    t: &SyncedTensor,
-    source: Source,
-    (a, b): (usize, usize),
-    local: &[usize],
-) -> Result<Option<Piece>, WeightSyncError> {
-    let whole = || Piece {
-        narrow: Vec::new(),
-        shape: local.to_vec(),
-        bx: PieceBox::whole(local),
-    };
-    let bad = || WeightSyncError::Layout {
-        name: t.name.clone(),
-        reason: format!("local shape {local:?} for a {:?} tensor", t.shape),
-    };
-    Ok(Some(match source {
-        Source::Replicated { .. } => whole(),
-        Source::Tp { dim, .. } => {
-            // `a` is the member's TP rank.
-            let extent = *local.get(dim).ok_or_else(bad)?;
-            let mut offsets = vec![0; local.len()];
-            offsets[dim] = a * extent;
-            Piece {
-                narrow: Vec::new(),
-                shape: local.to_vec(),
-                bx: PieceBox {
-                    full: t.shape.clone(),
-                    offsets,
-                    shape: local.to_vec(),
-                },
+    let bytes = encode_specs(&local)?;
+    let n = bytes.len();
+    let (data, counts) = comm.communicator().all_gather_v(
+        TensorData::from_bytes_vec(bytes, [n], DType::U8),
+        Location::caller(),
+    )?;
+    let all = data.as_bytes();
+    let mut stages = vec![None; comm.size()];
+    let mut at = 0;
+    for (&global, &count) in comm.ranks().iter().zip(&counts) {
+        let stage = table.for_rank(global)?.get(GroupFamily::Pp).index;
+        let chunk = all.get(at..at + count).ok_or_else(|| {
+            WeightSyncError::Unsupported(format!(
+                "the pipeline stages' tensor lists are {} bytes, {} expected",
+                all.len(),
+                counts.iter().sum::<usize>()
+            ))
+        })?;
+        at += count;
+        let specs = decode_specs(chunk, stage)?;
+        match stages.get_mut(stage) {
+            Some(slot @ None) => *slot = Some(specs),
+            _ => {
+                return Err(WeightSyncError::Unsupported(format!(
+                    "pipeline rank {stage} appears twice in the pp group {:?}",
+                    comm.ranks()
+                )));
             }
         }
-        Source::Experts { part, .. } => {
-            // `(a, b)` = the member's (EP rank, ETP rank); `L` local experts of `iml` rows.
-            let (ep_rank, etp_rank) = (a, b);
-            let &[l, d1, d2] = local else {
-                return Err(bad());
-            };
-            match part {
-                ExpertPart::FusedGateUp => {
-                    let (iml, h) = (d1 / 2, d2);
-                    let (e, im) = (t.shape[0], t.shape[1] / 2);
-                    Piece {
-                        narrow: Vec::new(),
-                        shape: local.to_vec(),
-                        bx: PieceBox {
-                            full: vec![e, 2, im, h],
-                            offsets: vec![ep_rank * l, 0, etp_rank * iml, 0],
-                            shape: vec![l, 2, iml, h],
-                        },
-                    }
-                }
-                ExpertPart::FusedDown => Piece {
-                    narrow: Vec::new(),
-                    shape: local.to_vec(),
-                    bx: PieceBox {
-                        full: t.shape.clone(),
-                        offsets: vec![ep_rank * l, 0, etp_rank * d2],
-                        shape: local.to_vec(),
-                    },
-                },
-                ExpertPart::Gate(x) | ExpertPart::Up(x) => {
-                    if x / l != ep_rank {
-                        return Ok(None);
-                    }
-                    let (iml, h) = (d1 / 2, d2);
-                    let rows = if matches!(part, ExpertPart::Gate(_)) {
-                        0
-                    } else {
-                        iml
-                    };
-                    Piece {
-                        narrow: vec![(0, x % l, 1), (1, rows, iml)],
-                        shape: vec![1, iml, h],
-                        bx: PieceBox {
-                            full: t.shape.clone(),
-                            offsets: vec![etp_rank * iml, 0],
-                            shape: vec![iml, h],
-                        },
-                    }
-                }
-                ExpertPart::Down(x) => {
-                    if x / l != ep_rank {
-                        return Ok(None);
-                    }
-                    let (h, iml) = (d1, d2);
-                    Piece {
-                        narrow: vec![(0, x % l, 1)],
-                        shape: vec![1, h, iml],
-                        bx: PieceBox {
-                            full: t.shape.clone(),
-                            offsets: vec![0, etp_rank * iml],
-                            shape: vec![h, iml],
-                        },
-                    }
-                }
-            }
-        }
-    }))
+    }
+    stages
+        .into_iter()
+        .enumerate()
+        .map(|(stage, specs)| {
+            specs.ok_or_else(|| {
+                WeightSyncError::Unsupported(format!(
+                    "pipeline rank {stage} is missing from the pp group {:?}",
+                    comm.ranks()
+                ))
+            })
+        })
+        .collect()
 }
