@@ -51,3 +51,57 @@ fn grpo_raises_the_mean_reward() {
         report.exact
     );
 }
+
+/// GRPO under pipeline parallelism (the policy loss on the last stage, the weight sync
+/// streaming each stage's tensors) takes the same steps as without it: the same rollouts and
+/// rewards step after step (a policy that drifted apart would sample other answers), and a
+/// rollout model synced exactly (the mismatch metrics of a faithful sync).
+#[test]
+fn grpo_under_pipeline_layouts_equals_the_same_replicas_without_them() {
+    for (plain, piped) in [
+        ("", "pp=2,pp_layout=Et|t*2L"),
+        ("ep=2", "pp=2,ep=2,pp_layout=Et*2|tL"),
+    ] {
+        let run = |layout: &str| {
+            let options = GrpoOptions {
+                steps: 6,
+                layout: layout.into(),
+                ..GrpoOptions::default()
+            };
+            grpo(&options, &|_, _| {}).unwrap_or_else(|e| panic!("{layout}: {e}"))
+        };
+        let (a, b) = (run(plain), run(piped));
+        // The world mean of the replicas' values is an f32 all-reduce over 2 or 4 ranks: equal
+        // up to its rounding (one different sample would move a mean by ≥ 1/320).
+        let same = |x: &[f64], y: &[f64]| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| (p - q).abs() <= 1e-6)
+        };
+        assert!(
+            same(&a.mean_rewards, &b.mean_rewards),
+            "{piped} vs {plain:?}: rewards {:?} vs {:?}",
+            b.mean_rewards,
+            a.mean_rewards
+        );
+        assert!(
+            same(&a.exact, &b.exact),
+            "{piped} vs {plain:?}: exact copies"
+        );
+        for (step, (m, k3)) in b
+            .token_mult_prob_error
+            .iter()
+            .zip(&b.rollout_k3_kl)
+            .enumerate()
+        {
+            assert!(
+                (1.0..1.0 + 1e-4).contains(m),
+                "{piped} step {step}: exp|Δlogp| {m}"
+            );
+            assert!(k3.abs() < 1e-6, "{piped} step {step}: K3 {k3}");
+        }
+        // Rewards that differ from step to step: equal sequences are not all zeros.
+        assert!(
+            a.mean_rewards.iter().any(|&r| r > 0.0),
+            "{plain:?}: no reward at all"
+        );
+    }
+}
