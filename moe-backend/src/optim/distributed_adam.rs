@@ -1021,6 +1021,17 @@ impl DistributedAdamW {
         ))
     }
 
+    /// The f32 main weights of every parameter of the table, all-gathered into full
+    /// `(dense, expert)` buffers in this rank's [`ParamTable`] layout (host vectors). A
+    /// collective (every rank of the dense and expert groups calls it); meant for checks, e.g.
+    /// that BF16 parameters are their main weights rounded.
+    pub fn master_values(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((
+            host_f32(self.dense.all_gather()?, "master weights")?,
+            host_f32(self.expert.all_gather()?, "master weights")?,
+        ))
+    }
+
     /// Sums the gradients of sequence-parallel replicated parameters over `tp`
     /// (docs/parallelism.md §Gradient reduction and scaling, step 2): `dense` are the dense class's
     /// pieces in table order; the SP ones are packed into one device tensor, all-reduced and split

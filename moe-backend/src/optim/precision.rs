@@ -20,7 +20,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor};
 
 use super::params::like_param_as;
@@ -132,6 +132,39 @@ pub fn grads_to_dtype<M: Module>(
     };
     module.visit(&mut caster);
     caster.to
+}
+
+/// Burn's [`GradientsAccumulator`] with every micro-batch's gradients cast to a main-gradient
+/// dtype first (Megatron's `main_grad` buffers: f32 under BF16 with
+/// `accumulate_allreduce_grads_in_fp32`); without one, exactly Burn's accumulator.
+pub struct MainGradAccumulator<M> {
+    inner: GradientsAccumulator<M>,
+    dtype: Option<DType>,
+}
+
+impl<M: Module> MainGradAccumulator<M> {
+    /// An empty accumulator casting to `dtype` (`None`: gradients kept as the backward pass
+    /// produced them).
+    pub fn new(dtype: Option<DType>) -> Self {
+        Self {
+            inner: GradientsAccumulator::new(),
+            dtype,
+        }
+    }
+
+    /// Adds `grads` (of `module`'s parameters) to the sums, cast first when a dtype is set.
+    pub fn accumulate(&mut self, module: &M, grads: GradientsParams) {
+        let grads = match self.dtype {
+            Some(dtype) => grads_to_dtype(module, grads, dtype),
+            None => grads,
+        };
+        self.inner.accumulate(module, grads);
+    }
+
+    /// The accumulated gradients (the accumulator starts over).
+    pub fn grads(&mut self) -> GradientsParams {
+        self.inner.grads()
+    }
 }
 
 /// The dtype of `module`'s first trainable float parameter (`None` without one).
