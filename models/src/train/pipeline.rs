@@ -94,6 +94,11 @@ impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
         [batch.batch * positions / self.tp, self.place.model.hidden]
     }
 
+    /// The parameters' dtype (BF16 activations under BF16 mixed precision).
+    fn activation_dtype(&self) -> burn::tensor::DType {
+        moe_backend::optim::trainable_dtype(self.shard.model()).unwrap_or(burn::tensor::DType::F32)
+    }
+
     fn device(&self) -> Device {
         self.inputs.device.clone()
     }
