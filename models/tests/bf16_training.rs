@@ -1,4 +1,4 @@
-//! BF16 mixed precision (Megatron's `--bf16` recipe, docs/training.md §Mixed precision (BF16))
+//! BF16 mixed precision (Megatron's `--bf16` recipe, docs/training-and-rl.md §Mixed precision (BF16))
 //! on the golden runs' data and settings (bytes of a text, gradient accumulation over 2
 //! micro-batches, clipping, AdamW; cross-entropy only, as the PyTorch reference):
 //!
@@ -164,7 +164,11 @@ fn params_are_rounded_masters<M: ParallelCausalLm>(trainer: &Trainer<M>) {
     for (got, master) in [(dense, master_dense), (expert, master_expert)] {
         assert_eq!(got.len(), master.len());
         for (i, (g, m)) in got.iter().zip(&master).enumerate() {
-            assert_eq!(*g, bf16::from_f32(*m).to_f32(), "element {i}: {g} vs master {m}");
+            assert_eq!(
+                *g,
+                bf16::from_f32(*m).to_f32(),
+                "element {i}: {g} vs master {m}"
+            );
         }
     }
 }
@@ -212,7 +216,11 @@ fn check_model<M: ParallelCausalLm + Sync>(start: &M, name: &str, bf16_vs_f32: f
     );
     let (torch_f32, torch_bf16) = (golden_losses(name, "fp32"), golden_losses(name, "bf16"));
     let mean = |a: &[f64], b: &[f64]| {
-        a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).sum::<f64>() / a.len() as f64
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| ((x - y) / y).abs())
+            .sum::<f64>()
+            / a.len() as f64
     };
     eprintln!(
         "{name}: f32 {:.4} → {:.4}, bf16 {:.4} → {:.4}; worst relative difference: bf16 vs f32 \
@@ -314,4 +322,70 @@ fn qwen3_bf16_layouts_match_one_rank() {
 #[test]
 fn deepseek_v3_bf16_layouts_match_one_rank() {
     bf16_layouts_match_one_rank(&deepseek(&ad()), "deepseek_v3", &[(4, "tp=2,ep=4")]);
+}
+
+/// Bytes of the shard's trainable parameters as they are held (numel × dtype size) and their
+/// element count.
+fn param_bytes<M: ParallelCausalLm>(trainer: &Trainer<M>) -> (usize, usize) {
+    struct Bytes(usize, usize);
+    impl ModuleVisitor for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            if t.is_require_grad() {
+                let n = t.shape().num_elements();
+                self.0 += n * t.dtype().size();
+                self.1 += n;
+            }
+        }
+    }
+    let mut b = Bytes(0, 0);
+    trainer.model().model().visit(&mut b);
+    (b.0, b.1)
+}
+
+/// The planner's bytes per parameter follow the precision: measured on a trained `world=1`
+/// Qwen3-MoE shard, the parameters take 2 bytes each under BF16 and 4 under f32, the main
+/// weights 4 under both, as `plan::memory::state_bytes` says for one rank.
+#[test]
+fn measured_bytes_per_parameter_equal_the_planners() {
+    use moe_backend::parallel::ParallelLayout;
+    use moe_models::plan::RankParams;
+    use moe_models::plan::memory::{MemoryOptions, state_bytes};
+    let start = qwen3_moe(&ad());
+    for precision in [Precision::Bf16, Precision::F32] {
+        let measured = World::run(1, |ctx| {
+            let pg = ctx.process_groups(&ParallelLayout::parse(1, "").expect("layout"))?;
+            let mut trainer =
+                Trainer::new(&start, &pg, ctx.world()?, config(precision), &ad()).map_err(be)?;
+            let ids = golden_ids();
+            let micro: Vec<TrainBatch> = (0..MICRO).map(|m| micro_batch(&ids, 0, m)).collect();
+            trainer.step_micro_batches(&micro).map_err(be)?;
+            let (bytes, n) = param_bytes(&trainer);
+            let (dense, expert) = trainer.optimizer().master_values()?;
+            let master_bytes = (dense.len() + expert.len()) * std::mem::size_of::<f32>();
+            Ok((bytes, n, master_bytes))
+        })
+        .remove(0)
+        .expect("world 1");
+        let (bytes, n, master_bytes) = measured;
+        let planned = state_bytes(
+            &RankParams {
+                dense_sharded: n as u64,
+                dense_replicated: 0,
+                expert: 0,
+                buffers: 0,
+            },
+            &ParallelLayout::parse(1, "").expect("layout"),
+            &MemoryOptions {
+                precision,
+                ..MemoryOptions::default()
+            },
+        );
+        assert_eq!(bytes as f64, planned.weights, "{precision}: parameters");
+        assert_eq!(
+            master_bytes as f64, planned.master,
+            "{precision}: main weights"
+        );
+        assert_eq!(bytes / n, precision.param_bytes(), "{precision}");
+    }
 }

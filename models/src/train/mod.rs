@@ -297,7 +297,7 @@ pub struct TrainerConfig {
     /// life ([`Trainer::skipped_steps`], restored on resume by the caller). Default 0.
     pub skip_nonfinite_steps: u64,
     /// Precision of the parameters, activations and gradients (Megatron's `--bf16`; see
-    /// [`moe_backend::optim::precision`] and docs/training.md §Mixed precision (BF16)): under
+    /// [`moe_backend::optim::precision`] and docs/training-and-rl.md §Mixed precision (BF16)): under
     /// [`Precision::Bf16`] the shard's trainable parameters are held in BF16, each the rounded
     /// f32 main weight of the optimizer, which keeps f32 main weights and moments; router,
     /// norm statistics, attention softmax and cross-entropy compute in f32. Default f32.
@@ -496,7 +496,10 @@ impl<M: ParallelCausalLm> Trainer<M> {
             if !device.supports_dtype(dtype) {
                 return Err(ModelError::unsupported(
                     "precision",
-                    format!("{} on {device:?}, which lacks {dtype:?} tensors", config.precision),
+                    format!(
+                        "{} on {device:?}, which lacks {dtype:?} tensors",
+                        config.precision
+                    ),
                 ));
             }
             if !config.accumulate_allreduce_grads_in_fp32 {

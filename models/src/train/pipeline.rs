@@ -6,9 +6,9 @@
 //! over Megatron's embedding group).
 
 use burn::optim::GradientsParams;
-use moe_backend::optim::MainGradAccumulator;
 use burn::tensor::{Device, Gradients, Tensor};
 use moe_backend::comm::{Comm, ReduceOp};
+use moe_backend::optim::MainGradAccumulator;
 use moe_backend::parallel::pipeline::{PipelineChannels, PipelineStage, StageOutput, run_pipeline};
 use moe_backend::parallel::schedule::PipelineSchedule;
 use moe_backend::router::{RouterLoss, RouterLossKind};

@@ -211,7 +211,9 @@ impl Shard {
             // Sent and summed in the reduction dtype (the transports accumulate BF16 in f32
             // and round the sum once), read back as f32.
             let grad = grad.cast(self.reduce_dtype);
-            self.comm.reduce_scatter(grad, ReduceOp::Sum)?.cast(DType::F32)
+            self.comm
+                .reduce_scatter(grad, ReduceOp::Sum)?
+                .cast(DType::F32)
         } else {
             self.comm.reduce_scatter(grad, ReduceOp::Sum)?
         };
@@ -894,8 +896,7 @@ impl DistributedAdamW {
     /// bytes; the reduced shard is read back as f32 for the update). Errors for another dtype
     /// or one the parameters' device lacks.
     pub fn set_grad_reduce_dtype(&mut self, dtype: DType) -> Result<()> {
-        if !matches!(dtype, DType::F32 | DType::BF16) || !self.dense.device.supports_dtype(dtype)
-        {
+        if !matches!(dtype, DType::F32 | DType::BF16) || !self.dense.device.supports_dtype(dtype) {
             return Err(BackendError::Config {
                 field: "grad_reduce_dtype",
                 detail: format!(

@@ -24,10 +24,10 @@ pub use muon::{
     DistributedMuon, MatrixAxis, MuonAdamW, MuonConfig, MuonMatrix, MuonScale, MuonSharding,
     default_muon_select,
 };
+pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
 pub use precision::{
     MainGradAccumulator, Precision, cast_trainable, grads_to_dtype, trainable_dtype,
 };
-pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
 pub use schedule::{
     LrDecayStyle, LrSchedule, SchedulerState, WdIncrStyle, WdSchedule, WsdDecay, no_weight_decay,
 };

@@ -1,6 +1,6 @@
 //! Mixed precision: Megatron-Core's BF16 recipe (`--bf16`; `Float16Module`, the distributed
 //! optimizer's FP32 main parameters, `accumulate_allreduce_grads_in_fp32`), see
-//! docs/training.md §Mixed precision (BF16).
+//! docs/training-and-rl.md §Mixed precision (BF16).
 //!
 //! Under [`Precision::Bf16`] the module's trainable parameters are held in BF16
 //! ([`cast_trainable`]), so the forward and backward passes compute in BF16 (on the CPU backend
@@ -198,7 +198,10 @@ mod tests {
     }
 
     fn host(t: Tensor<2>) -> Vec<f32> {
-        t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+        t.into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap()
     }
 
     fn t2(v: &[f32], shape: [usize; 2], dtype: DType, device: &Device) -> Tensor<2> {
@@ -238,7 +241,12 @@ mod tests {
         assert_eq!(s.dtype(), DType::BF16);
         assert_eq!(host(s), vec![258.0]);
         // Casts round to nearest even and are exact back to f32.
-        let x = t2(&[1.00390625, 1.01171875, 3.0e-3], [1, 3], DType::F32, &device);
+        let x = t2(
+            &[1.00390625, 1.01171875, 3.0e-3],
+            [1, 3],
+            DType::F32,
+            &device,
+        );
         assert_eq!(
             host(x.cast(DType::BF16).cast(DType::F32)),
             vec![1.0, 1.015625, bf(3.0e-3)]
@@ -279,10 +287,7 @@ mod tests {
         let after = host(cast.weight.val().without_autodiff().cast(DType::F32));
         assert_eq!(after, before.iter().map(|&v| bf(v)).collect::<Vec<_>>());
         // A buffer (no gradient) is left alone.
-        let frozen = cast_trainable(
-            LinearConfig::new(3, 2).init(&device).no_grad(),
-            DType::BF16,
-        );
+        let frozen = cast_trainable(LinearConfig::new(3, 2).init(&device).no_grad(), DType::BF16);
         assert_eq!(frozen.weight.val().dtype(), DType::F32);
         // The gradients follow: BF16 from the backward pass, f32 after `grads_to_dtype`.
         let x = t2(&[1.0, 2.0, 3.0], [1, 3], DType::BF16, &device);
