@@ -242,7 +242,7 @@ mod tests {
         assert_eq!(host(s), vec![258.0]);
         // Casts round to nearest even and are exact back to f32.
         let x = t2(
-            &[1.00390625, 1.01171875, 3.0e-3],
+            &[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, 3.0e-3],
             [1, 3],
             DType::F32,
             &device,
