@@ -6,6 +6,7 @@
 
 use std::str::FromStr;
 
+use moe_backend::optim::Precision;
 use moe_backend::parallel::ParallelLayout;
 
 use super::{PlanError, RankParams};
@@ -54,6 +55,11 @@ pub struct MemoryOptions {
     pub optimizer_dtype: OptimizerDtype,
     /// ZeRO-1 distributed optimizer.
     pub distributed_optimizer: bool,
+    /// Precision of the parameters (and of the gradients the backward pass produces): BF16
+    /// (Megatron's `--bf16`, the default here) holds 2 bytes per parameter, f32 4; main
+    /// gradients, main weights and (unless `optimizer_dtype` says BF16) moments are f32 in both
+    /// (docs/training-and-rl.md §Mixed precision (BF16)).
+    pub precision: Precision,
 }
 
 impl Default for MemoryOptions {
@@ -62,6 +68,7 @@ impl Default for MemoryOptions {
             fp8_weights: false,
             optimizer_dtype: OptimizerDtype::Fp32,
             distributed_optimizer: true,
+            precision: Precision::Bf16,
         }
     }
 }
@@ -109,7 +116,11 @@ pub fn state_bytes(
     } else {
         (1.0, 1.0)
     };
-    let weight_bytes = if opts.fp8_weights { 1.0 } else { 2.0 };
+    let weight_bytes = if opts.fp8_weights {
+        1.0
+    } else {
+        opts.precision.param_bytes() as f64
+    };
     let moment = 2.0 * opts.optimizer_dtype.moment_bytes() as f64;
     StateBytes {
         weights: (dense + expert) * weight_bytes,
@@ -154,5 +165,13 @@ mod tests {
             ..MemoryOptions::default()
         };
         assert_eq!(state_bytes(&p, &layout, &plain).total(), 18_000.0);
+        // f32 parameters: 4 bytes each instead of 2, the rest unchanged.
+        let fp32 = MemoryOptions {
+            precision: Precision::F32,
+            ..MemoryOptions::default()
+        };
+        let b = state_bytes(&p, &layout, &fp32);
+        assert_eq!(b.weights, 4000.0);
+        assert_eq!(b.total(), 1000.0 * (8.0 + 12.0 / 8.0));
     }
 }

@@ -95,6 +95,7 @@ impl PlanOptions {
             fp8_weights: self.fp8,
             optimizer_dtype: self.optimizer_dtype,
             distributed_optimizer: self.distributed_optimizer,
+            precision: moe_backend::optim::Precision::Bf16,
         }
     }
 

@@ -24,13 +24,14 @@
 
 use std::time::Instant;
 
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Tensor};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, Tensor};
 use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
     DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    MuonAdamW, MuonConfig, ParamClass, ParamInfo, WdSchedule,
+    MainGradAccumulator, MuonAdamW, MuonConfig, ParamClass, ParamInfo, Precision, WdSchedule,
+    cast_trainable,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
 use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
@@ -296,6 +297,16 @@ pub struct TrainerConfig {
     /// expert-bias update, [`StepStats::skipped`]) instead of failing, over the trainer's
     /// life ([`Trainer::skipped_steps`], restored on resume by the caller). Default 0.
     pub skip_nonfinite_steps: u64,
+    /// Precision of the parameters, activations and gradients (Megatron's `--bf16`; see
+    /// [`moe_backend::optim::precision`] and docs/training-and-rl.md §Mixed precision (BF16)): under
+    /// [`Precision::Bf16`] the shard's trainable parameters are held in BF16, each the rounded
+    /// f32 main weight of the optimizer, which keeps f32 main weights and moments; router,
+    /// norm statistics, attention softmax and cross-entropy compute in f32. Default f32.
+    pub precision: Precision,
+    /// Under BF16: accumulate the micro-batches' gradients and reduce them over the
+    /// data-parallel groups in f32 (Megatron's `accumulate_allreduce_grads_in_fp32`, the
+    /// default), or `false`: in BF16 (half the reduction bytes). No effect in f32.
+    pub accumulate_allreduce_grads_in_fp32: bool,
 }
 
 impl Default for TrainerConfig {
@@ -325,6 +336,8 @@ impl Default for TrainerConfig {
             cp_comm_type: crate::distributed::CpCommType::AllGather,
             check_for_nan_in_loss_and_grad: true,
             skip_nonfinite_steps: 0,
+            precision: Precision::F32,
+            accumulate_allreduce_grads_in_fp32: true,
         }
     }
 }
@@ -477,6 +490,24 @@ impl<M: ParallelCausalLm> Trainer<M> {
         };
         let mut optimizer = optimizer;
         optimizer.set_check_non_finite(config.check_for_nan_in_loss_and_grad);
+        if config.precision != Precision::F32 {
+            // The optimizer took its f32 main weights from the f32 parameters above; from now
+            // on the module holds them rounded (and every step writes them rounded).
+            let dtype = config.precision.param_dtype();
+            if !device.supports_dtype(dtype) {
+                return Err(ModelError::unsupported(
+                    "precision",
+                    format!(
+                        "{} on {device:?}, which lacks {dtype:?} tensors",
+                        config.precision
+                    ),
+                ));
+            }
+            if !config.accumulate_allreduce_grads_in_fp32 {
+                optimizer.set_grad_reduce_dtype(dtype)?;
+            }
+            *model.model_mut() = cast_trainable(model.model().clone(), dtype);
+        }
         if let (Some(place), Some(id)) = (model.pipeline(), model.embedding().map(|e| e.weight.id))
             && place.holds_embedding_copy()
         {
@@ -595,7 +626,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         };
         let (counts, local, global) = self.step_counts(micro, depths)?;
         let replicas = self.dp_cp.size();
-        let mut accumulator = GradientsAccumulator::<M>::new();
+        let mut accumulator = self.grad_accumulator();
         // Logged values summed over the micro-batches on the device, read once per step:
         // token-summed cross-entropy, aux loss, then each depth's token-summed MTP loss.
         let mut logged: Option<Tensor<1>> = None;
@@ -689,6 +720,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                     mtp_scale: 0.0,
                     aux_kind: RouterLossKind::from(self.config.aux_loss_type),
                     device: &self.device,
+                    main_grad_dtype: self.main_grad_dtype(),
                 };
                 let outcome =
                     pipeline::run_step(&self.model, &place, &self.channels, self.tp, &inputs)?;
@@ -797,6 +829,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             mtp_scale,
             aux_kind: RouterLossKind::from(self.config.aux_loss_type),
             device: &self.device,
+            main_grad_dtype: self.main_grad_dtype(),
         };
         let outcome = pipeline::run_step(&self.model, &place, &self.channels, self.tp, &inputs)?;
         let mut grads = outcome.grads;
@@ -845,9 +878,21 @@ impl<M: ParallelCausalLm> Trainer<M> {
         Ok(stats)
     }
 
+    /// The step's gradient accumulator: f32 main gradients under BF16 with
+    /// `accumulate_allreduce_grads_in_fp32`, else the gradients as the backward pass gives them.
+    fn grad_accumulator(&self) -> MainGradAccumulator<M> {
+        MainGradAccumulator::new(self.main_grad_dtype())
+    }
+
+    /// The dtype micro-batch gradients are cast to before accumulating (`None`: kept).
+    fn main_grad_dtype(&self) -> Option<DType> {
+        (self.config.precision != Precision::F32 && self.config.accumulate_allreduce_grads_in_fp32)
+            .then_some(DType::F32)
+    }
+
     /// Adds the parameter gradients of the regions recomputed in the last backward pass
     /// ([`moe_backend::recompute::take_param_grads`]) to `accumulator`.
-    fn accumulate_recomputed(&self, accumulator: &mut GradientsAccumulator<M>) {
+    fn accumulate_recomputed(&self, accumulator: &mut MainGradAccumulator<M>) {
         for grads in moe_backend::recompute::take_param_grads() {
             accumulator.accumulate(self.model.model(), grads);
         }
@@ -973,7 +1018,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         }
         self.model.begin_global_batch();
         moe_backend::recompute::clear_param_grads();
-        let mut accumulator = GradientsAccumulator::<M>::new();
+        let mut accumulator = self.grad_accumulator();
         let (mut value_sum, mut tokens) = (0.0f64, 0usize);
         let aux_grad_scale = 1.0 / micro.len() as f64;
         for batch in micro {
@@ -1259,6 +1304,18 @@ impl Optimizer {
         match self {
             Self::AdamW(o) => o.set_check_non_finite(check),
             Self::Muon(o) => o.set_check_non_finite(check),
+        }
+    }
+
+    /// BF16 (or f32) gradient reduction; Muon reduces its matrices in f32 only.
+    fn set_grad_reduce_dtype(&mut self, dtype: DType) -> Result<(), ModelError> {
+        match self {
+            Self::AdamW(o) => Ok(o.set_grad_reduce_dtype(dtype)?),
+            Self::Muon(_) if dtype == DType::F32 => Ok(()),
+            Self::Muon(_) => Err(ModelError::unsupported(
+                "accumulate_allreduce_grads_in_fp32",
+                "false with Muon (its gradient reduction is f32)",
+            )),
         }
     }
 

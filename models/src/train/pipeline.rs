@@ -5,9 +5,10 @@
 //! the expert-bias counts of every stage's routers, the embedding copy's gradient summed
 //! over Megatron's embedding group).
 
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Gradients, Tensor};
 use moe_backend::comm::{Comm, ReduceOp};
+use moe_backend::optim::MainGradAccumulator;
 use moe_backend::parallel::pipeline::{PipelineChannels, PipelineStage, StageOutput, run_pipeline};
 use moe_backend::parallel::schedule::PipelineSchedule;
 use moe_backend::router::{RouterLoss, RouterLossKind};
@@ -45,6 +46,8 @@ pub(super) struct StepInputs<'a> {
     pub mtp_scale: f64,
     pub aux_kind: RouterLossKind,
     pub device: &'a Device,
+    /// The dtype gradients are accumulated in (`None`: as the backward pass gives them).
+    pub main_grad_dtype: Option<burn::tensor::DType>,
 }
 
 /// This rank's chunks as the executor drives them.
@@ -55,7 +58,7 @@ struct TrainStage<'a, S: CausalLmShard> {
     /// First MoE layer (this rank's numbering) of each chunk.
     moe_offsets: Vec<usize>,
     tp: usize,
-    accumulator: GradientsAccumulator<S::Model>,
+    accumulator: MainGradAccumulator<S::Model>,
     /// Device-side logged sums (see [`PipelineOutcome::logged`]).
     logged: Option<Tensor<1>>,
     /// Per chunk: the step's expert-bias counts of its routers.
@@ -89,6 +92,11 @@ impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
         let batch = &self.inputs.micro[microbatch];
         let positions = self.shard.sequence_positions(batch.seq_len()).len();
         [batch.batch * positions / self.tp, self.place.model.hidden]
+    }
+
+    /// The parameters' dtype (BF16 activations under BF16 mixed precision).
+    fn activation_dtype(&self) -> burn::tensor::DType {
+        moe_backend::optim::trainable_dtype(self.shard.model()).unwrap_or(burn::tensor::DType::F32)
     }
 
     fn device(&self) -> Device {
@@ -200,7 +208,7 @@ pub(super) fn run_step<S: CausalLmShard>(
         inputs,
         moe_offsets,
         tp,
-        accumulator: GradientsAccumulator::new(),
+        accumulator: MainGradAccumulator::new(inputs.main_grad_dtype),
         logged: None,
         loads: vec![Vec::new(); place.chunks.len()],
         layer_losses: 0,

@@ -153,13 +153,21 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
                 let (idx, rows, probs) = ops.state;
                 // dy gathered to the permuted rows: [N, H].
                 let gathered = B::moe_permute(grad, idx);
+                // Mixed precision (BF16 rows, f32 router probs): both gradients are computed in
+                // the probs' precision and returned in each input's dtype (no casts when the
+                // dtypes agree).
+                let rows_dtype: FloatDType = rows.dtype().into();
+                let wide: FloatDType = probs.dtype().into();
+                let gathered = B::float_cast(gathered, wide);
                 if let Some(node) = probs_parent {
                     let n = rows.shape()[0];
+                    let rows = B::float_cast(rows, wide);
                     let dot = B::float_sum_dim(B::float_mul(gathered.clone(), rows), 1);
                     grads.register::<B>(node.id, B::float_reshape(dot, Shape::new([n])));
                 }
                 if let Some(node) = rows_parent {
-                    grads.register::<B>(node.id, B::float_mul(gathered, column::<B>(probs)));
+                    let d_rows = B::float_mul(gathered, column::<B>(probs));
+                    grads.register::<B>(node.id, B::float_cast(d_rows, rows_dtype));
                 }
             }
         }
@@ -374,12 +382,16 @@ impl<B: MoeOps, C: CheckpointStrategy> MoeOps for Autodiff<B, C> {
                 let [hidden_parent, probs_parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
                 let (hidden, probs) = ops.state;
+                // Each gradient in its input's dtype (BF16 hidden, f32 router probs under
+                // mixed precision).
+                let (hidden_dtype, probs_dtype): (FloatDType, FloatDType) =
+                    (hidden.dtype().into(), probs.dtype().into());
                 let (dh, dp) = B::moe_swiglu_backward(hidden, probs, grad);
                 if let Some(node) = hidden_parent {
-                    grads.register::<B>(node.id, dh);
+                    grads.register::<B>(node.id, B::float_cast(dh, hidden_dtype));
                 }
                 if let Some(node) = probs_parent {
-                    grads.register::<B>(node.id, dp);
+                    grads.register::<B>(node.id, B::float_cast(dp, probs_dtype));
                 }
             }
         }

@@ -382,7 +382,9 @@ impl MoeOps for Flex {
         let f = two_f / 2;
         assert_eq!(dims2(&grad, op), [n, f], "{op}: grad must be [{n}, {f}]");
         let (hh, out) = host_float(&hidden, op);
-        let (ph, _) = host_float(&probs, op);
+        // The probs' gradient in the probs' dtype (f32 router probs with BF16 activations):
+        // computed in f32 and rounded once, if at all.
+        let (ph, probs_out) = host_float(&probs, op);
         let (gh, _) = host_float(&grad, op);
         macro_rules! run {
             ($t:ty) => {{
@@ -394,7 +396,7 @@ impl MoeOps for Flex {
                 );
                 (
                     <$t as Compute>::into_tensor(dh, Shape::new([n, two_f]), out),
-                    <$t as Compute>::into_tensor(dp, Shape::new([n]), out),
+                    <$t as Compute>::into_tensor(dp, Shape::new([n]), probs_out),
                 )
             }};
         }

@@ -113,6 +113,9 @@ pub(super) struct Shard {
     pub(super) moments: Moments,
     /// Storage precision of the moments.
     pub(super) moment_dtype: MomentDtype,
+    /// The dtype the gradient reduce-scatter moves and sums in (f32, or BF16 as Megatron
+    /// without `accumulate_allreduce_grads_in_fp32`); the shard it returns is f32.
+    pub(super) reduce_dtype: DType,
     /// Ranges of the shard (shard coordinates, sorted, disjoint) without weight decay.
     pub(super) no_decay: Vec<Range<usize>>,
     /// `true` on the elements of `no_decay` (built once, `None` when it is empty).
@@ -167,6 +170,7 @@ impl Shard {
                 exp_avg_sq: zeros(),
             },
             moment_dtype: dtype,
+            reduce_dtype: DType::F32,
             no_decay: Vec::new(),
             no_decay_mask: None,
             device,
@@ -203,6 +207,13 @@ impl Shard {
         // A sum over one rank is the buffer itself (the collective returns its input).
         let shard = if n == 1 {
             grad
+        } else if self.reduce_dtype != DType::F32 {
+            // Sent and summed in the reduction dtype (the transports accumulate BF16 in f32
+            // and round the sum once), read back as f32.
+            let grad = grad.cast(self.reduce_dtype);
+            self.comm
+                .reduce_scatter(grad, ReduceOp::Sum)?
+                .cast(DType::F32)
         } else {
             self.comm.reduce_scatter(grad, ReduceOp::Sum)?
         };
@@ -880,6 +891,30 @@ impl DistributedAdamW {
         self.check_non_finite = check;
     }
 
+    /// The dtype the gradient reduce-scatter over `dp_cp` / `expt_dp` moves and sums in: f32
+    /// (the default, Megatron's `accumulate_allreduce_grads_in_fp32`) or BF16 (half the
+    /// bytes; the reduced shard is read back as f32 for the update). Errors for another dtype
+    /// or one the parameters' device lacks.
+    pub fn set_grad_reduce_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !matches!(dtype, DType::F32 | DType::BF16) || !self.dense.device.supports_dtype(dtype) {
+            return Err(BackendError::Config {
+                field: "grad_reduce_dtype",
+                detail: format!(
+                    "{dtype:?} on {:?} (expected F32, or BF16 where the device has it)",
+                    self.dense.device
+                ),
+            });
+        }
+        self.dense.reduce_dtype = dtype;
+        self.expert.reduce_dtype = dtype;
+        Ok(())
+    }
+
+    /// The dtype of the gradient reduction ([`set_grad_reduce_dtype`](Self::set_grad_reduce_dtype)).
+    pub fn grad_reduce_dtype(&self) -> DType {
+        self.dense.reduce_dtype
+    }
+
     /// Whether non-finite gradient norms are refused ([`set_check_non_finite`](Self::set_check_non_finite)).
     pub fn check_non_finite(&self) -> bool {
         self.check_non_finite
@@ -984,6 +1019,17 @@ impl DistributedAdamW {
         Ok((
             host_f32(dense, "gradients")?,
             host_f32(expert, "gradients")?,
+        ))
+    }
+
+    /// The f32 main weights of every parameter of the table, all-gathered into full
+    /// `(dense, expert)` buffers in this rank's [`ParamTable`] layout (host vectors). A
+    /// collective (every rank of the dense and expert groups calls it); meant for checks, e.g.
+    /// that BF16 parameters are their main weights rounded.
+    pub fn master_values(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((
+            host_f32(self.dense.all_gather()?, "master weights")?,
+            host_f32(self.expert.all_gather()?, "master weights")?,
         ))
     }
 

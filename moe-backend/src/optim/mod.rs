@@ -4,13 +4,15 @@
 //! [`StatePiece`]s map each rank's owned flat ranges to boxes of the global parameters, so the
 //! optimizer state can be checkpointed and resharded
 //! (docs/checkpoints.md §Distributed checkpoint format). FP8 primary weights ([`fp8_primary`]) cast
-//! the master shards straight to blockwise E4M3 after each step (docs/fp8.md §FP8 primary weights).
+//! the master shards straight to blockwise E4M3 after each step (docs/fp8.md §FP8 primary weights);
+//! [`precision`] holds BF16 mixed precision (BF16 parameters driven from the f32 masters).
 
 mod distributed_adam;
 pub mod fp8_primary;
 mod host_step;
 pub mod muon;
 mod params;
+pub mod precision;
 pub mod schedule;
 mod state;
 #[cfg(test)]
@@ -23,6 +25,9 @@ pub use muon::{
     default_muon_select,
 };
 pub use params::{ParamClass, ParamInfo, ParamTable, default_classify};
+pub use precision::{
+    MainGradAccumulator, Precision, cast_trainable, grads_to_dtype, trainable_dtype,
+};
 pub use schedule::{
     LrDecayStyle, LrSchedule, SchedulerState, WdIncrStyle, WdSchedule, WsdDecay, no_weight_decay,
 };

@@ -195,7 +195,16 @@ pub fn param_device<M: Module>(module: &M) -> Device {
 /// would give the default strategy, and tensors of different strategies cannot meet in one
 /// operation), requiring gradients when `t` does.
 pub(super) fn like_param<const D: usize>(fresh: Tensor<D>, t: &Tensor<D>) -> Tensor<D> {
-    let fresh = fresh.cast(t.dtype());
+    like_param_as(fresh, t, t.dtype())
+}
+
+/// [`like_param`] with the values cast to `dtype` instead of `t`'s.
+pub(super) fn like_param_as<const D: usize>(
+    fresh: Tensor<D>,
+    t: &Tensor<D>,
+    dtype: DType,
+) -> Tensor<D> {
+    let fresh = fresh.cast(dtype);
     let fresh = match t.gradient_checkpointing_strategy() {
         Some(strategy) => fresh
             .autodiff()

@@ -124,7 +124,9 @@ pub fn embed_vocab_parallel(
         });
     }
     let ids = Tensor::<2, Int>::from_data(TensorData::new(local, [batch, n / batch]), &device);
-    let keep = Tensor::<2>::from_data(TensorData::new(keep, [n, 1]), &device);
+    // In the table's dtype (0 and 1 are exact in BF16).
+    let dtype = shard.weight.val().dtype();
+    let keep = Tensor::<2>::from_data(TensorData::new(keep, [n, 1]), (&device, dtype));
     let partial = shard.forward(ids).reshape([n, h]) * keep;
     if sequence_parallel {
         reduce_scatter_to_sequence_parallel_region(tp, partial)

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use burn_moe::backend::optim::{
-    LrDecayStyle, LrSchedule, MuonConfig, WdIncrStyle, WdSchedule, WsdDecay,
+    LrDecayStyle, LrSchedule, MuonConfig, Precision, WdIncrStyle, WdSchedule, WsdDecay,
 };
 use burn_moe::backend::router::AuxLossType;
 use burn_moe::bridge::export::parse_size;
@@ -283,6 +283,16 @@ pub struct Args {
     /// Coefficient of the router z-loss (0 disables it).
     #[arg(long, default_value_t = 0.0)]
     pub z_loss_coeff: f64,
+    /// Megatron's BF16 mixed precision: BF16 parameters, activations and gradients; f32 main
+    /// weights, Adam moments and gradient accumulation; router, norm statistics, attention
+    /// softmax and cross-entropy in f32 (docs/training-and-rl.md §Mixed precision (BF16)).
+    /// Default: f32.
+    #[arg(long)]
+    pub bf16: bool,
+    /// With `--bf16`: accumulate the micro-batches' gradients and reduce them over the
+    /// data-parallel groups in BF16 (Megatron's `--grad-reduce-in-bf16`) instead of f32.
+    #[arg(long, requires = "bf16")]
+    pub grad_reduce_in_bf16: bool,
     /// Weight of DeepSeek-V3's multi-token-prediction loss (Megatron's
     /// `mtp_loss_scaling_factor`, divided over the MTP depths; 0 leaves the MTP modules
     /// untrained).
@@ -421,6 +431,12 @@ fn job(args: &Args) -> TrainJob {
     let mut trainer = TrainerConfig {
         lr: args.lr,
         z_loss_coeff: args.z_loss_coeff,
+        precision: if args.bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        },
+        accumulate_allreduce_grads_in_fp32: !args.grad_reduce_in_bf16,
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
         muon: (args.optimizer == OptimizerKind::Muon).then(MuonConfig::default),
         update_expert_bias: args.expert_bias_update_rate != 0.0,
