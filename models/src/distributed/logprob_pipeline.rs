@@ -17,9 +17,11 @@
 //! Without pipeline parallelism the same stage runs the whole model as one chunk on a
 //! one-rank "pipeline", so one code path serves every layout and `world = 1`.
 
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
+use burn::tensor::DType;
 use burn::tensor::{Device, Gradients, Tensor};
 use moe_backend::comm::GroupComms;
+use moe_backend::optim::MainGradAccumulator;
 use moe_backend::parallel::GroupFamily;
 use moe_backend::parallel::pipeline::{
     PipelineChannels, PipelineStage, StageOutput, run_pipeline, run_pipeline_forward,
@@ -56,7 +58,7 @@ enum Mode<'h, M> {
     Train {
         hook: &'h mut LogProbHook<'h>,
         scale: f64,
-        accumulator: GradientsAccumulator<M>,
+        accumulator: MainGradAccumulator<M>,
         value_sum: f64,
         tokens: usize,
     },
@@ -130,6 +132,12 @@ impl<S: CausalLmShard> PipelineStage<2> for LogProbStage<'_, '_, S> {
         let batch = &self.micro[microbatch];
         let positions = self.shard.sequence_positions(batch.seq_len()).len();
         [batch.batch * positions / self.tp, self.hidden]
+    }
+
+    fn activation_dtype(&self) -> DType {
+        // Activations travel in the weights' dtype (BF16 under mixed precision), also on a
+        // forward-only copy whose parameters need no gradient.
+        weight_dtype(self.shard.model())
     }
 
     fn device(&self) -> Device {
@@ -222,6 +230,22 @@ impl<S: CausalLmShard> PipelineStage<2> for LogProbStage<'_, '_, S> {
     }
 }
 
+/// The dtype of `module`'s first weight matrix (a float parameter of rank ≥ 2; f32 without
+/// one): what its layers compute and pass between pipeline stages in.
+fn weight_dtype<M: burn::module::Module>(module: &M) -> DType {
+    struct Probe(Option<DType>);
+    impl burn::module::ModuleVisitor for Probe {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            if self.0.is_none() && D >= 2 {
+                self.0 = Some(param.val().dtype());
+            }
+        }
+    }
+    let mut probe = Probe(None);
+    module.visit(&mut probe);
+    probe.0.unwrap_or(DType::F32)
+}
+
 /// The schedule of `m` micro-batches on `place` (1F1B, interleaved with virtual stages), or
 /// the one-rank schedule without pipeline parallelism.
 fn schedule(place: Option<&PipelinePlace>, m: usize) -> Result<PipelineSchedule, ModelError> {
@@ -310,7 +334,9 @@ fn missing(microbatch: usize) -> ModelError {
 /// The training part of a log-prob step: the micro-batches forward and backward through this
 /// rank's chunks on the pipeline schedule (one chunk and a one-rank schedule without pipeline
 /// parallelism), `hook`'s objective of each micro-batch's log-probs back-propagated times
-/// `scale` on the last stage.
+/// `scale` on the last stage, the parameter gradients accumulated in `main_grad_dtype` (the
+/// parameters' own dtype when `None`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_logprob_step<S: CausalLmShard>(
     shard: &S,
     micro: &[TrainBatch],
@@ -318,6 +344,7 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
     tp: usize,
     device: &Device,
     scale: f64,
+    main_grad_dtype: Option<DType>,
     hook: &mut LogProbHook<'_>,
 ) -> Result<LogProbOutcome, ModelError> {
     let place = shard.pipeline();
@@ -326,7 +353,7 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
     let mode = Mode::Train {
         hook,
         scale,
-        accumulator: GradientsAccumulator::new(),
+        accumulator: MainGradAccumulator::new(main_grad_dtype),
         value_sum: 0.0,
         tokens: 0,
     };

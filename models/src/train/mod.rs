@@ -1087,6 +1087,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             self.tp,
             &self.device,
             scale,
+            self.main_grad_dtype(),
             &mut loss,
         )?;
         let mut grads = outcome.grads;
