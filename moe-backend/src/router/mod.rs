@@ -318,7 +318,8 @@ impl TopKRouter {
         // 2. Score function + top-k, or replayed indices.
         let forced = match state.replay.mode() {
             ReplayMode::ReplayForward => Some(state.replay.replay_indices(t, k, e)?),
-            _ => None,
+            ReplayMode::ReplayBackward => Some(state.replay.backward_indices(t, k)?),
+            ReplayMode::Off | ReplayMode::Record => None,
         };
         let routing = compute_routing(
             logits.clone(),
