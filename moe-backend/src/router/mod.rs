@@ -318,8 +318,7 @@ impl TopKRouter {
         // 2. Score function + top-k, or replayed indices.
         let forced = match state.replay.mode() {
             ReplayMode::ReplayForward => Some(state.replay.replay_indices(t, k, e)?),
-            ReplayMode::ReplayBackward => Some(state.replay.backward_indices(t, k)?),
-            ReplayMode::Off | ReplayMode::Record => None,
+            _ => None,
         };
         let routing = compute_routing(
             logits.clone(),

@@ -18,18 +18,12 @@ pub enum ReplayMode {
     /// The stored indices replace the top-k selection (`REPLAY_FORWARD`); probs are gathered
     /// at them and normalised / scaled as usual.
     ReplayForward,
-    /// Megatron's `REPLAY_BACKWARD`: the forward recomputed in the backward pass (activation
-    /// recompute) replays the indices its first pass used, as `ReplayForward` does, without
-    /// checking them again (they were the router's own selection or already checked forced
-    /// ids), so the recomputed routing is the first pass's whatever the kernels' rounding.
-    ReplayBackward,
 }
 
 /// Per-layer replay buffer: one `[T, k]` index tensor, recorded or forced.
 ///
-/// Megatron's `REPLAY_BACKWARD` pops each micro-batch's indices from a queue during activation
-/// recompute; here a recomputed forward gets the indices of its own first pass with it (the
-/// recompute closure holds them), set in [`ReplayMode::ReplayBackward`].
+/// Megatron's `REPLAY_BACKWARD` (popping indices during activation recompute) has no
+/// counterpart: Burn recomputes inside the autodiff graph and never calls the router again.
 #[derive(Clone, Debug, Default)]
 pub struct RouterReplay {
     mode: ReplayMode,
@@ -60,21 +54,6 @@ impl RouterReplay {
     /// Drops the stored indices.
     pub fn clear(&mut self) {
         self.indices = None;
-    }
-
-    /// The stored indices for a `[T, k]` routing, checked for shape only
-    /// ([`ReplayMode::ReplayBackward`]: ids a first pass already used).
-    pub fn backward_indices(&self, t: usize, k: usize) -> Result<Tensor<2, Int>> {
-        let idx = self.indices.clone().ok_or_else(|| {
-            BackendError::Replay("backward replay requested but no indices were kept".into())
-        })?;
-        if idx.dims() != [t, k] {
-            return Err(BackendError::Replay(format!(
-                "kept indices have shape {:?}, the recomputed forward needs [{t}, {k}]",
-                idx.dims()
-            )));
-        }
-        Ok(idx)
     }
 
     /// The stored indices checked for a `[T, k]` routing over `num_experts` experts: right
@@ -146,20 +125,7 @@ mod tests {
             replay.replay_indices(2, 2, 4),
             Err(BackendError::Replay(_))
         ));
-        assert_eq!(
-            int_tensor_to_usize(replay.backward_indices(2, 2).unwrap().add_scalar(1)),
-            vec![0, 1, 3, 4],
-            "backward replay hands the kept ids back unchecked"
-        );
-        assert!(matches!(
-            replay.backward_indices(2, 3),
-            Err(BackendError::Replay(_))
-        ));
         replay.clear();
         assert!(replay.indices().is_none());
-        assert!(matches!(
-            replay.backward_indices(2, 2),
-            Err(BackendError::Replay(_))
-        ));
     }
 }

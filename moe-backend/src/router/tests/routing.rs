@@ -302,18 +302,13 @@ fn router_replay_reproduces_recorded_routing_and_honours_forced_indices() {
     let replayed = route_with(&router, x(), &state, &opts);
     assert_eq!(
         host_f64(replayed.probs),
-        host_f64(recorded.probs.clone()),
+        host_f64(recorded.probs),
         "bit-exact probs"
     );
     assert_eq!(
         host_bool(replayed.routing_map),
         host_bool(recorded.routing_map)
     );
-    // The recomputed forward of activation recompute replays the same ids (unchecked).
-    state.replay.set_mode(ReplayMode::ReplayBackward);
-    let rerun = route_with(&router, x(), &state, &opts);
-    assert_eq!(host_f64(rerun.probs), host_f64(recorded.probs));
-    state.replay.set_mode(ReplayMode::ReplayForward);
     // Forced indices, e.g. from an inference engine.
     let forced: Vec<i32> = (0..t)
         .flat_map(|r| [(r % e) as i32, ((r + 3) % e) as i32])
