@@ -189,7 +189,12 @@ impl RouterReplayFile {
             )));
         }
         let layers: Vec<usize> = self.layers.keys().copied().collect();
-        let with_mtp: Vec<usize> = spec.moe_layers.iter().chain(&spec.mtp_layers).copied().collect();
+        let with_mtp: Vec<usize> = spec
+            .moe_layers
+            .iter()
+            .chain(&spec.mtp_layers)
+            .copied()
+            .collect();
         if layers != spec.moe_layers && layers != with_mtp {
             let mtp = match spec.mtp_layers.is_empty() {
                 true => String::new(),

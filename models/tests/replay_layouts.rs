@@ -10,11 +10,11 @@ use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::experts::GroupedExperts;
 use moe_backend::parallel::{ParallelLayout, replicate};
+use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::replay::RoutedExperts;
 use moe_models::distributed::{
     DispatcherKind, ParallelCausalLm, ParallelDeepseekV3, ParallelQwen3Moe,
 };
-use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::plan::activations::Recompute;
 use moe_models::qwen3_moe::Qwen3MoeFeedForward;
 use moe_models::train::{StepStats, TrainBatch, Trainer, TrainerConfig};
@@ -157,8 +157,8 @@ fn train<M: ParallelCausalLm + Sync>(
     let device = ad();
     let out = World::run(world, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let mut trainer = Trainer::new(start, &pg, ctx.world()?, config.clone(), &device)
-            .map_err(to_backend)?;
+        let mut trainer =
+            Trainer::new(start, &pg, ctx.world()?, config.clone(), &device).map_err(to_backend)?;
         (0..2)
             .map(|_| trainer.step_micro_batches(micro).map_err(to_backend))
             .collect::<Result<Vec<_>, _>>()
@@ -199,8 +199,15 @@ fn assert_same(got: &[StepStats], want: &[StepStats], what: &str) {
 fn assert_moved(got: &[StepStats], from: &[StepStats], what: &str) {
     let (a, b) = (f64::from(got[0].loss), f64::from(from[0].loss));
     let (ga, gb) = (got[0].grad_norm, from[0].grad_norm);
-    eprintln!("{what}: loss {a} vs {b} (rel {:.2e}), grad norm {ga} vs {gb} (rel {:.2e})", rel(a, b), rel(ga, gb));
-    assert!(rel(a, b) > 1e3 * RTOL, "{what}: loss {a} vs {b} did not move");
+    eprintln!(
+        "{what}: loss {a} vs {b} (rel {:.2e}), grad norm {ga} vs {gb} (rel {:.2e})",
+        rel(a, b),
+        rel(ga, gb)
+    );
+    assert!(
+        rel(a, b) > 1e3 * RTOL,
+        "{what}: loss {a} vs {b} did not move"
+    );
 }
 
 /// Rank 0's recording of `micro`'s natural routing by the Qwen3-MoE training forward under
@@ -219,7 +226,9 @@ fn record_qwen(
         micro
             .iter()
             .map(|b| {
-                let (_, routed) = par.forward_train_recorded(b, &ad(), 1.0).map_err(to_backend)?;
+                let (_, routed) = par
+                    .forward_train_recorded(b, &ad(), 1.0)
+                    .map_err(to_backend)?;
                 Ok(routed)
             })
             .collect::<Result<Vec<_>, moe_backend::BackendError>>()
@@ -227,7 +236,10 @@ fn record_qwen(
     let mut ranks = out.into_iter().map(|r| r.expect("record"));
     let first = ranks.next().expect("rank 0");
     for other in ranks {
-        assert_eq!(other, first, "{spec}: every rank returns the replica's routing");
+        assert_eq!(
+            other, first,
+            "{spec}: every rank returns the replica's routing"
+        );
     }
     first
 }
@@ -257,7 +269,10 @@ fn record_deepseek(
     let mut ranks = out.into_iter().map(|r| r.expect("record"));
     let first = ranks.next().expect("rank 0");
     for other in ranks {
-        assert_eq!(other, first, "{spec}: every rank returns the replica's routing");
+        assert_eq!(
+            other, first,
+            "{spec}: every rank returns the replica's routing"
+        );
     }
     first
 }
@@ -418,7 +433,10 @@ fn bad_routings_are_refused_before_any_forward() {
     let micro = micro_batches();
     // The batch's shape is checked when the routing is attached.
     let wrong_shape = RoutedExperts::new(B, S / 2, 3, 2, vec![0; B * S / 2 * 3 * 2]).unwrap();
-    let e = micro[0].clone().with_routed_experts(wrong_shape).unwrap_err();
+    let e = micro[0]
+        .clone()
+        .with_routed_experts(wrong_shape)
+        .unwrap_err();
     assert!(e.to_string().contains("routed_experts"), "{e}");
     // The layers, k and ids against the model, on every rank of a pipeline before it runs.
     let mut bad_id = forced(3, 0);

@@ -11,11 +11,11 @@ use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
+use super::replay::ForwardRouting;
 use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::{
     CausalLmShard, ChunkForward, LoadShard, ParallelCausalLm, TrainForward, roll_rows,
 };
-use super::replay::ForwardRouting;
 use super::stack::ChunkRun;
 use super::{
     ChunkParts, DispatcherKind, ForwardTraced, ParallelOutput, ShardParts, build_shard, held,
@@ -437,7 +437,9 @@ impl CausalLmShard for ParallelDeepseekV3 {
         aux_grad_scale: f64,
         mtp: bool,
     ) -> Result<TrainForward, ModelError> {
-        Ok(self.train_whole(batch, device, aux_grad_scale, mtp, false)?.0)
+        Ok(self
+            .train_whole(batch, device, aux_grad_scale, mtp, false)?
+            .0)
     }
 
     /// The chunk's part of [`forward_train_batch`](Self::forward_train_batch): on the last

@@ -334,7 +334,7 @@ impl ParallelQwen3Moe {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
-    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP ranks): each
+    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks): each
     /// rank's routers get the ids of its sequence-parallel rows and recompute the routing
     /// weights from the current logits at them (see the [module docs](self)). Errors if
     /// `routed` does not fit the batch and the model ([`RoutedExperts::validate`]).
@@ -362,7 +362,7 @@ impl ParallelQwen3Moe {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) that also returns the replica's
-    /// routing `[batch, S, layers, k]` (all-gathered over TP: every TP rank of the replica
+    /// routing `[batch, S, layers, k]` (all-gathered over TP and CP: every rank of the replica
     /// returns the whole batch's), in the format [`forward_loss_replayed`](Self::forward_loss_replayed)
     /// takes. With `replay`, the routers are forced as in `forward_loss_replayed` and the
     /// returned routing is the one actually used.
@@ -386,14 +386,15 @@ impl ParallelQwen3Moe {
 
 impl ParallelDeepseekV3 {
     /// What a routing for this model must match: the main model's MoE layers (decoder layers
-    /// from `first_k_dense_replace` on; the MTP modules, which the loss forward does not run,
-    /// have no entry), `k` (`num_experts_per_tok`), `E` (`n_routed_experts`).
+    /// from `first_k_dense_replace` on), optionally followed by the MTP modules' (decoder
+    /// layers `N + j`; the loss forwards here run none and ignore them, the training forwards
+    /// replay them), `k` (`num_experts_per_tok`), `E` (`n_routed_experts`).
     pub fn replay_spec(&self) -> ReplaySpec {
         self.model.replay_spec()
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
-    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP ranks), as
+    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks), as
     /// [`ParallelQwen3Moe::forward_loss_replayed`]: the group-limited, bias-shifted selection
     /// is skipped, and the routing weights are the sigmoid scores of the current logits at the
     /// replayed ids (without `e_score_correction_bias`), normalised and multiplied by
@@ -418,7 +419,7 @@ impl ParallelDeepseekV3 {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) that also returns the replica's
-    /// routing `[batch, S, layers, k]` (every TP rank of the replica returns the whole
+    /// routing `[batch, S, layers, k]` (every rank of the replica returns the whole
     /// batch's), as [`ParallelQwen3Moe::forward_loss_recorded`]. With `replay`, the routers
     /// are forced as in [`forward_loss_replayed`](Self::forward_loss_replayed) and the
     /// returned routing is the one actually used.
@@ -628,7 +629,10 @@ pub(crate) fn train_replay(
             Some(held) => *held.get(local).ok_or_else(|| {
                 ModelError::layout(
                     "pipeline_layout",
-                    format!("local decoder layer {local} of a stage holding {}", held.len()),
+                    format!(
+                        "local decoder layer {local} of a stage holding {}",
+                        held.len()
+                    ),
                 )
             })?,
             None => local,
@@ -667,7 +671,8 @@ impl ParallelQwen3Moe {
         device: &Device,
         aux_grad_scale: f64,
     ) -> Result<(TrainForward, RoutedExperts), ModelError> {
-        self.rt.require_whole_model("recording a training forward's routing")?;
+        self.rt
+            .require_whole_model("recording a training forward's routing")?;
         let spec = self.replay_spec();
         let routing = ForwardRouting {
             spec: Some(&spec),

@@ -416,7 +416,10 @@ impl SpRuntime {
             trace.selected[first.min(trace.selected.len())..].to_vec()
         } else {
             trace.selected_weights.truncate(first);
-            trace.selected.drain(first.min(trace.selected.len())..).collect()
+            trace
+                .selected
+                .drain(first.min(trace.selected.len())..)
+                .collect()
         };
         let output = output?;
         if !used.is_empty() {
