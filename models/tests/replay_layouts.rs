@@ -175,6 +175,7 @@ fn rel(a: f64, b: f64) -> f64 {
 
 /// Losses (and MTP losses) and gradient norms of every step equal `want`'s.
 fn assert_same(got: &[StepStats], want: &[StepStats], what: &str) {
+    let mut worst = 0f64;
     for (step, (g, w)) in got.iter().zip(want).enumerate() {
         let pairs = [
             ("loss", f64::from(g.loss), f64::from(w.loss)),
@@ -186,6 +187,7 @@ fn assert_same(got: &[StepStats], want: &[StepStats], what: &str) {
             ),
         ];
         for (name, a, b) in pairs {
+            worst = worst.max(rel(a, b));
             assert!(
                 rel(a, b) <= RTOL,
                 "{what}: step {step} {name} {a} vs {b} (rel {:.2e})",
@@ -193,6 +195,7 @@ fn assert_same(got: &[StepStats], want: &[StepStats], what: &str) {
             );
         }
     }
+    eprintln!("{what}: max relative difference {worst:.2e}");
 }
 
 /// The first step's loss and gradient norm moved well beyond the tolerance.
