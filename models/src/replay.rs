@@ -14,7 +14,11 @@
 //!
 //! - `i` is the decoder-layer index of HF's `model.layers.{i}` (so dense layers such as
 //!   Qwen3-MoE's `mlp_only_layers` or DeepSeek-V3's first `first_k_dense_replace` layers
-//!   have no tensor and the set of `i` must equal the model's MoE layers);
+//!   have no tensor and the set of `i` must equal the model's MoE layers); DeepSeek-V3's MTP
+//!   modules, stored as decoder layers `N + j`, may follow as `layers.{N+j}.topk_indices`
+//!   (a routing recorded by a training forward that ran them,
+//!   [`crate::distributed::replay`]); the single-rank forward here runs the main model
+//!   only and leaves them out;
 //! - `T = B·S`: tokens of the micro-batch in `b·S + s` order (the row-major flattening of
 //!   `input_ids [B, S]`), the same for every layer;
 //! - the order of the `k` ids in a row does not matter for the routing weights (they are gathered
@@ -77,6 +81,11 @@ pub struct ReplaySpec {
     pub model_type: &'static str,
     /// Decoder-layer indices of the MoE layers, ascending.
     pub moe_layers: Vec<usize>,
+    /// Decoder-layer indices `N + j` of the multi-token-prediction modules' MoE layers
+    /// (DeepSeek-V3, depth order; empty for other models). A routing may cover them after
+    /// [`moe_layers`](Self::moe_layers) (Megatron numbers the MTP routers after the
+    /// decoder's, in the order it builds them).
+    pub mtp_layers: Vec<usize>,
     /// `k`.
     pub topk: usize,
     /// `E`, routed experts.
@@ -164,7 +173,8 @@ impl RouterReplayFile {
     }
 
     /// Checks the routing against a model and a forward of `num_tokens` tokens: model type,
-    /// `k`, exactly the model's MoE layers, `T`, ids in `0..E` and distinct per row.
+    /// `k`, exactly the model's MoE layers (optionally followed by its MTP layers), `T`, ids
+    /// in `0..E` and distinct per row.
     pub fn check(&self, spec: &ReplaySpec, num_tokens: usize) -> Result<(), ModelError> {
         if self.model_type != spec.model_type {
             return Err(replay_error(format!(
@@ -179,9 +189,19 @@ impl RouterReplayFile {
             )));
         }
         let layers: Vec<usize> = self.layers.keys().copied().collect();
-        if layers != spec.moe_layers {
+        let with_mtp: Vec<usize> = spec
+            .moe_layers
+            .iter()
+            .chain(&spec.mtp_layers)
+            .copied()
+            .collect();
+        if layers != spec.moe_layers && layers != with_mtp {
+            let mtp = match spec.mtp_layers.is_empty() {
+                true => String::new(),
+                false => format!(" (then MTP layers {:?})", spec.mtp_layers),
+            };
             return Err(replay_error(format!(
-                "{} layers {layers:?}, the model has {} MoE layers {:?}",
+                "{} layers {layers:?}, the model has {} MoE layers {:?}{mtp}",
                 layers.len(),
                 spec.moe_layers.len(),
                 spec.moe_layers
@@ -250,6 +270,7 @@ impl RouterReplayModel for Qwen3MoeForCausalLM {
             moe_layers: (0..c.num_hidden_layers)
                 .filter(|&i| c.is_moe_layer(i))
                 .collect(),
+            mtp_layers: Vec::new(),
             topk: c.num_experts_per_tok,
             num_experts: c.num_experts,
         }
@@ -272,6 +293,10 @@ impl RouterReplayModel for DeepseekV3ForCausalLM {
             model_type: "deepseek_v3",
             moe_layers: (0..c.num_hidden_layers)
                 .filter(|&i| c.is_moe_layer(i))
+                .collect(),
+            // Every MTP module's decoder layer is an MoE layer.
+            mtp_layers: (0..c.num_nextn_predict_layers)
+                .map(|j| c.num_hidden_layers + j)
                 .collect(),
             topk: c.num_experts_per_tok,
             num_experts: c.n_routed_experts,
@@ -309,7 +334,8 @@ pub fn record_routing<M: RouterReplayModel>(
 
 /// Runs `model` on `input_ids [B, S]` with every MoE router forced to `replay`'s ids
 /// (checked first with [`RouterReplayFile::check`]); returns the logits and the selected
-/// experts of every MoE layer (equal to the forced ids).
+/// experts of every MoE layer (equal to the forced ids). The main model's forward runs no MTP
+/// module: a file's MTP layers are checked and not used.
 pub fn replay_routing<M: RouterReplayModel>(
     model: &M,
     input_ids: Tensor<2, Int>,
@@ -318,7 +344,8 @@ pub fn replay_routing<M: RouterReplayModel>(
     let [b, s] = input_ids.dims();
     let spec = model.replay_spec();
     replay.check(&spec, b * s)?;
-    let forced = replay.layer_indices(&input_ids.device());
+    let mut forced = replay.layer_indices(&input_ids.device());
+    forced.truncate(spec.moe_layers.len());
     model.forward_routing(input_ids, Some(forced))
 }
 

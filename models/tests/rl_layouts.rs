@@ -17,6 +17,7 @@ use moe_backend::optim::DistributedAdamWConfig;
 use moe_backend::parallel::{GroupFamily, ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
 use moe_models::distributed::logprob_pipeline::shard_logprobs;
+use moe_models::distributed::replay::RoutedExperts;
 use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
 use moe_models::rl::logprobs::TokenLogProbs;
 use moe_models::rl::{LossAgg, PpoConfig, ResponseMask, aggregate, ppo_loss};
@@ -99,6 +100,17 @@ fn scored<M: ParallelCausalLm + Sync>(
     ids: &[i64],
     [b, s]: [usize; 2],
 ) -> (Vec<f32>, Vec<f32>) {
+    scored_routed(full, (world, spec), ids, [b, s], None)
+}
+
+/// [`scored`] with every row replaying its part of `routing` (`[B, S, layers, k]`).
+fn scored_routed<M: ParallelCausalLm + Sync>(
+    full: &M,
+    (world, spec): (usize, &str),
+    ids: &[i64],
+    [b, s]: [usize; 2],
+    routing: Option<&RoutedExperts>,
+) -> (Vec<f32>, Vec<f32>) {
     let layout = ParallelLayout::parse(world, spec).expect("layout");
     let replicas = layout.dp;
     let rows = b / replicas;
@@ -109,8 +121,12 @@ fn scored<M: ParallelCausalLm + Sync>(
         let replica = pg.groups.get(GroupFamily::Dp).index;
         let micro: Vec<TrainBatch> = (0..rows)
             .map(|r| {
-                let row = (replica * rows + r) * s;
-                TrainBatch::causal(ids[row..row + s].to_vec(), 1)
+                let at = replica * rows + r;
+                let batch = TrainBatch::causal(ids[at * s..(at + 1) * s].to_vec(), 1)?;
+                match routing {
+                    Some(routing) => batch.with_routed_experts(routing.slice_batch(at..at + 1)?),
+                    None => Ok(batch),
+                }
             })
             .collect::<Result<_, _>>()
             .map_err(be)?;
@@ -210,6 +226,46 @@ fn deepseek_v3_logprobs_under_pipeline_and_context_layouts_equal_one_rank_and_go
             (4, "tp=2,pp=2,ep=2,pp_layout=Et*2|tmL"),
         ],
     );
+}
+
+/// RL routing replay with log-probs: a batch carrying an inference engine's routing replays it
+/// in the log-prob forward under every layout (each stage its layers' entries, each CP rank its
+/// chunks' rows), equal to the `world=1` replay and unlike the natural routing.
+#[test]
+fn routed_logprobs_replay_under_pipeline_and_context_layouts() {
+    let full = qwen3_moe(&Device::flex());
+    let golden = Golden::open("qwen3_moe");
+    let (shape, ids) = golden.i64("input_ids");
+    let [b, s] = [shape[0], shape[1]];
+    // Two MoE layers (layer 0 is dense), top-2 of 8 experts, far from the natural choice.
+    let (layers, k, e) = (2, 2, 8);
+    let indices: Vec<i64> = (0..b * s)
+        .flat_map(|t| {
+            (0..layers).flat_map(move |l| {
+                let a = (t * 3 + l * 5) % e;
+                [a as i64, ((a + 1 + l) % e) as i64]
+            })
+        })
+        .collect();
+    let routing = RoutedExperts::new(b, s, layers, k, indices).expect("routing");
+    let (natural, _) = scored(&full, (1, ""), &ids, [b, s]);
+    let (one, one_h) = scored_routed(&full, (1, ""), &ids, [b, s], Some(&routing));
+    let moved = rel(&one, &natural);
+    assert!(
+        moved > 1e-2,
+        "the forced routing must move the log-probs ({moved:e})"
+    );
+    for (world, spec) in [
+        (2, "pp=2,pp_layout=Et|t*2L"),
+        (2, "cp=2"),
+        (4, "pp=2,cp=2,ep=2,pp_layout=Et*2|tL"),
+        (2, "pp=2,vpp=2,pp_layout=E|t|t|tL"),
+    ] {
+        let (lp, h) = scored_routed(&full, (world, spec), &ids, [b, s], Some(&routing));
+        let (e_lp, e_h) = (rel(&lp, &one), rel(&h, &one_h));
+        println!("replayed {spec}: vs world=1 {e_lp:.2e} {e_h:.2e} (routing moved {moved:.2e})");
+        assert!(e_lp <= 1e-5 && e_h <= 1e-5, "{spec}: {e_lp:e}, {e_h:e}");
+    }
 }
 
 const S: usize = 8;

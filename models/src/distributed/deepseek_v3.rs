@@ -11,6 +11,7 @@ use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
+use super::replay::ForwardRouting;
 use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::{
     CausalLmShard, ChunkForward, LoadShard, ParallelCausalLm, TrainForward, roll_rows,
@@ -211,6 +212,109 @@ impl ParallelDeepseekV3 {
         (self.rt).loss_forward(&self.model, input_ids, labels, batch, layout, device, trace)
     }
 
+    /// The training forward of chunk `chunk` (its first MoE layer this rank's `moe_offset`,
+    /// `input` the previous virtual stage's activation) on `batch`, the routers replaying the
+    /// batch's routing and recording with `record`: the chunk's output (with `mtp`, the MTP
+    /// depths on the last virtual stage) and the routers' selections (when recorded; main
+    /// layers then MTP depths).
+    pub(crate) fn train_chunk_traced(
+        &self,
+        (chunk, moe_offset, input): (&ChunkParts, usize, Option<Tensor<2>>),
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+        record: bool,
+    ) -> Result<(ChunkForward, Vec<Tensor<2, Int>>), ModelError> {
+        let rt = &self.rt;
+        let (input_ids, rows) = (&batch.input_ids, batch.batch);
+        let model = &self.model.model;
+        let spec = self.replay_spec();
+        let routing = ForwardRouting {
+            spec: Some(&spec),
+            mtp: if mtp { self.model.mtp.len() } else { 0 },
+            record,
+        };
+        let mut run = rt.chunk_layers(
+            &self.model,
+            chunk,
+            moe_offset,
+            batch,
+            device,
+            aux_grad_scale,
+            input,
+            &routing,
+        )?;
+        if !chunk.loss {
+            let selected = std::mem::take(&mut run.trace.selected);
+            return Ok((run.passed_on(), selected));
+        }
+        let ChunkRun { p, mut trace, x } = run;
+        let s = p.s;
+        let (head, embed) = (self.model.lm_head.as_ref(), model.embed_tokens.as_ref());
+        let mut hidden = held(model.norm.as_ref(), "the final norm")?.forward(x);
+        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.targets)?;
+        let mut mtp_losses = Vec::new();
+        if mtp {
+            for (j, module) in self.model.mtp.iter().enumerate() {
+                if j + 2 > s {
+                    return Err(ModelError::input(
+                        "input_ids",
+                        format!("{s} tokens are too few for MTP depth {}", j + 1),
+                    ));
+                }
+                // Rolled per document for a packed batch (its tail filled as the document
+                // rolled alone).
+                let ids = match p.layout {
+                    Some(l) => l.roll_within_documents(input_ids, j + 1, 0),
+                    None => roll_rows(input_ids, s, j + 1, 0),
+                };
+                let targets = p.local_targets(&p.mtp_labels(j));
+                let embedding = held(embed, "the token embedding (the MTP modules read it)")?;
+                let embeds = rt.embed(embedding, &p.local(&ids), rows)?;
+                let inputs = rt.masked_inputs(&p);
+                hidden = module.forward_in(rt, embeds, hidden, rows, &mut trace, inputs)?;
+                let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets)?;
+                mtp_losses.push(l);
+            }
+        }
+        let selected = std::mem::take(&mut trace.selected);
+        let out = ChunkForward::Loss(TrainForward {
+            loss,
+            mtp_losses,
+            router_losses: trace.losses,
+            expert_load: trace.expert_load,
+        });
+        Ok((out, selected))
+    }
+
+    /// The training forward of the whole model (`pp = 1`) on `batch` (with `mtp` the MTP
+    /// depths), as [`train_chunk_traced`](Self::train_chunk_traced) of the one chunk.
+    pub(crate) fn train_whole(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+        record: bool,
+    ) -> Result<(TrainForward, Vec<Tensor<2, Int>>), ModelError> {
+        self.rt.require_whole_model("`forward_train_batch`")?;
+        let whole = ChunkParts {
+            virtual_stage: 0,
+            embedding: true,
+            layers: 0..self.model.model.layers.len(),
+            loss: true,
+        };
+        let place = (&whole, 0, None);
+        match self.train_chunk_traced(place, batch, device, aux_grad_scale, mtp, record)? {
+            (ChunkForward::Loss(out), selected) => Ok((out, selected)),
+            _ => Err(ModelError::layout(
+                "pp",
+                "the whole model's forward returned no loss",
+            )),
+        }
+    }
+
     /// This rank's vocabulary columns and TP group (vocab-parallel log-probs).
     pub(crate) fn runtime(&self) -> &SpRuntime {
         &self.rt
@@ -323,6 +427,9 @@ impl CausalLmShard for ParallelDeepseekV3 {
     /// `roll_tensor` of packed sequences: a document's tail gets id 0, as the document rolled
     /// alone) and depth `j`'s target at position `i` (token `i + j + 2`) counts only when
     /// positions `i ..= i + j + 2` are real tokens of one document.
+    /// A routed batch ([`TrainBatch::with_routed_experts`]) replays its routing in the main
+    /// model's MoE layers and, when it covers them, in the MTP modules' (which route
+    /// naturally otherwise).
     fn forward_train_batch(
         &self,
         batch: &TrainBatch,
@@ -330,20 +437,9 @@ impl CausalLmShard for ParallelDeepseekV3 {
         aux_grad_scale: f64,
         mtp: bool,
     ) -> Result<TrainForward, ModelError> {
-        self.rt.require_whole_model("`forward_train_batch`")?;
-        let whole = ChunkParts {
-            virtual_stage: 0,
-            embedding: true,
-            layers: 0..self.model.model.layers.len(),
-            loss: true,
-        };
-        match self.forward_train_chunk(&whole, 0, batch, device, aux_grad_scale, mtp, None)? {
-            ChunkForward::Loss(out) => Ok(out),
-            _ => Err(ModelError::layout(
-                "pp",
-                "the whole model's forward returned no loss",
-            )),
-        }
+        Ok(self
+            .train_whole(batch, device, aux_grad_scale, mtp, false)?
+            .0)
     }
 
     /// The chunk's part of [`forward_train_batch`](Self::forward_train_batch): on the last
@@ -358,56 +454,14 @@ impl CausalLmShard for ParallelDeepseekV3 {
         mtp: bool,
         input: Option<Tensor<2>>,
     ) -> Result<ChunkForward, ModelError> {
-        let rt = &self.rt;
-        let (input_ids, rows) = (&batch.input_ids, batch.batch);
-        let model = &self.model.model;
-        let run = rt.chunk_layers(
-            &self.model,
-            chunk,
-            moe_offset,
-            batch,
-            device,
-            aux_grad_scale,
-            input,
-        )?;
-        if !chunk.loss {
-            return Ok(run.passed_on());
-        }
-        let ChunkRun { p, mut trace, x } = run;
-        let s = p.s;
-        let (head, embed) = (self.model.lm_head.as_ref(), model.embed_tokens.as_ref());
-        let mut hidden = held(model.norm.as_ref(), "the final norm")?.forward(x);
-        let (loss, _) = rt.normed_head_loss(hidden.clone(), head, embed, &p.targets)?;
-        let mut mtp_losses = Vec::new();
-        if mtp {
-            for (j, module) in self.model.mtp.iter().enumerate() {
-                if j + 2 > s {
-                    return Err(ModelError::input(
-                        "input_ids",
-                        format!("{s} tokens are too few for MTP depth {}", j + 1),
-                    ));
-                }
-                // Rolled per document for a packed batch (its tail filled as the document
-                // rolled alone).
-                let ids = match p.layout {
-                    Some(l) => l.roll_within_documents(input_ids, j + 1, 0),
-                    None => roll_rows(input_ids, s, j + 1, 0),
-                };
-                let targets = p.local_targets(&p.mtp_labels(j));
-                let embedding = held(embed, "the token embedding (the MTP modules read it)")?;
-                let embeds = rt.embed(embedding, &p.local(&ids), rows)?;
-                let inputs = rt.masked_inputs(&p);
-                hidden = module.forward_in(rt, embeds, hidden, rows, &mut trace, inputs)?;
-                let (l, _) = rt.normed_head_loss(hidden.clone(), head, embed, &targets)?;
-                mtp_losses.push(l);
-            }
-        }
-        Ok(ChunkForward::Loss(TrainForward {
-            loss,
-            mtp_losses,
-            router_losses: trace.losses,
-            expert_load: trace.expert_load,
-        }))
+        let place = (chunk, moe_offset, input);
+        Ok(self
+            .train_chunk_traced(place, batch, device, aux_grad_scale, mtp, false)?
+            .0)
+    }
+
+    fn routing_spec(&self) -> Option<crate::replay::ReplaySpec> {
+        Some(self.replay_spec())
     }
 
     crate::distributed::stage_accessors!();

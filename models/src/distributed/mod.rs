@@ -409,6 +409,42 @@ impl ParallelQwen3Moe {
         self.forward_traced_packed(input_ids, labels, batch, None, device, trace)
     }
 
+    /// The training forward of the whole model (`pp = 1`) on `batch`, its routers driven by
+    /// `routing` (the batch's routing replayed, selections recorded); also returns the
+    /// selections of this rank's routers (when recorded).
+    pub(crate) fn train_whole(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        routing: &replay::ForwardRouting<'_>,
+    ) -> Result<(TrainForward, Vec<Tensor<2, Int>>), ModelError> {
+        self.rt.require_whole_model("`forward_train_batch`")?;
+        let whole = ChunkParts {
+            virtual_stage: 0,
+            embedding: true,
+            layers: 0..self.model.model.layers.len(),
+            loss: true,
+        };
+        let (out, selected) = (self.rt).train_chunk(
+            &self.model,
+            &whole,
+            0,
+            batch,
+            device,
+            aux_grad_scale,
+            None,
+            routing,
+        )?;
+        match out {
+            sharded::ChunkForward::Loss(out) => Ok((out, selected)),
+            _ => Err(ModelError::layout(
+                "pp",
+                "the whole model's forward returned no loss",
+            )),
+        }
+    }
+
     /// [`forward_traced`](Self::forward_traced) of a batch with an optional packing layout.
     pub(crate) fn forward_traced_packed(
         &self,
@@ -533,20 +569,16 @@ impl CausalLmShard for ParallelQwen3Moe {
         aux_grad_scale: f64,
         _mtp: bool,
     ) -> Result<TrainForward, ModelError> {
-        let (out, _, load) = self.forward_traced_packed(
-            &batch.input_ids,
-            &batch.labels,
-            batch.batch,
-            batch.layout(),
-            device,
-            RouterTrace::new(aux_grad_scale),
-        )?;
-        Ok(TrainForward {
-            loss: out.loss,
-            mtp_losses: Vec::new(),
-            router_losses: out.router_losses,
-            expert_load: load,
-        })
+        let spec = self.replay_spec();
+        let routing = replay::ForwardRouting {
+            spec: Some(&spec),
+            ..Default::default()
+        };
+        Ok(self.train_whole(batch, device, aux_grad_scale, &routing)?.0)
+    }
+
+    fn routing_spec(&self) -> Option<crate::replay::ReplaySpec> {
+        Some(self.replay_spec())
     }
 
     crate::distributed::stage_accessors!(decoder_stack);

@@ -220,7 +220,12 @@ macro_rules! stage_accessors {
             input: Option<burn::tensor::Tensor<2>>,
         ) -> Result<$crate::distributed::sharded::ChunkForward, $crate::ModelError> {
             let (model, rt) = (&self.model, &self.rt);
-            rt.train_chunk(
+            let spec = $crate::distributed::CausalLmShard::routing_spec(self);
+            let routing = $crate::distributed::replay::ForwardRouting {
+                spec: spec.as_ref(),
+                ..Default::default()
+            };
+            let (out, _) = rt.train_chunk(
                 model,
                 chunk,
                 moe_offset,
@@ -228,7 +233,9 @@ macro_rules! stage_accessors {
                 device,
                 aux_grad_scale,
                 input,
-            )
+                &routing,
+            )?;
+            Ok(out)
         }
 
         $crate::distributed::stage_accessors!();
@@ -248,6 +255,12 @@ macro_rules! stage_accessors {
             input: Option<burn::tensor::Tensor<2>>,
         ) -> Result<$crate::distributed::sharded::ChunkForward, $crate::ModelError> {
             let (model, rt) = (&self.model, &self.rt);
+            // A routed batch replays its routing here too (RL routing replay with log-probs).
+            let spec = $crate::distributed::CausalLmShard::routing_spec(self);
+            let routing = $crate::distributed::replay::ForwardRouting {
+                spec: spec.as_ref(),
+                ..Default::default()
+            };
             rt.logprobs_chunk(
                 model,
                 chunk,
@@ -256,6 +269,7 @@ macro_rules! stage_accessors {
                 device,
                 aux_grad_scale,
                 input,
+                &routing,
             )
         }
 

@@ -208,6 +208,12 @@ impl CausalLmShard for ParallelQwen3 {
         aux_grad_scale: f64,
         _mtp: bool,
     ) -> Result<TrainForward, ModelError> {
+        if batch.routed_experts().is_some() {
+            return Err(ModelError::input(
+                "routed_experts",
+                "the dense Qwen3 model has no MoE router to replay a routing in",
+            ));
+        }
         let (out, _, _) = self.rt.loss_forward(
             &self.model,
             &batch.input_ids,

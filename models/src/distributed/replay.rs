@@ -10,40 +10,76 @@
 //! under replay and recomputes the sigmoid weights at the replayed ids, normalised and scaled
 //! by `routed_scaling_factor`).
 //!
+//! The trainer replays a routing per micro-batch: [`TrainBatch::with_routed_experts`]
+//! attaches it to the batch, and every training forward of that batch
+//! ([`crate::train::Trainer::step_micro_batches`], under every layout, the pipeline's chunk
+//! forwards included) routes as given; [`ParallelQwen3Moe::forward_train_recorded`] and
+//! [`ParallelDeepseekV3::forward_train_recorded`] record the routing of a training forward
+//! (DeepSeek-V3's MTP modules included) in the same format.
+//!
 //! # Layout of `routed_experts`
 //!
-//! - `batch × seq` are the replica's `input_ids [B, S]` (row-major, token row `b·S + s`);
+//! - `batch × seq` are the replica's `input_ids [B, S]` (row-major, token row `b·S + s`); for
+//!   a packed batch (THD, `cu_seqlens` per row, [`TrainBatch::packed`]) these are the packed
+//!   rows' tokens, padding included (a padding token's ids must be valid experts; they change
+//!   nothing but that token's own output, which no loss reads);
 //! - `layers` counts the model's **MoE layers** in ascending decoder-layer order (dense layers,
-//!   e.g. Qwen3-MoE's `mlp_only_layers`, have no entry), see [`ReplaySpec::moe_layers`];
+//!   e.g. Qwen3-MoE's `mlp_only_layers`, have no entry), see [`ReplaySpec::moe_layers`],
+//!   optionally followed by DeepSeek-V3's **MTP modules** in depth order
+//!   ([`ReplaySpec::mtp_layers`], decoder layers `N + j`): Megatron's `RouterReplay`
+//!   numbers its routers in the order it builds them, the decoder's then the MTP block's,
+//!   and verl / slime hand each pipeline stage the slice of that list its layers own. A
+//!   routing of the main layers only (what an inference engine returns) leaves the MTP
+//!   routers to route naturally when a training forward runs them;
 //! - `topk` is the router's `k`; ids are in `0..E` and distinct within a token.
 //!
 //! # Mapping onto the shards
 //!
-//! Between blocks a replica's `B·S` tokens (rows `b·S + s` of the flattened batch) are
-//! sequence-parallel: TP rank `r` of `tp` holds the contiguous block of rows
-//! `r·B·S/tp .. (r+1)·B·S/tp` (the reduce-scatter of the vocab-parallel embedding and of
-//! every attention / MLP block). Its router sees exactly those rows, so replay hands each MoE
-//! layer's router the `[B·S/tp, k]` slice of those rows in `ReplayForward` mode: the top-k
-//! selection is skipped, the routing weights are recomputed from the current logits at the
-//! replayed ids (normalised / scaled as usual, so router gradients flow), and the token
-//! dispatcher then sends every (token, expert) pair to the EP rank owning that expert (and
-//! its ETP group) exactly as in a natural forward. Expert placement (`ep`, `etp`) and data
+//! Between blocks a replica's tokens are sequence-parallel. Without context parallelism TP
+//! rank `r` of `tp` holds the contiguous block of rows `r·B·S/tp .. (r+1)·B·S/tp` (the
+//! reduce-scatter of the vocab-parallel embedding and of every attention / MLP block). Under
+//! context parallelism (`cp`) each CP rank holds two chunks of every sequence
+//! (positions `c·r .. c·(r+1)` and `c·(2cp−1−r) .. c·(2cp−r)`, `c = S/2cp`): its local tokens
+//! are rows `b·S + p` for `b` in `0..B` and `p` in its positions, in that order, and TP rank `r`
+//! holds the `r`-th contiguous block of those. A router sees exactly its rank's rows, so replay
+//! hands each MoE layer's router the `[T_local, k]` ids of those rows in `ReplayForward` mode:
+//! the top-k selection is skipped, the routing weights are recomputed from the current logits
+//! at the replayed ids (normalised / scaled as usual, so router gradients flow), and the token
+//! dispatcher then sends every (token, expert) pair to the EP rank owning that expert (and its
+//! ETP group) exactly as in a natural forward. Expert placement (`ep`, `etp`) and data
 //! parallelism therefore play no part in the mapping; each replica passes its own rows'
 //! routing (split a global batch's with [`RoutedExperts::slice_batch`]).
 //!
-//! Recording is the inverse: every rank keeps its routers' `[B·S/tp, k]` selections, which
-//! are all-gathered over TP (in rank order, i.e. back to rows `b·S + s`), so every TP rank of
-//! a replica returns the replica's whole `[B, S, layers, k]`.
+//! Under pipeline parallelism (`pp`, with `vpp` virtual stages) a rank runs the routers of
+//! its chunks' decoder layers (global indices [`PipelinePlace`](super::PipelinePlace)'s
+//! `holding.layers`) and, on the last stage, of the MTP modules: each router takes the entry
+//! of `layers` of its global MoE layer (its position in [`ReplaySpec::moe_layers`], or
+//! `moe_layers.len() + j` for MTP depth `j`). Every chunk forward of every micro-batch sets
+//! its routers from that micro-batch's routing right before it runs, so the interleaved
+//! schedule never mixes micro-batches.
+//!
+//! With activation recompute (`full`), a recomputed layer's rerun in the backward pass replays
+//! the expert ids its first pass used (natural or replayed), held by the recompute closure
+//! (Megatron's `REPLAY_BACKWARD`).
+//!
+//! Recording is the inverse: every rank keeps its routers' `[T_local, k]` selections, which
+//! are all-gathered over TP (in rank order) and then over CP (each rank's rows put back at its
+//! positions), so every rank of a replica returns the replica's whole `[B, S, layers, k]`.
 //!
 //! With a capacity factor, replayed ids can still be dropped by the capacity limit, as in
 //! Megatron; routing replay is meant for dropless routing.
 
+use std::ops::Range;
+
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use super::context_parallel::cp_positions;
 use super::runtime::{RouterTrace, SpRuntime};
+use super::sharded::TrainForward;
 use super::{ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, check_batch, err};
 use crate::ModelError;
 use crate::replay::{ReplaySpec, RouterReplayFile, RouterReplayModel};
+use crate::train::TrainBatch;
 
 /// Expert ids routed to by every token of a batch in every MoE layer:
 /// `indices [batch, seq, layers, topk]`, row-major (see the [module docs](self)).
@@ -53,7 +89,8 @@ pub struct RoutedExperts {
     pub batch: usize,
     /// `S`, tokens per sequence.
     pub seq: usize,
-    /// MoE layers (ascending decoder-layer order; dense layers are not counted).
+    /// MoE layers (ascending decoder-layer order; dense layers are not counted), optionally
+    /// followed by the MTP modules' (depth order).
     pub layers: usize,
     /// `k`, experts per token.
     pub topk: usize,
@@ -134,6 +171,18 @@ impl RoutedExperts {
         .collect()
     }
 
+    /// MoE layer `layer`'s ids of the token rows `rows` (of the `b·S + s` flattening, any
+    /// order), row-major `[rows.len(), topk]`.
+    pub fn layer_at_rows(&self, layer: usize, rows: &[usize]) -> Vec<i64> {
+        let (l, k) = (self.layers, self.topk);
+        rows.iter()
+            .flat_map(|&row| {
+                let at = (row * l + layer) * k;
+                self.indices[at..at + k].iter().copied()
+            })
+            .collect()
+    }
+
     /// The sequences `batches` (e.g. one data-parallel replica's rows of a global batch).
     pub fn slice_batch(&self, batches: std::ops::Range<usize>) -> Result<Self, ModelError> {
         if batches.start > batches.end || batches.end > self.batch {
@@ -171,9 +220,9 @@ impl RoutedExperts {
     }
 
     /// Checks the routing against a forward of `input_ids [batch, seq]` of a model described
-    /// by `spec`: id count, `batch`, `seq`, `layers` (the model's MoE layers), `topk` (the
-    /// router's `k`), ids in `0..E` and distinct within each token. Errors name the field
-    /// (`routed_experts.batch`, `.seq`, `.layers`, `.topk`, `.indices`).
+    /// by `spec`: id count, `batch`, `seq`, `layers` (the model's MoE layers, or those and its
+    /// MTP layers), `topk` (the router's `k`), ids in `0..E` and distinct within each token.
+    /// Errors name the field (`routed_experts.batch`, `.seq`, `.layers`, `.topk`, `.indices`).
     pub fn validate(&self, batch: usize, seq: usize, spec: &ReplaySpec) -> Result<(), ModelError> {
         self.check_len()?;
         if self.batch != batch {
@@ -191,14 +240,17 @@ impl RoutedExperts {
                 ),
             ));
         }
-        if self.layers != spec.moe_layers.len() {
+        let (main, mtp) = (spec.moe_layers.len(), spec.mtp_layers.len());
+        if self.layers != main && (mtp == 0 || self.layers != main + mtp) {
+            let with_mtp = match mtp {
+                0 => String::new(),
+                _ => format!(" (and {mtp} MTP layers {:?})", spec.mtp_layers),
+            };
             return Err(invalid(
                 "routed_experts.layers",
                 format!(
-                    "{} layers routed, the model has {} MoE layers {:?}",
-                    self.layers,
-                    spec.moe_layers.len(),
-                    spec.moe_layers
+                    "{} layers routed, the model has {main} MoE layers {:?}{with_mtp}",
+                    self.layers, spec.moe_layers
                 ),
             ));
         }
@@ -233,13 +285,24 @@ impl RoutedExperts {
         Ok(())
     }
 
+    /// Whether the routing covers the MTP modules of a model described by `spec` (after its
+    /// main MoE layers).
+    pub fn covers_mtp(&self, spec: &ReplaySpec) -> bool {
+        !spec.mtp_layers.is_empty() && self.layers == spec.moe_layers.len() + spec.mtp_layers.len()
+    }
+
     /// The same routing as a single-rank replay file ([`crate::replay`]) for a model
-    /// described by `spec` (checked with [`validate`](Self::validate) first).
+    /// described by `spec` (checked with [`validate`](Self::validate) first); MTP layers, when
+    /// covered, as `layers.{N+j}.topk_indices`.
     pub fn to_replay_file(&self, spec: &ReplaySpec) -> Result<RouterReplayFile, ModelError> {
         self.validate(self.batch, self.seq, spec)?;
         let t = self.num_tokens();
         let mut file = RouterReplayFile::new(spec.model_type, self.topk, t);
-        for (l, &layer) in spec.moe_layers.iter().enumerate() {
+        let mtp = match self.covers_mtp(spec) {
+            true => spec.mtp_layers.as_slice(),
+            false => &[],
+        };
+        for (l, &layer) in spec.moe_layers.iter().chain(mtp).enumerate() {
             let ids = self.layer_rows(l, 0..t).into_iter().map(|v| v as i32);
             file.insert_layer(layer, ids.collect())?;
         }
@@ -247,7 +310,7 @@ impl RoutedExperts {
     }
 
     /// The routing of a single-rank replay file whose `T` tokens form `batch` sequences
-    /// (layers in ascending decoder-layer order).
+    /// (layers in ascending decoder-layer order: the MTP layers `N + j`, if any, last).
     pub fn from_replay_file(file: &RouterReplayFile, batch: usize) -> Result<Self, ModelError> {
         if batch == 0 || !file.num_tokens.is_multiple_of(batch) {
             return Err(invalid(
@@ -271,7 +334,7 @@ impl ParallelQwen3Moe {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
-    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP ranks): each
+    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks): each
     /// rank's routers get the ids of its sequence-parallel rows and recompute the routing
     /// weights from the current logits at them (see the [module docs](self)). Errors if
     /// `routed` does not fit the batch and the model ([`RoutedExperts::validate`]).
@@ -299,7 +362,7 @@ impl ParallelQwen3Moe {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) that also returns the replica's
-    /// routing `[batch, S, layers, k]` (all-gathered over TP: every TP rank of the replica
+    /// routing `[batch, S, layers, k]` (all-gathered over TP and CP: every rank of the replica
     /// returns the whole batch's), in the format [`forward_loss_replayed`](Self::forward_loss_replayed)
     /// takes. With `replay`, the routers are forced as in `forward_loss_replayed` and the
     /// returned routing is the one actually used.
@@ -323,14 +386,15 @@ impl ParallelQwen3Moe {
 
 impl ParallelDeepseekV3 {
     /// What a routing for this model must match: the main model's MoE layers (decoder layers
-    /// from `first_k_dense_replace` on; the MTP modules, which the loss forward does not run,
-    /// have no entry), `k` (`num_experts_per_tok`), `E` (`n_routed_experts`).
+    /// from `first_k_dense_replace` on), optionally followed by the MTP modules' (decoder
+    /// layers `N + j`; the loss forwards here run none and ignore them, the training forwards
+    /// replay them), `k` (`num_experts_per_tok`), `E` (`n_routed_experts`).
     pub fn replay_spec(&self) -> ReplaySpec {
         self.model.replay_spec()
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
-    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP ranks), as
+    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks), as
     /// [`ParallelQwen3Moe::forward_loss_replayed`]: the group-limited, bias-shifted selection
     /// is skipped, and the routing weights are the sigmoid scores of the current logits at the
     /// replayed ids (without `e_score_correction_bias`), normalised and multiplied by
@@ -355,7 +419,7 @@ impl ParallelDeepseekV3 {
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) that also returns the replica's
-    /// routing `[batch, S, layers, k]` (every TP rank of the replica returns the whole
+    /// routing `[batch, S, layers, k]` (every rank of the replica returns the whole
     /// batch's), as [`ParallelQwen3Moe::forward_loss_recorded`]. With `replay`, the routers
     /// are forced as in [`forward_loss_replayed`](Self::forward_loss_replayed) and the
     /// returned routing is the one actually used.
@@ -399,8 +463,58 @@ fn record_trace(
     Ok(trace)
 }
 
+/// The token rows (of the replica's `b·S + s` flattening) this rank's routers see, in the
+/// order of its sequence-parallel block: its positions of every sequence (all of them, or its
+/// two chunks under context parallelism), batch-major, cut into `tp` contiguous blocks (see
+/// the [module docs](self)).
+pub(crate) fn local_token_rows(
+    rt: &SpRuntime,
+    batch: usize,
+    s: usize,
+) -> Result<Vec<usize>, ModelError> {
+    let positions = rt.sequence_positions(s);
+    let (rank, tp) = rt.tp_rank_size();
+    let n = batch * positions.len();
+    if positions.is_empty() || !n.is_multiple_of(tp) {
+        return Err(ModelError::layout(
+            "tp",
+            format!(
+                "{batch} sequences × {} positions per rank do not split over tp = {tp}",
+                positions.len()
+            ),
+        ));
+    }
+    let block = n / tp;
+    let p = positions.len();
+    Ok((rank * block..(rank + 1) * block)
+        .map(|i| (i / p) * s + positions[i % p])
+        .collect())
+}
+
+/// Per entry of `layers` (an index into `routed`'s layers, or `None` for a router that routes
+/// naturally), the `[rows.len(), k]` ids of `rows` on `device`.
+fn layer_tensors(
+    routed: &RoutedExperts,
+    layers: &[Option<usize>],
+    rows: &[usize],
+    device: &Device,
+) -> Vec<Option<Tensor<2, Int>>> {
+    layers
+        .iter()
+        .map(|layer| {
+            layer.map(|l| {
+                let ids: Vec<i32> = (routed.layer_at_rows(l, rows).into_iter())
+                    .map(|v| v as i32)
+                    .collect();
+                Tensor::<2, Int>::from_data(TensorData::new(ids, [rows.len(), routed.topk]), device)
+            })
+        })
+        .collect()
+}
+
 /// The replica's `[batch, seq, layers, k]` routing from every MoE layer's recorded
-/// `[T_local, k]` selections of this rank (all-gathered over TP, in rank order).
+/// `[T_local, k]` selections of this rank: all-gathered over TP (in rank order) and then over
+/// CP (every rank's rows put back at its positions).
 fn gather_routing(
     rt: &SpRuntime,
     spec: &ReplaySpec,
@@ -408,20 +522,51 @@ fn gather_routing(
     batch: usize,
     seq: usize,
 ) -> Result<RoutedExperts, ModelError> {
+    let cp = rt.cp.size();
+    let k = spec.topk;
+    let t = batch * seq;
     let layers = selected
         .into_iter()
         .map(|local| {
-            let full = rt.tp.all_gather(local).map_err(err)?;
-            full.into_data()
+            let mut full = rt.tp.all_gather(local).map_err(err)?;
+            if cp > 1 {
+                full = rt.cp.all_gather(full).map_err(err)?;
+            }
+            let gathered = full
+                .into_data()
                 .try_into_vec_as::<i64>()
-                .map_err(|e| invalid("routed_experts.indices", format!("{e:?}")))
+                .map_err(|e| invalid("routed_experts.indices", format!("{e:?}")))?;
+            if gathered.len() != t * k {
+                return Err(invalid(
+                    "routed_experts.indices",
+                    format!("{} ids gathered for {t} tokens × k = {k}", gathered.len()),
+                ));
+            }
+            if cp == 1 {
+                return Ok(gathered);
+            }
+            // CP rank r's block holds rows `b·S + p` for its positions p, batch-major.
+            let mut ids = vec![0i64; t * k];
+            let mut at = 0;
+            for r in 0..cp {
+                let positions = cp_positions(seq, cp, r);
+                for b in 0..batch {
+                    for &p in &positions {
+                        let row = b * seq + p;
+                        ids[row * k..(row + 1) * k].copy_from_slice(&gathered[at..at + k]);
+                        at += k;
+                    }
+                }
+            }
+            Ok(ids)
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
-    RoutedExperts::from_layers(batch, seq, spec.topk, &layers)
+    RoutedExperts::from_layers(batch, seq, k, &layers)
 }
 
 /// The trace replaying `routed` on this rank's sequence-parallel rows (checked against the
-/// batch and `spec` first).
+/// batch and `spec` first); the main model's MoE layers only (a loss forward runs no MTP
+/// module).
 fn replay_trace(
     rt: &SpRuntime,
     spec: &ReplaySpec,
@@ -430,23 +575,133 @@ fn replay_trace(
     aux_grad_scale: f64,
     routed: &RoutedExperts,
 ) -> Result<RouterTrace, ModelError> {
-    let (rank, tp) = rt.tp_rank_size();
-    let s = check_batch(input_ids, labels, batch, tp)?;
+    let s = check_batch(input_ids, labels, batch, 1)?;
     routed.validate(batch, s, spec)?;
-    let n = batch * s;
-    let rows = rank * n / tp..(rank + 1) * n / tp;
-    let k = routed.topk;
-    let local = (0..routed.layers)
-        .map(|layer| {
-            let ids: Vec<i32> = routed
-                .layer_rows(layer, rows.clone())
-                .into_iter()
-                .map(|v| v as i32)
-                .collect();
-            Tensor::<2, Int>::from_data(TensorData::new(ids, [rows.len(), k]), device)
-        })
-        .collect();
+    let rows = local_token_rows(rt, batch, s)?;
+    let layers: Vec<Option<usize>> = (0..spec.moe_layers.len()).map(Some).collect();
     let mut trace = RouterTrace::new(aux_grad_scale);
-    trace.replay = Some(local);
+    trace.replay = Some(layer_tensors(routed, &layers, &rows, device));
     Ok(trace)
+}
+
+/// What a training forward's routers do with its batch's routing
+/// ([`TrainBatch::routed_experts`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ForwardRouting<'a> {
+    /// What the model's routings must match (`None`: a model without routers, which refuses
+    /// a routed batch).
+    pub spec: Option<&'a ReplaySpec>,
+    /// MTP depths the forward runs after the chunk's decoder layers (on the last stage).
+    pub mtp: usize,
+    /// Keep every router's selection ([`RouterTrace::selected`]).
+    pub record: bool,
+}
+
+/// The forced ids of a training forward's routers on this rank, as
+/// [`RouterTrace::replay`] holds them (indexed by this rank's MoE layer): `None` before
+/// `moe_offset` (another chunk's layers), then one entry per MoE layer among this rank's
+/// local decoder layers `layers` (a pipeline chunk, or the whole model) and per MTP depth of
+/// `routing.mtp`, each the `[T_local, k]` ids of its global MoE layer in `batch`'s routing, or
+/// `None` for an MTP router the routing does not cover. `None` for a batch without routing.
+pub(crate) fn train_replay(
+    rt: &SpRuntime,
+    routing: &ForwardRouting<'_>,
+    batch: &TrainBatch,
+    layers: Range<usize>,
+    moe_offset: usize,
+    device: &Device,
+) -> Result<Option<Vec<Option<Tensor<2, Int>>>>, ModelError> {
+    let Some(routed) = batch.routed_experts() else {
+        return Ok(None);
+    };
+    let spec = routing.spec.ok_or_else(|| {
+        ModelError::input(
+            "routed_experts",
+            "the model has no MoE router to replay a routing in",
+        )
+    })?;
+    let s = batch.seq_len();
+    routed.validate(batch.batch, s, spec)?;
+    let mut entries: Vec<Option<usize>> = vec![None; moe_offset];
+    let holding = rt.pipeline.as_ref().map(|p| &p.holding.layers);
+    for local in layers {
+        let global = match holding {
+            Some(held) => *held.get(local).ok_or_else(|| {
+                ModelError::layout(
+                    "pipeline_layout",
+                    format!(
+                        "local decoder layer {local} of a stage holding {}",
+                        held.len()
+                    ),
+                )
+            })?,
+            None => local,
+        };
+        if let Ok(at) = spec.moe_layers.binary_search(&global) {
+            entries.push(Some(at));
+        }
+    }
+    if routing.mtp > spec.mtp_layers.len() {
+        return Err(ModelError::input(
+            "mtp",
+            format!(
+                "{} MTP depths run, the model has {}",
+                routing.mtp,
+                spec.mtp_layers.len()
+            ),
+        ));
+    }
+    let main = spec.moe_layers.len();
+    let covered = routed.covers_mtp(spec);
+    entries.extend((0..routing.mtp).map(|j| covered.then_some(main + j)));
+    let rows = local_token_rows(rt, batch.batch, s)?;
+    Ok(Some(layer_tensors(routed, &entries, &rows, device)))
+}
+
+impl ParallelQwen3Moe {
+    /// The training forward of `batch` ([`CausalLmShard::forward_train_batch`](super::CausalLmShard::forward_train_batch):
+    /// packed or padded with its layout, its routing replayed when it carries one) that also
+    /// returns the replica's routing `[batch, S, layers, k]` (the one actually used; every rank
+    /// of the replica returns the whole batch's, gathered over TP and CP). Refused on a
+    /// pipeline stage (run the whole model: the routing is recorded under one layout and
+    /// replayed under any).
+    pub fn forward_train_recorded(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+    ) -> Result<(TrainForward, RoutedExperts), ModelError> {
+        self.rt
+            .require_whole_model("recording a training forward's routing")?;
+        let spec = self.replay_spec();
+        let routing = ForwardRouting {
+            spec: Some(&spec),
+            mtp: 0,
+            record: true,
+        };
+        let (out, selected) = self.train_whole(batch, device, aux_grad_scale, &routing)?;
+        let routed = gather_routing(&self.rt, &spec, selected, batch.batch, batch.seq_len())?;
+        Ok((out, routed))
+    }
+}
+
+impl ParallelDeepseekV3 {
+    /// The training forward of `batch` as
+    /// [`ParallelQwen3Moe::forward_train_recorded`], with `mtp` the MTP modules too: their
+    /// routing follows the main layers' in the returned `layers` (depth order, see the
+    /// [module docs](self)).
+    pub fn forward_train_recorded(
+        &self,
+        batch: &TrainBatch,
+        device: &Device,
+        aux_grad_scale: f64,
+        mtp: bool,
+    ) -> Result<(TrainForward, RoutedExperts), ModelError> {
+        let rt = self.runtime();
+        rt.require_whole_model("recording a training forward's routing")?;
+        let spec = self.replay_spec();
+        let (out, selected) = self.train_whole(batch, device, aux_grad_scale, mtp, true)?;
+        let routed = gather_routing(rt, &spec, selected, batch.batch, batch.seq_len())?;
+        Ok((out, routed))
+    }
 }

@@ -117,9 +117,12 @@ pub struct RouterTrace {
     pub losses: Vec<Vec<RouterLoss>>,
     /// Upstream gradient of the attached losses (`1 / micro-batches` in training).
     pub aux_grad_scale: f64,
-    /// Router replay: per sparse layer (layer order), this rank's forced `[T_local, k]`
-    /// expert ids (the routers run in `ReplayForward` mode).
-    pub replay: Option<Vec<Tensor<2, Int>>>,
+    /// Router replay: per sparse layer (layer order, indexed as
+    /// [`moe_layer_offset`](Self::moe_layer_offset) counts), this rank's forced `[T_local, k]`
+    /// expert ids (the router runs in `ReplayForward` mode), or `None` for a layer that routes
+    /// naturally (e.g. the MTP modules when the routing covers the main model only, or the
+    /// layers of another pipeline chunk).
+    pub replay: Option<Vec<Option<Tensor<2, Int>>>>,
     /// Whether [`selected`](Self::selected) collects the routing of every sparse layer.
     pub record: bool,
     /// Per sparse layer (layer order), this rank's selected `[T_local, k]` expert ids, when
@@ -226,7 +229,7 @@ impl RouterTrace {
     pub fn recording(aux_grad_scale: f64, replay: Option<Vec<Tensor<2, Int>>>) -> Self {
         Self {
             record: true,
-            replay,
+            replay: replay.map(|layers| layers.into_iter().map(Some).collect()),
             ..Self::new(aux_grad_scale)
         }
     }
@@ -353,7 +356,11 @@ impl SpRuntime {
     /// runs on the detached layer and reports to `trace` as usual; the second runs on a copy
     /// of this context taken before the first (so it reads the same `global_aux_loss`
     /// counts, and its own additions are dropped) with a scratch trace at the same layer
-    /// index (the same replayed routing), whose counts and losses are dropped.
+    /// index, whose counts and losses are dropped. The scratch trace carries the expert ids
+    /// the first pass's routers used (natural or replayed), which the rerun replays
+    /// (Megatron's `REPLAY_BACKWARD`): the recomputed routing is the first pass's, held by the
+    /// recompute closure itself, not read from router state that later micro-batches could
+    /// have changed, and not recomputed from scores whose rounding could differ.
     #[allow(clippy::too_many_arguments)]
     pub fn recompute_layer<L>(
         &self,
@@ -384,14 +391,17 @@ impl SpRuntime {
             return run(layer, self, x, batch, trace, inputs(self, rope, mask));
         }
         let rerun_ctx = self.clone();
-        let scratch = RouterTrace {
-            replay: trace.replay.clone(),
+        let offset = trace.moe_layer_offset + trace.logits.len();
+        let mut scratch = RouterTrace {
             padding: trace.padding.clone(),
-            moe_layer_offset: trace.moe_layer_offset + trace.logits.len(),
+            moe_layer_offset: offset,
             ..RouterTrace::new(trace.aux_grad_scale)
         };
-        // The first pass is not recorded, but its routers report as a training forward's.
+        // The first pass reports as a training forward's, and its selections are kept for
+        // the rerun (recorded only if the trace records).
         let training = std::mem::replace(&mut trace.training, true);
+        let record = std::mem::replace(&mut trace.record, true);
+        let first = trace.selected.len();
         let output = run(
             &layer.clone().no_grad(),
             self,
@@ -401,7 +411,22 @@ impl SpRuntime {
             inputs(self, rope, mask),
         );
         trace.training = training;
+        trace.record = record;
+        let used: Vec<Tensor<2, Int>> = if record {
+            trace.selected[first.min(trace.selected.len())..].to_vec()
+        } else {
+            trace.selected_weights.truncate(first);
+            trace
+                .selected
+                .drain(first.min(trace.selected.len())..)
+                .collect()
+        };
         let output = output?;
+        if !used.is_empty() {
+            let mut replay = vec![None; offset];
+            replay.extend(used.into_iter().map(Some));
+            scratch.replay = Some(replay);
+        }
         let (rope, mask) = (rope.clone(), mask.cloned());
         Ok(moe_backend::recompute::link_recomputed(
             layer,
@@ -670,19 +695,17 @@ impl SpRuntime {
         trace: &mut RouterTrace,
     ) -> Result<Tensor<2>, ModelError> {
         let mut state = moe.router.init_state();
-        if let Some(replay) = &trace.replay {
-            let layer = trace.moe_layer_offset + trace.logits.len();
-            let idx = replay
-                .get(layer)
-                .cloned()
-                .ok_or_else(|| ModelError::InvalidInput {
-                    what: "routed_experts.layers",
-                    reason: format!("no replayed routing for sparse layer {layer}"),
-                })?;
-            state.replay.set_indices(idx);
-            state.replay.set_mode(ReplayMode::ReplayForward);
-        }
         let layer = trace.moe_layer_offset + trace.logits.len();
+        if let Some(replay) = &trace.replay {
+            let entry = replay.get(layer).ok_or_else(|| ModelError::InvalidInput {
+                what: "routed_experts.layers",
+                reason: format!("no replayed routing for sparse layer {layer}"),
+            })?;
+            if let Some(idx) = entry {
+                state.replay.set_indices(idx.clone());
+                state.replay.set_mode(ReplayMode::ReplayForward);
+            }
+        }
         if let Some((counts, steps)) = self.global_aux.lock().get(layer) {
             state.set_global_aux(counts, *steps).map_err(err)?;
         }

@@ -203,6 +203,14 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
         (0..s).collect()
     }
 
+    /// What a routing replayed in this shard's training forwards
+    /// ([`TrainBatch::with_routed_experts`]) must match: the model's MoE (and MTP) layers, `k`,
+    /// `E`. `None` (the default) for a model without routers, whose forwards refuse a routed
+    /// batch.
+    fn routing_spec(&self) -> Option<crate::replay::ReplaySpec> {
+        None
+    }
+
     /// Every router of the shard, in the order [`TrainForward::expert_load`] lists them.
     fn routers_mut(&mut self) -> Vec<&mut TopKRouter>;
 

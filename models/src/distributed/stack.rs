@@ -11,6 +11,7 @@ use moe_backend::comm::GroupComms;
 
 use super::context_parallel::CpExchange;
 use super::pipeline::ChunkParts;
+use super::replay::{ForwardRouting, train_replay};
 use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::{ChunkForward, TrainForward};
 use super::{DispatcherKind, ForwardTraced, err};
@@ -436,9 +437,6 @@ impl SpRuntime {
         device: &Device,
         mut trace: RouterTrace,
     ) -> Result<ForwardTraced, ModelError> {
-        if trace.record || trace.replay.is_some() {
-            self.require_whole_sequence("router replay")?;
-        }
         self.require_whole_model("a whole-model loss forward")?;
         let p = self.prepare(input_ids, labels, batch, layout, device)?;
         trace.padding = p.padding.clone();
@@ -489,7 +487,10 @@ impl SpRuntime {
 
     /// A pipeline chunk's forward through its layers on one micro-batch: its input
     /// ([`chunk_input`](Self::chunk_input)) and its layers, the routers reporting from MoE
-    /// layer `moe_offset` of this rank on. What every model's chunk forward starts with.
+    /// layer `moe_offset` of this rank on, set from the micro-batch's routing when it carries
+    /// one and recording as `routing` says ([`super::replay::train_replay`]: the chunk's
+    /// layers and, on the last virtual stage, `routing.mtp` MTP depths). What every model's
+    /// chunk forward starts with.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn chunk_layers<'b, M: DecoderStack + ?Sized>(
         &self,
@@ -500,6 +501,7 @@ impl SpRuntime {
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,
+        routing: &ForwardRouting<'_>,
     ) -> Result<ChunkRun<'b>, ModelError> {
         let rows = batch.batch;
         let p = self.prepare(
@@ -511,6 +513,13 @@ impl SpRuntime {
         )?;
         let mut trace = p.trace(aux_grad_scale);
         trace.moe_layer_offset = moe_offset;
+        let chunk_routing = ForwardRouting {
+            mtp: if chunk.loss { routing.mtp } else { 0 },
+            ..*routing
+        };
+        let layers = chunk.layers.clone();
+        trace.replay = train_replay(self, &chunk_routing, batch, layers, moe_offset, device)?;
+        trace.record = routing.record;
         let x = self.chunk_input(model, chunk, &p, rows, input)?;
         let (rope, mask) = (&p.rope, p.mask.as_ref());
         let layers = chunk.layers.clone();
@@ -520,7 +529,8 @@ impl SpRuntime {
 
     /// The training forward of pipeline chunk `chunk` of `model` (a [`DecoderStack`] without
     /// MTP) on one micro-batch: [`chunk_layers`](Self::chunk_layers), and on the last virtual
-    /// stage the final norm, head and loss.
+    /// stage the final norm, head and loss. Also returns the routers' selections (when
+    /// `routing.record`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn train_chunk<M: DecoderStack + ?Sized>(
         &self,
@@ -531,8 +541,9 @@ impl SpRuntime {
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,
-    ) -> Result<ChunkForward, ModelError> {
-        let run = self.chunk_layers(
+        routing: &ForwardRouting<'_>,
+    ) -> Result<(ChunkForward, Vec<Tensor<2, Int>>), ModelError> {
+        let mut run = self.chunk_layers(
             model,
             chunk,
             moe_offset,
@@ -540,20 +551,23 @@ impl SpRuntime {
             device,
             aux_grad_scale,
             input,
+            routing,
         )?;
+        let selected = std::mem::take(&mut run.trace.selected);
         if !chunk.loss {
-            return Ok(run.passed_on());
+            return Ok((run.passed_on(), selected));
         }
         let ChunkRun { p, trace, x } = run;
         let normed = model.final_norm()?.forward(x);
         let embed = model.embed_tokens().ok();
         let (loss, _) = self.normed_head_loss(normed, model.lm_head(), embed, &p.targets)?;
-        Ok(ChunkForward::Loss(TrainForward {
+        let out = ChunkForward::Loss(TrainForward {
             loss,
             mtp_losses: Vec::new(),
             router_losses: trace.losses,
             expert_load: trace.expert_load,
-        }))
+        });
+        Ok((out, selected))
     }
 }
 
@@ -573,6 +587,7 @@ impl SpRuntime {
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,
+        routing: &ForwardRouting<'_>,
     ) -> Result<ChunkForward, ModelError> {
         let run = self.chunk_layers(
             model,
@@ -582,6 +597,7 @@ impl SpRuntime {
             device,
             aux_grad_scale,
             input,
+            routing,
         )?;
         if !chunk.loss {
             return Ok(run.passed_on());

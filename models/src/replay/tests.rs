@@ -261,3 +261,41 @@ fn serialising_a_layer_of_the_wrong_length_is_an_error() {
     let err = file.to_bytes().unwrap_err().to_string();
     assert!(err.contains("layers.1.topk_indices"), "{err}");
 }
+
+/// DeepSeek-V3's MTP modules (decoder layers `N + j`) may follow the main MoE layers in a file
+/// (as a training forward records them); the single-rank forward replays the main layers and
+/// ignores them, and no other layer set is accepted.
+#[test]
+fn mtp_layers_may_follow_the_main_layers() {
+    let mut config = deepseek().config().clone();
+    config.num_nextn_predict_layers = 1;
+    let model = config.init(&Device::flex()).unwrap();
+    let spec = model.replay_spec();
+    assert_eq!(
+        (spec.moe_layers.clone(), spec.mtp_layers.clone()),
+        (vec![1, 2], vec![3])
+    );
+    let (logits, main) = record_routing(&model, ids()).unwrap();
+    let mut with_mtp = main.clone();
+    with_mtp.insert_layer(3, [0, 5].repeat(10)).unwrap();
+    let reread = RouterReplayFile::from_bytes(&with_mtp.to_bytes().unwrap()).unwrap();
+    assert_eq!(reread, with_mtp);
+    let (replayed, routing) = replay_routing(&model, ids(), &reread).unwrap();
+    assert_eq!(routing.len(), 2, "the main layers' routing");
+    assert_eq!(host(replayed), host(logits));
+    // Through the sharded format and back, the MTP layer last.
+    let routed = crate::distributed::replay::RoutedExperts::from_replay_file(&reread, 2).unwrap();
+    assert_eq!((routed.layers, routed.covers_mtp(&spec)), (3, true));
+    assert_eq!(routed.token(1, 4, 2), &[0, 5]);
+    assert_eq!(routed.to_replay_file(&spec).unwrap(), with_mtp);
+    // An MTP layer without the main layers, or a layer the model lacks, is refused.
+    let mut skipped = with_mtp.clone();
+    skipped.layers.remove(&2);
+    let msg = replay_routing(&model, ids(), &skipped)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("then MTP layers [3]"), "{msg}");
+    let mut extra = with_mtp;
+    extra.insert_layer(4, [0, 5].repeat(10)).unwrap();
+    assert!(replay_routing(&model, ids(), &extra).is_err());
+}

@@ -844,6 +844,7 @@ fn routed_experts_are_recorded_and_replay_the_generator_routing() {
             && r.router_replay(&ReplaySpec {
                 model_type: "qwen3",
                 moe_layers: vec![],
+                mtp_layers: vec![],
                 topk: 0,
                 num_experts: 0,
             })

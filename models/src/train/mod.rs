@@ -38,6 +38,7 @@ use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
 
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
+use crate::distributed::replay::RoutedExperts;
 use crate::distributed::sharded::{mtp_labels, scored_targets, scored_targets_at};
 use crate::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err};
 use crate::packing::SequenceLayout;
@@ -61,6 +62,8 @@ pub struct TrainBatch {
     pub batch: usize,
     /// Document boundaries and padding of the rows (`None`: every row one unpadded sequence).
     layout: Option<SequenceLayout>,
+    /// The routing the training forwards replay (`None`: the routers choose).
+    routed: Option<RoutedExperts>,
 }
 
 /// Which end of a row [`TrainBatch::padded`] fills with padding.
@@ -100,6 +103,7 @@ impl TrainBatch {
             labels,
             batch,
             layout: None,
+            routed: None,
         })
     }
 
@@ -133,6 +137,35 @@ impl TrainBatch {
     /// The batch's packing / padding layout, if any.
     pub fn layout(&self) -> Option<&SequenceLayout> {
         self.layout.as_ref()
+    }
+
+    /// The batch with its routing replayed (RL routing replay, docs/training-and-rl.md
+    /// §Router replay): every training forward of the batch, under any layout, sends each
+    /// token of each MoE layer to the experts `routed` gives
+    /// ([`crate::distributed::replay`]: `[batch, S, layers, k]` over the batch's flattened
+    /// tokens, packed rows and their padding included; `layers` the model's MoE layers, or
+    /// those then DeepSeek-V3's MTP modules). The shape is checked here (`batch`, `S`); the
+    /// layers, `k` and expert ids against the model at the forward. Errors name the field.
+    pub fn with_routed_experts(mut self, routed: RoutedExperts) -> Result<Self, ModelError> {
+        if routed.batch != self.batch || routed.seq != self.seq_len() {
+            return Err(ModelError::input(
+                "routed_experts",
+                format!(
+                    "a routing of [{}, {}] tokens for a batch of [{}, {}]",
+                    routed.batch,
+                    routed.seq,
+                    self.batch,
+                    self.seq_len()
+                ),
+            ));
+        }
+        self.routed = Some(routed);
+        Ok(self)
+    }
+
+    /// The routing the batch's training forwards replay, if any.
+    pub fn routed_experts(&self) -> Option<&RoutedExperts> {
+        self.routed.as_ref()
     }
 
     /// Tokens per row `S`.
@@ -603,6 +636,14 @@ impl<M: ParallelCausalLm> Trainer<M> {
     /// load-balancing loss of each micro-batch is weighted by `1 / micro_batches`, as Megatron
     /// scales every per-micro-batch loss.
     ///
+    /// A micro-batch carrying a routing ([`TrainBatch::with_routed_experts`], RL routing
+    /// replay) is trained on it: every MoE router of its forwards (and of their recomputation
+    /// in the backward pass) sends each token to the given experts, under every layout (each
+    /// rank's routers take their rows and, under pipeline parallelism, each stage its layers'
+    /// entries, set right before each chunk's forward of that micro-batch). Micro-batches with
+    /// and without routing can be mixed. Every routing is checked against the model before
+    /// any forward runs.
+    ///
     /// The returned `loss` is this replica's token-weighted mean cross-entropy, `aux_loss` the
     /// mean over micro-batches, `tokens` the replica's target tokens.
     pub fn step_micro_batches(&mut self, micro: &[TrainBatch]) -> Result<StepStats, ModelError> {
@@ -613,6 +654,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 "a step needs at least one micro-batch",
             ));
         }
+        self.check_routings(micro)?;
         self.model.begin_global_batch();
         moe_backend::recompute::clear_param_grads();
         if self.model.pipeline().is_some() {
@@ -706,6 +748,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 "an evaluation needs at least one micro-batch",
             ));
         }
+        self.check_routings(micro)?;
         self.model.begin_global_batch();
         moe_backend::recompute::clear_param_grads();
         let (counts, local, global) = self.step_counts(micro, 0)?;
@@ -766,6 +809,25 @@ impl<M: ParallelCausalLm> Trainer<M> {
             None => 0.0,
         };
         Ok((loss_sum, local.first().copied().unwrap_or(0)))
+    }
+
+    /// Checks the routing of every routed micro-batch against the model (before any forward:
+    /// a stage of a pipeline must not fail alone mid-schedule).
+    fn check_routings(&self, micro: &[TrainBatch]) -> Result<(), ModelError> {
+        let spec = self.model.routing_spec();
+        for (i, batch) in micro.iter().enumerate() {
+            let Some(routed) = batch.routed_experts() else {
+                continue;
+            };
+            let spec = spec.as_ref().ok_or_else(|| {
+                ModelError::input(
+                    "routed_experts",
+                    format!("micro-batch {i}: the model has no MoE router to replay a routing in"),
+                )
+            })?;
+            routed.validate(batch.batch, batch.seq_len(), spec)?;
+        }
+        Ok(())
     }
 
     /// Target tokens per micro-batch (main loss, then each of `depths` MTP depths), this
@@ -1058,8 +1120,11 @@ impl<M: ParallelCausalLm> Trainer<M> {
     /// back-propagates it into its own positions (the trainer scales it by `cp`, since the
     /// optimizer averages over the `dp × cp` ranks), so the hook needs no CP logic.
     ///
-    /// The routers' expert-bias counts of the step update the biases as in a training step
-    /// (with [`TrainerConfig::update_expert_bias`]). The returned `loss` is the mean over
+    /// A micro-batch with a routing ([`TrainBatch::with_routed_experts`]) replays it in the
+    /// log-prob forward (RL routing replay), under every layout as in
+    /// [`step_micro_batches`](Self::step_micro_batches). The routers' expert-bias counts of the
+    /// step update the biases as in a training step (with
+    /// [`TrainerConfig::update_expert_bias`]). The returned `loss` is the mean over
     /// micro-batches of the objectives, `tokens` their token count (the same on every rank).
     pub fn step_with_logprobs(
         &mut self,
@@ -1077,6 +1142,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 "a step needs at least one micro-batch",
             ));
         }
+        // Routings are checked on every rank before any forward (no stage fails alone).
+        self.check_routings(micro)?;
         self.model.begin_global_batch();
         moe_backend::recompute::clear_param_grads();
         let scale = self.cp.size() as f64;
