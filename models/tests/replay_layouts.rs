@@ -59,12 +59,22 @@ fn sharpen(head: &mut Option<burn::nn::Linear>, experts: Vec<&mut GroupedExperts
     }
 }
 
+/// Random initialisation seeded and serialised over this binary's tests (they run in parallel
+/// and share the device's generator): the same weights on every run, so the margins the tests
+/// assert (a routing change must move the losses) hold run after run.
+fn seeded<T>(seed: u64, init: impl FnOnce() -> T) -> T {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    ad().seed(seed);
+    init()
+}
+
 /// The qwen3_moe fixture config with 4 decoder layers (layer 0 dense, 1–3 MoE: 3 routers, so
 /// the pipeline stages own different ones), random weights, sharpened.
 fn qwen3_moe() -> Qwen3MoeForCausalLM {
     let mut config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).expect("config");
     config.num_hidden_layers = 4;
-    let mut model = config.init(&ad()).expect("init");
+    let mut model = seeded(0x5eed_0001, || config.init(&ad()).expect("init"));
     let experts = (model.model.layers.iter_mut())
         .filter_map(|l| match &mut l.mlp {
             Qwen3MoeFeedForward::Sparse(block) => Some(&mut block.moe.experts),
@@ -79,7 +89,7 @@ fn qwen3_moe() -> Qwen3MoeForCausalLM {
 /// sharpened.
 fn deepseek() -> DeepseekV3ForCausalLM {
     let config = DeepseekV3Config::from_file(fixture("deepseek_v3")).expect("config");
-    let mut model = config.init(&ad()).expect("init");
+    let mut model = seeded(0x5eed_0002, || config.init(&ad()).expect("init"));
     let main = model.model.layers.iter_mut();
     let experts = (main.chain(model.mtp.iter_mut().map(|m| &mut m.block)))
         .filter_map(|l| match &mut l.mlp {
