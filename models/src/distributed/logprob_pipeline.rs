@@ -267,7 +267,7 @@ fn schedule(place: Option<&PipelinePlace>, m: usize) -> Result<PipelineSchedule,
 /// Identical on the replica's TP and CP ranks. A collective of the world (every rank calls it
 /// with its replica's micro-batches, the same number everywhere).
 ///
-/// On a device without autodiff (e.g. a [`valid`](burn::module::AutodiffModule::valid) copy
+/// On a device without autodiff (e.g. a [`valid`](burn::module::Module::valid) copy
 /// of the shard) nothing is recorded: what old and reference policies use.
 pub fn shard_logprobs<S: CausalLmShard>(
     shard: &S,
