@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
+use moe_backend::devices::LocalRanks;
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
 use moe_backend::router::AuxLossType;
 use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
@@ -69,6 +70,10 @@ pub enum TrainJobError {
     /// Layout, communication or training failure.
     #[error(transparent)]
     Backend(#[from] moe_backend::BackendError),
+    /// The compute device cannot be used: not built, no driver, no device, or fewer GPUs than
+    /// ranks on this node.
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// The job's settings or data do not fit the model or layout.
     #[error("{field}: {detail}")]
     Invalid {
@@ -984,10 +989,10 @@ fn run_model<M: JobModel>(
 ) -> Result<TrainJobReport, TrainJobError> {
     let layout = job_layout(job, Some(ctx.world_size()))?;
     check_job(job, &layout)?;
+    // One GPU per rank: the rank's index on its node picks it (`crate::device`).
     let base = job
         .device
-        .device()
-        .map_err(|e| invalid("device", e.to_string()))?;
+        .rank_device(crate::device::local_index(ctx)?)?;
     let device = if job.recompute {
         base.autodiff().gradient_checkpointing()
     } else {
@@ -1504,7 +1509,8 @@ pub fn run_job(
 ) -> Result<TrainJobReport, TrainJobError> {
     let launched = match placement {
         Placement::Threads { .. } => None,
-        Placement::Process { .. } => placement.world(),
+        // A process without a launcher (NCCL on one GPU) is a world of one.
+        Placement::Process { .. } => Some(placement.world().unwrap_or(1)),
     };
     let layout = job_layout(job, launched)?;
     check_job(job, &layout)?;
@@ -1514,6 +1520,17 @@ pub fn run_job(
         },
         other => other.clone(),
     };
+    // The device before any work: no driver, no device or more ranks on this node than GPUs
+    // end the job here, naming the counts, instead of in the runtime's own threads.
+    let local = match &placement {
+        Placement::Threads { world } => LocalRanks::threads(*world),
+        Placement::Process {
+            launch: Some(launch),
+            ..
+        } => LocalRanks::from_launch(launch),
+        Placement::Process { launch: None, .. } => LocalRanks::threads(1),
+    };
+    job.device.check_local_ranks(&local)?;
     // A rank's own job error (a bad file, a refused checkpoint) is kept as it is: the ranks
     // speak `BackendError`, so it travels beside them and replaces the stand-in afterwards.
     let job_error: std::sync::Mutex<Option<TrainJobError>> = std::sync::Mutex::new(None);
