@@ -194,14 +194,20 @@ mod tests {
                 .check_local_ranks(&LocalRanks::threads(1))
                 .unwrap_err(),
         ] {
-            assert!(matches!(err, DeviceError::NotBuilt { device: "cuda", .. }), "{err:?}");
-            assert!(err.to_string().contains("without the `cuda` feature"), "{err}");
+            assert!(
+                matches!(err, DeviceError::NotBuilt { device: "cuda", .. }),
+                "{err:?}"
+            );
+            assert!(
+                err.to_string().contains("without the `cuda` feature"),
+                "{err}"
+            );
         }
     }
 
     #[test]
     fn threads_use_their_rank_as_local_index() {
-        let indices = moe_backend::comm::World::run(3, |ctx| Ok(local_index(ctx)?));
+        let indices = moe_backend::comm::World::run(3, local_index);
         let indices: Vec<usize> = indices.into_iter().map(|r| r.unwrap()).collect();
         assert_eq!(indices, vec![0, 1, 2]);
     }

@@ -259,7 +259,7 @@ where
                     ..TcpConfig::default()
                 },
             )?;
-            world.run(&rank)
+            world.run(rank)
         }
     }
 }

@@ -990,9 +990,7 @@ fn run_model<M: JobModel>(
     let layout = job_layout(job, Some(ctx.world_size()))?;
     check_job(job, &layout)?;
     // One GPU per rank: the rank's index on its node picks it (`crate::device`).
-    let base = job
-        .device
-        .rank_device(crate::device::local_index(ctx)?)?;
+    let base = job.device.rank_device(crate::device::local_index(ctx)?)?;
     let device = if job.recompute {
         base.autodiff().gradient_checkpointing()
     } else {

@@ -481,12 +481,17 @@ fn nccl_transport_without_its_feature_is_rejected_clearly() {
         } else {
             "this build has no NCCL: rebuild with `--features nccl`"
         };
-        assert!(err.contains(named), "--transport nccl --device {device}: {err}");
+        assert!(
+            err.contains(named),
+            "--transport nccl --device {device}: {err}"
+        );
         assert_clean_refusal(&run, &format!("--transport nccl --device {device}"));
     }
     // Launched as rank 1 of 2 (no rank 0 listens): refused before any connection attempt.
     let run = Command::new(env!("CARGO_BIN_EXE_moe"))
-        .args(["train", "--model", &model, "--steps", "1", "--device", "cuda"])
+        .args([
+            "train", "--model", &model, "--steps", "1", "--device", "cuda",
+        ])
         .envs([
             ("RANK", "1"),
             ("WORLD_SIZE", "2"),

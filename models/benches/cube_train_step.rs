@@ -301,7 +301,11 @@ fn open_device(name: &str) -> Result<Device, String> {
         other => Err(format!(
             "--device {other}: not available in this binary (features: {}{})",
             if cfg!(feature = "cuda") { "cuda " } else { "" },
-            if cfg!(feature = "vulkan") { "vulkan" } else { "" }
+            if cfg!(feature = "vulkan") {
+                "vulkan"
+            } else {
+                ""
+            }
         )),
     }
 }

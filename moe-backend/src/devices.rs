@@ -231,13 +231,11 @@ pub fn probe_cuda_with(api: &dyn CudaDriverApi) -> Result<usize, DeviceError> {
             detail: described(&e),
         });
     }
-    let count = api
-        .device_count()
-        .map_err(|e| DeviceError::DriverFailed {
-            runtime,
-            call: "cuDeviceGetCount",
-            detail: described(&e),
-        })?;
+    let count = api.device_count().map_err(|e| DeviceError::DriverFailed {
+        runtime,
+        call: "cuDeviceGetCount",
+        detail: described(&e),
+    })?;
     if count == 0 {
         return Err(DeviceError::NoDevice {
             runtime,
@@ -421,18 +419,30 @@ mod tests {
     fn a_missing_cuda_library_is_no_driver_and_calls_nothing() {
         let fake = FakeCuda::new(false, Ok(()), Ok(4));
         let err = probe_cuda_with(&fake).unwrap_err();
-        assert!(matches!(err, DeviceError::NoDriver { runtime: GpuRuntime::Cuda, .. }));
-        assert!(err.to_string().starts_with("--device cuda: no cuda driver"), "{err}");
+        assert!(matches!(
+            err,
+            DeviceError::NoDriver {
+                runtime: GpuRuntime::Cuda,
+                ..
+            }
+        ));
+        assert!(
+            err.to_string().starts_with("--device cuda: no cuda driver"),
+            "{err}"
+        );
         assert!(err.to_string().contains("libcuda.so.1"), "{err}");
         assert_eq!(fake.calls.get(), 0);
     }
 
     #[test]
     fn no_device_from_cuinit_or_from_a_zero_count() {
-        let err = probe_cuda_with(&FakeCuda::new(true, Err(CUDA_ERROR_NO_DEVICE), Ok(0)))
-            .unwrap_err();
+        let err =
+            probe_cuda_with(&FakeCuda::new(true, Err(CUDA_ERROR_NO_DEVICE), Ok(0))).unwrap_err();
         assert!(matches!(err, DeviceError::NoDevice { .. }), "{err:?}");
-        assert!(err.to_string().contains("cuInit returned CODE_100 (100)"), "{err}");
+        assert!(
+            err.to_string().contains("cuInit returned CODE_100 (100)"),
+            "{err}"
+        );
         let err = probe_cuda_with(&FakeCuda::new(true, Ok(()), Ok(0))).unwrap_err();
         assert!(matches!(err, DeviceError::NoDevice { .. }), "{err:?}");
         assert!(err.to_string().contains("cuDeviceGetCount is 0"), "{err}");
@@ -451,10 +461,20 @@ mod tests {
                 detail: "CODE_35 (35)".into()
             }
         );
-        assert_eq!(fake.calls.get(), 1, "no cuDeviceGetCount after a failed cuInit");
+        assert_eq!(
+            fake.calls.get(),
+            1,
+            "no cuDeviceGetCount after a failed cuInit"
+        );
         let err = probe_cuda_with(&FakeCuda::new(true, Ok(()), Err(999))).unwrap_err();
         assert!(
-            matches!(err, DeviceError::DriverFailed { call: "cuDeviceGetCount", .. }),
+            matches!(
+                err,
+                DeviceError::DriverFailed {
+                    call: "cuDeviceGetCount",
+                    ..
+                }
+            ),
             "{err:?}"
         );
     }
@@ -485,14 +505,26 @@ mod tests {
             adapters: vec!["x".into()],
         })
         .unwrap_err();
-        assert!(matches!(err, DeviceError::NoDriver { runtime: GpuRuntime::Vulkan, .. }));
+        assert!(matches!(
+            err,
+            DeviceError::NoDriver {
+                runtime: GpuRuntime::Vulkan,
+                ..
+            }
+        ));
         assert!(err.to_string().contains("libvulkan.so.1"), "{err}");
         let err = probe_vulkan_with(&FakeVulkan {
             loader: true,
             adapters: vec![],
         })
         .unwrap_err();
-        assert!(matches!(err, DeviceError::NoDevice { runtime: GpuRuntime::Vulkan, .. }));
+        assert!(matches!(
+            err,
+            DeviceError::NoDevice {
+                runtime: GpuRuntime::Vulkan,
+                ..
+            }
+        ));
         let ok = FakeVulkan {
             loader: true,
             adapters: vec!["llvmpipe".into(), "NVIDIA H200".into()],
@@ -509,7 +541,14 @@ mod tests {
         }
         let err = device_index(GpuRuntime::Cuda, 2, 2).unwrap_err();
         assert!(
-            matches!(err, DeviceError::TooFewDevices { local_ranks: 3, devices: 2, .. }),
+            matches!(
+                err,
+                DeviceError::TooFewDevices {
+                    local_ranks: 3,
+                    devices: 2,
+                    ..
+                }
+            ),
             "{err:?}"
         );
         assert!(device_index(GpuRuntime::Cuda, 0, 0).is_err());
@@ -517,7 +556,10 @@ mod tests {
 
     #[test]
     fn more_local_ranks_than_devices_names_both_counts() {
-        assert_eq!(check_local_ranks(GpuRuntime::Cuda, &LocalRanks::threads(2), 2), Ok(()));
+        assert_eq!(
+            check_local_ranks(GpuRuntime::Cuda, &LocalRanks::threads(2), 2),
+            Ok(())
+        );
         let err = check_local_ranks(GpuRuntime::Cuda, &LocalRanks::threads(4), 2).unwrap_err();
         let msg = err.to_string();
         assert!(
@@ -538,7 +580,10 @@ mod tests {
         let msg = check_local_ranks(GpuRuntime::Cuda, &local, 4)
             .unwrap_err()
             .to_string();
-        assert!(msg.contains("8 ranks on this node (the local world size announced by torchrun) but 4"), "{msg}");
+        assert!(
+            msg.contains("8 ranks on this node (the local world size announced by torchrun) but 4"),
+            "{msg}"
+        );
         // Without a local world size: at least local rank + 1.
         let local = LocalRanks::from_launch(&launch(3, None));
         assert_eq!(local.count, 4);

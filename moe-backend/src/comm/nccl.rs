@@ -972,7 +972,11 @@ mod tests {
         assert_eq!(device_index(GpuRuntime::Cuda, 5, 8), Ok(5));
         assert!(matches!(
             device_index(GpuRuntime::Cuda, 9, 8),
-            Err(DeviceError::TooFewDevices { local_ranks: 10, devices: 8, .. })
+            Err(DeviceError::TooFewDevices {
+                local_ranks: 10,
+                devices: 8,
+                ..
+            })
         ));
         assert!(device_index(GpuRuntime::Cuda, 0, 0).is_err());
     }
