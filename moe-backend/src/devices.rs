@@ -7,7 +7,7 @@
 //! here is refused before any work when a node runs more ranks than it has visible GPUs, and
 //! the error names both counts ([`DeviceError::TooFewDevices`]).
 //!
-//! The probes ([`probe_cuda`], [`probe_vulkan`]) run before Burn or CubeCL touch a runtime:
+//! The probes (`probe_cuda`, `probe_vulkan`) run before Burn or CubeCL touch a runtime:
 //! CubeCL starts its CUDA / wgpu runtime on a background server thread and panics there when
 //! the driver library is missing or no device answers, which a caller sees as a second panic
 //! (`RecvError`) with a backtrace. The CUDA probe opens the driver through cudarc's dynamic
@@ -190,7 +190,8 @@ pub struct CudaCallError {
 /// `CUDA_VISIBLE_DEVICES` gives).
 pub const CUDA_ERROR_NO_DEVICE: u32 = 100;
 
-/// The CUDA driver calls the probe makes: [`LibCuda`] over the real driver, fakes in tests.
+/// The CUDA driver calls the probe makes: `LibCuda` (features `cuda`, `nccl`) over the real
+/// driver, fakes in tests.
 pub trait CudaDriverApi {
     /// Whether the driver library (`libcuda.so`, `libcuda.so.1`) can be loaded.
     fn library_present(&self) -> bool;
@@ -245,7 +246,8 @@ pub fn probe_cuda_with(api: &dyn CudaDriverApi) -> Result<usize, DeviceError> {
     Ok(count)
 }
 
-/// The Vulkan calls the probe makes: [`WgpuVulkan`] over the real loader, fakes in tests.
+/// The Vulkan calls the probe makes: `WgpuVulkan` (feature `vulkan`) over the real loader,
+/// fakes in tests.
 pub trait VulkanApi {
     /// Whether the Vulkan loader (`libvulkan.so.1`) can be loaded.
     fn loader_present(&self) -> bool;
