@@ -1505,30 +1505,38 @@ pub fn run_job(
     timeout: Duration,
     on_step: &(dyn Fn(&StepMetrics) + Sync),
 ) -> Result<TrainJobReport, TrainJobError> {
+    // The device before any work: no driver, no device or more ranks on this node than GPUs
+    // end the job here, naming the counts, instead of in the runtime's own threads. Processes
+    // know their node's ranks from the launcher; threads once the layout gives their number.
+    match placement {
+        Placement::Process {
+            launch: Some(launch),
+            ..
+        } => job
+            .device
+            .check_local_ranks(&LocalRanks::from_launch(launch))?,
+        Placement::Process { launch: None, .. } => {
+            job.device.check_local_ranks(&LocalRanks::threads(1))?
+        }
+        Placement::Threads { .. } => {}
+    }
     let launched = match placement {
         Placement::Threads { .. } => None,
         // A process without a launcher (NCCL on one GPU) is a world of one.
         Placement::Process { .. } => Some(placement.world().unwrap_or(1)),
     };
     let layout = job_layout(job, launched)?;
-    check_job(job, &layout)?;
     let placement = match placement {
-        Placement::Threads { .. } => Placement::Threads {
-            world: layout.world,
-        },
+        Placement::Threads { .. } => {
+            job.device
+                .check_local_ranks(&LocalRanks::threads(layout.world))?;
+            Placement::Threads {
+                world: layout.world,
+            }
+        }
         other => other.clone(),
     };
-    // The device before any work: no driver, no device or more ranks on this node than GPUs
-    // end the job here, naming the counts, instead of in the runtime's own threads.
-    let local = match &placement {
-        Placement::Threads { world } => LocalRanks::threads(*world),
-        Placement::Process {
-            launch: Some(launch),
-            ..
-        } => LocalRanks::from_launch(launch),
-        Placement::Process { launch: None, .. } => LocalRanks::threads(1),
-    };
-    job.device.check_local_ranks(&local)?;
+    check_job(job, &layout)?;
     // A rank's own job error (a bad file, a refused checkpoint) is kept as it is: the ranks
     // speak `BackendError`, so it travels beside them and replaces the stand-in afterwards.
     let job_error: std::sync::Mutex<Option<TrainJobError>> = std::sync::Mutex::new(None);
