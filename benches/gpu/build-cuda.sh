@@ -79,14 +79,19 @@ done
 # `bin/llvm-config` is a wrapper: Debian's `--system-libs` names z3 by its path
 # (`/usr/lib/x86_64-linux-gnu/libz3.so`), which the bundler turns into `-llibz3`; the wrapper
 # rewrites such paths to `-l<name>`.
-rm -rf "$bundle/bin"
+# Written only when it changes: the bundler's build script reruns (and with it cubecl-llvm and
+# everything above it, ~30 min) when the wrapper's modification time changes.
 mkdir -p "$bundle/bin"
-cat >"$bundle/bin/llvm-config" <<WRAP
+wrapper=$(cat <<WRAP
 #!/bin/sh
 "$prefix/bin/llvm-config" "\$@" | sed -E 's#/[^ ]*/lib([A-Za-z0-9_+-]+)\.(so|a)#-l\1#g'
 WRAP
-chmod +x "$bundle/bin/llvm-config"
-touch "$bundle/.tracel-llvm-installed"
+)
+if [ "$(cat "$bundle/bin/llvm-config" 2>/dev/null)" != "$wrapper" ]; then
+    printf '%s\n' "$wrapper" >"$bundle/bin/llvm-config"
+    chmod +x "$bundle/bin/llvm-config"
+fi
+[ -e "$bundle/.tracel-llvm-installed" ] || touch "$bundle/.tracel-llvm-installed"
 echo "== bundle directory $bundle -> $prefix"
 
 # 3) The builds (release profile; one target dir for the cuda feature set).
@@ -127,10 +132,11 @@ done
 echo "== stripped sizes"
 ls -l "${bins[@]/#/$stage/}"
 
-# 4) Checks here. (a) The libraries each binary needs: the GPU image is a CUDA 13 image with
-#    PyTorch (glibc >= 2.35); anything beyond glibc, libgcc_s and libstdc++ must be carried.
+# 4) Checks here. (a) The libraries each binary needs: the GPU image is an Ubuntu-based CUDA 13
+#    image with PyTorch; glibc, libgcc_s, libstdc++, zlib and zstd (Ubuntu's `required` packages
+#    libc6, libgcc-s1, libstdc++6, zlib1g, libzstd1) are there; anything else must be carried.
 echo "== ldd"
-allowed='linux-vdso|ld-linux-x86-64|libc\.so|libm\.so|libgcc_s|libpthread|libdl\.so|librt\.so|libstdc\+\+'
+allowed='linux-vdso|ld-linux-x86-64|libc\.so|libm\.so|libgcc_s|libpthread|libdl\.so|librt\.so|libstdc\+\+|libz\.so\.1|libzstd\.so\.1'
 extra=""
 for b in "${bins[@]}"; do
     libs=$(ldd "$stage/$b" | awk '{print $1}' | tr '\n' ' ')
