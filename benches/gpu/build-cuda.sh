@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds the binaries `benches/gpu/run.sh` runs on a GPU machine, on this CPU machine, offline:
-#   moe                     the CLI, features cuda,nccl (`moe train --device cuda --transport nccl`)
-#   grouped_gemm_check      moe-backend's grouped GEMM check/bench on CUDA
-#   cube_train_step         the Qwen3-MoE training-step bench on CUDA
-#   moe_backend_nccl_tests  moe-backend's library tests with cuda,nccl (the GPU test
-#                           `comm::nccl::tests::gpu_world_of_one` runs NCCL for real)
+# Builds the binaries `benches/gpu/run.sh` runs on a GPU machine, on this CPU machine, offline,
+# in one `cargo build --release --features cuda,nccl` (one feature graph: nothing is compiled
+# twice):
+#   moe                  the CLI (`moe train --device cuda --transport nccl`)
+#   moe-gpu-gemm-check   moe-backend's grouped GEMM check/bench (the `grouped_gemm_check` bench)
+#   moe-gpu-train-step   the Qwen3-MoE training-step bench (the `cube_train_step` bench)
 # checks them here (each refuses cleanly without a driver; with a stub libcuda, "no device" and
 # "more ranks than GPUs" are refused naming the counts; `ldd` against what the GPU image has),
 # and packs them into .bench/gpu-bins.tar.xz (+ .bench/manifest.txt) to carry (<= 64 MiB with
@@ -94,39 +94,22 @@ fi
 [ -e "$bundle/.tracel-llvm-installed" ] || touch "$bundle/.tracel-llvm-installed"
 echo "== bundle directory $bundle -> $prefix"
 
-# 3) The builds (release profile; one target dir for the cuda feature set).
+# 3) The build (release profile; its own target dir for the cuda feature set).
 export CARGO_TARGET_DIR="$target"
 export CARGO_INCREMENTAL=0
 stage="$target/gpu-stage"
 mkdir -p "$stage"
 times=()
-build() {
-    local what=$1
-    shift
-    local t0=$SECONDS
-    echo "== cargo $*"
-    nice -n "$nice_level" cargo "$@"
-    times+=("$what $((SECONDS - t0)) s")
-}
-# The newest executable cargo wrote for a bench/test target (deps/NAME-HASH).
-newest() {
-    find "$target/release/deps" -maxdepth 1 -type f -name "$1-*" -perm -u+x ! -name '*.d' \
-        -printf '%T@ %p\n' | sort -n | tail -1 | cut -d' ' -f2-
-}
+bins=(moe moe-gpu-gemm-check moe-gpu-train-step)
 if [ "$skip_build" = 0 ]; then
-    build moe build --release --bin moe --features cuda,nccl
-    build grouped_gemm_check build --release -p moe-backend --features cuda,nccl \
-        --bench grouped_gemm_check
-    build cube_train_step build --release -p moe-models --features cuda --bench cube_train_step
-    build moe_backend_nccl_tests test --release -p moe-backend --features cuda,nccl --lib \
-        --no-run
+    t0=$SECONDS
+    echo "== cargo build --release --features cuda,nccl ${bins[*]/#/--bin }"
+    # shellcheck disable=SC2046 # one --bin per binary
+    nice -n "$nice_level" cargo build --release --features cuda,nccl $(printf -- '--bin %s ' "${bins[@]}")
+    times+=("cargo-build $((SECONDS - t0)) s")
 fi
-cp "$target/release/moe" "$stage/moe"
-cp "$(newest grouped_gemm_check)" "$stage/grouped_gemm_check"
-cp "$(newest cube_train_step)" "$stage/cube_train_step"
-cp "$(newest moe_backend)" "$stage/moe_backend_nccl_tests"
-bins=(moe grouped_gemm_check cube_train_step moe_backend_nccl_tests)
 for b in "${bins[@]}"; do
+    cp "$target/release/$b" "$stage/$b"
     strip "$stage/$b"
 done
 echo "== stripped sizes"
@@ -190,10 +173,10 @@ if ldconfig -p | grep -q 'libcuda\.so'; then
 else
     expect "moe, no driver" 1 "no cuda driver" -- \
         "$stage/moe" train --model "$fixture" --steps 1 --device cuda
-    expect "grouped_gemm_check, no driver" 3 "no cuda driver" -- \
-        "$stage/grouped_gemm_check" --device cuda --shapes quick
-    expect "cube_train_step, no driver" 3 "no cuda driver" -- \
-        "$stage/cube_train_step" --device cuda --quick
+    expect "moe-gpu-gemm-check, no driver" 3 "no cuda driver" -- \
+        "$stage/moe-gpu-gemm-check" --device cuda --shapes quick
+    expect "moe-gpu-train-step, no driver" 3 "no cuda driver" -- \
+        "$stage/moe-gpu-train-step" --device cuda --quick
 fi
 expect "moe, no device" 1 "the cuda driver reports no device" -- \
     env LD_LIBRARY_PATH="$stub" STUB_CUDA_DEVICES=0 \
@@ -205,12 +188,12 @@ expect "moe, 4 launched local ranks on 2 GPUs" 1 "4 ranks on this node (the loca
     env LD_LIBRARY_PATH="$stub" STUB_CUDA_DEVICES=2 RANK=3 WORLD_SIZE=4 LOCAL_RANK=3 \
     LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=9 \
     "$stage/moe" train --model "$fixture" --steps 1 --device cuda
-expect "grouped_gemm_check, no device" 3 "reports no device" -- \
+expect "moe-gpu-gemm-check, no device" 3 "reports no device" -- \
     env LD_LIBRARY_PATH="$stub" STUB_CUDA_DEVICES=0 \
-    "$stage/grouped_gemm_check" --device cuda --shapes quick
+    "$stage/moe-gpu-gemm-check" --device cuda --shapes quick
 
-# 5) Pack: one tar, xz with a dictionary spanning all binaries, so the LLVM code they share is
-#    stored about once.
+# 5) Pack: one tar, xz with a dictionary spanning all binaries, so the LLVM and Burn code they
+#    share is stored about once.
 manifest="$root/.bench/manifest.txt"
 mkdir -p "$root/.bench"
 if [ "$pack" = 1 ]; then

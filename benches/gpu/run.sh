@@ -21,21 +21,22 @@
 #   grouped_gemm_rust    moe-backend's grouped GEMM (fprop, dgrad, wgrad) on Burn's CUDA runtime
 #                        at DeepSeek-V3 and Qwen3-30B-A3B expert shapes against the device's
 #                        dense matmul per group, ragged and empty groups, NaN-poisoned pool,
-#                        then timed against a dense matmul of equal FLOPs (grouped_gemm_check;
-#                        dtype --gemm-dtype, default bf16)
+#                        then timed against a dense matmul of equal FLOPs (moe-gpu-gemm-check,
+#                        the grouped_gemm_check bench; --gemm-dtype, default bf16)
 #   torch_ceilings       the image's PyTorch: BF16 dense matmul, copy bandwidth,
 #                        torch._grouped_mm (same routing, same checks), NCCL at world size 1
 #                        (benches/gpu/torch_ceilings.py)
-#   nccl_rust_world1     moe-backend's NCCL transport through the real libnccl on one GPU
-#                        (the `gpu_world_of_one` test)
 #   moe_train_nccl       `moe train --device cuda --transport nccl` on the Qwen3-MoE fixture,
-#                        2 steps, finite losses
-#   train_step           one Qwen3-MoE training step at world size 1 (cube_train_step:
+#                        2 steps, finite losses: the NCCL transport's bootstrap through the real
+#                        libnccl (ncclGetUniqueId, ncclCommInitRank; at world size 1 the
+#                        collectives themselves never reach NCCL)
+#   train_step           one Qwen3-MoE training step at world size 1 (moe-gpu-train-step, the
+#                        cube_train_step bench:
 #                        tokens/s, MFU against the BF16 peak; f32 until the BF16 trainer lands:
 #                        --train-args passes e.g. "--bf16" to it then)
 #
 # Carried (built by benches/gpu/build-cuda.sh on the CPU machine, gitignored):
-#   .bench/gpu-bins.tar.xz  moe, grouped_gemm_check, cube_train_step, moe_backend_nccl_tests
+#   .bench/gpu-bins.tar.xz  moe, moe-gpu-gemm-check, moe-gpu-train-step
 #   .bench/manifest.txt     what was built, from which commit, with which features
 #
 # Options: --dry | --out DIR (default $OUT, else ./out) | --budget SECONDS (default 300, for all
@@ -216,7 +217,7 @@ if [ -z "$gpu_reason" ]; then
 fi
 
 # The carried binaries: unpack and check their libraries.
-bins=(moe grouped_gemm_check cube_train_step moe_backend_nccl_tests)
+bins=(moe moe-gpu-gemm-check moe-gpu-train-step)
 if [ -f .bench/gpu-bins.tar.xz ]; then
     mkdir -p "$bin_dir"
     if tar -xJf .bench/gpu-bins.tar.xz -C "$bin_dir" 2>>"$pre_log"; then
@@ -287,8 +288,8 @@ if wanted refuse_no_driver && [ -d "$bin_dir" ] && ! ldconfig -p 2>/dev/null | g
     st=pass
     text=""
     for cmd in "moe train --model $fixture --steps 1 --device cuda:1" \
-        "grouped_gemm_check --device cuda --shapes quick:3" \
-        "cube_train_step --device cuda --quick:3"; do
+        "moe-gpu-gemm-check --device cuda --shapes quick:3" \
+        "moe-gpu-train-step --device cuda --quick:3"; do
         want=${cmd##*:}
         cmd=${cmd%:*}
         # shellcheck disable=SC2086 # the command line is split on purpose
@@ -331,7 +332,7 @@ fi
 # --- correctness, then speed: grouped GEMM (Rust) -----------------------------------------
 if ! skip_or grouped_gemm_rust; then
     json="$out/grouped_gemm_rust.json"
-    run_case grouped_gemm_rust 100 "" "$bin_dir/grouped_gemm_check" --device cuda \
+    run_case grouped_gemm_rust 100 "" "$bin_dir/moe-gpu-gemm-check" --device cuda \
         --dtype "$gemm_dtype" --shapes deepseek_v3,qwen3_30b_a3b --iters 5 --json "$json"
     text="$(grep -cE ' pass ' "$out/grouped_gemm_rust.log") pass, $(grep -cE ' FAIL | ERROR ' "$out/grouped_gemm_rust.log") fail/error; $(grep -oE 'ratio [0-9.]+' "$out/grouped_gemm_rust.log" | tr '\n' ' ')"
     record grouped_gemm_rust "$(status_of "$rc")" "$secs" "$text" "$json"
@@ -343,14 +344,6 @@ if ! skip_or torch_ceilings; then
     run_case torch_ceilings 75 "" python3 "$root/benches/gpu/torch_ceilings.py" --json "$json"
     text="$(grep -cE ' pass ' "$out/torch_ceilings.log") pass, $(grep -cE ' (fail|error) ' "$out/torch_ceilings.log") fail/error; $(grep -E '^dense_bf16_8192|^copy_bandwidth' "$out/torch_ceilings.log" | awk '{$2=""; print}' | tr -s ' ' | tr '\n' ';')"
     record torch_ceilings "$(status_of "$rc")" "$secs" "$text" "$json"
-fi
-
-# --- NCCL through the real library (Rust transport) ---------------------------------------
-if ! skip_or nccl_rust_world1; then
-    run_case nccl_rust_world1 40 "" "$bin_dir/moe_backend_nccl_tests" --ignored --exact \
-        comm::nccl::tests::gpu_world_of_one --test-threads=1
-    record nccl_rust_world1 "$(status_of "$rc")" "$secs" \
-        "$(grep -E '^test result|panicked' "$out/nccl_rust_world1.log" | head -2 | tr '\n' ' ')" ""
 fi
 
 # --- the CLI end to end on the GPU: CUDA + NCCL, 2 steps ------------------------------------
@@ -371,7 +364,7 @@ if ! skip_or train_step; then
     json="$out/train_step.json"
     left=$((deadline - SECONDS))
     # shellcheck disable=SC2086 # --train-args is a list of arguments
-    run_case train_step "$left" "" "$bin_dir/cube_train_step" --device cuda --warmup 1 \
+    run_case train_step "$left" "" "$bin_dir/moe-gpu-train-step" --device cuda --warmup 1 \
         --steps 3 --json "$json" $train_args
     record train_step "$(status_of "$rc")" "$secs" \
         "$(grep -E 'MFU|tokens/s' "$out/train_step.log" | tail -1)" "$json"
