@@ -39,7 +39,7 @@
 #   .bench/gpu-bins.tar.xz  moe, moe-gpu-gemm-check, moe-gpu-train-step
 #   .bench/manifest.txt     what was built, from which commit, with which features
 #
-# Options: --dry | --out DIR (default $OUT, else ./out) | --budget SECONDS (default 300, for all
+# Options: --dry | --out DIR (default $OUT, else ./out) | --budget SECONDS (default 330, for all
 # cases after the preflight) | --gemm-dtype f32|bf16|f16 | --train-args "ARGS" |
 # --only NAME[,NAME...] | --keep (keep the unpacked binaries)
 set -uo pipefail
@@ -48,7 +48,7 @@ root=$PWD
 
 dry=0
 out="${OUT:-$root/out}"
-budget=300
+budget=330
 gemm_dtype=bf16
 train_args=""
 only=""
@@ -350,7 +350,7 @@ fi
 if ! skip_or moe_train_nccl; then
     metrics="$out/moe_train_nccl.jsonl"
     rm -f "$metrics"
-    run_case moe_train_nccl 60 "" "$bin_dir/moe" train --model "$fixture" --device cuda \
+    run_case moe_train_nccl 75 "" "$bin_dir/moe" train --model "$fixture" --device cuda \
         --transport nccl --steps 2 --gbs 4 --seq-len 16 --metrics-out "$metrics"
     st=$(status_of "$rc")
     if [ "$st" = pass ] && { [ ! -s "$metrics" ] || grep -qiE '"loss": *(null|nan|inf)' "$metrics"; }; then
