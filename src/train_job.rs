@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
+use moe_backend::devices::LocalRanks;
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
 use moe_backend::router::AuxLossType;
 use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
@@ -69,6 +70,10 @@ pub enum TrainJobError {
     /// Layout, communication or training failure.
     #[error(transparent)]
     Backend(#[from] moe_backend::BackendError),
+    /// The compute device cannot be used: not built, no driver, no device, or fewer GPUs than
+    /// ranks on this node.
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// The job's settings or data do not fit the model or layout.
     #[error("{field}: {detail}")]
     Invalid {
@@ -973,10 +978,8 @@ fn run_model<M: JobModel>(
 ) -> Result<TrainJobReport, TrainJobError> {
     let layout = job_layout(job, Some(ctx.world_size()))?;
     check_job(job, &layout)?;
-    let base = job
-        .device
-        .device()
-        .map_err(|e| invalid("device", e.to_string()))?;
+    // One GPU per rank: the rank's index on its node picks it (`crate::device`).
+    let base = job.device.rank_device(crate::device::local_index(ctx)?)?;
     let device = if job.recompute {
         base.autodiff().gradient_checkpointing()
     } else {
@@ -1491,18 +1494,38 @@ pub fn run_job(
     timeout: Duration,
     on_step: &(dyn Fn(&StepMetrics) + Sync),
 ) -> Result<TrainJobReport, TrainJobError> {
+    // The device before any work: no driver, no device or more ranks on this node than GPUs
+    // end the job here, naming the counts, instead of in the runtime's own threads. Processes
+    // know their node's ranks from the launcher; threads once the layout gives their number.
+    match placement {
+        Placement::Process {
+            launch: Some(launch),
+            ..
+        } => job
+            .device
+            .check_local_ranks(&LocalRanks::from_launch(launch))?,
+        Placement::Process { launch: None, .. } => {
+            job.device.check_local_ranks(&LocalRanks::threads(1))?
+        }
+        Placement::Threads { .. } => {}
+    }
     let launched = match placement {
         Placement::Threads { .. } => None,
-        Placement::Process { .. } => placement.world(),
+        // A process without a launcher (NCCL on one GPU) is a world of one.
+        Placement::Process { .. } => Some(placement.world().unwrap_or(1)),
     };
     let layout = job_layout(job, launched)?;
-    check_job(job, &layout)?;
     let placement = match placement {
-        Placement::Threads { .. } => Placement::Threads {
-            world: layout.world,
-        },
+        Placement::Threads { .. } => {
+            job.device
+                .check_local_ranks(&LocalRanks::threads(layout.world))?;
+            Placement::Threads {
+                world: layout.world,
+            }
+        }
         other => other.clone(),
     };
+    check_job(job, &layout)?;
     // A rank's own job error (a bad file, a refused checkpoint) is kept as it is: the ranks
     // speak `BackendError`, so it travels beside them and replaces the stand-in afterwards.
     let job_error: std::sync::Mutex<Option<TrainJobError>> = std::sync::Mutex::new(None);

@@ -438,7 +438,74 @@ fn gpu_devices_without_their_feature_are_rejected_clearly() {
                 err.contains(&format!("built without the `{feature}` feature")),
                 "--device {device}: {err}"
             );
+            assert_clean_refusal(&run, &format!("--device {device}"));
         }
+    }
+}
+
+/// A refusal is the CLI's own error: exit code 1, one `error:` line, no panic, backtrace or
+/// background-thread `RecvError`.
+fn assert_clean_refusal(run: &std::process::Output, what: &str) {
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{what}: {err}");
+    assert!(err.starts_with("error: "), "{what}: {err}");
+    for bad in ["panicked", "backtrace", "RecvError", "RUST_BACKTRACE"] {
+        assert!(!err.contains(bad), "{what}: {bad} in\n{err}");
+    }
+}
+
+/// `moe train --transport nccl` on a binary built without the `nccl` feature fails before
+/// touching the model with an error naming the feature, as does `--device cuda` under a
+/// torchrun-style launcher (where an `nccl` build would pick NCCL on its own).
+#[test]
+fn nccl_transport_without_its_feature_is_rejected_clearly() {
+    if cfg!(feature = "nccl") {
+        return;
+    }
+    let model = fixture("qwen3_moe");
+    for device in ["cpu", "cuda"] {
+        let run = moe(&[
+            "train",
+            "--model",
+            &model,
+            "--steps",
+            "1",
+            "--transport",
+            "nccl",
+            "--device",
+            device,
+        ]);
+        let err = String::from_utf8_lossy(&run.stderr);
+        let named = if device == "cuda" && !cfg!(feature = "cuda") {
+            "built without the `cuda` feature"
+        } else {
+            "this build has no NCCL: rebuild with `--features nccl`"
+        };
+        assert!(
+            err.contains(named),
+            "--transport nccl --device {device}: {err}"
+        );
+        assert_clean_refusal(&run, &format!("--transport nccl --device {device}"));
+    }
+    // Launched as rank 1 of 2 (no rank 0 listens): refused before any connection attempt.
+    let run = Command::new(env!("CARGO_BIN_EXE_moe"))
+        .args([
+            "train", "--model", &model, "--steps", "1", "--device", "cuda",
+        ])
+        .envs([
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "9"),
+        ])
+        .output()
+        .expect("moe");
+    if !cfg!(feature = "cuda") {
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(err.contains("built without the `cuda` feature"), "{err}");
+        assert_clean_refusal(&run, "launched --device cuda");
     }
 }
 

@@ -1,5 +1,6 @@
 //! Qwen3-MoE training steps ([`Trainer`]: forward + backward + ZeRO-1 AdamW step, one rank) on
-//! Burn's Cube backend (default Vulkan device, or OpenGL with `--device gl`), in tokens/s and
+//! Burn's Cube backend (`--device cuda` in a `cuda` build; the default Vulkan device, or OpenGL
+//! with `--device gl`, in a `vulkan` build), in tokens/s and
 //! MFU, with the device's dense matmul measured in the same run as the baseline.
 //!
 //! Model (random weights, f32 parameters and activations), default sized for one H200 within
@@ -32,7 +33,7 @@
 //! non-tensor-core peak); both are printed and written.
 //!
 //! Run: `cargo bench -p moe-models --features vulkan --bench cube_train_step -- [--quick]
-//! [--device vulkan|gl] [--steps N] [--warmup N] [--json PATH] [--layers N] [--hidden N]
+//! [--device vulkan|gl|cuda] [--steps N] [--warmup N] [--json PATH] [--layers N] [--hidden N]
 //! [--experts N] [--top-k N] [--width N] [--heads N] [--kv-heads N] [--head-dim N]
 //! [--vocab N] [--seq N] [--batch N] [--micro N] [--recompute none|selective|full]
 //! [--peak-tflops X] [--peak-f32-tflops X]`. On lavapipe Burn's dense matmul crashes the
@@ -45,8 +46,7 @@
 use std::sync::Mutex;
 use std::time::Instant;
 
-use burn::tensor::wgpu::WgpuBackend;
-use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
+use burn::tensor::{Device, Distribution, Tensor};
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 use moe_models::Qwen3MoeConfig;
@@ -57,7 +57,8 @@ use serde_json::{Value, json};
 #[derive(Debug, Clone)]
 struct Options {
     quick: bool,
-    gl: bool,
+    /// `--device`: `cuda` (feature `cuda`), `vulkan` or `gl` (feature `vulkan`).
+    device: String,
     steps: usize,
     warmup: usize,
     json: Option<String>,
@@ -82,7 +83,11 @@ impl Options {
     fn h200() -> Self {
         Self {
             quick: false,
-            gl: false,
+            device: if cfg!(feature = "vulkan") {
+                "vulkan".into()
+            } else {
+                "cuda".into()
+            },
             steps: 3,
             warmup: 1,
             json: None,
@@ -144,13 +149,7 @@ fn parse_args() -> Result<Options, String> {
         };
         match a.as_str() {
             "--quick" => {}
-            "--device" => {
-                opts.gl = match value()?.as_str() {
-                    "vulkan" => false,
-                    "gl" => true,
-                    other => return Err(format!("--device expects vulkan|gl, got {other:?}")),
-                }
-            }
+            "--device" => opts.device = value()?,
             "--steps" => opts.steps = num("--steps")?,
             "--warmup" => {
                 opts.warmup = value()?
@@ -280,6 +279,37 @@ fn dense_matmul(device: &Device, (m, k, n): (usize, usize, usize), iters: usize)
     json!({ "m": m, "k": k, "n": n, "dtype": "f32", "ms": s * 1e3, "tflops": tflops })
 }
 
+/// The device `name`, probed before Burn opens its runtime (`moe_backend::devices`): a machine
+/// without the driver or a device gets a named error instead of a panic in CubeCL's thread.
+fn open_device(name: &str) -> Result<Device, String> {
+    match name {
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            moe_backend::devices::probe_cuda().map_err(|e| e.to_string())?;
+            Ok(Device::cuda(0))
+        }
+        #[cfg(feature = "vulkan")]
+        "vulkan" => {
+            moe_backend::devices::probe_vulkan().map_err(|e| e.to_string())?;
+            Ok(Device::vulkan(burn::tensor::DeviceKind::DefaultDevice))
+        }
+        #[cfg(feature = "vulkan")]
+        "gl" => Device::wgpu_options()
+            .graphics_api(burn::tensor::wgpu::WgpuBackend::Gl)
+            .init()
+            .map_err(|e| format!("--device gl: no OpenGL wgpu device: {e}")),
+        other => Err(format!(
+            "--device {other}: not available in this binary (features: {}{})",
+            if cfg!(feature = "cuda") { "cuda " } else { "" },
+            if cfg!(feature = "vulkan") {
+                "vulkan"
+            } else {
+                ""
+            }
+        )),
+    }
+}
+
 fn write_json(path: Option<&str>, value: &Value) {
     if let Some(path) = path {
         let text = serde_json::to_string_pretty(value).expect("json");
@@ -297,16 +327,12 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let device = if opts.gl {
-        match Device::wgpu_options().graphics_api(WgpuBackend::Gl).init() {
-            Ok(d) => d,
-            Err(e) => {
-                eprintln!("cube_train_step: no OpenGL wgpu device: {e}");
-                std::process::exit(1);
-            }
+    let device = match open_device(&opts.device) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cube_train_step: error: {e}");
+            std::process::exit(3);
         }
-    } else {
-        Device::vulkan(DeviceKind::DefaultDevice)
     };
     let config = config(&opts);
     let count = config.param_count();

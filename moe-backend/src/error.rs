@@ -110,6 +110,10 @@ pub enum BackendError {
         /// Call site of the waiting rank.
         site: String,
     },
+    /// The GPU runtime cannot serve this process: no driver, no device, or fewer devices than
+    /// ranks on this node (see [`crate::devices`]).
+    #[error(transparent)]
+    Device(#[from] crate::devices::DeviceError),
     /// A rank's closure panicked.
     #[error("rank {rank} panicked: {message}")]
     RankPanicked {

@@ -50,6 +50,7 @@
 
 pub mod alloc;
 pub mod comm;
+pub mod devices;
 pub mod dispatch;
 pub mod error;
 pub mod experts;

@@ -21,6 +21,9 @@ pub struct Launch {
     pub world_size: usize,
     /// Rank among the processes of this node (selects the GPU).
     pub local_rank: usize,
+    /// Processes on this node, when the launcher says (`LOCAL_WORLD_SIZE`,
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`, `SLURM_NTASKS_PER_NODE`).
+    pub local_world_size: Option<usize>,
     /// Rendezvous host (torchrun `MASTER_ADDR`), when given.
     pub master_addr: Option<String>,
     /// Rendezvous port (torchrun `MASTER_PORT`), when given.
@@ -29,19 +32,38 @@ pub struct Launch {
     pub launcher: &'static str,
 }
 
-/// (launcher, rank, size, local rank) variable names, in the order they are tried: an explicit
-/// torchrun-style `RANK`/`WORLD_SIZE` wins, then the MPI launchers, then Slurm (whose variables
-/// are also set around an `mpirun` inside an allocation).
-const SOURCES: [(&str, &str, &str, &str); 4] = [
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+/// (launcher, rank, size, local rank, local size) variable names, in the order they are tried:
+/// an explicit torchrun-style `RANK`/`WORLD_SIZE` wins, then the MPI launchers, then Slurm
+/// (whose variables are also set around an `mpirun` inside an allocation).
+const SOURCES: [(&str, &str, &str, &str, &str); 4] = [
+    (
+        "torchrun",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    ),
     (
         "openmpi",
         "OMPI_COMM_WORLD_RANK",
         "OMPI_COMM_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
-    ("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    (
+        "pmi",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+    ),
+    (
+        "slurm",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_NTASKS_PER_NODE",
+    ),
 ];
 
 impl Launch {
@@ -53,7 +75,7 @@ impl Launch {
 
     /// [`Launch::from_env`] over an explicit variable map.
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<Option<Self>> {
-        for (launcher, rank_var, size_var, local_var) in SOURCES {
+        for (launcher, rank_var, size_var, local_var, local_size_var) in SOURCES {
             let (Some(rank), Some(size)) = (vars.get(rank_var), vars.get(size_var)) else {
                 continue;
             };
@@ -81,6 +103,22 @@ impl Launch {
                 Some(v) => parse(rank_var_static(local_var), v)?,
                 None => 0,
             };
+            let local_world_size = match vars.get(local_size_var) {
+                Some(v) => {
+                    let n = parse(rank_var_static(local_size_var), v)?;
+                    if n == 0 || local_rank >= n {
+                        return Err(BackendError::Config {
+                            field: rank_var_static(local_size_var),
+                            detail: format!(
+                                "{launcher} announced local rank {local_rank} of {n} local \
+                                 processes ({local_var}, {local_size_var})"
+                            ),
+                        });
+                    }
+                    Some(n)
+                }
+                None => None,
+            };
             let master_port = match vars.get("MASTER_PORT") {
                 Some(p) => Some(p.trim().parse::<u16>().map_err(|_| BackendError::Config {
                     field: "MASTER_PORT",
@@ -92,6 +130,7 @@ impl Launch {
                 rank,
                 world_size,
                 local_rank,
+                local_world_size,
                 master_addr: vars.get("MASTER_ADDR").cloned(),
                 master_port,
                 launcher,
@@ -105,7 +144,7 @@ impl Launch {
 fn rank_var_static(name: &str) -> &'static str {
     SOURCES
         .iter()
-        .flat_map(|(_, a, b, c)| [*a, *b, *c])
+        .flat_map(|(_, a, b, c, d)| [*a, *b, *c, *d])
         .find(|v| *v == name)
         .unwrap_or("launcher environment")
 }
@@ -127,6 +166,7 @@ mod tests {
             ("RANK", "3"),
             ("WORLD_SIZE", "8"),
             ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
             ("MASTER_ADDR", "10.0.0.1"),
             ("MASTER_PORT", "29500"),
         ]))
@@ -136,6 +176,7 @@ mod tests {
             (l.rank, l.world_size, l.local_rank, l.launcher),
             (3, 8, 1, "torchrun")
         );
+        assert_eq!(l.local_world_size, Some(4));
         assert_eq!(l.master_port, Some(29500));
         let l = Launch::from_vars(&vars(&[
             ("OMPI_COMM_WORLD_RANK", "2"),
@@ -155,6 +196,7 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((l.rank, l.world_size, l.local_rank), (5, 16, 1));
+        assert_eq!(l.local_world_size, None);
         assert_eq!(Launch::from_vars(&vars(&[("PATH", "/bin")])).unwrap(), None);
     }
 
@@ -168,5 +210,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("rank 4 of a world of 4"), "{err}");
+        let err = Launch::from_vars(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("local rank 2 of 2 local processes"), "{err}");
     }
 }

@@ -39,9 +39,10 @@
 //! `ncclGetUniqueId` and sends the 128-byte id (with a hash of the group key, so members that
 //! create groups in different orders get an error instead of a wrong communicator) to the
 //! other members over the bootstrap's world communicator; then every member calls
-//! `ncclCommInitRank` on its own stream. The GPU is `local_rank % device count`, with the local
-//! rank from [`NcclConfig::local_rank`] or the launcher ([`Launch`]). One process per GPU:
-//! NCCL refuses two ranks on one device.
+//! `ncclCommInitRank` on its own stream. The GPU is the local rank, from
+//! [`NcclConfig::local_rank`] or the launcher ([`Launch`]); a node with more processes than GPUs
+//! is refused before any NCCL call, naming both counts ([`crate::devices`]). One process per
+//! GPU: NCCL refuses two ranks on one device.
 //!
 //! # Point-to-point: rendezvous, not buffered
 //! NCCL has no buffered send: an `ncclSend` completes only when the receiver posts the matching
@@ -107,6 +108,7 @@ use super::Comm;
 use super::ctx::{Connector, RankCtx, Transport};
 use super::launch::Launch;
 use super::p2p::{LinkError, Links, P2pComm};
+use crate::devices::{self, GpuRuntime, LocalRanks};
 use crate::error::{BackendError, Result};
 
 /// Settings of an NCCL rank context.
@@ -115,9 +117,10 @@ pub struct NcclConfig {
     /// How long a collective or receive waits for the other members before it fails with
     /// [`BackendError::Timeout`] (and the group's communicator is aborted).
     pub timeout: Duration,
-    /// Rank of this process among the processes of its node, which picks the GPU
-    /// (`local_rank % device count`). `None`: the launcher's local rank ([`Launch::local_rank`]),
-    /// or 0 for a process started by hand.
+    /// Rank of this process among the processes of its node, which is the GPU's ordinal (a
+    /// rank without a GPU of its own is refused). `None`: the launcher's local rank
+    /// ([`Launch::local_rank`]), checked against its local world size, or 0 for a process
+    /// started by hand.
     pub local_rank: Option<usize>,
 }
 
@@ -186,11 +189,6 @@ pub fn probe_libraries() -> Result<()> {
         )
     };
     check_libraries(cuda, nccl)
-}
-
-/// The device ordinal of a process with `local_rank` on a node with `devices` GPUs.
-fn device_ordinal(local_rank: usize, devices: usize) -> Option<usize> {
-    (devices > 0).then(|| local_rank % devices)
 }
 
 fn driver_error(what: &str, e: DriverError) -> String {
@@ -303,18 +301,28 @@ fn share_id(
 /// world communicator carries the NCCL ids, so do not use its `send`/`recv` while NCCL
 /// groups are being created). Every rank calls this once, at the same point.
 ///
-/// Checks that libcuda and libnccl can be loaded and opens the GPU `local_rank % devices`;
+/// Checks that libcuda and libnccl can be loaded and opens the GPU `local_rank`;
 /// the NCCL groups themselves are created on first use, like every transport's.
 pub fn nccl_ctx(bootstrap: &RankCtx, config: NcclConfig) -> Result<RankCtx> {
     probe_libraries()?;
+    // One GPU per process (see `crate::devices`): the local rank is the device ordinal, and a
+    // node with more processes than GPUs is refused, naming both counts.
     let local_rank = match config.local_rank {
         Some(l) => l,
-        None => Launch::from_env()?.map_or(0, |l| l.local_rank),
+        None => match Launch::from_env()? {
+            Some(launch) => {
+                let devices = devices::probe_cuda()?;
+                devices::check_local_ranks(
+                    GpuRuntime::Cuda,
+                    &LocalRanks::from_launch(&launch),
+                    devices,
+                )?;
+                launch.local_rank
+            }
+            None => 0,
+        },
     };
-    let devices = CudaContext::device_count()
-        .map_err(|e| config_error(driver_error("cuInit / cuDeviceGetCount", e)))?;
-    let ordinal = device_ordinal(local_rank, usize::try_from(devices).unwrap_or(0))
-        .ok_or_else(|| config_error("the CUDA driver reports no GPU".into()))?;
+    let ordinal = devices::cuda_device_index(local_rank)?;
     let device = CudaContext::new(ordinal)
         .map_err(|e| config_error(driver_error(&format!("opening GPU {ordinal}"), e)))?;
     let world = bootstrap.world()?;
@@ -958,12 +966,19 @@ mod tests {
     }
 
     #[test]
-    fn the_device_is_the_local_rank_modulo_the_devices() {
-        assert_eq!(device_ordinal(0, 8), Some(0));
-        assert_eq!(device_ordinal(5, 8), Some(5));
-        assert_eq!(device_ordinal(9, 8), Some(1));
-        assert_eq!(device_ordinal(3, 1), Some(0));
-        assert_eq!(device_ordinal(0, 0), None);
+    fn the_device_is_the_local_rank_and_never_shared() {
+        use crate::devices::{DeviceError, device_index};
+        assert_eq!(device_index(GpuRuntime::Cuda, 0, 8), Ok(0));
+        assert_eq!(device_index(GpuRuntime::Cuda, 5, 8), Ok(5));
+        assert!(matches!(
+            device_index(GpuRuntime::Cuda, 9, 8),
+            Err(DeviceError::TooFewDevices {
+                local_ranks: 10,
+                devices: 8,
+                ..
+            })
+        ));
+        assert!(device_index(GpuRuntime::Cuda, 0, 0).is_err());
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub enum Transport {
     Tcp,
     /// One process per rank over MPI (needs a build with `--features mpi`).
     Mpi,
+    /// One process per rank over NCCL, one GPU each (needs a build with `--features nccl`);
+    /// automatic under a launcher with `--device cuda` in such a build. Without a launcher,
+    /// one process on GPU 0.
+    Nccl,
 }
 
 /// Learning-rate decay styles (Megatron's `--lr-decay-style`).
@@ -602,16 +606,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .context("installing the --exit-signal handlers")?;
         job.exit.signal = Some(handlers.flag());
     }
-    // A device this binary cannot provide fails here, before any rank starts.
-    job.device.device()?;
+    // A device this binary or machine cannot provide (no feature, no driver, no device) fails
+    // here, before any rank starts; too few GPUs for the ranks of this node in `run_job`.
+    job.device.probe()?;
     let transport = match args.transport {
         Transport::Auto => launch::Transport::Auto,
         Transport::Threads => launch::Transport::Threads,
         Transport::Tcp => launch::Transport::Tcp,
         Transport::Mpi => launch::Transport::Mpi,
+        Transport::Nccl => launch::Transport::Nccl,
     };
     // Threads: the layout's world (fixed by run_job); processes: the launcher's.
-    let placement = Placement::decide(transport, 1)?;
+    let placement = Placement::decide_for(transport, 1, job.device)?;
     let reporter = placement.is_reporter();
     let metrics = match (&job.metrics_out, reporter) {
         (Some(path), true) => Some(MetricsWriter::open(path, job.resume)?),

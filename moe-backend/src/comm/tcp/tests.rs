@@ -22,6 +22,7 @@ fn launch(rank: usize, size: usize, port: u16) -> Launch {
         rank,
         world_size: size,
         local_rank: rank,
+        local_world_size: None,
         master_addr: Some("127.0.0.1".into()),
         master_port: Some(port),
         launcher: "test",
