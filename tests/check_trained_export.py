@@ -14,10 +14,16 @@ For Qwen3, Qwen3-MoE, DeepSeek-V3 and the DeepSeek-V3 FP8 release (trained dequa
    for bit, that the trained weights differ from the fixture's, and that the logits of a
    batch are finite.
 
+With `--bf16` every model trains with `moe train --bf16` (BF16 mixed precision) and is
+exported with `moe export`'s default, which for such a checkpoint is BF16: the script then also
+asserts that every exported weight is bfloat16 (DeepSeek-V3's router bias stays float32), that
+the config says `"dtype": "bfloat16"`, and loads the model in bfloat16 (the state dict equals
+the export bit for bit).
+
 It needs torch + transformers==5.23.0 (not in CI; `benches/.venv` per
 benches/torch_moe_block.py). Run it from the repository root after `cargo build --bins`:
 
-    benches/.venv/bin/python tests/check_trained_export.py
+    benches/.venv/bin/python tests/check_trained_export.py [--bf16]
 
 Set `MOE_BIN` to use another `moe` binary (default: target/debug/moe, else target/release/moe).
 Prints one line per model; exits non-zero naming the model on the first failure.
@@ -67,18 +73,25 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def check(binary: Path, tmp: Path, fixture: str) -> str:
+def check(binary: Path, tmp: Path, fixture: str, bf16: bool) -> str:
     ckpt, hf = tmp / fixture / "ckpt", tmp / fixture / "hf"
     run([
         str(binary), "train", "--model", str(FIXTURES / fixture), "--layout", "tp=2,ep=4",
         "--steps", "3", "--gbs", "4", "--seq-len", "12", "--lr", "1e-2",
         "--save", str(ckpt), "--transport", "threads",
-    ])
+    ] + (["--bf16"] if bf16 else []))
     run([str(binary), "export", str(ckpt), "--out", str(hf)])
 
     config = json.loads((hf / "config.json").read_text())
+    dtype = torch.float32
+    if bf16:
+        dtype = torch.bfloat16
+        assert config.get("dtype") == "bfloat16", f"{fixture}: config dtype {config.get('dtype')}"
+        wide = {n: t.dtype for n, t in tensors(hf).items()
+                if t.dtype != torch.bfloat16 and not n.endswith("e_score_correction_bias")}
+        assert not wide, f"{fixture}: exported weights not in bfloat16: {wide}"
     model, info = AutoModelForCausalLM.from_pretrained(
-        hf, output_loading_info=True, dtype=torch.float32
+        hf, output_loading_info=True, dtype=dtype
     )
     prefixes = ()
     if config.get("model_type") == "deepseek_v3":
@@ -96,7 +109,7 @@ def check(binary: Path, tmp: Path, fixture: str) -> str:
     for name, value in state.items():
         if name not in exported:
             continue  # tied or derived buffers (e.g. rotary tables)
-        assert torch.equal(value, exported[name].to(torch.float32)), f"{fixture}: {name} differs"
+        assert torch.equal(value, exported[name].to(value.dtype)), f"{fixture}: {name} differs"
     source = tensors(FIXTURES / "deepseek_v3_fp8_dequant" if fixture.endswith("fp8") else FIXTURES / fixture)
     changed = [n for n in exported if n in source and not torch.equal(
         exported[n].to(torch.float32), source[n].to(torch.float32))]
@@ -105,15 +118,17 @@ def check(binary: Path, tmp: Path, fixture: str) -> str:
     with torch.no_grad():
         logits = model(input_ids=torch.arange(12).remainder(config["vocab_size"])[None]).logits
     assert torch.isfinite(logits).all(), f"{fixture}: non-finite logits"
-    return f"{fixture}: loads in transformers with the trained weights ({len(changed)} of {len(exported)} tensors trained)"
+    mode = "BF16 " if bf16 else ""
+    return f"{fixture}: {mode}export loads in transformers with the trained weights ({len(changed)} of {len(exported)} tensors trained)"
 
 
 def main() -> None:
     binary = moe_binary()
+    bf16 = "--bf16" in sys.argv[1:]
     with tempfile.TemporaryDirectory() as tmp:
         for fixture in CASES:
             try:
-                print(check(binary, Path(tmp), fixture), flush=True)
+                print(check(binary, Path(tmp), fixture, bf16), flush=True)
             except AssertionError as e:
                 sys.exit(f"FAIL {e}")
 

@@ -653,6 +653,30 @@ pub(crate) fn hf_parts(
     Ok((resolved.export_dtype, parts))
 }
 
+/// Prefixes of the optimizer tensors holding a parameter's f32 main weight in a training
+/// checkpoint: the distributed AdamW's `optim.master.<fqn>` and Muon's
+/// `optim.muon_master.<fqn>` (docs/checkpoints.md §Training checkpoints).
+pub const MAIN_WEIGHT_PREFIXES: [&str; 2] = ["optim.master.", "optim.muon_master."];
+
+/// The stored f32 main weight of parameter `fqn` (`entry`): an `F32` tensor of the same
+/// global shape named by one of [`MAIN_WEIGHT_PREFIXES`], when the checkpoint has one.
+pub fn main_weight_fqn(
+    index: &super::index::DcpIndex,
+    fqn: &str,
+    entry: &TensorEntry,
+) -> Option<String> {
+    MAIN_WEIGHT_PREFIXES
+        .iter()
+        .map(|prefix| format!("{prefix}{fqn}"))
+        .find(|name| {
+            index.tensors.get(name).is_some_and(|m| {
+                m.kind == TensorKind::Optim
+                    && m.dtype == Dtype::F32
+                    && m.global_shape == entry.global_shape
+            })
+        })
+}
+
 /// Exports the model tensors of a distributed checkpoint (of a model whose config is `C`) as
 /// an HF checkpoint in `target`
 /// (per-expert names; `generation_config.json` copied or defaulted; optimizer state is not
@@ -660,6 +684,12 @@ pub(crate) fn hf_parts(
 /// and dequantises FP8 weights, dropping their scales and `quantization_config`; `None` keeps
 /// the stored dtypes, so FP8 weights leave as their stored bytes with `<name>_scale_inv` and the
 /// config keeps `quantization_config` (the release format, bit for bit).
+///
+/// A checkpoint of a BF16 mixed-precision run stores its trainable parameters in BF16, each
+/// its f32 main weight rounded once to nearest even (docs/training-and-rl.md §Mixed precision
+/// (BF16)): `None` exports exactly those (the config's `dtype` says `bfloat16` when every
+/// parameter is BF16 or every one F16), and a wider `opts.dtype` (F32) exports the f32 main
+/// weights themselves ([`main_weight_fqn`]) rather than widened BF16 values.
 pub fn export_dist_to_hf<C: ModelSchema>(
     ckpt: &DistCheckpoint,
     target: &Path,
@@ -674,6 +704,8 @@ pub fn export_dist_to_hf<C: ModelSchema>(
     let mut items: BTreeMap<String, ExportItem> = BTreeMap::new();
     let mut dropped = Vec::new();
     let mut kept_fp8 = false;
+    // The one dtype of every stored trainable parameter, if they share one.
+    let mut param_dtypes = std::collections::BTreeSet::new();
     for (fqn, entry) in &index.tensors {
         let scale = entry.kind == TensorKind::Scale;
         if entry.kind == TensorKind::Optim
@@ -691,9 +723,26 @@ pub fn export_dist_to_hf<C: ModelSchema>(
             Some(d) if fp8 || is_float(entry.dtype) => d,
             _ => entry.dtype,
         };
+        if entry.kind == TensorKind::Param && !fp8 {
+            param_dtypes.insert(entry.dtype);
+        }
+        // A parameter stored narrower than it is exported (BF16 of a mixed-precision run,
+        // exported as F32) leaves as its f32 main weight when the checkpoint keeps one.
+        let source = match opts.dtype {
+            Some(d)
+                if entry.kind == TensorKind::Param
+                    && !fp8
+                    && is_float(entry.dtype)
+                    && dtype == d
+                    && d.size() > entry.dtype.size() =>
+            {
+                main_weight_fqn(index, fqn, entry).unwrap_or_else(|| fqn.clone())
+            }
+            _ => fqn.clone(),
+        };
         for part in parts {
             let item = ExportItem {
-                fqn: fqn.clone(),
+                fqn: source.clone(),
                 region: part.region,
                 shape: part.shape,
                 dtype,
@@ -741,7 +790,12 @@ pub fn export_dist_to_hf<C: ModelSchema>(
         let views: Vec<TensorView<'_>> = tensors.iter().map(OwnedTensor::view).collect();
         writer.write_shard(i, &views)?;
     }
-    let mut out_config = export_config(&config, opts.dtype, !kept_fp8);
+    // Kept dtypes: a BF16 (or F16) mixed-precision run's parameters name their dtype.
+    let half = match param_dtypes.iter().collect::<Vec<_>>().as_slice() {
+        [d @ (Dtype::BF16 | Dtype::F16)] => Some(**d),
+        _ => None,
+    };
+    let mut out_config = export_config(&config, opts.dtype.or(half), !kept_fp8);
     if kept_fp8 && let (Some(record), Value::Object(map)) = (&index.fp8, &mut out_config) {
         // The block size of the stored scales (a training save may use other blocks than the
         // source release); the other fields follow the DeepSeek-V3 release.

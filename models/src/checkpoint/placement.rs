@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use moe_backend::optim::{ParamPlacement, transpose_2d};
 use moe_bridge::BridgeError;
 use moe_bridge::dist::index::TensorKind;
@@ -83,6 +83,9 @@ pub struct PlacedTensor {
     /// embedding for a tied output layer or MTP): restored, never saved (nor its optimizer
     /// state).
     pub copy: bool,
+    /// The dtype the shard holds the tensor in (BF16 for the trainable parameters of a BF16
+    /// mixed-precision run, docs/training-and-rl.md §Mixed precision (BF16)).
+    pub dtype: DType,
     /// The values in canonical orientation (row-major over `placement.shape`), when asked for.
     pub values: Option<Vec<f32>>,
 }
@@ -170,6 +173,7 @@ impl Walk<'_> {
             });
         }
         let value = param.val();
+        let dtype = value.dtype();
         let kind = if value.is_require_grad() {
             TensorKind::Param
         } else {
@@ -204,6 +208,7 @@ impl Walk<'_> {
             },
             main_replica: shard.main_replica,
             copy,
+            dtype,
             values,
         });
         Ok(())

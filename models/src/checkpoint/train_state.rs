@@ -4,7 +4,10 @@
 //!
 //! - Parameters and buffers (e.g. the expert bias) are saved as canonical tensors from each
 //!   rank's model shard ([`super::placement::PlacedModel`]: Qwen3-MoE, DeepSeek-V3 with its MTP
-//!   modules), by their main replicas, in F32.
+//!   modules), by their main replicas, in the dtype the shard holds them: F32, or BF16 for the
+//!   trainable parameters of a BF16 mixed-precision run (each its f32 main weight rounded to
+//!   nearest even; the main weights themselves are `optim.master`, as Megatron's distributed
+//!   optimizer saves its FP32 main parameters beside the BF16 model).
 //! - The ZeRO-1 optimizer state is saved as `optim.{master|exp_avg|exp_avg_sq}.<fqn>` with the
 //!   parameter's global shape: every rank writes the boxes of its own flat range
 //!   ([`DistributedAdamW::state_pieces`]; TP-replicated parameters by TP rank 0 only), the
@@ -14,8 +17,11 @@
 //!   [`TRAIN_STATE_OBJECT`].
 //!
 //! Restoring reads, on every rank, only the boxes of its own shard and of its own optimizer
-//! flat range under the new layout. A model-only checkpoint (e.g. right after HF import)
-//! restores the parameters and initialises the master weights from them.
+//! flat range under the new layout, then writes every trained parameter from its restored
+//! main weight (cast to the parameter's dtype, as a step does), so that a run resumed in BF16
+//! or in f32 computes with exactly the parameters its next step would (docs/checkpoints.md
+//! §Training checkpoints). A model-only checkpoint (e.g. right after HF import) restores the
+//! parameters and initialises the master weights from them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -23,7 +29,7 @@ use std::path::{Path, PathBuf};
 use crate::distributed::{CausalLmShard, ParallelCausalLm};
 use crate::train::Trainer;
 use burn::module::{ModuleMapper, Param, ParamId};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use moe_backend::BackendError;
 use moe_backend::comm::Comm;
 use moe_backend::optim::{
@@ -229,16 +235,23 @@ fn save_state<M: PlacedModel>(
             continue;
         }
         let values = p.values.as_deref().unwrap_or_default();
+        // Stored in the dtype the shard holds it in: the cast of a BF16 parameter's f32 values
+        // back to BF16 is exact.
+        let dtype = stored_dtype(p.dtype);
+        let mut tensor = OwnedTensor::from_f32(pl.fqn.clone(), pl.shape.clone(), values)?;
+        if dtype != Dtype::F32 {
+            tensor = tensor.cast(dtype)?;
+        }
         owned.push(OwnedChunk {
             meta: TensorMeta {
                 fqn: pl.fqn.clone(),
                 kind: p.kind,
-                dtype: Dtype::F32,
+                dtype,
                 global_shape: pl.global_shape.clone(),
                 hf: Vec::new(),
             },
             offsets: pl.offsets.clone(),
-            tensor: OwnedTensor::from_f32(pl.fqn.clone(), pl.shape.clone(), values)?,
+            tensor,
         });
     }
     meta.step = state.step;
@@ -290,6 +303,16 @@ fn save_state<M: PlacedModel>(
         })
         .collect();
     save_spmd(comm, root, &meta, &chunks)
+}
+
+/// The checkpoint dtype of a tensor a shard holds in `dtype`: BF16 and F16 as they are
+/// (mixed-precision parameters), everything else (f32 parameters, buffers) in F32.
+fn stored_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+        _ => Dtype::F32,
+    }
 }
 
 /// Replaces parameter values by id (cast to each parameter's dtype; ids and `require_grad`
@@ -542,6 +565,7 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
         *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
         let dir = ckpt.dir().to_path_buf();
         let kind = muon::MUON_KIND;
+        let mut masters = false;
         if load_adamw_state(
             ckpt,
             optimizer.adamw_mut(),
@@ -551,12 +575,24 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
             kind,
         )? {
             let placed = model.placements(&plan, groups.rank, false)?;
-            muon::load_momentum(ckpt, optimizer.muon_mut(), &placed)?;
+            masters = muon::load_momentum(ckpt, optimizer.muon_mut(), &placed)?;
+            // Both sides' parameters from their restored main weights (see restore_trainer).
+            *model = optimizer
+                .adamw_mut()
+                .write_master_into(model.clone())
+                .map_err(backend_error(&dir, "master"))?;
         }
-        optimizer
-            .muon_mut()
-            .reset_master_from(&*model)
-            .map_err(backend_error(&dir, "muon master"))?;
+        if masters {
+            *model = optimizer
+                .muon()
+                .write_master_into(model.clone())
+                .map_err(backend_error(&dir, "muon master"))?;
+        } else {
+            optimizer
+                .muon_mut()
+                .reset_master_from(&*model)
+                .map_err(backend_error(&dir, "muon master"))?;
+        }
         let step = optimizer.step_count();
         optimizer.muon_mut().set_step_count(step);
         return Ok(read_train_state(ckpt)?.unwrap_or(TrainState {
@@ -568,9 +604,15 @@ pub fn restore_trainer<M: ParallelCausalLm + PlacedModel>(
     let model = shard.model_mut();
     let plan = model_plan(&groups.layout, &*model, stages)?;
     *model = load_model_state(ckpt, model.clone(), &plan, groups.rank)?;
-    load_optimizer_state(ckpt, optimizer, &*model, &plan, groups.rank)?;
+    let restored = load_optimizer_state(ckpt, optimizer, &*model, &plan, groups.rank)?;
     if optimizer.fp8_config().is_some() {
         *model = restore_fp8_weights(ckpt, optimizer, model.clone(), &plan, groups.rank)?;
+    } else if restored {
+        // The parameters the next step computes with: the restored main weights in the
+        // parameters' dtype (a BF16 checkpoint's stored parameters are these already).
+        *model = optimizer
+            .write_master_into(model.clone())
+            .map_err(backend_error(ckpt.dir(), "master"))?;
     }
     Ok(read_train_state(ckpt)?.unwrap_or(TrainState {
         step: ckpt.index().step,

@@ -1022,6 +1022,28 @@ impl DistributedAdamW {
         ))
     }
 
+    /// `module` with every parameter of the table set from the f32 main weights, each cast to
+    /// its parameter's dtype (round to nearest even), exactly as a step writes them. Called
+    /// after the master weights were restored from a checkpoint, so that the parameters are
+    /// what the next step computes with whatever the checkpoint stored for them (e.g. f32
+    /// parameters resumed from a BF16 run). A collective over the dense and expert groups
+    /// when they are sharded. With FP8 primary weights, use
+    /// [`recast_fp8_primary_weights`](Self::recast_fp8_primary_weights) instead (an error here).
+    pub fn write_master_into<M: Module>(&mut self, module: M) -> Result<M> {
+        if self.fp8.is_some() {
+            return Err(BackendError::Config {
+                field: "fp8_primary_weights",
+                detail: "FP8 primary weights are written by recast_fp8_primary_weights".into(),
+            });
+        }
+        if self.writes_master_views() {
+            self.table
+                .write_tensors(module, &self.dense.master, &self.expert.master)
+        } else {
+            self.gather_into(module)
+        }
+    }
+
     /// The f32 main weights of every parameter of the table, all-gathered into full
     /// `(dense, expert)` buffers in this rank's [`ParamTable`] layout (host vectors). A
     /// collective (every rank of the dense and expert groups calls it); meant for checks, e.g.

@@ -642,6 +642,55 @@ impl DistributedMuon {
         Ok(())
     }
 
+    /// The f32 master copy of parameter `id`'s local shard (flat, row-major), read back to the
+    /// host, when this rank keeps it (for checkpoints: under BF16 mixed precision the
+    /// parameter is only its rounding).
+    pub fn master(&self, id: ParamId) -> Option<Vec<f32>> {
+        let s = &self.slots[*self.ids.get(&id)?];
+        let m = s.master.clone()?;
+        host_f32(m, "Muon master").ok()
+    }
+
+    /// Restores the f32 master copy of parameter `id`'s local shard (from a checkpoint, under
+    /// any layout). Errors when `id` is not a Muon parameter this rank keeps a master of, or
+    /// the length differs.
+    pub fn set_master(&mut self, id: ParamId, values: &[f32]) -> Result<()> {
+        let device = self.device.clone();
+        let slot = self
+            .ids
+            .get(&id)
+            .map(|&i| &mut self.slots[i])
+            .filter(|s| s.master.is_some())
+            .ok_or_else(|| BackendError::Config {
+                field: "master",
+                detail: format!("parameter {id} has no Muon master copy on this rank"),
+            })?;
+        if values.len() != slot.numel() {
+            return Err(BackendError::Shape {
+                op: "DistributedMuon::set_master",
+                detail: format!(
+                    "`{}`: {} values for a shard of {}",
+                    slot.info.path,
+                    values.len(),
+                    slot.numel()
+                ),
+            });
+        }
+        let n = values.len();
+        slot.master = Some(Tensor::from_data(
+            TensorData::new(values.to_vec(), [n]),
+            (&device, DType::F32),
+        ));
+        Ok(())
+    }
+
+    /// `module` with the Muon parameters set from the master copies, cast to each parameter's
+    /// dtype, as a step writes them (after restoring the masters from a checkpoint). A
+    /// collective over the data-parallel groups under `LayerWise` sharding.
+    pub fn write_master_into<M: Module>(&self, module: M) -> Result<M> {
+        self.write(module)
+    }
+
     /// Sets the master copies this rank keeps from `module`'s parameter values (e.g. after
     /// loading parameters from a model-only checkpoint); the momentum is kept.
     pub fn reset_master_from<M: Module>(&mut self, module: &M) -> Result<()> {

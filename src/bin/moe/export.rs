@@ -27,8 +27,10 @@ pub struct Args {
     pub out: PathBuf,
     /// Float dtype of the exported weights (FP8 weights are dequantised to it). By default each
     /// tensor keeps its dtype: FP8 weights of an HF source become bf16, FP8 weights stored in a
-    /// distributed checkpoint stay FP8 with their `*_scale_inv` and `quantization_config`.
-    /// The DeepSeek-V3 router bias always stays f32.
+    /// distributed checkpoint stay FP8 with their `*_scale_inv` and `quantization_config`, and
+    /// the checkpoint of a `--bf16` run gives bf16 (its f32 main weights rounded once);
+    /// `f32` exports such a checkpoint's f32 main weights. The DeepSeek-V3 router bias always
+    /// stays f32.
     #[arg(long, value_enum)]
     pub dtype: Option<ExportDtype>,
     /// Largest shard, e.g. `5GB` (10^9 bytes), `500MB`, `2GiB` or a byte count.

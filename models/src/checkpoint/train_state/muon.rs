@@ -3,9 +3,11 @@
 //! `optim.exp_avg`, `optim.exp_avg_sq` of the non-Muon parameters) under the optimizer type
 //! [`MUON_KIND`]; each Muon matrix adds its momentum as `optim.muon_momentum.<fqn>`, a tensor
 //! of the parameter's global shape whose chunks are the parameters' own boxes, so it reshards
-//! like the parameters. Muon's f32 master copies equal the (f32) parameters after every step
-//! and are restored from them. Only [`MuonSharding::Replicated`] is checkpointed (under
-//! `LayerWise` a parameter's momentum lives on its owner only).
+//! like the parameters, and its f32 master copy as `optim.muon_master.<fqn>` the same way (under
+//! BF16 mixed precision the parameter is only the master rounded). A checkpoint without
+//! `optim.muon_master` (written before they were saved, by f32 runs whose masters equal the
+//! parameters) restores the masters from the parameters. Only [`MuonSharding::Replicated`] is
+//! checkpointed (under `LayerWise` a parameter's momentum lives on its owner only).
 
 use std::path::Path;
 
@@ -27,6 +29,11 @@ pub const MUON_KIND: &str = "muon_adamw";
 /// Checkpoint name of a Muon matrix's momentum.
 pub fn momentum_fqn(fqn: &str) -> String {
     format!("optim.muon_momentum.{fqn}")
+}
+
+/// Checkpoint name of a Muon matrix's f32 master copy.
+pub fn master_fqn(fqn: &str) -> String {
+    format!("optim.muon_master.{fqn}")
 }
 
 fn check_sharding(muon: &DistributedMuon, path: &Path) -> Result<(), BridgeError> {
@@ -64,23 +71,28 @@ pub(super) fn momentum_chunks(
         .filter(|p| p.main_replica && muon.contains(p.id))
     {
         let pl = &p.placement;
-        let fqn = momentum_fqn(&pl.fqn);
-        let values = muon.momentum(p.id).ok_or_else(|| BridgeError::TrainState {
-            path: root.to_path_buf(),
-            field: fqn.clone(),
-            reason: "this rank keeps no Muon momentum for it".to_owned(),
-        })?;
-        out.push(OwnedChunk {
-            meta: TensorMeta {
-                fqn: fqn.clone(),
-                kind: TensorKind::Optim,
-                dtype: Dtype::F32,
-                global_shape: pl.global_shape.clone(),
-                hf: Vec::new(),
-            },
-            offsets: pl.offsets.clone(),
-            tensor: OwnedTensor::from_f32(fqn, pl.shape.clone(), &canonical(p, &values))?,
-        });
+        let states = [
+            (momentum_fqn(&pl.fqn), muon.momentum(p.id), "momentum"),
+            (master_fqn(&pl.fqn), muon.master(p.id), "master copy"),
+        ];
+        for (fqn, values, what) in states {
+            let values = values.ok_or_else(|| BridgeError::TrainState {
+                path: root.to_path_buf(),
+                field: fqn.clone(),
+                reason: format!("this rank keeps no Muon {what} for it"),
+            })?;
+            out.push(OwnedChunk {
+                meta: TensorMeta {
+                    fqn: fqn.clone(),
+                    kind: TensorKind::Optim,
+                    dtype: Dtype::F32,
+                    global_shape: pl.global_shape.clone(),
+                    hf: Vec::new(),
+                },
+                offsets: pl.offsets.clone(),
+                tensor: OwnedTensor::from_f32(fqn, pl.shape.clone(), &canonical(p, &values))?,
+            });
+        }
     }
     Ok(out)
 }
@@ -99,34 +111,50 @@ pub(super) fn record(mut record: OptimizerRecord, muon: &DistributedMuon) -> Opt
             "scale": format!("{:?}", c.scale),
         }),
     );
-    record
-        .state_dtypes
-        .insert("muon_momentum".to_owned(), Dtype::F32.as_str().to_owned());
+    for state in ["muon_momentum", "muon_master"] {
+        record
+            .state_dtypes
+            .insert(state.to_owned(), Dtype::F32.as_str().to_owned());
+    }
     record
 }
 
-/// Restores this rank's Muon momentum from `ckpt` (each Muon parameter's own box of
-/// `optim.muon_momentum.<fqn>`, under any layout).
+/// Restores this rank's Muon momentum and master copies from `ckpt` (each Muon parameter's
+/// own box of `optim.muon_momentum.<fqn>` and `optim.muon_master.<fqn>`, under any layout;
+/// without the latter the masters are left as they are, the caller sets them from the
+/// parameters). Returns whether the master copies were read.
 pub(super) fn load_momentum(
     ckpt: &DistCheckpoint,
     muon: &mut DistributedMuon,
     placed: &[PlacedTensor],
-) -> Result<(), BridgeError> {
+) -> Result<bool, BridgeError> {
     let dir = ckpt.dir().to_path_buf();
     check_sharding(muon, &dir)?;
     let mine: Vec<&PlacedTensor> = placed.iter().filter(|p| muon.contains(p.id)).collect();
+    let masters = mine.iter().all(|p| {
+        ckpt.index()
+            .tensors
+            .contains_key(&master_fqn(&p.placement.fqn))
+    });
     for p in mine {
         let pl = &p.placement;
-        let fqn = momentum_fqn(&pl.fqn);
-        let request = TensorBox::new(pl.offsets.clone(), pl.shape.clone());
-        let t = ckpt.read_box_checked(&fqn, &pl.global_shape, None, &request, false)?;
-        let v = t.to_f32_vec()?;
-        let v = match pl.shape.as_slice() {
-            [rows, cols] if pl.transposed => transpose_2d(&v, *rows, *cols),
-            _ => v,
+        let read = |fqn: &str| -> Result<Vec<f32>, BridgeError> {
+            let request = TensorBox::new(pl.offsets.clone(), pl.shape.clone());
+            let t = ckpt.read_box_checked(fqn, &pl.global_shape, None, &request, false)?;
+            let v = t.to_f32_vec()?;
+            Ok(match pl.shape.as_slice() {
+                [rows, cols] if pl.transposed => transpose_2d(&v, *rows, *cols),
+                _ => v,
+            })
         };
-        muon.set_momentum(p.id, &v)
+        let fqn = momentum_fqn(&pl.fqn);
+        muon.set_momentum(p.id, &read(&fqn)?)
             .map_err(backend_error(&dir, &fqn))?;
+        if masters {
+            let fqn = master_fqn(&pl.fqn);
+            muon.set_master(p.id, &read(&fqn)?)
+                .map_err(backend_error(&dir, &fqn))?;
+        }
     }
-    Ok(())
+    Ok(masters)
 }
