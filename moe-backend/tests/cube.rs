@@ -363,6 +363,132 @@ fn grouped_matmul_forward_and_backward_equal_flex_and_reference_on_gl() {
     check_grouped_matmul(&gl());
 }
 
+/// The mantissa bits of a half-precision float dtype (BF16 7, F16 10).
+fn mantissa_bits(dtype: DType) -> i32 {
+    match dtype {
+        DType::BF16 => 7,
+        DType::F16 => 10,
+        other => panic!("{other:?} is not a half-precision dtype"),
+    }
+}
+
+/// `x · wᵀ` (OutIn) or `x · w` (InOut) per group, in f64 on the host: `[n, m]`.
+fn host_grouped_matmul(
+    x: &[f64],
+    w: &[f64],
+    sizes: &[usize],
+    (k, m): (usize, usize),
+    layout: WeightLayout,
+) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut row = 0;
+    for (g, &s) in sizes.iter().enumerate() {
+        for r in row..row + s {
+            for c in 0..m {
+                let wv = |kk: usize| match layout {
+                    WeightLayout::OutIn => w[(g * m + c) * k + kk],
+                    WeightLayout::InOut => w[(g * k + kk) * m + c],
+                };
+                out.push((0..k).map(|kk| x[r * k + kk] * wv(kk)).sum());
+            }
+        }
+        row += s;
+    }
+    out
+}
+
+/// Grouped GEMM forward, dgrad and wgrad with half-precision operands (`dtype`: BF16, or F16
+/// where the device lacks BF16) on `device`, against f64 references of the same (rounded)
+/// operands: every output is the f32-accumulated sum rounded once, so within half an ulp of
+/// `dtype` (2⁻⁸ relative for BF16, 2⁻¹¹ for F16) plus the f32 accumulation's rounding.
+/// Also the accumulator itself: `2^(p+1) + 1 + 1` with `p` mantissa bits is `2^(p+1) + 2` in
+/// f32 (a half-precision accumulator would keep `2^(p+1)`).
+fn check_grouped_matmul_half(device: &Device, dtype: DType) {
+    let ad = device.clone().autodiff();
+    let big = 2f64.powi(mantissa_bits(dtype) + 1);
+    let x = tensor(vec![big, 1.0, 1.0], [1, 3], &ad, dtype);
+    let w = tensor(vec![1.0; 3], [1, 1, 3], &ad, dtype);
+    let y = grouped_matmul(x, w, &GroupSizes::Host(vec![1]), WeightLayout::OutIn).expect("gmm");
+    assert_eq!(y.dtype(), dtype);
+    assert_eq!(values(y), vec![big + 2.0], "{dtype:?}: f32 accumulation");
+
+    let rtol = 2f64.powi(-(mantissa_bits(dtype) + 1));
+    let atol = 1e-4;
+    let mut rng = SplitMix::new(41);
+    for sizes in [vec![3, 0, 5, 1], vec![70, 0, 129, 2, 0]] {
+        let n: usize = sizes.iter().sum();
+        let g = sizes.len();
+        for (k, m) in [(9, 5), (70, 130)] {
+            for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
+                let wshape = match layout {
+                    WeightLayout::OutIn => [g, m, k],
+                    WeightLayout::InOut => [g, k, m],
+                };
+                let x = tensor(rng.values(n * k), [n, k], &ad, dtype).require_grad();
+                let w = tensor(rng.values(g * m * k), wshape, &ad, dtype).require_grad();
+                let r = tensor(rng.values(n * m), [n, m], &ad, dtype);
+                // The operands as they are held (rounded to `dtype`).
+                let (xv, wv, rv) = (values(x.clone()), values(w.clone()), values(r.clone()));
+                let sizes_t = int_tensor(sizes.iter().map(|&s| s as i64).collect(), [g], &ad);
+                let gs = GroupSizes::Device(Box::new(sizes_t));
+                let y = grouped_matmul(x.clone(), w.clone(), &gs, layout).expect("gmm");
+                assert_eq!(y.dtype(), dtype);
+                let grads = (y.clone() * r).backward();
+                let (dx, dw) = (x.grad(&grads).expect("dx"), w.grad(&grads).expect("dw"));
+                assert_eq!((dx.dtype(), dw.dtype()), (dtype, dtype));
+                let what = format!("{dtype:?} sizes {sizes:?} k {k} m {m} {layout:?}");
+                let want_y = host_grouped_matmul(&xv, &wv, &sizes, (k, m), layout);
+                assert_close(&values(y), &want_y, rtol, atol, &format!("forward {what}"));
+                // dx = dy · W per group (W as `[m, k]` in OutIn, `[k, m]` in InOut).
+                let flip = match layout {
+                    WeightLayout::OutIn => WeightLayout::InOut,
+                    WeightLayout::InOut => WeightLayout::OutIn,
+                };
+                let want_dx = host_grouped_matmul(&rv, &wv, &sizes, (m, k), flip);
+                assert_close(&values(dx), &want_dx, rtol, atol, &format!("dgrad {what}"));
+                // dW_g = dy_gᵀ · x_g (OutIn) or x_gᵀ · dy_g (InOut); empty groups exactly 0.
+                let mut want_dw = vec![0.0; g * m * k];
+                let mut row = 0;
+                for (gi, &s) in sizes.iter().enumerate() {
+                    for i in 0..m {
+                        for j in 0..k {
+                            let v: f64 =
+                                (row..row + s).map(|t| rv[t * m + i] * xv[t * k + j]).sum();
+                            let at = match layout {
+                                WeightLayout::OutIn => (gi * m + i) * k + j,
+                                WeightLayout::InOut => (gi * k + j) * m + i,
+                            };
+                            want_dw[at] = v;
+                        }
+                    }
+                    row += s;
+                }
+                assert_close(&values(dw), &want_dw, rtol, atol, &format!("wgrad {what}"));
+            }
+        }
+    }
+}
+
+/// The half-precision dtypes `device` holds: BF16 where it has it, else F16 (lavapipe has no
+/// BF16 arithmetic; say which ran).
+fn half_dtypes(device: &Device) -> Vec<DType> {
+    let dtypes: Vec<DType> = [DType::BF16, DType::F16]
+        .into_iter()
+        .filter(|d| device.supports_dtype(*d))
+        .collect();
+    eprintln!("half-precision dtypes of {device:?}: {dtypes:?}");
+    assert!(!dtypes.is_empty(), "{device:?} holds neither BF16 nor F16");
+    dtypes
+}
+
+#[test]
+fn grouped_matmul_in_half_precision_accumulates_in_f32() {
+    let device = cube();
+    for dtype in half_dtypes(&device) {
+        check_grouped_matmul_half(&device, dtype);
+    }
+}
+
 /// `wgrad(a, b)` and its gradients on one device.
 fn wgrad_on(
     device: &Device,
