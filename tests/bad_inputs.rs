@@ -364,7 +364,6 @@ impl Cmd {
     /// (a needle of its message), or `None` when it runs it.
     fn refuses(self, model_type: &str) -> Option<&'static str> {
         match (self, model_type) {
-            (Cmd::Logprobs, "qwen3") => Some("MoE checkpoints (Qwen3-MoE, DeepSeek-V3) only"),
             (Cmd::Upcycle, t) if t != "qwen3" => {
                 Some("upcycling needs a dense \"qwen3\" checkpoint")
             }
