@@ -50,7 +50,8 @@ pub struct Args {
     pub layout: String,
     /// Sequences per micro-batch of a data-parallel replica (Megatron's
     /// `--micro-batch-size`; under pipeline parallelism the micro-batches fill the pipeline).
-    /// Default: a replica's whole share of the batch in one micro-batch.
+    /// Default: a replica's whole share of the batch in one micro-batch (with `vpp > 1`, the
+    /// largest size giving the interleaved schedule a multiple of `pp` micro-batches).
     #[arg(long, value_name = "N")]
     pub micro_batch_size: Option<usize>,
     /// Seconds a rank waits for the others in a collective before the job fails.
@@ -137,6 +138,26 @@ fn check_split(layout: &ParallelLayout, [batch, seq]: [usize; 2]) -> anyhow::Res
         );
     }
     Ok(())
+}
+
+/// The default micro-batch size of a replica's `rows`: all of them in one micro-batch, except
+/// under the interleaved schedule (`vpp > 1`), which needs a multiple of `pp` micro-batches:
+/// then the largest size giving one.
+fn default_micro_batch_size(rows: usize, layout: &ParallelLayout) -> anyhow::Result<usize> {
+    if layout.vpp <= 1 {
+        return Ok(rows);
+    }
+    (1..=rows)
+        .rev()
+        .find(|&mbs| rows.is_multiple_of(mbs) && (rows / mbs).is_multiple_of(layout.pp))
+        .with_context(|| {
+            format!(
+                "the interleaved pipeline schedule (vpp = {}) needs a multiple of pp = {} \
+                 micro-batches per replica; a replica's {rows} sequences cannot make one \
+                 (use a batch with a multiple of {} sequences per replica)",
+                layout.vpp, layout.pp, layout.pp
+            )
+        })
 }
 
 /// Checks every id is in `0..vocab`, naming the first bad one.
@@ -245,7 +266,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     check_vocab(&ids, seq, vocab, &args.input)?;
     let rows = batch / layout.dp;
-    let mbs = args.micro_batch_size.unwrap_or(rows);
+    let mbs = match args.micro_batch_size {
+        Some(mbs) => mbs,
+        None => default_micro_batch_size(rows, &layout)?,
+    };
     if mbs == 0 || !rows.is_multiple_of(mbs) {
         bail!(
             "--micro-batch-size {mbs} does not divide a replica's {rows} sequences (batch \
