@@ -290,9 +290,12 @@ pub struct Args {
     /// Megatron's BF16 mixed precision: BF16 parameters, activations and gradients; f32 main
     /// weights, Adam moments and gradient accumulation; router, norm statistics, attention
     /// softmax and cross-entropy in f32 (docs/training-and-rl.md §Mixed precision (BF16)).
-    /// Default: f32.
-    #[arg(long)]
+    /// The default on `--device cuda`; elsewhere f32 is.
+    #[arg(long, conflicts_with = "fp32")]
     pub bf16: bool,
+    /// f32 parameters, activations and gradients (the default except on `--device cuda`).
+    #[arg(long)]
+    pub fp32: bool,
     /// With `--bf16`: accumulate the micro-batches' gradients and reduce them over the
     /// data-parallel groups in BF16 (Megatron's `--grad-reduce-in-bf16`) instead of f32.
     #[arg(long, requires = "bf16")]
@@ -430,16 +433,23 @@ pub enum AuxLoss {
     GlobalAux,
 }
 
+/// `--bf16` / `--fp32`, else BF16 on CUDA devices (Megatron's GPU recipe) and f32 elsewhere
+/// (the CPU, and Vulkan devices, which may lack BF16).
+fn precision(args: &Args) -> Precision {
+    match (args.bf16, args.fp32, args.device) {
+        (true, _, _) => Precision::Bf16,
+        (false, true, _) => Precision::F32,
+        (false, false, crate::DeviceArg::Cuda) => Precision::Bf16,
+        (false, false, _) => Precision::F32,
+    }
+}
+
 fn job(args: &Args) -> TrainJob {
     let defaults = TrainerConfig::default();
     let mut trainer = TrainerConfig {
         lr: args.lr,
         z_loss_coeff: args.z_loss_coeff,
-        precision: if args.bf16 {
-            Precision::Bf16
-        } else {
-            Precision::F32
-        },
+        precision: precision(args),
         accumulate_allreduce_grads_in_fp32: !args.grad_reduce_in_bf16,
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
         muon: (args.optimizer == OptimizerKind::Muon).then(MuonConfig::default),
@@ -685,4 +695,45 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print_summary(&report);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    /// `moe train` parsed from `args` (after the command name).
+    fn parsed(args: &[&str]) -> Result<Args, clap::Error> {
+        #[derive(Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: Args,
+        }
+        Wrap::try_parse_from(std::iter::once("moe-train").chain(args.iter().copied()))
+            .map(|w| w.args)
+    }
+
+    /// BF16 is the default on CUDA devices and f32 elsewhere; `--bf16` / `--fp32` choose, and
+    /// never both.
+    #[test]
+    fn precision_defaults_follow_the_device() {
+        let p = |a: &[&str]| precision(&parsed(a).expect("parse"));
+        let model = ["--model", "m"];
+        assert_eq!(p(&model), Precision::F32);
+        assert_eq!(
+            p(&[&model[..], &["--device", "cuda"]].concat()),
+            Precision::Bf16
+        );
+        assert_eq!(
+            p(&[&model[..], &["--device", "vulkan"]].concat()),
+            Precision::F32
+        );
+        let cuda_f32 = [&model[..], &["--device", "cuda", "--fp32"]].concat();
+        assert_eq!(p(&cuda_f32), Precision::F32);
+        assert_eq!(p(&[&model[..], &["--bf16"]].concat()), Precision::Bf16);
+        let both = [&model[..], &["--bf16", "--fp32"]].concat();
+        let err = parsed(&both).err().expect("refused").to_string();
+        assert!(err.contains("--fp32") && err.contains("--bf16"), "{err}");
+    }
 }
