@@ -733,7 +733,7 @@ mod tests {
         assert_eq!(p(&cuda_f32), Precision::F32);
         assert_eq!(p(&[&model[..], &["--bf16"]].concat()), Precision::Bf16);
         let both = [&model[..], &["--bf16", "--fp32"]].concat();
-        let err = parsed(&both).err().expect("refused").to_string();
+        let err = parsed(&both).expect_err("refused").to_string();
         assert!(err.contains("--fp32") && err.contains("--bf16"), "{err}");
     }
 }
