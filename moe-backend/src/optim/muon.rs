@@ -300,6 +300,31 @@ struct Slot {
     momentum: Option<Tensor<1>>,
 }
 
+/// The per-parameter f32 state a checkpoint restores.
+#[derive(Clone, Copy)]
+enum SlotState {
+    Master,
+    Momentum,
+}
+
+impl SlotState {
+    /// Whether this rank keeps this state of `slot`.
+    fn held(self, slot: &Slot) -> bool {
+        match self {
+            SlotState::Master => slot.master.is_some(),
+            SlotState::Momentum => slot.momentum.is_some(),
+        }
+    }
+
+    /// This state of `slot`.
+    fn of(self, slot: &mut Slot) -> &mut Option<Tensor<1>> {
+        match self {
+            SlotState::Master => &mut slot.master,
+            SlotState::Momentum => &mut slot.momentum,
+        }
+    }
+}
+
 impl Slot {
     fn numel(&self) -> usize {
         self.dims.iter().product()
@@ -613,33 +638,7 @@ impl DistributedMuon {
     /// with the same layout). Errors when `id` is not a Muon parameter this rank keeps, or the
     /// length differs.
     pub fn set_momentum(&mut self, id: ParamId, values: &[f32]) -> Result<()> {
-        let device = self.device.clone();
-        let slot = self
-            .ids
-            .get(&id)
-            .map(|&i| &mut self.slots[i])
-            .filter(|s| s.momentum.is_some())
-            .ok_or_else(|| BackendError::Config {
-                field: "momentum",
-                detail: format!("parameter {id} has no Muon momentum on this rank"),
-            })?;
-        if values.len() != slot.numel() {
-            return Err(BackendError::Shape {
-                op: "DistributedMuon::set_momentum",
-                detail: format!(
-                    "`{}`: {} values for a shard of {}",
-                    slot.info.path,
-                    values.len(),
-                    slot.numel()
-                ),
-            });
-        }
-        let n = values.len();
-        slot.momentum = Some(Tensor::from_data(
-            TensorData::new(values.to_vec(), [n]),
-            (&device, DType::F32),
-        ));
-        Ok(())
+        self.set_state(id, values, SlotState::Momentum)
     }
 
     /// The f32 master copy of parameter `id`'s local shard (flat, row-major), read back to the
@@ -655,19 +654,28 @@ impl DistributedMuon {
     /// any layout). Errors when `id` is not a Muon parameter this rank keeps a master of, or
     /// the length differs.
     pub fn set_master(&mut self, id: ParamId, values: &[f32]) -> Result<()> {
+        self.set_state(id, values, SlotState::Master)
+    }
+
+    /// Overwrites `state` of parameter `id`'s local shard with `values` (f32, flat).
+    fn set_state(&mut self, id: ParamId, values: &[f32], state: SlotState) -> Result<()> {
         let device = self.device.clone();
+        let (field, what, op) = match state {
+            SlotState::Master => ("master", "master copy", "DistributedMuon::set_master"),
+            SlotState::Momentum => ("momentum", "momentum", "DistributedMuon::set_momentum"),
+        };
         let slot = self
             .ids
             .get(&id)
             .map(|&i| &mut self.slots[i])
-            .filter(|s| s.master.is_some())
+            .filter(|s| state.held(s))
             .ok_or_else(|| BackendError::Config {
-                field: "master",
-                detail: format!("parameter {id} has no Muon master copy on this rank"),
+                field,
+                detail: format!("parameter {id} has no Muon {what} on this rank"),
             })?;
         if values.len() != slot.numel() {
             return Err(BackendError::Shape {
-                op: "DistributedMuon::set_master",
+                op,
                 detail: format!(
                     "`{}`: {} values for a shard of {}",
                     slot.info.path,
@@ -677,7 +685,7 @@ impl DistributedMuon {
             });
         }
         let n = values.len();
-        slot.master = Some(Tensor::from_data(
+        *state.of(slot) = Some(Tensor::from_data(
             TensorData::new(values.to_vec(), [n]),
             (&device, DType::F32),
         ));
