@@ -216,28 +216,28 @@ fn planner_pipeline_traffic_matches_a_training_step() {
 }
 
 /// `moe plan`'s pipeline bytes per step sent by pipeline rank `stage` of a Qwen3-MoE under
-/// `layout`, for `(seq, micro_batch, micro-batches, vpp)` and f32 activations.
+/// `layout`, for `(seq, micro_batch, micro-batches, vpp)` with the planner's f32 precision
+/// (`moe plan --fp32`, what these f32 runs train in).
 fn planned_pp_bytes(
     config: &moe_models::Qwen3MoeConfig,
     layout: &moe_backend::parallel::ParallelLayout,
     stage: usize,
     (seq, micro_batch, microbatches, vpp): (usize, usize, usize, usize),
 ) -> u64 {
-    use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
+    use moe_models::plan::PlanOptions;
+    use moe_models::plan::comm::{Routing, step_traffic};
     use moe_models::plan::qwen3_moe_rank_params;
     use moe_models::plan::shape::ModelShape;
     let shape = ModelShape::qwen3_moe(config);
     let params = qwen3_moe_rank_params(config, layout, stage);
-    let opts = CommOptions {
+    let opts = PlanOptions {
         seq,
         micro_batch,
-        microbatches,
         vpp,
-        act_bytes: 4,
-        prob_bytes: 4,
-        int_bytes: 4,
-        dispatcher: Dispatcher::AllToAll,
-    };
+        precision: moe_backend::optim::Precision::F32,
+        ..PlanOptions::default()
+    }
+    .comm(microbatches);
     let traffic = step_traffic(&shape, &params, layout, &opts, stage, 0, &Routing::Uniform);
     traffic.expect("planned traffic").total.pp as u64
 }

@@ -762,3 +762,37 @@ fn a_tied_embedding_is_counted_on_the_last_stage_too() {
         assert_eq!(n as u64, want[rank], "the sharded model on rank {rank}");
     }
 }
+
+/// The planner follows the training precision: under `--fp32` every rank's parameters and the
+/// activations passed between pipeline stages take 4 bytes instead of BF16's 2, while the f32
+/// main weights and moments do not change.
+#[test]
+fn the_plan_follows_the_training_precision() {
+    use moe_backend::optim::Precision;
+    use moe_models::plan::shape::PlannedModel;
+    use moe_models::plan::{PlanOptions, plan_layout};
+    let model = PlannedModel::Qwen3Moe(Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap());
+    let layout = ParallelLayout::parse(4, "pp=2,ep=2,pp_layout=Et|t*2L").unwrap();
+    let plan = |precision| {
+        let opts = PlanOptions {
+            seq: 16,
+            precision,
+            ..PlanOptions::default()
+        };
+        plan_layout(&model, &layout, &opts).expect("plan")
+    };
+    let (bf16, f32) = (plan(Precision::Bf16), plan(Precision::F32));
+    for (a, b) in bf16.stages.iter().zip(&f32.stages) {
+        assert!(a.state.weights > 0.0);
+        assert_eq!(b.state.weights, 2.0 * a.state.weights, "stage {}", a.stage);
+        assert_eq!(b.state.master, a.state.master, "stage {}", a.stage);
+        assert_eq!(b.state.moments, a.state.moments, "stage {}", a.stage);
+        assert!(a.traffic.total.pp > 0.0);
+        assert_eq!(
+            b.traffic.total.pp,
+            2.0 * a.traffic.total.pp,
+            "stage {}",
+            a.stage
+        );
+    }
+}

@@ -36,6 +36,10 @@ pub struct PlanOptions {
     pub distributed_optimizer: bool,
     /// Token dispatcher.
     pub dispatcher: Dispatcher,
+    /// Training precision: BF16 mixed precision (Megatron's `--bf16`, the default) or f32;
+    /// parameters, activations and the dispatched tokens take its bytes (main weights,
+    /// gradients and moments as [`MemoryOptions::precision`] says).
+    pub precision: moe_backend::optim::Precision,
 }
 
 impl Default for PlanOptions {
@@ -51,6 +55,7 @@ impl Default for PlanOptions {
             optimizer_dtype: OptimizerDtype::Fp32,
             distributed_optimizer: true,
             dispatcher: Dispatcher::AllToAll,
+            precision: moe_backend::optim::Precision::Bf16,
         }
     }
 }
@@ -82,7 +87,7 @@ impl PlanOptions {
             micro_batch: self.micro_batch,
             microbatches,
             vpp: self.vpp,
-            act_bytes: 2,
+            act_bytes: self.precision.param_bytes(),
             fp8: self.fp8,
             recompute: self.recompute.clone(),
             memory_efficient_permutation: self.memory_efficient_permutation,
@@ -95,18 +100,19 @@ impl PlanOptions {
             fp8_weights: self.fp8,
             optimizer_dtype: self.optimizer_dtype,
             distributed_optimizer: self.distributed_optimizer,
-            precision: moe_backend::optim::Precision::Bf16,
+            precision: self.precision,
         }
     }
 
-    /// The communication model's settings (BF16 activations, f32 probabilities).
+    /// The communication model's settings (activations in the precision's bytes, f32
+    /// probabilities).
     pub fn comm(&self, microbatches: usize) -> CommOptions {
         CommOptions {
             seq: self.seq,
             micro_batch: self.micro_batch,
             microbatches,
             vpp: self.vpp,
-            act_bytes: 2,
+            act_bytes: self.precision.param_bytes(),
             prob_bytes: 4,
             int_bytes: 8,
             dispatcher: self.dispatcher,

@@ -67,6 +67,11 @@ pub struct Args {
     /// Adam moments in bf16 (same as `--optimizer-dtype bf16`).
     #[arg(long)]
     pub bf16_moments: bool,
+    /// Plan an f32 run (`moe train --fp32`, the CPU default): 4-byte parameters, activations
+    /// and dispatched tokens. Default: BF16 mixed precision (`moe train --bf16`, the CUDA
+    /// default).
+    #[arg(long)]
+    pub fp32: bool,
     /// ZeRO-1 distributed optimizer (`--distributed-optimizer false` replicates it).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub distributed_optimizer: bool,
@@ -109,6 +114,11 @@ fn options(args: &Args) -> anyhow::Result<PlanOptions> {
             "alltoall" | "all_to_all" => Dispatcher::AllToAll,
             "allgather" | "all_gather" => Dispatcher::AllGather,
             other => bail!("--dispatcher: `{other}` (expected alltoall or allgather)"),
+        },
+        precision: if args.fp32 {
+            burn_moe::backend::optim::Precision::F32
+        } else {
+            burn_moe::backend::optim::Precision::Bf16
         },
     })
 }
