@@ -29,11 +29,12 @@
 #   moe_train_nccl       `moe train --device cuda --transport nccl` on the Qwen3-MoE fixture,
 #                        2 steps, finite losses: the NCCL transport's bootstrap through the real
 #                        libnccl (ncclGetUniqueId, ncclCommInitRank; at world size 1 the
-#                        collectives themselves never reach NCCL)
+#                        collectives themselves never reach NCCL); BF16 mixed precision, moe
+#                        train's default on CUDA (needs binaries built after that default landed)
 #   train_step           one Qwen3-MoE training step at world size 1 (moe-gpu-train-step, the
 #                        cube_train_step bench:
-#                        tokens/s, MFU against the BF16 peak; f32 until the BF16 trainer lands:
-#                        --train-args passes e.g. "--bf16" to it then)
+#                        tokens/s, MFU against the BF16 peak; the bench trains f32 (it has no
+#                        BF16 option yet; --train-args passes one once it has))
 #
 # Carried (built by benches/gpu/build-cuda.sh on the CPU machine, gitignored):
 #   .bench/gpu-bins.tar.xz  moe, moe-gpu-gemm-check, moe-gpu-train-step

@@ -43,7 +43,8 @@ pub(crate) type LogProbHook<'h> =
 pub(crate) struct LogProbOutcome {
     /// Parameter gradients summed over the micro-batches.
     pub grads: GradientsParams,
-    /// Σ over micro-batches of the objectives' values (0 off the last stage).
+    /// Σ over micro-batches of the objectives' values, read back once per run (0 off the
+    /// last stage).
     pub value_sum: f64,
     /// Σ of the tokens the hook reported (0 off the last stage).
     pub tokens: usize,
@@ -59,7 +60,8 @@ enum Mode<'h, M> {
         hook: &'h mut LogProbHook<'h>,
         scale: f64,
         accumulator: MainGradAccumulator<M>,
-        value_sum: f64,
+        /// The objectives' values summed on the device (read once after the run).
+        value_sum: Option<Tensor<1>>,
         tokens: usize,
     },
 }
@@ -191,7 +193,11 @@ impl<S: CausalLmShard> PipelineStage<2> for LogProbStage<'_, '_, S> {
                         ..
                     } => {
                         let (objective, n) = hook(microbatch, batch, logprobs)?;
-                        *value_sum += f64::from(crate::train::scalar(&objective)?);
+                        let value = objective.clone().detach();
+                        *value_sum = Some(match value_sum.take() {
+                            Some(sum) => sum + value,
+                            None => value,
+                        });
                         *tokens += n;
                         if *scale == 1.0 {
                             objective
@@ -354,7 +360,7 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
         hook,
         scale,
         accumulator: MainGradAccumulator::new(main_grad_dtype),
-        value_sum: 0.0,
+        value_sum: None,
         tokens: 0,
     };
     let mut stage = LogProbStage::new(shard, micro, device, tp, mode);
@@ -368,7 +374,10 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
             ..
         } => Ok(LogProbOutcome {
             grads: accumulator.grads(),
-            value_sum,
+            value_sum: match value_sum {
+                Some(sum) => f64::from(crate::train::scalar(&sum)?),
+                None => 0.0,
+            },
             tokens,
             loads,
         }),

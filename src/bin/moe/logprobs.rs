@@ -259,11 +259,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let device = Device::flex();
     let full = crate::progress::load_model(&args.model, WeightPrecision::F32, &device)?;
-    let vocab = match &full {
-        AnyCausalLm::Qwen3Moe(m) => m.config().vocab_size,
-        AnyCausalLm::DeepseekV3(m) => m.config().vocab_size,
-        AnyCausalLm::Qwen3(m) => m.config().vocab_size,
-    };
+    let vocab = full.config().vocab_size();
     check_vocab(&ids, seq, vocab, &args.input)?;
     let rows = batch / layout.dp;
     let mbs = match args.micro_batch_size {
