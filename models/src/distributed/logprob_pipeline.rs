@@ -60,8 +60,6 @@ enum Mode<'h, M> {
         hook: &'h mut LogProbHook<'h>,
         scale: f64,
         accumulator: MainGradAccumulator<M>,
-        /// The objectives' values summed on the device (read once after the run).
-        value_sum: Option<Tensor<1>>,
         tokens: usize,
     },
 }
@@ -80,6 +78,8 @@ struct LogProbStage<'a, 'h, S: CausalLmShard> {
     mode: Mode<'h, S::Model>,
     /// Per chunk: its routers' expert-bias counts over the run.
     loads: Vec<Vec<Option<Vec<f64>>>>,
+    /// Training: the objectives' values summed on the device (read once after the run).
+    value_sum: Option<Tensor<1>>,
 }
 
 impl<'a, 'h, S: CausalLmShard> LogProbStage<'a, 'h, S> {
@@ -123,6 +123,7 @@ impl<'a, 'h, S: CausalLmShard> LogProbStage<'a, 'h, S> {
             aux_grad_scale: 1.0 / micro.len().max(1) as f64,
             mode,
             loads,
+            value_sum: None,
         }
     }
 }
@@ -188,13 +189,12 @@ impl<S: CausalLmShard> PipelineStage<2> for LogProbStage<'_, '_, S> {
                     Mode::Train {
                         hook,
                         scale,
-                        value_sum,
                         tokens,
                         ..
                     } => {
                         let (objective, n) = hook(microbatch, batch, logprobs)?;
                         let value = objective.clone().detach();
-                        *value_sum = Some(match value_sum.take() {
+                        self.value_sum = Some(match self.value_sum.take() {
                             Some(sum) => sum + value,
                             None => value,
                         });
@@ -360,7 +360,6 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
         hook,
         scale,
         accumulator: MainGradAccumulator::new(main_grad_dtype),
-        value_sum: None,
         tokens: 0,
     };
     let mut stage = LogProbStage::new(shard, micro, device, tp, mode);
@@ -369,12 +368,11 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
     match stage.mode {
         Mode::Train {
             mut accumulator,
-            value_sum,
             tokens,
             ..
         } => Ok(LogProbOutcome {
             grads: accumulator.grads(),
-            value_sum: match value_sum {
+            value_sum: match stage.value_sum {
                 Some(sum) => f64::from(crate::train::scalar(&sum)?),
                 None => 0.0,
             },
