@@ -9,7 +9,7 @@
 //! - `shard`: rank 0 of the layout validates the directory and reads only its own boxes
 //!   (`moe_models::hf::load_shard_checked`), as `moe train` does;
 //! - `full`: the path `moe train` took before sharded loading, on rank 0: the whole model
-//!   (`Qwen3MoeForCausalLM::from_weights`), then its shard (`ParallelQwen3Moe::shard`).
+//!   (`Qwen3MoeForCausalLM::from_weights`), then its shard (`Sharded::<Qwen3MoeForCausalLM>::shard`).
 //!
 //! The other ranks of the in-process world only build their process groups and return, so the
 //! child's memory is rank 0's. Weights are held in f32 (the training precision), so a shard
@@ -32,7 +32,7 @@ use moe_backend::testing::XorShift64;
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
 use moe_models::Qwen3MoeForCausalLM;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
+use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::export::{ExpertNames, export_hf_tensors_as};
 use moe_models::hf::{ModelConfig, load_shard_checked};
 use serde_json::json;
@@ -168,7 +168,8 @@ fn child(spec: &str) {
             _ => {
                 let full = Qwen3MoeForCausalLM::from_weights(&config, &ckpt, &device)
                     .map_err(|e| be(e.to_string()))?;
-                ParallelQwen3Moe::shard(&full, &pg, kind).map_err(|e| be(e.to_string()))?
+                Sharded::<Qwen3MoeForCausalLM>::shard(&full, &pg, kind)
+                    .map_err(|e| be(e.to_string()))?
             }
         };
         Ok(export_hf_tensors_as(&shard.model, ExpertNames::Fused)

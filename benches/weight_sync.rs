@@ -15,11 +15,12 @@
 //! the same bytes into a fresh allocation (`Vec::clone`: the destination's pages fault in as the
 //! sync's fresh buckets do; the ratio is against this one)
 //! and into a destination already written once (`copy_from_slice`, the bandwidth ceiling). For
-//! context, the path the sync replaces: `gather_full_qwen3_moe` (the whole model on every
+//! context, the path the sync replaces: `gather_full` (the whole model on every
 //! rank) and then `export_hf_tensors` on rank 0, f32. The peak sync buffers of any rank come
 //! from `SyncStats`. System allocator (a freed bucket goes back to the OS, so every bucket's
 //! pages fault in, as the fresh-allocation baseline's do).
 
+use moe_models::Qwen3MoeForCausalLM;
 use std::time::Instant;
 
 use burn::tensor::Device;
@@ -27,7 +28,7 @@ use moe_backend::BackendError;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 use moe_models::Qwen3MoeConfig;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe, gather_full_qwen3_moe};
+use moe_models::distributed::{DispatcherKind, Sharded, gather_full};
 use moe_models::export::{ExportHf, for_each_hf_tensor};
 use moe_models::weight_sync::{
     DEFAULT_BUCKET_BYTES, ExpertNames, ModelReceiver, SyncDtype, SyncOptions, SyncStats,
@@ -169,8 +170,8 @@ fn main() {
         let pg = ctx.process_groups(layout_ref)?;
         let world = ctx.world()?;
         let be = |e: &dyn std::fmt::Display| BackendError::Replay(e.to_string());
-        let shard =
-            ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll).map_err(|e| be(&e))?;
+        let shard = Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+            .map_err(|e| be(&e))?;
         // The rollout model rank 0 updates (its own random init; replaced by the sync).
         let mut rollout = (ctx.rank() == 0)
             .then(|| full_ref.config().init(&Device::flex()))
@@ -220,7 +221,7 @@ fn main() {
         for _ in 0..3 {
             world.barrier()?;
             let start = Instant::now();
-            let gathered = gather_full_qwen3_moe(&shard, &pg).map_err(|e| be(&e))?;
+            let gathered = gather_full(&shard, &pg).map_err(|e| be(&e))?;
             if ctx.rank() == 0 {
                 for_each_hf_tensor(&gathered, |_, data| {
                     std::hint::black_box(data.as_bytes().len());

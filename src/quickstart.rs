@@ -28,7 +28,7 @@ use moe_bridge::export::{ExportOptions, ExportSummary};
 use moe_bridge::safetensors::Dtype;
 use moe_models::Qwen3MoeConfig;
 use moe_models::checkpoint::{restore_trainer, save_trainer};
-use moe_models::distributed::gather_full_qwen3_moe;
+use moe_models::distributed::gather_full;
 use moe_models::hf::ModelConfig;
 use moe_models::train::Trainer;
 
@@ -235,7 +235,7 @@ pub fn quickstart(
         };
         let meta = checkpoint_meta(&ckpt, &train_layout).map_err(carry)?;
         let saved = save_trainer(&world, &dist_root, meta, &trainer, &state).map_err(carry)?;
-        let full = gather_full_qwen3_moe(trainer.model(), &groups).map_err(to_backend)?;
+        let full = gather_full(trainer.model(), &groups).map_err(to_backend)?;
         let logits = if ctx.rank() == 0 {
             let out = full
                 .forward(ids_tensor(&probe, 2, &device))

@@ -9,9 +9,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device};
 use burn_moe::bridge::hf::HfCheckpoint;
-use burn_moe::models::distributed::{
-    DispatcherKind, LoadShard, ParallelDeepseekV3, ParallelQwen3, ParallelQwen3Moe,
-};
+use burn_moe::models::distributed::{DispatcherKind, LoadShard, Sharded};
 use burn_moe::models::export::{ExpertNames, ExportHf, export_hf_tensors_as};
 use burn_moe::models::hf::{ModelConfig, load_shard_checked};
 use burn_moe::models::{DeepseekV3ForCausalLM, ModelError, Qwen3ForCausalLM, Qwen3MoeForCausalLM};
@@ -156,13 +154,13 @@ fn qwen3_moe_sharded_load_equals_shard_of_full_load() {
         },
         |ckpt, pg| {
             let full = Qwen3MoeForCausalLM::from_weights(&qwen3_moe_config(ckpt), ckpt, &device())?;
-            ParallelQwen3Moe::shard(&full, pg, kind)
+            Sharded::<Qwen3MoeForCausalLM>::shard(&full, pg, kind)
         },
         |pg| {
             let ckpt = HfCheckpoint::open(fixture("qwen3_moe")).expect("open");
             Qwen3MoeForCausalLM::shard_skeleton(&qwen3_moe_config(&ckpt), pg, kind, &device())
         },
-        |s: &ParallelQwen3Moe| {
+        |s: &Sharded<Qwen3MoeForCausalLM>| {
             let out = s.forward_loss(&IDS, &IDS, 2, &device())?;
             Ok((tensors(&s.model), loss_bits(out.loss)))
         },
@@ -175,17 +173,25 @@ fn deepseek(name: &str) {
     let dir = fixture(name);
     check_family(
         &dir,
-        |ckpt, pg| ParallelDeepseekV3::load(&deepseek_config(ckpt), ckpt, pg, kind, &device()),
+        |ckpt, pg| {
+            Sharded::<DeepseekV3ForCausalLM>::load(
+                &deepseek_config(ckpt),
+                ckpt,
+                pg,
+                kind,
+                &device(),
+            )
+        },
         |ckpt, pg| {
             let full =
                 DeepseekV3ForCausalLM::from_weights(&deepseek_config(ckpt), ckpt, &device())?;
-            ParallelDeepseekV3::shard(&full, pg, kind)
+            Sharded::<DeepseekV3ForCausalLM>::shard(&full, pg, kind)
         },
         |pg| {
             let ckpt = HfCheckpoint::open(&dir).expect("open");
             DeepseekV3ForCausalLM::shard_skeleton(&deepseek_config(&ckpt), pg, kind, &device())
         },
-        |s: &ParallelDeepseekV3| {
+        |s: &Sharded<DeepseekV3ForCausalLM>| {
             use burn_moe::models::distributed::CausalLmShard;
             // The main loss and, with MTP modules, the MTP losses.
             let out = s.forward_train(&IDS, &IDS, 2, &device(), 1.0, true)?;
@@ -221,16 +227,18 @@ fn dense_qwen3_sharded_load_equals_shard_of_full_load() {
     let kind = DispatcherKind::AllToAll;
     check_family(
         &fixture("qwen3"),
-        |ckpt, pg| ParallelQwen3::load(&qwen3_config(ckpt), ckpt, pg, kind, &device()),
+        |ckpt, pg| {
+            Sharded::<Qwen3ForCausalLM>::load(&qwen3_config(ckpt), ckpt, pg, kind, &device())
+        },
         |ckpt, pg| {
             let full = Qwen3ForCausalLM::from_weights(&qwen3_config(ckpt), ckpt, &device())?;
-            ParallelQwen3::shard(&full, pg, kind)
+            Sharded::<Qwen3ForCausalLM>::shard(&full, pg, kind)
         },
         |pg| {
             let ckpt = HfCheckpoint::open(fixture("qwen3")).expect("open");
             Qwen3ForCausalLM::shard_skeleton(&qwen3_config(&ckpt), pg, kind, &device())
         },
-        |s: &ParallelQwen3| {
+        |s: &Sharded<Qwen3ForCausalLM>| {
             use burn_moe::models::distributed::CausalLmShard;
             let out = s.forward_train(&IDS, &IDS, 2, &device(), 1.0, false)?;
             Ok((tensors(&s.model), loss_bits(out.loss)))

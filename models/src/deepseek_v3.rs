@@ -452,7 +452,85 @@ impl DeepseekV3ForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(DeepseekV3ForCausalLM);
+crate::distributed::decoder_stack!(DeepseekV3ForCausalLM, mtp = mtp);
+
+impl crate::distributed::ShardModel for DeepseekV3ForCausalLM {
+    type Config = DeepseekV3Config;
+
+    fn model_config(&self) -> &DeepseekV3Config {
+        &self.config
+    }
+
+    fn stack_shape(
+        config: &DeepseekV3Config,
+    ) -> Result<crate::distributed::StackShape, ModelError> {
+        Ok(crate::distributed::StackShape {
+            pipeline: crate::distributed::PipelineModel {
+                layers: config.num_hidden_layers,
+                mtp: config.num_nextn_predict_layers,
+                tied: config.tie_word_embeddings,
+                hidden: config.hidden_size,
+            },
+            num_experts: Some(config.n_routed_experts),
+            vocab_size: config.vocab_size,
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?,
+        })
+    }
+
+    fn from_loader(
+        config: &DeepseekV3Config,
+        loader: &WeightLoader<'_>,
+    ) -> Result<Self, ModelError> {
+        Self::from_loader(config, loader)
+    }
+
+    fn copy_fp8_from(&mut self, full: &Self) {
+        let main = self.model.layers.select_from_mut(&full.model.layers);
+        let mtp = (self.mtp.iter_mut().zip(&full.mtp)).map(|(d, s)| (&mut d.block, &s.block));
+        for (dst, src) in main.chain(mtp) {
+            match (&mut dst.mlp, &src.mlp) {
+                (DeepseekV3FeedForward::Dense(d), DeepseekV3FeedForward::Dense(s)) => d.fp8 = s.fp8,
+                (DeepseekV3FeedForward::Moe(d), DeepseekV3FeedForward::Moe(s)) => {
+                    d.moe.experts.fp8 = s.moe.experts.fp8;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
+        (self.model.layers.get(layers).unwrap_or_default().iter())
+            .filter(|l| matches!(l.mlp, DeepseekV3FeedForward::Moe(_)))
+            .count()
+    }
+
+    fn routers_mut(&mut self) -> Vec<&mut moe_backend::router::TopKRouter> {
+        let main = self.model.layers.iter_mut();
+        let mtp = self.mtp.iter_mut().map(|m| &mut m.block);
+        main.chain(mtp)
+            .filter_map(|layer| match &mut layer.mlp {
+                DeepseekV3FeedForward::Moe(block) => Some(&mut block.moe.router),
+                DeepseekV3FeedForward::Dense(_) => None,
+            })
+            .collect()
+    }
+
+    fn replay_spec(&self) -> Option<crate::replay::ReplaySpec> {
+        Some(crate::replay::RouterReplayModel::replay_spec(self))
+    }
+
+    fn into_single_rank(mut self) -> Result<Self, ModelError> {
+        let heads = self.config.num_attention_heads;
+        let mtp_blocks = self.mtp.iter_mut().map(|m| &mut m.block);
+        for layer in self.model.layers.iter_mut().chain(mtp_blocks) {
+            layer.self_attn.num_heads = heads;
+        }
+        for router in crate::distributed::ShardModel::routers_mut(&mut self) {
+            router.set_losses(Vec::new(), None, 1, 1)?;
+        }
+        Ok(self)
+    }
+}
 
 impl CausalLm for DeepseekV3ForCausalLM {
     fn vocab_size(&self) -> usize {

@@ -202,6 +202,48 @@ impl Qwen3ForCausalLM {
 
 crate::distributed::decoder_stack!(Qwen3ForCausalLM);
 
+impl crate::distributed::ShardModel for Qwen3ForCausalLM {
+    type Config = Qwen3Config;
+
+    fn model_config(&self) -> &Qwen3Config {
+        &self.config
+    }
+
+    fn stack_shape(config: &Qwen3Config) -> Result<crate::distributed::StackShape, ModelError> {
+        Ok(crate::distributed::StackShape {
+            pipeline: crate::distributed::PipelineModel {
+                layers: config.num_hidden_layers,
+                mtp: 0,
+                tied: config.tie_word_embeddings,
+                hidden: config.hidden_size,
+            },
+            num_experts: None,
+            vocab_size: config.vocab_size,
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
+        })
+    }
+
+    fn from_loader(config: &Qwen3Config, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
+        Self::from_loader(config, loader)
+    }
+
+    fn copy_fp8_from(&mut self, full: &Self) {
+        for (dst, src) in self.model.layers.select_from_mut(&full.model.layers) {
+            dst.self_attn.fp8 = src.self_attn.fp8;
+            dst.mlp.fp8 = src.mlp.fp8;
+        }
+    }
+
+    fn into_single_rank(mut self) -> Result<Self, ModelError> {
+        let config = self.config.clone();
+        for layer in self.model.layers.iter_mut() {
+            layer.self_attn.num_heads = config.num_attention_heads;
+            layer.self_attn.num_kv_heads = config.num_key_value_heads;
+        }
+        Ok(self)
+    }
+}
+
 impl CausalLm for Qwen3ForCausalLM {
     fn vocab_size(&self) -> usize {
         self.config.vocab_size

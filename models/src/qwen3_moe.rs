@@ -13,17 +13,20 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::{ScoreFunction, TopKRouterConfig};
+use moe_backend::router::{ScoreFunction, TopKRouter, TopKRouterConfig};
 
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, hf_load_balancing_loss};
 use crate::config::Qwen3MoeConfig;
-use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::distributed::{
+    AttentionInputs, ParallelContext, PipelineModel, RouterTrace, ShardModel, StackShape,
+};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::param_plan::{Planned, load_with};
+use crate::replay::{ReplaySpec, RouterReplayModel};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3MoeConfig {
@@ -357,6 +360,84 @@ impl Qwen3MoeForCausalLM {
 }
 
 crate::distributed::decoder_stack!(Qwen3MoeForCausalLM);
+
+impl ShardModel for Qwen3MoeForCausalLM {
+    type Config = Qwen3MoeConfig;
+
+    fn model_config(&self) -> &Qwen3MoeConfig {
+        &self.config
+    }
+
+    fn stack_shape(config: &Qwen3MoeConfig) -> Result<StackShape, ModelError> {
+        Ok(StackShape {
+            pipeline: PipelineModel {
+                layers: config.num_hidden_layers,
+                mtp: 0,
+                tied: config.tie_word_embeddings,
+                hidden: config.hidden_size,
+            },
+            num_experts: Some(config.num_experts),
+            vocab_size: config.vocab_size,
+            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
+        })
+    }
+
+    fn from_loader(config: &Qwen3MoeConfig, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
+        Self::from_loader(config, loader)
+    }
+
+    fn copy_fp8_from(&mut self, full: &Self) {
+        for (dst, src) in self.model.layers.select_from_mut(&full.model.layers) {
+            dst.self_attn.fp8 = src.self_attn.fp8;
+            match (&mut dst.mlp, &src.mlp) {
+                (Qwen3MoeFeedForward::Dense(d), Qwen3MoeFeedForward::Dense(s)) => d.fp8 = s.fp8,
+                (Qwen3MoeFeedForward::Sparse(d), Qwen3MoeFeedForward::Sparse(s)) => {
+                    d.moe.experts.fp8 = s.moe.experts.fp8;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
+        (self.model.layers.get(layers).unwrap_or_default().iter())
+            .filter(|l| matches!(l.mlp, Qwen3MoeFeedForward::Sparse(_)))
+            .count()
+    }
+
+    fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
+        (self.model.layers.iter_mut())
+            .filter_map(|layer| match &mut layer.mlp {
+                Qwen3MoeFeedForward::Sparse(block) => Some(&mut block.moe.router),
+                Qwen3MoeFeedForward::Dense(_) => None,
+            })
+            .collect()
+    }
+
+    fn replay_spec(&self) -> Option<ReplaySpec> {
+        Some(RouterReplayModel::replay_spec(self))
+    }
+
+    fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
+        let model = self.with_fp8_experts(Some(recipe))?;
+        match linears {
+            true => model.with_fp8_linears(Some(recipe)),
+            false => Ok(model),
+        }
+    }
+
+    fn into_single_rank(mut self) -> Result<Self, ModelError> {
+        let config = self.config.clone();
+        for layer in self.model.layers.iter_mut() {
+            layer.self_attn.num_heads = config.num_attention_heads;
+            layer.self_attn.num_kv_heads = config.num_key_value_heads;
+        }
+        for router in ShardModel::routers_mut(&mut self) {
+            router.set_losses(Vec::new(), None, 1, 1)?;
+        }
+        Ok(self)
+    }
+}
 
 impl CausalLm for Qwen3MoeForCausalLM {
     fn vocab_size(&self) -> usize {

@@ -16,7 +16,7 @@ use moe_backend::testing::XorShift64;
 use moe_models::causal_lm::causal_lm_loss;
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::replay::RoutedExperts;
-use moe_models::distributed::{DispatcherKind, ParallelDeepseekV3};
+use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::replay::{RouterReplayModel, replay_routing};
 use moe_models::rl::logprobs::{deepseek_v3_logprobs, deepseek_v3_logprobs_detached};
 use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, ModelError};
@@ -116,8 +116,8 @@ fn sharded_logprobs(
     let layout_ref = &layout;
     let outs = World::run(layout.world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let par =
-            ParallelDeepseekV3::shard(full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<DeepseekV3ForCausalLM>::shard(full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         let r = par.replica;
         let span = r * rows * S..(r + 1) * rows * S;
         let (my_ids, my_labels) = (&ids[span.clone()], &labels[span]);
@@ -334,8 +334,8 @@ fn run(
     let rows = B / replicas;
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let par =
-            ParallelDeepseekV3::shard(full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<DeepseekV3ForCausalLM>::shard(full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         let r = par.replica;
         let my_ids = &ids[r * rows * S..(r + 1) * rows * S];
         let my_replay = replay
@@ -562,8 +562,8 @@ fn deepseek_bad_routed_experts_are_rejected_by_field() {
     let layout = ParallelLayout::parse(2, "tp=2,ep=2").expect("layout");
     let results = World::run(2, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let par =
-            ParallelDeepseekV3::shard(&full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<DeepseekV3ForCausalLM>::shard(&full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         par.forward_loss_replayed(&ids, &ids, B, &ad(), 1.0, &good)
             .map_err(to_backend)?;
         for (routed, field, detail) in &cases {

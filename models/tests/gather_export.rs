@@ -4,12 +4,10 @@
 use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
-use moe_models::distributed::{
-    DispatcherKind, ParallelDeepseekV3, ParallelQwen3Moe, gather_full_deepseek_v3,
-    gather_full_qwen3_moe,
-};
+use moe_models::distributed::{DispatcherKind, Sharded, gather_full};
 use moe_models::export::export_hf_tensors;
 use moe_models::{DeepseekV3Config, Qwen3MoeConfig};
+use moe_models::{DeepseekV3ForCausalLM, Qwen3MoeForCausalLM};
 
 const LAYOUTS: [(usize, &str); 6] = [
     (2, "ep=2"),
@@ -44,9 +42,10 @@ fn gathered_qwen3_moe_exports_the_original_tensors() {
         let (full_ref, layout_ref) = (&full, &layout);
         for (rank, got) in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
-            let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
-            let gathered = gather_full_qwen3_moe(&shard, &pg)
+            let shard =
+                Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let gathered = gather_full(&shard, &pg)
                 .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             Ok(tensors(&gathered))
         })
@@ -72,9 +71,10 @@ fn gathered_deepseek_v3_exports_the_original_tensors() {
         let (full_ref, layout_ref) = (&full, &layout);
         for (rank, got) in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
-            let shard = ParallelDeepseekV3::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
-            let gathered = gather_full_deepseek_v3(&shard, &pg)
+            let shard =
+                Sharded::<DeepseekV3ForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let gathered = gather_full(&shard, &pg)
                 .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             Ok(tensors(&gathered))
         })

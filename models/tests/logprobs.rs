@@ -13,7 +13,7 @@ use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
 use moe_models::distributed::logprobs::vocab_parallel_logprobs;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
+use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::rl::logprobs::{qwen3_moe_logprobs, qwen3_moe_logprobs_detached};
 use moe_models::{ModelError, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
@@ -158,8 +158,8 @@ fn run_layout(
     let layout_ref = &layout;
     let results = World::run(layout.world, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let par =
-            ParallelQwen3Moe::shard(full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<Qwen3MoeForCausalLM>::shard(full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         let r = par.replica;
         let my_ids = &ids[r * rows * S..(r + 1) * rows * S];
         let my_labels = &labels[r * rows * S..(r + 1) * rows * S];

@@ -151,7 +151,9 @@ fn a_non_finite_objective_on_one_rank_is_skipped_then_refused_on_every_rank() {
         };
         // The objective, NaN on rank 1 when `poison`.
         let hook = |poison: bool| {
-            move |shard: &moe_models::distributed::ParallelQwen3Moe, b: &TrainBatch, scale: f64| {
+            move |shard: &moe_models::distributed::Sharded<moe_models::Qwen3MoeForCausalLM>,
+                  b: &TrainBatch,
+                  scale: f64| {
                 let out =
                     shard.forward_loss_scaled(&b.input_ids, &b.labels, b.batch, dev, scale)?;
                 let loss = if poison && rank == 1 {

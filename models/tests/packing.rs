@@ -16,9 +16,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
-use moe_models::distributed::{
-    CausalLmShard, DispatcherKind, ParallelCausalLm, ParallelDeepseekV3, ParallelQwen3Moe,
-};
+use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, Sharded};
 use moe_models::packing::SequenceLayout;
 use moe_models::qwen3::Qwen3ForCausalLM;
 use moe_models::rl::logprobs::{TokenLogProbs, logprobs_from_logits, qwen3_moe_logprobs_batch};
@@ -175,7 +173,7 @@ impl Family for Qwen3MoeForCausalLM {
         Ok(self.forward_packed(ids, layout)?.logits)
     }
     fn sharded(
-        shard: &ParallelQwen3Moe,
+        shard: &Sharded<Qwen3MoeForCausalLM>,
         batch: &TrainBatch,
         device: &Device,
     ) -> Result<(TokenLogProbs, Tensor<1>), ModelError> {
@@ -206,7 +204,7 @@ impl Family for DeepseekV3ForCausalLM {
         Ok(self.forward_packed(ids, layout)?.logits)
     }
     fn sharded(
-        shard: &ParallelDeepseekV3,
+        shard: &Sharded<DeepseekV3ForCausalLM>,
         batch: &TrainBatch,
         device: &Device,
     ) -> Result<(TokenLogProbs, Tensor<1>), ModelError> {

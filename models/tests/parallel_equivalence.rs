@@ -12,9 +12,7 @@ use moe_backend::optim::{DistributedAdamW, DistributedAdamWConfig, ParamTable, d
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
 use moe_models::causal_lm::causal_lm_loss;
-use moe_models::distributed::{
-    DispatcherKind, ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe,
-};
+use moe_models::distributed::{DispatcherKind, ParallelOutput, Sharded};
 use moe_models::param_plan::Planned;
 use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, Qwen3MoeConfig};
 use moe_models::{Qwen3MoeForCausalLM, causal_lm::CausalLm};
@@ -40,7 +38,7 @@ trait Arch {
 struct Qwen;
 impl Arch for Qwen {
     type Model = Qwen3MoeForCausalLM;
-    type Par = ParallelQwen3Moe;
+    type Par = Sharded<Qwen3MoeForCausalLM>;
     fn init(device: &Device) -> Self::Model {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -59,7 +57,7 @@ impl Arch for Qwen {
         pg: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self::Par, ModelError> {
-        ParallelQwen3Moe::shard(full, pg, kind)
+        Sharded::<Qwen3MoeForCausalLM>::shard(full, pg, kind)
     }
     fn forward_loss(par: &Self::Par, ids: &[i64]) -> Result<ParallelOutput, ModelError> {
         par.forward_loss(ids, ids, B, &ad())
@@ -75,7 +73,7 @@ impl Arch for Qwen {
 struct DeepSeek;
 impl Arch for DeepSeek {
     type Model = DeepseekV3ForCausalLM;
-    type Par = ParallelDeepseekV3;
+    type Par = Sharded<DeepseekV3ForCausalLM>;
     fn init(device: &Device) -> Self::Model {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -94,7 +92,7 @@ impl Arch for DeepSeek {
         pg: &GroupComms,
         kind: DispatcherKind,
     ) -> Result<Self::Par, ModelError> {
-        ParallelDeepseekV3::shard(full, pg, kind)
+        Sharded::<DeepseekV3ForCausalLM>::shard(full, pg, kind)
     }
     fn forward_loss(par: &Self::Par, ids: &[i64]) -> Result<ParallelOutput, ModelError> {
         par.forward_loss(ids, ids, B, &ad())

@@ -5,9 +5,10 @@ use burn::module::Module;
 use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
-use moe_models::distributed::{DispatcherKind, ParallelDeepseekV3, ParallelQwen3Moe};
+use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::plan::{deepseek_v3_rank_params, qwen3_moe_rank_params};
 use moe_models::{DeepseekV3Config, Qwen3MoeConfig};
+use moe_models::{DeepseekV3ForCausalLM, Qwen3MoeForCausalLM};
 
 const LAYOUTS: [(usize, &str); 6] = [
     (1, ""),
@@ -35,8 +36,9 @@ fn qwen3_moe_rank_params_match_the_sharded_model() {
         let (full_ref, layout_ref) = (&full, &layout);
         for held in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
-            let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let shard =
+                Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             Ok(shard.model.num_params())
         }) {
             assert_eq!(held.unwrap(), planned, "{spec}");
@@ -61,8 +63,9 @@ fn deepseek_v3_rank_params_match_the_sharded_model() {
         let (full_ref, layout_ref) = (&full, &layout);
         for held in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
-            let shard = ParallelDeepseekV3::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let shard =
+                Sharded::<DeepseekV3ForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             Ok(shard.model.num_params())
         }) {
             assert_eq!(held.unwrap(), planned, "{spec}");
@@ -96,8 +99,9 @@ fn deepseek_v3_stage_params_match_the_sharded_stages() {
         for held in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
             let stage = pg.groups.get(moe_backend::parallel::GroupFamily::Pp).index;
-            let shard = ParallelDeepseekV3::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let shard =
+                Sharded::<DeepseekV3ForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             Ok((stage, shard.model.num_params()))
         }) {
             let (stage, n) = held.unwrap();
@@ -126,8 +130,9 @@ fn zero1_step_traffic_matches_the_planner() {
         for (rank, sent) in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
             let world_comm = ctx.world()?;
-            let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let shard =
+                Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             let classes = shard
                 .model
                 .param_classes()
@@ -575,8 +580,9 @@ fn explicit_pipeline_layouts_give_each_stage_its_parameters() {
         for held in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
             let rank = pg.groups.get(GroupFamily::Pp).index;
-            let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+            let shard =
+                Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
             Ok((rank, shard.model.num_params()))
         }) {
             let (rank, n) = held.unwrap();
@@ -753,7 +759,7 @@ fn a_tied_embedding_is_counted_on_the_last_stage_too() {
     for held in World::run(2, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
         let rank = pg.groups.get(GroupFamily::Pp).index;
-        let shard = ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll)
+        let shard = Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
             .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
         Ok((rank, shard.model.num_params()))
     }) {

@@ -12,9 +12,7 @@ use moe_backend::experts::GroupedExperts;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::replay::RoutedExperts;
-use moe_models::distributed::{
-    DispatcherKind, ParallelCausalLm, ParallelDeepseekV3, ParallelQwen3Moe,
-};
+use moe_models::distributed::{DispatcherKind, ParallelCausalLm, Sharded};
 use moe_models::plan::activations::Recompute;
 use moe_models::qwen3_moe::Qwen3MoeFeedForward;
 use moe_models::train::{StepStats, TrainBatch, Trainer, TrainerConfig};
@@ -240,13 +238,13 @@ fn record_qwen(
     let layout = ParallelLayout::parse(world, spec).expect("layout");
     let out = World::run(world, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let par =
-            ParallelQwen3Moe::shard(full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<Qwen3MoeForCausalLM>::shard(full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         micro
             .iter()
             .map(|b| {
                 let (_, routed) = par
-                    .forward_train_recorded(b, &ad(), 1.0)
+                    .forward_train_recorded(b, &ad(), 1.0, false)
                     .map_err(to_backend)?;
                 Ok(routed)
             })
@@ -273,8 +271,8 @@ fn record_deepseek(
     let layout = ParallelLayout::parse(world, spec).expect("layout");
     let out = World::run(world, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let par =
-            ParallelDeepseekV3::shard(full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<DeepseekV3ForCausalLM>::shard(full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         micro
             .iter()
             .map(|b| {

@@ -11,9 +11,7 @@ use common::{FixtureSource, fixtures};
 use moe_backend::BackendError;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
-use moe_models::distributed::{
-    DispatcherKind, ParallelDeepseekV3, ParallelQwen3, ParallelQwen3Moe,
-};
+use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::rollout::{Rollout, RolloutModel, SamplingConfig, generate_batch};
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, Qwen3Config, Qwen3ForCausalLM,
@@ -93,7 +91,7 @@ fn qwen3_moe_generation_under_tp_and_ep_equals_one_rank() {
     check_generation(
         &full,
         &[(4, "tp=2,ep=4"), (2, "ep=2"), (4, "tp=2,ep=2,etp=2")],
-        |m, g| ParallelQwen3Moe::shard(m, g, DispatcherKind::AllToAll),
+        |m, g| Sharded::<Qwen3MoeForCausalLM>::shard(m, g, DispatcherKind::AllToAll),
     );
 }
 
@@ -106,7 +104,7 @@ fn deepseek_v3_generation_under_tp_and_ep_equals_one_rank() {
     check_generation(
         &full,
         &[(4, "tp=2,ep=4"), (4, "tp=2,ep=2,etp=2")],
-        |m, g| ParallelDeepseekV3::shard(m, g, DispatcherKind::AllToAll),
+        |m, g| Sharded::<DeepseekV3ForCausalLM>::shard(m, g, DispatcherKind::AllToAll),
     );
 }
 
@@ -117,7 +115,7 @@ fn qwen3_generation_under_tp_equals_one_rank() {
     let full =
         Qwen3ForCausalLM::from_weights(&config, &FixtureSource::open(&dir), &dev()).expect("load");
     check_generation(&full, &[(2, "tp=2"), (4, "tp=2")], |m, g| {
-        ParallelQwen3::shard(m, g, DispatcherKind::AllToAll)
+        Sharded::<Qwen3ForCausalLM>::shard(m, g, DispatcherKind::AllToAll)
     });
 }
 
@@ -134,8 +132,8 @@ fn an_odd_batch_under_tp_is_refused() {
     let layout = ParallelLayout::parse(2, "tp=2").expect("layout");
     let results = World::run(2, |ctx| {
         let groups = ctx.process_groups(&layout)?;
-        let shard =
-            ParallelQwen3Moe::shard(&full, &groups, DispatcherKind::AllToAll).map_err(be)?;
+        let shard = Sharded::<Qwen3MoeForCausalLM>::shard(&full, &groups, DispatcherKind::AllToAll)
+            .map_err(be)?;
         let err = generate_batch(&shard, &[vec![1, 2, 3]], &SamplingConfig::greedy(2))
             .err()
             .map(|e| e.to_string());

@@ -10,7 +10,7 @@ use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
 use moe_models::causal_lm::causal_lm_loss;
 use moe_models::distributed::replay::RoutedExperts;
-use moe_models::distributed::{DispatcherKind, ParallelQwen3Moe};
+use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::qwen3_moe::Qwen3MoeFeedForward;
 use moe_models::replay::{RouterReplayModel, replay_routing};
 use moe_models::{ModelError, Qwen3MoeConfig, Qwen3MoeForCausalLM};
@@ -114,8 +114,8 @@ fn run(
     let rows = B / replicas;
     let results = World::run(world, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let par =
-            ParallelQwen3Moe::shard(full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<Qwen3MoeForCausalLM>::shard(full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         let r = par.replica;
         let my_ids = &ids[r * rows * S..(r + 1) * rows * S];
         let my_replay = replay
@@ -348,8 +348,8 @@ fn bad_routed_experts_are_rejected_by_field() {
     let layout = ParallelLayout::parse(2, "tp=2,ep=2").expect("layout");
     let results = World::run(2, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let par =
-            ParallelQwen3Moe::shard(&full, &pg, DispatcherKind::AllToAll).map_err(to_backend)?;
+        let par = Sharded::<Qwen3MoeForCausalLM>::shard(&full, &pg, DispatcherKind::AllToAll)
+            .map_err(to_backend)?;
         par.forward_loss_replayed(&ids, &ids, B, &ad(), 1.0, &good)
             .map_err(to_backend)?;
         for (routed, field, detail) in &cases {

@@ -13,9 +13,7 @@ use burn::tensor::{Device, Tensor, bf16};
 use moe_backend::BackendError;
 use moe_backend::comm::{GroupComms, World};
 use moe_backend::parallel::ParallelLayout;
-use moe_models::distributed::{
-    CausalLmShard, ParallelCausalLm, gather_full_deepseek_v3, gather_full_qwen3_moe,
-};
+use moe_models::distributed::{CausalLmShard, ParallelCausalLm, gather_full};
 use moe_models::export::{ExportHf, export_hf_tensors};
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
@@ -50,13 +48,13 @@ trait Case: ParallelCausalLm + ExportHf + SyncTarget + Clone + Send + Sync {
 
 impl Case for Qwen3MoeForCausalLM {
     fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
-        gather_full_qwen3_moe(shard, pg)
+        gather_full(shard, pg)
     }
 }
 
 impl Case for DeepseekV3ForCausalLM {
     fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
-        gather_full_deepseek_v3(shard, pg)
+        gather_full(shard, pg)
     }
 }
 
@@ -281,7 +279,7 @@ fn stream_order_and_receiver_errors() {
     let (full_ref, layout_ref) = (&full, &layout);
     let results = World::run(4, |ctx| {
         let pg = ctx.process_groups(layout_ref)?;
-        let shard = moe_models::distributed::ParallelQwen3Moe::shard(
+        let shard = moe_models::distributed::Sharded::<Qwen3MoeForCausalLM>::shard(
             full_ref,
             &pg,
             moe_models::distributed::DispatcherKind::AllToAll,

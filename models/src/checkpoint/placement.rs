@@ -266,7 +266,7 @@ pub(crate) mod tests {
 
     use crate::DeepseekV3Config;
     use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
-    use crate::distributed::{DispatcherKind, ParallelDeepseekV3};
+    use crate::distributed::{DispatcherKind, Sharded};
     use burn::module::{ModuleVisitor, Param, ParamId};
     use burn::tensor::{Device, Tensor};
     use moe_backend::BackendError;
@@ -332,7 +332,8 @@ pub(crate) mod tests {
         World::run(layout.world, |ctx| {
             let groups = ctx.process_groups(layout)?;
             let shard =
-                ParallelDeepseekV3::shard(full, &groups, DispatcherKind::AllToAll).map_err(be)?;
+                Sharded::<DeepseekV3ForCausalLM>::shard(full, &groups, DispatcherKind::AllToAll)
+                    .map_err(be)?;
             let plan = ShardingPlan::new(
                 layout,
                 Some(full.num_main_layers()),

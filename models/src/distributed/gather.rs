@@ -1,7 +1,7 @@
 //! Reassembling a full model from the shards of every rank, for HF export during training
 //! (RL loops hand fresh weights to an inference engine after every step).
 //!
-//! Every rank calls [`gather_full_qwen3_moe`] / [`gather_full_deepseek_v3`] with its shard; the
+//! Every rank calls [`gather_full`] with its shard; the
 //! parameters are gathered one tensor at a time over the groups that split them (vocabulary
 //! and TP-sharded columns/rows over `tp`; experts over `expt_tp` for their FFN blocks, then over
 //! `ep` for the expert axis) and every rank returns the full model, ready for
@@ -14,11 +14,9 @@ use burn::tensor::Tensor;
 use moe_backend::comm::{Comm, GroupComms};
 use moe_backend::parallel::GroupFamily;
 
-use super::{ParallelDeepseekV3, ParallelQwen3Moe, ShardRule, err};
+use super::{ShardModel, ShardRule, Sharded, err};
 use crate::ModelError;
-use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3ForCausalLM};
 use crate::param_plan::{ParallelPlan, PlanError, Planned, Storage};
-use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 struct Gatherer {
     tp: Comm,
@@ -123,7 +121,7 @@ impl ModuleMapper for Gatherer {
 /// (collective: call on every rank), each gathered over the groups its plan entry splits it
 /// over; replicated tensors are this rank's copies. Only tensors change: fields derived from
 /// shapes (e.g. [`crate::layers::Attention::with_local_heads`]) and the routers' training
-/// losses are the caller's to reset (as [`gather_full_qwen3_moe`] does).
+/// losses are the caller's to reset (as [`gather_full`] does).
 pub fn gather_planned<M: Planned>(model: &M, groups: &GroupComms) -> Result<M, ModelError> {
     super::check_no_pp(groups)?;
     let mut g = Gatherer {
@@ -142,53 +140,16 @@ pub fn gather_planned<M: Planned>(model: &M, groups: &GroupComms) -> Result<M, M
     }
 }
 
-/// The full Qwen3-MoE reassembled from every rank's shard (collective: call on every rank).
-pub fn gather_full_qwen3_moe(
-    shard: &ParallelQwen3Moe,
+/// The full model reassembled from every rank's shard (collective: call on every rank), MTP
+/// modules included. The replicated tensors (norms, routers and their expert bias, shared
+/// experts, latent projections) are this rank's copies; the model is then a single-rank model
+/// again ([`ShardModel::into_single_rank`]: full head counts, routers without the shard's
+/// training losses and their groups, as loaded from HF).
+pub fn gather_full<M: ShardModel>(
+    shard: &Sharded<M>,
     groups: &GroupComms,
-) -> Result<Qwen3MoeForCausalLM, ModelError> {
-    let mut full = gather_planned(&shard.model, groups)?;
-    let config = full.config().clone();
-    for layer in &mut full.model.layers {
-        layer.self_attn.num_heads = config.num_attention_heads;
-        layer.self_attn.num_kv_heads = config.num_key_value_heads;
-        // The shard's routers carry the training losses of its groups; the full model is a
-        // single-rank model without them (as loaded from HF).
-        if let crate::qwen3_moe::Qwen3MoeFeedForward::Sparse(block) = &mut layer.mlp {
-            block
-                .moe
-                .router
-                .set_losses(Vec::new(), None, 1, 1)
-                .map_err(super::err)?;
-        }
-    }
-    Ok(full)
-}
-
-/// The full DeepSeek-V3 reassembled from every rank's shard, MTP modules included
-/// (collective: call on every rank). The replicated tensors (norms, routers and their expert
-/// bias, shared experts, MLA down-projections, the MTP modules' `enorm`/`hnorm`/`eh_proj`/
-/// `shared_head.norm`) are this rank's copies; the MTP blocks are gathered like decoder layers.
-pub fn gather_full_deepseek_v3(
-    shard: &ParallelDeepseekV3,
-    groups: &GroupComms,
-) -> Result<DeepseekV3ForCausalLM, ModelError> {
-    let mut full = gather_planned(&shard.model, groups)?;
-    let heads = full.config().num_attention_heads;
-    let mtp_blocks = full.mtp.iter_mut().map(|m| &mut m.block);
-    for layer in full.model.layers.iter_mut().chain(mtp_blocks) {
-        layer.self_attn.num_heads = heads;
-        // As for Qwen3-MoE: the full model is a single-rank model without the shard's
-        // training losses and their groups.
-        if let DeepseekV3FeedForward::Moe(block) = &mut layer.mlp {
-            block
-                .moe
-                .router
-                .set_losses(Vec::new(), None, 1, 1)
-                .map_err(err)?;
-        }
-    }
-    Ok(full)
+) -> Result<M, ModelError> {
+    gather_planned(&shard.model, groups)?.into_single_rank()
 }
 
 #[cfg(test)]
@@ -199,9 +160,9 @@ mod tests {
     use moe_backend::parallel::ParallelLayout;
 
     use super::*;
-    use crate::DeepseekV3Config;
     use crate::distributed::DispatcherKind;
     use crate::export::export_hf_tensors;
+    use crate::{DeepseekV3Config, DeepseekV3ForCausalLM};
 
     fn f32s<const D: usize>(t: Tensor<D>) -> Vec<u32> {
         t.into_data()
@@ -284,13 +245,13 @@ mod tests {
                 let results = World::run(world, |ctx| {
                     let pg = ctx.process_groups(layout_ref)?;
                     let be = |e: ModelError| BackendError::Replay(e.to_string());
-                    let shard = ParallelDeepseekV3::shard(full_ref, &pg, DispatcherKind::AllToAll)
-                        .map_err(be)?;
+                    let shard =
+                        Sharded::shard(full_ref, &pg, DispatcherKind::AllToAll).map_err(be)?;
                     assert_eq!(
                         shard.model.mtp[1].block.self_attn.num_heads,
                         2 / layout_ref.tp
                     );
-                    let gathered = gather_full_deepseek_v3(&shard, &pg).map_err(be)?;
+                    let gathered = gather_full(&shard, &pg).map_err(be)?;
                     Ok(fingerprint(&gathered))
                 });
                 for (rank, got) in results.into_iter().enumerate() {

@@ -1,7 +1,7 @@
-//! Per-token next-token log-probabilities and entropy of a sharded Qwen3-MoE or DeepSeek-V3,
+//! Per-token next-token log-probabilities and entropy of a sharded model,
 //! computed vocab-parallel (the inputs of [`crate::rl`]'s losses under any layout).
 //!
-//! The head of [`ParallelQwen3Moe`] gathers the replica's sequence-parallel tokens and gives
+//! The head of a [`Sharded`] model gathers the replica's sequence-parallel tokens and gives
 //! every TP rank the logits `[B·S, V/tp]` of its vocabulary columns only. From them,
 //! [`vocab_parallel_logprobs`] computes, per token row and without any rank holding the full
 //! vocabulary of a row, with `z = logit − m` and `m` the row's global max:
@@ -22,7 +22,6 @@
 
 use std::ops::Range;
 
-use burn::module::Module;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use moe_backend::comm::autograd::{
     gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
@@ -32,7 +31,7 @@ use moe_backend::comm::{Comm, ReduceOp};
 use super::context_parallel::gathered_positions;
 use super::runtime::{Prepared, SpRuntime};
 use super::sharded::{CausalLmShard, ChunkForward};
-use super::{ChunkParts, ParallelDeepseekV3, ParallelQwen3Moe, err};
+use super::{ChunkParts, ShardModel, Sharded, err};
 use crate::ModelError;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::rl::logprobs::{TokenLogProbs, check_ids, next_token_targets, target_columns};
@@ -205,84 +204,7 @@ fn check_logprob_ids(input_ids: &[i64], batch: usize, vocab: usize) -> Result<us
     Ok(seq)
 }
 
-impl ParallelDeepseekV3 {
-    /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
-    /// [`TrainBatch`] (identical on its TP ranks; packed or padded when the batch carries a
-    /// layout), computed vocab-parallel from [`forward_loss_batch`](Self::forward_loss_batch)'s
-    /// logits as [`ParallelQwen3Moe::forward_logprobs_batch`] does. Router losses configured on
-    /// the shard's routers are attached with `aux_grad_scale`.
-    pub fn forward_logprobs_batch(
-        &self,
-        batch: &TrainBatch,
-        device: &Device,
-        aux_grad_scale: f64,
-    ) -> Result<TokenLogProbs, ModelError> {
-        let vocab = self.model.config().vocab_size;
-        check_logprob_ids(&batch.input_ids, batch.batch, vocab)?;
-        shard_logprobs_batch(self, batch, device, aux_grad_scale)
-    }
-
-    /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
-    /// batch `input_ids [batch, S]` (row-major host ids, identical on every TP rank of the
-    /// replica), scoring HF-style `labels` (−100 ⇒ 0), as
-    /// [`ParallelQwen3Moe::forward_logprobs`]: the main model's sequence-parallel forward
-    /// (the MTP modules do not take part), its vocab-parallel head, and
-    /// [`vocab_parallel_logprobs`]. Identical on the TP ranks of a replica; differentiable on
-    /// an autodiff `device`.
-    ///
-    /// Errors if `S < 2`, an id is outside the vocabulary, a label is neither in it nor −100,
-    /// or `batch · S` does not split over `tp`.
-    pub fn forward_logprobs(
-        &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
-        device: &Device,
-    ) -> Result<TokenLogProbs, ModelError> {
-        self.forward_logprobs_scaled(input_ids, labels, batch, device, 1.0)
-    }
-
-    /// [`forward_logprobs`](Self::forward_logprobs) whose router losses (attached to the graph)
-    /// get the upstream gradient `aux_grad_scale`.
-    pub fn forward_logprobs_scaled(
-        &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
-        device: &Device,
-        aux_grad_scale: f64,
-    ) -> Result<TokenLogProbs, ModelError> {
-        let vocab = self.model.config().vocab_size;
-        let seq = check_logprob_ids(input_ids, batch, vocab)?;
-        next_token_targets(labels, batch, seq, vocab)?;
-        let batch = TrainBatch::new(input_ids.to_vec(), labels.to_vec(), batch)?;
-        shard_logprobs_batch(self, &batch, device, aux_grad_scale)
-    }
-
-    /// A forward-only copy of this rank's model (old and reference policies): parameters on the
-    /// device without autodiff ([`Module::valid`]), same groups and dispatcher.
-    pub fn valid(&self) -> Self {
-        let mut frozen = self.clone();
-        frozen.model = self.model.valid();
-        frozen
-    }
-
-    /// [`forward_logprobs`](Self::forward_logprobs) in forward-only mode on
-    /// [`valid`](Self::valid)'s copy (plain tensors, nothing recorded). Every rank of the
-    /// world must call it.
-    pub fn forward_logprobs_detached(
-        &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
-    ) -> Result<TokenLogProbs, ModelError> {
-        let frozen = self.valid();
-        let device = frozen.model.device();
-        frozen.forward_logprobs(input_ids, labels, batch, &device)
-    }
-}
-
-impl ParallelQwen3Moe {
+impl<M: ShardModel> Sharded<M> {
     /// Per-token next-token log-probabilities and entropies `[batch, S − 1]` of this replica's
     /// batch `input_ids [batch, S]` (row-major host ids, identical on every TP rank of the
     /// replica), scoring HF-style `labels` (usually the ids; −100 ⇒ 0, see
@@ -290,9 +212,8 @@ impl ParallelQwen3Moe {
     /// autodiff `device` (train an RL loss of them like [`forward_loss`](Self::forward_loss)'s
     /// loss: every rank calls `backward`).
     ///
-    /// Runs the model's sequence-parallel forward and vocab-parallel head
-    /// ([`forward_loss`](Self::forward_loss), whose cross-entropy is discarded) and
-    /// [`vocab_parallel_logprobs`] on the `[B·(S−1), V/tp]` logits of this rank's columns.
+    /// Runs the main model's sequence-parallel forward (the MTP modules do not take part), its
+    /// vocab-parallel head and [`vocab_parallel_logprobs`] on this rank's vocabulary columns.
     /// Router losses configured on the shard's routers are attached to the graph exactly as
     /// by `forward_loss` (so a backward of an RL loss of these log-probs carries them too).
     ///
@@ -320,7 +241,7 @@ impl ParallelQwen3Moe {
         device: &Device,
         aux_grad_scale: f64,
     ) -> Result<TokenLogProbs, ModelError> {
-        let vocab = self.model.config().vocab_size;
+        let vocab = crate::CausalLm::vocab_size(self);
         let seq = check_logprob_ids(input_ids, batch, vocab)?;
         next_token_targets(labels, batch, seq, vocab)?;
         let batch = TrainBatch::new(input_ids.to_vec(), labels.to_vec(), batch)?;
@@ -338,7 +259,7 @@ impl ParallelQwen3Moe {
         device: &Device,
         aux_grad_scale: f64,
     ) -> Result<TokenLogProbs, ModelError> {
-        let vocab = self.model.config().vocab_size;
+        let vocab = crate::CausalLm::vocab_size(self);
         check_logprob_ids(&batch.input_ids, batch.batch, vocab)?;
         shard_logprobs_batch(self, batch, device, aux_grad_scale)
     }
@@ -364,7 +285,7 @@ impl ParallelQwen3Moe {
         batch: usize,
     ) -> Result<TokenLogProbs, ModelError> {
         let frozen = self.valid();
-        let device = frozen.model.device();
+        let device = crate::weights::module_device(&frozen.model);
         frozen.forward_logprobs(input_ids, labels, batch, &device)
     }
 }

@@ -3,19 +3,17 @@
 //!
 //! An RL framework hands the trainer the experts its inference engine routed every token to,
 //! as `routed_experts [batch, seq, layers, topk]` (NeMo-RL / verl `router_replay`):
-//! [`RoutedExperts`]. [`ParallelQwen3Moe::forward_loss_replayed`] routes every MoE layer of
-//! every rank exactly as given, and [`ParallelQwen3Moe::forward_loss_recorded`] returns the
-//! routing of a natural forward in the same format. [`ParallelDeepseekV3`] has the same two
-//! entry points (its group-limited router with `e_score_correction_bias` skips the selection
-//! under replay and recomputes the sigmoid weights at the replayed ids, normalised and scaled
-//! by `routed_scaling_factor`).
+//! [`RoutedExperts`]. [`Sharded::forward_loss_replayed`] routes every MoE layer of every rank
+//! exactly as given, and [`Sharded::forward_loss_recorded`] returns the routing of a natural
+//! forward in the same format (a group-limited router with `e_score_correction_bias`, as
+//! DeepSeek-V3's, skips the selection under replay and recomputes the sigmoid weights at the
+//! replayed ids, normalised and scaled by `routed_scaling_factor`).
 //!
 //! The trainer replays a routing per micro-batch: [`TrainBatch::with_routed_experts`]
 //! attaches it to the batch, and every training forward of that batch
 //! ([`crate::train::Trainer::step_micro_batches`], under every layout, the pipeline's chunk
-//! forwards included) routes as given; [`ParallelQwen3Moe::forward_train_recorded`] and
-//! [`ParallelDeepseekV3::forward_train_recorded`] record the routing of a training forward
-//! (DeepSeek-V3's MTP modules included) in the same format.
+//! forwards included) routes as given; [`Sharded::forward_train_recorded`] records the routing
+//! of a training forward (DeepSeek-V3's MTP modules included) in the same format.
 //!
 //! # Layout of `routed_experts`
 //!
@@ -76,9 +74,9 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use super::context_parallel::cp_positions;
 use super::runtime::{RouterTrace, SpRuntime};
 use super::sharded::TrainForward;
-use super::{ParallelDeepseekV3, ParallelOutput, ParallelQwen3Moe, check_batch, err};
+use super::{ParallelOutput, ShardModel, Sharded, check_batch, err};
 use crate::ModelError;
-use crate::replay::{ReplaySpec, RouterReplayFile, RouterReplayModel};
+use crate::replay::{ReplaySpec, RouterReplayFile};
 use crate::train::TrainBatch;
 
 /// Expert ids routed to by every token of a batch in every MoE layer:
@@ -327,17 +325,22 @@ impl RoutedExperts {
     }
 }
 
-impl ParallelQwen3Moe {
-    /// What a routing for this model must match: MoE layers, `k`, `E`.
-    pub fn replay_spec(&self) -> ReplaySpec {
-        self.model.replay_spec()
+impl<M: ShardModel> Sharded<M> {
+    /// What a routing for this model must match: the main model's MoE layers (ascending
+    /// decoder-layer order), optionally followed by the MTP modules' (decoder layers `N + j`;
+    /// the loss forwards here run none and ignore them, the training forwards replay them),
+    /// `k`, `E`. An error for a model without routers.
+    pub fn replay_spec(&self) -> Result<ReplaySpec, ModelError> {
+        self.require_replay_spec()
     }
 
     /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
-    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks): each
-    /// rank's routers get the ids of its sequence-parallel rows and recompute the routing
-    /// weights from the current logits at them (see the [module docs](self)). Errors if
-    /// `routed` does not fit the batch and the model ([`RoutedExperts::validate`]).
+    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks):
+    /// each rank's routers get the ids of its sequence-parallel rows and recompute the routing
+    /// weights from the current logits at them (see the [module docs](self); a group-limited,
+    /// bias-shifted router skips its selection and takes its scores without the bias,
+    /// normalised and scaled as in a natural forward). Errors if `routed` does not fit the
+    /// batch and the model ([`RoutedExperts::validate`]).
     pub fn forward_loss_replayed(
         &self,
         input_ids: &[i64],
@@ -347,17 +350,11 @@ impl ParallelQwen3Moe {
         aux_grad_scale: f64,
         routed: &RoutedExperts,
     ) -> Result<ParallelOutput, ModelError> {
-        let spec = self.replay_spec();
-        let trace = replay_trace(
-            &self.rt,
-            &spec,
-            (input_ids, labels, batch),
-            device,
-            aux_grad_scale,
-            routed,
-        )?;
+        let spec = self.replay_spec()?;
+        let batch_ids = (input_ids, labels, batch);
+        let trace = replay_trace(&self.rt, &spec, batch_ids, device, aux_grad_scale, routed)?;
         Ok(self
-            .forward_traced(input_ids, labels, batch, device, trace)?
+            .forward_traced(input_ids, labels, batch, None, device, trace)?
             .0)
     }
 
@@ -375,70 +372,34 @@ impl ParallelQwen3Moe {
         aux_grad_scale: f64,
         replay: Option<&RoutedExperts>,
     ) -> Result<(ParallelOutput, RoutedExperts), ModelError> {
-        let spec = self.replay_spec();
+        let spec = self.replay_spec()?;
         let batch_ids = (input_ids, labels, batch);
         let trace = record_trace(&self.rt, &spec, batch_ids, device, aux_grad_scale, replay)?;
-        let (out, selected, _) = self.forward_traced(input_ids, labels, batch, device, trace)?;
+        let (out, selected, _) =
+            self.forward_traced(input_ids, labels, batch, None, device, trace)?;
         let routed = gather_routing(&self.rt, &spec, selected, batch, input_ids.len() / batch)?;
         Ok((out, routed))
     }
-}
 
-impl ParallelDeepseekV3 {
-    /// What a routing for this model must match: the main model's MoE layers (decoder layers
-    /// from `first_k_dense_replace` on), optionally followed by the MTP modules' (decoder
-    /// layers `N + j`; the loss forwards here run none and ignore them, the training forwards
-    /// replay them), `k` (`num_experts_per_tok`), `E` (`n_routed_experts`).
-    pub fn replay_spec(&self) -> ReplaySpec {
-        self.model.replay_spec()
-    }
-
-    /// [`forward_loss_scaled`](Self::forward_loss_scaled) with every MoE layer routed exactly
-    /// as `routed` (this replica's `[batch, S, layers, k]`, identical on its TP and CP ranks), as
-    /// [`ParallelQwen3Moe::forward_loss_replayed`]: the group-limited, bias-shifted selection
-    /// is skipped, and the routing weights are the sigmoid scores of the current logits at the
-    /// replayed ids (without `e_score_correction_bias`), normalised and multiplied by
-    /// `routed_scaling_factor` as in a natural forward. Errors if `routed` does not fit the
-    /// batch and the model ([`RoutedExperts::validate`]).
-    pub fn forward_loss_replayed(
+    /// The training forward of `batch` ([`CausalLmShard::forward_train_batch`](super::CausalLmShard::forward_train_batch):
+    /// packed or padded with its layout, its routing replayed when it carries one; with `mtp`
+    /// the MTP modules too) that also returns the replica's routing `[batch, S, layers, k]`
+    /// (the one actually used, the MTP modules' after the main layers' in depth order; every
+    /// rank of the replica returns the whole batch's, gathered over TP and CP). Refused on a
+    /// pipeline stage (run the whole model: the routing is recorded under one layout and
+    /// replayed under any).
+    pub fn forward_train_recorded(
         &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
+        batch: &TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
-        routed: &RoutedExperts,
-    ) -> Result<ParallelOutput, ModelError> {
-        let spec = self.replay_spec();
-        let rt = self.runtime();
-        let batch_ids = (input_ids, labels, batch);
-        let trace = replay_trace(rt, &spec, batch_ids, device, aux_grad_scale, routed)?;
-        Ok(self
-            .forward_traced_packed(input_ids, labels, batch, None, device, trace)?
-            .0)
-    }
-
-    /// [`forward_loss_scaled`](Self::forward_loss_scaled) that also returns the replica's
-    /// routing `[batch, S, layers, k]` (every rank of the replica returns the whole
-    /// batch's), as [`ParallelQwen3Moe::forward_loss_recorded`]. With `replay`, the routers
-    /// are forced as in [`forward_loss_replayed`](Self::forward_loss_replayed) and the
-    /// returned routing is the one actually used.
-    pub fn forward_loss_recorded(
-        &self,
-        input_ids: &[i64],
-        labels: &[i64],
-        batch: usize,
-        device: &Device,
-        aux_grad_scale: f64,
-        replay: Option<&RoutedExperts>,
-    ) -> Result<(ParallelOutput, RoutedExperts), ModelError> {
-        let spec = self.replay_spec();
-        let rt = self.runtime();
-        let batch_ids = (input_ids, labels, batch);
-        let trace = record_trace(rt, &spec, batch_ids, device, aux_grad_scale, replay)?;
-        let (out, selected, _) =
-            self.forward_traced_packed(input_ids, labels, batch, None, device, trace)?;
-        let routed = gather_routing(rt, &spec, selected, batch, input_ids.len() / batch)?;
+        mtp: bool,
+    ) -> Result<(TrainForward, RoutedExperts), ModelError> {
+        self.rt
+            .require_whole_model("recording a training forward's routing")?;
+        let spec = self.replay_spec()?;
+        let (out, selected) = self.train_whole(batch, device, aux_grad_scale, mtp, true)?;
+        let routed = gather_routing(&self.rt, &spec, selected, batch.batch, batch.seq_len())?;
         Ok((out, routed))
     }
 }
@@ -656,52 +617,4 @@ pub(crate) fn train_replay(
     entries.extend((0..routing.mtp).map(|j| covered.then_some(main + j)));
     let rows = local_token_rows(rt, batch.batch, s)?;
     Ok(Some(layer_tensors(routed, &entries, &rows, device)))
-}
-
-impl ParallelQwen3Moe {
-    /// The training forward of `batch` ([`CausalLmShard::forward_train_batch`](super::CausalLmShard::forward_train_batch):
-    /// packed or padded with its layout, its routing replayed when it carries one) that also
-    /// returns the replica's routing `[batch, S, layers, k]` (the one actually used; every rank
-    /// of the replica returns the whole batch's, gathered over TP and CP). Refused on a
-    /// pipeline stage (run the whole model: the routing is recorded under one layout and
-    /// replayed under any).
-    pub fn forward_train_recorded(
-        &self,
-        batch: &TrainBatch,
-        device: &Device,
-        aux_grad_scale: f64,
-    ) -> Result<(TrainForward, RoutedExperts), ModelError> {
-        self.rt
-            .require_whole_model("recording a training forward's routing")?;
-        let spec = self.replay_spec();
-        let routing = ForwardRouting {
-            spec: Some(&spec),
-            mtp: 0,
-            record: true,
-        };
-        let (out, selected) = self.train_whole(batch, device, aux_grad_scale, &routing)?;
-        let routed = gather_routing(&self.rt, &spec, selected, batch.batch, batch.seq_len())?;
-        Ok((out, routed))
-    }
-}
-
-impl ParallelDeepseekV3 {
-    /// The training forward of `batch` as
-    /// [`ParallelQwen3Moe::forward_train_recorded`], with `mtp` the MTP modules too: their
-    /// routing follows the main layers' in the returned `layers` (depth order, see the
-    /// [module docs](self)).
-    pub fn forward_train_recorded(
-        &self,
-        batch: &TrainBatch,
-        device: &Device,
-        aux_grad_scale: f64,
-        mtp: bool,
-    ) -> Result<(TrainForward, RoutedExperts), ModelError> {
-        let rt = self.runtime();
-        rt.require_whole_model("recording a training forward's routing")?;
-        let spec = self.replay_spec();
-        let (out, selected) = self.train_whole(batch, device, aux_grad_scale, mtp, true)?;
-        let routed = gather_routing(rt, &spec, selected, batch.batch, batch.seq_len())?;
-        Ok((out, routed))
-    }
 }

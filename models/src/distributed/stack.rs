@@ -143,6 +143,34 @@ pub trait DecoderStack {
             "`full`: this decoder stack does not recompute its layers",
         ))
     }
+
+    /// Number of multi-token-prediction modules this rank holds (the last pipeline stage's;
+    /// the default: none).
+    fn mtp_depths(&self) -> usize {
+        0
+    }
+
+    /// MTP module `j` on this rank's sequence-parallel rows: the embedded (rolled) tokens
+    /// `embeds` and the previous depth's output `hidden` (the main model's final-normed
+    /// output for `j = 0`) → this depth's normed output (DeepSeek-V3's
+    /// `eh_proj([enorm(e) ; hnorm(h)])`, one decoder layer, `shared_head.norm`).
+    #[allow(clippy::too_many_arguments)]
+    fn mtp_forward(
+        &self,
+        j: usize,
+        ctx: &SpRuntime,
+        embeds: Tensor<2>,
+        hidden: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let _ = (ctx, embeds, hidden, batch, trace, inputs);
+        Err(ModelError::unsupported(
+            "mtp",
+            format!("this decoder stack has no MTP module {j}"),
+        ))
+    }
 }
 
 /// `part` of a model, or an error saying this pipeline stage does not hold `what`.
@@ -159,7 +187,38 @@ pub(crate) fn held<'a, T>(part: Option<&'a T>, what: &str) -> Result<&'a T, Mode
 /// `forward_in(ctx, x, batch, trace, inputs)`), `model.norm` and an optional `lm_head`.
 macro_rules! decoder_stack {
     ($ty:ty) => {
+        $crate::distributed::decoder_stack!($ty, {});
+    };
+    ($ty:ty, mtp = $mtp:ident) => {
+        $crate::distributed::decoder_stack!($ty, {
+            fn mtp_depths(&self) -> usize {
+                self.$mtp.len()
+            }
+
+            fn mtp_forward(
+                &self,
+                j: usize,
+                ctx: &$crate::distributed::ParallelContext,
+                embeds: burn::tensor::Tensor<2>,
+                hidden: burn::tensor::Tensor<2>,
+                batch: usize,
+                trace: &mut $crate::distributed::RouterTrace,
+                inputs: $crate::distributed::AttentionInputs<'_>,
+            ) -> Result<burn::tensor::Tensor<2>, $crate::ModelError> {
+                let module = self.$mtp.get(j).ok_or_else(|| {
+                    $crate::ModelError::layout(
+                        "pp",
+                        format!("this pipeline stage does not hold MTP module {j}"),
+                    )
+                })?;
+                module.forward_in(ctx, embeds, hidden, batch, trace, inputs)
+            }
+        });
+    };
+    ($ty:ty, { $($extra:item)* }) => {
         impl $crate::distributed::DecoderStack for $ty {
+            $($extra)*
+
             fn embed_tokens(&self) -> Result<&burn::nn::Embedding, $crate::ModelError> {
                 $crate::distributed::held(self.model.embed_tokens.as_ref(), "the token embedding")
             }
@@ -527,10 +586,20 @@ impl SpRuntime {
         Ok(ChunkRun { p, trace, x })
     }
 
-    /// The training forward of pipeline chunk `chunk` of `model` (a [`DecoderStack`] without
-    /// MTP) on one micro-batch: [`chunk_layers`](Self::chunk_layers), and on the last virtual
-    /// stage the final norm, head and loss. Also returns the routers' selections (when
-    /// `routing.record`).
+    /// The training forward of pipeline chunk `chunk` of `model` on one micro-batch:
+    /// [`chunk_layers`](Self::chunk_layers), and on the last virtual stage the final norm,
+    /// head and loss and then `routing.mtp` MTP depths. Also returns the routers' selections
+    /// (when `routing.record`; the chunk's MoE layers, then the MTP depths').
+    ///
+    /// MTP depth `j` runs on the full sequence length as Megatron computes it: the ids and
+    /// labels of each row are rolled left by `j + 1` (the freed tail is masked out of the
+    /// loss; attention being causal it never reaches the real positions), the module reads
+    /// the embedded rolled ids and the previous depth's output (`h⁰` the main model's
+    /// final-normed output), and its output goes through the shared vocab-parallel head and
+    /// cross-entropy. With a packed or padded batch the ids are rolled within every document
+    /// (Megatron's `roll_tensor` of packed sequences: a document's tail gets id 0, as the
+    /// document rolled alone) and depth `j`'s target at position `i` (token `i + j + 2`)
+    /// counts only when positions `i ..= i + j + 2` are real tokens of one document.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn train_chunk<M: DecoderStack + ?Sized>(
         &self,
@@ -553,17 +622,39 @@ impl SpRuntime {
             input,
             routing,
         )?;
-        let selected = std::mem::take(&mut run.trace.selected);
         if !chunk.loss {
+            let selected = std::mem::take(&mut run.trace.selected);
             return Ok((run.passed_on(), selected));
         }
-        let ChunkRun { p, trace, x } = run;
-        let normed = model.final_norm()?.forward(x);
-        let embed = model.embed_tokens().ok();
-        let (loss, _) = self.normed_head_loss(normed, model.lm_head(), embed, &p.targets)?;
+        let ChunkRun { p, mut trace, x } = run;
+        let (rows, s) = (batch.batch, p.s);
+        let (head, embed) = (model.lm_head(), model.embed_tokens().ok());
+        let mut hidden = model.final_norm()?.forward(x);
+        let (loss, _) = self.normed_head_loss(hidden.clone(), head, embed, &p.targets)?;
+        let mut mtp_losses = Vec::with_capacity(routing.mtp);
+        for j in 0..routing.mtp {
+            if j + 2 > s {
+                return Err(ModelError::input(
+                    "input_ids",
+                    format!("{s} tokens are too few for MTP depth {}", j + 1),
+                ));
+            }
+            let ids = match p.layout {
+                Some(l) => l.roll_within_documents(&batch.input_ids, j + 1, 0),
+                None => super::sharded::roll_rows(&batch.input_ids, s, j + 1, 0),
+            };
+            let targets = p.local_targets(&p.mtp_labels(j));
+            let embedding = held(embed, "the token embedding (the MTP modules read it)")?;
+            let embeds = self.embed(embedding, &p.local(&ids), rows)?;
+            let inputs = self.masked_inputs(&p);
+            hidden = model.mtp_forward(j, self, embeds, hidden, rows, &mut trace, inputs)?;
+            let (l, _) = self.normed_head_loss(hidden.clone(), head, embed, &targets)?;
+            mtp_losses.push(l);
+        }
+        let selected = std::mem::take(&mut trace.selected);
         let out = ChunkForward::Loss(TrainForward {
             loss,
-            mtp_losses: Vec::new(),
+            mtp_losses,
             router_losses: trace.losses,
             expert_load: trace.expert_load,
         });

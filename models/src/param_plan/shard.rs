@@ -200,7 +200,7 @@ mod tests {
 
     use super::*;
     use crate::Qwen3MoeConfig;
-    use crate::distributed::{DispatcherKind, ParallelQwen3Moe};
+    use crate::distributed::{DispatcherKind, Sharded};
     use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
     /// `(path, id, shape, requires grad, values)` of every float tensor.
@@ -265,7 +265,8 @@ mod tests {
                 let pg = ctx.process_groups(layout_ref)?;
                 let be = |e: ModelError| BackendError::Replay(e.to_string());
                 let builtin =
-                    ParallelQwen3Moe::shard(full_ref, &pg, DispatcherKind::AllToAll).map_err(be)?;
+                    Sharded::<Qwen3MoeForCausalLM>::shard(full_ref, &pg, DispatcherKind::AllToAll)
+                        .map_err(be)?;
                 let ctx = crate::distributed::ParallelContext::new(
                     &pg,
                     DispatcherKind::AllToAll,

@@ -1049,8 +1049,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
 
     /// One optimizer step with a caller-defined loss (the loss hook RL objectives use): for
     /// every micro-batch, `loss(shard, batch, aux_grad_scale)` runs the sharded forward it needs
-    /// with that router-loss scale (e.g. [`ParallelQwen3Moe::forward_logprobs_scaled`](crate::distributed::ParallelQwen3Moe::forward_logprobs_scaled), or
-    /// [`ParallelQwen3Moe::forward_loss_scaled`](crate::distributed::ParallelQwen3Moe::forward_loss_scaled); `1 / micro-batches`, so the attached router
+    /// with that router-loss scale (e.g. [`Sharded::<Qwen3MoeForCausalLM>::forward_logprobs_scaled`](crate::distributed::Sharded::<Qwen3MoeForCausalLM>::forward_logprobs_scaled), or
+    /// [`Sharded::<Qwen3MoeForCausalLM>::forward_loss_scaled`](crate::distributed::Sharded::<Qwen3MoeForCausalLM>::forward_loss_scaled); `1 / micro-batches`, so the attached router
     /// losses weigh as in [`Trainer::step_micro_batches`]) and returns the objective to
     /// back-propagate and the number of tokens it covers. Gradients are accumulated over the micro-batches and
     /// averaged over the data-parallel replicas by the optimizer, so the objective should be

@@ -13,7 +13,7 @@ use crate::export::{ExpertNames, ExportHf, LazyTensor, export_hf_tensors_as};
 
 /// The tensors of a model held on this process, addressed by HF name (see the module docs).
 ///
-/// Sharding a full model ([`crate::distributed::ParallelQwen3Moe::shard`] and its siblings)
+/// Sharding a full model ([`crate::distributed::Sharded::<Qwen3MoeForCausalLM>::shard`] and its siblings)
 /// loads the rank's shard from this source with the same code that loads it from a checkpoint.
 pub struct ModuleWeights {
     tensors: HashMap<String, (Vec<usize>, Box<dyn LazyTensor>)>,

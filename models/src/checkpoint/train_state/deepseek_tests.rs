@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use crate::DeepseekV3ForCausalLM;
 use crate::deepseek_v3::DeepseekV3FeedForward;
-use crate::distributed::gather_full_deepseek_v3;
+use crate::distributed::gather_full;
 use crate::export::export_hf_tensors;
 use crate::train::{TrainBatch, Trainer, TrainerConfig};
 use burn::tensor::{DType, Device, Tensor, TensorData};
@@ -154,7 +154,7 @@ fn run(
         )
         .map_err(backend)?;
         let gather = |t: &Trainer<DeepseekV3ForCausalLM>| {
-            gather_full_deepseek_v3(t.model(), &groups)
+            gather_full(t.model(), &groups)
                 .map(|full| tensors(&full))
                 .map_err(backend)
         };

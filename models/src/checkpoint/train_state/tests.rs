@@ -8,7 +8,7 @@
 
 use crate::Qwen3MoeConfig;
 use crate::Qwen3MoeForCausalLM;
-use crate::distributed::{DispatcherKind, ParallelQwen3Moe};
+use crate::distributed::{DispatcherKind, Sharded};
 use crate::param_plan::Planned;
 use burn::tensor::Device;
 use moe_backend::comm::World;
@@ -119,8 +119,8 @@ fn save_fake_training(
     let results = World::run(layout.world, |ctx| {
         let groups = ctx.process_groups(layout)?;
         let world = ctx.world()?;
-        let shard =
-            ParallelQwen3Moe::shard(full, &groups, DispatcherKind::AllToAll).map_err(backend)?;
+        let shard = Sharded::<Qwen3MoeForCausalLM>::shard(full, &groups, DispatcherKind::AllToAll)
+            .map_err(backend)?;
         let classes = shard.model.param_classes().map_err(backend)?;
         let mut optim = DistributedAdamW::with_classes(
             &shard.model,
@@ -186,8 +186,9 @@ fn check_restore(
     let results = World::run(layout.world, |ctx| {
         let groups = ctx.process_groups(layout)?;
         let kind = DispatcherKind::AllToAll;
-        let want = ParallelQwen3Moe::shard(full, &groups, kind).map_err(backend)?;
-        let mut shard = ParallelQwen3Moe::shard(&other, &groups, kind).map_err(backend)?;
+        let want = Sharded::<Qwen3MoeForCausalLM>::shard(full, &groups, kind).map_err(backend)?;
+        let mut shard =
+            Sharded::<Qwen3MoeForCausalLM>::shard(&other, &groups, kind).map_err(backend)?;
         let plan = ShardingPlan::new(layout, Some(2), shard_rule, stage_place).map_err(backend)?;
         let rank = ctx.rank();
         assert_ne!(
@@ -288,8 +289,8 @@ fn model_only_checkpoints_initialise_the_master_from_the_parameters() {
     let state = TrainState::default();
     World::run(save.world, |ctx| {
         let groups = ctx.process_groups(&save)?;
-        let shard =
-            ParallelQwen3Moe::shard(&full, &groups, DispatcherKind::AllToAll).map_err(backend)?;
+        let shard = Sharded::<Qwen3MoeForCausalLM>::shard(&full, &groups, DispatcherKind::AllToAll)
+            .map_err(backend)?;
         let meta = SaveMeta::new(0, &save);
         save_training_state(&ctx.world()?, dir.path(), meta, &shard.model, None, &state)
             .map_err(backend)
@@ -311,7 +312,8 @@ fn model_only_checkpoints_initialise_the_master_from_the_parameters() {
     World::run(load.world, |ctx| {
         let groups = ctx.process_groups(&load)?;
         let mut shard =
-            ParallelQwen3Moe::shard(&other, &groups, DispatcherKind::AllToAll).map_err(backend)?;
+            Sharded::<Qwen3MoeForCausalLM>::shard(&other, &groups, DispatcherKind::AllToAll)
+                .map_err(backend)?;
         let plan = ShardingPlan::new(&load, Some(2), shard_rule, stage_place).map_err(backend)?;
         shard.model = load_model_state(&ckpt, shard.model, &plan, ctx.rank()).map_err(backend)?;
         let classes = shard.model.param_classes().map_err(backend)?;
@@ -359,8 +361,8 @@ fn a_trainer_checkpoint_names_what_does_not_match() {
     let state = TrainState::default();
     World::run(2, |ctx| {
         let groups = ctx.process_groups(&layout)?;
-        let shard =
-            ParallelQwen3Moe::shard(&full, &groups, DispatcherKind::AllToAll).map_err(backend)?;
+        let shard = Sharded::<Qwen3MoeForCausalLM>::shard(&full, &groups, DispatcherKind::AllToAll)
+            .map_err(backend)?;
         let meta = SaveMeta::new(0, &layout);
         save_training_state(&ctx.world()?, dir.path(), meta, &shard.model, None, &state)
             .map_err(backend)
