@@ -146,9 +146,11 @@ fn child(spec: &str) {
     let world: usize = world.parse().expect("world");
     let layout = ParallelLayout::parse(world, layout).expect("layout");
     let ckpt = HfCheckpoint::open(dir).expect("open");
-    let ModelConfig::Qwen3Moe(config) = ModelConfig::from_dir(dir).expect("config") else {
-        panic!("not qwen3_moe");
-    };
+    let config = ModelConfig::from_dir(dir).expect("config");
+    let config = config
+        .get::<moe_models::qwen3_moe::Qwen3Moe>()
+        .expect("not qwen3_moe")
+        .clone();
     let rss_start = status_bytes("VmRSS:").unwrap_or(0);
     let t = Instant::now();
     let kind = DispatcherKind::AllToAll;

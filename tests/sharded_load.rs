@@ -119,24 +119,27 @@ fn device() -> Device {
 }
 
 fn qwen3_moe_config(ckpt: &HfCheckpoint) -> burn_moe::models::Qwen3MoeConfig {
-    match ModelConfig::from_dir(ckpt.dir()).expect("config") {
-        ModelConfig::Qwen3Moe(c) => c,
-        other => panic!("not qwen3_moe: {}", other.model_type()),
-    }
+    let config = ModelConfig::from_dir(ckpt.dir()).expect("config");
+    config
+        .config_as::<burn_moe::models::Qwen3MoeConfig>()
+        .unwrap_or_else(|| panic!("not the family: {}", config.model_type()))
+        .clone()
 }
 
 fn deepseek_config(ckpt: &HfCheckpoint) -> burn_moe::models::DeepseekV3Config {
-    match ModelConfig::from_dir(ckpt.dir()).expect("config") {
-        ModelConfig::DeepseekV3(c) => c,
-        other => panic!("not deepseek_v3: {}", other.model_type()),
-    }
+    let config = ModelConfig::from_dir(ckpt.dir()).expect("config");
+    config
+        .config_as::<burn_moe::models::DeepseekV3Config>()
+        .unwrap_or_else(|| panic!("not the family: {}", config.model_type()))
+        .clone()
 }
 
 fn qwen3_config(ckpt: &HfCheckpoint) -> burn_moe::models::Qwen3Config {
-    match ModelConfig::from_dir(ckpt.dir()).expect("config") {
-        ModelConfig::Qwen3(c) => c,
-        other => panic!("not qwen3: {}", other.model_type()),
-    }
+    let config = ModelConfig::from_dir(ckpt.dir()).expect("config");
+    config
+        .config_as::<burn_moe::models::Qwen3Config>()
+        .unwrap_or_else(|| panic!("not the family: {}", config.model_type()))
+        .clone()
 }
 
 #[test]

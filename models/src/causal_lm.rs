@@ -15,6 +15,17 @@ use crate::ModelError;
 use crate::config::{Qwen3Config, Qwen3MoeConfig};
 use crate::layers::kv_cache::KvCache;
 
+/// Losses of a labelled forward ([`crate::AnyCausalLm::losses`]), each `[1]`.
+#[derive(Debug, Clone)]
+pub struct LmLosses {
+    /// What HF's `outputs.loss` is: cross-entropy, plus `router_aux_loss_coef · aux_loss` for
+    /// Qwen3-MoE (docs/models.md §Qwen3-MoE load-balancing loss).
+    pub loss: Tensor<1>,
+    /// HF's load-balancing loss (Qwen3-MoE); `None` for models HF computes none for (dense
+    /// Qwen3, DeepSeek-V3, whose routing is auxiliary-loss free).
+    pub aux_loss: Option<Tensor<1>>,
+}
+
 /// Labels equal to this are ignored by [`causal_lm_loss`] (PyTorch's `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
 

@@ -27,6 +27,29 @@ pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParame
 use self::rope::{RopeJson, RopeKeys};
 use crate::ModelError;
 
+/// A family's parsed HF `config.json`: what tools read of any family.
+pub trait FamilyConfig: Clone + std::fmt::Debug + serde::Serialize + Send + Sync + 'static {
+    /// Parses and validates a `config.json` text (HF class defaults for absent keys; errors
+    /// name the field).
+    fn from_json_str(text: &str) -> Result<Self, ModelError>;
+    /// Checks the configuration's internal consistency (naming the field at fault).
+    fn validate(&self) -> Result<(), ModelError>;
+    /// Shape-only parameter counts (nothing is allocated).
+    fn param_count(&self) -> crate::causal_lm::ParamCount;
+    /// Vocabulary size `V`.
+    fn vocab_size(&self) -> usize;
+    /// Number of decoder layers (MTP layers not included).
+    fn num_layers(&self) -> usize;
+    /// Hidden size `H`.
+    fn hidden_size(&self) -> usize;
+    /// `(routed experts, experts per token)` of an MoE model, `None` for a dense one.
+    fn experts(&self) -> Option<(usize, usize)>;
+    /// Configuration warnings worth showing a user (none by default).
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
 /// HF `Qwen3MoeConfig` class defaults (transformers 5.23 `configuration_qwen3_moe.py`).
 mod hf_default {
     super::de::hf_defaults! {

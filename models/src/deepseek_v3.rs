@@ -610,3 +610,68 @@ mod tests {
         }
     }
 }
+
+impl crate::config::FamilyConfig for DeepseekV3Config {
+    fn from_json_str(text: &str) -> Result<Self, ModelError> {
+        Self::from_json_str(text)
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
+        Self::validate(self)
+    }
+
+    fn param_count(&self) -> crate::causal_lm::ParamCount {
+        Self::param_count(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        Some((self.n_routed_experts, self.num_experts_per_tok))
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        Self::warnings(self)
+    }
+}
+
+/// DeepSeek-V3 (`DeepseekV3ForCausalLM`), MTP modules included.
+#[derive(Debug, Clone, Copy)]
+pub struct DeepseekV3;
+
+impl crate::family::Family for DeepseekV3 {
+    const MODEL_TYPE: &'static str = DeepseekV3Config::MODEL_TYPE;
+    const ARCHITECTURE: &'static str = "DeepseekV3ForCausalLM";
+    type Config = DeepseekV3Config;
+    type Model = DeepseekV3ForCausalLM;
+
+    fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
+        crate::param_plan::deepseek_v3::mapping_rules()
+    }
+
+    fn expected_tensors(
+        config: &DeepseekV3Config,
+        layout: moe_bridge::mapping::ExpertLayout,
+        path: &std::path::Path,
+        block: [usize; 2],
+    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
+        crate::param_plan::deepseek_v3::deepseek_v3_expected(config, layout, path, block)
+    }
+
+    fn export_copies(
+        config: &DeepseekV3Config,
+        has: &dyn Fn(&str) -> bool,
+    ) -> Vec<(String, String)> {
+        crate::param_plan::deepseek_v3::mtp_export_copies(config, has)
+    }
+}

@@ -60,6 +60,7 @@ pub mod deepseek_v3;
 pub mod distributed;
 mod error;
 pub mod export;
+pub mod family;
 pub mod hf;
 pub mod layers;
 pub mod mtp;

@@ -342,3 +342,57 @@ mod tests {
             .assert_approx_eq::<f32>(&full.into_data(), Tolerance::rel_abs(1e-4, 1e-5));
     }
 }
+
+impl crate::config::FamilyConfig for Qwen3Config {
+    fn from_json_str(text: &str) -> Result<Self, ModelError> {
+        Self::from_json_str(text)
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
+        Self::validate(self)
+    }
+
+    fn param_count(&self) -> crate::causal_lm::ParamCount {
+        Self::param_count(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        None
+    }
+}
+
+/// Dense Qwen3 (`Qwen3ForCausalLM`).
+#[derive(Debug, Clone, Copy)]
+pub struct Qwen3;
+
+impl crate::family::Family for Qwen3 {
+    const MODEL_TYPE: &'static str = Qwen3Config::MODEL_TYPE;
+    const ARCHITECTURE: &'static str = "Qwen3ForCausalLM";
+    type Config = Qwen3Config;
+    type Model = Qwen3ForCausalLM;
+
+    fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
+        crate::param_plan::qwen3::mapping_rules()
+    }
+
+    fn expected_tensors(
+        config: &Qwen3Config,
+        _layout: moe_bridge::mapping::ExpertLayout,
+        path: &std::path::Path,
+        block: [usize; 2],
+    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
+        crate::param_plan::qwen3::qwen3_expected(config, path, block)
+    }
+}

@@ -535,3 +535,72 @@ mod tests {
         assert!(err.contains("norm_topk_prob"), "{err}");
     }
 }
+
+impl crate::config::FamilyConfig for Qwen3MoeConfig {
+    fn from_json_str(text: &str) -> Result<Self, ModelError> {
+        Self::from_json_str(text)
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
+        Self::validate(self)
+    }
+
+    fn param_count(&self) -> crate::causal_lm::ParamCount {
+        Self::param_count(self)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        Some((self.num_experts, self.num_experts_per_tok))
+    }
+}
+
+/// Qwen3-MoE (`Qwen3MoeForCausalLM`).
+#[derive(Debug, Clone, Copy)]
+pub struct Qwen3Moe;
+
+impl crate::family::Family for Qwen3Moe {
+    const MODEL_TYPE: &'static str = Qwen3MoeConfig::MODEL_TYPE;
+    const ARCHITECTURE: &'static str = "Qwen3MoeForCausalLM";
+    type Config = Qwen3MoeConfig;
+    type Model = Qwen3MoeForCausalLM;
+
+    fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
+        crate::param_plan::qwen3_moe::mapping_rules()
+    }
+
+    fn expected_tensors(
+        config: &Qwen3MoeConfig,
+        layout: moe_bridge::mapping::ExpertLayout,
+        path: &std::path::Path,
+        block: [usize; 2],
+    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
+        crate::param_plan::qwen3_moe::qwen3_moe_expected(config, layout, path, block)
+    }
+
+    /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.
+    fn hf_losses(
+        model: &Qwen3MoeForCausalLM,
+        input_ids: Tensor<2, Int>,
+        labels: &[i64],
+    ) -> Result<(Tensor<3>, crate::causal_lm::LmLosses), ModelError> {
+        let out = model.forward(input_ids)?;
+        let losses = model.loss(&out, labels, None)?;
+        let losses = crate::causal_lm::LmLosses {
+            loss: losses.loss,
+            aux_loss: Some(losses.aux_loss),
+        };
+        Ok((out.logits, losses))
+    }
+}

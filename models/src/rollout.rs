@@ -42,9 +42,6 @@ use burn::tensor::{DType, Device, Int, Tensor};
 
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, token_ids};
-use crate::deepseek_v3::DeepseekV3ForCausalLM;
-use crate::qwen3::Qwen3ForCausalLM;
-use crate::qwen3_moe::Qwen3MoeForCausalLM;
 use crate::replay::{ReplaySpec, RouterReplayFile};
 
 /// How [`generate_batch`] chooses tokens and when it stops (HF `GenerationConfig` semantics,
@@ -225,15 +222,11 @@ pub trait RolloutModel: CausalLm {
     }
 }
 
-impl RolloutModel for Qwen3ForCausalLM {
+/// Every model of a family at `world = 1`: its forward on the single-rank context, recording
+/// the experts of every MoE layer.
+impl<M: crate::distributed::ShardModel + CausalLm> RolloutModel for M {
     fn device(&self) -> Device {
-        self.device()
-    }
-}
-
-impl RolloutModel for Qwen3MoeForCausalLM {
-    fn device(&self) -> Device {
-        self.device()
+        crate::weights::module_device(self)
     }
 
     fn forward_cached_routing(
@@ -241,29 +234,14 @@ impl RolloutModel for Qwen3MoeForCausalLM {
         input_ids: Tensor<2, Int>,
         cache: &mut crate::layers::kv_cache::KvCache,
     ) -> Result<CachedForward, ModelError> {
-        let out = self.run(input_ids, Some(cache), None, None)?;
+        let shape = M::stack_shape(self.model_config())?;
+        let moe = shape.num_experts.is_some();
+        let ctx = crate::family::local_context::<M>(self.model_config())?;
+        let mut trace = crate::distributed::RouterTrace::recording(1.0, None);
+        let out = ctx.logits(self, input_ids, None, Some(cache), &mut trace)?;
         Ok(CachedForward {
             logits: out.logits,
-            topk_indices: Some(out.topk_indices),
-        })
-    }
-}
-
-impl RolloutModel for DeepseekV3ForCausalLM {
-    fn device(&self) -> Device {
-        self.device()
-    }
-
-    fn forward_cached_routing(
-        &self,
-        input_ids: Tensor<2, Int>,
-        cache: &mut crate::layers::kv_cache::KvCache,
-    ) -> Result<CachedForward, ModelError> {
-        let out = self.run(input_ids, Some(cache), None, None)?;
-        let routing = out.routing.into_iter().map(|r| r.topk_indices).collect();
-        Ok(CachedForward {
-            logits: out.logits,
-            topk_indices: Some(routing),
+            topk_indices: moe.then_some(trace.selected),
         })
     }
 }

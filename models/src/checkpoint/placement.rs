@@ -396,7 +396,7 @@ pub(crate) mod tests {
             .filter(|(_, e)| e.required && e.role == HfRole::Weight)
             .map(|(n, e)| (n, &e.shape))
             .collect();
-        let registry = crate::hf::mapping::deepseek_v3();
+        let registry = crate::hf::mapping::for_family::<crate::deepseek_v3::DeepseekV3>();
         canonical_tensors(&registry, hf.iter().map(|(n, _)| n.as_str()))
             .into_iter()
             .map(|(canon, experts)| {

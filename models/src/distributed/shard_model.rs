@@ -47,7 +47,7 @@ pub struct StackShape {
 /// Everything else has defaults for a dense model.
 pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug + Sized {
     /// The model's configuration (HF `config.json` of its family).
-    type Config: Clone + std::fmt::Debug;
+    type Config: Clone + std::fmt::Debug + Send + Sync + 'static;
 
     /// The configuration the model was built from.
     fn model_config(&self) -> &Self::Config;

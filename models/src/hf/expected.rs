@@ -28,19 +28,14 @@ pub use crate::param_plan::deepseek_v3::deepseek_v3_expected;
 pub use crate::param_plan::qwen3::qwen3_expected;
 pub use crate::param_plan::qwen3_moe::qwen3_moe_expected;
 
-/// The HF tensors `config` implies, routed experts in `layout`, FP8 scale companions for
-/// `block` (see the module docs). `path` names the config in errors.
+/// The HF tensors `config` implies (its family's [`Family::expected_tensors`](crate::family::Family::expected_tensors)).
 pub fn expected_hf_tensors(
     config: &ModelConfig,
     layout: ExpertLayout,
     path: &Path,
     block: [usize; 2],
 ) -> Result<ExpectedTable, BridgeError> {
-    match config {
-        ModelConfig::Qwen3(c) => qwen3_expected(c, path, block),
-        ModelConfig::Qwen3Moe(c) => qwen3_moe_expected(c, layout, path, block),
-        ModelConfig::DeepseekV3(c) => deepseek_v3_expected(c, layout, path, block),
-    }
+    config.expected_hf_tensors(layout, path, block)
 }
 
 #[cfg(test)]

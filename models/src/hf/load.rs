@@ -4,10 +4,10 @@
 //! - Every tensor goes through the FP8 load hook of docs/checkpoints.md §FP8 release format
 //!   (dequantised iff one byte wide with a `<name>_scale_inv`, to BF16 then widened to f32 — the
 //!   values transformers sees), so an FP8 release checkpoint loads like its BF16 dequantisation.
-//! - [`ModelConfig`] parses `config.json` by `model_type` (`qwen3`, `qwen3_moe`,
-//!   `deepseek_v3`) without touching the weights: enough for shape-only parameter counts.
-//! - [`AnyCausalLm`] is one of the three models, with forward, losses and generation
-//!   delegated to the concrete model.
+//! - [`ModelConfig`] parses `config.json` by `model_type` (any family of
+//!   [`crate::family`]) without touching the weights: enough for shape-only parameter counts.
+//! - [`AnyCausalLm`] is any family's model, with forward, losses and generation delegated to
+//!   the family.
 //! - Loading validates first ([`HfCheckpoint::check`]): errors are [`BridgeError`]s (as
 //!   [`ModelError::Bridge`]) naming the file and tensor: a corrupt or truncated shard is
 //!   reported as the reader saw it, an ambiguous shard set as
@@ -19,28 +19,28 @@
 
 mod any_lm;
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::tensor::Device;
 use moe_backend::comm::GroupComms;
 use moe_bridge::BridgeError;
 use moe_bridge::fp8::DEFAULT_BLOCK_SIZE;
 use moe_bridge::hf::{CONFIG_FILE, HfCheckpoint, read_json};
-use moe_bridge::mapping::ExpertLayout;
+use moe_bridge::mapping::{ExpectedTable, ExpertLayout};
 use moe_bridge::safetensors::elem::{bf16_bits_to_f32, f32_to_bf16_bits};
 use serde_json::Value;
 
-use super::expected::expected_hf_tensors;
-use super::mapping::KNOWN_MODEL_TYPES;
-use crate::distributed::{DispatcherKind, LoadShard};
-use crate::weights::check_box;
-use crate::{
-    DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, ParamCount, Qwen3Config, Qwen3ForCausalLM,
-    Qwen3MoeConfig, Qwen3MoeForCausalLM, WeightSource,
-};
+use crate::causal_lm::ParamCount;
+use crate::distributed::{DispatcherKind, LoadShard, ShardModel};
+use crate::family::{Family, FamilyConfig, FamilyVisitor, MODEL_TYPES, visit_family};
+use crate::weights::{WeightLoader, check_box};
+use crate::{ModelError, WeightSource};
 
-pub use any_lm::{AnyCausalLm, LmLosses};
+pub use crate::causal_lm::LmLosses;
+pub use any_lm::{AnyCausalLm, ModelVisitor, ModelVisitorMut};
 
 /// The outcome of [`HfCheckpoint::check`] for these models: the parsed [`ModelConfig`], the
 /// expert layout, the expected tensors, unused tensors and warnings.
@@ -193,36 +193,15 @@ impl WeightSource for CheckpointSource<'_> {
 }
 
 /// A model family whose rank shards load straight from an HF directory: its
-/// [`LoadShard::Config`] is one variant of [`ModelConfig`].
+/// [`LoadShard::Config`] is a family's config ([`ModelConfig::config_as`]).
 pub trait HfShard: LoadShard {
     /// This family's configuration in `config`, `None` for another family.
     fn config_of(config: &ModelConfig) -> Option<&Self::Config>;
 }
 
-impl HfShard for Qwen3MoeForCausalLM {
-    fn config_of(config: &ModelConfig) -> Option<&Qwen3MoeConfig> {
-        match config {
-            ModelConfig::Qwen3Moe(c) => Some(c),
-            _ => None,
-        }
-    }
-}
-
-impl HfShard for DeepseekV3ForCausalLM {
-    fn config_of(config: &ModelConfig) -> Option<&DeepseekV3Config> {
-        match config {
-            ModelConfig::DeepseekV3(c) => Some(c),
-            _ => None,
-        }
-    }
-}
-
-impl HfShard for Qwen3ForCausalLM {
-    fn config_of(config: &ModelConfig) -> Option<&Qwen3Config> {
-        match config {
-            ModelConfig::Qwen3(c) => Some(c),
-            _ => None,
-        }
+impl<M: ShardModel> HfShard for M {
+    fn config_of(config: &ModelConfig) -> Option<&M::Config> {
+        config.config_as::<M::Config>()
     }
 }
 
@@ -267,18 +246,150 @@ pub fn load_shard_checked<M: HfShard>(
     Ok((shard, report))
 }
 
-/// A parsed `config.json` of one of the supported model families.
+/// A parsed `config.json` of any family in the list ([`crate::family`]): the family's own
+/// config type behind one type, for tools that pick the model at run time. Get the typed config
+/// back with [`get`](Self::get) / [`config_as`](Self::config_as), or run code generic over the
+/// family with [`visit`](Self::visit).
 #[derive(Debug, Clone)]
-pub enum ModelConfig {
-    /// `model_type: "qwen3"`.
-    Qwen3(Qwen3Config),
-    /// `model_type: "qwen3_moe"`.
-    Qwen3Moe(Qwen3MoeConfig),
-    /// `model_type: "deepseek_v3"`.
-    DeepseekV3(DeepseekV3Config),
+pub struct ModelConfig {
+    inner: Arc<dyn DynConfig>,
+}
+
+/// What [`ModelConfig`] asks of a family's config, object-safe.
+trait DynConfig: std::fmt::Debug + Send + Sync {
+    fn model_type(&self) -> &'static str;
+    fn architecture(&self) -> &'static str;
+    fn validate(&self) -> Result<(), ModelError>;
+    fn param_count(&self) -> ParamCount;
+    fn vocab_size(&self) -> usize;
+    fn num_layers(&self) -> usize;
+    fn hidden_size(&self) -> usize;
+    fn experts(&self) -> Option<(usize, usize)>;
+    fn warnings(&self) -> Vec<String>;
+    fn as_any(&self) -> &dyn Any;
+    fn expected(
+        &self,
+        layout: ExpertLayout,
+        path: &Path,
+        block: [usize; 2],
+    ) -> Result<ExpectedTable, BridgeError>;
+    fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)>;
+}
+
+/// A config of family `F`.
+struct Typed<F: Family>(F::Config);
+
+impl<F: Family> std::fmt::Debug for Typed<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<F: Family> DynConfig for Typed<F> {
+    fn model_type(&self) -> &'static str {
+        F::MODEL_TYPE
+    }
+
+    fn architecture(&self) -> &'static str {
+        F::ARCHITECTURE
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
+        self.0.validate()
+    }
+
+    fn param_count(&self) -> ParamCount {
+        self.0.param_count()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.0.num_layers()
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.0.hidden_size()
+    }
+
+    fn experts(&self) -> Option<(usize, usize)> {
+        self.0.experts()
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.0.warnings()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        &self.0
+    }
+
+    fn expected(
+        &self,
+        layout: ExpertLayout,
+        path: &Path,
+        block: [usize; 2],
+    ) -> Result<ExpectedTable, BridgeError> {
+        F::expected_tensors(&self.0, layout, path, block)
+    }
+
+    fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        F::export_copies(&self.0, has)
+    }
+}
+
+/// Code generic over a family given its config ([`ModelConfig::visit`]).
+pub trait ConfigVisitor {
+    /// What the visit returns.
+    type Output;
+    /// Runs for family `F` and its config.
+    fn visit<F: Family>(self, config: &F::Config) -> Self::Output;
 }
 
 impl ModelConfig {
+    /// The config of family `F`.
+    pub fn new<F: Family>(config: F::Config) -> Self {
+        Self {
+            inner: Arc::new(Typed::<F>(config)),
+        }
+    }
+
+    /// The typed config when it is family `F`'s.
+    pub fn get<F: Family>(&self) -> Option<&F::Config> {
+        self.config_as::<F::Config>()
+    }
+
+    /// The typed config when it is a `C`.
+    pub fn config_as<C: 'static>(&self) -> Option<&C> {
+        self.inner.as_any().downcast_ref::<C>()
+    }
+
+    /// Runs `visitor` for this config's family (an error for a family not in the list).
+    pub fn visit<V: ConfigVisitor>(&self, visitor: V) -> Result<V::Output, ModelError> {
+        struct With<'a, V>(&'a ModelConfig, V);
+        impl<V: ConfigVisitor> FamilyVisitor for With<'_, V> {
+            type Output = Option<V::Output>;
+            fn visit<F: Family>(self) -> Option<V::Output> {
+                let config = self.0.get::<F>()?;
+                Some(self.1.visit::<F>(config))
+            }
+        }
+        visit_family(self.model_type(), With(self, visitor))
+            .flatten()
+            .ok_or_else(|| {
+                ModelError::unsupported(
+                    "model_type",
+                    format!(
+                        "family `{}` is not in the family list ({})",
+                        self.model_type(),
+                        MODEL_TYPES.join(", ")
+                    ),
+                )
+            })
+    }
+
     /// Reads `<dir>/config.json`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, BridgeError> {
         let path = dir.as_ref().join(CONFIG_FILE);
@@ -290,7 +401,7 @@ impl ModelConfig {
     /// Errors: [`BridgeError::InvalidConfig`] when `model_type` is absent or the config is
     /// invalid (a field of the wrong JSON type, out of range, contradicting another field, or
     /// sizes implying an implausible model; naming the field), [`BridgeError::UnknownModelType`]
-    /// for any other model type.
+    /// for a model type no family has.
     pub fn from_json(config: &Value, path: &Path) -> Result<Self, BridgeError> {
         let model_type = match config.get("model_type") {
             Some(Value::String(s)) => s.as_str(),
@@ -305,105 +416,87 @@ impl ModelConfig {
                 });
             }
         };
-        let text = config.to_string();
-        let parsed = match model_type {
-            "qwen3" => Qwen3Config::from_json_str(&text).map(Self::Qwen3),
-            "qwen3_moe" => Qwen3MoeConfig::from_json_str(&text).map(Self::Qwen3Moe),
-            "deepseek_v3" => DeepseekV3Config::from_json_str(&text).map(Self::DeepseekV3),
-            other => {
-                return Err(BridgeError::UnknownModelType {
-                    path: path.to_path_buf(),
-                    model_type: other.to_owned(),
-                    known: KNOWN_MODEL_TYPES.join(", "),
-                });
+        struct Parse<'a>(&'a str);
+        impl FamilyVisitor for Parse<'_> {
+            type Output = Result<ModelConfig, ModelError>;
+            fn visit<F: Family>(self) -> Self::Output {
+                F::Config::from_json_str(self.0).map(ModelConfig::new::<F>)
             }
-        };
+        }
+        let text = config.to_string();
+        let parsed = visit_family(model_type, Parse(&text)).ok_or_else(|| {
+            BridgeError::UnknownModelType {
+                path: path.to_path_buf(),
+                model_type: model_type.to_owned(),
+                known: MODEL_TYPES.join(", "),
+            }
+        })?;
         let config = parsed.map_err(|e| config_error(e, path))?;
         config.validate().map_err(|e| config_error(e, path))?;
         // Plausible sizes: every implied shape computable without overflow, bounded tensor and
         // parameter counts (so that later size arithmetic cannot overflow either).
-        expected_hf_tensors(&config, ExpertLayout::PerExpert, path, DEFAULT_BLOCK_SIZE)?;
+        config.expected_hf_tensors(ExpertLayout::PerExpert, path, DEFAULT_BLOCK_SIZE)?;
         Ok(config)
     }
 
     /// HF `model_type`.
     pub fn model_type(&self) -> &'static str {
-        match self {
-            Self::Qwen3(_) => "qwen3",
-            Self::Qwen3Moe(_) => "qwen3_moe",
-            Self::DeepseekV3(_) => "deepseek_v3",
-        }
+        self.inner.model_type()
     }
 
     /// HF architecture class name (`config.json` `architectures[0]`).
     pub fn architecture(&self) -> &'static str {
-        match self {
-            Self::Qwen3(_) => "Qwen3ForCausalLM",
-            Self::Qwen3Moe(_) => "Qwen3MoeForCausalLM",
-            Self::DeepseekV3(_) => "DeepseekV3ForCausalLM",
-        }
+        self.inner.architecture()
     }
 
     /// Checks the configuration's internal consistency.
     pub fn validate(&self) -> Result<(), ModelError> {
-        match self {
-            Self::Qwen3(c) => c.validate(),
-            Self::Qwen3Moe(c) => c.validate(),
-            Self::DeepseekV3(c) => c.validate(),
-        }
+        self.inner.validate()
     }
 
     /// Shape-only parameter counts (nothing is allocated).
     pub fn param_count(&self) -> ParamCount {
-        match self {
-            Self::Qwen3(c) => c.param_count(),
-            Self::Qwen3Moe(c) => c.param_count(),
-            Self::DeepseekV3(c) => c.param_count(),
-        }
+        self.inner.param_count()
     }
 
     /// Vocabulary size `V`.
     pub fn vocab_size(&self) -> usize {
-        match self {
-            Self::Qwen3(c) => c.vocab_size,
-            Self::Qwen3Moe(c) => c.vocab_size,
-            Self::DeepseekV3(c) => c.vocab_size,
-        }
+        self.inner.vocab_size()
     }
 
-    /// Number of decoder layers (DeepSeek-V3's MTP layers not included).
+    /// Number of decoder layers (MTP layers not included).
     pub fn num_layers(&self) -> usize {
-        match self {
-            Self::Qwen3(c) => c.num_hidden_layers,
-            Self::Qwen3Moe(c) => c.num_hidden_layers,
-            Self::DeepseekV3(c) => c.num_hidden_layers,
-        }
+        self.inner.num_layers()
     }
 
     /// Hidden size `H`.
     pub fn hidden_size(&self) -> usize {
-        match self {
-            Self::Qwen3(c) => c.hidden_size,
-            Self::Qwen3Moe(c) => c.hidden_size,
-            Self::DeepseekV3(c) => c.hidden_size,
-        }
+        self.inner.hidden_size()
     }
 
     /// `(routed experts, experts per token)` for MoE models, `None` for dense ones.
     pub fn experts(&self) -> Option<(usize, usize)> {
-        match self {
-            Self::Qwen3(_) => None,
-            Self::Qwen3Moe(c) => Some((c.num_experts, c.num_experts_per_tok)),
-            Self::DeepseekV3(c) => Some((c.n_routed_experts, c.num_experts_per_tok)),
-        }
+        self.inner.experts()
     }
 
     /// Configuration warnings worth showing a user (e.g. DeepSeek-V3's YaRN factor check).
     pub fn warnings(&self) -> Vec<String> {
-        match self {
-            Self::DeepseekV3(c) => c.warnings(),
-            _ => Vec::new(),
-        }
+        self.inner.warnings()
+    }
+
+    /// The HF tensors this config implies ([`Family::expected_tensors`]).
+    pub fn expected_hf_tensors(
+        &self,
+        layout: ExpertLayout,
+        path: &Path,
+        block: [usize; 2],
+    ) -> Result<ExpectedTable, BridgeError> {
+        self.inner.expected(layout, path, block)
+    }
+
+    /// Tensors an export writes twice ([`Family::export_copies`]).
+    pub fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        self.inner.export_copies(has)
     }
 }
 
@@ -463,17 +556,15 @@ pub fn load_checked(
         precision,
         first_error: RefCell::new(None),
     };
-    let built = match &report.config {
-        ModelConfig::Qwen3(c) => {
-            Qwen3ForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::Qwen3)
+    struct Build<'a>(&'a CheckpointSource<'a>, &'a Device);
+    impl ConfigVisitor for Build<'_> {
+        type Output = Result<AnyCausalLm, ModelError>;
+        fn visit<F: Family>(self, config: &F::Config) -> Self::Output {
+            let loader = WeightLoader::new(self.0, self.1);
+            F::Model::from_loader(config, &loader).map(AnyCausalLm::new::<F>)
         }
-        ModelConfig::Qwen3Moe(c) => {
-            Qwen3MoeForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::Qwen3Moe)
-        }
-        ModelConfig::DeepseekV3(c) => {
-            DeepseekV3ForCausalLM::from_weights(c, &source, device).map(AnyCausalLm::DeepseekV3)
-        }
-    };
+    }
+    let built = report.config.visit(Build(&source, device))?;
     let model = built.map_err(|err| match source.first_error.into_inner() {
         Some(read_error) => read_error.into(),
         None => load_error(err, checkpoint.dir()),

@@ -1,6 +1,6 @@
-//! Per-model mapping tables: Qwen3 (dense), Qwen3-MoE and DeepSeek-V3
-//! (docs/models.md §HF tensor names), as rules of moe-bridge's name-mapping engine ([`Registry`],
-//! [`Rule`]).
+//! Per-family mapping tables (docs/models.md §HF tensor names), as rules of moe-bridge's
+//! name-mapping engine ([`Registry`], [`Rule`]): each family's [`Family::mapping_rules`] behind
+//! the ignored HF-only tensors every table shares.
 //!
 //! Every table lists the HF names explicitly (no catch-all), so a key no rule knows is reported as
 //! unexpected. Canonical names equal HF names except routed experts, which are stacked per layer
@@ -15,10 +15,10 @@ use moe_bridge::BridgeError;
 use moe_bridge::mapping::{Registry, Rule};
 use serde_json::Value;
 
-use crate::param_plan::{deepseek_v3 as ds, qwen3 as q3, qwen3_moe as q3m};
+use crate::family::{Family, FamilyVisitor, visit_family};
 
-/// The `model_type`s with a table.
-pub const KNOWN_MODEL_TYPES: [&str; 3] = ["qwen3", "qwen3_moe", "deepseek_v3"];
+/// The `model_type`s with a table: every family's ([`crate::family::MODEL_TYPES`]).
+pub use crate::family::MODEL_TYPES as KNOWN_MODEL_TYPES;
 
 /// Rules shared by every table, in front: ignored HF-only tensors.
 fn ignores() -> Vec<Rule> {
@@ -40,35 +40,25 @@ fn build(name: &str, rules: Vec<Rule>) -> Registry {
     Registry::new(name, rules).unwrap_or_else(|e| panic!("built-in mapping table: {e}"))
 }
 
-/// Qwen3 (dense): `Qwen3ForCausalLM`.
-pub fn qwen3() -> Registry {
-    build("qwen3", q3::mapping_rules())
-}
-
-/// Qwen3-MoE: `Qwen3MoeForCausalLM` (dense layers from `mlp_only_layers` included).
-pub fn qwen3_moe() -> Registry {
-    build("qwen3_moe", q3m::mapping_rules())
-}
-
-/// DeepSeek-V3: `DeepseekV3ForCausalLM`, MLA attention, shared experts, router bias kept F32 on
-/// export, and MTP layers (`model.layers.{N+j}`) whose copies of `embed_tokens` and
-/// `shared_head.head` are ignored (they are the main model's tensors, re-emitted on export).
-pub fn deepseek_v3() -> Registry {
-    build("deepseek_v3", ds::mapping_rules())
+/// The table of family `F`.
+pub fn for_family<F: Family>() -> Registry {
+    build(F::MODEL_TYPE, F::mapping_rules())
 }
 
 /// The table for `model_type`; [`BridgeError::UnknownModelType`] (naming `path`) otherwise.
 pub fn for_model_type(model_type: &str, path: &Path) -> Result<Registry, BridgeError> {
-    match model_type {
-        "qwen3" => Ok(qwen3()),
-        "qwen3_moe" => Ok(qwen3_moe()),
-        "deepseek_v3" => Ok(deepseek_v3()),
-        other => Err(BridgeError::UnknownModelType {
-            path: path.to_path_buf(),
-            model_type: other.to_owned(),
-            known: KNOWN_MODEL_TYPES.join(", "),
-        }),
+    struct Table;
+    impl FamilyVisitor for Table {
+        type Output = Registry;
+        fn visit<F: Family>(self) -> Registry {
+            for_family::<F>()
+        }
     }
+    visit_family(model_type, Table).ok_or_else(|| BridgeError::UnknownModelType {
+        path: path.to_path_buf(),
+        model_type: model_type.to_owned(),
+        known: KNOWN_MODEL_TYPES.join(", "),
+    })
 }
 
 /// The table for a parsed `config.json` (its `model_type`).

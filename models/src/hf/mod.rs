@@ -24,7 +24,8 @@ mod tests;
 pub use expected::expected_hf_tensors;
 pub use live_export::{LiveDtype, LiveExportOptions, export_live_model};
 pub use load::{
-    AnyCausalLm, CheckReport, HfShard, LmLosses, ModelConfig, WeightPrecision, load_causal_lm,
-    load_checked, load_from_checkpoint, load_shard_checked,
+    AnyCausalLm, CheckReport, ConfigVisitor, HfShard, LmLosses, ModelConfig, ModelVisitor,
+    ModelVisitorMut, WeightPrecision, load_causal_lm, load_checked, load_from_checkpoint,
+    load_shard_checked,
 };
-pub use mapping::{KNOWN_MODEL_TYPES, for_config, for_model_type};
+pub use mapping::{KNOWN_MODEL_TYPES, for_config, for_family, for_model_type};

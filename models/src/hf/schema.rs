@@ -58,9 +58,6 @@ impl ModelSchema for ModelConfig {
     }
 
     fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
-        match self {
-            ModelConfig::DeepseekV3(c) => crate::param_plan::deepseek_v3::mtp_export_copies(c, has),
-            ModelConfig::Qwen3(_) | ModelConfig::Qwen3Moe(_) => Vec::new(),
-        }
+        ModelConfig::export_copies(self, has)
     }
 }

@@ -185,6 +185,21 @@ pub enum PlannedModel {
 }
 
 impl PlannedModel {
+    /// The `model_type`s the planner counts parameters of.
+    pub const MODEL_TYPES: &'static [&'static str] = &["qwen3_moe", "deepseek_v3"];
+
+    /// The planner's model of `config`, `None` for a family it does not plan.
+    pub fn from_config(config: &crate::ModelConfig) -> Option<Self> {
+        use crate::deepseek_v3::DeepseekV3;
+        use crate::qwen3_moe::Qwen3Moe;
+        if let Some(c) = config.get::<Qwen3Moe>() {
+            return Some(Self::Qwen3Moe(c.clone()));
+        }
+        config
+            .get::<DeepseekV3>()
+            .map(|c| Self::DeepseekV3(c.clone()))
+    }
+
     /// The planner's dimensions.
     pub fn shape(&self) -> ModelShape {
         match self {

@@ -10,10 +10,7 @@ use super::bucket::{SyncManifest, WeightBucket};
 use super::host::decode_f32;
 use super::{ExpertNames, WeightSyncError};
 use crate::ModelError;
-use crate::deepseek_v3::DeepseekV3ForCausalLM;
 use crate::export::{ExportHf, export_hf_tensors_as};
-use crate::qwen3::Qwen3ForCausalLM;
-use crate::qwen3_moe::Qwen3MoeForCausalLM;
 use crate::weights::WeightSource;
 
 /// Consumes the buckets of a weight sync (an inference engine, a file writer, a model in the
@@ -42,21 +39,12 @@ pub trait SyncTarget: ExportHf + Sized {
     fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError>;
 }
 
-impl SyncTarget for Qwen3MoeForCausalLM {
+impl<M: crate::distributed::ShardModel> SyncTarget for M {
     fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError> {
-        Self::from_weights(self.config(), source, device)
-    }
-}
-
-impl SyncTarget for DeepseekV3ForCausalLM {
-    fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError> {
-        Self::from_weights(self.config(), source, device)
-    }
-}
-
-impl SyncTarget for Qwen3ForCausalLM {
-    fn reload(&self, source: &dyn WeightSource, device: &Device) -> Result<Self, ModelError> {
-        Self::from_weights(self.config(), source, device)
+        M::from_loader(
+            self.model_config(),
+            &crate::weights::WeightLoader::new(source, device),
+        )
     }
 }
 

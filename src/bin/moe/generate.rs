@@ -8,8 +8,9 @@ use burn::tensor::Device;
 use burn_moe::bridge::Tokenizer;
 use burn_moe::bridge::hf::{HfCheckpoint, resolve_model_dir};
 use burn_moe::models::CausalLm;
-use burn_moe::models::hf::AnyCausalLm;
+use burn_moe::models::family::Family;
 use burn_moe::models::hf::WeightPrecision;
+use burn_moe::models::hf::{AnyCausalLm, ModelVisitor};
 use burn_moe::models::rollout::{Rollout, SamplingConfig, generate_batch};
 use serde_json::Value;
 
@@ -235,11 +236,14 @@ fn rollout(
     config: &SamplingConfig,
 ) -> Result<Rollout, burn_moe::models::ModelError> {
     let prompts = [prompt];
-    let mut out = match model {
-        AnyCausalLm::Qwen3(m) => generate_batch(m, &prompts, config),
-        AnyCausalLm::Qwen3Moe(m) => generate_batch(m, &prompts, config),
-        AnyCausalLm::DeepseekV3(m) => generate_batch(m, &prompts, config),
-    }?;
+    struct Roll<'a>(&'a [Vec<i64>], &'a SamplingConfig);
+    impl ModelVisitor for Roll<'_> {
+        type Output = Result<Vec<Rollout>, burn_moe::models::ModelError>;
+        fn visit<F: Family>(self, model: &F::Model) -> Self::Output {
+            generate_batch(model, self.0, self.1)
+        }
+    }
+    let mut out = model.visit(Roll(&prompts, config))??;
     Ok(out.remove(0))
 }
 

@@ -21,8 +21,9 @@ use burn_moe::launch::{Placement, Transport, run_spmd};
 use burn_moe::models::ModelError;
 use burn_moe::models::distributed::logprob_pipeline::shard_logprobs;
 use burn_moe::models::distributed::{DispatcherKind, ParallelCausalLm};
-use burn_moe::models::hf::AnyCausalLm;
+use burn_moe::models::family::Family;
 use burn_moe::models::hf::WeightPrecision;
+use burn_moe::models::hf::{AnyCausalLm, ModelVisitor};
 use burn_moe::models::train::TrainBatch;
 
 /// Name of the token-id tensor read from `--input`.
@@ -222,12 +223,15 @@ fn sharded(
     run_spmd(placement, timeout, |ctx| {
         let groups = ctx.process_groups(layout)?;
         let shape = [batch, seq];
-        let (_, lp, h) = match full {
-            AnyCausalLm::Qwen3Moe(m) => score(m, &groups, ids, shape, mbs, &device),
-            AnyCausalLm::DeepseekV3(m) => score(m, &groups, ids, shape, mbs, &device),
-            AnyCausalLm::Qwen3(m) => score(m, &groups, ids, shape, mbs, &device),
+        struct Score<'a>(&'a GroupComms, &'a [i64], [usize; 2], usize, &'a Device);
+        impl ModelVisitor for Score<'_> {
+            type Output = Result<(usize, Tensor<2>, Tensor<2>), ModelError>;
+            fn visit<F: Family>(self, model: &F::Model) -> Self::Output {
+                score(model, self.0, self.1, self.2, self.3, self.4)
+            }
         }
-        .map_err(model_error)?;
+        let visited = full.visit(Score(&groups, ids, shape, mbs, &device));
+        let (_, lp, h) = visited.and_then(|r| r).map_err(model_error)?;
         let dp = groups.comm(GroupFamily::Dp);
         let n = batch / dp.size() * (seq - 1);
         let gather = |t: Tensor<2>| -> Result<Vec<f32>, BackendError> {

@@ -133,11 +133,15 @@ fn load_model(path: &std::path::Path) -> anyhow::Result<PlannedModel> {
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    Ok(match ModelConfig::from_json(&value, &path)? {
-        ModelConfig::Qwen3Moe(c) => PlannedModel::Qwen3Moe(c),
-        ModelConfig::DeepseekV3(c) => PlannedModel::DeepseekV3(c),
-        ModelConfig::Qwen3(_) => bail!("`moe plan` needs an MoE model (qwen3_moe or deepseek_v3)"),
-    })
+    let config = ModelConfig::from_json(&value, &path)?;
+    match PlannedModel::from_config(&config) {
+        Some(model) => Ok(model),
+        None => bail!(
+            "`moe plan` cannot plan a `{}` model (it plans {})",
+            config.model_type(),
+            PlannedModel::MODEL_TYPES.join(", ")
+        ),
+    }
 }
 
 /// Runs `moe plan`.

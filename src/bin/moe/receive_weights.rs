@@ -12,8 +12,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use burn::tensor::Device;
-use burn_moe::models::hf::{AnyCausalLm, WeightPrecision};
-use burn_moe::models::weight_sync::{ModelReceiver, receive_wire, write_ack};
+use burn_moe::models::family::Family;
+use burn_moe::models::hf::{ModelVisitorMut, WeightPrecision};
+use burn_moe::models::weight_sync::wire::WireStats;
+use burn_moe::models::weight_sync::{ModelReceiver, WeightSyncError, receive_wire, write_ack};
 
 /// Arguments of `moe receive-weights`.
 #[derive(Debug, clap::Args)]
@@ -46,11 +48,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(%peer, "receiving a weight sync");
     let result = {
         let reader = BufReader::with_capacity(1 << 20, &stream);
-        match &mut model {
-            AnyCausalLm::Qwen3(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
-            AnyCausalLm::Qwen3Moe(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
-            AnyCausalLm::DeepseekV3(m) => receive_wire(reader, &mut ModelReceiver::new(m, &device)),
+        struct Receive<'a, R>(R, &'a Device);
+        impl<R: std::io::Read> ModelVisitorMut for Receive<'_, R> {
+            type Output = Result<WireStats, WeightSyncError>;
+            fn visit<F: Family>(self, model: &mut F::Model) -> Self::Output {
+                receive_wire(self.0, &mut ModelReceiver::new(model, self.1))
+            }
         }
+        model
+            .visit_mut(Receive(reader, &device))
+            .map_err(WeightSyncError::from)
+            .and_then(|r| r)
     };
     // The acknowledgement; after a refusal, read the rest of the stream until the sender
     // closes (or a minute passes) so that its writes do not fail before it reads the reason.

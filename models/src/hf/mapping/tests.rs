@@ -2,6 +2,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use super::*;
+use crate::deepseek_v3::DeepseekV3;
+use crate::qwen3::Qwen3;
+use crate::qwen3_moe::Qwen3Moe;
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::mapping::{
     CaptureKind, Captures, ExpectedTensor, ExpertLayout, HfTarget, LoadReport, RuleKind,
@@ -9,7 +12,11 @@ use moe_bridge::mapping::{
 use moe_bridge::safetensors::Dtype;
 
 fn all() -> Vec<Registry> {
-    vec![qwen3(), qwen3_moe(), deepseek_v3()]
+    vec![
+        for_family::<Qwen3>(),
+        for_family::<Qwen3Moe>(),
+        for_family::<DeepseekV3>(),
+    ]
 }
 
 fn fixtures() -> PathBuf {
@@ -74,7 +81,7 @@ fn hf_to_canon_to_hf_is_the_identity_for_every_rule() {
 #[test]
 fn model_types_resolve_and_unknown_is_an_error() {
     let p = std::path::Path::new("m/config.json");
-    for t in KNOWN_MODEL_TYPES {
+    for &t in KNOWN_MODEL_TYPES {
         assert_eq!(for_model_type(t, p).unwrap().name(), t);
     }
     let err = for_model_type("llama", p).unwrap_err();
@@ -87,7 +94,7 @@ fn model_types_resolve_and_unknown_is_an_error() {
 
 #[test]
 fn deepseek_specifics() {
-    let r = deepseek_v3();
+    let r = for_family::<DeepseekV3>();
     let bias = r
         .hf_to_canon("model.layers.4.mlp.gate.e_score_correction_bias")
         .unwrap();
@@ -119,7 +126,7 @@ fn deepseek_specifics() {
             .is_none()
     );
     assert!(
-        qwen3()
+        for_family::<Qwen3>()
             .hf_to_canon("model.layers.0.mlp.experts.0.up_proj.weight")
             .is_none()
     );
@@ -209,7 +216,7 @@ fn fixtures_map_completely() {
 #[test]
 fn report_finds_every_kind_of_problem() {
     let ckpt = HfCheckpoint::open(fixtures().join("qwen3_moe")).unwrap();
-    let registry = qwen3_moe();
+    let registry = for_family::<Qwen3Moe>();
     let mut expected = expectations(&ckpt, &registry, 8);
     let gate_up = "model.layers.1.mlp.experts.gate_up_proj";
     let im_h = expected[gate_up].shape[2..].to_vec();
@@ -252,7 +259,7 @@ fn report_finds_every_kind_of_problem() {
 
 #[test]
 fn stacked_layout_and_mixed_layouts() {
-    let registry = qwen3_moe();
+    let registry = for_family::<Qwen3Moe>();
     let mut expected = BTreeMap::new();
     let gate_up = "model.layers.1.mlp.experts.gate_up_proj";
     let down = "model.layers.1.mlp.experts.down_proj";

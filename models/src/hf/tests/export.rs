@@ -11,7 +11,8 @@ use moe_bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_hf_checkpoin
 use serde_json::{Value, json};
 
 use crate::hf::ModelConfig;
-use crate::hf::mapping::qwen3_moe;
+use crate::hf::mapping::for_family;
+use crate::qwen3_moe::Qwen3Moe;
 use moe_backend::testing::TempDir;
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -175,7 +176,7 @@ fn tied_head_is_dropped_and_extra_files_copied() {
 #[test]
 fn stacked_source_exports_per_expert_names() {
     let src = fixture("qwen3_moe");
-    let registry = qwen3_moe();
+    let registry = for_family::<Qwen3Moe>();
     let tmp = TempDir::new("export-fused");
     // Rewrite the fixture with HF in-memory stacked expert tensors.
     let mut tensors: Vec<OwnedTensor> = Vec::new();

@@ -9,7 +9,9 @@ use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::mapping::*;
 use moe_bridge::safetensors::{Dtype, OwnedTensor, TensorView, write_hf_checkpoint};
 
-use crate::hf::mapping::{deepseek_v3, qwen3_moe};
+use crate::deepseek_v3::DeepseekV3;
+use crate::hf::mapping::for_family;
+use crate::qwen3_moe::Qwen3Moe;
 use moe_backend::testing::TempDir;
 
 fn fixture(name: &str) -> HfCheckpoint {
@@ -36,7 +38,7 @@ fn canonical(ckpt: &HfCheckpoint, registry: &Registry, out: OutDtype) -> Vec<Own
 #[test]
 fn stacks_per_expert_tensors() {
     let ckpt = fixture("qwen3_moe");
-    let registry = qwen3_moe();
+    let registry = for_family::<Qwen3Moe>();
     let inventory = canonical_tensors(&registry, ckpt.tensor_names());
     assert_eq!(inventory[GATE_UP], Some(8));
     assert_eq!(inventory["model.norm.weight"], None);
@@ -96,7 +98,10 @@ fn stacks_per_expert_tensors() {
 
 #[test]
 fn hf_canonical_hf_round_trip_is_bit_identical() {
-    for (name, registry) in [("qwen3_moe", qwen3_moe()), ("deepseek_v3", deepseek_v3())] {
+    for (name, registry) in [
+        ("qwen3_moe", for_family::<Qwen3Moe>()),
+        ("deepseek_v3", for_family::<DeepseekV3>()),
+    ] {
         let ckpt = fixture(name);
         let mut exported: Vec<OwnedTensor> = Vec::new();
         for t in canonical(&ckpt, &registry, OutDtype::BF16) {
@@ -126,7 +131,7 @@ fn hf_canonical_hf_round_trip_is_bit_identical() {
 fn fp8_source_exports_bf16_without_scales() {
     let fp8 = fixture("deepseek_v3_fp8");
     let reference = fixture("deepseek_v3_fp8_dequant");
-    let registry = deepseek_v3();
+    let registry = for_family::<DeepseekV3>();
     let mut exported = Vec::new();
     for t in canonical(&fp8, &registry, OutDtype::BF16) {
         exported.extend(canonical_to_hf(&registry, &t, Some(Dtype::BF16)).unwrap());
@@ -154,7 +159,7 @@ fn fp8_source_exports_bf16_without_scales() {
 #[test]
 fn fused_layout_reads_back_to_the_same_canonical_tensor() {
     let ckpt = fixture("qwen3_moe");
-    let registry = qwen3_moe();
+    let registry = for_family::<Qwen3Moe>();
     let per = ExpertLayout::PerExpert;
     let gate_up = read_canonical(&ckpt, &registry, GATE_UP, 8, per, OutDtype::BF16).unwrap();
     let down = read_canonical(&ckpt, &registry, DOWN, 8, per, OutDtype::BF16).unwrap();
@@ -184,7 +189,7 @@ fn fused_layout_reads_back_to_the_same_canonical_tensor() {
 
 #[test]
 fn bad_canonical_tensors_are_errors() {
-    let registry = qwen3_moe();
+    let registry = for_family::<Qwen3Moe>();
     let wrong_parts = OwnedTensor::new(GATE_UP, Dtype::U8, vec![2, 3, 1, 1], vec![0; 6]).unwrap();
     assert!(matches!(
         canonical_to_hf(&registry, &wrong_parts, None),

@@ -1,0 +1,124 @@
+//! Model families: one trait ([`Family`]) and one list ([`visit_family`], [`MODEL_TYPES`]).
+//!
+//! A family is its config type (serde, HF field names), its model (a [`ShardModel`]: a
+//! [`DecoderStack`](crate::distributed::DecoderStack) with a parallel plan), its HF names and
+//! expected tensors, and hooks only where it really differs. Everything above (HF loading and
+//! export, checkpoints, the trainer, RL, rollout, weight sync, the `moe` CLI) reaches a family
+//! through this trait: tools that pick the model from `config.json` at run time hold a
+//! type-erased [`ModelConfig`](crate::ModelConfig) / [`AnyCausalLm`](crate::AnyCausalLm) and
+//! get the family's static types back with a [`FamilyVisitor`]. Adding a family is its folder
+//! and one line in the list at the bottom of this file (torchtitan's one registration per
+//! model; Megatron-Core's one `GPTModel` built from a spec).
+
+use std::path::Path;
+
+use burn::tensor::{Int, Tensor};
+use moe_bridge::BridgeError;
+use moe_bridge::mapping::{ExpectedTable, ExpertLayout, Rule};
+
+use crate::ModelError;
+use crate::causal_lm::{CausalLm, LmLosses, causal_lm_loss};
+pub use crate::config::FamilyConfig;
+use crate::distributed::{ParallelContext, RouterTrace, ShardModel};
+
+/// A model family (see the module docs).
+pub trait Family: Send + Sync + 'static {
+    /// HF `model_type` (also the checkpoints' and plans' family name).
+    const MODEL_TYPE: &'static str;
+    /// HF architecture class (`config.json` `architectures[0]`).
+    const ARCHITECTURE: &'static str;
+    /// The parsed `config.json`.
+    type Config: FamilyConfig;
+    /// The model: the whole model at `world = 1` and one rank's shard under any layout.
+    type Model: ShardModel<Config = Self::Config> + CausalLm + Send + Sync + 'static;
+
+    /// The name-mapping rules from HF checkpoint names to canonical names (moe-bridge's
+    /// engine; ignored HF-only tensors shared by every family are added in front).
+    fn mapping_rules() -> Vec<Rule>;
+
+    /// The HF tensors `config` implies (name, shape, role), with the optional FP8
+    /// `*_scale_inv` companions of block size `block`; `path` names the config in errors.
+    fn expected_tensors(
+        config: &Self::Config,
+        layout: ExpertLayout,
+        path: &Path,
+        block: [usize; 2],
+    ) -> Result<ExpectedTable, BridgeError>;
+
+    /// Tensors an export writes twice, `(copy, source)` (DeepSeek-V3's MTP layers repeat the
+    /// embedding and head); `has` says whether the source exists. None by default.
+    fn export_copies(config: &Self::Config, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
+        let _ = (config, has);
+        Vec::new()
+    }
+
+    /// Logits of `input_ids [B, S]` and the losses HF reports for `labels` (`[B, S]`, −100
+    /// ignored, shifted inside). The default: cross-entropy only (families whose HF loss adds
+    /// a load-balancing term override it).
+    fn hf_losses(
+        model: &Self::Model,
+        input_ids: Tensor<2, Int>,
+        labels: &[i64],
+    ) -> Result<(Tensor<3>, LmLosses), ModelError> {
+        let logits = local_logits(model, input_ids)?;
+        let loss = causal_lm_loss(logits.clone(), labels)?;
+        Ok((
+            logits,
+            LmLosses {
+                loss,
+                aux_loss: None,
+            },
+        ))
+    }
+}
+
+/// Logits `[B, S, V]` of `input_ids [B, S]` through the whole model `model` on its
+/// single-rank context (positions `0..S`, no cache).
+pub fn local_logits<M: ShardModel>(
+    model: &M,
+    input_ids: Tensor<2, Int>,
+) -> Result<Tensor<3>, ModelError> {
+    let ctx = local_context::<M>(model.model_config())?;
+    let mut trace = RouterTrace::new(1.0);
+    Ok(ctx.logits(model, input_ids, None, None, &mut trace)?.logits)
+}
+
+/// The parallel context of a model of `config` at `world = 1` (identity collectives, local
+/// dispatcher): the single-rank forward is the parallel forward on it.
+pub fn local_context<M: ShardModel>(config: &M::Config) -> Result<ParallelContext, ModelError> {
+    let shape = M::stack_shape(config)?;
+    ParallelContext::local(shape.num_experts, shape.vocab_size, shape.rope)
+}
+
+/// Code generic over a family, run for a family picked at run time ([`visit_family`]).
+pub trait FamilyVisitor {
+    /// What the visit returns.
+    type Output;
+    /// Runs for family `F`.
+    fn visit<F: Family>(self) -> Self::Output;
+}
+
+/// The list of families: [`MODEL_TYPES`] and [`visit_family`].
+macro_rules! families {
+    ($($family:ty),+ $(,)?) => {
+        /// The HF `model_type` of every family, in list order.
+        pub const MODEL_TYPES: &[&str] = &[$(<$family as Family>::MODEL_TYPE),+];
+
+        /// Runs `visitor` for the family whose `model_type` is `model_type`; `None` when no
+        /// family has it.
+        pub fn visit_family<V: FamilyVisitor>(model_type: &str, visitor: V) -> Option<V::Output> {
+            $(
+                if model_type == <$family as Family>::MODEL_TYPE {
+                    return Some(visitor.visit::<$family>());
+                }
+            )+
+            None
+        }
+    };
+}
+
+families!(
+    crate::qwen3::Qwen3,
+    crate::qwen3_moe::Qwen3Moe,
+    crate::deepseek_v3::DeepseekV3,
+);
