@@ -56,6 +56,7 @@ fn randomize(e: GroupedExperts, rng: &mut SplitMix) -> GroupedExperts {
         fc2: Param::from_tensor(rand(e.fc2.val(), rng)),
         fc1_bias: e.fc1_bias.map(|b| Param::from_tensor(rand2(b.val(), rng))),
         fc2_bias: e.fc2_bias.map(|b| Param::from_tensor(rand2(b.val(), rng))),
+        adds_fc2_bias: e.adds_fc2_bias,
         activation: e.activation,
         fp8: e.fp8,
     }
