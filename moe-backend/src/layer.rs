@@ -309,3 +309,6 @@ pub struct MoeRecompute {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod gpt_oss_tests;

@@ -1,7 +1,7 @@
 //! Grouped experts against a sequential per-expert reference (Megatron's `SequentialMLP`).
 
 use burn::module::Module;
-use burn::tensor::activation::silu;
+use burn::tensor::activation::{sigmoid, silu};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use super::*;
@@ -12,7 +12,8 @@ fn ad() -> Device {
     Device::flex().autodiff()
 }
 
-/// Sequential reference: one plain matmul chain per expert, probs after the activation.
+/// Sequential reference: one plain matmul chain per expert, probs after the activation (SwiGLU,
+/// or the clamped SwiGLU written with Burn's clamps).
 fn sequential(e: &GroupedExperts, rows: Tensor<2>, sizes: &[usize], probs: Tensor<1>) -> Tensor<2> {
     let [_, h] = rows.dims();
     let f = e.ffn_hidden_size();
@@ -30,7 +31,14 @@ fn sequential(e: &GroupedExperts, rows: Tensor<2>, sizes: &[usize], probs: Tenso
         if let Some(b) = &e.fc1_bias {
             hid = hid + b.val().slice(i..i + 1);
         }
-        let z = silu(hid.clone().slice([0..s, 0..f])) * hid.slice([0..s, f..2 * f]) * p.clone();
+        let (gate, up) = (hid.clone().slice([0..s, 0..f]), hid.slice([0..s, f..2 * f]));
+        let z = match e.activation {
+            ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+                let g = gate.clamp_max(limit);
+                (up.clamp(-limit, limit) + 1.0) * g.clone() * sigmoid(g * alpha)
+            }
+            _ => silu(gate) * up,
+        } * p.clone();
         let mut y = z.matmul(w2.transpose());
         if let Some(b) = &e.fc2_bias {
             y = y + b.val().slice(i..i + 1) * p;
@@ -67,8 +75,19 @@ fn grouped_matches_sequential_outputs_and_all_gradients() {
     let mut rng = SplitMix::new(11);
     let (h, f, sizes) = (16, 8, vec![3usize, 0, 5, 2]);
     let n: usize = sizes.iter().sum();
-    for bias in [false, true] {
-        let cfg = GroupedExpertsConfig::new(4, h, f).with_bias(bias);
+    // A limit of 1 clamps some of these pre-activations (`|fc1 row · x| ≲ 4`).
+    let clamped = ExpertActivation::ClampedSwiGlu {
+        alpha: 1.702,
+        limit: 1.0,
+    };
+    for (bias, activation) in [
+        (false, ExpertActivation::SwiGlu),
+        (true, ExpertActivation::SwiGlu),
+        (true, clamped),
+    ] {
+        let cfg = GroupedExpertsConfig::new(4, h, f)
+            .with_bias(bias)
+            .with_activation(activation);
         let experts = randomize(cfg.init(&ad()).expect("init"), &mut rng);
         let xv = rng.values(n * h);
         let pv = rng.values(n);
@@ -225,4 +244,53 @@ fn bad_expert_inputs_are_errors() {
         e.forward(x, &[1, 2], p),
         Err(BackendError::SizeSum { .. })
     ));
+}
+
+#[test]
+fn experts_from_params_name_a_mis_shaped_bias() {
+    let device = Device::flex();
+    let (l, h, f) = (3, 4, 5);
+    let cfg = GroupedExpertsConfig::new(l, h, f)
+        .with_bias(true)
+        .with_activation(ExpertActivation::gpt_oss());
+    let p3 = |dims: [usize; 3]| Param::from_tensor(Tensor::<3>::zeros(dims, &device));
+    let p2 = |dims: [usize; 2]| Param::from_tensor(Tensor::<2>::zeros(dims, &device));
+    let build = |fc1_bias: Option<[usize; 2]>, fc2_bias: Option<[usize; 2]>| {
+        cfg.init_with_params(
+            p3([l, 2 * f, h]),
+            p3([l, h, f]),
+            fc1_bias.map(p2),
+            fc2_bias.map(p2),
+        )
+    };
+    let field = |r: crate::Result<GroupedExperts>| match r {
+        Err(BackendError::Config { field, .. }) => field,
+        other => panic!("expected a config error, got {other:?}"),
+    };
+    let experts = build(Some([l, 2 * f]), Some([l, h])).expect("well-shaped");
+    assert_eq!(experts.fc1_bias.as_ref().map(|b| b.dims()), Some([l, 2 * f]));
+    assert_eq!(field(build(Some([l, f]), Some([l, h]))), "fc1_bias");
+    assert_eq!(field(build(Some([l, 2 * f]), Some([l, f]))), "fc2_bias");
+    assert_eq!(field(build(None, Some([l, h]))), "fc1_bias");
+    let unbiased = GroupedExpertsConfig::new(l, h, f).init_with_params(
+        p3([l, 2 * f, h]),
+        p3([l, h, f]),
+        Some(p2([l, 2 * f])),
+        None,
+    );
+    assert_eq!(field(unbiased), "fc1_bias");
+    let wrong_fc1 = cfg.init_with_params(p3([l, f, h]), p3([l, h, f]), None, None);
+    assert_eq!(field(wrong_fc1), "fc1");
+    // A bias swapped in after construction is refused by the forward, naming it.
+    let mut swapped = experts;
+    swapped.fc2_bias = Some(p2([l, h + 1]));
+    let x = Tensor::<2>::zeros([2, h], &device);
+    let p = Tensor::<1>::ones([2], &device);
+    assert_eq!(field(swapped.forward(x, &[1, 1, 0], p).map(|_| swapped.clone())), "fc2_bias");
+    // The clamped SwiGLU's parameters are validated.
+    let bad = GroupedExpertsConfig::new(l, h, f).with_activation(ExpertActivation::ClampedSwiGlu {
+        alpha: 1.702,
+        limit: -1.0,
+    });
+    assert_eq!(field(bad.init(&device)), "activation");
 }
