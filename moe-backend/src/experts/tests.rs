@@ -50,14 +50,18 @@ fn sequential(e: &GroupedExperts, rows: Tensor<2>, sizes: &[usize], probs: Tenso
 }
 
 fn randomize(e: GroupedExperts, rng: &mut SplitMix) -> GroupedExperts {
+    randomize_as(e, rng, DType::F64)
+}
+
+fn randomize_as(e: GroupedExperts, rng: &mut SplitMix, dtype: DType) -> GroupedExperts {
     let device = ad();
     let rand = |t: Tensor<3>, rng: &mut SplitMix| {
         let n = t.dims().iter().product();
-        tensor(rng.values(n), t.dims(), &device, DType::F64).require_grad()
+        tensor(rng.values(n), t.dims(), &device, dtype).require_grad()
     };
     let rand2 = |t: Tensor<2>, rng: &mut SplitMix| {
         let n = t.dims().iter().product();
-        tensor(rng.values(n), t.dims(), &device, DType::F64).require_grad()
+        tensor(rng.values(n), t.dims(), &device, dtype).require_grad()
     };
     GroupedExperts {
         fc1: Param::from_tensor(rand(e.fc1.val(), rng)),
@@ -293,4 +297,89 @@ fn experts_from_params_name_a_mis_shaped_bias() {
         limit: -1.0,
     });
     assert_eq!(field(bad.init(&device)), "activation");
+}
+
+/// Sum of the gradient of parameter `id` over the outer graph and the recomputed regions.
+fn grad_of<const D: usize>(
+    id: burn::module::ParamId,
+    outer: &burn::optim::GradientsParams,
+    sides: &[burn::optim::GradientsParams],
+) -> Vec<f64> {
+    let mut total: Vec<f64> = Vec::new();
+    for g in std::iter::once(outer).chain(sides) {
+        if let Some(t) = g.get::<D>(id) {
+            let v = values(t);
+            if total.is_empty() {
+                total = v;
+            } else {
+                total.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+            }
+        }
+    }
+    total
+}
+
+#[test]
+fn etp_shards_of_biased_clamped_experts_share_the_fc2_bias_gradient_with_and_without_recompute() {
+    let mut rng = SplitMix::new(14);
+    let (h, f, sizes) = (8, 6, vec![2usize, 3, 0, 4]);
+    let n: usize = sizes.iter().sum();
+    let cfg = GroupedExpertsConfig::new(4, h, f)
+        .with_bias(true)
+        .with_activation(ExpertActivation::ClampedSwiGlu {
+            alpha: 1.702,
+            limit: 1.0,
+        });
+    // f32: the recompute region rebuilds its input in the default float dtype.
+    let full = randomize_as(cfg.init(&ad()).expect("init"), &mut rng, DType::F32);
+    let (xv, pv, rv) = (rng.values(n * h), rng.values(n), rng.values(n * h));
+    let mut per_rank = Vec::new();
+    for etp_rank in [0, 1] {
+        let experts = full.shard(0..4, etp_rank, 2).expect("shard");
+        assert_eq!(experts.adds_fc2_bias, etp_rank == 0);
+        let run = |recompute: bool| {
+            crate::recompute::clear_param_grads();
+            let x = tensor(xv.clone(), [n, h], &ad(), DType::F32).require_grad();
+            let p = tensor(pv.clone(), [n], &ad(), DType::F32).require_grad();
+            let y = experts
+                .forward_recomputing(x.clone(), &sizes, p.clone(), recompute)
+                .expect("forward");
+            let grads = (y.clone() * tensor(rv.clone(), [n, h], &ad(), DType::F32))
+                .sum()
+                .backward();
+            let (dx, dp) = (
+                values(x.grad(&grads).expect("dx")),
+                values(p.grad(&grads).expect("dp")),
+            );
+            let outer = burn::optim::GradientsParams::from_grads(grads, &experts);
+            let sides = crate::recompute::take_param_grads();
+            let b1 = experts.fc1_bias.as_ref().expect("b1").id;
+            let b2 = experts.fc2_bias.as_ref().expect("b2").id;
+            vec![
+                values(y),
+                dx,
+                dp,
+                grad_of::<3>(experts.fc1.id, &outer, &sides),
+                grad_of::<3>(experts.fc2.id, &outer, &sides),
+                grad_of::<2>(b1, &outer, &sides),
+                grad_of::<2>(b2, &outer, &sides),
+            ]
+        };
+        let (plain, recomputed) = (run(false), run(true));
+        assert_eq!(plain, recomputed, "ETP rank {etp_rank}: recompute changed a value");
+        per_rank.push(plain);
+    }
+    // Both ranks see the same rows and upstream gradient: the same full fc2-bias gradient, and
+    // the two partial outputs sum to the unsharded experts' output (the bias counted once).
+    assert!(per_rank[1][6].iter().any(|v| *v != 0.0));
+    assert_eq!(per_rank[1][6], per_rank[0][6], "fc2 bias grad");
+    let x = tensor(xv.clone(), [n, h], &ad(), DType::F32);
+    let p = tensor(pv.clone(), [n], &ad(), DType::F32);
+    let whole = values(full.forward(x, &sizes, p).expect("forward"));
+    let summed: Vec<f64> = per_rank[0][0]
+        .iter()
+        .zip(&per_rank[1][0])
+        .map(|(a, b)| a + b)
+        .collect();
+    assert_close(&summed, &whole, 1e-5, 1e-6, "ETP partial outputs");
 }
