@@ -386,7 +386,11 @@ impl GroupedExperts {
     fn check_biases(&self) -> crate::Result<()> {
         let [l, fc1_out, h] = self.fc1.dims();
         for (field, dims, want) in [
-            ("fc1_bias", self.fc1_bias.as_ref().map(|b| b.dims()), [l, fc1_out]),
+            (
+                "fc1_bias",
+                self.fc1_bias.as_ref().map(|b| b.dims()),
+                [l, fc1_out],
+            ),
             ("fc2_bias", self.fc2_bias.as_ref().map(|b| b.dims()), [l, h]),
         ] {
             if let Some(dims) = dims

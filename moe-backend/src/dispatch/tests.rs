@@ -63,7 +63,9 @@ fn reference_layer(capacity_factor: Option<f64>, variant: Variant) -> MoeLayer {
         // Non-zero biases (they initialise to zero).
         let param2 = |t: Tensor<2>, tag| {
             let [a, b] = t.dims();
-            Param::from_tensor(tensor(data(tag, 0, a * b), [a, b], &ad(), DType::F32).require_grad())
+            Param::from_tensor(
+                tensor(data(tag, 0, a * b), [a, b], &ad(), DType::F32).require_grad(),
+            )
         };
         layer.router.bias = Some(Param::from_tensor(
             tensor(data(3, 0, E), [E], &ad(), DType::F32).require_grad(),

@@ -96,7 +96,9 @@ mod tests {
         }
         assert_eq!(values(fc1_to_interleaved(fc1).unwrap()), gate_up);
 
-        let bias: Vec<f64> = (0..l * 2 * f).map(|n| code(n / (2 * f), 0, n % (2 * f))).collect();
+        let bias: Vec<f64> = (0..l * 2 * f)
+            .map(|n| code(n / (2 * f), 0, n % (2 * f)))
+            .collect();
         let b = fc1_bias_from_interleaved(tensor(bias.clone(), [l, 2 * f], &device, DType::F64))
             .unwrap();
         let got = values(b.clone());

@@ -272,7 +272,10 @@ fn experts_from_params_name_a_mis_shaped_bias() {
         other => panic!("expected a config error, got {other:?}"),
     };
     let experts = build(Some([l, 2 * f]), Some([l, h])).expect("well-shaped");
-    assert_eq!(experts.fc1_bias.as_ref().map(|b| b.dims()), Some([l, 2 * f]));
+    assert_eq!(
+        experts.fc1_bias.as_ref().map(|b| b.dims()),
+        Some([l, 2 * f])
+    );
     assert_eq!(field(build(Some([l, f]), Some([l, h]))), "fc1_bias");
     assert_eq!(field(build(Some([l, 2 * f]), Some([l, f]))), "fc2_bias");
     assert_eq!(field(build(None, Some([l, h]))), "fc1_bias");
@@ -290,7 +293,10 @@ fn experts_from_params_name_a_mis_shaped_bias() {
     swapped.fc2_bias = Some(p2([l, h + 1]));
     let x = Tensor::<2>::zeros([2, h], &device);
     let p = Tensor::<1>::ones([2], &device);
-    assert_eq!(field(swapped.forward(x, &[1, 1, 0], p).map(|_| swapped.clone())), "fc2_bias");
+    assert_eq!(
+        field(swapped.forward(x, &[1, 1, 0], p).map(|_| swapped.clone())),
+        "fc2_bias"
+    );
     // The clamped SwiGLU's parameters are validated.
     let bad = GroupedExpertsConfig::new(l, h, f).with_activation(ExpertActivation::ClampedSwiGlu {
         alpha: 1.702,
@@ -366,7 +372,10 @@ fn etp_shards_of_biased_clamped_experts_share_the_fc2_bias_gradient_with_and_wit
             ]
         };
         let (plain, recomputed) = (run(false), run(true));
-        assert_eq!(plain, recomputed, "ETP rank {etp_rank}: recompute changed a value");
+        assert_eq!(
+            plain, recomputed,
+            "ETP rank {etp_rank}: recompute changed a value"
+        );
         per_rank.push(plain);
     }
     // Both ranks see the same rows and upstream gradient: the same full fc2-bias gradient, and

@@ -64,7 +64,10 @@ impl Golden {
     fn get<const D: usize>(&self, name: &str, device: &Device) -> Tensor<D> {
         let (shape, vals) = self.0.get(name).unwrap_or_else(|| panic!("no {name}"));
         assert_eq!(shape.len(), D, "{name}");
-        Tensor::from_data(TensorData::new(vals.clone(), shape.clone()), (device, DType::F32))
+        Tensor::from_data(
+            TensorData::new(vals.clone(), shape.clone()),
+            (device, DType::F32),
+        )
     }
 
     fn host(&self, name: &str) -> Vec<f64> {
@@ -138,7 +141,11 @@ fn layer_matches_transformers_gpt_oss_mlp_forward_and_every_gradient() {
 
     let x = golden.get::<2>("x", &ad).require_grad();
     let out = layer
-        .forward(x.clone(), &layer.router.init_state(), &RouteOptions::default())
+        .forward(
+            x.clone(),
+            &layer.router.init_state(),
+            &RouteOptions::default(),
+        )
         .expect("forward");
     let loss = (out.output.clone() * golden.get::<2>("loss_weight", &ad)).sum();
     let grads = loss.backward();
@@ -159,7 +166,12 @@ fn layer_matches_transformers_gpt_oss_mlp_forward_and_every_gradient() {
     assert_eq!(chosen, golden.host("router_indices"), "top-k experts");
     let scores = out.routing.probs.clone().gather(1, indices);
     assert_eq!(scores.dims(), [T, K]);
-    assert_rel(&values(scores), &golden.host("router_scores"), rel, "router scores");
+    assert_rel(
+        &values(scores),
+        &golden.host("router_scores"),
+        rel,
+        "router scores",
+    );
 
     let grad2 = |p: &Param<Tensor<2>>| p.grad(&grads).expect("grad");
     let grad3 = |p: &Param<Tensor<3>>| p.grad(&grads).expect("grad");

@@ -547,7 +547,9 @@ pub fn clamped_swiglu_with_probs(
     if !alpha.is_finite() || !limit.is_finite() || limit <= 0.0 {
         return Err(BackendError::Config {
             field: "activation",
-            detail: format!("clamped SwiGLU needs a finite alpha ({alpha}) and limit > 0 ({limit})"),
+            detail: format!(
+                "clamped SwiGLU needs a finite alpha ({alpha}) and limit > 0 ({limit})"
+            ),
         });
     }
     let f = two_f / 2;

@@ -636,10 +636,12 @@ fn clamped_swiglu_matches_closed_form_forward_and_gradient() {
     let (n, f) = (6, 5);
     // Values in ±12 so every branch occurs; none lies within 1e-3 of ±limit.
     let hv: Vec<f64> = (0..n * 2 * f)
-        .map(|_| loop {
-            let v = rng.uniform(-12.0, 12.0);
-            if (v.abs() - limit).abs() > 1e-3 {
-                break v;
+        .map(|_| {
+            loop {
+                let v = rng.uniform(-12.0, 12.0);
+                if (v.abs() - limit).abs() > 1e-3 {
+                    break v;
+                }
             }
         })
         .collect();
@@ -673,7 +675,10 @@ fn clamped_swiglu_matches_closed_form_forward_and_gradient() {
             };
         }
     }
-    assert!(clamped.iter().all(|&c| c > 0), "every clamp occurs: {clamped:?}");
+    assert!(
+        clamped.iter().all(|&c| c > 0),
+        "every clamp occurs: {clamped:?}"
+    );
     let h = tensor(hv.clone(), [n, 2 * f], &ad(), DType::F64).require_grad();
     let p = tensor(pv.clone(), [n], &ad(), DType::F64).require_grad();
     let out = clamped_swiglu_with_probs(h.clone(), p.clone(), alpha, limit).expect("swiglu");
