@@ -1,6 +1,8 @@
-//! Expert MLPs: [`GroupedExperts`] (all routed experts of a rank as grouped GEMMs) and
-//! [`SharedExperts`] (a dense SwiGLU applied to every token),
-//! docs/routing-and-dispatch.md §Experts, §Shared experts.
+//! Expert MLPs: [`GroupedExperts`] (all routed experts of a rank as grouped GEMMs, Megatron-Core
+//! `TEGroupedMLP`) and [`SharedExperts`] (a dense SwiGLU applied to every token),
+//! docs/routing-and-dispatch.md §Experts, §Shared experts. The optional per-expert biases and the
+//! clamped SwiGLU follow transformers 5.23 `GptOssExperts`; [`layout`] converts its fused,
+//! interleaved `gate_up_proj` to and from `fc1`.
 
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -11,14 +13,32 @@ use burn::tensor::{Device, Int, Tensor};
 use crate::error::BackendError;
 use crate::fp8::{Fp8Recipe, fp8_grouped_matmul};
 use crate::ops::{
-    GroupSizes, WeightLayout, grouped_matmul, swiglu_with_probs, usize_to_int_tensor,
+    GroupSizes, WeightLayout, clamped_swiglu_with_probs, grouped_matmul, swiglu_with_probs,
+    usize_to_int_tensor,
 };
 
+pub mod layout;
+
+/// gpt-oss's default `swiglu_alpha` (transformers `GptOssConfig`).
+pub const GPT_OSS_SWIGLU_ALPHA: f64 = 1.702;
+/// gpt-oss's default `swiglu_limit` (transformers `GptOssConfig`).
+pub const GPT_OSS_SWIGLU_LIMIT: f64 = 7.0;
+
 /// Activation of the expert FFN.
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
+#[derive(Config, Debug, Copy, PartialEq)]
 pub enum ExpertActivation {
     /// Gated SiLU: `fc1` rows are `[gate; up]`, `z = silu(gate) ⊙ up`.
     SwiGlu,
+    /// gpt-oss's clamped SwiGLU (transformers `GptOssExperts._apply_gate`): `fc1` rows are
+    /// `[gate; up]`, `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
+    /// `z = (u + 1) ⊙ g ⊙ σ(alpha·g)`; the gradient is zero where a value is clamped.
+    /// [`ExpertActivation::gpt_oss`] gives the released defaults.
+    ClampedSwiGlu {
+        /// `swiglu_alpha`, the sigmoid's slope (gpt-oss: 1.702).
+        alpha: f64,
+        /// `swiglu_limit`, the clamp bound (gpt-oss: 7.0); finite and > 0.
+        limit: f64,
+    },
     /// Plain SiLU on `fc1`'s output.
     Silu,
     /// Plain (erf) GELU on `fc1`'s output.
@@ -26,9 +46,35 @@ pub enum ExpertActivation {
 }
 
 impl ExpertActivation {
+    /// gpt-oss's clamped SwiGLU with its defaults ([`GPT_OSS_SWIGLU_ALPHA`],
+    /// [`GPT_OSS_SWIGLU_LIMIT`]).
+    pub fn gpt_oss() -> Self {
+        Self::ClampedSwiGlu {
+            alpha: GPT_OSS_SWIGLU_ALPHA,
+            limit: GPT_OSS_SWIGLU_LIMIT,
+        }
+    }
+
     /// Whether `fc1` produces a gate and an up half.
     pub fn is_gated(self) -> bool {
-        matches!(self, Self::SwiGlu)
+        matches!(self, Self::SwiGlu | Self::ClampedSwiGlu { .. })
+    }
+
+    /// Checks the activation's parameters (the clamped SwiGLU's `alpha` finite, `limit` finite
+    /// and > 0); the error names the `activation` field.
+    pub fn validate(self) -> crate::Result<()> {
+        if let Self::ClampedSwiGlu { alpha, limit } = self
+            && (!alpha.is_finite() || !limit.is_finite() || limit <= 0.0)
+        {
+            return Err(BackendError::Config {
+                field: "activation",
+                detail: format!(
+                    "the clamped SwiGLU needs a finite alpha ({alpha}) and a finite limit > 0 \
+                     ({limit})"
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -44,7 +90,8 @@ pub struct GroupedExpertsConfig {
     /// Activation.
     #[config(default = "ExpertActivation::SwiGlu")]
     pub activation: ExpertActivation,
-    /// Add per-expert biases to fc1 and fc2 (only valid without expert tensor parallelism).
+    /// Add per-expert biases: `fc1_bias [L, 2F]` (`[L, F]` ungated) and `fc2_bias [L, H]`
+    /// (transformers `GptOssExperts.gate_up_proj_bias` / `down_proj_bias`).
     #[config(default = false)]
     pub bias: bool,
     /// Standard deviation of the normal weight initialisation.
@@ -59,6 +106,100 @@ pub struct GroupedExpertsConfig {
 impl GroupedExpertsConfig {
     /// Builds the module, validating sizes.
     pub fn init(&self, device: &Device) -> crate::Result<GroupedExperts> {
+        self.validate()?;
+        let (l, h, f) = (self.num_experts, self.hidden_size, self.ffn_hidden_size);
+        let fc1_out = self.fc1_out();
+        let init = Initializer::Normal {
+            mean: 0.0,
+            std: self.init_std,
+        };
+        Ok(GroupedExperts {
+            fc1: init.init([l, fc1_out, h], device),
+            fc2: init.init([l, h, f], device),
+            fc1_bias: self
+                .bias
+                .then(|| Initializer::Zeros.init([l, fc1_out], device)),
+            fc2_bias: self.bias.then(|| Initializer::Zeros.init([l, h], device)),
+            adds_fc2_bias: true,
+            activation: self.activation,
+            fp8: self.fp8,
+        })
+    }
+
+    /// Validates the configuration and builds the experts around given parameters (e.g. loaded
+    /// from a checkpoint) instead of [`init`](Self::init)'s: `fc1 [L, 2F, H]` (`[L, F, H]`
+    /// ungated) with rows `[gate; up]`, `fc2 [L, H, F]`, and the biases `fc1_bias [L, 2F]` /
+    /// `fc2_bias [L, H]` iff [`bias`](Self::bias). A parameter of the wrong shape, or a bias
+    /// given but not configured (or configured but not given), is a [`BackendError::Config`]
+    /// naming it. Nothing is initialised.
+    pub fn init_with_params(
+        &self,
+        fc1: Param<Tensor<3>>,
+        fc2: Param<Tensor<3>>,
+        fc1_bias: Option<Param<Tensor<2>>>,
+        fc2_bias: Option<Param<Tensor<2>>>,
+    ) -> crate::Result<GroupedExperts> {
+        self.validate()?;
+        let (l, h, f) = (self.num_experts, self.hidden_size, self.ffn_hidden_size);
+        let fc1_out = self.fc1_out();
+        for (field, dims, want) in [
+            ("fc1", fc1.dims().to_vec(), vec![l, fc1_out, h]),
+            ("fc2", fc2.dims().to_vec(), vec![l, h, f]),
+        ] {
+            if dims != want {
+                return Err(BackendError::Config {
+                    field,
+                    detail: format!("has shape {dims:?}, expected {want:?}"),
+                });
+            }
+        }
+        for (field, param, want) in [
+            ("fc1_bias", &fc1_bias, [l, fc1_out]),
+            ("fc2_bias", &fc2_bias, [l, h]),
+        ] {
+            match param {
+                Some(p) if p.dims() != want => {
+                    return Err(BackendError::Config {
+                        field,
+                        detail: format!("has shape {:?}, expected {want:?}", p.dims()),
+                    });
+                }
+                Some(_) if !self.bias => {
+                    return Err(BackendError::Config {
+                        field,
+                        detail: "given but `bias` is not configured".into(),
+                    });
+                }
+                None if self.bias => {
+                    return Err(BackendError::Config {
+                        field,
+                        detail: "`bias` is configured but the tensor is not given".into(),
+                    });
+                }
+                _ => {}
+            }
+        }
+        Ok(GroupedExperts {
+            fc1,
+            fc2,
+            fc1_bias,
+            fc2_bias,
+            adds_fc2_bias: true,
+            activation: self.activation,
+            fp8: self.fp8,
+        })
+    }
+
+    /// Rows of `fc1` per expert: `2F` gated, `F` otherwise.
+    fn fc1_out(&self) -> usize {
+        if self.activation.is_gated() {
+            2 * self.ffn_hidden_size
+        } else {
+            self.ffn_hidden_size
+        }
+    }
+
+    fn validate(&self) -> crate::Result<()> {
         for (field, v) in [
             ("num_experts", self.num_experts),
             ("hidden_size", self.hidden_size),
@@ -71,22 +212,7 @@ impl GroupedExpertsConfig {
                 });
             }
         }
-        let (l, h, f) = (self.num_experts, self.hidden_size, self.ffn_hidden_size);
-        let fc1_out = if self.activation.is_gated() { 2 * f } else { f };
-        let init = Initializer::Normal {
-            mean: 0.0,
-            std: self.init_std,
-        };
-        Ok(GroupedExperts {
-            fc1: init.init([l, fc1_out, h], device),
-            fc2: init.init([l, h, f], device),
-            fc1_bias: self
-                .bias
-                .then(|| Initializer::Zeros.init([l, fc1_out], device)),
-            fc2_bias: self.bias.then(|| Initializer::Zeros.init([l, h], device)),
-            activation: self.activation,
-            fp8: self.fp8,
-        })
+        self.activation.validate()
     }
 }
 
@@ -106,6 +232,15 @@ pub struct GroupedExperts {
     /// Optional `[L, H]` fc2 bias (scaled by the routing prob,
     /// docs/routing-and-dispatch.md §Experts, step 5).
     pub fc2_bias: Option<Param<Tensor<2>>>,
+    /// Whether this module adds `fc2_bias`'s value to its output: always for unsharded experts
+    /// and on expert-tensor-parallel rank 0 of a shard ([`GroupedExperts::shard`]). The ETP
+    /// ranks' partial `fc2` outputs are summed by the combine, so the bias enters the sum once
+    /// (Megatron's row-parallel bias, added after the reduction). The other ranks add a zero
+    /// that carries the bias's gradient: every ETP rank gets the full gradient of its
+    /// replicated `fc2_bias` (the ranks see the same rows and the same upstream gradient), and
+    /// the routing probs get the bias's contribution once.
+    #[module(skip)]
+    pub adds_fc2_bias: bool,
     /// Activation.
     #[module(skip)]
     pub activation: ExpertActivation,
@@ -180,6 +315,8 @@ impl GroupedExperts {
                 ),
             });
         }
+        self.check_biases()?;
+        self.activation.validate()?;
         let device = rows.device();
         let mut hidden = match &self.fp8 {
             Some(recipe) => fp8_grouped_matmul(rows, self.fc1.val(), tokens_per_expert, recipe)?,
@@ -222,6 +359,9 @@ impl GroupedExperts {
         let p = probs.clone().reshape([n, 1]);
         let z = match self.activation {
             ExpertActivation::SwiGlu => swiglu_with_probs(hidden, probs)?,
+            ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+                clamped_swiglu_with_probs(hidden, probs, alpha, limit)?
+            }
             ExpertActivation::Silu => silu(hidden) * p.clone(),
             ExpertActivation::Gelu => gelu(hidden) * p.clone(),
         };
@@ -230,9 +370,39 @@ impl GroupedExperts {
             None => grouped_matmul(z, self.fc2.val(), &sizes, WeightLayout::OutIn)?,
         };
         if let Some(b) = &self.fc2_bias {
-            out = out + b.val().select(0, row_experts(tokens_per_expert, &device)?) * p;
+            let b = b.val();
+            if self.adds_fc2_bias {
+                out = out + b.select(0, row_experts(tokens_per_expert, &device)?) * p;
+            } else if b.is_require_grad() {
+                // `b − b` is exactly zero: nothing is added, the gradient reaches the bias.
+                let rows = b.select(0, row_experts(tokens_per_expert, &device)?);
+                out = out + (rows.clone() - rows.detach()) * p.detach();
+            }
         }
         Ok(out)
+    }
+
+    /// The biases' shapes against the weights' (`fc1_bias [L, fc1 rows]`, `fc2_bias [L, H]`).
+    fn check_biases(&self) -> crate::Result<()> {
+        let [l, fc1_out, h] = self.fc1.dims();
+        for (field, dims, want) in [
+            (
+                "fc1_bias",
+                self.fc1_bias.as_ref().map(|b| b.dims()),
+                [l, fc1_out],
+            ),
+            ("fc2_bias", self.fc2_bias.as_ref().map(|b| b.dims()), [l, h]),
+        ] {
+            if let Some(dims) = dims
+                && dims != want
+            {
+                return Err(BackendError::Config {
+                    field,
+                    detail: format!("has shape {dims:?}, expected {want:?}"),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

@@ -20,9 +20,12 @@ pub struct MoeLayerConfig {
     pub router: TopKRouterConfig,
     /// Expert FFN width `F` (`moe_ffn_hidden_size`).
     pub ffn_hidden_size: usize,
-    /// Expert activation.
+    /// Expert activation ([`ExpertActivation::gpt_oss`] for gpt-oss's clamped SwiGLU).
     #[config(default = "ExpertActivation::SwiGlu")]
     pub activation: ExpertActivation,
+    /// Per-expert `fc1` / `fc2` biases (gpt-oss's `gate_up_proj_bias` / `down_proj_bias`).
+    #[config(default = false)]
+    pub experts_bias: bool,
     /// Width of the shared-expert MLP (`moe_ffn_hidden_size · n_shared`), if any.
     #[config(default = "None")]
     pub shared_ffn_hidden_size: Option<usize>,
@@ -48,6 +51,7 @@ impl MoeLayerConfig {
             self.ffn_hidden_size,
         )
         .with_activation(self.activation)
+        .with_bias(self.experts_bias)
         .with_init_std(self.init_std)
         .with_fp8(self.fp8)
         .init(device)?;
@@ -305,3 +309,6 @@ pub struct MoeRecompute {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod gpt_oss_tests;

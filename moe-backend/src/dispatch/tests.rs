@@ -3,10 +3,12 @@
 
 use std::ops::Range;
 
+use burn::module::Param;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::*;
 use crate::comm::World;
+use crate::experts::ExpertActivation;
 use crate::layer::{MoeLayer, MoeLayerConfig};
 use crate::parallel::{GroupFamily, GroupTable, ParallelLayout, replicate};
 use crate::router::{RouteOptions, TopKRouterConfig};
@@ -30,16 +32,47 @@ fn data(tag: u64, rank: usize, len: usize) -> Vec<f64> {
     (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
 }
 
-fn reference_layer(capacity_factor: Option<f64>) -> MoeLayer {
+/// The layer under test: Megatron's plain one, or gpt-oss's block (router bias, expert biases,
+/// clamped SwiGLU with a limit these small pre-activations reach).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Variant {
+    Plain,
+    GptOss,
+}
+
+fn reference_layer(capacity_factor: Option<f64>, variant: Variant) -> MoeLayer {
+    let gpt_oss = variant == Variant::GptOss;
     let router = TopKRouterConfig::new(H, E, K)
         .with_init_std(0.5)
+        .with_bias(gpt_oss)
         .with_capacity_factor(capacity_factor)
         .with_pad_to_capacity(capacity_factor.is_some());
-    let layer = MoeLayerConfig::new(router, F)
+    let mut cfg = MoeLayerConfig::new(router, F)
         .with_init_std(0.3)
-        .with_shared_ffn_hidden_size(Some(4))
-        .init(&ad())
-        .unwrap();
+        .with_shared_ffn_hidden_size(Some(4));
+    if gpt_oss {
+        cfg = cfg
+            .with_experts_bias(true)
+            .with_activation(ExpertActivation::ClampedSwiGlu {
+                alpha: 1.702,
+                limit: 0.3,
+            });
+    }
+    let mut layer = cfg.init(&ad()).unwrap();
+    if gpt_oss {
+        // Non-zero biases (they initialise to zero).
+        let param2 = |t: Tensor<2>, tag| {
+            let [a, b] = t.dims();
+            Param::from_tensor(
+                tensor(data(tag, 0, a * b), [a, b], &ad(), DType::F32).require_grad(),
+            )
+        };
+        layer.router.bias = Some(Param::from_tensor(
+            tensor(data(3, 0, E), [E], &ad(), DType::F32).require_grad(),
+        ));
+        layer.experts.fc1_bias = layer.experts.fc1_bias.map(|b| param2(b.val(), 4));
+        layer.experts.fc2_bias = layer.experts.fc2_bias.map(|b| param2(b.val(), 5));
+    }
     replicate(&layer)
 }
 
@@ -51,6 +84,9 @@ struct Grads {
     fc1: Vec<f64>,
     fc2: Vec<f64>,
     shared_down: Vec<f64>,
+    router_bias: Option<Vec<f64>>,
+    fc1_bias: Option<Vec<f64>>,
+    fc2_bias: Option<Vec<f64>>,
 }
 
 fn run_layer(layer: &MoeLayer, x: Tensor<2>, w: Tensor<2>, d: &dyn TokenDispatcher) -> Grads {
@@ -87,6 +123,10 @@ fn run_batches(
         0,
     );
     let g = |t: Option<Tensor<3>>| values(t.expect("grad").reshape([-1]));
+    let g2 = |p: &Option<Param<Tensor<2>>>| {
+        p.as_ref()
+            .map(|p| values(p.val().grad(&grads).expect("bias grad")))
+    };
     let shared = layer.shared_experts.as_ref().expect("shared experts");
     Grads {
         out: values(out),
@@ -102,6 +142,13 @@ fn run_batches(
                 .grad(&grads)
                 .expect("shared grad"),
         ),
+        router_bias: layer
+            .router
+            .bias
+            .as_ref()
+            .map(|b| values(b.val().grad(&grads).expect("router bias grad"))),
+        fc1_bias: g2(&layer.experts.fc1_bias),
+        fc2_bias: g2(&layer.experts.fc2_bias),
     }
 }
 
@@ -152,15 +199,41 @@ enum Kind {
 }
 
 fn check_equivalence(world: usize, spec: &str, kind: Kind) {
-    check_with_capacity(world, spec, kind, None);
+    check_with_capacity(world, spec, kind, None, Variant::Plain);
+}
+
+/// Reference bias-grad shard for `experts` and ETP block `t` of `etp`: fc1's bias `[E, 2F]`
+/// gate/up columns of the block, fc2's bias `[E, H]` whole (replicated over ETP).
+fn bias_shard_ref(
+    b1: &[f64],
+    b2: &[f64],
+    experts: Range<usize>,
+    t: usize,
+    etp: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let b = F / etp;
+    let mut a = Vec::new();
+    for e in experts.clone() {
+        for half in 0..2 {
+            let start = e * 2 * F + half * F + t * b;
+            a.extend_from_slice(&b1[start..start + b]);
+        }
+    }
+    (a, b2[experts.start * H..experts.end * H].to_vec())
 }
 
 /// With `capacity_factor`, experts drop and pad to a capacity computed from each rank's own
 /// tokens (as in Megatron), so the reference runs every rank's batch separately.
-fn check_with_capacity(world: usize, spec: &str, kind: Kind, capacity_factor: Option<f64>) {
+fn check_with_capacity(
+    world: usize,
+    spec: &str,
+    kind: Kind,
+    capacity_factor: Option<f64>,
+    variant: Variant,
+) {
     let layout = ParallelLayout::parse(world, spec).unwrap();
     let table = GroupTable::new(&layout).unwrap();
-    let reference = reference_layer(capacity_factor);
+    let reference = reference_layer(capacity_factor, variant);
     let counts: Vec<usize> = (0..world).map(tokens_of).collect();
     let total: usize = counts.iter().sum();
     let xs: Vec<Vec<f64>> = (0..world).map(|r| data(1, r, counts[r] * H)).collect();
@@ -226,9 +299,9 @@ fn check_with_capacity(world: usize, spec: &str, kind: Kind, capacity_factor: Op
         .map(|(r, g)| g.unwrap_or_else(|e| panic!("{spec} rank {r}: {e}")))
         .collect();
 
-    let what = |s: &str| format!("{spec} {kind:?}: {s}");
+    let what = |s: &str| format!("{spec} {kind:?} {variant:?}: {s}");
     let mut start = 0;
-    let (mut router, mut shared) = (Vec::new(), Vec::new());
+    let (mut router, mut shared, mut router_bias) = (Vec::new(), Vec::new(), Vec::new());
     for (r, g) in got.iter().enumerate() {
         let n = counts[r];
         assert_close(
@@ -247,7 +320,13 @@ fn check_with_capacity(world: usize, spec: &str, kind: Kind, capacity_factor: Op
         );
         sum_into(&mut router, &g.router);
         sum_into(&mut shared, &g.shared_down);
+        if let Some(b) = &g.router_bias {
+            sum_into(&mut router_bias, b);
+        }
         start += n;
+    }
+    if let Some(b) = &expected.router_bias {
+        assert_close(&router_bias, b, 1e-4, 1e-6, &what("router bias grad"));
     }
     // Replicated params: the sum over every rank (the DP reduction) is the one-rank grad.
     assert_close(&router, &expected.router, 1e-4, 1e-6, &what("router grad"));
@@ -268,6 +347,18 @@ fn check_with_capacity(world: usize, spec: &str, kind: Kind, capacity_factor: Op
         let pg = table.for_rank(group[0]).unwrap();
         let local = pg.local_expert_ids(E).unwrap();
         let t = pg.get(GroupFamily::ExptTp).index;
+        if let (Some(b1), Some(b2)) = (&expected.fc1_bias, &expected.fc2_bias) {
+            let (mut g1, mut g2) = (Vec::new(), Vec::new());
+            for &r in group {
+                sum_into(&mut g1, got[r].fc1_bias.as_ref().expect("fc1 bias grad"));
+                sum_into(&mut g2, got[r].fc2_bias.as_ref().expect("fc2 bias grad"));
+            }
+            let (a, c) = bias_shard_ref(b1, b2, local.clone(), t, layout.etp);
+            let name = |b: &str| what(&format!("{b} grad of expt_dp {group:?}"));
+            assert_close(&g1, &a, 1e-4, 1e-6, &name("fc1 bias"));
+            // Every ETP rank holds the full gradient of its replicated fc2 bias.
+            assert_close(&g2, &c, 1e-4, 1e-6, &name("fc2 bias"));
+        }
         let (a, c) = shard_ref(&expected.fc1, &expected.fc2, local, t, layout.etp);
         assert_close(
             &fc1,
@@ -318,10 +409,25 @@ fn flex_dispatcher_matches_one_rank() {
 }
 
 #[test]
+fn gpt_oss_biased_clamped_layer_matches_one_rank_under_ep_and_etp() {
+    for kind in [Kind::AllToAll, Kind::AllGather, Kind::Flex] {
+        for (world, spec) in [
+            (1, ""),
+            (2, "ep=2"),
+            (2, "etp=2"),
+            (4, "ep=2,etp=2"),
+            (8, "ep=2,etp=2"),
+        ] {
+            check_with_capacity(world, spec, kind, None, Variant::GptOss);
+        }
+    }
+}
+
+#[test]
 fn drop_and_pad_capacity_matches_per_batch_reference() {
     for kind in [Kind::AllToAll, Kind::AllGather, Kind::Flex] {
         for (world, spec) in [(2, "ep=2"), (4, "ep=2,etp=2"), (4, "ep=4")] {
-            check_with_capacity(world, spec, kind, Some(1.0));
+            check_with_capacity(world, spec, kind, Some(1.0), Variant::Plain);
         }
     }
 }

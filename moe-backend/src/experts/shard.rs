@@ -27,8 +27,11 @@ fn fresh<const D: usize>(id: ParamId, t: Tensor<D>, requires_grad: bool) -> Para
 impl GroupedExperts {
     /// Experts `experts` (global ids into this module's stacked weights) with FFN block
     /// `etp_rank` of `etp`: for SwiGLU, gate rows `[r·F/etp, (r+1)·F/etp)` and the same up
-    /// rows (fc1 stays `[gate; up]`), fc2 columns likewise. The shard's parameters are new
-    /// leaves, so ranks of an in-process world never share autodiff nodes.
+    /// rows (fc1 stays `[gate; up]`), fc2 columns likewise; `fc1_bias` is split with fc1's rows.
+    /// `fc2_bias` is replicated and its value added by ETP rank 0 only
+    /// ([`GroupedExperts::adds_fc2_bias`]: Megatron's row-parallel bias), so the summed partial
+    /// outputs carry it once. The shard's parameters are new leaves, so ranks of an in-process
+    /// world never share autodiff nodes.
     pub fn shard(&self, experts: Range<usize>, etp_rank: usize, etp: usize) -> Result<Self> {
         let op = "GroupedExperts::shard";
         let e = self.num_experts();
@@ -43,13 +46,6 @@ impl GroupedExperts {
             return Err(BackendError::Config {
                 field: "etp",
                 detail: format!("FFN width {f} cannot be split into block {etp_rank} of {etp}"),
-            });
-        }
-        if etp > 1 && self.fc2_bias.is_some() {
-            return Err(BackendError::Config {
-                field: "etp",
-                detail: "an fc2 bias would be added once per ETP rank; shard it with etp = 1"
-                    .into(),
             });
         }
         let block = f / etp;
@@ -86,6 +82,7 @@ impl GroupedExperts {
             fc2: fresh(self.fc2.id, fc2, grad),
             fc1_bias,
             fc2_bias,
+            adds_fc2_bias: self.adds_fc2_bias && etp_rank == 0,
             activation: self.activation,
             fp8: self.fp8,
         })

@@ -519,6 +519,46 @@ pub fn swiglu_with_probs(hidden: Tensor<2>, probs: Tensor<1>) -> Result<Tensor<2
     )))
 }
 
+/// gpt-oss's clamped SwiGLU with routing weights (transformers 5.23
+/// `GptOssExperts._apply_gate`, then the routing weight): `hidden [N, 2F]` (rows `[gate; up]`),
+/// `probs [N]` -> `(clamp(up, −limit, limit) + 1) ⊙ g ⊙ σ(alpha·g) · p` `[N, F]` with
+/// `g = min(gate, limit)` (the gate is clamped from above only).
+///
+/// Composed of Burn tensor ops, so it runs on every backend and autodiff gives its exact
+/// gradient: zero for a gate above `limit` and an up outside `[−limit, limit]`; a value exactly
+/// at the limit passes its gradient, as `torch.clamp` does. Differentiable in both inputs.
+pub fn clamped_swiglu_with_probs(
+    hidden: Tensor<2>,
+    probs: Tensor<1>,
+    alpha: f64,
+    limit: f64,
+) -> Result<Tensor<2>> {
+    let [n, two_f] = hidden.dims();
+    if two_f % 2 != 0 || probs.dims() != [n] {
+        return Err(BackendError::Shape {
+            op: "clamped_swiglu_with_probs",
+            detail: format!(
+                "hidden {:?} must be [N, 2F] and probs {:?} must be [{n}]",
+                [n, two_f],
+                probs.dims()
+            ),
+        });
+    }
+    if !alpha.is_finite() || !limit.is_finite() || limit <= 0.0 {
+        return Err(BackendError::Config {
+            field: "activation",
+            detail: format!(
+                "clamped SwiGLU needs a finite alpha ({alpha}) and limit > 0 ({limit})"
+            ),
+        });
+    }
+    let f = two_f / 2;
+    let gate = hidden.clone().narrow(1, 0, f).clamp_max(limit);
+    let up = hidden.narrow(1, f, f).clamp(-limit, limit);
+    let glu = gate.clone() * burn::tensor::activation::sigmoid(gate.mul_scalar(alpha));
+    Ok((up.add_scalar(1.0) * glu) * probs.reshape([n, 1]))
+}
+
 /// Returns `x` unchanged; in the backward pass `loss` receives the constant gradient `grad_scale`
 /// (the attachment of docs/routing-and-dispatch.md §Load-balancing losses and z-loss). `loss` is
 /// never added to the main loss.

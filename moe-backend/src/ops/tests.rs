@@ -626,3 +626,90 @@ fn fused_swiglu_matches_burn_ops_and_finite_differences() {
     );
     assert!(matches!(bad, Err(BackendError::Shape { .. })));
 }
+
+#[test]
+fn clamped_swiglu_matches_closed_form_forward_and_gradient() {
+    // gpt-oss (transformers `GptOssExperts._apply_gate`): g = min(gate, L), u = clamp(up, ±L),
+    // z = (u + 1)·g·σ(α·g)·p; written out per element on the host, with its derivative.
+    let (alpha, limit) = (1.702, 7.0);
+    let mut rng = SplitMix::new(31);
+    let (n, f) = (6, 5);
+    // Values in ±12 so every branch occurs; none lies within 1e-3 of ±limit.
+    let hv: Vec<f64> = (0..n * 2 * f)
+        .map(|_| {
+            loop {
+                let v = rng.uniform(-12.0, 12.0);
+                if (v.abs() - limit).abs() > 1e-3 {
+                    break v;
+                }
+            }
+        })
+        .collect();
+    let (pv, rv) = (rng.values(n), rng.values(n * f));
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    let (mut z, mut dh, mut dp) = (vec![0.0; n * f], vec![0.0; n * 2 * f], vec![0.0; n]);
+    let mut clamped = [0usize; 3];
+    for i in 0..n {
+        for j in 0..f {
+            let (gate, up) = (hv[i * 2 * f + j], hv[i * 2 * f + f + j]);
+            clamped[0] += usize::from(gate > limit);
+            clamped[1] += usize::from(up > limit);
+            clamped[2] += usize::from(up < -limit);
+            let g = gate.min(limit);
+            let u = up.clamp(-limit, limit);
+            let s = sig(alpha * g);
+            let glu = g * s;
+            let r = rv[i * f + j];
+            z[i * f + j] = (u + 1.0) * glu * pv[i];
+            dp[i] += r * (u + 1.0) * glu;
+            let dglu = r * pv[i] * (u + 1.0);
+            dh[i * 2 * f + j] = if gate < limit {
+                dglu * (s + alpha * g * s * (1.0 - s))
+            } else {
+                0.0
+            };
+            dh[i * 2 * f + f + j] = if up.abs() < limit {
+                r * pv[i] * glu
+            } else {
+                0.0
+            };
+        }
+    }
+    assert!(
+        clamped.iter().all(|&c| c > 0),
+        "every clamp occurs: {clamped:?}"
+    );
+    let h = tensor(hv.clone(), [n, 2 * f], &ad(), DType::F64).require_grad();
+    let p = tensor(pv.clone(), [n], &ad(), DType::F64).require_grad();
+    let out = clamped_swiglu_with_probs(h.clone(), p.clone(), alpha, limit).expect("swiglu");
+    let grads = (out.clone() * tensor(rv.clone(), [n, f], &ad(), DType::F64))
+        .sum()
+        .backward();
+    assert_close(&values(out), &z, 1e-14, 1e-14, "clamped swiglu forward");
+    let gh = values(h.grad(&grads).expect("dh"));
+    assert_close(&gh, &dh, 1e-12, 1e-14, "clamped swiglu d hidden");
+    assert_close(
+        &values(p.grad(&grads).expect("dp")),
+        &dp,
+        1e-12,
+        1e-14,
+        "clamped swiglu d probs",
+    );
+    // Exactly zero where clamped.
+    let zeros = dh.iter().filter(|v| **v == 0.0).count();
+    assert!(zeros > 0 && gh.iter().filter(|v| **v == 0.0).count() == zeros);
+    for (hidden, probs, alpha, limit) in [
+        (vec![0.0; 6], vec![1.0; 2], 1.0, 7.0),
+        (vec![0.0; 4], vec![1.0; 2], 1.0, 0.0),
+        (vec![0.0; 4], vec![1.0; 2], f64::NAN, 7.0),
+    ] {
+        let cols = hidden.len() / 2;
+        let bad = clamped_swiglu_with_probs(
+            tensor(hidden, [2, cols], &dev(), DType::F32),
+            tensor(probs, [2], &dev(), DType::F32),
+            alpha,
+            limit,
+        );
+        assert!(bad.is_err(), "{cols} {alpha} {limit}");
+    }
+}
