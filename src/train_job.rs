@@ -38,17 +38,14 @@ use moe_bridge::dist::{DistCheckpoint, SaveMeta, TrainState};
 use moe_bridge::hf::HfCheckpoint;
 use moe_bridge::safetensors::{Dtype, SafetensorsFile};
 use moe_bridge::{BridgeError, Tokenizer};
-use moe_models::checkpoint::{PlacedModel, restore_trainer, save_trainer};
-use moe_models::distributed::CausalLmShard;
+use moe_models::checkpoint::{restore_trainer, save_trainer};
+use moe_models::distributed::{CausalLmShard, LoadShard};
 use moe_models::export::ExportHf;
-use moe_models::hf::{HfShard, ModelConfig, load_shard_checked};
-use moe_models::qwen3::Qwen3ForCausalLM;
+use moe_models::family::{Family, FamilyConfig, FamilyVisitor, MODEL_TYPES, visit_family};
+use moe_models::hf::{ModelConfig, load_shard_checked};
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
     SyncDtype, SyncOptions, WeightReceiver, WeightSyncError, WireSender, read_ack, sync_weights,
-};
-use moe_models::{
-    DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 };
 use serde_json::{Value, json};
 
@@ -893,49 +890,6 @@ pub fn check_job(job: &TrainJob, layout: &ParallelLayout) -> Result<(), TrainJob
     Ok(())
 }
 
-/// A model family `moe train` can train. Every rank builds only its own shard: read straight
-/// from an HF directory ([`load_shard_checked`]: validated first, then only this rank's boxes
-/// are read), or, for a distributed checkpoint, a zero skeleton at local shapes
-/// ([`LoadShard::shard_skeleton`](moe_models::distributed::LoadShard::shard_skeleton)) that [`restore_trainer`] fills. No rank builds the full
-/// model.
-pub trait JobModel: HfShard + PlacedModel + ExportHf + Sync {
-    /// `model_type` of its `config.json` (also the checkpoints' model family).
-    const FAMILY: &'static str;
-
-    /// The configuration at `config` and its vocabulary size.
-    fn read_config(config: &Path) -> Result<(Self::Config, usize), TrainJobError>;
-}
-
-impl JobModel for Qwen3MoeForCausalLM {
-    const FAMILY: &'static str = "qwen3_moe";
-
-    fn read_config(config: &Path) -> Result<(Qwen3MoeConfig, usize), TrainJobError> {
-        let config = Qwen3MoeConfig::from_file(config)?;
-        let vocab = config.vocab_size;
-        Ok((config, vocab))
-    }
-}
-
-impl JobModel for Qwen3ForCausalLM {
-    const FAMILY: &'static str = "qwen3";
-
-    fn read_config(config: &Path) -> Result<(Qwen3Config, usize), TrainJobError> {
-        let config = Qwen3Config::from_file(config)?;
-        let vocab = config.vocab_size;
-        Ok((config, vocab))
-    }
-}
-
-impl JobModel for DeepseekV3ForCausalLM {
-    const FAMILY: &'static str = "deepseek_v3";
-
-    fn read_config(config: &Path) -> Result<(DeepseekV3Config, usize), TrainJobError> {
-        let config = DeepseekV3Config::from_file(config)?;
-        let vocab = config.vocab_size;
-        Ok((config, vocab))
-    }
-}
-
 /// The `model_type` of the model `moe train` starts from (the resumed checkpoint's when
 /// resuming).
 fn model_type(path: &Path) -> Result<String, TrainJobError> {
@@ -955,23 +909,37 @@ pub fn run_rank(
     job: &TrainJob,
     on_step: &(dyn Fn(&StepMetrics) + Sync),
 ) -> Result<TrainJobReport, TrainJobError> {
-    match model_type(&job.model)?.as_str() {
-        Qwen3MoeForCausalLM::FAMILY => run_model::<Qwen3MoeForCausalLM>(ctx, job, on_step),
-        DeepseekV3ForCausalLM::FAMILY => run_model::<DeepseekV3ForCausalLM>(ctx, job, on_step),
-        Qwen3ForCausalLM::FAMILY => run_model::<Qwen3ForCausalLM>(ctx, job, on_step),
-        other => Err(invalid(
+    struct Run<'a>(&'a RankCtx, &'a TrainJob, &'a (dyn Fn(&StepMetrics) + Sync));
+    impl FamilyVisitor for Run<'_> {
+        type Output = Result<TrainJobReport, TrainJobError>;
+        fn visit<F: Family>(self) -> Self::Output {
+            run_model::<F>(self.0, self.1, self.2)
+        }
+    }
+    let model_type = model_type(&job.model)?;
+    visit_family(&model_type, Run(ctx, job, on_step)).unwrap_or_else(|| {
+        Err(invalid(
             "model",
             format!(
-                "{}: `model_type` \"{other}\" cannot be trained by `moe train` (qwen3_moe, \
-                 deepseek_v3, qwen3)",
-                job.model.display()
+                "{}: `model_type` \"{model_type}\" cannot be trained by `moe train` ({})",
+                job.model.display(),
+                MODEL_TYPES.join(", ")
             ),
-        )),
-    }
+        ))
+    })
 }
 
-/// [`run_rank`] for the model family `M`.
-fn run_model<M: JobModel>(
+/// The configuration of family `F` at `config` and its vocabulary size.
+fn read_config<F: Family>(config: &Path) -> Result<(F::Config, usize), TrainJobError> {
+    let text = std::fs::read_to_string(config)
+        .map_err(|e| invalid(config.display().to_string(), e.to_string()))?;
+    let config = F::Config::from_json_str(&text)?;
+    let vocab = config.vocab_size();
+    Ok((config, vocab))
+}
+
+/// [`run_rank`] for the model family `F`.
+fn run_model<F: Family>(
     ctx: &RankCtx,
     job: &TrainJob,
     on_step: &(dyn Fn(&StepMetrics) + Sync),
@@ -1011,11 +979,17 @@ fn run_model<M: JobModel>(
             let ckpt = DistCheckpoint::open::<ModelConfig>(path)?;
             let config_path = ckpt.dir().join(moe_bridge::hf::CONFIG_FILE);
             // This rank's shard at local shapes, filled by the restore (no full template).
-            let (config, vocab) = M::read_config(&config_path)?;
+            let (config, vocab) = read_config::<F>(&config_path)?;
             let settings = router_loss_settings(job, &read_json(&config_path)?);
-            let skeleton = M::shard_skeleton(&config, &groups, job.trainer.dispatcher, &device)?;
-            let mut trainer =
-                Trainer::<M>::from_shard(skeleton, &groups, world.clone(), settings, &device)?;
+            let skeleton =
+                F::Model::shard_skeleton(&config, &groups, job.trainer.dispatcher, &device)?;
+            let mut trainer = Trainer::<F::Model>::from_shard(
+                skeleton,
+                &groups,
+                world.clone(),
+                settings,
+                &device,
+            )?;
             let state = restore_trainer(&ckpt, &mut trainer)?;
             let family = ckpt.index().model_family.clone();
             (trainer, state, read_json(&config_path)?, family, vocab)
@@ -1025,12 +999,16 @@ fn run_model<M: JobModel>(
             let config_path = job.model.join(moe_bridge::hf::CONFIG_FILE);
             // Config, shard set, presence, shapes and dtypes before any weight is read; then
             // only this rank's boxes.
-            let (shard, report) =
-                load_shard_checked::<M>(&checkpoint, &groups, job.trainer.dispatcher, &device)?;
+            let (shard, report) = load_shard_checked::<F::Model>(
+                &checkpoint,
+                &groups,
+                job.trainer.dispatcher,
+                &device,
+            )?;
             let vocab = report.config.vocab_size();
             let settings = router_loss_settings(job, &read_json(&config_path)?);
             let trainer =
-                Trainer::<M>::from_shard(shard, &groups, world.clone(), settings, &device)?;
+                Trainer::<F::Model>::from_shard(shard, &groups, world.clone(), settings, &device)?;
             let state = TrainState {
                 step: 0,
                 data_position: 0,
@@ -1042,7 +1020,7 @@ fn run_model<M: JobModel>(
             if let Some(map) = config.as_object_mut() {
                 map.remove("quantization_config");
             }
-            (trainer, state, config, Some(M::FAMILY.into()), vocab)
+            (trainer, state, config, Some(F::MODEL_TYPE.into()), vocab)
         }
     };
     let data = Data::training(job, vocab)?;
