@@ -36,9 +36,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 use crate::ModelError;
 use crate::deepseek_v3::DeepseekV3ForCausalLM;
 use crate::distributed::ShardRule;
-use crate::param_plan::{
-    GradClass, ParallelPlan, PlanError, Planned, Storage, deepseek_v3, hf_names,
-};
+use crate::families::deepseek_v3::plan as deepseek_v3;
+use crate::param_plan::{GradClass, ParallelPlan, PlanError, Planned, Storage, hf_names};
 
 /// Name, shape and dtype of one exported tensor, known before its data is fetched.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -22,7 +22,6 @@ use std::ops::Range;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::ModelError;
-use crate::distributed::{ShardRule, shard_rule};
 use crate::param_plan::hf_names;
 
 mod module;
@@ -153,7 +152,7 @@ pub fn slice_box(values: &[f32], global: &[usize], offsets: &[usize], shape: &[u
 }
 
 /// Which part of every canonical tensor one rank holds: its TP coordinates (dense tensors
-/// split as [`shard_rule`] says), its range of routed experts (EP) and its block of every
+/// split as the plan says), its range of routed experts (EP) and its block of every
 /// expert's FFN width (ETP).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardSpec {
@@ -215,38 +214,6 @@ impl ShardSpec {
         }
         let part = n / size;
         Ok(rank * part..(rank + 1) * part)
-    }
-
-    /// The box `(offsets, shape)` this rank holds of the dense tensor `name` of shape `global`
-    /// ([`shard_rule`]: TP rows or columns, or the whole tensor).
-    pub fn box_of(
-        &self,
-        name: &str,
-        global: &[usize],
-    ) -> Result<(Vec<usize>, Vec<usize>), ModelError> {
-        let mut offsets = vec![0; global.len()];
-        let mut shape = global.to_vec();
-        match shard_rule(name) {
-            ShardRule::Replicated => {}
-            ShardRule::Tp { dim } if self.tp > 1 => {
-                let n = *global.get(dim).ok_or_else(|| ModelError::TensorShape {
-                    name: name.to_owned(),
-                    expected: vec![0; dim + 1],
-                    found: global.to_vec(),
-                })?;
-                let r = Self::part(name, "tp", n, self.tp_rank, self.tp)?;
-                offsets[dim] = r.start;
-                shape[dim] = r.len();
-            }
-            ShardRule::Tp { .. } => {}
-            ShardRule::Expert { .. } => {
-                return Err(ModelError::invalid(
-                    "experts",
-                    format!("`{name}` is a routed-expert tensor: load it with `experts`"),
-                ));
-            }
-        }
-        Ok((offsets, shape))
     }
 
     /// This rank's routed experts out of `num_experts`.

@@ -12,9 +12,8 @@ use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::optim::{ParamInfo, default_muon_select};
 use moe_backend::parallel::ParallelLayout;
-use moe_models::distributed::{
-    CausalLmShard, DispatcherKind, ParallelCausalLm, ShardRule, shard_rule,
-};
+use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, ShardRule};
+use moe_models::families::shard_rule;
 use moe_models::param_plan::{GradClass, MuonMatrices, Planned, PlannedTensor, Storage};
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,

@@ -279,7 +279,7 @@ pub(crate) mod tests {
     use moe_bridge::fp8::DEFAULT_BLOCK_SIZE;
     use moe_bridge::mapping::{ExpertLayout, HfRole, canonical_tensors};
 
-    use crate::distributed::shard_rule;
+    use crate::families::shard_rule;
     use crate::hf::expected::deepseek_v3_expected;
     use crate::param_plan::hf_names::stage_place;
 

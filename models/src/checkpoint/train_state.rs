@@ -48,7 +48,7 @@ use moe_bridge::dist::save::{LocalChunk, SaveMeta, save_spmd};
 use moe_bridge::dist::sharding::ShardingPlan;
 use moe_bridge::dist::{TRAIN_STATE_OBJECT, TrainState, read_train_state};
 
-use crate::distributed::shard_rule;
+use crate::families::shard_rule;
 use crate::param_plan::hf_names::stage_place;
 use moe_bridge::BridgeError;
 use moe_bridge::fp8::{OutDtype, scale_shape};

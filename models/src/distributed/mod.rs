@@ -38,7 +38,6 @@ mod pipeline;
 pub mod replay;
 mod runtime;
 mod shard_model;
-mod shard_rule;
 pub mod sharded;
 mod stack;
 
@@ -54,8 +53,9 @@ pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 pub(crate) use stack::{decoder_stack, held};
 
 pub use gather::{gather_full, gather_planned};
+/// How a canonical tensor is split over the ranks of one pipeline stage (moe-bridge's type).
+pub use moe_bridge::dist::ShardRule;
 pub use shard_model::{ShardModel, Sharded, StackShape};
-pub use shard_rule::{ShardRule, shard_rule};
 
 /// Output of the traced forward: the output, the recorded routing and the expert-bias counts.
 pub(crate) type ForwardTraced = (

@@ -24,9 +24,9 @@ use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedTable, ExpertLayout};
 
 use super::load::ModelConfig;
-pub use crate::param_plan::deepseek_v3::deepseek_v3_expected;
-pub use crate::param_plan::qwen3::qwen3_expected;
-pub use crate::param_plan::qwen3_moe::qwen3_moe_expected;
+pub use crate::families::deepseek_v3::plan::deepseek_v3_expected;
+pub use crate::families::qwen3::plan::qwen3_expected;
+pub use crate::families::qwen3_moe::plan::qwen3_moe_expected;
 
 /// The HF tensors `config` implies (its family's [`Family::expected_tensors`](crate::family::Family::expected_tensors)).
 pub fn expected_hf_tensors(

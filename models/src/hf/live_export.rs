@@ -35,7 +35,8 @@ use serde_json::{Value, json};
 
 use crate::ModelError;
 use crate::export::{ExportHf, HfTensorSpec, HfTensors};
-use crate::param_plan::{deepseek_v3, hf_names};
+use crate::families::deepseek_v3::plan as deepseek_v3;
+use crate::param_plan::hf_names;
 
 /// dtype of the exported weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -22,9 +22,9 @@ impl ModelSchema for ModelConfig {
         for_config(config, path)
     }
 
-    /// The models' split table ([`crate::distributed::shard_rule`]).
+    /// The models' split table ([`crate::families::shard_rule`]).
     fn shard_rule(name: &str) -> ShardRule {
-        crate::distributed::shard_rule(name)
+        crate::families::shard_rule(name)
     }
 
     fn stage_place(name: &str) -> StagePlace {

@@ -57,6 +57,14 @@ pub const MLP_PROJS: [&str; 3] = [GATE_PROJ, UP_PROJ, DOWN_PROJ];
 pub const ROUTER: &str = "gate";
 /// An MoE block's routed experts, inside `mlp`.
 pub const EXPERTS: &str = "experts";
+/// The router's expert bias, inside `mlp.gate` (kept F32 on export).
+pub const EXPERT_BIAS: &str = "e_score_correction_bias";
+/// The shared experts, inside `mlp`.
+pub const SHARED_EXPERTS: &str = "shared_experts";
+/// Qwen3's per-head query norm, inside `self_attn`.
+pub const Q_NORM: &str = "q_norm";
+/// Qwen3's per-head key norm, inside `self_attn`.
+pub const K_NORM: &str = "k_norm";
 /// Stacked routed experts' fused gate/up projection (`[E, 2, Im, H]` canonical).
 pub const GATE_UP_PROJ: &str = "gate_up_proj";
 

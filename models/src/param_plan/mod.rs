@@ -30,17 +30,11 @@ use moe_backend::optim::{MatrixAxis, MuonMatrix, ParamClass, ParamInfo};
 use crate::ModelError;
 use crate::distributed::ShardRule;
 
-pub(crate) mod deepseek_v3;
 pub mod hf_names;
 mod load;
-pub(crate) mod qwen3;
-pub(crate) mod qwen3_moe;
 mod shard;
 
-pub use deepseek_v3::deepseek_v3_plan;
 pub use load::{load_by_plan, load_planned, load_with};
-pub use qwen3::qwen3_plan;
-pub use qwen3_moe::qwen3_moe_plan;
 pub use shard::{shard_by_plan, shard_planned};
 
 /// A model with a parallel plan: the trainer, gathering, checkpoint placement and HF export
@@ -677,7 +671,7 @@ pub mod rows {
             ),
             entry(
                 format!("{m}.router.expert_bias"),
-                format!("{hf}.{}.{}", n::ROUTER, super::deepseek_v3::EXPERT_BIAS),
+                format!("{hf}.{}.{}", n::ROUTER, n::EXPERT_BIAS),
                 Storage::Same,
                 ShardRule::Replicated,
                 GradClass::Buffer,
@@ -701,7 +695,7 @@ pub mod rows {
             ),
         ];
         if shared {
-            let shared = super::deepseek_v3::SHARED_EXPERTS;
+            let shared = n::SHARED_EXPERTS;
             for proj in n::MLP_PROJS {
                 rows.extend(replicated(
                     &format!("{m}.{shared}.{proj}"),
@@ -722,7 +716,7 @@ pub mod rows {
             rows.extend(column(&join(m, proj), &join(hf, proj), true, true));
         }
         rows.extend(row(&join(m, n::O_PROJ), &join(hf, n::O_PROJ), true, true));
-        for qk_norm in [super::qwen3::Q_NORM, super::qwen3::K_NORM] {
+        for qk_norm in [n::Q_NORM, n::K_NORM] {
             rows.extend(norm(&join(m, qk_norm), &join(hf, qk_norm)));
         }
         rows

@@ -78,7 +78,7 @@ fn an_unclassified_or_doubly_classified_parameter_is_an_error_naming_it() {
 
 #[test]
 fn the_model_plans_have_unique_patterns() {
-    for plan in [qwen3_plan(), qwen3_moe_plan(), deepseek_v3_plan()] {
+    for plan in crate::families::plans() {
         let mut seen = std::collections::HashSet::new();
         for e in plan.entries() {
             assert!(
@@ -93,7 +93,7 @@ fn the_model_plans_have_unique_patterns() {
             assert_eq!(r.entry, e);
             // The checkpoint's split table agrees with the plan.
             assert_eq!(
-                crate::distributed::shard_rule(&r.hf_name),
+                crate::families::shard_rule(&r.hf_name),
                 e.split,
                 "{}: {}",
                 plan.family(),
@@ -115,9 +115,11 @@ fn hf_names_place_tensors_on_pipeline_stages() {
     assert_eq!(place(&hf_names::router_weight(3)), StagePlace::Layer(3));
     assert_eq!(place(&hf_names::lm_head_weight()), StagePlace::Last);
     assert_eq!(place(&hf_names::final_norm_weight()), StagePlace::Last);
-    let (embed_copy, head_copy) = deepseek_v3::mtp_copy_names(7);
+    let (embed_copy, head_copy) = crate::families::deepseek_v3::plan::mtp_copy_names(7);
     assert_eq!(place(&embed_copy), StagePlace::Layer(7));
-    assert!(deepseek_v3::is_mtp_head_copy(&head_copy));
+    assert!(crate::families::deepseek_v3::plan::is_mtp_head_copy(
+        &head_copy
+    ));
     assert_eq!(
         hf_names::split_stacked(&hf_names::stacked_down("x.experts")),
         Some(("x.experts", false))

@@ -21,7 +21,7 @@
 //! final norm, output layer and MTP layers from the last; the last stage's copy of a shared
 //! embedding is left out). The pipeline split itself (1F1B, interleaved `vpp`, an uneven
 //! `pipeline_layout`) needs no input: each stage's model names its layers by their global index.
-//! Each tensor is split as the one sharding table says ([`crate::distributed::shard_rule`]) over
+//! Each tensor is split as the one sharding table says ([`crate::families::shard_rule`]) over
 //! the ranks of the stage holding it in global rank 0's replica: a replicated tensor is sent by
 //! that stage's `tp` rank 0 (rank 0's own copy on the first stage); a TP-split one piece by piece
 //! by the stage's `tp` ranks (the members of rank 0's `tp-pp` group on that stage); routed experts

@@ -10,7 +10,7 @@
 //! are merged back into the order of [`crate::export::export_hf_tensors`] on the whole model:
 //! what precedes the decoder layers (the embedding), the layers by global index, the final norm
 //! and output layer, then what follows them (DeepSeek-V3's MTP layers `model.layers.{N+j}`).
-//! The split of each tensor is the sharding table's ([`crate::distributed::shard_rule`]), as
+//! The split of each tensor is the sharding table's ([`crate::families::shard_rule`]), as
 //! Megatron-Core's distributed checkpoints and slime's / verl's Megatron weight exporters
 //! read it.
 
@@ -22,8 +22,9 @@ use moe_bridge::dist::StagePlace;
 use super::bucket::SyncedTensor;
 use super::host::PieceBox;
 use super::{ExpertNames, SyncOptions, WeightSyncError};
-use crate::distributed::{ShardRule, shard_rule};
+use crate::distributed::ShardRule;
 use crate::export::{HfTensorSpec, keeps_f32};
+use crate::families::shard_rule;
 use crate::param_plan::hf_names;
 
 /// Which part of a layer's local expert tensors a synced tensor is.

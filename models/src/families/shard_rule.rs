@@ -6,7 +6,7 @@
 //!
 //! The rules are the models' parallel plans ([`crate::param_plan`]) read backwards: a name
 //! takes the split of the plan entry whose HF template it matches (a `{…}` placeholder matches
-//! one numeric segment). The plans of the three families agree wherever their names meet (a
+//! one numeric segment). The plans of the families agree wherever their names meet (a
 //! test checks it). A name no plan knows is replicated.
 //!
 //! Canonical names are HF names, except routed experts, stacked per MoE layer
@@ -15,7 +15,7 @@
 
 use std::sync::OnceLock;
 
-use crate::param_plan::{deepseek_v3_plan, qwen3_moe_plan, qwen3_plan};
+use super::plans;
 
 /// How a canonical tensor is split over the ranks of one pipeline stage: moe-bridge's plain
 /// data type, which the distributed checkpoint's resharding takes as its input.
@@ -27,7 +27,7 @@ type Rule = (Vec<Option<String>>, ShardRule);
 fn rules() -> &'static [Rule] {
     static RULES: OnceLock<Vec<Rule>> = OnceLock::new();
     RULES.get_or_init(|| {
-        [qwen3_plan(), qwen3_moe_plan(), deepseek_v3_plan()]
+        plans()
             .iter()
             .flat_map(|plan| plan.entries().iter())
             .map(|e| {
@@ -65,7 +65,7 @@ mod tests {
     /// Every name any plan produces gets the same rule from every plan that produces it.
     #[test]
     fn the_plans_agree_on_every_name() {
-        let plans: Vec<ParallelPlan> = vec![qwen3_plan(), qwen3_moe_plan(), deepseek_v3_plan()];
+        let plans: Vec<ParallelPlan> = plans();
         for plan in &plans {
             for e in plan.entries() {
                 let name = e.hf.replace("{0+L}", "7").replace("{0}", "3");

@@ -6,13 +6,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::rope::{self, RopeJson, RopeKeys};
-use super::{RopeParameters, RopeScaling, de};
 use crate::ModelError;
+use crate::config::rope::{self, RopeJson, RopeKeys};
+use crate::config::{RopeParameters, RopeScaling, de};
 
 /// HF `DeepseekV3Config` class defaults (transformers 5.23 `configuration_deepseek_v3.py`).
 mod hf_default {
-    super::de::hf_defaults! {
+    crate::config::de::hf_defaults! {
         vocab_size: usize = 129280;
         hidden_size: usize = 7168;
         intermediate_size: usize = 18432;

@@ -1,4 +1,6 @@
 use super::*;
+use crate::config::RopeScaling;
+use crate::{DeepseekV3Config, Qwen3Config};
 
 /// `config.json` of Qwen/Qwen3-30B-A3B (transformers 4.51 spelling).
 const QWEN3_30B_A3B: &str = r#"{

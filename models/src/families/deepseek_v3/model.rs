@@ -656,7 +656,7 @@ impl crate::family::Family for DeepseekV3 {
     type Model = DeepseekV3ForCausalLM;
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
-        crate::param_plan::deepseek_v3::mapping_rules()
+        super::plan::mapping_rules()
     }
 
     fn expected_tensors(
@@ -665,13 +665,13 @@ impl crate::family::Family for DeepseekV3 {
         path: &std::path::Path,
         block: [usize; 2],
     ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        crate::param_plan::deepseek_v3::deepseek_v3_expected(config, layout, path, block)
+        super::plan::deepseek_v3_expected(config, layout, path, block)
     }
 
     fn export_copies(
         config: &DeepseekV3Config,
         has: &dyn Fn(&str) -> bool,
     ) -> Vec<(String, String)> {
-        crate::param_plan::deepseek_v3::mtp_export_copies(config, has)
+        super::plan::mtp_export_copies(config, has)
     }
 }

@@ -1,6 +1,6 @@
 //! The DeepSeek-V3 model's HF layout (HF `DeepseekV3ForCausalLM`, MTP modules included): its
 //! parallel plan, name-mapping rules, expected-tensor table and export copies, over the shared
-//! Llama-family names of [`super::hf_names`] plus DeepSeek-V3's own: MLA's projections, the
+//! Llama-family names of [`crate::param_plan::hf_names`] plus DeepSeek-V3's own: MLA's projections, the
 //! router's `e_score_correction_bias`, shared experts, the MTP modules' `enorm`, `hnorm`,
 //! `eh_proj` and `shared_head`, and FP8 `weight_scale_inv` companions.
 
@@ -10,10 +10,10 @@ use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
 use moe_bridge::safetensors::Dtype;
 
-use super::hf_names::{self as n, join, layer as layer_of, weight};
-use super::rows::{column, embedding, mlp, moe, norm, replicated, row};
-use super::{ParallelPlan, PlanEntry};
 use crate::DeepseekV3Config;
+use crate::param_plan::hf_names::{self as n, join, layer as layer_of, weight};
+use crate::param_plan::rows::{column, embedding, mlp, moe, norm, replicated, row};
+use crate::param_plan::{ParallelPlan, PlanEntry};
 
 // MLA (the query projection without `q_lora_rank` is the shared `q_proj`).
 /// Low-rank query down-projection.
@@ -28,10 +28,8 @@ pub const KV_A_PROJ_WITH_MQA: &str = "kv_a_proj_with_mqa";
 pub const KV_A_LAYERNORM: &str = "kv_a_layernorm";
 /// KV up-projection.
 pub const KV_B_PROJ: &str = "kv_b_proj";
-/// The router's expert bias, inside `mlp.gate` (kept F32 on export).
-pub const EXPERT_BIAS: &str = "e_score_correction_bias";
-/// The shared experts, inside `mlp`.
-pub const SHARED_EXPERTS: &str = "shared_experts";
+pub use crate::param_plan::hf_names::EXPERT_BIAS;
+pub use crate::param_plan::hf_names::SHARED_EXPERTS;
 /// MTP: embedding norm.
 pub const ENORM: &str = "enorm";
 /// MTP: hidden-state norm.
@@ -150,7 +148,7 @@ pub fn deepseek_v3_plan() -> ParallelPlan {
     ParallelPlan::new("deepseek_v3", rows)
 }
 
-impl super::Planned for crate::DeepseekV3ForCausalLM {
+impl crate::param_plan::Planned for crate::DeepseekV3ForCausalLM {
     fn parallel_plan() -> ParallelPlan {
         deepseek_v3_plan()
     }

@@ -6,13 +6,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::rope::{self, RopeJson, RopeKeys};
-use super::{RopeParameters, de};
 use crate::ModelError;
+use crate::config::rope::{self, RopeJson, RopeKeys};
+use crate::config::{RopeParameters, de};
 
 /// HF `Qwen3Config` class defaults (transformers 5.23 `configuration_qwen3.py`).
 mod hf_default {
-    super::de::hf_defaults! {
+    crate::config::de::hf_defaults! {
         vocab_size: usize = 151936;
         hidden_size: usize = 4096;
         intermediate_size: usize = 22016;

@@ -384,7 +384,7 @@ impl crate::family::Family for Qwen3 {
     type Model = Qwen3ForCausalLM;
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
-        crate::param_plan::qwen3::mapping_rules()
+        super::plan::mapping_rules()
     }
 
     fn expected_tensors(
@@ -393,6 +393,6 @@ impl crate::family::Family for Qwen3 {
         path: &std::path::Path,
         block: [usize; 2],
     ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        crate::param_plan::qwen3::qwen3_expected(config, path, block)
+        super::plan::qwen3_expected(config, path, block)
     }
 }

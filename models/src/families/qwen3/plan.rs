@@ -1,5 +1,5 @@
 //! The dense Qwen3 model's HF layout (HF `Qwen3ForCausalLM`): its parallel plan, name-mapping
-//! rules and expected-tensor table, over the shared Llama-family names of [`super::hf_names`]
+//! rules and expected-tensor table, over the shared Llama-family names of [`crate::param_plan::hf_names`]
 //! plus Qwen3's own QK-norms (`self_attn.q_norm`, `self_attn.k_norm`).
 
 use std::path::Path;
@@ -7,15 +7,13 @@ use std::path::Path;
 use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, Rule};
 
-use super::ParallelPlan;
-use super::hf_names::{self as n, join, layer};
-use super::rows::{column, embedding, gqa, mlp, norm};
 use crate::Qwen3Config;
+use crate::param_plan::ParallelPlan;
+use crate::param_plan::hf_names::{self as n, join, layer};
+use crate::param_plan::rows::{column, embedding, gqa, mlp, norm};
 
-/// Qwen3's per-head query norm, inside `self_attn`.
-pub const Q_NORM: &str = "q_norm";
-/// Qwen3's per-head key norm, inside `self_attn`.
-pub const K_NORM: &str = "k_norm";
+pub use crate::param_plan::hf_names::K_NORM;
+pub use crate::param_plan::hf_names::Q_NORM;
 
 /// The plan of [`crate::Qwen3ForCausalLM`] and its shards: vocab-parallel embedding and
 /// head, GQA attention (q/k/v column-, o row-parallel, QK-norms replicated), SwiGLU MLPs
@@ -39,7 +37,7 @@ pub fn qwen3_plan() -> ParallelPlan {
     ParallelPlan::new("qwen3", rows)
 }
 
-impl super::Planned for crate::Qwen3ForCausalLM {
+impl crate::param_plan::Planned for crate::Qwen3ForCausalLM {
     fn parallel_plan() -> ParallelPlan {
         qwen3_plan()
     }

@@ -577,7 +577,7 @@ impl crate::family::Family for Qwen3Moe {
     type Model = Qwen3MoeForCausalLM;
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
-        crate::param_plan::qwen3_moe::mapping_rules()
+        super::plan::mapping_rules()
     }
 
     fn expected_tensors(
@@ -586,7 +586,7 @@ impl crate::family::Family for Qwen3Moe {
         path: &std::path::Path,
         block: [usize; 2],
     ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        crate::param_plan::qwen3_moe::qwen3_moe_expected(config, layout, path, block)
+        super::plan::qwen3_moe_expected(config, layout, path, block)
     }
 
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.

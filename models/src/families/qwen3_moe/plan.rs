@@ -1,16 +1,16 @@
 //! The Qwen3-MoE model's HF layout (HF `Qwen3MoeForCausalLM`): its parallel plan,
 //! name-mapping rules and expected-tensor table, over the shared Llama-family names of
-//! [`super::hf_names`] and Qwen3's attention ([`super::qwen3`]).
+//! [`crate::param_plan::hf_names`] and Qwen3's attention ([`crate::families::qwen3::plan`]).
 
 use std::path::Path;
 
 use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
 
-use super::ParallelPlan;
-use super::hf_names::{self as n, join, layer};
-use super::rows::{column, embedding, gqa, mlp, moe, norm};
 use crate::Qwen3MoeConfig;
+use crate::param_plan::ParallelPlan;
+use crate::param_plan::hf_names::{self as n, join, layer};
+use crate::param_plan::rows::{column, embedding, gqa, mlp, moe, norm};
 
 /// The plan of [`crate::Qwen3MoeForCausalLM`] and its shards: vocab-parallel embedding and
 /// head, GQA attention (q/k/v column-, o row-parallel, QK-norms replicated), dense MLPs of
@@ -40,7 +40,7 @@ pub fn qwen3_moe_plan() -> ParallelPlan {
     ParallelPlan::new("qwen3_moe", rows)
 }
 
-impl super::Planned for crate::Qwen3MoeForCausalLM {
+impl crate::param_plan::Planned for crate::Qwen3MoeForCausalLM {
     fn parallel_plan() -> ParallelPlan {
         qwen3_moe_plan()
     }
@@ -55,7 +55,9 @@ impl super::Planned for crate::Qwen3MoeForCausalLM {
 pub(crate) fn mapping_rules() -> Vec<Rule> {
     let mut rules = n::top_level_rules();
     rules.extend(n::per_layer(n::layer_norm_suffixes()));
-    rules.extend(n::per_layer(super::qwen3::attention_suffixes()));
+    rules.extend(n::per_layer(
+        crate::families::qwen3::plan::attention_suffixes(),
+    ));
     rules.extend(n::per_layer([n::router_suffix()]));
     rules.extend(n::routed_expert_rules());
     rules.extend(n::per_layer(n::dense_mlp_suffixes()));
@@ -82,7 +84,7 @@ pub fn qwen3_moe_expected(
     for l in 0..c.num_hidden_layers {
         let p = layer(l);
         n::expected_layer_norms(&mut b, &p, h)?;
-        super::qwen3::qwen_attention(
+        crate::families::qwen3::plan::qwen_attention(
             &mut b,
             &join(&p, n::SELF_ATTN),
             h,

@@ -10,6 +10,13 @@
 //! and one line in the list at the bottom of this file (torchtitan's one registration per
 //! model; Megatron-Core's one `GPTModel` built from a spec).
 
+pub mod deepseek_v3;
+pub mod qwen3;
+pub mod qwen3_moe;
+mod shard_rule;
+
+pub use shard_rule::shard_rule;
+
 use std::path::Path;
 
 use burn::tensor::{Int, Tensor};
@@ -104,6 +111,11 @@ macro_rules! families {
         /// The HF `model_type` of every family, in list order.
         pub const MODEL_TYPES: &[&str] = &[$(<$family as Family>::MODEL_TYPE),+];
 
+        /// Every family's parallel plan, in list order.
+        pub fn plans() -> Vec<crate::param_plan::ParallelPlan> {
+            vec![$(<<$family as Family>::Model as crate::param_plan::Planned>::parallel_plan()),+]
+        }
+
         /// Runs `visitor` for the family whose `model_type` is `model_type`; `None` when no
         /// family has it.
         pub fn visit_family<V: FamilyVisitor>(model_type: &str, visitor: V) -> Option<V::Output> {
@@ -117,8 +129,4 @@ macro_rules! families {
     };
 }
 
-families!(
-    crate::qwen3::Qwen3,
-    crate::qwen3_moe::Qwen3Moe,
-    crate::deepseek_v3::DeepseekV3,
-);
+families!(qwen3::Qwen3, qwen3_moe::Qwen3Moe, deepseek_v3::DeepseekV3);
