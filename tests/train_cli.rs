@@ -196,7 +196,7 @@ fn bad_input_is_refused_before_any_step() {
     refused(
         &dir,
         &with("", &["--model", &other]),
-        &["model_type", "llama", "qwen3_moe, deepseek_v3, qwen3"],
+        &["model_type", "llama", "qwen3_moe", "deepseek_v3"],
     );
     // --resume without a checkpoint to resume from.
     refused(&dir, &with("", &["--resume"]), &["resume", "no checkpoint"]);
