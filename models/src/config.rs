@@ -13,6 +13,7 @@
 
 mod de;
 mod deepseek_v3;
+mod layer_types;
 mod qwen3;
 mod rope;
 
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use self::deepseek_v3::DeepseekV3Config;
+pub use self::layer_types::LayerType;
 pub use self::qwen3::Qwen3Config;
 pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParameters};
 use self::rope::{RopeJson, RopeKeys};

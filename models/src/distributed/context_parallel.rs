@@ -60,7 +60,9 @@ pub(crate) fn select_positions<T: Copy>(values: &[T], s: usize, positions: &[usi
 /// The attention mask `[B, Sq, Sk]` of queries at global positions `queries` against keys at
 /// `keys` (`true` = masked out): a key is seen when it is not later than the query and, with
 /// `documents` (`[B·S]` row-major document id per position, `< 0` = padding), belongs to the
-/// query's document (a padding query sees only itself).
+/// query's document (a padding query sees only itself). The mask carries the positions, so a
+/// sliding-window layer hides the keys outside each query's window by their global positions
+/// ([`AttentionMask::outside_window`]) wherever the keys' chunks came from.
 pub(crate) fn position_mask(
     batch: usize,
     s: usize,
@@ -87,6 +89,7 @@ pub(crate) fn position_mask(
         TensorData::new(blocked, [batch, sq, sk]),
         device,
     ))
+    .with_positions(queries, keys)
 }
 
 /// How the context-parallel ranks exchange keys and values (Megatron's `--cp-comm-type`).
@@ -230,5 +233,23 @@ mod tests {
             [true, true, true, false],
         ];
         assert_eq!(got, want.concat());
+    }
+
+    /// Under cp = 2 a window of 3 over a row of 8: rank 0's queries (positions 0, 1, 6, 7)
+    /// see the gathered keys (0, 1, 6, 7, 2, 3, 4, 5) with `q − 3 < k ≤ q`.
+    #[test]
+    fn the_window_follows_global_positions() {
+        let device = Device::flex();
+        let (queries, keys) = (cp_positions(8, 2, 0), gathered_positions(8, 2));
+        let m = position_mask(1, 8, &queries, &keys, None, &device);
+        let outside = m.outside_window(3);
+        let blocked = m.blocked().clone().squeeze_dim::<2>(0).bool_or(outside);
+        let got = blocked.into_data().try_into_vec::<bool>().unwrap();
+        for (i, &q) in queries.iter().enumerate() {
+            for (j, &k) in keys.iter().enumerate() {
+                let seen = k <= q && q < k + 3;
+                assert_eq!(!got[i * keys.len() + j], seen, "query {q} key {k}");
+            }
+        }
     }
 }
