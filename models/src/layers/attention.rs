@@ -796,6 +796,207 @@ mod tests {
         }
     }
 
+    /// A block with biases, sinks of size ~1 and `window`, random weights.
+    fn gpt_oss_like(window: Option<usize>, device: &Device) -> Attention {
+        let mut attn = AttentionConfig::new(16, 4, 2, 8)
+            .with_attention_bias(true)
+            .with_qk_norm(false)
+            .with_sinks(true)
+            .with_sliding_window(window)
+            .init(device)
+            .unwrap();
+        attn.sinks = Some(Param::from_tensor(Tensor::random(
+            [4],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        )));
+        attn
+    }
+
+    /// The whole sequence equals token-by-token decoding with the (window-trimmed) cache far
+    /// past the window, with sinks; and the window and sinks change the output.
+    #[test]
+    fn decoding_past_the_window_with_sinks_matches_the_full_forward() {
+        let device = Device::flex();
+        let attn = gpt_oss_like(Some(3), &device);
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let x = Tensor::<3>::random([2, 9, 16], Distribution::Normal(0.0, 1.0), &device);
+        let full = attn.forward(x.clone(), &rope.tables(0, 9, &device), None);
+        let mut cache = LayerCache::default();
+        let mut parts = vec![attn.forward(
+            x.clone().narrow(1, 0, 4),
+            &rope.tables(0, 4, &device),
+            Some(&mut cache),
+        )];
+        for pos in 4..9 {
+            parts.push(attn.forward(
+                x.clone().narrow(1, pos, 1),
+                &rope.tables(pos, 1, &device),
+                Some(&mut cache),
+            ));
+            assert_eq!((cache.seq_len(), cache.held()), (pos + 1, 2));
+        }
+        Tensor::cat(parts, 1)
+            .into_data()
+            .assert_approx_eq::<f32>(&full.clone().into_data(), Tolerance::rel_abs(1e-5, 1e-5));
+        let mut wide = attn.clone();
+        wide.sliding_window = None;
+        let mut sinkless = attn.clone();
+        sinkless.sinks = None;
+        for other in [wide, sinkless] {
+            let o = other.forward(x.clone(), &rope.tables(0, 9, &device), None);
+            let d = (o - full.clone()).abs().max().into_scalar::<f32>();
+            assert!(d > 1e-3, "the option changes the output ({d})");
+        }
+    }
+
+    /// The sliding window over a packed row: each document equals the document alone.
+    #[test]
+    fn packed_documents_slide_within_themselves() {
+        let device = Device::flex();
+        let attn = gpt_oss_like(Some(2), &device);
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let x = Tensor::<3>::random([1, 9, 16], Distribution::Normal(0.0, 1.0), &device);
+        let layout =
+            crate::packing::SequenceLayout::from_cu_seqlens(1, 9, vec![vec![0, 4, 9]]).unwrap();
+        let packed = crate::packing::PackedInputs::new(&layout, &rope, &device);
+        let out = attn.forward_masked(x.clone(), &packed.rope, Some(&packed.mask));
+        for (start, len) in [(0, 4), (4, 5)] {
+            let alone = attn.forward(
+                x.clone().narrow(1, start, len),
+                &rope.tables(0, len, &device),
+                None,
+            );
+            out.clone()
+                .narrow(1, start, len)
+                .into_data()
+                .assert_approx_eq::<f32>(&alone.into_data(), Tolerance::rel_abs(1e-5, 1e-6));
+        }
+    }
+
+    /// Tensor parallelism of sinks: each of 2 ranks holds half the heads (q/k/v columns, the
+    /// sinks' entries, o_proj rows; o_proj's bias on one rank) and the sum of their partial
+    /// outputs (TP's reduce) is the whole block's output.
+    #[test]
+    fn sinks_split_by_head_sum_to_the_whole_block() {
+        let device = Device::flex();
+        let attn = gpt_oss_like(Some(3), &device);
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let tables = rope.tables(0, 6, &device);
+        let x = Tensor::<3>::random([2, 6, 16], Distribution::Normal(0.0, 1.0), &device);
+        let full = attn.forward(x.clone(), &tables, None);
+        let tp = 2;
+        let column = |l: &Linear, r: usize| {
+            let w = l.weight.val();
+            let n = w.dims()[1] / tp;
+            let mut l = l.clone();
+            l.weight = Param::from_tensor(w.narrow(1, r * n, n));
+            l.bias = l.bias.map(|b| Param::from_tensor(b.val().narrow(0, r * n, n)));
+            l
+        };
+        let mut sum = Tensor::<3>::zeros(full.dims(), &device);
+        for r in 0..tp {
+            let mut shard = attn.clone();
+            shard.q_proj = column(&attn.q_proj, r);
+            shard.k_proj = column(&attn.k_proj, r);
+            shard.v_proj = column(&attn.v_proj, r);
+            let w = attn.o_proj.weight.val();
+            let n = w.dims()[0] / tp;
+            shard.o_proj.weight = Param::from_tensor(w.narrow(0, r * n, n));
+            if r > 0 {
+                shard.o_proj.bias = None;
+            }
+            let sinks = attn.sinks.as_ref().unwrap().val();
+            shard.sinks = Some(Param::from_tensor(sinks.narrow(0, r * 2, 2)));
+            let shard = shard.with_local_heads().unwrap();
+            assert_eq!((shard.num_heads, shard.num_kv_heads), (2, 1));
+            sum = sum + shard.forward(x.clone(), &tables, None);
+        }
+        sum.into_data()
+            .assert_approx_eq::<f32>(&full.into_data(), Tolerance::rel_abs(1e-5, 1e-5));
+        // A sink vector of the wrong length is refused naming it.
+        let mut bad = attn.clone();
+        bad.sinks = Some(Param::from_tensor(Tensor::zeros([3], &device)));
+        let e = bad.with_local_heads().unwrap_err().to_string();
+        assert!(e.contains("sinks"), "{e}");
+    }
+
+    /// The blocked causal core with a window (and sinks) equals the whole masked matrix, in
+    /// values and gradients, including the blocks that skip keys before the window.
+    #[test]
+    fn blocked_sliding_attention_equals_the_whole_masked_matrix() {
+        let device = Device::flex().autodiff();
+        let s = 2 * CAUSAL_QUERY_BLOCK + 21;
+        for (offset, sk, window) in [(0, s, 100), (5, s + 5, 7)] {
+            let leaf = |shape: [usize; 4]| {
+                Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad()
+            };
+            let (q, k, v) = (leaf([1, 4, s, 8]), leaf([1, 2, sk, 8]), leaf([1, 2, sk, 6]));
+            let sinks = Tensor::<1>::random([4], Distribution::Normal(0.0, 1.0), &device)
+                .require_grad();
+            let w = Tensor::<4>::random([1, 4, s, 6], Distribution::Normal(0.0, 1.0), &device);
+            let options = CoreOptions {
+                sliding_window: Some(window),
+                sinks: Some(sinks.clone()),
+            };
+            let run = |blocked: bool| {
+                let (q1, k1, v1) = (q.clone(), k.clone(), v.clone());
+                let out = if blocked {
+                    causal_attention_with(q1, k1, v1, 0.3, offset, &options)
+                } else {
+                    causal_block(q1, k1, v1, 0.3, offset, &options)
+                };
+                let grads = (out.clone() * w.clone()).sum().backward();
+                let g4 = |t: &Tensor<4>| t.grad(&grads).expect("a gradient").into_data();
+                let gs = sinks.grad(&grads).expect("a gradient").into_data();
+                (out.into_data(), g4(&q), g4(&k), g4(&v), gs)
+            };
+            let (a, b) = (run(true), run(false));
+            let tol = Tolerance::rel_abs(1e-4, 1e-5);
+            a.0.assert_approx_eq::<f32>(&b.0, tol);
+            a.1.assert_approx_eq::<f32>(&b.1, tol);
+            a.2.assert_approx_eq::<f32>(&b.2, tol);
+            a.3.assert_approx_eq::<f32>(&b.3, tol);
+            a.4.assert_approx_eq::<f32>(&b.4, tol);
+            // The whole matrix against the explicit mask of the same positions.
+            let mask = AttentionMask::from_blocked(
+                Tensor::<2, Bool>::tril_mask([s, sk], offset as i64, &device).unsqueeze::<3>(),
+            );
+            let masked = masked_attention_with(q.clone(), k.clone(), v.clone(), 0.3, &mask, &options);
+            masked.into_data().assert_approx_eq::<f32>(&a.0, tol);
+        }
+    }
+
+    /// Selective recompute of the core keeps the sinks' gradient.
+    #[test]
+    fn recomputed_core_keeps_the_sinks_gradient() {
+        let device = Device::flex().autodiff();
+        let leaf = |shape: [usize; 4]| {
+            Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad()
+        };
+        let (q, k, v) = (leaf([1, 4, 6, 8]), leaf([1, 2, 6, 8]), leaf([1, 2, 6, 8]));
+        let sinks = Tensor::<1>::random([4], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        let options = CoreOptions {
+            sliding_window: Some(2),
+            sinks: Some(sinks.clone()),
+        };
+        let grad = |recompute: bool| {
+            let out = attention_core_with(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                0.3,
+                None,
+                0,
+                recompute,
+                &options,
+            );
+            let grads = (out.clone() * out).sum().backward();
+            sinks.grad(&grads).expect("sinks gradient").into_data()
+        };
+        grad(true).assert_approx_eq::<f32>(&grad(false), Tolerance::rel_abs(1e-5, 1e-6));
+    }
+
     #[test]
     fn first_position_attends_only_to_itself() {
         // With one key visible, the output of position 0 is v_0 (softmax of one score is 1).
