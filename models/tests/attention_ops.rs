@@ -82,7 +82,11 @@ fn gpt_oss_block(name: &str, window: Option<usize>) {
     let out = attn.forward(x.clone(), &rope.tables(0, s, &device), None);
     let w = tensor::<3>(&g, &format!("{p}.w"), &device);
     let grads = (out.clone() * w).sum().backward();
-    assert_close(&format!("{p} out"), values(out), &g.f32(&format!("{p}.out")).1);
+    assert_close(
+        &format!("{p} out"),
+        values(out),
+        &g.f32(&format!("{p}.out")).1,
+    );
     let grad = |what: &str| g.f32(&format!("{p}.grad.{what}")).1;
     assert_close(
         &format!("{p} grad x"),

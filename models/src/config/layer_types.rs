@@ -49,9 +49,7 @@ pub(crate) fn parse_layer_types(
             "sliding_attention" => Ok(LayerType::SlidingAttention),
             other => Err(ModelError::invalid(
                 "layer_types",
-                format!(
-                    "entry {i} is `{other}` (supported: full_attention, sliding_attention)"
-                ),
+                format!("entry {i} is `{other}` (supported: full_attention, sliding_attention)"),
             )),
         })
         .collect()

@@ -225,7 +225,10 @@ impl Qwen3Config {
             ));
         }
         if self.sliding_window == Some(0) {
-            return Err(ModelError::invalid("sliding_window", "must be positive, got 0"));
+            return Err(ModelError::invalid(
+                "sliding_window",
+                "must be positive, got 0",
+            ));
         }
         if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
             return Err(ModelError::invalid(

@@ -266,7 +266,10 @@ mod tests {
         let full = attn.forward(x.clone(), &rope.tables(0, s, &device), None);
         let select = |t: &Tensor<3>, positions: &[usize]| {
             Tensor::cat(
-                positions.iter().map(|&p| t.clone().narrow(1, p, 1)).collect(),
+                positions
+                    .iter()
+                    .map(|&p| t.clone().narrow(1, p, 1))
+                    .collect(),
                 1,
             )
         };

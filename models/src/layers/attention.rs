@@ -22,8 +22,8 @@ use moe_backend::fp8::{Fp8Recipe, linear_maybe_fp8};
 use super::kv_cache::LayerCache;
 use super::rms_norm::{RmsNorm, RmsNormConfig};
 use super::rope::{RopeTables, RotaryEmbedding, apply_rotary, rotary_dim};
-use crate::config::RopeParameters;
 use crate::ModelError;
+use crate::config::RopeParameters;
 
 /// Configuration of an [`Attention`] block.
 #[derive(Config, Debug)]
@@ -439,7 +439,8 @@ impl AttentionMask {
                 Tensor::<1, Int>::arange(0..sk as i64, &device),
             ),
         };
-        let distance = queries.reshape([s, 1]).expand([s, sk]) - keys.reshape([1, sk]).expand([s, sk]);
+        let distance =
+            queries.reshape([s, 1]).expand([s, sk]) - keys.reshape([1, sk]).expand([s, sk]);
         distance.greater_equal_elem(window as i64)
     }
 }
@@ -891,7 +892,9 @@ mod tests {
             let n = w.dims()[1] / tp;
             let mut l = l.clone();
             l.weight = Param::from_tensor(w.narrow(1, r * n, n));
-            l.bias = l.bias.map(|b| Param::from_tensor(b.val().narrow(0, r * n, n)));
+            l.bias = l
+                .bias
+                .map(|b| Param::from_tensor(b.val().narrow(0, r * n, n)));
             l
         };
         let mut sum = Tensor::<3>::zeros(full.dims(), &device);
@@ -932,8 +935,8 @@ mod tests {
                 Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad()
             };
             let (q, k, v) = (leaf([1, 4, s, 8]), leaf([1, 2, sk, 8]), leaf([1, 2, sk, 6]));
-            let sinks = Tensor::<1>::random([4], Distribution::Normal(0.0, 1.0), &device)
-                .require_grad();
+            let sinks =
+                Tensor::<1>::random([4], Distribution::Normal(0.0, 1.0), &device).require_grad();
             let w = Tensor::<4>::random([1, 4, s, 6], Distribution::Normal(0.0, 1.0), &device);
             let options = CoreOptions {
                 sliding_window: Some(window),
@@ -962,7 +965,8 @@ mod tests {
             let mask = AttentionMask::from_blocked(
                 Tensor::<2, Bool>::tril_mask([s, sk], offset as i64, &device).unsqueeze::<3>(),
             );
-            let masked = masked_attention_with(q.clone(), k.clone(), v.clone(), 0.3, &mask, &options);
+            let masked =
+                masked_attention_with(q.clone(), k.clone(), v.clone(), 0.3, &mask, &options);
             masked.into_data().assert_approx_eq::<f32>(&a.0, tol);
         }
     }
@@ -975,7 +979,8 @@ mod tests {
             Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad()
         };
         let (q, k, v) = (leaf([1, 4, 6, 8]), leaf([1, 2, 6, 8]), leaf([1, 2, 6, 8]));
-        let sinks = Tensor::<1>::random([4], Distribution::Normal(0.0, 1.0), &device).require_grad();
+        let sinks =
+            Tensor::<1>::random([4], Distribution::Normal(0.0, 1.0), &device).require_grad();
         let options = CoreOptions {
             sliding_window: Some(2),
             sinks: Some(sinks.clone()),

@@ -19,5 +19,6 @@ pub use mla::{Mla, MlaConfig, mla_softmax_scale};
 pub use mlp::{Mlp, MlpConfig};
 pub use rms_norm::{RmsNorm, RmsNormConfig};
 pub use rope::{
-    RopeTables, RotaryEmbedding, apply_rotary, apply_rotary_interleaved, rotary_dim, yarn_get_mscale,
+    RopeTables, RotaryEmbedding, apply_rotary, apply_rotary_interleaved, rotary_dim,
+    yarn_get_mscale,
 };

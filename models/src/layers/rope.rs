@@ -32,7 +32,9 @@ pub fn rotary_dim(head_dim: usize, partial_rotary_factor: f64) -> Result<usize, 
     if dim == 0 || !dim.is_multiple_of(2) {
         return Err(ModelError::invalid(
             "partial_rotary_factor",
-            format!("{f} × head_dim {head_dim} gives {dim} rotated dims; they must be even and positive"),
+            format!(
+                "{f} × head_dim {head_dim} gives {dim} rotated dims; they must be even and positive"
+            ),
         ));
     }
     Ok(dim)
