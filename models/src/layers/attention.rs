@@ -259,7 +259,7 @@ impl Attention {
             let n = sinks.lazy_shape()[0];
             if n != heads {
                 return Err(ModelError::invalid(
-                    "self_attn.sinks",
+                    "sinks",
                     format!("{n} sinks for {heads} (local) query heads"),
                 ));
             }
