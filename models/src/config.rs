@@ -12,8 +12,10 @@
 //! to `config.json` (transformers 5.23 spelling) through the same structs.
 
 pub(crate) mod de;
+pub(crate) mod layer_types;
 pub(crate) mod rope;
 
+pub use self::layer_types::LayerType;
 pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParameters};
 use crate::ModelError;
 pub use crate::families::deepseek_v3::DeepseekV3Config;

@@ -134,6 +134,28 @@ fn qwen3_dense_tied_matches_transformers() {
     assert_greedy("qwen3", &model, &golden, &device);
 }
 
+/// Dense Qwen3 with sliding windows (`qwen3_sliding`: written `layer_types` sliding, full,
+/// sliding, sliding; window 5 < the 12 positions), and greedy decoding with the KV cache 16
+/// positions long, past the window (the sliding layers keep only their last 4 keys).
+#[test]
+fn qwen3_sliding_window_matches_transformers() {
+    let device = Device::flex();
+    let path = fixtures().join("qwen3_sliding");
+    let config = Qwen3Config::from_file(path.join("config.json")).expect("config");
+    let windows: Vec<_> = (0..4).map(|i| config.layer_sliding_window(i)).collect();
+    assert_eq!(windows, [Some(5), None, Some(5), Some(5)]);
+    let model = Qwen3ForCausalLM::from_weights(&config, &FixtureSource::open(&path), &device)
+        .expect("load");
+    let golden = Golden::open("qwen3_sliding");
+    let (ids, t) = input_ids(&golden, config.vocab_size, &device);
+    let logits = model.forward(t).expect("forward");
+    let loss = moe_models::causal_lm::causal_lm_loss(logits.clone(), &ids).expect("loss");
+    assert_logits("qwen3_sliding", logits, &golden);
+    let (_, want) = golden.f32("loss");
+    assert_rel("qwen3_sliding loss", loss.into_scalar::<f32>(), want[0]);
+    assert_greedy("qwen3_sliding", &model, &golden, &device);
+}
+
 #[test]
 fn missing_and_misshaped_tensors_are_named() {
     struct Without<'a>(&'a FixtureSource, &'static str);

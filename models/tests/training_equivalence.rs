@@ -480,6 +480,30 @@ fn dense_qwen3_training_matches_one_rank() {
     );
 }
 
+/// Dense Qwen3 with sliding windows (`qwen3_sliding`: window 5 on layers 0, 2, 3 of 4 and
+/// sequences of 8): context parallelism (the window over the gathered keys' global
+/// positions, all-gather and ring), tensor and pipeline parallelism train like `world=1`.
+#[test]
+fn dense_qwen3_sliding_windows_train_like_one_rank() {
+    let dir = common::fixtures().join("qwen3_sliding");
+    let config = Qwen3Config::from_file(dir.join("config.json")).expect("config");
+    assert_eq!(config.sliding_window, Some(5));
+    let source = common::FixtureSource::open(&dir);
+    let start =
+        replicate(&Qwen3ForCausalLM::from_weights(&config, &source, &ad()).expect("weights"));
+    tight_layouts_match_one_rank(
+        &start,
+        config.vocab_size,
+        &[
+            (2, "cp=2"),
+            (2, "cp=2;p2p"),
+            (2, "tp=2"),
+            (2, "pp=2"),
+            (8, "tp=2,cp=2,pp=2"),
+        ],
+    );
+}
+
 /// Pipeline layouts (the fixtures have 3 decoder layers).
 const PP_LAYOUTS: [(usize, &str); 4] = [
     (3, "pp=3"),

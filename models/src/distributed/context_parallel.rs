@@ -60,7 +60,9 @@ pub(crate) fn select_positions<T: Copy>(values: &[T], s: usize, positions: &[usi
 /// The attention mask `[B, Sq, Sk]` of queries at global positions `queries` against keys at
 /// `keys` (`true` = masked out): a key is seen when it is not later than the query and, with
 /// `documents` (`[B·S]` row-major document id per position, `< 0` = padding), belongs to the
-/// query's document (a padding query sees only itself).
+/// query's document (a padding query sees only itself). The mask carries the positions, so a
+/// sliding-window layer hides the keys outside each query's window by their global positions
+/// ([`AttentionMask::outside_window`]) wherever the keys' chunks came from.
 pub(crate) fn position_mask(
     batch: usize,
     s: usize,
@@ -87,6 +89,7 @@ pub(crate) fn position_mask(
         TensorData::new(blocked, [batch, sq, sk]),
         device,
     ))
+    .with_positions(queries, keys)
 }
 
 /// How the context-parallel ranks exchange keys and values (Megatron's `--cp-comm-type`).
@@ -230,5 +233,107 @@ mod tests {
             [true, true, true, false],
         ];
         assert_eq!(got, want.concat());
+    }
+
+    /// An attention block with sinks, biases and a window of 3 under cp = 2 (each rank's
+    /// queries against the keys and values of both ranks, gathered in rank order, under
+    /// [`position_mask`]) gives the single-rank output at its positions: the sink counts once
+    /// per query row however the keys are chunked.
+    #[test]
+    fn sinks_and_windows_under_cp_match_one_rank() {
+        use burn::module::Param;
+        use burn::tensor::{Distribution, Tolerance};
+
+        use crate::config::RopeParameters;
+        use crate::layers::AttentionConfig;
+        use crate::layers::rope::RotaryEmbedding;
+
+        let device = Device::flex();
+        let mut attn = AttentionConfig::new(16, 4, 2, 8)
+            .with_attention_bias(true)
+            .with_sinks(true)
+            .with_sliding_window(Some(3))
+            .init(&device)
+            .unwrap();
+        attn.sinks = Some(Param::from_tensor(Tensor::random(
+            [4],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        )));
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let (b, s, cp) = (2, 8, 2);
+        let x = Tensor::<3>::random([b, s, 16], Distribution::Normal(0.0, 1.0), &device);
+        let full = attn.forward(x.clone(), &rope.tables(0, s, &device), None);
+        let select = |t: &Tensor<3>, positions: &[usize]| {
+            Tensor::cat(
+                positions
+                    .iter()
+                    .map(|&p| t.clone().narrow(1, p, 1))
+                    .collect(),
+                1,
+            )
+        };
+        let local = |r: usize| {
+            let positions = cp_positions(s, cp, r);
+            let tables = rope.tables_at(&positions, [1, positions.len()], &device);
+            (select(&x, &positions), tables, positions)
+        };
+        // Each rank's keys and values (the exchange sees k, then v).
+        let exchanged: Vec<Vec<Tensor<4>>> = (0..cp)
+            .map(|r| {
+                let (xr, tables, _) = local(r);
+                let mut seen = Vec::new();
+                let _ = attn.forward_exchanged(
+                    xr,
+                    &tables,
+                    None,
+                    |t| {
+                        seen.push(t.clone());
+                        Ok::<_, std::convert::Infallible>(t)
+                    },
+                    false,
+                );
+                seen
+            })
+            .collect();
+        let keys = gathered_positions(s, cp);
+        for r in 0..cp {
+            let (xr, tables, positions) = local(r);
+            let mask = position_mask(b, s, &positions, &keys, None, &device);
+            let mut call = 0;
+            let Ok(out) = attn.forward_exchanged(
+                xr,
+                &tables,
+                Some(&mask),
+                |_| {
+                    let gathered = exchanged.iter().map(|e| e[call].clone()).collect();
+                    call += 1;
+                    Ok::<_, std::convert::Infallible>(Tensor::cat(gathered, 2))
+                },
+                false,
+            );
+            out.into_data().assert_approx_eq::<f32>(
+                &select(&full, &positions).into_data(),
+                Tolerance::rel_abs(1e-5, 1e-5),
+            );
+        }
+    }
+
+    /// Under cp = 2 a window of 3 over a row of 8: rank 0's queries (positions 0, 1, 6, 7)
+    /// see the gathered keys (0, 1, 6, 7, 2, 3, 4, 5) with `q − 3 < k ≤ q`.
+    #[test]
+    fn the_window_follows_global_positions() {
+        let device = Device::flex();
+        let (queries, keys) = (cp_positions(8, 2, 0), gathered_positions(8, 2));
+        let m = position_mask(1, 8, &queries, &keys, None, &device);
+        let outside = m.outside_window(3);
+        let blocked = m.blocked().clone().squeeze_dim::<2>(0).bool_or(outside);
+        let got = blocked.into_data().try_into_vec::<bool>().unwrap();
+        for (i, &q) in queries.iter().enumerate() {
+            for (j, &k) in keys.iter().enumerate() {
+                let seen = k <= q && q < k + 3;
+                assert_eq!(!got[i * keys.len() + j], seen, "query {q} key {k}");
+            }
+        }
     }
 }

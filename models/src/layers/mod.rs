@@ -10,8 +10,8 @@ pub mod rms_norm;
 pub mod rope;
 
 pub use attention::{
-    Attention, AttentionConfig, AttentionMask, attention_core, causal_attention, masked_attention,
-    repeat_kv,
+    Attention, AttentionConfig, AttentionMask, CoreOptions, attention_core, attention_core_with,
+    causal_attention, causal_attention_with, masked_attention, masked_attention_with, repeat_kv,
 };
 pub use kv_cache::{KvCache, LayerCache};
 pub use layer_stack::LayerStack;
@@ -19,5 +19,6 @@ pub use mla::{Mla, MlaConfig, mla_softmax_scale};
 pub use mlp::{Mlp, MlpConfig};
 pub use rms_norm::{RmsNorm, RmsNormConfig};
 pub use rope::{
-    RopeTables, RotaryEmbedding, apply_rotary, apply_rotary_interleaved, yarn_get_mscale,
+    RopeTables, RotaryEmbedding, apply_rotary, apply_rotary_interleaved, rotary_dim,
+    yarn_get_mscale,
 };

@@ -1,5 +1,7 @@
 //! Rotary position embeddings: default and YaRN frequencies, rotate-half and interleaved layouts
-//! (docs/models.md §RoPE and YaRN, §Qwen3 and its attention).
+//! (docs/models.md §RoPE and YaRN, §Qwen3 and its attention), on the whole head or on its first
+//! dims only (partial rotary, GLM-4.5: transformers 5.23 `modeling_glm4_moe.apply_rotary_pos_emb`
+//! and `modeling_rope_utils._compute_default_rope_parameters`).
 
 use burn::tensor::{Device, Tensor, TensorData};
 
@@ -13,6 +15,29 @@ pub fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
     } else {
         0.1 * mscale * scale.ln() + 1.0
     }
+}
+
+/// The rotated width of a head of `head_dim` under `partial_rotary_factor` (HF:
+/// `int(head_dim * partial_rotary_factor)`, truncated); an error naming
+/// `partial_rotary_factor` unless the factor is in `(0, 1]` and the width even and positive.
+pub fn rotary_dim(head_dim: usize, partial_rotary_factor: f64) -> Result<usize, ModelError> {
+    let f = partial_rotary_factor;
+    if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+        return Err(ModelError::invalid(
+            "partial_rotary_factor",
+            format!("must be in (0, 1], got {f}"),
+        ));
+    }
+    let dim = (head_dim as f64 * f) as usize;
+    if dim == 0 || !dim.is_multiple_of(2) {
+        return Err(ModelError::invalid(
+            "partial_rotary_factor",
+            format!(
+                "{f} × head_dim {head_dim} gives {dim} rotated dims; they must be even and positive"
+            ),
+        ));
+    }
+    Ok(dim)
 }
 
 /// Inverse frequencies and attention factor of one RoPE configuration (HF's
@@ -103,6 +128,11 @@ impl RotaryEmbedding {
         self.attention_factor
     }
 
+    /// The rotary dimension the tables cover (`2 · inv_freq.len()`).
+    pub fn dim(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+
     /// cos/sin tables `[1, len, dim]` (`cat(freqs, freqs)`) for positions `offset..offset + len`
     /// (the same for every row).
     pub fn tables(&self, offset: usize, len: usize, device: &Device) -> RopeTables {
@@ -158,12 +188,21 @@ fn rotate_half(x: Tensor<4>) -> Tensor<4> {
     Tensor::cat(vec![x2.neg(), x1], 3)
 }
 
-/// Rotate-half RoPE of `x [B, heads, S, dim]`: `x·cos + rotate_half(x)·sin` (tables of one row
-/// broadcast over the batch, or one per row).
+/// Rotate-half RoPE of `x [B, heads, S, d]`: `x·cos + rotate_half(x)·sin` (tables of one row
+/// broadcast over the batch, or one per row). Tables narrower than the head (`dim < d`,
+/// partial rotary) rotate the first `dim` dims and pass the rest through unchanged, as HF's
+/// `apply_rotary_pos_emb` of GLM-4.5 does.
 pub fn apply_rotary(x: Tensor<4>, tables: &RopeTables) -> Tensor<4> {
     let dtype = x.dtype();
+    let d = x.dims()[3];
+    let dim = tables.cos.dims()[2];
     let cos = tables.cos.clone().cast(dtype).unsqueeze_dim::<4>(1);
     let sin = tables.sin.clone().cast(dtype).unsqueeze_dim::<4>(1);
+    if dim < d {
+        let rot = x.clone().narrow(3, 0, dim);
+        let pass = x.narrow(3, dim, d - dim);
+        return Tensor::cat(vec![rot.clone() * cos + rotate_half(rot) * sin, pass], 3);
+    }
     x.clone() * cos + rotate_half(x) * sin
 }
 

@@ -6,6 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::config::layer_types::{LayerType, layer_windows, parse_layer_types};
 use crate::ModelError;
 use crate::config::rope::{self, RopeJson, RopeKeys};
 use crate::config::{RopeParameters, de};
@@ -22,6 +23,8 @@ mod hf_default {
         head_dim: usize = 128;
         max_position_embeddings: usize = 32768;
         rms_norm_eps: f64 = 1e-6;
+        sliding_window: Option<usize> = Some(4096);
+        max_window_layers: usize = 28;
     }
 }
 
@@ -51,9 +54,17 @@ pub(crate) struct Qwen3Json {
     /// Only `"silu"` is supported (`null` ⇒ HF's default, `"silu"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     hidden_act: Option<String>,
-    /// Must be false (`null` ⇒ false).
+    /// `null` ⇒ false.
     #[serde(default, deserialize_with = "de::null_as_default")]
     use_sliding_window: bool,
+    /// Absent ⇒ 4096; only read with `use_sliding_window`.
+    #[serde(default = "hf_default::sliding_window")]
+    sliding_window: Option<usize>,
+    #[serde(default = "hf_default::max_window_layers")]
+    max_window_layers: usize,
+    /// Absent or `null` ⇒ derived from `sliding_window` and `max_window_layers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    layer_types: Option<Vec<String>>,
     #[serde(default = "hf_default::max_position_embeddings")]
     max_position_embeddings: usize,
     #[serde(default = "hf_default::rms_norm_eps")]
@@ -108,6 +119,18 @@ pub struct Qwen3Config {
     pub tie_word_embeddings: bool,
     /// Biases on q/k/v/o projections (default false).
     pub attention_bias: bool,
+    /// Whether `sliding_window` applies (HF `use_sliding_window`, default false).
+    pub use_sliding_window: bool,
+    /// The window of the sliding layers as HF resolves it: `None` unless `use_sliding_window`
+    /// (then the written `sliding_window`, default 4096).
+    pub sliding_window: Option<usize>,
+    /// Layers from this index on slide when `layer_types` is not written (default 28).
+    pub max_window_layers: usize,
+    /// Each layer's attention (`layer_types`, one per layer; derived as HF does when absent:
+    /// sliding from `max_window_layers` on if a window is set, full otherwise). Empty when
+    /// every layer is full attention (the parsed form then, so struct literals that change
+    /// `num_hidden_layers` stay valid); written out one per layer.
+    pub layer_types: Vec<LayerType>,
     /// Checkpoint dtype string (`dtype` | `torch_dtype`).
     pub dtype: Option<String>,
     /// Keys this parser does not interpret, kept verbatim for export.
@@ -130,6 +153,10 @@ impl Default for Qwen3Config {
             max_position_embeddings: hf_default::max_position_embeddings(),
             tie_word_embeddings: false,
             attention_bias: false,
+            use_sliding_window: false,
+            sliding_window: None,
+            max_window_layers: hf_default::max_window_layers(),
+            layer_types: Vec::new(),
             dtype: None,
             extra: Map::new(),
         }
@@ -153,6 +180,14 @@ impl Qwen3Config {
     /// Parses the text of a `config.json` and validates it.
     pub fn from_json_str(text: &str) -> Result<Self, ModelError> {
         de::parse::<Qwen3Json>(text, Self::MODEL_TYPE)?.try_into()
+    }
+
+    /// The sliding window of layer `i` (`None`: full attention, or no such layer).
+    pub fn layer_sliding_window(&self, i: usize) -> Option<usize> {
+        match self.layer_types.get(i) {
+            Some(LayerType::SlidingAttention) => self.sliding_window,
+            _ => None,
+        }
     }
 
     /// Checks sizes and cross-field rules; errors name the offending field.
@@ -189,6 +224,23 @@ impl Qwen3Config {
                 format!("must be a positive number, got {}", self.rms_norm_eps),
             ));
         }
+        if self.sliding_window == Some(0) {
+            return Err(ModelError::invalid(
+                "sliding_window",
+                "must be positive, got 0",
+            ));
+        }
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
+            return Err(ModelError::invalid(
+                "layer_types",
+                format!(
+                    "{} entries for num_hidden_layers = {}",
+                    self.layer_types.len(),
+                    self.num_hidden_layers
+                ),
+            ));
+        }
+        layer_windows(&self.layer_types, self.sliding_window)?;
         Ok(())
     }
 }
@@ -200,12 +252,26 @@ impl TryFrom<Qwen3Json> for Qwen3Config {
     fn try_from(mut j: Qwen3Json) -> Result<Self, ModelError> {
         de::check_model_type(j.model_type.as_deref(), Self::MODEL_TYPE)?;
         de::check_silu(j.hidden_act.as_deref())?;
-        if j.use_sliding_window {
-            return Err(ModelError::invalid(
-                "use_sliding_window",
-                "sliding-window attention is not supported",
-            ));
-        }
+        // HF `__post_init__`: the window counts only with `use_sliding_window`; absent
+        // `layer_types` slide from `max_window_layers` on when it does.
+        let sliding_window = j.sliding_window.filter(|_| j.use_sliding_window);
+        let layer_types = match &j.layer_types {
+            Some(written) => parse_layer_types(written, j.num_hidden_layers)?,
+            None => (0..j.num_hidden_layers)
+                .map(|i| {
+                    if sliding_window.is_some() && i >= j.max_window_layers {
+                        LayerType::SlidingAttention
+                    } else {
+                        LayerType::FullAttention
+                    }
+                })
+                .collect(),
+        };
+        let layer_types = if layer_types.iter().all(|&t| t == LayerType::FullAttention) {
+            Vec::new()
+        } else {
+            layer_types
+        };
         let rope = RopeKeys {
             rope_theta: j.rope_theta,
             rope_parameters: j.rope_parameters,
@@ -225,6 +291,10 @@ impl TryFrom<Qwen3Json> for Qwen3Config {
             max_position_embeddings: j.max_position_embeddings,
             tie_word_embeddings: j.tie_word_embeddings,
             attention_bias: j.attention_bias,
+            use_sliding_window: j.use_sliding_window,
+            sliding_window,
+            max_window_layers: j.max_window_layers,
+            layer_types,
             dtype: de::either(("dtype", j.dtype), ("torch_dtype", j.torch_dtype))?,
             extra: j.extra,
         };
@@ -246,7 +316,18 @@ impl From<Qwen3Config> for Qwen3Json {
             num_key_value_heads: Some(c.num_key_value_heads),
             head_dim: Some(c.head_dim),
             hidden_act: Some("silu".to_owned()),
-            use_sliding_window: false,
+            use_sliding_window: c.use_sliding_window,
+            // As HF writes it after `__post_init__` (`null` unless used).
+            sliding_window: c.sliding_window,
+            max_window_layers: c.max_window_layers,
+            layer_types: Some(
+                (0..c.num_hidden_layers)
+                    .map(|i| {
+                        let t = c.layer_types.get(i).copied();
+                        t.unwrap_or(LayerType::FullAttention).as_str().to_owned()
+                    })
+                    .collect(),
+            ),
             max_position_embeddings: c.max_position_embeddings,
             rms_norm_eps: c.rms_norm_eps,
             rope_theta: None,
@@ -280,15 +361,31 @@ mod tests {
         );
         assert_eq!(c.rope_parameters.rope_theta, 1e6);
         assert_eq!(c.dtype.as_deref(), Some("bfloat16"));
-        assert!(c.extra.contains_key("max_window_layers"));
+        assert_eq!(c.max_window_layers, 28);
+        assert!(c.layer_types.is_empty(), "every layer full");
         let absent = Qwen3Config::from_json_str(r#"{"model_type": "qwen3"}"#).unwrap();
         assert_eq!(absent.num_key_value_heads, 32);
 
         for (text, needle) in [
             (r#"{"model_type": "qwen3_moe"}"#, "model_type"),
             (
-                r#"{"model_type": "qwen3", "use_sliding_window": true}"#,
-                "use_sliding_window",
+                r#"{"model_type": "qwen3", "num_hidden_layers": 2,
+                    "layer_types": ["full_attention"]}"#,
+                "layer_types",
+            ),
+            (
+                r#"{"model_type": "qwen3", "num_hidden_layers": 2,
+                    "layer_types": ["full_attention", "chunked_attention"]}"#,
+                "layer_types",
+            ),
+            (
+                r#"{"model_type": "qwen3", "num_hidden_layers": 2,
+                    "layer_types": ["full_attention", "sliding_attention"]}"#,
+                "layer_types",
+            ),
+            (
+                r#"{"model_type": "qwen3", "use_sliding_window": true, "sliding_window": 0}"#,
+                "sliding_window",
             ),
             (
                 r#"{"model_type": "qwen3", "hidden_act": "gelu"}"#,
@@ -302,5 +399,38 @@ mod tests {
             let err = Qwen3Config::from_json_str(text).unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");
         }
+    }
+
+    /// transformers 5.23 `Qwen3Config.__post_init__`: the window only with
+    /// `use_sliding_window`, derived `layer_types` slide from `max_window_layers` on, written
+    /// ones win; the resolved config round-trips through its JSON.
+    #[test]
+    fn sliding_windows_resolve_as_transformers_does() {
+        let c = Qwen3Config::from_json_str(
+            r#"{"model_type": "qwen3", "num_hidden_layers": 4, "use_sliding_window": true,
+                "sliding_window": 5, "max_window_layers": 2}"#,
+        )
+        .unwrap();
+        use LayerType::{FullAttention as F, SlidingAttention as W};
+        assert_eq!(c.layer_types, [F, F, W, W]);
+        let windows: Vec<_> = (0..4).map(|i| c.layer_sliding_window(i)).collect();
+        assert_eq!(windows, [None, None, Some(5), Some(5)]);
+        // Unused window: `null` after resolution, every layer full.
+        let off = Qwen3Config::from_json_str(
+            r#"{"model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": 5}"#,
+        )
+        .unwrap();
+        assert_eq!((off.sliding_window, off.layer_types), (None, vec![]));
+        // Written layer types win over max_window_layers; the window default is 4096.
+        let written = Qwen3Config::from_json_str(
+            r#"{"model_type": "qwen3", "num_hidden_layers": 3, "use_sliding_window": true,
+                "max_window_layers": 0,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}"#,
+        )
+        .unwrap();
+        assert_eq!(written.layer_types, [W, F, W]);
+        assert_eq!(written.layer_sliding_window(0), Some(4096));
+        let json = serde_json::to_string(&written).unwrap();
+        assert_eq!(Qwen3Config::from_json_str(&json).unwrap(), written);
     }
 }

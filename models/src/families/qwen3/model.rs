@@ -22,7 +22,14 @@ use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3Config {
-    /// The attention block of every layer.
+    /// The attention block of layer `layer` (its sliding window, if it has one).
+    pub fn layer_attention_config(&self, layer: usize) -> AttentionConfig {
+        self.attention_config()
+            .with_sliding_window(self.layer_sliding_window(layer))
+    }
+
+    /// The attention block of every layer, without the per-layer sliding window
+    /// ([`layer_attention_config`](Self::layer_attention_config)).
     pub fn attention_config(&self) -> AttentionConfig {
         AttentionConfig::new(
             self.hidden_size,
@@ -41,10 +48,10 @@ impl Qwen3Config {
         let (h, eps) = (self.hidden_size, self.rms_norm_eps);
         let norm = || RmsNormConfig::new(h).with_epsilon(eps).init(device);
         let layers = (0..self.num_hidden_layers)
-            .map(|_| {
+            .map(|i| {
                 Ok(Qwen3DecoderLayer {
                     input_layernorm: norm(),
-                    self_attn: self.attention_config().init(device)?,
+                    self_attn: self.layer_attention_config(i).init(device)?,
                     post_attention_layernorm: norm(),
                     mlp: MlpConfig::new(h, self.intermediate_size).init(device),
                 })

@@ -359,6 +359,11 @@ fn minimal_configs_match_transformers_defaults() {
         max_position_embeddings: 32768,
         tie_word_embeddings: false,
         attention_bias: false,
+        // HF: `sliding_window` None without `use_sliding_window`, every layer full.
+        use_sliding_window: false,
+        sliding_window: None,
+        max_window_layers: 28,
+        layer_types: Vec::new(),
         dtype: None,
         extra: Map::new(),
     };
@@ -454,7 +459,8 @@ fn unknown_fields_survive_parse_and_serialize() {
     assert_eq!(serde_json::from_value::<Qwen3MoeConfig>(out).unwrap(), c);
 
     let q = Qwen3Config::from_json_str(
-        r#"{"model_type": "qwen3", "max_window_layers": 28, "layer_types": ["full_attention"]}"#,
+        r#"{"model_type": "qwen3", "max_window_layers": 28, "num_hidden_layers": 1,
+            "layer_types": ["full_attention"]}"#,
     )
     .unwrap();
     let out = serde_json::to_value(&q).unwrap();
