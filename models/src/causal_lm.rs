@@ -12,7 +12,6 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use moe_backend::ops::{routing_map_from_indices, topk_indices};
 
 use crate::ModelError;
-use crate::config::{Qwen3Config, Qwen3MoeConfig};
 use crate::layers::kv_cache::KvCache;
 
 /// Losses of a labelled forward ([`crate::AnyCausalLm::losses`]), each `[1]`.
@@ -218,7 +217,7 @@ pub struct ParamCount {
 }
 
 /// `(q, k, v, o, q_norm, k_norm)` parameters of a GQA attention block.
-fn gqa_params(h: u64, nh: u64, nkv: u64, hd: u64, bias: bool) -> u64 {
+pub(crate) fn gqa_params(h: u64, nh: u64, nkv: u64, hd: u64, bias: bool) -> u64 {
     let weights = h * nh * hd * 2 + 2 * h * nkv * hd;
     let biases = if bias {
         nh * hd * 2 + 2 * nkv * hd + h
@@ -228,71 +227,12 @@ fn gqa_params(h: u64, nh: u64, nkv: u64, hd: u64, bias: bool) -> u64 {
     weights + biases + 2 * hd
 }
 
-impl Qwen3MoeConfig {
-    /// Parameter counts from the shapes alone (nothing is allocated). Qwen3-30B-A3B gives
-    /// ≈ 30.5 B total, 3.3 B active.
-    pub fn param_count(&self) -> ParamCount {
-        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        let attn = gqa_params(
-            h,
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-            self.attention_bias,
-        );
-        let (e, k, im) = (
-            self.num_experts as u64,
-            self.num_experts_per_tok as u64,
-            self.moe_intermediate_size as u64,
-        );
-        let mut count = ParamCount {
-            total: v * h + head + h,
-            active: v * h + head + h,
-            mtp: 0,
-        };
-        for layer in 0..self.num_hidden_layers {
-            let common = attn + 2 * h;
-            let (total, active) = if self.is_moe_layer(layer) {
-                (e * h + e * 3 * h * im, e * h + k * 3 * h * im)
-            } else {
-                let dense = 3 * h * self.intermediate_size as u64;
-                (dense, dense)
-            };
-            count.total += common + total;
-            count.active += common + active;
-        }
-        count
-    }
-}
-
-impl Qwen3Config {
-    /// Parameter counts from the shapes alone (total = active for a dense model).
-    pub fn param_count(&self) -> ParamCount {
-        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        let attn = gqa_params(
-            h,
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-            self.attention_bias,
-        );
-        let layer = attn + 2 * h + 3 * h * self.intermediate_size as u64;
-        let total = v * h + head + h + self.num_hidden_layers as u64 * layer;
-        ParamCount {
-            total,
-            active: total,
-            mtp: 0,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
+    use crate::Qwen3MoeConfig;
 
     #[test]
     fn qwen3_30b_a3b_counts() {

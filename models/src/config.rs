@@ -18,9 +18,6 @@ pub(crate) mod rope;
 pub use self::layer_types::LayerType;
 pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParameters};
 use crate::ModelError;
-pub use crate::families::deepseek_v3::DeepseekV3Config;
-pub use crate::families::qwen3::Qwen3Config;
-pub use crate::families::qwen3_moe::Qwen3MoeConfig;
 
 /// A family's parsed HF `config.json`: what tools read of any family.
 pub trait FamilyConfig: Clone + std::fmt::Debug + serde::Serialize + Send + Sync + 'static {

@@ -34,10 +34,8 @@ use burn::module::{ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::ModelError;
-use crate::deepseek_v3::DeepseekV3ForCausalLM;
-use crate::distributed::ShardRule;
-use crate::families::deepseek_v3::plan as deepseek_v3;
 use crate::param_plan::{GradClass, ParallelPlan, PlanError, Planned, Storage, hf_names};
+use moe_bridge::dist::ShardRule;
 
 /// Name, shape and dtype of one exported tensor, known before its data is fetched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,24 +141,26 @@ impl HfTensors {
             .push_back((self.specs.len() - 1, Box::new(tensor)));
     }
 
-    /// Also emits DeepSeek-V3 MTP copies `model.layers.{N+j}.embed_tokens.weight` and
-    /// `…shared_head.head.weight` (the release layout,
-    /// docs/checkpoints.md §Minimal loadable export); call it on the iterator of a
-    /// [`DeepseekV3ForCausalLM`] before consuming it. No-op for other models. A model without its
-    /// embedding (a pipeline stage) has no copies to emit.
-    pub fn with_mtp_copies(mut self, model: &DeepseekV3ForCausalLM) -> Self {
-        let n = model.config().num_hidden_layers;
-        let Some(embedding) = &model.model.embed_tokens else {
+    /// Also emits the MTP layers' copies `model.layers.{N+j}.embed_tokens.weight` and
+    /// `…shared_head.head.weight` of a model with `depths` MTP modules after its `layers` main
+    /// layers (the DeepSeek-V3 / GLM-4.5 release layout, docs/checkpoints.md §Minimal loadable
+    /// export), from its `embedding [V, H]` and untied `head [V, H]` (the embedding when
+    /// tied). Call it before consuming the iterator; a model without its embedding (a pipeline
+    /// stage) has no copies to emit.
+    pub fn with_mtp_copies(
+        mut self,
+        layers: usize,
+        depths: usize,
+        embedding: Option<Tensor<2>>,
+        head: Option<Tensor<2>>,
+    ) -> Self {
+        let Some(embed) = embedding else {
             return self;
         };
-        let embed = embedding.weight.val();
-        for j in 0..model.mtp.len() {
-            let (embed_copy, head_copy) = deepseek_v3::mtp_copy_names(n + j);
+        for j in 0..depths {
+            let (embed_copy, head_copy) = hf_names::mtp_copy_names(layers + j);
             self.push(embed_copy, embed.clone());
-            match &model.lm_head {
-                Some(head) => self.push(head_copy, head.weight.val().transpose()),
-                None => self.push(head_copy, embed.clone()),
-            }
+            self.push(head_copy, head.clone().unwrap_or_else(|| embed.clone()));
         }
         self
     }
@@ -352,7 +352,7 @@ pub fn export_hf_tensors_as<M: ExportHf + ?Sized>(
 /// Whether the HF tensor `name` is stored in F32 whatever the export dtype
 /// (docs/checkpoints.md §Minimal loadable export: DeepSeek-V3's `e_score_correction_bias`).
 pub fn keeps_f32(name: &str) -> bool {
-    deepseek_v3::is_expert_bias(name)
+    hf_names::is_expert_bias(name)
 }
 
 /// Calls `f(hf_name, data)` for every tensor of `model` in turn (one tensor on the host at a
@@ -377,7 +377,7 @@ mod tests {
     use burn::tensor::Device;
 
     use super::*;
-    use crate::config::Qwen3MoeConfig;
+    use crate::Qwen3MoeConfig;
     use crate::qwen3_moe::Qwen3MoeFeedForward;
 
     #[test]

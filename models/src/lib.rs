@@ -53,6 +53,7 @@
 //! the device with `.autodiff()` for training. Compute is f32 by default; bf16 checkpoints are
 //! upcast on load (the arithmetic policy of docs/models.md §Goldens and parity tests).
 
+pub mod batch;
 pub mod causal_lm;
 pub mod checkpoint;
 pub mod config;
@@ -62,12 +63,15 @@ pub mod export;
 pub mod families;
 pub mod hf;
 pub mod layers;
+pub mod logprob;
 pub mod packing;
 pub mod param_plan;
 pub mod plan;
+pub mod recompute;
 pub mod replay;
 pub mod rl;
 pub mod rollout;
+pub mod routing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod train;
@@ -76,12 +80,12 @@ pub mod weight_sync;
 pub mod weights;
 
 pub use causal_lm::{CausalLm, GenerationConfig, ParamCount, Sampling, generate};
-pub use config::{DeepseekV3Config, Qwen3Config, Qwen3MoeConfig};
 pub use deepseek_v3::DeepseekV3ForCausalLM;
 pub use error::ModelError;
 /// The family trait and list (also at [`families`]).
 pub use families as family;
 pub use families::{deepseek_v3, deepseek_v3::mtp, qwen3, qwen3_moe};
+pub use families::{deepseek_v3::DeepseekV3Config, qwen3::Qwen3Config, qwen3_moe::Qwen3MoeConfig};
 pub use hf::{AnyCausalLm, ModelConfig, load_causal_lm};
 pub use qwen3::Qwen3ForCausalLM;
 pub use qwen3_moe::Qwen3MoeForCausalLM;

@@ -43,8 +43,6 @@ use std::path::Path;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::ModelError;
-use crate::deepseek_v3::DeepseekV3ForCausalLM;
-use crate::qwen3_moe::Qwen3MoeForCausalLM;
 
 /// The `format` metadata value written into replay files.
 pub const REPLAY_FORMAT: &str = "moe-router-replay";
@@ -74,23 +72,7 @@ pub struct RouterReplayFile {
     pub layers: BTreeMap<usize, Vec<i32>>,
 }
 
-/// What a model expects of a replay file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplaySpec {
-    /// HF `model_type`.
-    pub model_type: &'static str,
-    /// Decoder-layer indices of the MoE layers, ascending.
-    pub moe_layers: Vec<usize>,
-    /// Decoder-layer indices `N + j` of the multi-token-prediction modules' MoE layers
-    /// (DeepSeek-V3, depth order; empty for other models). A routing may cover them after
-    /// [`moe_layers`](Self::moe_layers) (Megatron numbers the MTP routers after the
-    /// decoder's, in the order it builds them).
-    pub mtp_layers: Vec<usize>,
-    /// `k`.
-    pub topk: usize,
-    /// `E`, routed experts.
-    pub num_experts: usize,
-}
+pub use crate::routing::ReplaySpec;
 
 impl RouterReplayFile {
     /// An empty routing for `num_tokens` tokens and `topk` experts each.
@@ -262,18 +244,17 @@ pub trait RouterReplayModel {
     ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError>;
 }
 
-impl RouterReplayModel for Qwen3MoeForCausalLM {
+/// Every family's model at `world = 1`: its routing recorded (or forced) through the
+/// single-rank forward on its local context.
+impl<M: crate::distributed::ShardModel> RouterReplayModel for M {
     fn replay_spec(&self) -> ReplaySpec {
-        let c = self.config();
-        ReplaySpec {
-            model_type: crate::Qwen3MoeConfig::MODEL_TYPE,
-            moe_layers: (0..c.num_hidden_layers)
-                .filter(|&i| c.is_moe_layer(i))
-                .collect(),
+        crate::distributed::ShardModel::replay_spec(self).unwrap_or_else(|| ReplaySpec {
+            model_type: M::parallel_plan().family(),
+            moe_layers: Vec::new(),
             mtp_layers: Vec::new(),
-            topk: c.num_experts_per_tok,
-            num_experts: c.num_experts,
-        }
+            topk: 0,
+            num_experts: 0,
+        })
     }
 
     fn forward_routing(
@@ -281,38 +262,10 @@ impl RouterReplayModel for Qwen3MoeForCausalLM {
         input_ids: Tensor<2, Int>,
         replay: Option<Vec<Tensor<2, Int>>>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
-        let out = self.run(input_ids, None, replay, None)?;
-        Ok((out.logits, out.topk_indices))
-    }
-}
-
-impl RouterReplayModel for DeepseekV3ForCausalLM {
-    fn replay_spec(&self) -> ReplaySpec {
-        let c = self.config();
-        ReplaySpec {
-            model_type: "deepseek_v3",
-            moe_layers: (0..c.num_hidden_layers)
-                .filter(|&i| c.is_moe_layer(i))
-                .collect(),
-            // Every MTP module's decoder layer is an MoE layer.
-            mtp_layers: (0..c.num_nextn_predict_layers)
-                .map(|j| c.num_hidden_layers + j)
-                .collect(),
-            topk: c.num_experts_per_tok,
-            num_experts: c.n_routed_experts,
-        }
-    }
-
-    fn forward_routing(
-        &self,
-        input_ids: Tensor<2, Int>,
-        replay: Option<Vec<Tensor<2, Int>>>,
-    ) -> Result<(Tensor<3>, Vec<Tensor<2, Int>>), ModelError> {
-        let out = self.run(input_ids, None, replay, None)?;
-        Ok((
-            out.logits,
-            out.routing.into_iter().map(|r| r.topk_indices).collect(),
-        ))
+        let ctx = crate::families::local_context::<M>(self.model_config())?;
+        let mut trace = crate::distributed::RouterTrace::recording(1.0, replay);
+        let logits = ctx.logits(self, input_ids, None, None, &mut trace)?.logits;
+        Ok((logits, trace.selected))
     }
 }
 
@@ -347,6 +300,47 @@ pub fn replay_routing<M: RouterReplayModel>(
     let mut forced = replay.layer_indices(&input_ids.device());
     forced.truncate(spec.moe_layers.len());
     model.forward_routing(input_ids, Some(forced))
+}
+
+fn invalid(what: &'static str, reason: String) -> ModelError {
+    ModelError::InvalidInput { what, reason }
+}
+
+impl crate::routing::RoutedExperts {
+    /// The same routing as a single-rank replay file ([`crate::replay`]) for a model
+    /// described by `spec` (checked with [`validate`](Self::validate) first); MTP layers, when
+    /// covered, as `layers.{N+j}.topk_indices`.
+    pub fn to_replay_file(&self, spec: &ReplaySpec) -> Result<RouterReplayFile, ModelError> {
+        self.validate(self.batch, self.seq, spec)?;
+        let t = self.num_tokens();
+        let mut file = RouterReplayFile::new(spec.model_type, self.topk, t);
+        let mtp = match self.covers_mtp(spec) {
+            true => spec.mtp_layers.as_slice(),
+            false => &[],
+        };
+        for (l, &layer) in spec.moe_layers.iter().chain(mtp).enumerate() {
+            let ids = self.layer_rows(l, 0..t).into_iter().map(|v| v as i32);
+            file.insert_layer(layer, ids.collect())?;
+        }
+        Ok(file)
+    }
+
+    /// The routing of a single-rank replay file whose `T` tokens form `batch` sequences
+    /// (layers in ascending decoder-layer order: the MTP layers `N + j`, if any, last).
+    pub fn from_replay_file(file: &RouterReplayFile, batch: usize) -> Result<Self, ModelError> {
+        if batch == 0 || !file.num_tokens.is_multiple_of(batch) {
+            return Err(invalid(
+                "routed_experts.batch",
+                format!("{} tokens do not form {batch} sequences", file.num_tokens),
+            ));
+        }
+        let layers: Vec<Vec<i64>> = file
+            .layers
+            .values()
+            .map(|ids| ids.iter().map(|&v| i64::from(v)).collect())
+            .collect();
+        Self::from_layers(batch, file.num_tokens / batch, file.topk, &layers)
+    }
 }
 
 #[cfg(test)]

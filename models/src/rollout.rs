@@ -246,6 +246,13 @@ impl<M: crate::distributed::ShardModel + CausalLm> RolloutModel for M {
     }
 }
 
+/// A sharded model under any layout (every rank of a replica runs the same loop).
+impl<M: crate::distributed::ShardModel> RolloutModel for crate::distributed::Sharded<M> {
+    fn device(&self) -> Device {
+        crate::weights::module_device(&self.model)
+    }
+}
+
 /// SplitMix64 (Steele et al.): a small seedable generator, identical on every platform.
 #[derive(Debug, Clone)]
 struct SplitMix64(u64);

@@ -18,7 +18,7 @@ use moe_models::deepseek_v3::DeepseekV3FeedForward;
 use moe_models::distributed::replay::RoutedExperts;
 use moe_models::distributed::{DispatcherKind, Sharded};
 use moe_models::replay::{RouterReplayModel, replay_routing};
-use moe_models::rl::logprobs::{deepseek_v3_logprobs, deepseek_v3_logprobs_detached};
+use moe_models::rl::logprobs::{model_logprobs, model_logprobs_detached};
 use moe_models::{DeepseekV3Config, DeepseekV3ForCausalLM, ModelError};
 
 const B: usize = 4;
@@ -178,7 +178,7 @@ fn deepseek_sharded_logprobs_and_entropy_equal_one_rank() {
         for out in &outs {
             let span = out.replica * rows * S..(out.replica + 1) * rows * S;
             let model = replicate(&full);
-            let want = deepseek_v3_logprobs(&model, &ids[span.clone()], &labels[span], rows, &ad())
+            let want = model_logprobs(&model, &ids[span.clone()], &labels[span], rows, &ad())
                 .expect("single-rank logprobs");
             let g = want.logprobs.clone().sum().backward();
             let head = values(
@@ -212,7 +212,7 @@ fn deepseek_sharded_logprobs_and_entropy_equal_one_rank() {
             h[o..o + rows * (S - 1)].copy_from_slice(&out.entropy);
         }
         let model = replicate(&full);
-        let want = deepseek_v3_logprobs(&model, &ids, &labels, B, &ad()).expect("reference");
+        let want = model_logprobs(&model, &ids, &labels, B, &ad()).expect("reference");
         let e_lp = close(
             &lp,
             &values(want.logprobs),
@@ -261,11 +261,11 @@ fn deepseek_logprobs_equal_log_softmax_of_the_transformers_goldens() {
             "{what}: entropy {e_h} > 1e-4 · {scale}"
         );
     };
-    let out = deepseek_v3_logprobs(&model, &ids, &ids, dims[0], &device).expect("logprobs");
+    let out = model_logprobs(&model, &ids, &ids, dims[0], &device).expect("logprobs");
     assert_eq!(out.logprobs.dims(), [dims[0], dims[1] - 1]);
     let (lp, h) = (values(out.logprobs), values(out.entropy));
     check(&lp, &h, "world=1");
-    let det = deepseek_v3_logprobs_detached(&model, &ids, &ids, dims[0]).expect("detached");
+    let det = model_logprobs_detached(&model, &ids, &ids, dims[0]).expect("detached");
     assert!(!det.logprobs.is_autodiff());
     assert_eq!(values(det.logprobs), lp);
     // The vocab-parallel run of the golden rows (2 replicas of 1 row, tp = 2, ep = 4).
@@ -281,9 +281,9 @@ fn deepseek_logprobs_equal_log_softmax_of_the_transformers_goldens() {
     // Clear errors.
     let mut labels = ids.clone();
     labels[5] = dims[2] as i64;
-    let err = deepseek_v3_logprobs(&model, &ids, &labels, dims[0], &device).unwrap_err();
+    let err = model_logprobs(&model, &ids, &labels, dims[0], &device).unwrap_err();
     assert!(err.to_string().contains("labels"), "{err}");
-    let err = deepseek_v3_logprobs(&model, &ids[..2], &ids[..2], 2, &device).unwrap_err();
+    let err = model_logprobs(&model, &ids[..2], &ids[..2], 2, &device).unwrap_err();
     assert!(err.to_string().contains("at least 2 tokens"), "{err}");
 }
 

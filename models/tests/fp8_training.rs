@@ -8,7 +8,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::testing::XorShift64;
-use moe_models::config::Qwen3MoeConfig;
+use moe_models::Qwen3MoeConfig;
 use moe_models::qwen3_moe::{Qwen3MoeFeedForward, Qwen3MoeForCausalLM};
 
 const STEPS: usize = 50;

@@ -21,11 +21,11 @@ const LAYERS: [&str; 4] = ["core", "parallel", "families", "consumers"];
 fn layer_of_module(top: &str) -> Option<usize> {
     let layer = match top {
         "error" | "config" | "layers" | "packing" | "weights" | "param_plan" | "causal_lm"
-        | "batch" | "recompute" | "routing" | "logprob" => "core",
+        | "batch" | "recompute" | "routing" | "logprob" | "export" => "core",
         "distributed" => "parallel",
         "families" | "family" | "qwen3" | "qwen3_moe" | "deepseek_v3" | "mtp" => "families",
-        "hf" | "export" | "checkpoint" | "train" | "rl" | "rollout" | "replay" | "weight_sync"
-        | "upcycle" | "plan" => "consumers",
+        "hf" | "checkpoint" | "train" | "rl" | "rollout" | "replay" | "weight_sync" | "upcycle"
+        | "plan" => "consumers",
         _ => return None,
     };
     LAYERS.iter().position(|&l| l == layer)
@@ -178,7 +178,11 @@ fn root_reexports() -> BTreeMap<String, String> {
 }
 
 /// Every `crate::a…` / `super::…` path start in `line`, resolved to a top-level module name.
-fn referenced_modules(line: &str, here: &[String], roots: &BTreeMap<String, String>) -> Vec<String> {
+fn referenced_modules(
+    line: &str,
+    here: &[String],
+    roots: &BTreeMap<String, String>,
+) -> Vec<String> {
     let mut out = Vec::new();
     let bytes = line.as_bytes();
     let ident = |from: usize| -> String {
@@ -187,7 +191,8 @@ fn referenced_modules(line: &str, here: &[String], roots: &BTreeMap<String, Stri
             .take_while(|c| c.is_alphanumeric() || *c == '_')
             .collect()
     };
-    let boundary = |at: usize| at == 0 || !(bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_');
+    let boundary =
+        |at: usize| at == 0 || !(bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_');
     for (at, _) in line.match_indices("crate::") {
         if !boundary(at) || line[..at].ends_with('$') {
             continue;
@@ -269,7 +274,10 @@ fn imports_run_from_consumers_down_to_core_only() {
             }
         }
     }
-    assert!(checked > 300, "only {checked} paths found: the scanner is broken");
+    assert!(
+        checked > 300,
+        "only {checked} paths found: the scanner is broken"
+    );
     assert!(
         violations.is_empty(),
         "{} imports go up a layer:\n{}",
@@ -290,7 +298,11 @@ fn a_probe_import_from_core_to_a_consumer_is_caught() {
     assert!(theirs > mine);
     // `super::super::` from `families/qwen3/model.rs` lands in `families`; from
     // `distributed/runtime.rs`, `super::` stays in `distributed`.
-    let here = vec!["families".to_owned(), "qwen3".to_owned(), "model".to_owned()];
+    let here = vec![
+        "families".to_owned(),
+        "qwen3".to_owned(),
+        "model".to_owned(),
+    ];
     assert_eq!(
         referenced_modules("use super::super::Family;", &here, &roots),
         vec!["families".to_owned()]

@@ -14,7 +14,7 @@ use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_backend::testing::XorShift64;
 use moe_models::distributed::logprobs::vocab_parallel_logprobs;
 use moe_models::distributed::{DispatcherKind, Sharded};
-use moe_models::rl::logprobs::{qwen3_moe_logprobs, qwen3_moe_logprobs_detached};
+use moe_models::rl::logprobs::{model_logprobs, model_logprobs_detached};
 use moe_models::{ModelError, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 
 const B: usize = 4;
@@ -97,7 +97,7 @@ struct Reference {
 
 fn reference(full: &Qwen3MoeForCausalLM, ids: &[i64], labels: &[i64], rows: usize) -> Reference {
     let model = replicate(full);
-    let out = qwen3_moe_logprobs(&model, ids, labels, rows, &ad()).expect("logprobs");
+    let out = model_logprobs(&model, ids, labels, rows, &ad()).expect("logprobs");
     let (logprobs, entropy) = (values(out.logprobs.clone()), values(out.entropy.clone()));
     let g = out.logprobs.sum().backward();
     let head_w = model.lm_head.as_ref().expect("untied head").weight.val();
@@ -114,7 +114,7 @@ fn reference(full: &Qwen3MoeForCausalLM, ids: &[i64], labels: &[i64], rows: usiz
             .expect("embed grad"),
     );
     let model = replicate(full);
-    let out = qwen3_moe_logprobs(&model, ids, labels, rows, &ad()).expect("logprobs");
+    let out = model_logprobs(&model, ids, labels, rows, &ad()).expect("logprobs");
     let g = out.entropy.sum().backward();
     let head_w = model.lm_head.as_ref().expect("untied head").weight.val();
     let head_entropy = values(head_w.grad(&g).expect("head grad"));
@@ -294,7 +294,7 @@ fn single_rank_logprobs_equal_log_softmax_of_the_transformers_goldens() {
     let (_, ids) = golden.i64("input_ids");
     let (shape, logits) = golden.f32("logits");
     let (b, s, v) = (shape[0], shape[1], shape[2]);
-    let out = qwen3_moe_logprobs(&model, &ids, &ids, b, &device).expect("logprobs");
+    let out = model_logprobs(&model, &ids, &ids, b, &device).expect("logprobs");
     assert_eq!(out.logprobs.dims(), [b, s - 1]);
     let (lp, ent) = (values(out.logprobs), values(out.entropy));
     // log_softmax of the golden logits, in f64.
@@ -326,21 +326,21 @@ fn single_rank_logprobs_equal_log_softmax_of_the_transformers_goldens() {
     assert!(e_h <= 1e-4 * scale, "entropy: {e_h} > 1e-4 · {scale}");
 
     // Forward-only mode gives the same values as plain tensors.
-    let det = qwen3_moe_logprobs_detached(&model, &ids, &ids, b).expect("detached");
+    let det = model_logprobs_detached(&model, &ids, &ids, b).expect("detached");
     assert!(!det.logprobs.is_autodiff());
     assert_eq!(values(det.logprobs), lp);
 
     // Masking, and clear errors.
     let mut labels = ids.clone();
     labels[5] = -100;
-    let masked = qwen3_moe_logprobs(&model, &ids, &labels, b, &device).expect("masked");
+    let masked = model_logprobs(&model, &ids, &labels, b, &device).expect("masked");
     let masked = values(masked.logprobs);
     assert_eq!(masked[4], 0.0);
     assert_eq!(masked[3], lp[3]);
     labels[5] = v as i64;
-    let err = qwen3_moe_logprobs(&model, &ids, &labels, b, &device).unwrap_err();
+    let err = model_logprobs(&model, &ids, &labels, b, &device).unwrap_err();
     assert!(err.to_string().contains("labels"), "{err}");
-    let err = qwen3_moe_logprobs(&model, &ids[..b], &ids[..b], b, &device).unwrap_err();
+    let err = model_logprobs(&model, &ids[..b], &ids[..b], b, &device).unwrap_err();
     assert!(err.to_string().contains("at least 2 tokens"), "{err}");
 }
 

@@ -19,7 +19,7 @@ use moe_backend::testing::XorShift64;
 use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, Sharded};
 use moe_models::packing::SequenceLayout;
 use moe_models::qwen3::Qwen3ForCausalLM;
-use moe_models::rl::logprobs::{TokenLogProbs, logprobs_from_logits, qwen3_moe_logprobs_batch};
+use moe_models::rl::logprobs::{TokenLogProbs, logprobs_from_logits, model_logprobs_batch};
 use moe_models::train::{PaddingSide, StepStats, TrainBatch, Trainer, TrainerConfig};
 use moe_models::{
     DeepseekV3Config, DeepseekV3ForCausalLM, ModelError, Qwen3Config, Qwen3MoeConfig,
@@ -352,7 +352,7 @@ fn qwen3_moe_single_rank_packed_logprobs_equal_each_document_alone() {
     let model = Qwen3MoeForCausalLM::load(&device);
     let docs = documents(model.vocab());
     let want = alone(&model, &docs, &device);
-    let got = qwen3_moe_logprobs_batch(&model, &packed(&docs), &device).expect("log-probs");
+    let got = model_logprobs_batch(&model, &packed(&docs), &device).expect("log-probs");
     close(
         &f32s(got.logprobs),
         &place(&want.logprobs, &packed_at(), [1, S]),

@@ -31,8 +31,8 @@ use moe_backend::parallel::schedule::PipelineSchedule;
 use super::sharded::{CausalLmShard, ChunkForward};
 use super::{ChunkParts, PipelinePlace, err};
 use crate::ModelError;
-use crate::rl::logprobs::TokenLogProbs;
-use crate::train::TrainBatch;
+use crate::batch::TrainBatch;
+use crate::logprob::TokenLogProbs;
 
 /// The loss hook of a log-prob training step: `(micro-batch index, micro-batch, its log-probs)
 /// → (objective, tokens)`, run on the last pipeline stage.
@@ -215,7 +215,7 @@ impl<S: CausalLmShard> PipelineStage<2> for LogProbStage<'_, '_, S> {
                 ));
             }
         };
-        crate::train::add_loads(&mut self.loads[chunk], load)?;
+        super::sharded::add_loads(&mut self.loads[chunk], load)?;
         Ok(output)
     }
 
@@ -373,7 +373,7 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
         } => Ok(LogProbOutcome {
             grads: accumulator.grads(),
             value_sum: match stage.value_sum {
-                Some(sum) => f64::from(crate::train::scalar(&sum)?),
+                Some(sum) => f64::from(super::sharded::scalar(&sum)?),
                 None => 0.0,
             },
             tokens,

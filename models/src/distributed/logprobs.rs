@@ -33,9 +33,9 @@ use super::runtime::{Prepared, SpRuntime};
 use super::sharded::{CausalLmShard, ChunkForward};
 use super::{ChunkParts, ShardModel, Sharded, err};
 use crate::ModelError;
+use crate::batch::TrainBatch;
 use crate::causal_lm::IGNORE_INDEX;
-use crate::rl::logprobs::{TokenLogProbs, check_ids, next_token_targets, target_columns};
-use crate::train::TrainBatch;
+use crate::logprob::{TokenLogProbs, check_ids, next_token_targets, target_columns};
 
 /// Log-probabilities of `targets` and entropies, per row, of `logits [N, V/tp]` (this rank's
 /// vocabulary columns `vocab`, the rows identical in meaning on every rank of `tp`), computed

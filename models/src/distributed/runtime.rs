@@ -31,7 +31,7 @@ use crate::causal_lm::IGNORE_INDEX;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{AttentionMask, Mlp, RmsNorm};
 use crate::packing::SequenceLayout;
-use crate::plan::activations::{Recompute, RecomputeModule};
+use crate::recompute::{Recompute, RecomputeModule};
 use crate::weights::ShardSpec;
 
 /// One rank's parallel context for a sharded model (public as

@@ -21,12 +21,12 @@ use super::sharded::{CausalLmShard, ChunkForward, LoadShard, ParallelCausalLm, T
 use super::stack::DecoderStack;
 use super::{DispatcherKind, ForwardTraced, ParallelOutput};
 use crate::ModelError;
+use crate::batch::TrainBatch;
 use crate::causal_lm::CausalLm;
 use crate::layers::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::param_plan::Planned;
-use crate::replay::ReplaySpec;
-use crate::train::TrainBatch;
+use crate::routing::ReplaySpec;
 use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids, module_device};
 
 /// What the parallel context of a model needs from its config.
@@ -512,11 +512,5 @@ impl<M: ShardModel> CausalLm for Sharded<M> {
         let mut trace = RouterTrace::new(0.0);
         let out = (self.rt).logits(&self.model, input_ids, None, Some(cache), &mut trace)?;
         Ok(out.logits)
-    }
-}
-
-impl<M: ShardModel> crate::rollout::RolloutModel for Sharded<M> {
-    fn device(&self) -> Device {
-        module_device(&self.model)
     }
 }

@@ -9,9 +9,10 @@ use moe_backend::router::{AuxLossSpec, RouterLoss, TopKRouter};
 
 use super::DispatcherKind;
 use crate::ModelError;
+use crate::batch::TrainBatch;
+pub(crate) use crate::batch::scored_targets_at;
 use crate::causal_lm::IGNORE_INDEX;
 use crate::packing::SequenceLayout;
-use crate::train::TrainBatch;
 use crate::weights::WeightSource;
 
 /// A causal LM the trainer can shard and train (Qwen3-MoE, DeepSeek-V3, dense Qwen3).
@@ -207,7 +208,7 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
     /// ([`TrainBatch::with_routed_experts`]) must match: the model's MoE (and MTP) layers, `k`,
     /// `E`. `None` (the default) for a model without routers, whose forwards refuse a routed
     /// batch.
-    fn routing_spec(&self) -> Option<crate::replay::ReplaySpec> {
+    fn routing_spec(&self) -> Option<crate::routing::ReplaySpec> {
         None
     }
 
@@ -219,10 +220,7 @@ pub trait CausalLmShard: Clone + std::fmt::Debug {
 
     /// Recompute `recompute` in the backward pass instead of keeping those activations
     /// ([`ParallelContext::set_recompute`](super::ParallelContext::set_recompute)).
-    fn set_recompute(
-        &mut self,
-        recompute: crate::plan::activations::Recompute,
-    ) -> Result<(), ModelError> {
+    fn set_recompute(&mut self, recompute: crate::recompute::Recompute) -> Result<(), ModelError> {
         self.context_mut().set_recompute(recompute)
     }
 }
@@ -262,7 +260,7 @@ pub enum ChunkForward {
         /// Next-token log-probs and entropies `[B, S − 1]` of the micro-batch's whole rows
         /// (gathered over the context-parallel group), identical on the replica's TP and CP
         /// ranks.
-        logprobs: crate::rl::logprobs::TokenLogProbs,
+        logprobs: crate::logprob::TokenLogProbs,
         /// The router losses of the chunk's MoE layers (forward order), this rank's part.
         router_losses: Vec<Vec<RouterLoss>>,
         /// The chunk's routers' expert-bias counts (forward order).
@@ -302,30 +300,51 @@ pub(crate) fn mtp_labels(
     }
 }
 
-/// Targets the causal-LM loss of `labels [B, S]` scores (shifted by one inside).
-pub(crate) fn scored_targets(labels: &[i64], s: usize) -> usize {
-    labels
-        .chunks(s)
-        .map(|row| row[1..].iter().filter(|&&t| t != IGNORE_INDEX).count())
-        .sum()
+/// Adds one forward's per-router counts into the step's running sums.
+pub(crate) fn add_loads(
+    sums: &mut Vec<Option<Vec<f64>>>,
+    loads: Vec<Option<Vec<f64>>>,
+) -> Result<(), ModelError> {
+    if sums.is_empty() {
+        *sums = loads;
+        return Ok(());
+    }
+    if sums.len() != loads.len() {
+        return Err(ModelError::input(
+            "expert_load",
+            "micro-batches report counts of different routers",
+        ));
+    }
+    for (sum, load) in sums.iter_mut().zip(loads) {
+        match (sum, load) {
+            (Some(sum), Some(load)) if sum.len() == load.len() => {
+                sum.iter_mut().zip(load).for_each(|(a, b)| *a += b);
+            }
+            (None, None) => {}
+            _ => {
+                return Err(ModelError::input(
+                    "expert_load",
+                    "micro-batches report counts of different routers",
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
-/// Targets the causal-LM loss of `labels [B, S]` scores at the predicting `positions` of
-/// every row (position `i` scores `labels[i + 1]`).
-pub(crate) fn scored_targets_at(labels: &[i64], s: usize, positions: &[usize]) -> usize {
-    labels
-        .chunks(s)
-        .map(|row| {
-            (positions.iter())
-                .filter(|&&i| row.get(i + 1).is_some_and(|&t| t != IGNORE_INDEX))
-                .count()
-        })
-        .sum()
+pub(crate) fn scalar(t: &burn::tensor::Tensor<1>) -> Result<f32, ModelError> {
+    t.to_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .ok()
+        .and_then(|v| v.first().copied())
+        .ok_or_else(|| ModelError::input("loss", "the loss tensor is empty"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::scored_targets;
 
     #[test]
     fn rolled_rows_shift_each_row_and_fill_the_tail() {

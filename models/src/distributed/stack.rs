@@ -20,7 +20,7 @@ use crate::layers::mla::Mla;
 use crate::layers::rope::{RopeTables, RotaryEmbedding};
 use crate::layers::{Attention, AttentionMask, KvCache, LayerCache, RmsNorm};
 use crate::packing::{PackedInputs, SequenceLayout};
-use crate::plan::activations::RecomputeModule;
+use crate::recompute::RecomputeModule;
 
 /// What a decoder layer's attention reads besides its input: the RoPE tables of the
 /// positions, and either the attention mask of a (packed) batch or this layer's KV cache.
@@ -556,7 +556,7 @@ impl SpRuntime {
         model: &M,
         chunk: &ChunkParts,
         moe_offset: usize,
-        batch: &'b crate::train::TrainBatch,
+        batch: &'b crate::batch::TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,
@@ -606,7 +606,7 @@ impl SpRuntime {
         model: &M,
         chunk: &ChunkParts,
         moe_offset: usize,
-        batch: &crate::train::TrainBatch,
+        batch: &crate::batch::TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,
@@ -674,7 +674,7 @@ impl SpRuntime {
         model: &M,
         chunk: &ChunkParts,
         moe_offset: usize,
-        batch: &crate::train::TrainBatch,
+        batch: &crate::batch::TrainBatch,
         device: &Device,
         aux_grad_scale: f64,
         input: Option<Tensor<2>>,

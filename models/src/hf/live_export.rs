@@ -35,7 +35,6 @@ use serde_json::{Value, json};
 
 use crate::ModelError;
 use crate::export::{ExportHf, HfTensorSpec, HfTensors};
-use crate::families::deepseek_v3::plan as deepseek_v3;
 use crate::param_plan::hf_names;
 
 /// dtype of the exported weights.
@@ -107,7 +106,7 @@ fn fp8_quantized(spec: &HfTensorSpec) -> bool {
     let n = &spec.name;
     spec.shape.len() == 2
         && !hf_names::mentions_embedding_or_head(n)
-        && !deepseek_v3::is_mtp_head_copy(n)
+        && !hf_names::is_mtp_head_copy(n)
         && !hf_names::is_router_weight(n)
 }
 
@@ -120,7 +119,7 @@ fn plan_spec(spec: &HfTensorSpec, dtype: LiveDtype) -> Vec<Planned> {
             shape: spec.shape.clone(),
         }]
     };
-    if deepseek_v3::is_expert_bias(&spec.name) {
+    if hf_names::is_expert_bias(&spec.name) {
         return one(Dtype::F32);
     }
     match dtype {

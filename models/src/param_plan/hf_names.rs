@@ -298,3 +298,29 @@ pub fn expected_moe(
         }
     }
 }
+
+// ---- Multi-token prediction layers (DeepSeek-V3 and GLM-4.5 releases) ----
+
+/// MTP: the shared head module (`shared_head.norm`, `shared_head.head`).
+pub const SHARED_HEAD: &str = "shared_head";
+
+/// Whether `name` is the router's expert bias (`….mlp.gate.e_score_correction_bias`), stored
+/// F32 whatever the export dtype.
+pub fn is_expert_bias(name: &str) -> bool {
+    name.ends_with(EXPERT_BIAS)
+}
+
+/// Whether `name` is an MTP copy of the LM head (`model.layers.{N+j}.shared_head.head.weight`).
+pub fn is_mtp_head_copy(name: &str) -> bool {
+    name.contains(&join(SHARED_HEAD, "head"))
+}
+
+/// The MTP layer `l`'s copies of the embedding and the LM head, `(embed, head)` names.
+pub fn mtp_copy_names(l: usize) -> (String, String) {
+    let p = layer(l);
+    let embed_suffix = EMBED_TOKENS.rsplit('.').next().unwrap_or(EMBED_TOKENS);
+    (
+        weight(&join(&p, embed_suffix)),
+        weight(&join(&join(&p, SHARED_HEAD), "head")),
+    )
+}

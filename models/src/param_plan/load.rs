@@ -16,8 +16,8 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::{GradClass, ParallelPlan, PlanError, Planned, Storage, hf_names};
 use crate::ModelError;
-use crate::distributed::ShardRule;
 use crate::weights::{ShardSpec, WeightLoader, WeightSource};
+use moe_bridge::dist::ShardRule;
 
 /// This rank's shard (`spec`, e.g.
 /// [`ParallelContext::shard_spec`](crate::distributed::ParallelContext::shard_spec)) of the

@@ -28,7 +28,7 @@ use burn::tensor::Tensor;
 use moe_backend::optim::{MatrixAxis, MuonMatrix, ParamClass, ParamInfo};
 
 use crate::ModelError;
-use crate::distributed::ShardRule;
+use moe_bridge::dist::ShardRule;
 
 pub mod hf_names;
 mod load;

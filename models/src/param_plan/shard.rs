@@ -17,8 +17,8 @@ use burn::tensor::Tensor;
 
 use super::{ParallelPlan, PlanError, Planned, Storage};
 use crate::ModelError;
-use crate::distributed::ShardRule;
 use crate::weights::ShardSpec;
+use moe_bridge::dist::ShardRule;
 
 /// This rank's shard of `full` under `spec` (e.g.
 /// [`ParallelContext::shard_spec`](crate::distributed::ParallelContext::shard_spec)), each

@@ -24,118 +24,12 @@
 //! they would recompute (Megatron's `--recompute-modules`); full recomputation keeps only each
 //! layer's input plus one layer's activations while it is recomputed.
 
-use std::collections::BTreeSet;
-use std::fmt;
-use std::str::FromStr;
-
 use moe_backend::parallel::ParallelLayout;
 use moe_backend::parallel::pipeline::StageParts;
 
-use super::PlanError;
 use super::shape::{AttentionShape, ModelShape};
 
-/// A module Megatron can recompute selectively (`--recompute-modules`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum RecomputeModule {
-    /// Core attention (flash: only the log-sum-exp is dropped).
-    CoreAttn,
-    /// SwiGLU activation of the routed experts.
-    MoeAct,
-    /// Input and pre-MLP layer norms (their outputs).
-    Layernorm,
-    /// MLA up-projections and RoPE (the attention query, key and value).
-    MlaUpProj,
-    /// Dense MLP layers.
-    Mlp,
-    /// The whole MoE layer (router, dispatch, experts, combine, shared experts).
-    Moe,
-    /// Shared experts.
-    SharedExperts,
-}
-
-impl RecomputeModule {
-    /// Every module, with its Megatron name.
-    pub const ALL: [(RecomputeModule, &'static str); 7] = [
-        (Self::CoreAttn, "core_attn"),
-        (Self::MoeAct, "moe_act"),
-        (Self::Layernorm, "layernorm"),
-        (Self::MlaUpProj, "mla_up_proj"),
-        (Self::Mlp, "mlp"),
-        (Self::Moe, "moe"),
-        (Self::SharedExperts, "shared_experts"),
-    ];
-}
-
-impl FromStr for RecomputeModule {
-    type Err = PlanError;
-
-    fn from_str(s: &str) -> Result<Self, PlanError> {
-        Self::ALL
-            .iter()
-            .find(|(_, name)| *name == s)
-            .map(|(m, _)| *m)
-            .ok_or_else(|| PlanError::Option {
-                option: "recompute",
-                detail: format!(
-                    "unknown module `{s}` (expected one of {})",
-                    Self::ALL.map(|(_, n)| n).join(", ")
-                ),
-            })
-    }
-}
-
-impl fmt::Display for RecomputeModule {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = Self::ALL
-            .iter()
-            .find(|(m, _)| m == self)
-            .map(|(_, n)| *n)
-            .unwrap_or("?");
-        f.write_str(name)
-    }
-}
-
-/// Activation recomputation.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Recompute {
-    /// Everything is kept.
-    #[default]
-    None,
-    /// The listed modules are recomputed.
-    Selective(BTreeSet<RecomputeModule>),
-    /// Whole layers are recomputed from their inputs.
-    Full,
-}
-
-impl FromStr for Recompute {
-    type Err = PlanError;
-
-    /// `none`, `full`, `selective` (Megatron's default module list: `core_attn`), or a
-    /// comma-separated module list (`mla_up_proj,moe_act,layernorm`), optionally prefixed by
-    /// `selective:`.
-    fn from_str(s: &str) -> Result<Self, PlanError> {
-        let s = s.trim();
-        match s {
-            "" | "none" => Ok(Self::None),
-            "full" => Ok(Self::Full),
-            "selective" => Ok(Self::Selective([RecomputeModule::CoreAttn].into())),
-            list => {
-                let list = list.strip_prefix("selective:").unwrap_or(list);
-                let modules = list
-                    .split(',')
-                    .map(|m| m.trim().parse())
-                    .collect::<Result<BTreeSet<_>, _>>()?;
-                Ok(Self::Selective(modules))
-            }
-        }
-    }
-}
-
-impl Recompute {
-    fn has(&self, m: RecomputeModule) -> bool {
-        matches!(self, Self::Selective(set) if set.contains(&m))
-    }
-}
+pub use crate::recompute::{Recompute, RecomputeModule};
 
 /// Settings of the activation model.
 #[derive(Debug, Clone, PartialEq)]

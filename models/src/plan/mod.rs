@@ -22,7 +22,7 @@
 use moe_backend::parallel::ParallelLayout;
 use moe_backend::parallel::pipeline::{PipelineSplit, StageParts};
 
-use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
+use crate::{DeepseekV3Config, Qwen3MoeConfig};
 
 pub mod activations;
 pub mod comm;
@@ -77,6 +77,15 @@ pub enum PlanError {
     /// the wrong number of stages names `pipeline_layout`; too few layers name `pp`).
     #[error("pipeline split: {0}")]
     Pipeline(#[source] moe_backend::BackendError),
+}
+
+impl From<crate::recompute::RecomputeParseError> for PlanError {
+    fn from(e: crate::recompute::RecomputeParseError) -> Self {
+        PlanError::Option {
+            option: "recompute",
+            detail: e.0,
+        }
+    }
 }
 
 /// Parameters one rank holds.

@@ -8,7 +8,7 @@ use super::{
     RankParams, deepseek_v3_chunk_params, deepseek_v3_rank_params, qwen3_moe_chunk_params,
     qwen3_moe_rank_params,
 };
-use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
+use crate::{DeepseekV3Config, Qwen3MoeConfig};
 
 /// Attention of a layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

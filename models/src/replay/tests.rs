@@ -1,7 +1,8 @@
 use burn::tensor::{Device, Int, Tensor};
 
 use super::*;
-use crate::config::{DeepseekV3Config, Qwen3MoeConfig};
+use crate::{DeepseekV3Config, Qwen3MoeConfig};
+use crate::{DeepseekV3ForCausalLM, Qwen3MoeForCausalLM};
 
 fn qwen() -> Qwen3MoeForCausalLM {
     Qwen3MoeConfig {

@@ -7,9 +7,9 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::*;
 use crate::causal_lm::{GenerationConfig, generate};
-use crate::config::{DeepseekV3Config, Qwen3Config, Qwen3MoeConfig};
 use crate::replay::{RouterReplayModel, record_routing, replay_routing};
 use crate::weights::WeightSource;
+use crate::{DeepseekV3Config, Qwen3Config, Qwen3MoeConfig};
 use crate::{DeepseekV3ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM};
 
 // ---------------------------------------------------------------------------------------------

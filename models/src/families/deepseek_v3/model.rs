@@ -17,9 +17,9 @@ use burn::tensor::{Device, Int, Tensor};
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 use moe_backend::router::{GroupLimitConfig, ScoreFunction, TopKRouterConfig};
 
+use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, ParamCount};
-use crate::config::DeepseekV3Config;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
@@ -515,8 +515,20 @@ impl crate::distributed::ShardModel for DeepseekV3ForCausalLM {
             .collect()
     }
 
-    fn replay_spec(&self) -> Option<crate::replay::ReplaySpec> {
-        Some(crate::replay::RouterReplayModel::replay_spec(self))
+    fn replay_spec(&self) -> Option<crate::routing::ReplaySpec> {
+        let c = &self.config;
+        Some(crate::routing::ReplaySpec {
+            model_type: "deepseek_v3",
+            moe_layers: (0..c.num_hidden_layers)
+                .filter(|&i| c.is_moe_layer(i))
+                .collect(),
+            // Every MTP module's decoder layer is an MoE layer.
+            mtp_layers: (0..c.num_nextn_predict_layers)
+                .map(|j| c.num_hidden_layers + j)
+                .collect(),
+            topk: c.num_experts_per_tok,
+            num_experts: c.n_routed_experts,
+        })
     }
 
     fn into_single_rank(mut self) -> Result<Self, ModelError> {

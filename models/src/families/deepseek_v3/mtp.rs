@@ -13,9 +13,9 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
+use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::causal_lm_loss;
-use crate::config::DeepseekV3Config;
 use crate::deepseek_v3::DeepseekV3DecoderLayer;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::{RmsNorm, RmsNormConfig};

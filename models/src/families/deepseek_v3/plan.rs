@@ -36,32 +36,9 @@ pub const ENORM: &str = "enorm";
 pub const HNORM: &str = "hnorm";
 /// MTP: the projection of `[embedding; hidden]`.
 pub const EH_PROJ: &str = "eh_proj";
-/// MTP: the shared head module (`shared_head.norm`, `shared_head.head`).
-pub const SHARED_HEAD: &str = "shared_head";
-
-/// Whether `name` is the router's expert bias (`….mlp.gate.e_score_correction_bias`), stored
-/// F32 whatever the export dtype.
-pub fn is_expert_bias(name: &str) -> bool {
-    name.ends_with(EXPERT_BIAS)
-}
-
-/// Whether `name` is an MTP copy of the LM head (`model.layers.{N+j}.shared_head.head.weight`).
-pub fn is_mtp_head_copy(name: &str) -> bool {
-    name.contains(&join(SHARED_HEAD, "head"))
-}
-
-/// The MTP layer `layer`'s copies of the embedding and the LM head, `(embed, head)` names.
-pub fn mtp_copy_names(layer: usize) -> (String, String) {
-    let p = layer_of(layer);
-    let embed_suffix = n::EMBED_TOKENS
-        .rsplit('.')
-        .next()
-        .unwrap_or(n::EMBED_TOKENS);
-    (
-        weight(&join(&p, embed_suffix)),
-        weight(&join(&join(&p, SHARED_HEAD), "head")),
-    )
-}
+pub use crate::param_plan::hf_names::{
+    SHARED_HEAD, is_expert_bias, is_mtp_head_copy, mtp_copy_names,
+};
 
 /// One decoder layer at Burn path `l`, HF prefix `h`: MLA with the head-split
 /// up-projections (`q_proj` or `q_b_proj`, `kv_b_proj`) column-parallel and `o_proj`

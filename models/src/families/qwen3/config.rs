@@ -6,8 +6,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::config::layer_types::{LayerType, layer_windows, parse_layer_types};
 use crate::ModelError;
+use crate::config::layer_types::{LayerType, layer_windows, parse_layer_types};
 use crate::config::rope::{self, RopeJson, RopeKeys};
 use crate::config::{RopeParameters, de};
 

@@ -11,8 +11,8 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 
 use crate::ModelError;
+use crate::Qwen3Config;
 use crate::causal_lm::CausalLm;
-use crate::config::Qwen3Config;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
@@ -401,5 +401,27 @@ impl crate::family::Family for Qwen3 {
         block: [usize; 2],
     ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
         super::plan::qwen3_expected(config, path, block)
+    }
+}
+
+impl Qwen3Config {
+    /// Parameter counts from the shapes alone (total = active for a dense model).
+    pub fn param_count(&self) -> crate::causal_lm::ParamCount {
+        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        let attn = crate::causal_lm::gqa_params(
+            h,
+            self.num_attention_heads as u64,
+            self.num_key_value_heads as u64,
+            self.head_dim as u64,
+            self.attention_bias,
+        );
+        let layer = attn + 2 * h + 3 * h * self.intermediate_size as u64;
+        let total = v * h + head + h + self.num_hidden_layers as u64 * layer;
+        crate::causal_lm::ParamCount {
+            total,
+            active: total,
+            mtp: 0,
+        }
     }
 }

@@ -16,8 +16,8 @@ use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 use moe_backend::router::{ScoreFunction, TopKRouter, TopKRouterConfig};
 
 use crate::ModelError;
+use crate::Qwen3MoeConfig;
 use crate::causal_lm::{CausalLm, hf_load_balancing_loss};
-use crate::config::Qwen3MoeConfig;
 use crate::distributed::{
     AttentionInputs, ParallelContext, PipelineModel, RouterTrace, ShardModel, StackShape,
 };
@@ -26,7 +26,7 @@ use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::param_plan::{Planned, load_with};
-use crate::replay::{ReplaySpec, RouterReplayModel};
+use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3MoeConfig {
@@ -415,7 +415,16 @@ impl ShardModel for Qwen3MoeForCausalLM {
     }
 
     fn replay_spec(&self) -> Option<ReplaySpec> {
-        Some(RouterReplayModel::replay_spec(self))
+        let c = &self.config;
+        Some(ReplaySpec {
+            model_type: crate::Qwen3MoeConfig::MODEL_TYPE,
+            moe_layers: (0..c.num_hidden_layers)
+                .filter(|&i| c.is_moe_layer(i))
+                .collect(),
+            mtp_layers: Vec::new(),
+            topk: c.num_experts_per_tok,
+            num_experts: c.num_experts,
+        })
     }
 
     fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
@@ -602,5 +611,43 @@ impl crate::family::Family for Qwen3Moe {
             aux_loss: Some(losses.aux_loss),
         };
         Ok((out.logits, losses))
+    }
+}
+
+impl Qwen3MoeConfig {
+    /// Parameter counts from the shapes alone (nothing is allocated). Qwen3-30B-A3B gives
+    /// ≈ 30.5 B total, 3.3 B active.
+    pub fn param_count(&self) -> crate::causal_lm::ParamCount {
+        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        let attn = crate::causal_lm::gqa_params(
+            h,
+            self.num_attention_heads as u64,
+            self.num_key_value_heads as u64,
+            self.head_dim as u64,
+            self.attention_bias,
+        );
+        let (e, k, im) = (
+            self.num_experts as u64,
+            self.num_experts_per_tok as u64,
+            self.moe_intermediate_size as u64,
+        );
+        let mut count = crate::causal_lm::ParamCount {
+            total: v * h + head + h,
+            active: v * h + head + h,
+            mtp: 0,
+        };
+        for layer in 0..self.num_hidden_layers {
+            let common = attn + 2 * h;
+            let (total, active) = if self.is_moe_layer(layer) {
+                (e * h + e * 3 * h * im, e * h + k * 3 * h * im)
+            } else {
+                let dense = 3 * h * self.intermediate_size as u64;
+                (dense, dense)
+            };
+            count.total += common + total;
+            count.active += common + active;
+        }
+        count
     }
 }

@@ -93,7 +93,11 @@ fn f32_export_of_every_fixture_is_bit_identical() {
     assert_eq!(bias.dtype, Dtype::F32);
 
     // The release MTP copies on request.
-    let with_copies = model.hf_tensors().expect("export").with_mtp_copies(&model);
+    let embedding = model.model.embed_tokens.as_ref().map(|e| e.weight.val());
+    let head = model.lm_head.as_ref().map(|h| h.weight.val().transpose());
+    let (layers, depths) = (model.config().num_hidden_layers, model.mtp.len());
+    let with_copies =
+        (model.hf_tensors().expect("export")).with_mtp_copies(layers, depths, embedding, head);
     let names: Vec<String> = with_copies.specs().iter().map(|s| s.name.clone()).collect();
     assert!(names.contains(&"model.layers.3.embed_tokens.weight".to_owned()));
     assert!(names.contains(&"model.layers.3.shared_head.head.weight".to_owned()));
