@@ -3,44 +3,45 @@
 //! The model below is none of the built-in families: a **parallel-block** MoE transformer
 //! (GPT-J / PaLM style) where attention and the MoE layer read the same normed input,
 //! `x + attn(norm(x)) + moe(norm(x))`. It is a plain `#[derive(Module)]` built from Burn
-//! modules and the crate's building blocks ([`Attention`], [`RmsNorm`], [`MoeLayer`]). Three
-//! things make it a parallel model:
+//! modules and the crate's building blocks ([`Attention`], [`RmsNorm`], [`MoeLayer`]), written
+//! once against a [`ParallelContext`] (vocab-parallel embedding, sequence-parallel attention,
+//! MoE token dispatch, vocab-parallel head and loss), which is the single-rank model at
+//! `world = 1`. Three impls make it a family the crates run under every layout (TP/SP/CP/PP/
+//! EP/ETP/DP), exactly as the built-in families ([`burn_moe::models::families`]):
 //!
-//! 1. its **parallel plan** ([`Planned`]), declared with the same row builders as the built-in
+//! 1. [`Planned`]: its **parallel plan**, declared with the same row builders as the built-in
 //!    models ([`rows`]): which parameters are split over TP, EP × ETP or replicated, and how
-//!    each gradient is reduced;
-//! 2. its **shard** ([`ParallelCausalLm::shard`]): the plan cuts this rank's tensors out of the
-//!    full model ([`shard_planned`]), or reads only them from a weight source
-//!    ([`LoadShard::load_shard`], [`load_planned`]);
-//! 3. its **forward**, written once against a [`ParallelContext`] (vocab-parallel embedding,
-//!    sequence-parallel attention, MoE token dispatch, vocab-parallel head and loss), which is
-//!    the single-rank model at `world = 1`.
+//!    each gradient is reduced (and the HF names checkpoints and exports use);
+//! 2. [`DecoderStack`]: its embedding, final norm, head and one layer's **forward**;
+//! 3. [`ShardModel`]: its config's shape and how a (sharded) model is read by its plan.
 //!
-//! [`Trainer`] then trains it under any layout. `main` trains it on 4 in-process ranks with
-//! attention TP2 × DP2 and experts EP4 (`tp=2,ep=4`), next to the `world = 1` run of the same
-//! global batches: the losses agree to f32 rounding.
+//! The one generic sharded model ([`burn_moe::models::distributed::Sharded`]) and the
+//! [`Trainer`] then do the rest. `main` trains it on 4 in-process ranks with attention
+//! TP2 × DP2 and experts EP4 (`tp=2,ep=4`), next to the `world = 1` run of the same global
+//! batches: the losses agree to f32 rounding.
 //!
 //! Run: `cargo run --release --example custom_moe`.
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 use burn_moe::backend::BackendError;
-use burn_moe::backend::comm::{GroupComms, World};
-use burn_moe::backend::fp8::Fp8Recipe;
+use burn_moe::backend::comm::World;
 use burn_moe::backend::layer::{MoeLayer, MoeLayerConfig};
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
 use burn_moe::backend::router::{TopKRouter, TopKRouterConfig};
+use burn_moe::models::ModelError;
 use burn_moe::models::config::RopeParameters;
 use burn_moe::models::distributed::{
-    CausalLmShard, DispatcherKind, LoadShard, ParallelCausalLm, ParallelContext, TrainForward,
+    AttentionInputs, CausalLmShard, DecoderStack, ParallelContext, PipelineModel, RouterTrace,
+    ShardModel, StackShape, held,
 };
 use burn_moe::models::layers::{
-    Attention, AttentionConfig, RmsNorm, RmsNormConfig, RotaryEmbedding,
+    Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig, RotaryEmbedding,
 };
-use burn_moe::models::param_plan::{ParallelPlan, Planned, load_planned, rows, shard_planned};
+use burn_moe::models::param_plan::{ParallelPlan, Planned, load_with, rows};
 use burn_moe::models::train::{StepStats, TrainBatch, Trainer, TrainerConfig};
-use burn_moe::models::{ModelError, WeightSource};
+use burn_moe::models::weights::WeightLoader;
 
 /// Sizes of the parallel-block MoE model.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,12 +106,14 @@ impl ParallelBlockMoeConfig {
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(ParallelBlockMoe {
-            embed_tokens: EmbeddingConfig::new(self.vocab_size, h).init(device),
-            layers,
-            norm: RmsNormConfig::new(h).init(device),
-            lm_head: LinearConfig::new(h, self.vocab_size)
-                .with_bias(false)
-                .init(device),
+            embed_tokens: Some(EmbeddingConfig::new(self.vocab_size, h).init(device)),
+            layers: LayerStack::new(layers),
+            norm: Some(RmsNormConfig::new(h).init(device)),
+            lm_head: Some(
+                LinearConfig::new(h, self.vocab_size)
+                    .with_bias(false)
+                    .init(device),
+            ),
             config: self.clone(),
         })
     }
@@ -127,21 +130,24 @@ pub struct ParallelBlock {
     pub moe: MoeLayer,
 }
 
-/// The parallel-block MoE causal LM (a full model, or one rank's shard of it).
+/// The parallel-block MoE causal LM: the whole model, or one rank's shard of it (a pipeline
+/// stage holds only its layers, the first stage the embedding, the last the head).
 #[derive(Module, Debug)]
 pub struct ParallelBlockMoe {
     /// Token embedding.
-    pub embed_tokens: Embedding,
-    /// The blocks.
-    pub layers: Vec<ParallelBlock>,
+    pub embed_tokens: Option<Embedding>,
+    /// The blocks (named by their global index).
+    pub layers: LayerStack<ParallelBlock>,
     /// Final norm.
-    pub norm: RmsNorm,
+    pub norm: Option<RmsNorm>,
     /// Untied LM head.
-    pub lm_head: Linear,
+    pub lm_head: Option<Linear>,
     /// Sizes (of the full model).
     #[module(skip)]
     pub config: ParallelBlockMoeConfig,
 }
+
+// ---- The family: plan, forward, shape. Everything above is the model itself. ----
 
 /// 1. The parallel plan: Burn module paths → HF names, splits and gradient classes.
 impl Planned for ParallelBlockMoe {
@@ -162,172 +168,91 @@ impl Planned for ParallelBlockMoe {
     }
 
     fn main_layers(&self) -> usize {
+        self.config.num_layers
+    }
+}
+
+/// 2. The forward, written once against the parallel context.
+impl DecoderStack for ParallelBlockMoe {
+    fn embed_tokens(&self) -> Result<&Embedding, ModelError> {
+        held(self.embed_tokens.as_ref(), "the token embedding")
+    }
+
+    fn final_norm(&self) -> Result<&RmsNorm, ModelError> {
+        held(self.norm.as_ref(), "the final norm")
+    }
+
+    fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
+    }
+
+    fn num_layers(&self) -> usize {
         self.layers.len()
     }
-}
 
-/// One rank's shard and its parallel context.
-#[derive(Debug, Clone)]
-pub struct ParallelBlockMoeShard {
-    /// This rank's parameters.
-    pub model: ParallelBlockMoe,
-    ctx: ParallelContext,
-}
-
-impl ParallelBlockMoeConfig {
-    /// This rank's parallel context under the layout of `groups`.
-    pub fn context(
+    fn layer_forward(
         &self,
-        groups: &GroupComms,
-        kind: DispatcherKind,
-    ) -> Result<ParallelContext, ModelError> {
-        let rope = RotaryEmbedding::new(&RopeParameters::default(), self.head_dim)?;
-        ParallelContext::new(groups, kind, Some(self.num_experts), self.vocab_size, rope)
+        i: usize,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let block = &self.layers[i];
+        // x + attn(norm(x)): this rank's heads on the gathered sequence.
+        let attn = ctx.attention_block(x.clone(), &block.norm, &block.self_attn, batch, inputs)?;
+        // + moe(norm(x)): this rank's tokens dispatched to the experts' ranks.
+        Ok(attn + ctx.moe(&block.moe, block.norm.forward(x), batch, trace)?)
     }
 }
 
-impl ParallelBlockMoeShard {
-    /// The shard of the cut `model`: attention takes its local head counts from the cut
-    /// shapes.
-    fn new(mut model: ParallelBlockMoe, ctx: ParallelContext) -> Result<Self, ModelError> {
-        model.layers = model
-            .layers
-            .into_iter()
-            .map(|mut block| {
-                block.self_attn = block.self_attn.with_local_heads()?;
-                Ok(block)
-            })
-            .collect::<Result<_, ModelError>>()?;
-        Ok(Self { model, ctx })
-    }
-}
-
-/// 2. Sharding: the plan cuts this rank's tensors out of the full model.
-impl ParallelCausalLm for ParallelBlockMoe {
-    type Shard = ParallelBlockMoeShard;
-
-    fn shard(
-        &self,
-        groups: &GroupComms,
-        kind: DispatcherKind,
-    ) -> Result<ParallelBlockMoeShard, ModelError> {
-        let ctx = self.config.context(groups, kind)?;
-        let model = shard_planned(self, &ctx.shard_spec())?;
-        ParallelBlockMoeShard::new(model, ctx)
-    }
-
-    fn with_fp8(self, _recipe: Fp8Recipe, _linears: bool) -> Result<Self, ModelError> {
-        Err(ModelError::Unsupported {
-            feature: "fp8",
-            reason: "the parallel-block example model has no FP8 path".into(),
-        })
-    }
-}
-
-/// 2b. Sharded loading: this rank's boxes read straight from a weight source (an HF
-///     directory, a distributed checkpoint's export, a live model) by the plan, into a
-///     template whose lazily initialised parameters are never allocated at full size.
-impl LoadShard for ParallelBlockMoe {
+/// 3. The shape the parallel context needs, and the model read by its plan (whole, one
+///    rank's shard, or a pipeline stage's part).
+impl ShardModel for ParallelBlockMoe {
     type Config = ParallelBlockMoeConfig;
 
-    fn load_shard(
-        config: &ParallelBlockMoeConfig,
-        source: &dyn WeightSource,
-        groups: &GroupComms,
-        kind: DispatcherKind,
-        device: &Device,
-    ) -> Result<ParallelBlockMoeShard, ModelError> {
-        let ctx = config.context(groups, kind)?;
-        let model = load_planned(&config.init(device)?, source, &ctx.shard_spec(), device)?;
-        ParallelBlockMoeShard::new(model, ctx)
+    fn model_config(&self) -> &ParallelBlockMoeConfig {
+        &self.config
     }
 
-    /// A shard at local shapes whose values a restore overwrites (randomly initialised here).
-    fn shard_skeleton(
-        config: &ParallelBlockMoeConfig,
-        groups: &GroupComms,
-        kind: DispatcherKind,
-        device: &Device,
-    ) -> Result<ParallelBlockMoeShard, ModelError> {
-        let ctx = config.context(groups, kind)?;
-        let model = shard_planned(&config.init(device)?, &ctx.shard_spec())?;
-        ParallelBlockMoeShard::new(model, ctx)
-    }
-}
-
-/// 3. The forward, written once against the parallel context.
-impl CausalLmShard for ParallelBlockMoeShard {
-    type Model = ParallelBlockMoe;
-
-    fn model(&self) -> &ParallelBlockMoe {
-        &self.model
-    }
-
-    fn model_mut(&mut self) -> &mut ParallelBlockMoe {
-        &mut self.model
-    }
-
-    fn loss_groups(&self) -> (usize, usize) {
-        self.ctx.loss_groups()
-    }
-
-    fn context_mut(&mut self) -> &mut ParallelContext {
-        &mut self.ctx
-    }
-
-    fn begin_global_batch(&self) {
-        self.ctx.reset_global_aux();
-    }
-
-    fn sequence_positions(&self, s: usize) -> Vec<usize> {
-        self.ctx.sequence_positions(s)
-    }
-
-    fn forward_train_batch(
-        &self,
-        batch: &TrainBatch,
-        device: &Device,
-        aux_grad_scale: f64,
-        _mtp: bool,
-    ) -> Result<TrainForward, ModelError> {
-        let (ctx, m, b) = (&self.ctx, &self.model, batch.batch);
-        let p = ctx.prepare(&batch.input_ids, &batch.labels, b, batch.layout(), device)?;
-        let mut trace = p.trace(aux_grad_scale);
-        // This rank's sequence-parallel block of the embedded tokens.
-        // (Under context parallelism `p.ids` are this rank's two chunks of every row.)
-        let mut x = ctx.embed(&m.embed_tokens, &p.ids, b)?;
-        for block in &m.layers {
-            // x + attn(norm(x)): attention on the gathered sequence, this rank's heads (and
-            // the keys of the other context-parallel ranks).
-            let inputs = ctx.masked_inputs(&p);
-            let attn = ctx.attention_block(x.clone(), &block.norm, &block.self_attn, b, inputs)?;
-            // + moe(norm(x)): this rank's tokens dispatched to the experts' ranks.
-            let moe = ctx.moe(&block.moe, block.norm.forward(x), b, &mut trace)?;
-            x = attn + moe;
-        }
-        let expert_load = std::mem::take(&mut trace.expert_load);
-        let out = ctx.head_loss(
-            x,
-            &m.norm,
-            Some(&m.lm_head),
-            Some(&m.embed_tokens),
-            &p.targets,
-            trace,
-        )?;
-        Ok(TrainForward {
-            loss: out.loss,
-            mtp_losses: Vec::new(),
-            router_losses: out.router_losses,
-            expert_load,
+    fn stack_shape(c: &ParallelBlockMoeConfig) -> Result<StackShape, ModelError> {
+        let (layers, hidden) = (c.num_layers, c.hidden_size);
+        Ok(StackShape {
+            pipeline: PipelineModel {
+                layers,
+                mtp: 0,
+                tied: false,
+                hidden,
+            },
+            num_experts: Some(c.num_experts),
+            vocab_size: c.vocab_size,
+            rope: RotaryEmbedding::new(&RopeParameters::default(), c.head_dim)?,
         })
+    }
+
+    fn from_loader(c: &ParallelBlockMoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
+        let mut m = c.init(w.device())?;
+        if let Some(stage) = &w.shard().stage {
+            m.layers = m.layers.select(&stage.layers)?;
+            m.embed_tokens = m.embed_tokens.filter(|_| stage.embedding);
+            if !stage.head {
+                (m.norm, m.lm_head) = (None, None);
+            }
+        }
+        let mut m = load_with(&m, &Self::parallel_plan(), c.num_layers, w)?;
+        for block in m.layers.iter_mut() {
+            block.self_attn = block.self_attn.clone().with_local_heads()?;
+        }
+        Ok(m)
+    }
+
+    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
+        self.layers.get(layers).map_or(0, <[_]>::len)
     }
 
     fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
-        self.model
-            .layers
-            .iter_mut()
-            .map(|block| &mut block.moe.router)
-            .collect()
+        self.layers.iter_mut().map(|b| &mut b.moe.router).collect()
     }
 }
 
@@ -401,7 +326,7 @@ pub fn train(
         let pg = rank.process_groups(&layout)?;
         let mut trainer =
             Trainer::new(start, &pg, rank.world()?, config.clone(), &device).map_err(be)?;
-        let replica = trainer.model().ctx.replica();
+        let replica = trainer.model().replica;
         let mut stats = Vec::new();
         for step in 0..steps {
             let micro = replica_batches(step, replica, replicas, vocab).map_err(be)?;

@@ -13,7 +13,7 @@ use burn::tensor::{Device, Tensor};
 use burn_moe::backend::comm::World;
 use burn_moe::backend::optim::DistributedAdamWConfig;
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
-use burn_moe::models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
+use burn_moe::models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, Sharded};
 use burn_moe::models::param_plan::Planned;
 use burn_moe::models::train::{StepStats, TrainerConfig};
 use example::{ParallelBlockMoe, ParallelBlockMoeConfig, be, train};
@@ -331,7 +331,7 @@ fn the_user_model_loads_its_shard_from_a_weight_source() {
             let loaded = ParallelBlockMoe::load_shard(&start.config, &source, &pg, kind, &device)
                 .map_err(be)?;
             let cut = start.shard(&pg, kind).map_err(be)?;
-            let heads = |s: &example::ParallelBlockMoeShard| -> Vec<(usize, usize)> {
+            let heads = |s: &Sharded<ParallelBlockMoe>| -> Vec<(usize, usize)> {
                 s.model
                     .layers
                     .iter()

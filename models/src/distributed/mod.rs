@@ -49,8 +49,9 @@ pub use pipeline::{ChunkParts, PipelineModel, PipelinePlace};
 pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};
+pub(crate) use stack::decoder_stack;
+pub use stack::held;
 pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
-pub(crate) use stack::{decoder_stack, held};
 
 pub use gather::{gather_full, gather_planned};
 /// How a canonical tensor is split over the ranks of one pipeline stage (moe-bridge's type).

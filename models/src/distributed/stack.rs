@@ -174,7 +174,7 @@ pub trait DecoderStack {
 }
 
 /// `part` of a model, or an error saying this pipeline stage does not hold `what`.
-pub(crate) fn held<'a, T>(part: Option<&'a T>, what: &str) -> Result<&'a T, ModelError> {
+pub fn held<'a, T>(part: Option<&'a T>, what: &str) -> Result<&'a T, ModelError> {
     part.ok_or_else(|| {
         ModelError::layout(
             "pp",
