@@ -12,7 +12,8 @@
 //! 1. [`Planned`]: its **parallel plan**, declared with the same row builders as the built-in
 //!    models ([`rows`]): which parameters are split over TP, EP × ETP or replicated, and how
 //!    each gradient is reduced (and the HF names checkpoints and exports use);
-//! 2. [`DecoderStack`]: its embedding, final norm, head and one layer's **forward**;
+//! 2. [`DecoderStack`]: its embedding, blocks, final norm and head (one macro line for a
+//!    model with these parts as fields; the block's **forward** is the model's own code);
 //! 3. [`ShardModel`]: its config's shape and how a (sharded) model is read by its plan.
 //!
 //! The one generic sharded model ([`burn_moe::models::distributed::Sharded`]) and the
@@ -33,8 +34,8 @@ use burn_moe::backend::router::{TopKRouter, TopKRouterConfig};
 use burn_moe::models::ModelError;
 use burn_moe::models::config::RopeParameters;
 use burn_moe::models::distributed::{
-    AttentionInputs, CausalLmShard, DecoderStack, ParallelContext, PipelineModel, RouterTrace,
-    ShardModel, StackShape, held,
+    AttentionInputs, CausalLmShard, ParallelContext, PipelineModel, RouterTrace, ShardModel,
+    StackShape,
 };
 use burn_moe::models::layers::{
     Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig, RotaryEmbedding,
@@ -130,6 +131,23 @@ pub struct ParallelBlock {
     pub moe: MoeLayer,
 }
 
+impl ParallelBlock {
+    /// The block on this rank's sequence-parallel rows `x`: attention on the gathered sequence
+    /// (this rank's heads), the MoE layer on this rank's tokens (dispatched to the experts'
+    /// ranks); the single-rank block at `world = 1`.
+    pub fn forward_in(
+        &self,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        let attn = ctx.attention_block(x.clone(), &self.norm, &self.self_attn, batch, inputs)?;
+        Ok(attn + ctx.moe(&self.moe, self.norm.forward(x), batch, trace)?)
+    }
+}
+
 /// The parallel-block MoE causal LM: the whole model, or one rank's shard of it (a pipeline
 /// stage holds only its layers, the first stage the embedding, the last the head).
 #[derive(Module, Debug)]
@@ -172,40 +190,9 @@ impl Planned for ParallelBlockMoe {
     }
 }
 
-/// 2. The forward, written once against the parallel context.
-impl DecoderStack for ParallelBlockMoe {
-    fn embed_tokens(&self) -> Result<&Embedding, ModelError> {
-        held(self.embed_tokens.as_ref(), "the token embedding")
-    }
-
-    fn final_norm(&self) -> Result<&RmsNorm, ModelError> {
-        held(self.norm.as_ref(), "the final norm")
-    }
-
-    fn lm_head(&self) -> Option<&Linear> {
-        self.lm_head.as_ref()
-    }
-
-    fn num_layers(&self) -> usize {
-        self.layers.len()
-    }
-
-    fn layer_forward(
-        &self,
-        i: usize,
-        ctx: &ParallelContext,
-        x: Tensor<2>,
-        batch: usize,
-        trace: &mut RouterTrace,
-        inputs: AttentionInputs<'_>,
-    ) -> Result<Tensor<2>, ModelError> {
-        let block = &self.layers[i];
-        // x + attn(norm(x)): this rank's heads on the gathered sequence.
-        let attn = ctx.attention_block(x.clone(), &block.norm, &block.self_attn, batch, inputs)?;
-        // + moe(norm(x)): this rank's tokens dispatched to the experts' ranks.
-        Ok(attn + ctx.moe(&block.moe, block.norm.forward(x), batch, trace)?)
-    }
-}
+// 2. The forward: the model's embedding, blocks (`ParallelBlock::forward_in`), final norm and
+//    head as a `DecoderStack`, and its pipeline stages.
+burn_moe::models::flat_decoder_stack!(ParallelBlockMoe);
 
 /// 3. The shape the parallel context needs, and the model read by its plan (whole, one
 ///    rank's shard, or a pipeline stage's part).
@@ -232,14 +219,10 @@ impl ShardModel for ParallelBlockMoe {
     }
 
     fn from_loader(c: &ParallelBlockMoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        let mut m = c.init(w.device())?;
-        if let Some(stage) = &w.shard().stage {
-            m.layers = m.layers.select(&stage.layers)?;
-            m.embed_tokens = m.embed_tokens.filter(|_| stage.embedding);
-            if !stage.head {
-                (m.norm, m.lm_head) = (None, None);
-            }
-        }
+        let m = match &w.shard().stage {
+            Some(stage) => c.init(w.device())?.select_stage(stage)?,
+            None => c.init(w.device())?,
+        };
         let mut m = load_with(&m, &Self::parallel_plan(), c.num_layers, w)?;
         for block in m.layers.iter_mut() {
             block.self_attn = block.self_attn.clone().with_local_heads()?;

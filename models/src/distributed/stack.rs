@@ -274,6 +274,64 @@ macro_rules! decoder_stack {
 }
 pub(crate) use decoder_stack;
 
+/// [`DecoderStack`] and pipeline-stage selection (`select_stage`) of a user's model whose
+/// parts are flat fields: `embed_tokens: Option<Embedding>`, `layers:`
+/// [`LayerStack<L>`](crate::layers::LayerStack) where each layer has
+/// `forward_in(ctx, x, batch, trace, inputs) -> Result<Tensor<2>, ModelError>`,
+/// `norm: Option<RmsNorm>` and `lm_head: Option<Linear>` (the built-in families nest the same
+/// parts under `model` as HF does). `examples/custom_moe.rs` uses it.
+#[macro_export]
+macro_rules! flat_decoder_stack {
+    ($ty:ty) => {
+        impl $crate::distributed::DecoderStack for $ty {
+            fn embed_tokens(&self) -> Result<&burn::nn::Embedding, $crate::ModelError> {
+                $crate::distributed::held(self.embed_tokens.as_ref(), "the token embedding")
+            }
+
+            fn final_norm(&self) -> Result<&$crate::layers::RmsNorm, $crate::ModelError> {
+                $crate::distributed::held(self.norm.as_ref(), "the final norm")
+            }
+
+            fn lm_head(&self) -> Option<&burn::nn::Linear> {
+                self.lm_head.as_ref()
+            }
+
+            fn num_layers(&self) -> usize {
+                self.layers.len()
+            }
+
+            fn layer_forward(
+                &self,
+                i: usize,
+                ctx: &$crate::distributed::ParallelContext,
+                x: burn::tensor::Tensor<2>,
+                batch: usize,
+                trace: &mut $crate::distributed::RouterTrace,
+                inputs: $crate::distributed::AttentionInputs<'_>,
+            ) -> Result<burn::tensor::Tensor<2>, $crate::ModelError> {
+                self.layers[i].forward_in(ctx, x, batch, trace, inputs)
+            }
+        }
+
+        impl $ty {
+            /// The parts a pipeline stage holds (`stage`): its layers (named by their global
+            /// index), the embedding and the final norm and head only where held.
+            pub fn select_stage(
+                mut self,
+                stage: &$crate::weights::StageHolding,
+            ) -> Result<Self, $crate::ModelError> {
+                self.layers = self.layers.select(&stage.layers)?;
+                self.embed_tokens = self.embed_tokens.filter(|_| stage.embedding);
+                if !stage.head {
+                    self.norm = None;
+                    self.lm_head = None;
+                }
+                Ok(self)
+            }
+        }
+    };
+}
+
 /// What a logits forward returns: this rank's final-normed sequence-parallel block
 /// `[B·S/tp, H]` and the logits `[B, S, V]` over the full vocabulary.
 #[derive(Debug, Clone)]
