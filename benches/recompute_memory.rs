@@ -19,6 +19,7 @@ use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
 use moe_models::distributed::{CausalLmShard, ParallelCausalLm};
+use moe_models::families::Family;
 use moe_models::plan::activations::{ActivationOptions, Recompute, stage_activations};
 use moe_models::plan::shape::ModelShape;
 use moe_models::train::{Trainer, TrainerConfig};
@@ -199,8 +200,10 @@ fn main() {
     let device = Device::flex().autodiff();
     let q = qwen3_moe();
     let model = q.init(&device).expect("qwen3-moe");
-    report("Qwen3-MoE", &model, &ModelShape::qwen3_moe(&q));
+    let shape = <moe_models::qwen3_moe::Qwen3Moe as Family>::model_shape(&q).expect("shape");
+    report("Qwen3-MoE", &model, &shape);
     let d = deepseek_v3();
     let model = d.init(&device).expect("deepseek-v3");
-    report("DeepSeek-V3", &model, &ModelShape::deepseek_v3(&d));
+    let shape = <moe_models::deepseek_v3::DeepseekV3 as Family>::model_shape(&d).expect("shape");
+    report("DeepSeek-V3", &model, &shape);
 }

@@ -14,7 +14,8 @@
 //!    each gradient is reduced (and the HF names checkpoints and exports use);
 //! 2. [`DecoderStack`]: its embedding, blocks, final norm and head (one macro line for a
 //!    model with these parts as fields; the block's **forward** is the model's own code);
-//! 3. [`ShardModel`]: its config's shape and how a (sharded) model is read by its plan.
+//! 3. [`ShardModel`]: its config's shape, its lazily built template and pipeline stages
+//!    (loading, checkpoints and the planner cut them by the plan).
 //!
 //! The one generic sharded model ([`burn_moe::models::distributed::Sharded`]) and the
 //! [`Trainer`] then do the rest. `main` trains it on 4 in-process ranks with attention
@@ -40,9 +41,9 @@ use burn_moe::models::distributed::{
 use burn_moe::models::layers::{
     Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig, RotaryEmbedding,
 };
-use burn_moe::models::param_plan::{ParallelPlan, Planned, load_with, rows};
+use burn_moe::models::param_plan::{ParallelPlan, Planned, rows};
 use burn_moe::models::train::{StepStats, TrainBatch, Trainer, TrainerConfig};
-use burn_moe::models::weights::WeightLoader;
+use burn_moe::models::weights::StageHolding;
 
 /// Sizes of the parallel-block MoE model.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,8 +195,8 @@ impl Planned for ParallelBlockMoe {
 //    head as a `DecoderStack`, and its pipeline stages.
 burn_moe::models::flat_decoder_stack!(ParallelBlockMoe);
 
-/// 3. The shape the parallel context needs, and the model read by its plan (whole, one
-///    rank's shard, or a pipeline stage's part).
+/// 3. The shape the parallel context needs, the (lazy) template loading cuts by the plan into
+///    a rank's shard or a pipeline stage's part, and the head counts fixed after the cut.
 impl ShardModel for ParallelBlockMoe {
     type Config = ParallelBlockMoeConfig;
 
@@ -218,16 +219,19 @@ impl ShardModel for ParallelBlockMoe {
         })
     }
 
-    fn from_loader(c: &ParallelBlockMoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        let m = match &w.shard().stage {
-            Some(stage) => c.init(w.device())?.select_stage(stage)?,
-            None => c.init(w.device())?,
-        };
-        let mut m = load_with(&m, &Self::parallel_plan(), c.num_layers, w)?;
-        for block in m.layers.iter_mut() {
+    fn template(c: &ParallelBlockMoeConfig, device: &Device) -> Result<Self, ModelError> {
+        c.init(device)
+    }
+
+    fn select_stage(self, stage: &StageHolding) -> Result<Self, ModelError> {
+        Self::select_stage(self, stage)
+    }
+
+    fn localize(mut self) -> Result<Self, ModelError> {
+        for block in self.layers.iter_mut() {
             block.self_attn = block.self_attn.clone().with_local_heads()?;
         }
-        Ok(m)
+        Ok(self)
     }
 
     fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {

@@ -38,7 +38,11 @@ fn plan_reports_the_parameters_a_rank_holds() {
     ))
     .unwrap();
     let layout = burn_moe::backend::parallel::ParallelLayout::parse_spec("tp=2,ep=4").unwrap();
-    let expected = burn_moe::models::plan::qwen3_moe_rank_params(&config, &layout, 0).total();
+    let expected = burn_moe::models::plan::rank_params_of::<burn_moe::models::Qwen3MoeForCausalLM>(
+        &config, &layout, 0,
+    )
+    .unwrap()
+    .total();
     assert_eq!(report["stages"][0]["params"].as_u64(), Some(expected));
     assert_eq!(report["tokens_per_rank"].as_u64(), Some(8));
     // An impossible layout is refused with the training code's error.
@@ -544,8 +548,11 @@ fn plan_follows_the_pipeline_layout_and_vpp() {
         assert_eq!(report["pipeline_layout"].as_str(), Some("Et|t*2L"));
         assert_eq!(report["pipeline_split"].as_str(), Some("Et*1|t*2L"));
         for stage in 0..2 {
-            let want =
-                burn_moe::models::plan::qwen3_moe_rank_params(&config, &layout, stage).total();
+            let want = burn_moe::models::plan::rank_params_of::<
+                burn_moe::models::Qwen3MoeForCausalLM,
+            >(&config, &layout, stage)
+            .unwrap()
+            .total();
             assert_eq!(report["stages"][stage]["params"].as_u64(), Some(want));
         }
         assert_eq!(report["stages"][0]["layers"].as_u64(), Some(1));

@@ -203,8 +203,8 @@ pub fn hf_load_balancing_loss(
     Ok(aux)
 }
 
-/// Shape-only parameter counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Shape-only parameter counts ([`crate::families::param_count`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ParamCount {
     /// Every parameter (embeddings, untied head, all experts).
     pub total: u64,
@@ -214,17 +214,6 @@ pub struct ParamCount {
     /// Parameters of DeepSeek-V3's multi-token-prediction modules as stored (not in `total`;
     /// 0 for other models).
     pub mtp: u64,
-}
-
-/// `(q, k, v, o, q_norm, k_norm)` parameters of a GQA attention block.
-pub(crate) fn gqa_params(h: u64, nh: u64, nkv: u64, hd: u64, bias: bool) -> u64 {
-    let weights = h * nh * hd * 2 + 2 * h * nkv * hd;
-    let biases = if bias {
-        nh * hd * 2 + 2 * nkv * hd + h
-    } else {
-        0
-    };
-    weights + biases + 2 * hd
 }
 
 #[cfg(test)]
@@ -243,7 +232,7 @@ mod tests {
                 "moe_intermediate_size": 768, "intermediate_size": 6144}"#,
         )
         .unwrap();
-        let c = cfg.param_count();
+        let c = crate::families::param_count::<crate::qwen3_moe::Qwen3Moe>(&cfg).unwrap();
         assert!((30.4e9..30.6e9).contains(&(c.total as f64)), "{c:?}");
         assert!((3.25e9..3.4e9).contains(&(c.active as f64)), "{c:?}");
     }

@@ -26,8 +26,6 @@ pub trait FamilyConfig: Clone + std::fmt::Debug + serde::Serialize + Send + Sync
     fn from_json_str(text: &str) -> Result<Self, ModelError>;
     /// Checks the configuration's internal consistency (naming the field at fault).
     fn validate(&self) -> Result<(), ModelError>;
-    /// Shape-only parameter counts (nothing is allocated).
-    fn param_count(&self) -> crate::causal_lm::ParamCount;
     /// Vocabulary size `V`.
     fn vocab_size(&self) -> usize;
     /// Number of decoder layers (MTP layers not included).

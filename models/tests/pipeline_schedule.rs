@@ -224,12 +224,14 @@ fn planned_pp_bytes(
     stage: usize,
     (seq, micro_batch, microbatches, vpp): (usize, usize, usize, usize),
 ) -> u64 {
+    use moe_models::Qwen3MoeForCausalLM;
+    use moe_models::families::Family;
     use moe_models::plan::PlanOptions;
     use moe_models::plan::comm::{Routing, step_traffic};
-    use moe_models::plan::qwen3_moe_rank_params;
-    use moe_models::plan::shape::ModelShape;
-    let shape = ModelShape::qwen3_moe(config);
-    let params = qwen3_moe_rank_params(config, layout, stage);
+    use moe_models::plan::rank_params_of;
+    let shape = moe_models::qwen3_moe::Qwen3Moe::model_shape(config).expect("shape");
+
+    let params = rank_params_of::<Qwen3MoeForCausalLM>(config, layout, stage).unwrap();
     let opts = PlanOptions {
         seq,
         micro_batch,

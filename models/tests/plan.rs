@@ -5,8 +5,11 @@ use burn::module::Module;
 use burn::tensor::Device;
 use moe_backend::comm::World;
 use moe_backend::parallel::ParallelLayout;
+use moe_models::deepseek_v3::DeepseekV3;
 use moe_models::distributed::{DispatcherKind, Sharded};
-use moe_models::plan::{deepseek_v3_rank_params, qwen3_moe_rank_params};
+use moe_models::families::Family;
+use moe_models::plan::rank_params_of;
+use moe_models::qwen3_moe::Qwen3Moe;
 use moe_models::{DeepseekV3Config, Qwen3MoeConfig};
 use moe_models::{DeepseekV3ForCausalLM, Qwen3MoeForCausalLM};
 
@@ -32,7 +35,9 @@ fn qwen3_moe_rank_params_match_the_sharded_model() {
     let full = config.init(&Device::flex()).unwrap();
     for (world, spec) in LAYOUTS {
         let layout = ParallelLayout::parse(world, spec).unwrap();
-        let planned = qwen3_moe_rank_params(&config, &layout, 0).total() as usize;
+        let planned = rank_params_of::<Qwen3MoeForCausalLM>(&config, &layout, 0)
+            .unwrap()
+            .total() as usize;
         let (full_ref, layout_ref) = (&full, &layout);
         for held in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
@@ -46,8 +51,12 @@ fn qwen3_moe_rank_params_match_the_sharded_model() {
     }
     let single = ParallelLayout::single();
     assert_eq!(
-        qwen3_moe_rank_params(&config, &single, 0).total(),
-        config.param_count().total
+        rank_params_of::<Qwen3MoeForCausalLM>(&config, &single, 0)
+            .unwrap()
+            .total(),
+        moe_models::families::param_count::<Qwen3Moe>(&config)
+            .unwrap()
+            .total
     );
 }
 
@@ -59,7 +68,9 @@ fn deepseek_v3_rank_params_match_the_sharded_model() {
     let full = config.init(&Device::flex()).unwrap();
     for (world, spec) in LAYOUTS {
         let layout = ParallelLayout::parse(world, spec).unwrap();
-        let planned = deepseek_v3_rank_params(&config, &layout, 0).total() as usize;
+        let planned = rank_params_of::<DeepseekV3ForCausalLM>(&config, &layout, 0)
+            .unwrap()
+            .total() as usize;
         let (full_ref, layout_ref) = (&full, &layout);
         for held in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
@@ -74,10 +85,12 @@ fn deepseek_v3_rank_params_match_the_sharded_model() {
     // One rank: the main model and the MTP module without its stored copies of the
     // embedding and the head (the main model's, shared).
     let single = ParallelLayout::single();
-    let count = config.param_count();
+    let count = moe_models::families::param_count::<DeepseekV3>(&config).unwrap();
     let copies = 2 * (config.vocab_size * config.hidden_size) as u64;
     assert_eq!(
-        deepseek_v3_rank_params(&config, &single, 0).total(),
+        rank_params_of::<DeepseekV3ForCausalLM>(&config, &single, 0)
+            .unwrap()
+            .total(),
         count.total + count.mtp - copies
     );
 }
@@ -105,7 +118,9 @@ fn deepseek_v3_stage_params_match_the_sharded_stages() {
             Ok((stage, shard.model.num_params()))
         }) {
             let (stage, n) = held.unwrap();
-            let planned = deepseek_v3_rank_params(&config, &layout, stage).total();
+            let planned = rank_params_of::<DeepseekV3ForCausalLM>(&config, &layout, stage)
+                .unwrap()
+                .total();
             assert_eq!(n as u64, planned, "{spec} stage {stage}");
         }
     }
@@ -125,7 +140,10 @@ fn zero1_step_traffic_matches_the_planner() {
     let full = config.init(&device).unwrap();
     for (world, spec) in LAYOUTS {
         let layout = ParallelLayout::parse(world, spec).unwrap();
-        let planned = zero1_step_bytes(&qwen3_moe_rank_params(&config, &layout, 0), &layout);
+        let planned = zero1_step_bytes(
+            &rank_params_of::<Qwen3MoeForCausalLM>(&config, &layout, 0).unwrap(),
+            &layout,
+        );
         let (full_ref, layout_ref, dev) = (&full, &layout, &device);
         for (rank, sent) in World::run(world, |ctx| {
             let pg = ctx.process_groups(layout_ref)?;
@@ -182,7 +200,6 @@ fn step_traffic_matches_the_planner() {
     use moe_backend::parallel::GroupFamily;
     use moe_models::distributed::DispatcherKind;
     use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
-    use moe_models::plan::shape::ModelShape;
     use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 
     const FAMILIES: [GroupFamily; 7] = [
@@ -195,7 +212,7 @@ fn step_traffic_matches_the_planner() {
         GroupFamily::ExptDp,
     ];
     let config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
-    let shape = ModelShape::qwen3_moe(&config);
+    let shape = Qwen3Moe::model_shape(&config).unwrap();
     let device = Device::flex().autodiff();
     let full = config.init(&device).unwrap();
     let (batch, seq) = (2, 8);
@@ -279,7 +296,7 @@ fn step_traffic_matches_the_planner() {
         .into_iter()
         .map(|r| r.unwrap())
         .collect::<Vec<_>>();
-        let params = qwen3_moe_rank_params(&config, &layout, 0);
+        let params = rank_params_of::<Qwen3MoeForCausalLM>(&config, &layout, 0).unwrap();
         let opts = CommOptions {
             seq,
             micro_batch: batch,
@@ -340,7 +357,7 @@ fn search_ranks_valid_layouts_that_fit() {
             "num_experts_per_tok": 8, "first_k_dense_replace": 3}"#,
     )
     .unwrap();
-    let model = PlannedModel::DeepseekV3(config);
+    let model = PlannedModel::of::<DeepseekV3>(&config).unwrap().unwrap();
     let opts = PlanOptions {
         global_batch: Some(8192),
         ..PlanOptions::default()
@@ -383,13 +400,12 @@ fn search_ranks_valid_layouts_that_fit() {
 fn mla_context_parallel_traffic_matches_the_planner() {
     use moe_backend::parallel::GroupFamily;
     use moe_models::plan::comm::{CommOptions, Dispatcher, Routing, step_traffic};
-    use moe_models::plan::shape::ModelShape;
     use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 
     const FAMILIES: [GroupFamily; 3] = [GroupFamily::Tp, GroupFamily::Cp, GroupFamily::DpCp];
     let mut config = DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap();
     config.num_nextn_predict_layers = 0;
-    let shape = ModelShape::deepseek_v3(&config);
+    let shape = DeepseekV3::model_shape(&config).unwrap();
     let device = Device::flex().autodiff();
     let full = config.init(&device).unwrap();
     let (batch, seq) = (2, 8);
@@ -419,7 +435,7 @@ fn mla_context_parallel_traffic_matches_the_planner() {
                 .map(|(f, b)| sent(pg.comm(*f)) - b)
                 .collect::<Vec<u64>>())
         });
-        let params = deepseek_v3_rank_params(&config, &layout, 0);
+        let params = rank_params_of::<DeepseekV3ForCausalLM>(&config, &layout, 0).unwrap();
         let opts = CommOptions {
             seq,
             micro_batch: batch,
@@ -484,9 +500,13 @@ fn explicit_pipeline_layouts_give_each_stage_its_parameters() {
     let (embedding, head, layers) = qwen3_moe_part_params(&config);
     assert_eq!(
         embedding + head + layers.iter().sum::<u64>(),
-        config.param_count().total
+        moe_models::families::param_count::<Qwen3Moe>(&config)
+            .unwrap()
+            .total
     );
-    let model = PlannedModel::Qwen3Moe(config.clone());
+    let model = PlannedModel::of::<Qwen3Moe>(&config.clone())
+        .unwrap()
+        .unwrap();
     let opts = PlanOptions {
         seq: 16,
         global_batch: None,
@@ -551,7 +571,9 @@ fn explicit_pipeline_layouts_give_each_stage_its_parameters() {
             assert_eq!(&got, held, "{spec} stage {}", stage.stage);
             // The per-rank wrapper follows the layout's split too.
             assert_eq!(
-                qwen3_moe_rank_params(&config, &layout, stage.stage).total(),
+                rank_params_of::<Qwen3MoeForCausalLM>(&config, &layout, stage.stage)
+                    .unwrap()
+                    .total(),
                 want,
                 "{spec}"
             );
@@ -607,9 +629,15 @@ fn bad_pipeline_layouts_are_refused_naming_pipeline_layout() {
         seq: 16,
         ..PlanOptions::default()
     };
-    let qwen = PlannedModel::Qwen3Moe(Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap());
-    let deepseek =
-        PlannedModel::DeepseekV3(DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap());
+    let qwen =
+        PlannedModel::of::<Qwen3Moe>(&Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap())
+            .unwrap()
+            .unwrap();
+    let deepseek = PlannedModel::of::<DeepseekV3>(
+        &DeepseekV3Config::from_file(fixture("deepseek_v3")).unwrap(),
+    )
+    .unwrap()
+    .unwrap();
     assert_eq!(deepseek.mtp_modules(), 1);
     for (model, spec, says) in [
         (&qwen, "pp=2,pp_layout=Et|tL", "places 2 decoder layers"),
@@ -668,7 +696,7 @@ fn vpp_from_the_layout_equals_the_vpp_option() {
 
     let mut config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
     config.num_hidden_layers = 10;
-    let model = PlannedModel::Qwen3Moe(config);
+    let model = PlannedModel::of::<Qwen3Moe>(&config).unwrap().unwrap();
     let shape = model.shape();
     let opts = PlanOptions {
         seq: 16,
@@ -742,7 +770,9 @@ fn a_tied_embedding_is_counted_on_the_last_stage_too() {
     let mut config = Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap();
     config.tie_word_embeddings = true;
     let (embedding, head, layers) = qwen3_moe_part_params(&config);
-    let model = PlannedModel::Qwen3Moe(config.clone());
+    let model = PlannedModel::of::<Qwen3Moe>(&config.clone())
+        .unwrap()
+        .unwrap();
     let opts = PlanOptions {
         seq: 16,
         global_batch: None,
@@ -777,7 +807,10 @@ fn the_plan_follows_the_training_precision() {
     use moe_backend::optim::Precision;
     use moe_models::plan::shape::PlannedModel;
     use moe_models::plan::{PlanOptions, plan_layout};
-    let model = PlannedModel::Qwen3Moe(Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap());
+    let model =
+        PlannedModel::of::<Qwen3Moe>(&Qwen3MoeConfig::from_file(fixture("qwen3_moe")).unwrap())
+            .unwrap()
+            .unwrap();
     let layout = ParallelLayout::parse(4, "pp=2,ep=2,pp_layout=Et|t*2L").unwrap();
     let plan = |precision| {
         let opts = PlanOptions {

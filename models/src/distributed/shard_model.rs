@@ -55,9 +55,35 @@ pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug 
     /// What the parallel context needs from `config`.
     fn stack_shape(config: &Self::Config) -> Result<StackShape, ModelError>;
 
+    /// The whole model as the family's own initialisation builds it, lazily (its parameters
+    /// have shapes but are never allocated unless read): the template loading and the
+    /// planner cut.
+    fn template(config: &Self::Config, device: &Device) -> Result<Self, ModelError>;
+
+    /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
+    /// their global index), the embedding, final norm, head and MTP modules only where held.
+    fn select_stage(self, stage: &crate::weights::StageHolding) -> Result<Self, ModelError>;
+
     /// The model built by `loader`: whole, one rank's shard at local shapes
-    /// ([`WeightLoader::sharded`]) or a zero skeleton.
-    fn from_loader(config: &Self::Config, loader: &WeightLoader<'_>) -> Result<Self, ModelError>;
+    /// ([`WeightLoader::sharded`]) or a zero skeleton. The default: the
+    /// [`template`](Self::template) cut to the loader's pipeline stage, every parameter read by
+    /// its plan row ([`crate::param_plan::load_with`]), then [`localize`](Self::localize).
+    fn from_loader(config: &Self::Config, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
+        let template = Self::template(config, loader.device())?;
+        let template = match &loader.shard().stage {
+            Some(stage) => template.select_stage(stage)?,
+            None => template,
+        };
+        let layers = template.main_layers();
+        crate::param_plan::load_with(&template, &Self::parallel_plan(), layers, loader)?.localize()
+    }
+
+    /// Fixes the fields derived from tensor shapes after loading a shard (e.g.
+    /// [`Attention::with_local_heads`](crate::layers::Attention::with_local_heads)). The
+    /// default: nothing to fix.
+    fn localize(self) -> Result<Self, ModelError> {
+        Ok(self)
+    }
 
     /// Copies the FP8 settings of `full`'s layers onto this shard's (sharding keeps the whole
     /// model's compute settings). The default: nothing to copy.

@@ -24,7 +24,7 @@ use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedTable, ExpertLayout, Rule};
 
 use crate::ModelError;
-use crate::causal_lm::{CausalLm, LmLosses, causal_lm_loss};
+use crate::causal_lm::{CausalLm, LmLosses, ParamCount, causal_lm_loss};
 pub use crate::config::FamilyConfig;
 use crate::distributed::{ParallelContext, RouterTrace, ShardModel};
 
@@ -59,6 +59,13 @@ pub trait Family: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// The dimensions the planner's memory, activation and communication models read
+    /// (`moe plan`); `None` (the default) for a family the planner does not plan.
+    fn model_shape(config: &Self::Config) -> Option<crate::param_plan::ModelShape> {
+        let _ = config;
+        None
+    }
+
     /// Logits of `input_ids [B, S]` and the losses HF reports for `labels` (`[B, S]`, −100
     /// ignored, shifted inside). The default: cross-entropy only (families whose HF loss adds
     /// a load-balancing term override it).
@@ -77,6 +84,43 @@ pub trait Family: Send + Sync + 'static {
             },
         ))
     }
+}
+
+/// Shape-only parameter counts of family `F`'s model of `config`, read off the family's own
+/// lazily built model (nothing is allocated) by its plan: `total` every parameter of the main
+/// model, `active` with the routed experts (plan rows split over EP) at `k / E`, `mtp` the
+/// MTP modules' parameters as a release stores them (their layers and the copies of the
+/// embedding and head, [`Family::export_copies`]).
+pub fn param_count<F: Family>(config: &F::Config) -> Result<ParamCount, ModelError> {
+    use crate::param_plan::hf_names::stage_place;
+    use moe_bridge::dist::{ShardRule, StagePlace};
+    let template = <F::Model as ShardModel>::template(config, &burn::tensor::Device::flex())?;
+    let plan = <F::Model as crate::param_plan::Planned>::parallel_plan();
+    let main = config.num_layers();
+    let (experts, k) = config.experts().unwrap_or((1, 1));
+    let (experts, k) = (experts.max(1) as u64, k as u64);
+    let mut count = ParamCount::default();
+    let mut sizes = std::collections::HashMap::new();
+    for (path, numel) in crate::param_plan::param_numels(&template) {
+        let resolved = plan.resolve(&path, main)?;
+        let n = numel as u64;
+        let mtp = matches!(stage_place(&resolved.hf_name), StagePlace::Layer(l) if l >= main);
+        let split = resolved.entry.split;
+        sizes.insert(resolved.hf_name, n);
+        if mtp {
+            count.mtp += n;
+            continue;
+        }
+        count.total += n;
+        count.active += match split {
+            ShardRule::Expert { .. } => n * k / experts,
+            _ => n,
+        };
+    }
+    for (_, source) in F::export_copies(config, &|name| sizes.contains_key(name)) {
+        count.mtp += sizes.get(&source).copied().unwrap_or(0);
+    }
+    Ok(count)
 }
 
 /// Logits `[B, S, V]` of `input_ids [B, S]` through the whole model `model` on its

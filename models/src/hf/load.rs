@@ -260,7 +260,7 @@ trait DynConfig: std::fmt::Debug + Send + Sync {
     fn model_type(&self) -> &'static str;
     fn architecture(&self) -> &'static str;
     fn validate(&self) -> Result<(), ModelError>;
-    fn param_count(&self) -> ParamCount;
+    fn param_count(&self) -> Result<ParamCount, ModelError>;
     fn vocab_size(&self) -> usize;
     fn num_layers(&self) -> usize;
     fn hidden_size(&self) -> usize;
@@ -298,8 +298,8 @@ impl<F: Family> DynConfig for Typed<F> {
         self.0.validate()
     }
 
-    fn param_count(&self) -> ParamCount {
-        self.0.param_count()
+    fn param_count(&self) -> Result<ParamCount, ModelError> {
+        crate::families::param_count::<F>(&self.0)
     }
 
     fn vocab_size(&self) -> usize {
@@ -454,8 +454,8 @@ impl ModelConfig {
         self.inner.validate()
     }
 
-    /// Shape-only parameter counts (nothing is allocated).
-    pub fn param_count(&self) -> ParamCount {
+    /// Shape-only parameter counts (nothing is allocated; [`crate::families::param_count`]).
+    pub fn param_count(&self) -> Result<ParamCount, ModelError> {
         self.inner.param_count()
     }
 

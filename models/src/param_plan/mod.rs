@@ -32,9 +32,11 @@ use moe_bridge::dist::ShardRule;
 
 pub mod hf_names;
 mod load;
+pub mod model_shape;
 mod shard;
 
 pub use load::{load_by_plan, load_planned, load_with};
+pub use model_shape::{AttentionShape, ModelShape};
 pub use shard::{shard_by_plan, shard_planned};
 
 /// A model with a parallel plan: the trainer, gathering, checkpoint placement and HF export
@@ -453,6 +455,16 @@ impl ModuleVisitor for PathVisitor {
             trainable,
         ));
     }
+}
+
+/// `(Burn path, element count)` of every float parameter of `module`, read from the
+/// (possibly lazy) shapes: a lazily initialised model is never allocated.
+pub fn param_numels<M: Module>(module: &M) -> Vec<(String, usize)> {
+    let mut visitor = PathVisitor::default();
+    module.visit(&mut visitor);
+    (visitor.found.into_iter())
+        .map(|(path, _, shape, _)| (path, shape.iter().product()))
+        .collect()
 }
 
 /// The captures of `path` against `pattern` (`*` = one segment), or `None`.

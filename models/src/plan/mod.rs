@@ -19,10 +19,15 @@
 //! [`comm`] (bytes per collective family, per layer and per step), [`search`] (layout
 //! enumeration and ranking); [`plan_layout`] combines them for one layout.
 
+use burn::tensor::Device;
 use moe_backend::parallel::ParallelLayout;
 use moe_backend::parallel::pipeline::{PipelineSplit, StageParts};
+use moe_bridge::dist::ShardRule;
 
-use crate::{DeepseekV3Config, Qwen3MoeConfig};
+use crate::ModelError;
+use crate::distributed::ShardModel;
+use crate::param_plan::{GradClass, param_numels};
+use crate::weights::StageHolding;
 
 pub mod activations;
 pub mod comm;
@@ -55,6 +60,9 @@ pub enum PlanError {
     /// Measured routing of the wrong shape.
     #[error("routing counts: {0}")]
     Routing(String),
+    /// The model could not be built to count its parameters.
+    #[error(transparent)]
+    Model(#[from] crate::ModelError),
     /// No layout of the search fits the memory budget.
     #[error(
         "no valid layout of {gpus} GPUs fits in {budget_gb:.1} GB per GPU; the smallest needs \
@@ -116,13 +124,6 @@ impl RankParams {
     /// The TP-replicated parameters the optimizer trains.
     pub fn trainable_replicated(&self) -> u64 {
         self.dense_replicated - self.buffers
-    }
-
-    fn add(&mut self, other: RankParams) {
-        self.dense_sharded += other.dense_sharded;
-        self.dense_replicated += other.dense_replicated;
-        self.expert += other.expert;
-        self.buffers += other.buffers;
     }
 }
 
@@ -241,7 +242,7 @@ pub fn default_chunks(
 /// The chunks of pipeline rank `stage` under `layout` (its `vpp` and `pp_layout`) for a model of
 /// `layers` layers and `mtp` MTP modules; an explicit layout the model refuses (which
 /// [`plan_layout`] reports) falls back to [`default_chunks`].
-fn layout_chunks(
+pub(crate) fn layout_chunks(
     layout: &ParallelLayout,
     layers: usize,
     mtp: usize,
@@ -257,156 +258,57 @@ fn layout_chunks(
     }
 }
 
-/// Per-rank parameters of a Qwen3-MoE model on pipeline stage (rank) `stage`, with the layers
-/// `layout` gives it (its `vpp` and `pp_layout`, see [`qwen3_moe_chunk_params`]).
-pub fn qwen3_moe_rank_params(
-    c: &Qwen3MoeConfig,
+/// Per-rank parameters of a model `M` of `config` on pipeline stage (rank) `stage`, with the
+/// layers `layout` gives it (its `vpp` and `pp_layout`, see [`chunk_params_of`]).
+pub fn rank_params_of<M: ShardModel>(
+    config: &M::Config,
     layout: &ParallelLayout,
     stage: usize,
-) -> RankParams {
-    let chunks = layout_chunks(layout, c.num_hidden_layers, 0, stage);
-    qwen3_moe_chunk_params(c, layout, &chunks)
+) -> Result<RankParams, ModelError> {
+    let model = M::stack_shape(config)?.pipeline;
+    let chunks = layout_chunks(layout, model.layers, model.mtp, stage);
+    chunk_params_of::<M>(config, layout, &chunks)
 }
 
-/// Per-rank parameters of a Qwen3-MoE model on a rank holding `chunks` (see [`rank_chunks`]):
-/// the embedding where a chunk holds it, the final norm (and the untied head) where a chunk holds
-/// the loss, and every decoder layer of the chunks.
-pub fn qwen3_moe_chunk_params(
-    c: &Qwen3MoeConfig,
+/// Per-rank parameters of a model `M` of `config` on a rank holding `chunks` (see
+/// [`rank_chunks`]), read off the model itself: its own lazily built model (nothing is
+/// allocated) cut to the parts the rank's pipeline stage holds (the embedding where a chunk
+/// holds it, the final norm and head with the loss, and a copy of the embedding there when a
+/// tied head or MTP modules read it, Megatron's embedding group; its decoder layers and MTP
+/// modules), and every parameter split as its plan row says: TP-sharded rows over `tp`, routed
+/// experts over `ep × etp`, the rest replicated (buffers counted apart).
+pub fn chunk_params_of<M: ShardModel>(
+    config: &M::Config,
     layout: &ParallelLayout,
     chunks: &[StageParts],
-) -> RankParams {
-    let (tp, ep, etp) = (layout.tp as u64, layout.ep as u64, layout.etp as u64);
-    let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
-    let (nh, nkv, hd) = (
-        c.num_attention_heads as u64,
-        c.num_key_value_heads as u64,
-        c.head_dim as u64,
-    );
-    let mut p = RankParams::default();
-    for part in chunks {
-        if part.embedding {
-            p.dense_sharded += v * h / tp;
-        }
-        if part.loss {
-            p.dense_replicated += h; // final norm
-            // The untied head, or the last stage's copy of the tied embedding (Megatron's
-            // embedding group) when another stage holds the embedding.
-            if !c.tie_word_embeddings || !chunks.iter().any(|c| c.embedding) {
-                p.dense_sharded += v * h / tp;
-            }
-        }
-        for layer in part.layers.clone() {
-            let mut l = RankParams {
-                dense_sharded: (2 * h * nh * hd + 2 * h * nkv * hd) / tp,
-                dense_replicated: 2 * h + 2 * hd,
-                expert: 0,
-                buffers: 0,
-            };
-            if c.is_moe_layer(layer) {
-                let (e, im) = (c.num_experts as u64, c.moe_intermediate_size as u64);
-                l.dense_replicated += e * h;
-                l.expert += (e / ep) * 3 * h * im / etp;
-            } else {
-                l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
-            }
-            p.add(l);
-        }
-    }
-    p
-}
-
-/// Per-rank parameters of a DeepSeek-V3 model (with its MTP modules) on pipeline stage (rank)
-/// `stage`, with the layers `layout` gives it (its `vpp` and `pp_layout`, see
-/// [`deepseek_v3_chunk_params`]).
-pub fn deepseek_v3_rank_params(
-    c: &DeepseekV3Config,
-    layout: &ParallelLayout,
-    stage: usize,
-) -> RankParams {
-    let chunks = layout_chunks(
-        layout,
-        c.num_hidden_layers,
-        c.num_nextn_predict_layers,
-        stage,
-    );
-    deepseek_v3_chunk_params(c, layout, &chunks)
-}
-
-/// Per-rank parameters of a DeepSeek-V3 model on a rank holding `chunks` (see
-/// [`rank_chunks`]): embedding, final norm (and untied head), decoder layers and MTP modules
-/// where the chunks hold them, and the last stage's copy of the embedding (read by the MTP
-/// modules or a tied head) when another stage owns it.
-pub fn deepseek_v3_chunk_params(
-    c: &DeepseekV3Config,
-    layout: &ParallelLayout,
-    chunks: &[StageParts],
-) -> RankParams {
-    let (tp, ep, etp) = (layout.tp as u64, layout.ep as u64, layout.etp as u64);
-    let (v, h) = (c.vocab_size as u64, c.hidden_size as u64);
-    let (nh, nope, rot, dv) = (
-        c.num_attention_heads as u64,
-        c.qk_nope_head_dim as u64,
-        c.qk_rope_head_dim as u64,
-        c.v_head_dim as u64,
-    );
-    let kvl = c.kv_lora_rank as u64;
-    // One decoder layer's parameters on this rank (MLA; an MoE block or a dense MLP).
-    let decoder = |moe: bool| {
-        let (q_sharded, q_replicated) = match c.q_lora_rank {
-            Some(r) => {
-                let r = r as u64;
-                (r * nh * (nope + rot) / tp, h * r + r)
-            }
-            None => (h * nh * (nope + rot) / tp, 0),
-        };
-        let mut l = RankParams {
-            dense_sharded: q_sharded + kvl * nh * (nope + dv) / tp + nh * dv * h / tp,
-            dense_replicated: q_replicated + h * (kvl + rot) + kvl + 2 * h,
-            expert: 0,
-            buffers: 0,
-        };
-        if moe {
-            let (e, im) = (c.n_routed_experts as u64, c.moe_intermediate_size as u64);
-            l.dense_replicated += e * h + e + 3 * h * im * c.n_shared_experts as u64;
-            // The router's `e_score_correction_bias` (moved by counts, not by the optimizer).
-            l.buffers += e;
-            l.expert += (e / ep) * 3 * h * im / etp;
-        } else {
-            l.dense_sharded += 3 * h * c.intermediate_size as u64 / tp;
-        }
-        l
+) -> Result<RankParams, ModelError> {
+    let model = M::stack_shape(config)?.pipeline;
+    let head = chunks.iter().any(|c| c.loss);
+    let holding = StageHolding {
+        layers: chunks.iter().flat_map(|c| c.layers.clone()).collect(),
+        embedding: chunks.iter().any(|c| c.embedding) || (head && (model.tied || model.mtp > 0)),
+        head,
+        mtp: model.mtp > 0 && chunks.iter().any(|c| !c.mtp.is_empty()),
     };
+    let template = M::template(config, &Device::flex())?.select_stage(&holding)?;
+    let plan = M::parallel_plan();
     let mut p = RankParams::default();
-    let holds_embedding = chunks.iter().any(|part| part.embedding);
-    for part in chunks {
-        if part.embedding {
-            p.dense_sharded += v * h / tp;
-        }
-        if part.loss {
-            p.dense_replicated += h;
-            if !c.tie_word_embeddings {
-                p.dense_sharded += v * h / tp;
+    let (tp, ep_etp) = (layout.tp as u64, (layout.ep * layout.etp) as u64);
+    for (path, numel) in param_numels(&template) {
+        let entry = plan.resolve(&path, model.layers)?.entry;
+        let n = numel as u64;
+        match entry.split {
+            ShardRule::Tp { .. } => p.dense_sharded += n / tp,
+            ShardRule::Expert { .. } => p.expert += n / ep_etp,
+            ShardRule::Replicated => {
+                p.dense_replicated += n;
+                if entry.grad == GradClass::Buffer {
+                    p.buffers += n;
+                }
             }
-            // The last stage's copy of the embedding (a tied head, the MTP modules read it).
-            let reads_embedding = c.tie_word_embeddings || c.num_nextn_predict_layers > 0;
-            if reads_embedding && !holds_embedding {
-                p.dense_sharded += v * h / tp;
-            }
-        }
-        for layer in part.layers.clone() {
-            p.add(decoder(c.is_moe_layer(layer)));
-        }
-        // MTP module `j` (layer `N + j`): `enorm`, `hnorm`, `eh_proj [h, 2h]` and
-        // `shared_head.norm` replicated, its block sharded like any decoder layer; its
-        // embedding and head are the main model's.
-        for j in part.mtp.clone() {
-            let mut l = decoder(c.is_moe_layer(c.num_hidden_layers + j));
-            l.dense_replicated += 3 * h + 2 * h * h;
-            p.add(l);
         }
     }
-    p
+    Ok(p)
 }
 
 /// Bytes per parameter per rank for BF16 weights, f32 main grads and a distributed optimizer over
@@ -500,6 +402,7 @@ pub fn zero1_step_bytes(params: &RankParams, layout: &ParallelLayout) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DeepseekV3Config;
 
     const MIB: f64 = 1024.0 * 1024.0;
 
@@ -565,7 +468,7 @@ mod tests {
         .unwrap();
         let layout = ParallelLayout::parse(256, "pp=4,ep=64").unwrap();
         assert_eq!((layout.dp, layout.edp), (64, 1));
-        let p = deepseek_v3_rank_params(&config, &layout, 1);
+        let p = rank_params_of::<crate::DeepseekV3ForCausalLM>(&config, &layout, 1).unwrap();
         let dense = (p.dense_sharded + p.dense_replicated) as f64;
         let expert = p.expert as f64;
         let weights_grads = (dense + expert) * 6.0 / 1e9;
@@ -596,7 +499,9 @@ mod tests {
     fn deepseek_v3_activations_match_the_report() {
         use activations::{ActivationOptions, Recompute, stage_activations};
         let config = deepseek_v3();
-        let shape = shape::ModelShape::deepseek_v3(&config);
+        let shape =
+            <crate::deepseek_v3::DeepseekV3 as crate::families::Family>::model_shape(&config)
+                .unwrap();
         let layout = ParallelLayout::parse(256, "pp=4,ep=64").unwrap();
         let opts = ActivationOptions {
             seq: 4096,

@@ -386,7 +386,7 @@ pub fn plan_layout(
     let stages = (0..layout.pp)
         .map(|stage| -> Result<StagePlan, PlanError> {
             let chunks = rank_chunks(&split, stage);
-            let params = model.chunk_params(layout, &chunks);
+            let params = model.chunk_params(layout, &chunks)?;
             Ok(StagePlan {
                 stage,
                 params,

@@ -54,7 +54,7 @@ pub fn search(
     top: usize,
 ) -> Result<Vec<Candidate>, PlanError> {
     let shape = model.shape();
-    let full = model.rank_params(&ParallelLayout::single(), 0);
+    let full = model.rank_params(&ParallelLayout::single(), 0)?;
     let active = (full.dense_sharded + full.dense_replicated) as f64
         + full.expert as f64 * shape.top_k as f64 / shape.experts.max(1) as f64;
     let mut fitting = Vec::new();

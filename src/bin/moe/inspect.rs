@@ -49,7 +49,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         config.hidden_size(),
         config.vocab_size()
     );
-    print_counts(&config.param_count());
+    print_counts(&config.param_count()?);
     for warning in config.warnings() {
         println!("warning:      {warning}");
     }

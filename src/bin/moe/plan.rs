@@ -134,12 +134,12 @@ fn load_model(path: &std::path::Path) -> anyhow::Result<PlannedModel> {
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let config = ModelConfig::from_json(&value, &path)?;
-    match PlannedModel::from_config(&config) {
+    match PlannedModel::from_config(&config)? {
         Some(model) => Ok(model),
         None => bail!(
-            "`moe plan` cannot plan a `{}` model (it plans {})",
-            config.model_type(),
-            PlannedModel::MODEL_TYPES.join(", ")
+            "`moe plan` plans MoE models; `{}` is dense (plan its layout as the dense part of an \
+             MoE model)",
+            config.model_type()
         ),
     }
 }

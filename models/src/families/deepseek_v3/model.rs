@@ -19,7 +19,7 @@ use moe_backend::router::{GroupLimitConfig, ScoreFunction, TopKRouterConfig};
 
 use crate::DeepseekV3Config;
 use crate::ModelError;
-use crate::causal_lm::{CausalLm, ParamCount};
+use crate::causal_lm::CausalLm;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
@@ -132,58 +132,6 @@ impl DeepseekV3Config {
             post_attention_layernorm: norm(),
             mlp,
         })
-    }
-
-    /// Parameter counts from the shapes alone. `total`/`active` cover the main model; `mtp`
-    /// the MTP modules as stored (incl. their `embed_tokens` / `shared_head.head` copies).
-    /// The official config gives ≈ 671 B main, 685 B with MTP, 37 B active.
-    pub fn param_count(&self) -> ParamCount {
-        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
-        let (nh, nope, rot, dv) = (
-            self.num_attention_heads as u64,
-            self.qk_nope_head_dim as u64,
-            self.qk_rope_head_dim as u64,
-            self.v_head_dim as u64,
-        );
-        let kvl = self.kv_lora_rank as u64;
-        let q = match self.q_lora_rank {
-            Some(r) => h * r as u64 + r as u64 + r as u64 * nh * (nope + rot),
-            None => h * nh * (nope + rot),
-        };
-        let bias = if self.attention_bias {
-            self.q_lora_rank.unwrap_or(0) as u64 + kvl + rot + h
-        } else {
-            0
-        };
-        let attn = q + h * (kvl + rot) + kvl + kvl * nh * (nope + dv) + nh * dv * h + bias;
-        let (e, k, im) = (
-            self.n_routed_experts as u64,
-            self.num_experts_per_tok as u64,
-            self.moe_intermediate_size as u64,
-        );
-        let shared = 3 * h * im * self.n_shared_experts as u64;
-        let router = e * h + e;
-        let moe_total = router + e * 3 * h * im + shared;
-        let moe_active = router + k * 3 * h * im + shared;
-        let dense = 3 * h * self.intermediate_size as u64;
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        let mut count = ParamCount {
-            total: v * h + head + h,
-            active: v * h + head + h,
-            mtp: 0,
-        };
-        for layer in 0..self.num_hidden_layers {
-            let (t, a) = if self.is_moe_layer(layer) {
-                (moe_total, moe_active)
-            } else {
-                (dense, dense)
-            };
-            count.total += attn + 2 * h + t;
-            count.active += attn + 2 * h + a;
-        }
-        let mtp_module = 2 * h + 2 * h * h + attn + 2 * h + moe_total + h + 2 * v * h;
-        count.mtp = self.num_nextn_predict_layers as u64 * mtp_module;
-        count
     }
 }
 
@@ -457,6 +405,14 @@ crate::distributed::decoder_stack!(DeepseekV3ForCausalLM, mtp = mtp);
 impl crate::distributed::ShardModel for DeepseekV3ForCausalLM {
     type Config = DeepseekV3Config;
 
+    fn template(config: &DeepseekV3Config, device: &Device) -> Result<Self, ModelError> {
+        config.init(device)
+    }
+
+    fn select_stage(self, stage: &crate::weights::StageHolding) -> Result<Self, ModelError> {
+        Self::select_stage(self, stage)
+    }
+
     fn model_config(&self) -> &DeepseekV3Config {
         &self.config
     }
@@ -572,7 +528,7 @@ mod tests {
             r#"{"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}"#,
         )
         .unwrap();
-        let c = cfg.param_count();
+        let c = crate::families::param_count::<DeepseekV3>(&cfg).unwrap();
         let b = |x: u64| x as f64 / 1e9;
         assert!((669.0..673.0).contains(&b(c.total)), "{c:?}");
         assert!((683.0..687.0).contains(&b(c.total + c.mtp)), "{c:?}");
@@ -632,10 +588,6 @@ impl crate::config::FamilyConfig for DeepseekV3Config {
         Self::validate(self)
     }
 
-    fn param_count(&self) -> crate::causal_lm::ParamCount {
-        Self::param_count(self)
-    }
-
     fn vocab_size(&self) -> usize {
         self.vocab_size
     }
@@ -666,6 +618,30 @@ impl crate::family::Family for DeepseekV3 {
     const ARCHITECTURE: &'static str = "DeepseekV3ForCausalLM";
     type Config = DeepseekV3Config;
     type Model = DeepseekV3ForCausalLM;
+
+    fn model_shape(c: &Self::Config) -> Option<crate::param_plan::ModelShape> {
+        Some(crate::param_plan::ModelShape {
+            vocab: c.vocab_size,
+            hidden: c.hidden_size,
+            attention: crate::param_plan::AttentionShape::Mla {
+                heads: c.num_attention_heads,
+                q_lora_rank: c.q_lora_rank,
+                kv_lora_rank: c.kv_lora_rank,
+                qk_nope: c.qk_nope_head_dim,
+                qk_rope: c.qk_rope_head_dim,
+                v_head: c.v_head_dim,
+            },
+            moe_layers: (0..c.num_hidden_layers)
+                .map(|l| c.is_moe_layer(l))
+                .collect(),
+            dense_ffn: c.intermediate_size,
+            experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+            moe_ffn: c.moe_intermediate_size,
+            shared_ffn: c.n_shared_experts * c.moe_intermediate_size,
+            tied_embeddings: c.tie_word_embeddings,
+        })
+    }
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
         super::plan::mapping_rules()

@@ -212,6 +212,14 @@ crate::distributed::decoder_stack!(Qwen3ForCausalLM);
 impl crate::distributed::ShardModel for Qwen3ForCausalLM {
     type Config = Qwen3Config;
 
+    fn template(config: &Qwen3Config, device: &Device) -> Result<Self, ModelError> {
+        config.init(device)
+    }
+
+    fn select_stage(self, stage: &crate::weights::StageHolding) -> Result<Self, ModelError> {
+        Self::select_stage(self, stage)
+    }
+
     fn model_config(&self) -> &Qwen3Config {
         &self.config
     }
@@ -359,10 +367,6 @@ impl crate::config::FamilyConfig for Qwen3Config {
         Self::validate(self)
     }
 
-    fn param_count(&self) -> crate::causal_lm::ParamCount {
-        Self::param_count(self)
-    }
-
     fn vocab_size(&self) -> usize {
         self.vocab_size
     }
@@ -401,27 +405,5 @@ impl crate::family::Family for Qwen3 {
         block: [usize; 2],
     ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
         super::plan::qwen3_expected(config, path, block)
-    }
-}
-
-impl Qwen3Config {
-    /// Parameter counts from the shapes alone (total = active for a dense model).
-    pub fn param_count(&self) -> crate::causal_lm::ParamCount {
-        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        let attn = crate::causal_lm::gqa_params(
-            h,
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-            self.attention_bias,
-        );
-        let layer = attn + 2 * h + 3 * h * self.intermediate_size as u64;
-        let total = v * h + head + h + self.num_hidden_layers as u64 * layer;
-        crate::causal_lm::ParamCount {
-            total,
-            active: total,
-            mtp: 0,
-        }
     }
 }

@@ -364,6 +364,14 @@ crate::distributed::decoder_stack!(Qwen3MoeForCausalLM);
 impl ShardModel for Qwen3MoeForCausalLM {
     type Config = Qwen3MoeConfig;
 
+    fn template(config: &Qwen3MoeConfig, device: &Device) -> Result<Self, ModelError> {
+        config.init(device)
+    }
+
+    fn select_stage(self, stage: &crate::weights::StageHolding) -> Result<Self, ModelError> {
+        Self::select_stage(self, stage)
+    }
+
     fn model_config(&self) -> &Qwen3MoeConfig {
         &self.config
     }
@@ -554,10 +562,6 @@ impl crate::config::FamilyConfig for Qwen3MoeConfig {
         Self::validate(self)
     }
 
-    fn param_count(&self) -> crate::causal_lm::ParamCount {
-        Self::param_count(self)
-    }
-
     fn vocab_size(&self) -> usize {
         self.vocab_size
     }
@@ -585,6 +589,28 @@ impl crate::family::Family for Qwen3Moe {
     type Config = Qwen3MoeConfig;
     type Model = Qwen3MoeForCausalLM;
 
+    fn model_shape(c: &Self::Config) -> Option<crate::param_plan::ModelShape> {
+        Some(crate::param_plan::ModelShape {
+            vocab: c.vocab_size,
+            hidden: c.hidden_size,
+            attention: crate::param_plan::AttentionShape::Gqa {
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                qk_norm: true,
+            },
+            moe_layers: (0..c.num_hidden_layers)
+                .map(|l| c.is_moe_layer(l))
+                .collect(),
+            dense_ffn: c.intermediate_size,
+            experts: c.num_experts,
+            top_k: c.num_experts_per_tok,
+            moe_ffn: c.moe_intermediate_size,
+            shared_ffn: 0,
+            tied_embeddings: c.tie_word_embeddings,
+        })
+    }
+
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
         super::plan::mapping_rules()
     }
@@ -611,43 +637,5 @@ impl crate::family::Family for Qwen3Moe {
             aux_loss: Some(losses.aux_loss),
         };
         Ok((out.logits, losses))
-    }
-}
-
-impl Qwen3MoeConfig {
-    /// Parameter counts from the shapes alone (nothing is allocated). Qwen3-30B-A3B gives
-    /// ≈ 30.5 B total, 3.3 B active.
-    pub fn param_count(&self) -> crate::causal_lm::ParamCount {
-        let (v, h) = (self.vocab_size as u64, self.hidden_size as u64);
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        let attn = crate::causal_lm::gqa_params(
-            h,
-            self.num_attention_heads as u64,
-            self.num_key_value_heads as u64,
-            self.head_dim as u64,
-            self.attention_bias,
-        );
-        let (e, k, im) = (
-            self.num_experts as u64,
-            self.num_experts_per_tok as u64,
-            self.moe_intermediate_size as u64,
-        );
-        let mut count = crate::causal_lm::ParamCount {
-            total: v * h + head + h,
-            active: v * h + head + h,
-            mtp: 0,
-        };
-        for layer in 0..self.num_hidden_layers {
-            let common = attn + 2 * h;
-            let (total, active) = if self.is_moe_layer(layer) {
-                (e * h + e * 3 * h * im, e * h + k * 3 * h * im)
-            } else {
-                let dense = 3 * h * self.intermediate_size as u64;
-                (dense, dense)
-            };
-            count.total += common + total;
-            count.active += common + active;
-        }
-        count
     }
 }

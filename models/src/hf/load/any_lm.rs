@@ -161,7 +161,7 @@ impl AnyCausalLm {
     }
 
     /// Shape-only parameter counts of the model's configuration.
-    pub fn param_count(&self) -> ParamCount {
+    pub fn param_count(&self) -> Result<ParamCount, ModelError> {
         self.config().param_count()
     }
 
