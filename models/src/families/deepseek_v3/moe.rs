@@ -129,6 +129,9 @@ impl SigmoidGroupMoe {
         );
         let shared = 3 * h * im * self.n_shared_experts as u64;
         let router = e * h + e;
-        (router + e * 3 * h * im + shared, router + k * 3 * h * im + shared)
+        (
+            router + e * 3 * h * im + shared,
+            router + k * 3 * h * im + shared,
+        )
     }
 }

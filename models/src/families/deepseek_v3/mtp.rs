@@ -136,13 +136,13 @@ pub fn mtp_logits<M: ShardModel>(
     let depths = model.mtp_depths();
     let mut logits = Vec::with_capacity(depths);
     for j in 0..depths {
-        let len = s
-            .checked_sub(j + 1)
-            .filter(|&l| l > 0)
-            .ok_or_else(|| ModelError::InvalidInput {
-                what: "input_ids",
-                reason: format!("{s} tokens are too few for MTP depth {}", j + 1),
-            })?;
+        let len =
+            s.checked_sub(j + 1)
+                .filter(|&l| l > 0)
+                .ok_or_else(|| ModelError::InvalidInput {
+                    what: "input_ids",
+                    reason: format!("{s} tokens are too few for MTP depth {}", j + 1),
+                })?;
         let embeds = ctx.embed_ids(
             model.embed_tokens()?,
             input_ids.clone().narrow(1, j + 1, len),
