@@ -433,8 +433,15 @@ mod tests {
 
     #[test]
     fn defaults_spellings_and_partial_rotary_priority() {
-        let d = Glm4MoeConfig::from_json_str(r#"{"model_type": "glm4_moe"}"#).unwrap();
-        assert_eq!(d.head_dim, 4096 / 96);
+        // The class defaults alone give head_dim 4096 / 96 = 42 and 21 rotated dims, which
+        // HF's rotate-half cannot pair: refused, naming the field.
+        let e = Glm4MoeConfig::from_json_str(r#"{"model_type": "glm4_moe"}"#).unwrap_err();
+        assert!(e.to_string().contains("partial_rotary_factor"), "{e}");
+        let d = Glm4MoeConfig::from_json_str(
+            r#"{"model_type": "glm4_moe", "num_attention_heads": 32}"#,
+        )
+        .unwrap();
+        assert_eq!(d.head_dim, 4096 / 32);
         assert_eq!(d.partial_rotary_factor, 0.5);
         assert!(!d.use_qk_norm);
         assert_eq!(d.routed_scaling_factor, 1.0);
