@@ -305,6 +305,13 @@ fn replica_batch(step: usize, r: usize) -> TrainBatch {
     TrainBatch::new(ids, labels, MBS).expect("batch")
 }
 
+/// Depth-1 MTP targets of `batch` (token `i + 2` of each row, not masked).
+fn mtp_targets(batch: &TrainBatch) -> usize {
+    (batch.labels.chunks(SEQ))
+        .map(|row| row[2..].iter().filter(|&&t| t != -100).count())
+        .sum()
+}
+
 /// The trainer's defaults (aux loss, z-loss, expert-bias updates, MTP loss 0.1) with
 /// ε = 1e-3 (no amplification of reduction-order rounding) and a visible bias drift.
 fn equivalence_config() -> TrainerConfig {
@@ -428,7 +435,7 @@ fn glm4_moe_parallel_training_with_mtp_matches_one_rank() {
         for (step, ranks) in per_step.iter().enumerate() {
             let want = want_stats[step];
             let mut seen = vec![false; replicas];
-            let (mut loss, mut mtp, mut tokens) = (0f64, 0f64, 0usize);
+            let (mut loss, mut mtp, mut tokens, mut mtp_tokens) = (0f64, 0f64, 0usize, 0usize);
             for (replica, s) in ranks {
                 let rel = (s.grad_norm - want.grad_norm).abs() / want.grad_norm;
                 assert!(
@@ -439,10 +446,10 @@ fn glm4_moe_parallel_training_with_mtp_matches_one_rank() {
                 );
                 if !std::mem::replace(&mut seen[*replica], true) {
                     loss += f64::from(s.loss) * s.tokens as f64;
-                    // Every replica's batch has the same number of MTP targets (one masked
-                    // label each, never at a row's first two positions' MTP targets alike),
-                    // so the replica mean is the plain mean; checked against one rank below.
-                    mtp += f64::from(s.mtp_loss.unwrap_or(f32::NAN));
+                    // The replica's MTP loss is its mean over its depth-1 targets.
+                    let n = mtp_targets(&replica_batch(step, *replica));
+                    mtp += f64::from(s.mtp_loss.unwrap_or(f32::NAN)) * n as f64;
+                    mtp_tokens += n;
                     tokens += s.tokens;
                 }
             }
@@ -453,13 +460,12 @@ fn glm4_moe_parallel_training_with_mtp_matches_one_rank() {
                 (loss - want_loss).abs() <= 1e-5 * want_loss,
                 "{spec} step {step}: loss {loss} vs {want_loss}"
             );
-            if replicas == 1 {
-                let want_mtp = f64::from(want.mtp_loss.unwrap_or(f32::NAN));
-                assert!(
-                    (mtp - want_mtp).abs() <= 1e-5 * want_mtp,
-                    "{spec} step {step}: MTP loss {mtp} vs {want_mtp}"
-                );
-            }
+            let mtp = mtp / mtp_tokens as f64;
+            let want_mtp = f64::from(want.mtp_loss.unwrap_or(f32::NAN));
+            assert!(
+                (mtp - want_mtp).abs() <= 1e-5 * want_mtp,
+                "{spec} step {step}: MTP loss {mtp} vs {want_mtp}"
+            );
         }
         println!("{spec}: equal to world=1 over {STEPS} steps");
     }
@@ -490,11 +496,7 @@ fn glm4_moe_config_contradicting_the_weights_is_refused() {
     std::fs::write(dir.join("config.json"), &text).expect("write");
     assert!(moe_models::load_causal_lm(&dir, &device).is_ok());
     let cases: [(&str, &dyn Fn(&mut serde_json::Value), &str); 5] = [
-        (
-            "head_dim",
-            &|j| j["head_dim"] = 16.into(),
-            "self_attn.",
-        ),
+        ("head_dim", &|j| j["head_dim"] = 16.into(), "self_attn."),
         (
             "n_routed_experts",
             &|j| j["n_routed_experts"] = 4.into(),
