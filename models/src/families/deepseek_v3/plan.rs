@@ -185,7 +185,7 @@ pub(crate) fn mtp_export_copies(
 }
 
 /// The release copies of the embedding and the head in the `depths` MTP layers after `layers`
-/// decoder layers, `(name, source)` (see [`mtp_export_copies`]; `tied` or an absent `lm_head`
+/// decoder layers, `(name, source)` (as DeepSeek-V3 releases carry them; `tied` or an absent `lm_head`
 /// makes the embedding the head).
 pub fn mtp_copies(
     layers: usize,
