@@ -43,7 +43,7 @@ pub struct AttentionConfig {
     #[config(default = false)]
     pub attention_bias: bool,
     /// Whether `attention_bias` puts a bias on `o_proj` too (`false`: on q/k/v only, as
-    /// GLM-4.5's `Glm4MoeAttention`, whose `o_proj` never has one).
+    /// GLM-4.5's attention, whose `o_proj` never has one).
     #[config(default = true)]
     pub o_proj_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
