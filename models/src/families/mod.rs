@@ -11,6 +11,7 @@
 //! model; Megatron-Core's one `GPTModel` built from a spec).
 
 pub mod deepseek_v3;
+pub mod glm4_moe;
 pub mod qwen3;
 pub mod qwen3_moe;
 mod shard_rule;
@@ -173,4 +174,9 @@ macro_rules! families {
     };
 }
 
-families!(qwen3::Qwen3, qwen3_moe::Qwen3Moe, deepseek_v3::DeepseekV3);
+families!(
+    qwen3::Qwen3,
+    qwen3_moe::Qwen3Moe,
+    deepseek_v3::DeepseekV3,
+    glm4_moe::Glm4Moe,
+);

@@ -42,6 +42,10 @@ pub struct AttentionConfig {
     /// Biases on q/k/v/o projections.
     #[config(default = false)]
     pub attention_bias: bool,
+    /// Whether `attention_bias` puts a bias on `o_proj` too (`false`: on q/k/v only, as
+    /// GLM-4.5's attention, whose `o_proj` never has one).
+    #[config(default = true)]
+    pub o_proj_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     #[config(default = true)]
     pub qk_norm: bool,
@@ -106,11 +110,8 @@ impl AttentionConfig {
     pub fn init(&self, device: &Device) -> Result<Attention, ModelError> {
         self.check()?;
         let (h, q, kv) = self.widths();
-        let linear = |i, o| {
-            LinearConfig::new(i, o)
-                .with_bias(self.attention_bias)
-                .init(device)
-        };
+        let linear = |i, o, bias| LinearConfig::new(i, o).with_bias(bias).init(device);
+        let (bias, o_bias) = (self.attention_bias, self.has_o_proj_bias());
         let norm = || {
             self.qk_norm.then(|| {
                 RmsNormConfig::new(self.head_dim)
@@ -126,16 +127,26 @@ impl AttentionConfig {
             .init([self.num_attention_heads], device)
         });
         Ok(self.assemble(
-            [linear(h, q), linear(h, kv), linear(h, kv), linear(q, h)],
+            [
+                linear(h, q, bias),
+                linear(h, kv, bias),
+                linear(h, kv, bias),
+                linear(q, h, o_bias),
+            ],
             norm(),
             norm(),
             sinks,
         ))
     }
 
+    /// Whether `o_proj` carries a bias (`attention_bias` and `o_proj_bias`).
+    pub fn has_o_proj_bias(&self) -> bool {
+        self.attention_bias && self.o_proj_bias
+    }
+
     /// Checks that the block splits over `tp` tensor-parallel ranks: query and KV heads
     /// divisible by `tp`, and no bias on the row-parallel `o_proj` (it would be added once per
-    /// rank).
+    /// rank; the q/k/v biases are column-parallel and split with their heads).
     pub fn check_split(&self, tp: usize) -> Result<(), ModelError> {
         self.check()?;
         if !self.num_attention_heads.is_multiple_of(tp)
@@ -149,7 +160,7 @@ impl AttentionConfig {
                 ),
             ));
         }
-        if self.attention_bias && tp > 1 {
+        if self.has_o_proj_bias() && tp > 1 {
             return Err(ModelError::layout(
                 "tp",
                 "`o_proj` is row-parallel with a bias, which tp > 1 does not support",
@@ -1000,6 +1011,25 @@ mod tests {
             sinks.grad(&grads).expect("sinks gradient").into_data()
         };
         grad(true).assert_approx_eq::<f32>(&grad(false), Tolerance::rel_abs(1e-5, 1e-6));
+    }
+
+    /// q/k/v biases split with their heads under TP; a bias on the row-parallel `o_proj` is
+    /// refused there (it would be added once per rank).
+    #[test]
+    fn tp_refuses_only_an_o_proj_bias() {
+        let device = Device::flex();
+        let qkv_only = AttentionConfig::new(16, 4, 2, 8)
+            .with_attention_bias(true)
+            .with_o_proj_bias(false);
+        assert!(qkv_only.check_split(2).is_ok());
+        let attn = qkv_only.init(&device).unwrap();
+        assert!(attn.q_proj.bias.is_some() && attn.v_proj.bias.is_some());
+        assert!(attn.o_proj.bias.is_none());
+        let all = AttentionConfig::new(16, 4, 2, 8).with_attention_bias(true);
+        assert!(all.check_split(1).is_ok());
+        let err = all.check_split(2).unwrap_err().to_string();
+        assert!(err.contains("o_proj"), "{err}");
+        assert!(all.init(&device).unwrap().o_proj.bias.is_some());
     }
 
     #[test]

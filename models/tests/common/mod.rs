@@ -113,6 +113,12 @@ impl Golden {
             .unwrap_or(false)
     }
 
+    /// Every tensor name of the golden.
+    pub fn names(&self) -> Vec<String> {
+        let st = SafeTensors::deserialize(&self.bytes).expect("golden");
+        st.names().into_iter().map(|n| n.to_owned()).collect()
+    }
+
     /// An F32 tensor: shape and values.
     pub fn f32(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
         let (dtype, shape, data) = self.view(name);

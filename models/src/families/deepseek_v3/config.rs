@@ -305,43 +305,7 @@ impl DeepseekV3Config {
         if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(ModelError::invalid("qk_rope_head_dim", "must be even"));
         }
-        let e = self.n_routed_experts;
-        if !e.is_multiple_of(self.n_group) {
-            return Err(ModelError::invalid(
-                "n_group",
-                format!("{} does not divide n_routed_experts = {e}", self.n_group),
-            ));
-        }
-        let per_group = e / self.n_group;
-        if self.topk_group > self.n_group || per_group < 2 {
-            return Err(ModelError::invalid(
-                "topk_group",
-                format!(
-                    "needs topk_group ≤ n_group = {} and ≥ 2 experts per group (group score \
-                     sums the top 2), got topk_group {} with {per_group} per group",
-                    self.n_group, self.topk_group
-                ),
-            ));
-        }
-        if self.num_experts_per_tok > self.topk_group * per_group {
-            return Err(ModelError::invalid(
-                "num_experts_per_tok",
-                format!(
-                    "{} exceeds the {} experts of the kept groups",
-                    self.num_experts_per_tok,
-                    self.topk_group * per_group
-                ),
-            ));
-        }
-        if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
-            return Err(ModelError::invalid(
-                "routed_scaling_factor",
-                format!(
-                    "must be a positive number, got {}",
-                    self.routed_scaling_factor
-                ),
-            ));
-        }
+        self.moe_block().validate()?;
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(ModelError::invalid(
                 "rms_norm_eps",
@@ -349,6 +313,21 @@ impl DeepseekV3Config {
             ));
         }
         Ok(())
+    }
+
+    /// The fields of the MoE block (shared with the families that route like DeepSeek-V3).
+    pub fn moe_block(&self) -> super::moe::SigmoidGroupMoe {
+        super::moe::SigmoidGroupMoe {
+            hidden_size: self.hidden_size,
+            n_routed_experts: self.n_routed_experts,
+            num_experts_per_tok: self.num_experts_per_tok,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+            routed_scaling_factor: self.routed_scaling_factor,
+            norm_topk_prob: self.norm_topk_prob,
+            moe_intermediate_size: self.moe_intermediate_size,
+            n_shared_experts: self.n_shared_experts,
+        }
     }
 
     /// `qk_nope_head_dim + qk_rope_head_dim`.

@@ -3,6 +3,7 @@
 
 mod config;
 mod model;
+pub mod moe;
 pub mod mtp;
 pub mod plan;
 

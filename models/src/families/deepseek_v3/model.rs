@@ -15,7 +15,6 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::{GroupLimitConfig, ScoreFunction, TopKRouterConfig};
 
 use crate::DeepseekV3Config;
 use crate::ModelError;
@@ -52,31 +51,7 @@ impl DeepseekV3Config {
     /// §DeepSeek-V3 MoE block): sigmoid scores, `group_score_topk = 2`, expert bias for selection,
     /// normalisation and scaling, shared experts of width `Im · n_shared_experts`.
     pub fn moe_layer_config(&self) -> Result<MoeLayerConfig, ModelError> {
-        if self.norm_topk_prob && self.num_experts_per_tok == 1 {
-            // HF renormalises a single weight to 1; moe-backend normalises only for k > 1.
-            return Err(ModelError::invalid(
-                "norm_topk_prob",
-                "renormalising a single routed expert (num_experts_per_tok = 1) is not supported",
-            ));
-        }
-        let router = TopKRouterConfig::new(
-            self.hidden_size,
-            self.n_routed_experts,
-            self.num_experts_per_tok,
-        )
-        .with_score_function(ScoreFunction::Sigmoid)
-        .with_normalize(self.norm_topk_prob)
-        .with_topk_scaling_factor(Some(self.routed_scaling_factor))
-        .with_group_limit(Some(GroupLimitConfig::new(
-            self.n_group,
-            self.topk_group,
-            2,
-        )))
-        .with_enable_expert_bias(true);
-        let shared = (self.n_shared_experts > 0)
-            .then_some(self.moe_intermediate_size * self.n_shared_experts);
-        Ok(MoeLayerConfig::new(router, self.moe_intermediate_size)
-            .with_shared_ffn_hidden_size(shared))
+        self.moe_block().layer_config()
     }
 
     /// A randomly initialised model (Burn's default initialisers, norms at one, zero bias).
@@ -315,44 +290,7 @@ impl DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         hidden: Tensor<3>,
     ) -> Result<Vec<Tensor<3>>, ModelError> {
-        let [b, s] = input_ids.dims();
-        let h = hidden.dims()[2];
-        let device = input_ids.device();
-        let ctx = self.local_context()?;
-        let mut trace = RouterTrace::new(1.0);
-        let mut hidden = hidden;
-        let mut logits = Vec::with_capacity(self.mtp.len());
-        for (j, module) in self.mtp.iter().enumerate() {
-            let len = s.checked_sub(j + 1).filter(|&l| l > 0).ok_or_else(|| {
-                ModelError::InvalidInput {
-                    what: "input_ids",
-                    reason: format!("{s} tokens are too few for MTP depth {}", j + 1),
-                }
-            })?;
-            let embeds = ctx.embed_ids(
-                crate::distributed::held(self.model.embed_tokens.as_ref(), "the token embedding")?,
-                input_ids.clone().narrow(1, j + 1, len),
-            )?;
-            let prev = hidden.narrow(1, 0, len).reshape([b * len, h]);
-            // Positions of the shifted tokens (HF's drafter); RoPE only sees differences.
-            let rope = ctx.rope_at(j + 1, len, &device);
-            let inputs = AttentionInputs::Masked {
-                rope: &rope,
-                mask: None,
-                exchange: None,
-                recompute_core: false,
-            };
-            let next = module.forward_in(&ctx, embeds, prev, b, &mut trace, inputs)?;
-            let out = ctx.head_logits(
-                next.clone(),
-                self.lm_head.as_ref(),
-                self.model.embed_tokens.as_ref(),
-            )?;
-            let v = out.dims()[1];
-            logits.push(out.reshape([b, len, v]));
-            hidden = next.reshape([b, len, h]);
-        }
-        Ok(logits)
+        crate::mtp::mtp_logits(self, input_ids, hidden)
     }
 
     /// The parallel context of this model at `world = 1` (identity collectives, local

@@ -1,5 +1,6 @@
 //! DeepSeek-V3 multi-token prediction (docs/models.md §Multi-token prediction), beside HF 5.23's
-//! `MtpLayer`.
+//! `MtpLayer` / `MtpModel.forward_layer`; the module type is generic over its decoder layer, so
+//! every family whose release carries DeepSeek-style MTP layers uses it.
 //!
 //! Module `j` is stored as decoder layer `N + j`. For position `i` it combines the embedding of
 //! token `i + j + 1` with the previous depth's hidden state `hʲᵢ` (`h⁰` = the main model's
@@ -11,18 +12,46 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 
 use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::causal_lm_loss;
 use crate::deepseek_v3::DeepseekV3DecoderLayer;
-use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace, ShardModel};
 use crate::layers::{RmsNorm, RmsNormConfig};
 
-/// One MTP module (HF `MtpLayer`; release names `model.layers.{N+j}.*`).
+/// A decoder layer an [`MtpModule`] can hold: the layer on this rank's sequence-parallel rows
+/// under `ctx` (the signature every decoder layer's `forward_in` shares).
+pub trait MtpBlock {
+    /// `x [T, H]` of `batch` sequences → `[T, H]`; MoE blocks report to `trace`.
+    fn forward_in(
+        &self,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError>;
+}
+
+impl MtpBlock for DeepseekV3DecoderLayer {
+    fn forward_in(
+        &self,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        DeepseekV3DecoderLayer::forward_in(self, ctx, x, batch, trace, inputs)
+    }
+}
+
+/// One MTP module (HF `MtpLayer`; release names `model.layers.{N+j}.*`) around a decoder layer
+/// `L` of its family.
 #[derive(Module, Debug)]
-pub struct MtpModule {
+pub struct MtpModule<L = DeepseekV3DecoderLayer> {
     /// Norm of the token embedding `[H]`.
     pub enorm: RmsNorm,
     /// Norm of the previous hidden state `[H]`.
@@ -30,29 +59,42 @@ pub struct MtpModule {
     /// `2H → H` projection of `[enorm(emb) ; hnorm(h)]`.
     pub eh_proj: Linear,
     /// A full MoE decoder layer (same names as any layer).
-    pub block: DeepseekV3DecoderLayer,
+    pub block: L,
     /// Output norm `[H]` (`shared_head.norm`, HF `post_norm`).
     pub shared_head_norm: RmsNorm,
 }
 
 impl MtpModule {
-    /// A randomly initialised module (norms at one).
+    /// A randomly initialised DeepSeek-V3 module (norms at one).
     pub fn init(config: &DeepseekV3Config, device: &Device) -> Result<Self, ModelError> {
-        let h = config.hidden_size;
-        let norm = || {
-            RmsNormConfig::new(h)
-                .with_epsilon(config.rms_norm_eps)
-                .init(device)
-        };
-        Ok(Self {
+        let block = config.init_layer(true, device)?;
+        Ok(MtpModule::around(
+            block,
+            config.hidden_size,
+            config.rms_norm_eps,
+            device,
+        ))
+    }
+}
+
+impl<L: Module> MtpModule<L> {
+    /// A module around `block` with norms at one (epsilon `eps`) and a randomly initialised
+    /// `eh_proj` `2H → H` (no bias).
+    pub fn around(block: L, hidden: usize, eps: f64, device: &Device) -> Self {
+        let norm = || RmsNormConfig::new(hidden).with_epsilon(eps).init(device);
+        Self {
             enorm: norm(),
             hnorm: norm(),
-            eh_proj: LinearConfig::new(2 * h, h).with_bias(false).init(device),
-            block: config.init_layer(true, device)?,
+            eh_proj: LinearConfig::new(2 * hidden, hidden)
+                .with_bias(false)
+                .init(device),
+            block,
             shared_head_norm: norm(),
-        })
+        }
     }
+}
 
+impl<L: MtpBlock> MtpModule<L> {
     /// This rank's sequence-parallel rows `[T, H]` of `embeds` (tokens `i + j + 1`) and of
     /// `hidden` (`hʲᵢ`) → normed `hʲ⁺¹ [T, H]` under `ctx` (`batch` sequences; the whole
     /// `[B·S', H]` at `world = 1`): `eh_proj([enorm(emb) ; hnorm(h)])`, one decoder layer
@@ -73,6 +115,54 @@ impl MtpModule {
         let y = self.block.forward_in(ctx, u, batch, trace, inputs)?;
         Ok(self.shared_head_norm.forward(y))
     }
+}
+
+/// MTP logits of every depth `j` of the whole model `model` (single rank, HF 5.23's
+/// `MtpModel.forward_layer` then the shared head): `[B, S − 1 − j, V]`, position `i`
+/// predicting token `i + j + 2`, from `input_ids [B, S]` and the main forward's final-normed
+/// `hidden [B, S, H]`. Each depth runs the model's own MTP forward
+/// ([`DecoderStack::mtp_forward`](crate::distributed::DecoderStack::mtp_forward)) on positions `j + 1 ..` (HF's drafter positions).
+pub fn mtp_logits<M: ShardModel>(
+    model: &M,
+    input_ids: Tensor<2, Int>,
+    hidden: Tensor<3>,
+) -> Result<Vec<Tensor<3>>, ModelError> {
+    let [b, s] = input_ids.dims();
+    let h = hidden.dims()[2];
+    let device = input_ids.device();
+    let ctx = crate::family::local_context::<M>(model.model_config())?;
+    let mut trace = RouterTrace::new(1.0);
+    let mut hidden = hidden;
+    let depths = model.mtp_depths();
+    let mut logits = Vec::with_capacity(depths);
+    for j in 0..depths {
+        let len =
+            s.checked_sub(j + 1)
+                .filter(|&l| l > 0)
+                .ok_or_else(|| ModelError::InvalidInput {
+                    what: "input_ids",
+                    reason: format!("{s} tokens are too few for MTP depth {}", j + 1),
+                })?;
+        let embeds = ctx.embed_ids(
+            model.embed_tokens()?,
+            input_ids.clone().narrow(1, j + 1, len),
+        )?;
+        let prev = hidden.narrow(1, 0, len).reshape([b * len, h]);
+        // Positions of the shifted tokens (HF's drafter); RoPE only sees differences.
+        let rope = ctx.rope_at(j + 1, len, &device);
+        let inputs = AttentionInputs::Masked {
+            rope: &rope,
+            mask: None,
+            exchange: None,
+            recompute_core: false,
+        };
+        let next = model.mtp_forward(j, &ctx, embeds, prev, b, &mut trace, inputs)?;
+        let out = ctx.head_logits(next.clone(), model.lm_head(), model.embed_tokens().ok())?;
+        let v = out.dims()[1];
+        logits.push(out.reshape([b, len, v]));
+        hidden = next.reshape([b, len, h]);
+    }
+    Ok(logits)
 }
 
 /// MTP loss (docs/models.md §Multi-token prediction): `λ / D · Σ_j CE_j`, where depth `j`'s logits

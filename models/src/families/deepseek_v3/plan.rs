@@ -97,19 +97,14 @@ fn layer(l: &str, h: &str) -> Vec<PlanEntry> {
     rows
 }
 
-/// The plan of [`crate::DeepseekV3ForCausalLM`] and its shards: vocab-parallel embedding and head,
-/// the decoder layers (MLA; a dense MLP or an MoE block with replicated shared experts), and MTP
-/// module `j` stored as layer `num_hidden_layers + j`
-/// (docs/checkpoints.md §Canonical names and sharding): `enorm`, `hnorm`, `eh_proj` and
-/// `shared_head.norm` replicated, its block sharded like any decoder layer.
-pub fn deepseek_v3_plan() -> ParallelPlan {
-    let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);
-    rows.extend(layer(&layer_of("*"), &layer_of("{0}")));
-    rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
-    rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
+/// The plan rows of MTP modules (`mtp.*`, an [`MtpModule`](crate::mtp::MtpModule) stored as
+/// layer `num_hidden_layers + j`) whose block's rows `layer(burn_path, hf_prefix)` gives:
+/// `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` replicated, the block sharded like any
+/// decoder layer.
+pub fn mtp_rows(layer: impl Fn(&str, &str) -> Vec<PlanEntry>) -> Vec<PlanEntry> {
     let m = "mtp.*";
     let h = &layer_of("{0+L}");
-    rows.extend(norm(&join(m, ENORM), &join(h, ENORM)));
+    let mut rows = norm(&join(m, ENORM), &join(h, ENORM));
     rows.extend(norm(&join(m, HNORM), &join(h, HNORM)));
     rows.extend(replicated(
         &join(m, EH_PROJ),
@@ -122,6 +117,20 @@ pub fn deepseek_v3_plan() -> ParallelPlan {
         &format!("{m}.{SHARED_HEAD}_norm"),
         &format!("{h}.{SHARED_HEAD}.norm"),
     ));
+    rows
+}
+
+/// The plan of [`crate::DeepseekV3ForCausalLM`] and its shards: vocab-parallel embedding and head,
+/// the decoder layers (MLA; a dense MLP or an MoE block with replicated shared experts), and MTP
+/// module `j` stored as layer `num_hidden_layers + j`
+/// (docs/checkpoints.md §Canonical names and sharding): `enorm`, `hnorm`, `eh_proj` and
+/// `shared_head.norm` replicated, its block sharded like any decoder layer.
+pub fn deepseek_v3_plan() -> ParallelPlan {
+    let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);
+    rows.extend(layer(&layer_of("*"), &layer_of("{0}")));
+    rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
+    rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
+    rows.extend(mtp_rows(layer));
     ParallelPlan::new("deepseek_v3", rows)
 }
 
@@ -144,18 +153,106 @@ pub(crate) fn mtp_export_copies(
     config: &crate::DeepseekV3Config,
     has: &dyn Fn(&str) -> bool,
 ) -> Vec<(String, String)> {
+    mtp_copies(
+        config.num_hidden_layers,
+        config.num_nextn_predict_layers,
+        config.tie_word_embeddings,
+        has,
+    )
+}
+
+/// The release copies of the embedding and the head in the `depths` MTP layers after `layers`
+/// decoder layers, `(name, source)` (as DeepSeek-V3 releases carry them; `tied` or an absent `lm_head`
+/// makes the embedding the head).
+pub fn mtp_copies(
+    layers: usize,
+    depths: usize,
+    tied: bool,
+    has: &dyn Fn(&str) -> bool,
+) -> Vec<(String, String)> {
     let (embed, lm_head) = (n::embed_weight(), n::lm_head_weight());
-    let head = if config.tie_word_embeddings || !has(&lm_head) {
+    let head = if tied || !has(&lm_head) {
         &embed
     } else {
         &lm_head
     };
-    (0..config.num_nextn_predict_layers)
+    (0..depths)
         .flat_map(|j| {
-            let (e, h) = mtp_copy_names(config.num_hidden_layers + j);
+            let (e, h) = mtp_copy_names(layers + j);
             [(e, embed.clone()), (h, head.clone())]
         })
         .collect()
+}
+
+/// The name-mapping rules of the MTP layers' own tensors (`enorm`, `hnorm`, `eh_proj`,
+/// `shared_head.norm`) and the ignores of their copies of the embedding and the LM head (the
+/// main model's tensors, re-emitted on export). The copies' ignores must come before any rule
+/// of the main model's tensors.
+pub fn mtp_rules() -> (Vec<Rule>, Vec<Rule>) {
+    let (embed_copy, head_copy) = mtp_copy_names(0);
+    let any_layer = |name: &str| name.replacen(&layer_of(0), &layer_of("*"), 1);
+    let ignores = vec![
+        Rule::ignore(&any_layer(&embed_copy), "MTP copy of the embedding weight"),
+        Rule::ignore(&any_layer(&head_copy), "MTP copy of the LM head weight"),
+    ];
+    let own = n::per_layer([ENORM, HNORM, EH_PROJ, &join(SHARED_HEAD, "norm")].map(weight));
+    (ignores, own)
+}
+
+/// The router's F32 `e_score_correction_bias` (kept F32 on export) and the shared experts'
+/// MLP, rules under any layer.
+pub fn expert_bias_and_shared_rules() -> Vec<Rule> {
+    let mut rules = vec![Rule::same_as_dtype(
+        &format!("{}.{}.{}.{EXPERT_BIAS}", layer_of("*"), n::MLP, n::ROUTER),
+        Dtype::F32,
+    )];
+    rules.extend(n::per_layer(
+        n::MLP_PROJS.map(|p| weight(&format!("{}.{SHARED_EXPERTS}.{p}", n::MLP))),
+    ));
+    rules
+}
+
+/// The tensors of MTP layer `p` besides its decoder layer: `enorm`, `hnorm`, `eh_proj`
+/// `[H, 2H]`, `shared_head.norm`, and the optional copies of `embed_tokens` and
+/// `shared_head.head` (`[V, H]`).
+pub fn expected_mtp_extras(
+    b: &mut Builder<'_>,
+    layer: usize,
+    hidden: usize,
+    vocab: usize,
+) -> Result<(), BridgeError> {
+    let p = layer_of(layer);
+    b.norm(&join(&p, ENORM), hidden)?;
+    b.norm(&join(&p, HNORM), hidden)?;
+    let two_h = b.mul(2, hidden, "hidden_size")?;
+    b.linear(&join(&p, EH_PROJ), two_h, hidden, false)?;
+    b.norm(&format!("{p}.{SHARED_HEAD}.norm"), hidden)?;
+    let (embed_copy, head_copy) = mtp_copy_names(layer);
+    b.insert(embed_copy, vec![vocab, hidden], false)?;
+    b.insert(head_copy, vec![vocab, hidden], false)
+}
+
+/// The routed experts, router bias and shared experts of an MoE block `m` (`mlp`) as
+/// DeepSeek-V3 stores them: router weight, experts in `layout`, F32
+/// `gate.e_score_correction_bias`, shared experts of width `Im · n_shared_experts`.
+pub fn expected_sigmoid_moe(
+    b: &mut Builder<'_>,
+    m: &str,
+    moe: &super::moe::SigmoidGroupMoe,
+    layout: ExpertLayout,
+) -> Result<(), BridgeError> {
+    let (e, im, h) = (
+        moe.n_routed_experts,
+        moe.moe_intermediate_size,
+        moe.hidden_size,
+    );
+    n::expected_moe(b, m, e, im, h, layout)?;
+    b.weight(format!("{m}.{}.{EXPERT_BIAS}", n::ROUTER), vec![e])?;
+    if moe.n_shared_experts > 0 {
+        let shared = b.mul(im, moe.n_shared_experts, "n_shared_experts")?;
+        n::expected_mlp(b, &join(m, SHARED_EXPERTS), h, shared)?;
+    }
+    Ok(())
 }
 
 /// The name-mapping rules of DeepSeek-V3 (after the shared ignores): MLA attention, shared
@@ -163,12 +260,7 @@ pub(crate) fn mtp_export_copies(
 /// of the embedding and the LM head are ignored (they are the main model's tensors, re-emitted
 /// on export).
 pub(crate) fn mapping_rules() -> Vec<Rule> {
-    let (embed_copy, head_copy) = mtp_copy_names(0);
-    let any_layer = |name: &str| name.replacen(&layer_of(0), &layer_of("*"), 1);
-    let mut rules = vec![
-        Rule::ignore(&any_layer(&embed_copy), "MTP copy of the embedding weight"),
-        Rule::ignore(&any_layer(&head_copy), "MTP copy of the LM head weight"),
-    ];
+    let (mut rules, mtp_own) = mtp_rules();
     rules.extend(n::top_level_rules());
     rules.extend(n::per_layer(n::layer_norm_suffixes()));
     let mut attention = n::attention_suffixes(
@@ -190,18 +282,10 @@ pub(crate) fn mapping_rules() -> Vec<Rule> {
     );
     rules.extend(n::per_layer(attention));
     rules.extend(n::per_layer([n::router_suffix()]));
-    rules.push(Rule::same_as_dtype(
-        &format!("{}.{}.{}.{EXPERT_BIAS}", layer_of("*"), n::MLP, n::ROUTER),
-        Dtype::F32,
-    ));
     rules.extend(n::routed_expert_rules());
-    rules.extend(n::per_layer(
-        n::MLP_PROJS.map(|p| weight(&format!("{}.{SHARED_EXPERTS}.{p}", n::MLP))),
-    ));
+    rules.extend(expert_bias_and_shared_rules());
     rules.extend(n::per_layer(n::dense_mlp_suffixes()));
-    rules.extend(n::per_layer(
-        [ENORM, HNORM, EH_PROJ, &join(SHARED_HEAD, "norm")].map(weight),
-    ));
+    rules.extend(mtp_own);
     rules
 }
 
@@ -239,14 +323,7 @@ fn expected_layer(
     if !moe {
         return n::expected_mlp(b, &m, h, c.intermediate_size);
     }
-    let (e, im) = (c.n_routed_experts, c.moe_intermediate_size);
-    n::expected_moe(b, &m, e, im, h, layout)?;
-    b.weight(format!("{m}.{}.{EXPERT_BIAS}", n::ROUTER), vec![e])?;
-    if c.n_shared_experts > 0 {
-        let shared = b.mul(im, c.n_shared_experts, "n_shared_experts")?;
-        n::expected_mlp(b, &join(&m, SHARED_EXPERTS), h, shared)?;
-    }
-    Ok(())
+    expected_sigmoid_moe(b, &m, &c.moe_block(), layout)
 }
 
 /// DeepSeek-V3 (`DeepseekV3ForCausalLM`): dense layers `0..first_k_dense_replace`, MoE layers
@@ -277,14 +354,7 @@ pub fn deepseek_v3_expected(
         let i = c.num_hidden_layers + j;
         let p = layer_of(i);
         expected_layer(&mut b, c, &p, true, layout)?;
-        b.norm(&join(&p, ENORM), h)?;
-        b.norm(&join(&p, HNORM), h)?;
-        let two_h = b.mul(2, h, "hidden_size")?;
-        b.linear(&join(&p, EH_PROJ), two_h, h, false)?;
-        b.norm(&format!("{p}.{SHARED_HEAD}.norm"), h)?;
-        let (embed_copy, head_copy) = mtp_copy_names(i);
-        b.insert(embed_copy, vec![v, h], false)?;
-        b.insert(head_copy, vec![v, h], false)?;
+        expected_mtp_extras(&mut b, i, h, v)?;
     }
     Ok(b.finish())
 }

@@ -1,0 +1,152 @@
+//! The GLM-4.5 MoE model's HF layout (HF `Glm4MoeForCausalLM` and the release's MTP layers):
+//! its parallel plan, name-mapping rules, expected-tensor table and export copies — the shared
+//! Llama-family names of [`crate::param_plan::hf_names`] (GQA attention with q/k/v biases and
+//! QK-norms, as Qwen3's) plus DeepSeek-V3's MoE block and MTP layers
+//! ([`crate::deepseek_v3::plan`]).
+
+use std::path::Path;
+
+use moe_bridge::BridgeError;
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+
+use super::config::Glm4MoeConfig;
+use crate::deepseek_v3::plan as ds;
+use crate::param_plan::hf_names::{self as n, join, layer as layer_of};
+use crate::param_plan::rows::{column, embedding, gqa, mlp, moe, norm};
+use crate::param_plan::{ParallelPlan, PlanEntry};
+
+/// One decoder layer at Burn path `l`, HF prefix `h`: GQA attention (q/k/v and their biases
+/// column-parallel by head, `o_proj` row-parallel, QK-norms replicated), then a dense MLP or
+/// DeepSeek-V3's MoE block with replicated shared experts.
+fn layer(l: &str, h: &str) -> Vec<PlanEntry> {
+    let mut rows = norm(&join(l, n::INPUT_LAYERNORM), &join(h, n::INPUT_LAYERNORM));
+    rows.extend(gqa(&join(l, n::SELF_ATTN), &join(h, n::SELF_ATTN)));
+    rows.extend(norm(
+        &join(l, n::POST_ATTENTION_LAYERNORM),
+        &join(h, n::POST_ATTENTION_LAYERNORM),
+    ));
+    rows.extend(mlp(&format!("{l}.{}.Dense", n::MLP), &join(h, n::MLP)));
+    rows.extend(moe(
+        &format!("{l}.{}.Moe.moe", n::MLP),
+        &join(h, n::MLP),
+        true,
+    ));
+    rows
+}
+
+/// The plan of [`super::Glm4MoeForCausalLM`] and its shards: vocab-parallel embedding and
+/// head, the decoder layers, and MTP module `j` stored as layer `num_hidden_layers + j`.
+pub fn glm4_moe_plan() -> ParallelPlan {
+    let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);
+    rows.extend(layer(&layer_of("*"), &layer_of("{0}")));
+    rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
+    rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
+    rows.extend(ds::mtp_rows(layer));
+    ParallelPlan::new(Glm4MoeConfig::MODEL_TYPE, rows)
+}
+
+impl crate::param_plan::Planned for super::Glm4MoeForCausalLM {
+    fn parallel_plan() -> ParallelPlan {
+        glm4_moe_plan()
+    }
+
+    fn main_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+}
+
+/// The release copies of the embedding and the LM head in every MTP layer `N + j`
+/// (`(name, source)`, as DeepSeek-V3's).
+pub(crate) fn mtp_export_copies(
+    config: &Glm4MoeConfig,
+    has: &dyn Fn(&str) -> bool,
+) -> Vec<(String, String)> {
+    ds::mtp_copies(
+        config.num_hidden_layers,
+        config.num_nextn_predict_layers,
+        config.tie_word_embeddings,
+        has,
+    )
+}
+
+/// The name-mapping rules (after the shared ignores): the MTP copies ignored, every other HF
+/// name explicit with canonical name = HF name.
+pub(crate) fn mapping_rules() -> Vec<Rule> {
+    let (mut rules, mtp_own) = ds::mtp_rules();
+    rules.extend(n::top_level_rules());
+    rules.extend(n::per_layer(n::layer_norm_suffixes()));
+    let mut attention = n::attention_suffixes(&[n::Q_PROJ, n::K_PROJ, n::V_PROJ], true);
+    attention.extend(n::attention_suffixes(
+        &[n::O_PROJ, n::Q_NORM, n::K_NORM],
+        false,
+    ));
+    rules.extend(n::per_layer(attention));
+    rules.extend(n::per_layer([n::router_suffix()]));
+    rules.extend(n::routed_expert_rules());
+    rules.extend(ds::expert_bias_and_shared_rules());
+    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
+    rules.extend(mtp_own);
+    rules
+}
+
+/// One decoder layer under `p`: attention (q/k/v with biases under `attention_bias`, `o_proj`
+/// without, QK-norms `[head_dim]` under `use_qk_norm`), then a dense MLP or the MoE block.
+fn expected_layer(
+    b: &mut Builder<'_>,
+    c: &Glm4MoeConfig,
+    p: &str,
+    moe: bool,
+    layout: ExpertLayout,
+) -> Result<(), BridgeError> {
+    let h = c.hidden_size;
+    n::expected_layer_norms(b, p, h)?;
+    let a = join(p, n::SELF_ATTN);
+    let q = b.mul(c.num_attention_heads, c.head_dim, "num_attention_heads")?;
+    let kv = b.mul(c.num_key_value_heads, c.head_dim, "num_key_value_heads")?;
+    b.linear(&join(&a, n::Q_PROJ), h, q, c.attention_bias)?;
+    b.linear(&join(&a, n::K_PROJ), h, kv, c.attention_bias)?;
+    b.linear(&join(&a, n::V_PROJ), h, kv, c.attention_bias)?;
+    b.linear(&join(&a, n::O_PROJ), q, h, false)?;
+    if c.use_qk_norm {
+        b.norm(&join(&a, n::Q_NORM), c.head_dim)?;
+        b.norm(&join(&a, n::K_NORM), c.head_dim)?;
+    }
+    let m = join(p, n::MLP);
+    if moe {
+        ds::expected_sigmoid_moe(b, &m, &c.moe_block(), layout)
+    } else {
+        n::expected_mlp(b, &m, h, c.intermediate_size)
+    }
+}
+
+/// `Glm4MoeForCausalLM`: dense layers `0..first_k_dense_replace`, MoE layers after, and the
+/// `num_nextn_predict_layers` MTP layers `model.layers.{N+j}` (required: the model loads
+/// them; always MoE) with their optional copies of `embed_tokens` and `shared_head.head`.
+pub fn glm4_moe_expected(
+    c: &Glm4MoeConfig,
+    layout: ExpertLayout,
+    path: &Path,
+    block: [usize; 2],
+) -> Result<ExpectedTable, BridgeError> {
+    let mut b = Builder::new(path, block);
+    let layers = c
+        .num_hidden_layers
+        .saturating_add(c.num_nextn_predict_layers);
+    let per_layer = 30 + 3 * c.n_routed_experts as u128;
+    b.bound(
+        layers,
+        per_layer,
+        "num_hidden_layers/num_nextn_predict_layers/n_routed_experts",
+    )?;
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    n::expected_top_level(&mut b, v, h, c.tie_word_embeddings)?;
+    for l in 0..c.num_hidden_layers {
+        expected_layer(&mut b, c, &layer_of(l), c.is_moe_layer(l), layout)?;
+    }
+    for j in 0..c.num_nextn_predict_layers {
+        let i = c.num_hidden_layers + j;
+        expected_layer(&mut b, c, &layer_of(i), true, layout)?;
+        ds::expected_mtp_extras(&mut b, i, h, v)?;
+    }
+    Ok(b.finish())
+}
