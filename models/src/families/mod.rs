@@ -11,6 +11,7 @@
 //! model; Megatron-Core's one `GPTModel` built from a spec).
 
 pub mod deepseek_v3;
+pub mod mixtral;
 pub mod qwen3;
 pub mod qwen3_moe;
 mod shard_rule;
@@ -129,4 +130,9 @@ macro_rules! families {
     };
 }
 
-families!(qwen3::Qwen3, qwen3_moe::Qwen3Moe, deepseek_v3::DeepseekV3);
+families!(
+    qwen3::Qwen3,
+    qwen3_moe::Qwen3Moe,
+    deepseek_v3::DeepseekV3,
+    mixtral::Mixtral,
+);
