@@ -386,6 +386,12 @@ fn derived_head_dim(hidden_size: usize, heads: usize) -> Result<usize, ModelErro
 mod tests {
     use super::*;
 
+    /// `config.json` of `model_type` "mixtral" with the given extra fields (`"…": …, …`).
+    fn parse(fields: &str) -> Result<MixtralConfig, ModelError> {
+        let sep = if fields.is_empty() { "" } else { ", " };
+        MixtralConfig::from_json_str(&format!(r#"{{"model_type": "mixtral"{sep}{fields}}}"#))
+    }
+
     #[test]
     fn class_defaults_fill_absent_keys_and_unknown_keys_are_kept() {
         let c = MixtralConfig::from_json_str(r#"{"model_type": "mixtral", "bos_token_id": 1}"#)
@@ -411,10 +417,10 @@ mod tests {
 
     #[test]
     fn nulls_and_the_second_spelling_resolve_as_in_hf() {
-        let c = MixtralConfig::from_json_str(
-            r#"{"num_key_value_heads": null, "head_dim": null, "num_experts": 4,
+        let c = parse(
+            r#""num_key_value_heads": null, "head_dim": null, "num_experts": 4,
                 "num_attention_heads": 8, "hidden_size": 64, "rope_theta": 5e5,
-                "sliding_window": null}"#,
+                "sliding_window": null"#,
         )
         .unwrap();
         assert_eq!(c.num_key_value_heads, 8);
