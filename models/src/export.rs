@@ -4,7 +4,9 @@
 //!
 //! [`export_hf_tensors`] returns an [`HfTensors`] iterator over `(hf_name, TensorData)`:
 //! - names are HF's (`model.layers.{l}.self_attn.q_proj.weight`, …) with routed experts
-//!   **per expert** (`…mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`);
+//!   **per expert** (`…mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`, or the
+//!   projection names of the model's plan,
+//!   [`ParallelPlan::expert_projections`](crate::param_plan::ParallelPlan::expert_projections));
 //! - orientation is PyTorch `[out, in]` (Burn's `[in, out]` linears are transposed);
 //! - a tied `lm_head` is omitted; DeepSeek-V3's `e_score_correction_bias` is F32; every other
 //!   tensor keeps the parameter dtype (f32 by default); DeepSeek-V3 MTP layers are exported as
@@ -211,12 +213,13 @@ impl PlanExport {
         let [_, rows, cols] = fc1.dims();
         let one = fc1.clone().narrow(0, i, 1).reshape([rows, cols]);
         let f = rows / 2;
+        let projs = self.plan.expert_projections();
         self.out.push(
-            hf_names::expert_proj_weight(prefix, i, hf_names::GATE_PROJ),
+            hf_names::expert_proj_weight(prefix, i, projs.gate),
             one.clone().narrow(0, 0, f),
         );
         self.out.push(
-            hf_names::expert_proj_weight(prefix, i, hf_names::UP_PROJ),
+            hf_names::expert_proj_weight(prefix, i, projs.up),
             one.narrow(0, f, f),
         );
     }
@@ -279,12 +282,18 @@ impl PlanExport {
                             None
                         }
                     };
+                    // The stacked down projection takes the family's per-expert name.
+                    let proj = match proj == hf_names::DOWN_PROJ {
+                        true => self.plan.expert_projections().down,
+                        false => proj,
+                    };
                     for i in 0..dims[0] {
                         if let Some(g) = &gate_up {
                             self.push_gate_up(prefix, i, g);
                         }
                         let one = t3.clone().narrow(0, i, 1).reshape([dims[1], dims[2]]);
-                        self.out.push(format!("{prefix}.{i}.{proj}.weight"), one);
+                        self.out
+                            .push(hf_names::expert_proj_weight(prefix, i, proj), one);
                     }
                 }
             }

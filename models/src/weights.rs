@@ -338,6 +338,20 @@ impl<'a> WeightLoader<'a> {
         inter: usize,
         hidden: usize,
     ) -> Result<(Tensor<3>, Tensor<3>), ModelError> {
+        let projs = hf_names::ExpertProjections::LLAMA;
+        self.experts_named(prefix, projs, num_experts, inter, hidden)
+    }
+
+    /// [`experts`](Self::experts) of a checkpoint whose per-expert tensors are named by
+    /// `projs` (`{prefix}.{e}.{projs.gate}.weight`, …; the stacked names are the same).
+    pub fn experts_named(
+        &self,
+        prefix: &str,
+        projs: hf_names::ExpertProjections,
+        num_experts: usize,
+        inter: usize,
+        hidden: usize,
+    ) -> Result<(Tensor<3>, Tensor<3>), ModelError> {
         let local = self.shard.expert_range(num_experts)?;
         let cols = self.shard.etp_block(prefix, inter)?;
         let (l, blk, h) = (local.len(), cols.len(), hidden);
@@ -347,7 +361,11 @@ impl<'a> WeightLoader<'a> {
             .into_iter()
             .find(|n| self.contains(n));
         let per_expert = (0..num_experts)
-            .flat_map(|e| hf_names::MLP_PROJS.map(|p| hf_names::expert_proj_weight(prefix, e, p)))
+            .flat_map(|e| {
+                projs
+                    .all()
+                    .map(|p| hf_names::expert_proj_weight(prefix, e, p))
+            })
             .find(|n| self.contains(n));
         let (fc1, fc2) = match (stacked, per_expert) {
             (Some(stacked), Some(per_expert)) => {
@@ -407,7 +425,7 @@ impl<'a> WeightLoader<'a> {
                 let mut fc1 = Vec::with_capacity(l * 2 * blk * h);
                 let mut fc2 = Vec::with_capacity(l * h * blk);
                 for e in local {
-                    for proj in [hf_names::GATE_PROJ, hf_names::UP_PROJ] {
+                    for proj in [projs.gate, projs.up] {
                         fc1.extend(self.host_box(
                             &hf_names::expert_proj_weight(prefix, e, proj),
                             &[inter, h],
@@ -416,7 +434,7 @@ impl<'a> WeightLoader<'a> {
                         )?);
                     }
                     fc2.extend(self.host_box(
-                        &hf_names::expert_proj_weight(prefix, e, hf_names::DOWN_PROJ),
+                        &hf_names::expert_proj_weight(prefix, e, projs.down),
                         &[h, inter],
                         &[0, cols.start],
                         &[h, blk],

@@ -12,6 +12,7 @@
 
 pub mod deepseek_v3;
 pub mod glm4_moe;
+pub mod mixtral;
 pub mod qwen3;
 pub mod qwen3_moe;
 mod shard_rule;
@@ -179,4 +180,5 @@ families!(
     qwen3_moe::Qwen3Moe,
     deepseek_v3::DeepseekV3,
     glm4_moe::Glm4Moe,
+    mixtral::Mixtral,
 );

@@ -53,6 +53,42 @@ pub const DOWN_PROJ: &str = "down_proj";
 /// The three SwiGLU projections, in order.
 pub const MLP_PROJS: [&str; 3] = [GATE_PROJ, UP_PROJ, DOWN_PROJ];
 
+/// The names of a routed expert's three SwiGLU projections in a checkpoint that stores one
+/// tensor per expert and projection (`{experts}.{e}.{gate|up|down}.weight`). Llama's names
+/// ([`ExpertProjections::LLAMA`]) are the default; a family whose release spells them
+/// otherwise declares its own on its plan
+/// ([`ParallelPlan::with_expert_projections`](super::ParallelPlan::with_expert_projections)).
+/// The canonical (stacked) names do not depend on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExpertProjections {
+    /// The gate projection (`x → silu(x Wgᵀ)`), `[Im, H]`.
+    pub gate: &'static str,
+    /// The up projection, `[Im, H]`.
+    pub up: &'static str,
+    /// The down projection, `[H, Im]`.
+    pub down: &'static str,
+}
+
+impl ExpertProjections {
+    /// Llama's `gate_proj` / `up_proj` / `down_proj`.
+    pub const LLAMA: Self = Self {
+        gate: GATE_PROJ,
+        up: UP_PROJ,
+        down: DOWN_PROJ,
+    };
+
+    /// `[gate, up, down]`.
+    pub fn all(&self) -> [&'static str; 3] {
+        [self.gate, self.up, self.down]
+    }
+}
+
+impl Default for ExpertProjections {
+    fn default() -> Self {
+        Self::LLAMA
+    }
+}
+
 /// An MoE block's router, inside `mlp` (`mlp.gate.weight`).
 pub const ROUTER: &str = "gate";
 /// An MoE block's routed experts, inside `mlp`.
@@ -134,9 +170,10 @@ pub fn mentions_embedding_or_head(name: &str) -> bool {
     name.contains(EMBED_TOKENS.rsplit('.').next().unwrap_or(EMBED_TOKENS)) || name.contains(LM_HEAD)
 }
 
-/// Whether `name` is an MoE router weight (`….mlp.gate.weight`).
+/// Whether `name` is an MoE router weight (`….{moe block}.gate.weight`, the block `mlp` or a
+/// family's own name; projections are never named `gate`).
 pub fn is_router_weight(name: &str) -> bool {
-    name.ends_with(&weight(&join(MLP, ROUTER)))
+    name.ends_with(&format!(".{}", weight(ROUTER)))
 }
 
 /// Stacked routed experts `{experts}.gate_up_proj`.
@@ -223,12 +260,19 @@ pub fn attention_suffixes(projs: &[&str], bias: bool) -> Vec<String> {
     out
 }
 
-/// Per-expert and stacked routed-expert rules (both layouts; one is chosen per checkpoint).
+/// Per-expert and stacked routed-expert rules (both layouts; one is chosen per checkpoint) of
+/// the Llama-family MoE block `model.layers.*.mlp`.
 pub fn routed_expert_rules() -> Vec<Rule> {
-    let experts = join(&join(&layer("*"), MLP), EXPERTS);
+    routed_expert_rules_in(&join(&layer("*"), MLP), ExpertProjections::LLAMA)
+}
+
+/// [`routed_expert_rules`] of the MoE block `block` (a pattern such as
+/// `model.layers.*.mlp`) whose per-expert tensors are named by `projs`.
+pub fn routed_expert_rules_in(block: &str, projs: ExpertProjections) -> Vec<Rule> {
+    let experts = join(block, EXPERTS);
     let gate_up = stacked_gate_up(&experts);
     let down = stacked_down(&experts);
-    let [g, u, d] = MLP_PROJS.map(|p| expert_proj_weight(&experts, "{e}", p));
+    let [g, u, d] = projs.all().map(|p| expert_proj_weight(&experts, "{e}", p));
     vec![
         Rule::stack_experts(&gate_up, &[&g, &u]),
         Rule::stack_experts(&down, &[&d]),
@@ -282,12 +326,29 @@ pub fn expected_moe(
     hidden: usize,
     layout: ExpertLayout,
 ) -> Result<(), BridgeError> {
+    let projs = ExpertProjections::LLAMA;
+    expected_moe_with(b, mlp, projs, experts, inter, hidden, layout)
+}
+
+/// [`expected_moe`] of an MoE block whose per-expert tensors are named by `projs`.
+pub fn expected_moe_with(
+    b: &mut ExpectedBuilder<'_>,
+    mlp: &str,
+    projs: ExpertProjections,
+    experts: usize,
+    inter: usize,
+    hidden: usize,
+    layout: ExpertLayout,
+) -> Result<(), BridgeError> {
     b.weight(weight(&join(mlp, ROUTER)), vec![experts, hidden])?;
     let prefix = join(mlp, EXPERTS);
     match layout {
         ExpertLayout::PerExpert => {
             for e in 0..experts {
-                expected_mlp(b, &join(&prefix, &e.to_string()), hidden, inter)?;
+                let p = join(&prefix, &e.to_string());
+                b.linear(&join(&p, projs.gate), hidden, inter, false)?;
+                b.linear(&join(&p, projs.up), hidden, inter, false)?;
+                b.linear(&join(&p, projs.down), inter, hidden, false)?;
             }
             Ok(())
         }

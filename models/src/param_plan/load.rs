@@ -128,7 +128,8 @@ impl Loader<'_> {
                 return Err(self.mismatch(path, format!("unexpected routed-expert shape {full:?}")));
             }
         };
-        let (gate_up, down) = self.loader.experts(prefix, e, f, h)?;
+        let projs = self.plan.expert_projections();
+        let (gate_up, down) = self.loader.experts_named(prefix, projs, e, f, h)?;
         let (mine, theirs) = if fc1 {
             (gate_up.into_data(), down.into_data())
         } else {

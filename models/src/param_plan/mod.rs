@@ -127,6 +127,7 @@ pub struct PlanEntry {
 pub struct ParallelPlan {
     family: &'static str,
     entries: Vec<PlanEntry>,
+    expert_projections: hf_names::ExpertProjections,
 }
 
 /// A parameter the plan does not cover, or covers twice.
@@ -188,9 +189,28 @@ pub struct Resolved<'a> {
 }
 
 impl ParallelPlan {
-    /// A plan of `family` from its entries.
+    /// A plan of `family` from its entries (routed experts stored per expert under Llama's
+    /// projection names, [`hf_names::ExpertProjections::LLAMA`]).
     pub fn new(family: &'static str, entries: Vec<PlanEntry>) -> Self {
-        Self { family, entries }
+        Self {
+            family,
+            entries,
+            expert_projections: hf_names::ExpertProjections::LLAMA,
+        }
+    }
+
+    /// The same plan with the routed experts' per-expert HF tensors named by `projs`
+    /// (`{experts}.{e}.{projs.gate}.weight`, …): what loading, export and weight sync write
+    /// and read for a per-expert checkpoint. Canonical (stacked) names are unchanged.
+    pub fn with_expert_projections(mut self, projs: hf_names::ExpertProjections) -> Self {
+        self.expert_projections = projs;
+        self
+    }
+
+    /// The per-expert projection names of the routed experts (see
+    /// [`with_expert_projections`](Self::with_expert_projections)).
+    pub fn expert_projections(&self) -> hf_names::ExpertProjections {
+        self.expert_projections
     }
 
     /// The model family (`qwen3_moe`, …).

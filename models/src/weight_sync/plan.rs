@@ -15,6 +15,7 @@
 //! read it.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use burn::tensor::DType;
 use moe_bridge::dist::StagePlace;
@@ -25,7 +26,7 @@ use super::{ExpertNames, SyncOptions, WeightSyncError};
 use crate::distributed::ShardRule;
 use crate::export::{HfTensorSpec, keeps_f32};
 use crate::families::shard_rule;
-use crate::param_plan::hf_names;
+use crate::param_plan::hf_names::{self, ExpertProjections};
 
 /// Which part of a layer's local expert tensors a synced tensor is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,6 +170,36 @@ fn order_keys(specs: &[HfTensorSpec]) -> Vec<(u8, usize)> {
         .collect()
 }
 
+/// The per-expert projection names of the routed experts stacked under `experts`
+/// (`{experts}.gate_up_proj`): those of the family plan whose expert rows name that tensor
+/// (a `{…}` placeholder matching one numeric segment), Llama's when no plan does.
+fn expert_projections(experts: &str) -> ExpertProjections {
+    static TABLE: OnceLock<Vec<(String, ExpertProjections)>> = OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        (crate::families::plans().iter())
+            .flat_map(|plan| {
+                let projs = plan.expert_projections();
+                (plan.entries().iter())
+                    .filter(|e| matches!(e.split, ShardRule::Expert { .. }))
+                    .map(move |e| (e.hf.clone(), projs))
+            })
+            .collect()
+    });
+    let name = hf_names::stacked_gate_up(experts);
+    let fits = |template: &str| {
+        let (t, n): (Vec<&str>, Vec<&str>) =
+            (template.split('.').collect(), name.split('.').collect());
+        t.len() == n.len()
+            && t.iter().zip(&n).all(|(t, s)| match t.starts_with('{') {
+                true => !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()),
+                false => t == s,
+            })
+    };
+    (table.iter())
+        .find(|(template, _)| fits(template))
+        .map_or(ExpertProjections::LLAMA, |(_, projs)| *projs)
+}
+
 /// One stage's synced tensors from its local fused export (full shapes: TP splits times `tp`,
 /// local experts times `ep`, expert FFN widths times `etp`).
 fn stage_plan(
@@ -257,11 +288,12 @@ fn stage_plan(
                         push(down_name, vec![e, h, im], Split::Experts { part }, dn);
                     }
                     ExpertNames::PerExpert => {
+                        let projs = expert_projections(prefix);
                         for x in 0..e {
                             for (proj, entry, part, shape) in [
-                                (hf_names::GATE_PROJ, gu, ExpertPart::Gate(x), vec![im, h]),
-                                (hf_names::UP_PROJ, gu, ExpertPart::Up(x), vec![im, h]),
-                                (hf_names::DOWN_PROJ, dn, ExpertPart::Down(x), vec![h, im]),
+                                (projs.gate, gu, ExpertPart::Gate(x), vec![im, h]),
+                                (projs.up, gu, ExpertPart::Up(x), vec![im, h]),
+                                (projs.down, dn, ExpertPart::Down(x), vec![h, im]),
                             ] {
                                 push(
                                     hf_names::expert_proj_weight(prefix, x, proj),
