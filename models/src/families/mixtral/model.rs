@@ -18,7 +18,7 @@ use moe_backend::router::{ScoreFunction, TopKRouter, TopKRouterConfig};
 
 use super::config::MixtralConfig;
 use crate::ModelError;
-use crate::causal_lm::{CausalLm, LmLosses, ParamCount, causal_lm_loss, hf_load_balancing_loss};
+use crate::causal_lm::{CausalLm, LmLosses, causal_lm_loss, hf_load_balancing_loss};
 use crate::distributed::{
     AttentionInputs, ParallelContext, PipelineModel, RouterTrace, ShardModel, StackShape,
 };
@@ -410,6 +410,26 @@ impl crate::families::Family for Mixtral {
     const ARCHITECTURE: &'static str = "MixtralForCausalLM";
     type Config = MixtralConfig;
     type Model = MixtralForCausalLM;
+
+    fn model_shape(c: &MixtralConfig) -> Option<crate::param_plan::ModelShape> {
+        Some(crate::param_plan::ModelShape {
+            vocab: c.vocab_size,
+            hidden: c.hidden_size,
+            attention: crate::param_plan::AttentionShape::Gqa {
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                qk_norm: false,
+            },
+            moe_layers: vec![true; c.num_hidden_layers],
+            dense_ffn: c.intermediate_size,
+            experts: c.num_local_experts,
+            top_k: c.num_experts_per_tok,
+            moe_ffn: c.intermediate_size,
+            shared_ffn: 0,
+            tied_embeddings: c.tie_word_embeddings,
+        })
+    }
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
         super::plan::mapping_rules()
