@@ -204,8 +204,15 @@ pub(crate) fn compare_paths(ctx: &RankCtx, tag: u64) -> Result<usize> {
     let (b, _) = off.all_gather_v(x)?;
     same("all_gather_v bool", a, b);
     checks += 2;
-    assert_eq!(on.host_transfers(), 0, "the device path staged through the host");
-    assert!(off.host_transfers() > 0, "the host path made no host transfer");
+    assert_eq!(
+        on.host_transfers(),
+        0,
+        "the device path staged through the host"
+    );
+    assert!(
+        off.host_transfers() > 0,
+        "the host path made no host transfer"
+    );
     Ok(checks)
 }
 
@@ -216,7 +223,10 @@ fn every_collective_on_device_buffers_equals_the_host_path_bit_for_bit() {
             let checks = ok(World::run_with(n, quick(), |ctx| {
                 compare_paths(ctx, tag * 10 + n as u64)
             }));
-            assert!(checks.iter().all(|&c| c == checks[0] && c > 40), "{checks:?}");
+            assert!(
+                checks.iter().all(|&c| c == checks[0] && c > 40),
+                "{checks:?}"
+            );
         }
     }
 }
@@ -292,7 +302,10 @@ fn others_fail(out: &[Result<()>], dead: usize, within: Duration, elapsed: Durat
             ),
             "rank {r}: {err:?}"
         );
-        assert!(err.to_string().contains(&format!("rank {dead}")), "rank {r}: {err}");
+        assert!(
+            err.to_string().contains(&format!("rank {dead}")),
+            "rank {r}: {err}"
+        );
     }
 }
 
@@ -347,7 +360,10 @@ fn a_silent_peer_times_out_on_device_buffers() {
     for r in [0, 2] {
         let err = out[r].as_ref().expect_err("times out");
         assert!(
-            matches!(err, BackendError::Timeout { .. } | BackendError::Aborted { .. }),
+            matches!(
+                err,
+                BackendError::Timeout { .. } | BackendError::Aborted { .. }
+            ),
             "rank {r}: {err:?}"
         );
         assert!(err.to_string().contains("1"), "rank {r}: {err}");
