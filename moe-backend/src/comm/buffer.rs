@@ -41,6 +41,9 @@ use crate::error::Result;
 /// A tensor's storage on its device, moved by a [`DeviceCommunicator`] without a round trip
 /// through host [`TensorData`].
 #[derive(Clone, Debug)]
+// The CubeCL tensor is large; a buffer lives for one collective, as Burn's own dispatch enum
+// holds these tensors unboxed.
+#[allow(clippy::large_enum_variant)]
 pub enum DeviceBuffer {
     /// A tensor of the CPU backend (Flex): its device memory is host memory.
     Host(FlexTensor),
