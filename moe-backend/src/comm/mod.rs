@@ -27,11 +27,15 @@
 //!
 //! # Devices
 //!
-//! Tensors may live on any device (Flex, or a Cube device with feature `cube`). A group of
-//! several members exchanges host bytes: the tensor is read back, passed to the
-//! [`Communicator`] and the result uploaded to the tensor's device. A group of one member
-//! never touches the host: every collective returns its input (after the same argument
-//! checks), so a single-rank run stays on the device.
+//! Tensors may live on any device (Flex, or a Cube device with feature `cube`). When the
+//! transport offers a [`DeviceCommunicator`] for the tensor's buffer
+//! ([`Communicator::device`]), a group of several members runs the collective on the
+//! tensor's own storage ([`DeviceBuffer`], module `buffer`): the threads and the
+//! point-to-point transports (TCP, MPI, NCCL host-staged) do so for CPU (Flex) tensors.
+//! Otherwise the tensor is read back, passed to the [`Communicator`] and the result uploaded
+//! to the tensor's device ([`Comm::host_transfers`] counts these transfers). A group of one
+//! member never touches the host: every collective returns its input (after the same
+//! argument checks), so a single-rank run stays on the device.
 //!
 //! # Transports
 //!
