@@ -129,7 +129,13 @@ pub enum GradCollective {
     },
 }
 
-fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
+fn ok_or_panic<T>(result: Result<T>) -> T {
+    result.unwrap_or_else(|e| panic!("collective backward failed: {e}"))
+}
+
+fn read<B: Backend>(comm: &Comm, t: FloatTensor<B>) -> TensorData {
+    comm.staged
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     match burn::tensor::try_read_sync(B::float_into_data(t)) {
         Some(Ok(data)) => data,
         Some(Err(e)) => panic!("collective backward: reading the gradient failed: {e:?}"),
@@ -137,71 +143,95 @@ fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
     }
 }
 
-fn ok_or_panic<T>(result: Result<T>) -> T {
-    result.unwrap_or_else(|e| panic!("collective backward failed: {e}"))
+fn upload<B: Backend>(comm: &Comm, data: TensorData, device: &B::Device) -> FloatTensor<B> {
+    comm.staged
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    B::float_from_data(data, device)
 }
 
 impl GradCollective {
     /// Runs the backward collective on `grad` (panics on a communication failure; see the
-    /// module docs).
+    /// module docs). Collectives take the transport's device-buffer path when it has one
+    /// for the gradient's device ([`Comm::run_primitive`]).
     fn apply<B: Backend>(&self, grad: FloatTensor<B>) -> FloatTensor<B> {
         if let Some(out) = self.apply_single_member::<B>(&grad) {
             return out;
         }
-        let device = grad.device();
-        let data = match self {
-            GradCollective::Identity => return grad,
-            GradCollective::Scale(s) => return B::float_mul_scalar(grad, (*s).into()),
+        let scaled = |out: FloatTensor<B>, scale: f64| {
+            if scale == 1.0 {
+                out
+            } else {
+                B::float_mul_scalar(out, scale.into())
+            }
+        };
+        match self {
+            GradCollective::Identity => grad,
+            GradCollective::Scale(s) => B::float_mul_scalar(grad, (*s).into()),
             GradCollective::NotDifferentiable(op) => {
                 panic!("{op} is not differentiable")
             }
-            GradCollective::AllReduce { comm, site } => {
-                ok_or_panic(comm.inner.all_reduce(read::<B>(grad), ReduceOp::Sum, site))
+            GradCollective::AllReduce { comm, site } => ok_or_panic(comm.run_primitive::<B>(
+                grad,
+                |dc, buf| dc.all_reduce(buf, ReduceOp::Sum, site),
+                |c, data| c.all_reduce(data, ReduceOp::Sum, site),
+            )),
+            GradCollective::ReduceScatter { comm, splits, site } => {
+                ok_or_panic(comm.run_primitive::<B>(
+                    grad,
+                    |dc, buf| dc.reduce_scatter_v(buf, splits, ReduceOp::Sum, site),
+                    |c, data| c.reduce_scatter_v(data, splits, ReduceOp::Sum, site),
+                ))
             }
-            GradCollective::ReduceScatter { comm, splits, site } => ok_or_panic(
-                comm.inner
-                    .reduce_scatter_v(read::<B>(grad), splits, ReduceOp::Sum, site),
-            ),
             GradCollective::AllGather { comm, scale, site } => {
-                let (data, _) = ok_or_panic(comm.inner.all_gather_v(read::<B>(grad), site));
-                let out = B::float_from_data(data, &device);
-                return if *scale == 1.0 {
-                    out
-                } else {
-                    B::float_mul_scalar(out, (*scale).into())
-                };
+                let out = ok_or_panic(comm.run_primitive::<B>(
+                    grad,
+                    |dc, buf| dc.all_gather_v(buf, site).map(|(b, _)| b),
+                    |c, data| c.all_gather_v(data, site).map(|(d, _)| d),
+                ));
+                scaled(out, *scale)
             }
             GradCollective::AllToAll {
                 comm,
                 send_splits,
                 recv_splits,
                 site,
-            } => ok_or_panic(comm.inner.all_to_all_v(
-                read::<B>(grad),
-                send_splits,
-                recv_splits,
-                site,
+            } => ok_or_panic(comm.run_primitive::<B>(
+                grad,
+                |dc, buf| dc.all_to_all_v(buf, send_splits, recv_splits, site),
+                |c, data| c.all_to_all_v(data, send_splits, recv_splits, site),
             )),
             GradCollective::ReduceToRoot { comm, root, site } => {
-                let sum = ok_or_panic(comm.inner.all_reduce(read::<B>(grad), ReduceOp::Sum, site));
-                let out = B::float_from_data(sum, &device);
-                return if comm.rank() == *root {
-                    out
+                let sum = ok_or_panic(comm.run_primitive::<B>(
+                    grad,
+                    |dc, buf| dc.all_reduce(buf, ReduceOp::Sum, site),
+                    |c, data| c.all_reduce(data, ReduceOp::Sum, site),
+                ));
+                if comm.rank() == *root {
+                    sum
                 } else {
-                    B::float_mul_scalar(out, 0.0.into())
-                };
+                    B::float_mul_scalar(sum, 0.0.into())
+                }
             }
             GradCollective::SplitRows { comm, splits } => {
-                ok_or_panic(own_rows(&read::<B>(grad), splits, comm.rank()))
+                let device = grad.device();
+                let data = ok_or_panic(own_rows(&read::<B>(comm, grad), splits, comm.rank()));
+                upload::<B>(comm, data, &device)
             }
             GradCollective::GatherLastDim { comm, site } => {
-                ok_or_panic(gather_last_dim(comm, read::<B>(grad), site))
+                let device = grad.device();
+                let data = ok_or_panic(gather_last_dim(comm, read::<B>(comm, grad), site));
+                upload::<B>(comm, data, &device)
             }
             GradCollective::SplitLastDim { comm } => {
-                ok_or_panic(split_last_dim(comm, &read::<B>(grad), Location::caller()))
+                let device = grad.device();
+                let data = ok_or_panic(split_last_dim(
+                    comm,
+                    &read::<B>(comm, grad),
+                    Location::caller(),
+                ));
+                upload::<B>(comm, data, &device)
             }
-        };
-        B::float_from_data(data, &device)
+        }
     }
 }
 
@@ -405,11 +435,6 @@ fn split_last_dim(comm: &Comm, data: &TensorData, site: CallSite) -> Result<Tens
     Ok(TensorData::from_bytes_vec(out, shape, data.dtype()))
 }
 
-fn detached_from<const D: usize>(data: TensorData, like: &Tensor<D>) -> Tensor<D> {
-    let dtype = data.dtype();
-    Tensor::from_data(data, (&like.device(), dtype))
-}
-
 /// Megatron `copy_to_tensor_model_parallel_region`: identity forward, sum-all-reduce backward
 /// (input of a column-parallel linear).
 #[track_caller]
@@ -450,8 +475,8 @@ pub fn scatter_to_tensor_parallel_region<const D: usize>(
         return Ok(x);
     }
     let site = Location::caller();
-    let data = split_last_dim(comm, &x.to_data(), site)?;
-    let out = detached_from(data, &x);
+    let data = split_last_dim(comm, &comm.read(&x), site)?;
+    let out = comm.upload(data, &x.device());
     Ok(link(
         x,
         out,
@@ -473,8 +498,8 @@ pub fn gather_from_tensor_parallel_region<const D: usize>(
         return Ok(x);
     }
     let site = Location::caller();
-    let data = gather_last_dim(comm, x.to_data(), site)?;
-    let out = detached_from(data, &x);
+    let data = gather_last_dim(comm, comm.read(&x), site)?;
+    let out = comm.upload(data, &x.device());
     Ok(link(
         x,
         out,
@@ -502,8 +527,8 @@ pub fn scatter_to_sequence_parallel_region<const D: usize>(
             detail: format!("{rows} rows do not divide over {n} members (at {site})"),
         });
     }
-    let data = own_rows(&x.to_data(), &vec![rows / n; n], comm.rank())?;
-    let out = detached_from(data, &x);
+    let data = own_rows(&comm.read(&x), &vec![rows / n; n], comm.rank())?;
+    let out = comm.upload(data, &x.device());
     Ok(link(
         x,
         out,
@@ -528,8 +553,11 @@ pub fn gather_from_sequence_parallel_region<const D: usize>(
         return Ok(x);
     }
     let site = Location::caller();
-    let (data, sizes) = comm.inner.all_gather_v(x.to_data(), site)?;
-    let out = detached_from(data, &x);
+    let (out, sizes) = comm.run(
+        &x,
+        |dc, buf| dc.all_gather_v(buf, site),
+        |c, data| c.all_gather_v(data, site),
+    )?;
     let grad = if tensor_parallel_output_grad {
         GradCollective::ReduceScatter {
             comm: comm.clone(),

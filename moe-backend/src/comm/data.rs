@@ -22,24 +22,6 @@ pub(crate) fn trailing(data: &TensorData) -> Vec<usize> {
     data.shape().iter().skip(1).copied().collect()
 }
 
-/// Concatenates byte blocks of whole rows along dim 0.
-pub(crate) fn concat_rows<'a>(
-    parts: impl IntoIterator<Item = &'a [u8]>,
-    rows: usize,
-    trailing: &[usize],
-    dtype: DType,
-) -> TensorData {
-    let row_bytes = trailing.iter().product::<usize>() * dtype.size();
-    let mut bytes = Vec::with_capacity(rows * row_bytes);
-    for part in parts {
-        bytes.extend_from_slice(part);
-    }
-    let mut shape = Vec::with_capacity(trailing.len() + 1);
-    shape.push(rows);
-    shape.extend_from_slice(trailing);
-    TensorData::from_bytes_vec(bytes, shape, dtype)
-}
-
 /// `data` split along dim 0 into consecutive byte blocks of `splits` rows.
 pub(crate) fn split_rows<'a>(data: &'a TensorData, splits: &[usize]) -> Vec<&'a [u8]> {
     let (_, row_bytes) = rows_and_row_bytes(data);
@@ -54,16 +36,6 @@ pub(crate) fn split_rows<'a>(data: &'a TensorData, splits: &[usize]) -> Vec<&'a 
             block
         })
         .collect()
-}
-
-/// An owned tensor of `rows` rows made from one byte block.
-pub(crate) fn rows_to_data(
-    block: &[u8],
-    rows: usize,
-    trailing: &[usize],
-    dtype: DType,
-) -> TensorData {
-    concat_rows([block], rows, trailing, dtype)
 }
 
 /// Element-wise reduction of same-shape byte blocks of `dtype`, summed in the given order.

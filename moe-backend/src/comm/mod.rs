@@ -27,11 +27,15 @@
 //!
 //! # Devices
 //!
-//! Tensors may live on any device (Flex, or a Cube device with feature `cube`). A group of
-//! several members exchanges host bytes: the tensor is read back, passed to the
-//! [`Communicator`] and the result uploaded to the tensor's device. A group of one member
-//! never touches the host: every collective returns its input (after the same argument
-//! checks), so a single-rank run stays on the device.
+//! Tensors may live on any device (Flex, or a Cube device with feature `cube`). When the
+//! transport offers a [`DeviceCommunicator`] for the tensor's buffer
+//! ([`Communicator::device`]), a group of several members runs the collective on the
+//! tensor's own storage ([`DeviceBuffer`], module `buffer`): the threads and the
+//! point-to-point transports (TCP, MPI, NCCL host-staged) do so for CPU (Flex) tensors.
+//! Otherwise the tensor is read back, passed to the [`Communicator`] and the result uploaded
+//! to the tensor's device ([`Comm::host_transfers`] counts these transfers). A group of one
+//! member never touches the host: every collective returns its input (after the same
+//! argument checks), so a single-rank run stays on the device.
 //!
 //! # Transports
 //!
@@ -47,6 +51,7 @@
 //! checks and reduction order, so results are bit for bit those of the threads.
 
 pub mod autograd;
+mod buffer;
 mod ctx;
 mod data;
 pub mod launch;
@@ -63,11 +68,13 @@ mod tests;
 use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::{Bool, DType, Device, Float, Int, Tensor, TensorData};
 
 use crate::error::{BackendError, Result};
 
+pub use buffer::{BufferKind, DeviceBuffer, DeviceCommunicator};
 pub use ctx::{GroupComms, RankCtx};
 pub use local::{World, WorldConfig};
 
@@ -156,6 +163,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn traffic(&self) -> Traffic {
         Traffic::default()
     }
+    /// The transport's collectives on device buffers ([`DeviceCommunicator`]), if it has
+    /// them; [`Comm`] uses them for tensors whose buffers they
+    /// [accept](DeviceCommunicator::accepts) and stages the others through the host.
+    fn device(&self) -> Option<&dyn DeviceCommunicator> {
+        None
+    }
 }
 
 /// Tensor kinds the collectives accept; float collectives are differentiable.
@@ -213,6 +226,8 @@ impl CollectiveKind for Bool {
 #[derive(Clone, Debug)]
 pub struct Comm {
     inner: Arc<dyn Communicator>,
+    /// Host transfers made by the host-staged path (shared by the clones).
+    staged: Arc<AtomicU64>,
 }
 
 fn to_tensor<const D: usize, K: CollectiveKind>(data: TensorData, device: &Device) -> Tensor<D, K> {
@@ -223,7 +238,95 @@ fn to_tensor<const D: usize, K: CollectiveKind>(data: TensorData, device: &Devic
 impl Comm {
     /// Wraps a transport.
     pub fn new(inner: Arc<dyn Communicator>) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            staged: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Host transfers of the host-staged path so far on this group (every read of a tensor
+    /// into host [`TensorData`] and every upload of a result, in collectives and their
+    /// backward passes). The device-buffer path ([`DeviceCommunicator`]) makes none.
+    pub fn host_transfers(&self) -> u64 {
+        self.staged.load(Ordering::Relaxed)
+    }
+
+    /// Reads `tensor` to the host (counted).
+    fn read<const D: usize, K: CollectiveKind>(&self, tensor: &Tensor<D, K>) -> TensorData {
+        self.staged.fetch_add(1, Ordering::Relaxed);
+        tensor.to_data()
+    }
+
+    /// Uploads host `data` to `device` (counted).
+    fn upload<const D: usize, K: CollectiveKind>(
+        &self,
+        data: TensorData,
+        device: &Device,
+    ) -> Tensor<D, K> {
+        self.staged.fetch_add(1, Ordering::Relaxed);
+        to_tensor(data, device)
+    }
+
+    /// Runs a collective on `tensor`: `on_device` on its buffer when the transport takes
+    /// buffers of its device (no host transfer), else `on_host` on its host data (read back,
+    /// then the result uploaded to the tensor's device). Returns the (untracked) result and
+    /// `on_*`'s extra output.
+    fn run<const D: usize, K: CollectiveKind, X>(
+        &self,
+        tensor: &Tensor<D, K>,
+        on_device: impl FnOnce(&dyn DeviceCommunicator, DeviceBuffer) -> Result<(DeviceBuffer, X)>,
+        on_host: impl FnOnce(&dyn Communicator, TensorData) -> Result<(TensorData, X)>,
+    ) -> Result<(Tensor<D, K>, X)> {
+        if let Some(dc) = self.inner.device()
+            && let Some((buf, wrap)) = buffer::take(tensor.clone())
+            && dc.accepts(buf.kind())
+        {
+            let (out, extra) = on_device(dc, buf)?;
+            return Ok((wrap.wrap(out), extra));
+        }
+        let (out, extra) = on_host(self.inner.as_ref(), self.read(tensor))?;
+        Ok((self.upload(out, &tensor.device()), extra))
+    }
+
+    /// [`Comm::run`] on a backend primitive (the backward passes of [`autograd`]).
+    pub(crate) fn run_primitive<B: burn::backend::Backend>(
+        &self,
+        grad: burn::backend::tensor::FloatTensor<B>,
+        on_device: impl FnOnce(&dyn DeviceCommunicator, DeviceBuffer) -> Result<DeviceBuffer>,
+        on_host: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData>,
+    ) -> Result<burn::backend::tensor::FloatTensor<B>> {
+        use burn::backend::TensorMetadata;
+        let grad = match buffer::primitive_buffer::<B>(grad) {
+            Ok(buf) => match self.inner.device() {
+                Some(dc) if dc.accepts(buf.kind()) => {
+                    return buffer::buffer_primitive::<B>(on_device(dc, buf)?);
+                }
+                _ => buffer::buffer_primitive::<B>(buf)?,
+            },
+            Err(grad) => grad,
+        };
+        let device = grad.device();
+        self.staged.fetch_add(1, Ordering::Relaxed);
+        let data = match burn::tensor::try_read_sync(B::float_into_data(grad)) {
+            Some(Ok(data)) => data,
+            Some(Err(e)) => {
+                return Err(BackendError::Collective {
+                    op: "backward",
+                    group: self.group_name(),
+                    detail: format!("reading the gradient failed: {e:?}"),
+                });
+            }
+            None => {
+                return Err(BackendError::Collective {
+                    op: "backward",
+                    group: self.group_name(),
+                    detail: "the backend cannot read tensors synchronously".into(),
+                });
+            }
+        };
+        let out = on_host(self.inner.as_ref(), data)?;
+        self.staged.fetch_add(1, Ordering::Relaxed);
+        Ok(B::float_from_data(out, &device))
     }
 
     /// The transport.
@@ -314,14 +417,17 @@ impl Comm {
         if self.single() {
             return Ok(tensor);
         }
-        let device = tensor.device();
-        let out = self.inner.all_reduce(tensor.to_data(), op, site)?;
+        let (out, ()) = self.run(
+            &tensor,
+            |dc, buf| Ok((dc.all_reduce(buf, op, site)?, ())),
+            |c, data| Ok((c.all_reduce(data, op, site)?, ())),
+        )?;
         let grad = match op {
             ReduceOp::Sum => autograd::GradCollective::Identity,
             ReduceOp::Mean => autograd::GradCollective::Scale(1.0 / self.size() as f64),
             ReduceOp::Max => autograd::GradCollective::NotDifferentiable("all_reduce(max)"),
         };
-        Ok(K::link(tensor, to_tensor(out, &device), grad))
+        Ok(K::link(tensor, out, grad))
     }
 
     /// Agreement on boolean flags (one collective, on `device`, the caller's compute device):
@@ -400,14 +506,17 @@ impl Comm {
             let rows = tensor.dims().first().copied().unwrap_or(0);
             return Ok((tensor, vec![rows]));
         }
-        let device = tensor.device();
-        let (out, sizes) = self.inner.all_gather_v(tensor.to_data(), site)?;
+        let (out, sizes) = self.run(
+            &tensor,
+            |dc, buf| dc.all_gather_v(buf, site),
+            |c, data| c.all_gather_v(data, site),
+        )?;
         let grad = autograd::GradCollective::ReduceScatter {
             comm: self.clone(),
             splits: sizes.clone(),
             site,
         };
-        Ok((K::link(tensor, to_tensor(out, &device), grad), sizes))
+        Ok((K::link(tensor, out, grad), sizes))
     }
 
     /// Reduction over the group of equal blocks of dim 0; member `j` gets block `j` (dim 0
@@ -458,10 +567,11 @@ impl Comm {
             self.check_single_splits("reduce_scatter", &tensor, "splits", splits, site)?;
             return Ok(tensor);
         }
-        let device = tensor.device();
-        let out = self
-            .inner
-            .reduce_scatter_v(tensor.to_data(), splits, op, site)?;
+        let (out, ()) = self.run(
+            &tensor,
+            |dc, buf| Ok((dc.reduce_scatter_v(buf, splits, op, site)?, ())),
+            |c, data| Ok((c.reduce_scatter_v(data, splits, op, site)?, ())),
+        )?;
         let grad = match op {
             ReduceOp::Max => autograd::GradCollective::NotDifferentiable("reduce_scatter(max)"),
             _ => autograd::GradCollective::AllGather {
@@ -474,7 +584,7 @@ impl Comm {
                 site,
             },
         };
-        Ok(K::link(tensor, to_tensor(out, &device), grad))
+        Ok(K::link(tensor, out, grad))
     }
 
     /// Variable all-to-all along dim 0: block `j` of `send_splits` goes to member `j`; the
@@ -494,17 +604,18 @@ impl Comm {
             self.check_single_splits(OP, &tensor, "recv_splits", recv_splits, site)?;
             return Ok(tensor);
         }
-        let device = tensor.device();
-        let out = self
-            .inner
-            .all_to_all_v(tensor.to_data(), send_splits, recv_splits, site)?;
+        let (out, ()) = self.run(
+            &tensor,
+            |dc, buf| Ok((dc.all_to_all_v(buf, send_splits, recv_splits, site)?, ())),
+            |c, data| Ok((c.all_to_all_v(data, send_splits, recv_splits, site)?, ())),
+        )?;
         let grad = autograd::GradCollective::AllToAll {
             comm: self.clone(),
             send_splits: recv_splits.to_vec(),
             recv_splits: send_splits.to_vec(),
             site,
         };
-        Ok(K::link(tensor, to_tensor(out, &device), grad))
+        Ok(K::link(tensor, out, grad))
     }
 
     /// Member `root`'s tensor on every member (all pass the same shape). Backward: the
@@ -526,14 +637,17 @@ impl Comm {
             }
             return Ok(tensor);
         }
-        let device = tensor.device();
-        let out = self.inner.broadcast(tensor.to_data(), root, site)?;
+        let (out, ()) = self.run(
+            &tensor,
+            |dc, buf| Ok((dc.broadcast(buf, root, site)?, ())),
+            |c, data| Ok((c.broadcast(data, root, site)?, ())),
+        )?;
         let grad = autograd::GradCollective::ReduceToRoot {
             comm: self.clone(),
             root,
             site,
         };
-        Ok(K::link(tensor, to_tensor(out, &device), grad))
+        Ok(K::link(tensor, out, grad))
     }
 
     /// Sends `tensor` to member `dst` (not differentiable).
@@ -543,7 +657,15 @@ impl Comm {
         tensor: Tensor<D, K>,
         dst: usize,
     ) -> Result<()> {
-        self.inner.send(tensor.into_data(), dst, Location::caller())
+        let site = Location::caller();
+        if let Some(dc) = self.inner.device()
+            && let Some((buf, _)) = buffer::take(tensor.clone())
+            && dc.accepts(buf.kind())
+        {
+            return dc.send(buf, dst, site);
+        }
+        self.staged.fetch_add(1, Ordering::Relaxed);
+        self.inner.send(tensor.into_data(), dst, site)
     }
 
     /// Receives a tensor of `shape` and `dtype` from member `src` onto `device` (not
@@ -556,8 +678,15 @@ impl Comm {
         src: usize,
         device: &Device,
     ) -> Result<Tensor<D, K>> {
-        let data = self.inner.recv(&shape, dtype, src, Location::caller())?;
-        Ok(to_tensor(data, device))
+        let site = Location::caller();
+        if let Some(dc) = self.inner.device()
+            && let Some((like, wrap)) = buffer::Rewrap::of_device::<K>(device)
+            && dc.accepts(like.kind())
+        {
+            return Ok(wrap.wrap(dc.recv(&shape, dtype, src, &like, site)?));
+        }
+        let data = self.inner.recv(&shape, dtype, src, site)?;
+        Ok(self.upload(data, device))
     }
 
     /// Payload traffic this member has issued on the group so far.

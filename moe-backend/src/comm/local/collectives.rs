@@ -1,43 +1,58 @@
 //! The collectives of [`LocalComm`]: split, exchange through the rendezvous, check the
-//! members' arguments against each other, and assemble the result.
+//! members' arguments against each other, and assemble the result. They work on
+//! [`HostBuffer`]s, so the host path (`TensorData`) and the device path (Flex storage) are
+//! one code path; blocks travel as ranges of the sender's buffer, copied once, into the
+//! receiver's result.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use burn::tensor::{DType, TensorData};
+use burn::tensor::DType;
 
 use super::rendezvous::LocalComm;
 use super::{Mail, Payload};
-use crate::comm::data::{concat_rows, reduce_blocks, rows_to_data, split_rows, trailing};
-use crate::comm::{CallSite, Communicator, ReduceOp, Traffic};
+use crate::comm::buffer::{HostBuffer, HostCollectives};
+use crate::comm::data::reduce_blocks;
+use crate::comm::{CallSite, ReduceOp, Traffic};
 use crate::error::{BackendError, Result};
 
-fn payloads(data: &TensorData, splits: &[usize]) -> Vec<Option<Payload>> {
-    let tail = trailing(data);
-    split_rows(data, splits)
+/// One payload per member: the blocks of `splits` rows of `buf`, shared, not copied.
+fn payloads(buf: HostBuffer, splits: &[usize]) -> Vec<Option<Payload>> {
+    let ranges = buf.row_ranges(splits);
+    let buf = Arc::new(buf);
+    ranges
         .into_iter()
-        .zip(splits)
-        .map(|(block, &rows)| Some(Arc::new(rows_to_data(block, rows, &tail, data.dtype()))))
+        .map(|range| {
+            Some(Payload {
+                buf: Arc::clone(&buf),
+                range,
+            })
+        })
         .collect()
 }
 
-impl Communicator for LocalComm {
-    fn rank(&self) -> usize {
+impl HostCollectives for LocalComm {
+    fn member(&self) -> usize {
         self.index
     }
 
-    fn ranks(&self) -> &[usize] {
+    fn members(&self) -> &[usize] {
         &self.ranks
     }
 
-    fn all_reduce(&self, data: TensorData, op: ReduceOp, site: CallSite) -> Result<TensorData> {
+    fn host_all_reduce(
+        &self,
+        data: HostBuffer,
+        op: ReduceOp,
+        site: CallSite,
+    ) -> Result<HostBuffer> {
         const OP: &str = "all_reduce";
         let mut sig = self.sig(OP, &data, site);
         sig.param = format!("{op:?}");
         let shared = Arc::new(data);
-        let outgoing = vec![Some(Arc::clone(&shared)); self.ranks.len()];
+        let outgoing = vec![Some(Payload::whole(&shared)); self.ranks.len()];
         let got = self.exchange(sig, outgoing)?;
         self.agree(
             OP,
@@ -55,24 +70,28 @@ impl Communicator for LocalComm {
         )?;
         let parts: Vec<&[u8]> = got
             .iter()
-            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .filter_map(|(_, p)| p.as_ref().map(Payload::bytes))
             .collect();
         let bytes = reduce_blocks(OP, &self.group(), &parts, shared.dtype(), op)?;
-        Ok(TensorData::from_bytes_vec(
+        Ok(HostBuffer::from_bytes(
             bytes,
             shared.shape().to_vec(),
             shared.dtype(),
         ))
     }
 
-    fn all_gather_v(&self, data: TensorData, site: CallSite) -> Result<(TensorData, Vec<usize>)> {
+    fn host_all_gather_v(
+        &self,
+        data: HostBuffer,
+        site: CallSite,
+    ) -> Result<(HostBuffer, Vec<usize>)> {
         const OP: &str = "all_gather";
-        if data.shape().as_slice().is_empty() {
+        if data.shape().is_empty() {
             return Err(self.error(OP, format!("a 0-d tensor has no dim 0 (at {site})")));
         }
         let sig = self.sig(OP, &data, site);
         let shared = Arc::new(data);
-        let got = self.exchange(sig, vec![Some(Arc::clone(&shared)); self.ranks.len()])?;
+        let got = self.exchange(sig, vec![Some(Payload::whole(&shared)); self.ranks.len()])?;
         self.agree(
             OP,
             &got,
@@ -83,30 +102,31 @@ impl Communicator for LocalComm {
         let sizes: Vec<usize> = got.iter().map(|(s, _)| s.shape[0]).collect();
         let blocks: Vec<&[u8]> = got
             .iter()
-            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .filter_map(|(_, p)| p.as_ref().map(Payload::bytes))
             .collect();
-        let out = concat_rows(
+        let out = HostBuffer::concat(
             blocks,
             sizes.iter().sum(),
-            &trailing(&shared),
+            shared.trailing(),
             shared.dtype(),
         );
         Ok((out, sizes))
     }
 
-    fn reduce_scatter_v(
+    fn host_reduce_scatter_v(
         &self,
-        data: TensorData,
+        data: HostBuffer,
         splits: &[usize],
         op: ReduceOp,
         site: CallSite,
-    ) -> Result<TensorData> {
+    ) -> Result<HostBuffer> {
         const OP: &str = "reduce_scatter";
         self.check_splits(OP, &data, splits, "splits", site)?;
         let mut sig = self.sig(OP, &data, site);
         sig.splits = splits.to_vec();
         sig.param = format!("{op:?}");
-        let outgoing = payloads(&data, splits);
+        let (shape, dtype) = (data.shape().to_vec(), data.dtype());
+        let outgoing = payloads(data, splits);
         let got = self.exchange(sig, outgoing)?;
         self.agree(
             OP,
@@ -131,21 +151,21 @@ impl Communicator for LocalComm {
         )?;
         let parts: Vec<&[u8]> = got
             .iter()
-            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .filter_map(|(_, p)| p.as_ref().map(Payload::bytes))
             .collect();
-        let bytes = reduce_blocks(OP, &self.group(), &parts, data.dtype(), op)?;
-        let mut shape = data.shape().to_vec();
+        let bytes = reduce_blocks(OP, &self.group(), &parts, dtype, op)?;
+        let mut shape = shape;
         shape[0] = splits[self.index];
-        Ok(TensorData::from_bytes_vec(bytes, shape, data.dtype()))
+        Ok(HostBuffer::from_bytes(bytes, shape, dtype))
     }
 
-    fn all_to_all_v(
+    fn host_all_to_all_v(
         &self,
-        data: TensorData,
+        data: HostBuffer,
         send_splits: &[usize],
         recv_splits: &[usize],
         site: CallSite,
-    ) -> Result<TensorData> {
+    ) -> Result<HostBuffer> {
         const OP: &str = "all_to_all_v";
         self.check_splits(OP, &data, send_splits, "send_splits", site)?;
         if recv_splits.len() != self.ranks.len() {
@@ -161,7 +181,8 @@ impl Communicator for LocalComm {
         let mut sig = self.sig(OP, &data, site);
         sig.splits = send_splits.to_vec();
         sig.recv_splits = recv_splits.to_vec();
-        let outgoing = payloads(&data, send_splits);
+        let (trailing, dtype) = (data.trailing().to_vec(), data.dtype());
+        let outgoing = payloads(data, send_splits);
         let got = self.exchange(sig, outgoing)?;
         self.agree(
             OP,
@@ -195,17 +216,17 @@ impl Communicator for LocalComm {
         }
         let blocks: Vec<&[u8]> = got
             .iter()
-            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes()))
+            .filter_map(|(_, p)| p.as_ref().map(Payload::bytes))
             .collect();
-        Ok(concat_rows(
+        Ok(HostBuffer::concat(
             blocks,
             recv_splits.iter().sum(),
-            &trailing(&data),
-            data.dtype(),
+            &trailing,
+            dtype,
         ))
     }
 
-    fn broadcast(&self, data: TensorData, root: usize, site: CallSite) -> Result<TensorData> {
+    fn host_broadcast(&self, data: HostBuffer, root: usize, site: CallSite) -> Result<HostBuffer> {
         const OP: &str = "broadcast";
         if root >= self.ranks.len() {
             return Err(self.error(
@@ -219,7 +240,7 @@ impl Communicator for LocalComm {
         let mut sig = self.sig(OP, &data, site);
         sig.param = root.to_string();
         let outgoing = if self.index == root {
-            vec![Some(Arc::new(data)); self.ranks.len()]
+            vec![Some(Payload::whole(&Arc::new(data))); self.ranks.len()]
         } else {
             vec![None; self.ranks.len()]
         };
@@ -241,18 +262,18 @@ impl Communicator for LocalComm {
         got.into_iter()
             .nth(root)
             .and_then(|(_, p)| p)
-            .map(|p| Arc::try_unwrap(p).unwrap_or_else(|shared| (*shared).clone()))
+            .map(|p| Arc::try_unwrap(p.buf).unwrap_or_else(|shared| shared.duplicate()))
             .ok_or_else(|| self.error(OP, format!("no data from root {root} (at {site})")))
     }
 
-    fn send(&self, data: TensorData, dst: usize, site: CallSite) -> Result<()> {
+    fn host_send(&self, data: HostBuffer, dst: usize, site: CallSite) -> Result<()> {
         const OP: &str = "send";
         let Some(&to) = self.ranks.get(dst) else {
             return Err(self.error(OP, format!("destination {dst} out of range (at {site})")));
         };
         let sig = self.sig(OP, &data, site);
         if to != self.me() {
-            self.count(data.as_bytes().len());
+            self.count(data.bytes().len());
         }
         let mut st = self.shared.lock();
         if let Some(failure) = &st.failure {
@@ -267,13 +288,13 @@ impl Communicator for LocalComm {
         Ok(())
     }
 
-    fn recv(
+    fn host_recv(
         &self,
         shape: &[usize],
         dtype: DType,
         src: usize,
         site: CallSite,
-    ) -> Result<TensorData> {
+    ) -> Result<HostBuffer> {
         const OP: &str = "recv";
         let Some(&from) = self.ranks.get(src) else {
             return Err(self.error(OP, format!("source {src} out of range (at {site})")));
@@ -335,15 +356,15 @@ impl Communicator for LocalComm {
         Ok(mail.data)
     }
 
-    fn traffic(&self) -> Traffic {
+    fn host_traffic(&self) -> Traffic {
         Traffic {
             calls: self.calls.load(Ordering::Relaxed),
             bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
         }
     }
 
-    fn barrier(&self, site: CallSite) -> Result<()> {
-        let empty = TensorData::new(Vec::<f32>::new(), [0]);
+    fn host_barrier(&self, site: CallSite) -> Result<()> {
+        let empty = HostBuffer::from_bytes(Vec::new(), vec![0], DType::F32);
         let sig = self.sig("barrier", &empty, site);
         self.exchange(sig, vec![None; self.ranks.len()]).map(|_| ())
     }

@@ -11,8 +11,11 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use burn::tensor::{DType, TensorData};
+use std::ops::Range;
 
+use burn::tensor::DType;
+
+use super::buffer::HostBuffer;
 use super::ctx::{RankCtx, Transport, catch_rank};
 use super::{CallSite, Comm};
 use crate::error::{BackendError, Result};
@@ -40,7 +43,26 @@ impl Default for WorldConfig {
     }
 }
 
-type Payload = Arc<TensorData>;
+/// Bytes one member addresses to another: a range of a buffer shared between the threads
+/// (a block of the sender's tensor is not copied until the receiver assembles its result).
+#[derive(Clone)]
+struct Payload {
+    buf: Arc<HostBuffer>,
+    range: Range<usize>,
+}
+
+impl Payload {
+    fn whole(buf: &Arc<HostBuffer>) -> Self {
+        Self {
+            buf: Arc::clone(buf),
+            range: 0..buf.bytes().len(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf.bytes()[self.range.clone()]
+    }
+}
 
 #[derive(Debug, Clone)]
 struct Signature {
@@ -68,7 +90,7 @@ struct Slot {
 
 struct Mail {
     sig: Signature,
-    data: TensorData,
+    data: HostBuffer,
 }
 
 #[derive(Default)]

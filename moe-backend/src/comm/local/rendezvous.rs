@@ -6,11 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use burn::tensor::TensorData;
-
 use super::{Payload, Post, Shared, Signature, Slot};
 use crate::comm::CallSite;
-use crate::comm::data::rows_and_row_bytes;
+use crate::comm::buffer::HostBuffer;
 use crate::error::{BackendError, Result};
 
 /// Transport of one group inside a [`World`].
@@ -82,7 +80,7 @@ impl LocalComm {
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != self.index)
-            .filter_map(|(_, p)| p.as_ref().map(|d| d.as_bytes().len()))
+            .filter_map(|(_, p)| p.as_ref().map(|d| d.bytes().len()))
             .sum();
         self.count(bytes);
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
@@ -188,7 +186,7 @@ impl LocalComm {
         Ok(received)
     }
 
-    pub(super) fn sig(&self, op: &'static str, data: &TensorData, site: CallSite) -> Signature {
+    pub(super) fn sig(&self, op: &'static str, data: &HostBuffer, site: CallSite) -> Signature {
         Signature {
             op,
             dtype: data.dtype(),
@@ -232,7 +230,7 @@ impl LocalComm {
     pub(super) fn check_splits(
         &self,
         op: &'static str,
-        data: &TensorData,
+        data: &HostBuffer,
         splits: &[usize],
         what: &str,
         site: CallSite,
@@ -247,9 +245,9 @@ impl LocalComm {
                 ),
             ));
         }
-        let (rows, _) = rows_and_row_bytes(data);
+        let (rows, _) = data.rows_and_row_bytes();
         let sum: usize = splits.iter().sum();
-        if sum != rows || data.shape().as_slice().is_empty() {
+        if sum != rows || data.shape().is_empty() {
             return Err(self.error(
                 op,
                 format!(

@@ -6,7 +6,7 @@
 //! then `dtype` (32 bytes), `site` (160 bytes), `error` (224 bytes), each NUL-padded and cut
 //! at a character boundary if longer. Point-to-point messages use `n = 0`.
 
-use burn::tensor::{DType, TensorData};
+use burn::tensor::DType;
 
 use super::super::{CallSite, ReduceOp};
 
@@ -122,10 +122,6 @@ impl Header {
     }
 
     /// Records the dtype and shape of `data`.
-    pub(super) fn set_tensor(&mut self, data: &TensorData) {
-        self.set_shape(data.shape().as_slice(), data.dtype());
-    }
-
     pub(super) fn set_shape(&mut self, shape: &[usize], dtype: DType) {
         self.ndim = shape.len();
         for (d, &s) in self.dims.iter_mut().zip(shape) {

@@ -27,10 +27,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, TensorData};
+use burn::tensor::DType;
 
-use super::data::{concat_rows, reduce_blocks, rows_and_row_bytes, split_rows, trailing};
-use super::{CallSite, Communicator, ReduceOp, Traffic};
+use super::buffer::{HostBuffer, HostCollectives};
+use super::data::reduce_blocks;
+use super::{CallSite, ReduceOp, Traffic};
 use crate::error::{BackendError, Result};
 
 mod header;
@@ -200,14 +201,14 @@ impl<L: Links> P2pComm<L> {
     fn begin(
         &self,
         op: Op,
-        data: &TensorData,
+        data: &HostBuffer,
         mut header: Header,
         local: std::result::Result<(), String>,
         site: CallSite,
     ) -> Result<Vec<Header>> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         header.seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        header.set_tensor(data);
+        header.set_shape(data.shape(), data.dtype());
         header.set_site(site);
         let local = local.and_then(|()| header.tensor_problem().map_or(Ok(()), Err));
         if let Err(message) = &local {
@@ -237,7 +238,7 @@ impl<L: Links> P2pComm<L> {
         Ok(headers)
     }
 
-    fn splits_check(&self, data: &TensorData, splits: &[usize], what: &str) -> Option<String> {
+    fn splits_check(&self, data: &HostBuffer, splits: &[usize], what: &str) -> Option<String> {
         let n = self.n();
         if splits.len() != n {
             return Some(format!(
@@ -245,9 +246,9 @@ impl<L: Links> P2pComm<L> {
                 splits.len()
             ));
         }
-        let (rows, _) = rows_and_row_bytes(data);
+        let (rows, _) = data.rows_and_row_bytes();
         let sum: usize = splits.iter().sum();
-        if sum != rows || data.shape().as_slice().is_empty() {
+        if sum != rows || data.shape().is_empty() {
             return Some(format!(
                 "{what} {splits:?} sum to {sum} but the tensor has {rows} rows"
             ));
@@ -260,16 +261,21 @@ fn verdict(problem: Option<String>) -> std::result::Result<(), String> {
     problem.map_or(Ok(()), Err)
 }
 
-impl<L: Links> Communicator for P2pComm<L> {
-    fn rank(&self) -> usize {
+impl<L: Links> HostCollectives for P2pComm<L> {
+    fn member(&self) -> usize {
         self.me()
     }
 
-    fn ranks(&self) -> &[usize] {
+    fn members(&self) -> &[usize] {
         self.links.ranks()
     }
 
-    fn all_reduce(&self, data: TensorData, op: ReduceOp, site: CallSite) -> Result<TensorData> {
+    fn host_all_reduce(
+        &self,
+        data: HostBuffer,
+        op: ReduceOp,
+        site: CallSite,
+    ) -> Result<HostBuffer> {
         const OP: &str = "all_reduce";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let mut header = Header::new(Op::AllReduce);
@@ -278,7 +284,7 @@ impl<L: Links> Communicator for P2pComm<L> {
         let (n, me) = (self.n(), self.me());
         let dtype = data.dtype();
         let elem = dtype.size();
-        let bytes = data.as_bytes();
+        let bytes = data.bytes();
         let shape = data.shape().to_vec();
         let group = self.group();
         if bytes.len() <= SMALL_ALL_REDUCE || n == 1 {
@@ -290,7 +296,7 @@ impl<L: Links> Communicator for P2pComm<L> {
                 .map(|b| b.as_deref().unwrap_or_default())
                 .collect();
             let out = reduce_blocks(OP, &group, &parts, dtype, op)?;
-            return Ok(TensorData::from_bytes_vec(out, shape, dtype));
+            return Ok(HostBuffer::from_bytes(out, shape, dtype));
         }
         let elems = bytes.len() / elem;
         let range = |j: usize| {
@@ -316,15 +322,18 @@ impl<L: Links> Communicator for P2pComm<L> {
         for part in got.iter().flatten() {
             out.extend_from_slice(part);
         }
-        Ok(TensorData::from_bytes_vec(out, shape, dtype))
+        Ok(HostBuffer::from_bytes(out, shape, dtype))
     }
 
-    fn all_gather_v(&self, data: TensorData, site: CallSite) -> Result<(TensorData, Vec<usize>)> {
+    fn host_all_gather_v(
+        &self,
+        data: HostBuffer,
+        site: CallSite,
+    ) -> Result<(HostBuffer, Vec<usize>)> {
         const OP: &str = "all_gather";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let local = verdict(
             data.shape()
-                .as_slice()
                 .is_empty()
                 .then(|| "a 0-d tensor has no dim 0".to_string()),
         );
@@ -336,28 +345,28 @@ impl<L: Links> Communicator for P2pComm<L> {
             site,
         )?;
         let n = self.n();
-        let (_, row_bytes) = rows_and_row_bytes(&data);
+        let (_, row_bytes) = data.rows_and_row_bytes();
         let sizes: Vec<usize> = headers.iter().map(|h| h.rows()).collect();
-        let sends = vec![Some(data.as_bytes()); n];
+        let sends = vec![Some(data.bytes()); n];
         self.count(&sends);
         let lens: Vec<Option<usize>> = sizes.iter().map(|&r| Some(r * row_bytes)).collect();
         let got = self.round(OP, &sends, &lens, site)?;
-        let out = concat_rows(
+        let out = HostBuffer::concat(
             got.iter().map(|b| b.as_deref().unwrap_or_default()),
             sizes.iter().sum(),
-            &trailing(&data),
+            data.trailing(),
             data.dtype(),
         );
         Ok((out, sizes))
     }
 
-    fn reduce_scatter_v(
+    fn host_reduce_scatter_v(
         &self,
-        data: TensorData,
+        data: HostBuffer,
         splits: &[usize],
         op: ReduceOp,
         site: CallSite,
-    ) -> Result<TensorData> {
+    ) -> Result<HostBuffer> {
         const OP: &str = "reduce_scatter";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let problem = self.splits_check(&data, splits, "splits");
@@ -368,9 +377,13 @@ impl<L: Links> Communicator for P2pComm<L> {
         }
         self.begin(Op::ReduceScatter, &data, header, verdict(problem), site)?;
         let me = self.me();
-        let (_, row_bytes) = rows_and_row_bytes(&data);
-        let blocks = split_rows(&data, splits);
-        let sends: Vec<Option<&[u8]>> = blocks.into_iter().map(Some).collect();
+        let (_, row_bytes) = data.rows_and_row_bytes();
+        let all = data.bytes();
+        let sends: Vec<Option<&[u8]>> = data
+            .row_ranges(splits)
+            .into_iter()
+            .map(|r| Some(&all[r]))
+            .collect();
         self.count(&sends);
         let mine = splits[me] * row_bytes;
         let got = self.round(OP, &sends, &vec![Some(mine); self.n()], site)?;
@@ -381,16 +394,16 @@ impl<L: Links> Communicator for P2pComm<L> {
         let bytes = reduce_blocks(OP, &self.group(), &parts, data.dtype(), op)?;
         let mut shape = data.shape().to_vec();
         shape[0] = splits[me];
-        Ok(TensorData::from_bytes_vec(bytes, shape, data.dtype()))
+        Ok(HostBuffer::from_bytes(bytes, shape, data.dtype()))
     }
 
-    fn all_to_all_v(
+    fn host_all_to_all_v(
         &self,
-        data: TensorData,
+        data: HostBuffer,
         send_splits: &[usize],
         recv_splits: &[usize],
         site: CallSite,
-    ) -> Result<TensorData> {
+    ) -> Result<HostBuffer> {
         const OP: &str = "all_to_all_v";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let n = self.n();
@@ -410,23 +423,25 @@ impl<L: Links> Communicator for P2pComm<L> {
             header.recv_splits = recv_splits.iter().map(|&s| s as u64).collect();
         }
         self.begin(Op::AllToAll, &data, header, verdict(problem), site)?;
-        let (_, row_bytes) = rows_and_row_bytes(&data);
-        let sends: Vec<Option<&[u8]>> = split_rows(&data, send_splits)
+        let (_, row_bytes) = data.rows_and_row_bytes();
+        let all = data.bytes();
+        let sends: Vec<Option<&[u8]>> = data
+            .row_ranges(send_splits)
             .into_iter()
-            .map(Some)
+            .map(|r| Some(&all[r]))
             .collect();
         self.count(&sends);
         let lens: Vec<Option<usize>> = recv_splits.iter().map(|&r| Some(r * row_bytes)).collect();
         let got = self.round(OP, &sends, &lens, site)?;
-        Ok(concat_rows(
+        Ok(HostBuffer::concat(
             got.iter().map(|b| b.as_deref().unwrap_or_default()),
             recv_splits.iter().sum(),
-            &trailing(&data),
+            data.trailing(),
             data.dtype(),
         ))
     }
 
-    fn broadcast(&self, data: TensorData, root: usize, site: CallSite) -> Result<TensorData> {
+    fn host_broadcast(&self, data: HostBuffer, root: usize, site: CallSite) -> Result<HostBuffer> {
         const OP: &str = "broadcast";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let n = self.n();
@@ -436,50 +451,50 @@ impl<L: Links> Communicator for P2pComm<L> {
         header.param = root as u64;
         self.begin(Op::Broadcast, &data, header, local, site)?;
         if self.me() == root {
-            let sends = vec![Some(data.as_bytes()); n];
+            let sends = vec![Some(data.bytes()); n];
             self.count(&sends);
             self.round(OP, &sends, &vec![None; n], site)?;
             return Ok(data);
         }
         let mut lens = vec![None; n];
-        lens[root] = Some(data.as_bytes().len());
+        lens[root] = Some(data.bytes().len());
         let mut got = self.round(OP, &vec![None; n], &lens, site)?;
         let bytes = got[root].take().unwrap_or_default();
-        Ok(TensorData::from_bytes_vec(
+        Ok(HostBuffer::from_bytes(
             bytes,
             data.shape().to_vec(),
             data.dtype(),
         ))
     }
 
-    fn send(&self, data: TensorData, dst: usize, site: CallSite) -> Result<()> {
+    fn host_send(&self, data: HostBuffer, dst: usize, site: CallSite) -> Result<()> {
         const OP: &str = "send";
         let n = self.n();
         if dst >= n {
             return Err(self.error(OP, format!("destination {dst} out of range (at {site})")));
         }
         let mut header = Header::new(Op::Send);
-        header.set_tensor(&data);
+        header.set_shape(data.shape(), data.dtype());
         header.set_site(site);
         let mut bytes = header.encode(0);
-        bytes.extend_from_slice(data.as_bytes());
+        bytes.extend_from_slice(data.bytes());
         self.calls.fetch_add(1, Ordering::Relaxed);
         if dst != self.me() {
             self.bytes_sent
-                .fetch_add(data.as_bytes().len() as u64, Ordering::Relaxed);
+                .fetch_add(data.bytes().len() as u64, Ordering::Relaxed);
         }
         self.links
             .post(dst, bytes)
             .map_err(|e| self.link_error(OP, e, site))
     }
 
-    fn recv(
+    fn host_recv(
         &self,
         shape: &[usize],
         dtype: DType,
         src: usize,
         site: CallSite,
-    ) -> Result<TensorData> {
+    ) -> Result<HostBuffer> {
         const OP: &str = "recv";
         if src >= self.n() {
             return Err(self.error(OP, format!("source {src} out of range (at {site})")));
@@ -508,21 +523,21 @@ impl<L: Links> Communicator for P2pComm<L> {
                 ),
             ));
         }
-        Ok(TensorData::from_bytes_vec(
+        Ok(HostBuffer::from_bytes(
             message[header_len..].to_vec(),
             shape.to_vec(),
             dtype,
         ))
     }
 
-    fn barrier(&self, site: CallSite) -> Result<()> {
+    fn host_barrier(&self, site: CallSite) -> Result<()> {
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let empty = TensorData::new(Vec::<f32>::new(), [0]);
+        let empty = HostBuffer::from_bytes(Vec::new(), vec![0], DType::F32);
         self.begin(Op::Barrier, &empty, Header::new(Op::Barrier), Ok(()), site)
             .map(|_| ())
     }
 
-    fn traffic(&self) -> Traffic {
+    fn host_traffic(&self) -> Traffic {
         Traffic {
             calls: self.calls.load(Ordering::Relaxed),
             bytes_sent: self.bytes_sent.load(Ordering::Relaxed),

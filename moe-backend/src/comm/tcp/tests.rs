@@ -528,3 +528,69 @@ fn processes_finish_normally_and_survive_kill_9() {
         }
     }
 }
+
+#[test]
+fn device_buffer_collectives_over_tcp_equal_the_host_path() {
+    for n in [2usize, 3, 4] {
+        let checks = spawn_ranks(
+            &vec![n; n],
+            config(Duration::from_secs(30), Duration::from_secs(10)),
+            |_, world| {
+                world
+                    .unwrap()
+                    .run(|ctx| crate::comm::tests::device::compare_paths(ctx, 90 + n as u64))
+                    .unwrap()
+            },
+        );
+        assert!(
+            checks.iter().all(|&c| c == checks[0] && c > 40),
+            "{checks:?}"
+        );
+    }
+}
+
+#[test]
+fn a_vanished_peer_fails_device_buffer_collectives_over_tcp() {
+    use crate::comm::ReduceOp;
+    use burn::tensor::{DType, Device};
+    let out = spawn_ranks(
+        &[3, 3, 3],
+        config(Duration::from_secs(30), Duration::from_secs(10)),
+        |rank, world| {
+            let world = world.unwrap();
+            if rank == 2 {
+                std::thread::sleep(Duration::from_millis(300));
+                world.sever();
+                return None;
+            }
+            let start = Instant::now();
+            let result = world.run(|ctx| {
+                let comm = ctx.world()?;
+                let x = crate::testing::tensor(vec![1.0; 6], [3, 2], &Device::flex(), DType::BF16);
+                let y = comm.all_to_all_v(x, &[1, 1, 1], &[1, 1, 1])?;
+                assert_eq!(comm.host_transfers(), 0);
+                comm.all_reduce(y, ReduceOp::Sum).map(|_| ())
+            });
+            Some((result, start.elapsed()))
+        },
+    );
+    for (rank, o) in out.into_iter().enumerate().take(2) {
+        let (result, elapsed) = o.unwrap();
+        let err = result.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Collective { .. } | BackendError::Aborted { .. }
+            ),
+            "rank {rank}: {err:?}"
+        );
+        assert!(
+            err.to_string().contains("rank 2 closed its connection"),
+            "rank {rank}: {err}"
+        );
+        assert!(
+            elapsed < Duration::from_millis(2300),
+            "rank {rank}: {elapsed:?}"
+        );
+    }
+}

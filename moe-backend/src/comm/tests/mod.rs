@@ -10,6 +10,7 @@ use super::*;
 use crate::testing::SplitMix;
 
 mod collectives;
+pub(crate) mod device;
 mod failures;
 mod gradients;
 
