@@ -1,6 +1,6 @@
 //! Fine-tuning Qwen3-MoE on in-process ranks: the library side of `examples/finetune.rs`.
 //!
-//! Loads an HF Qwen3-MoE directory, shards it under a [`ParallelLayout`](moe_backend::parallel::ParallelLayout) on a
+//! Loads an HF directory of any family, shards it under a [`ParallelLayout`](moe_backend::parallel::ParallelLayout) on a
 //! [`World`](crate::backend::comm::World) of threads and trains it with
 //! [`Trainer`] on a small built-in corpus: arithmetic token
 //! sequences `a, a+d, a+2d, …` (mod V) with `d ∈ {1, 2, 3}`, which a model can learn from a few
@@ -10,10 +10,13 @@ use std::path::PathBuf;
 
 use burn::tensor::Device;
 use moe_backend::comm::{Comm, WorldConfig};
+use moe_backend::parallel::ParallelLayout;
 use moe_bridge::hf::HfCheckpoint;
-use moe_models::Qwen3MoeConfig;
-use moe_models::Qwen3MoeForCausalLM;
+use moe_models::distributed::ShardModel;
+use moe_models::families::{Family, FamilyConfig};
+use moe_models::hf::{ConfigVisitor, ModelConfig};
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
+use moe_models::weights::WeightLoader;
 
 use crate::launch::{Placement, run_spmd};
 
@@ -34,7 +37,7 @@ pub enum FinetuneError {
 /// Settings of [`finetune`].
 #[derive(Debug, Clone)]
 pub struct FinetuneOptions {
-    /// HF Qwen3-MoE directory (default: the tiny fixture shipped in the repo).
+    /// HF model directory of any family (default: the tiny MoE fixture shipped in the repo).
     pub model_dir: PathBuf,
     /// Layout string, e.g. `tp=2,ep=4` (world derived: attention TP2 × DP2, experts EP4).
     pub layout: String,
@@ -127,34 +130,54 @@ pub fn finetune_on(
     on_step: &(dyn Fn(usize, &FinetuneReport) + Sync),
 ) -> Result<FinetuneReport, FinetuneError> {
     let (placement, layout) = placement.resolve(&options.layout)?;
-    let device = Device::flex().autodiff();
     let checkpoint = HfCheckpoint::open(&options.model_dir)?;
-    let config = Qwen3MoeConfig::from_file(options.model_dir.join("config.json"))?;
-    let full = Qwen3MoeForCausalLM::from_weights(&config, &checkpoint, &device)?;
-    let vocab = config.vocab_size;
-    tracing::info!(layout = %layout, steps = options.steps, "fine-tuning");
-    let report = run_spmd(&placement, WorldConfig::default().timeout, |ctx| {
-        let groups = ctx.process_groups(&layout)?;
-        let world = ctx.world()?;
-        let mut trainer = Trainer::new(
-            &full,
-            &groups,
-            world.clone(),
-            options.trainer.clone(),
-            &device,
-        )
-        .map_err(to_backend)?;
-        train_steps(&mut trainer, &world, options, 0, vocab, on_step)
-    })?;
-    Ok(report)
+    let config = ModelConfig::from_dir(&options.model_dir)?;
+    let job = Job {
+        placement: &placement,
+        layout: &layout,
+        checkpoint: &checkpoint,
+        options,
+        on_step,
+    };
+    config.visit(job)?
+}
+
+/// [`finetune_on`] for the family of the model's `config.json`.
+struct Job<'a> {
+    placement: &'a Placement,
+    layout: &'a ParallelLayout,
+    checkpoint: &'a HfCheckpoint,
+    options: &'a FinetuneOptions,
+    on_step: &'a (dyn Fn(usize, &FinetuneReport) + Sync),
+}
+
+impl ConfigVisitor for Job<'_> {
+    type Output = Result<FinetuneReport, FinetuneError>;
+
+    fn visit<F: Family>(self, config: &F::Config) -> Self::Output {
+        let device = Device::flex().autodiff();
+        let loader = WeightLoader::new(self.checkpoint, &device);
+        let full = <F::Model as ShardModel>::from_loader(config, &loader)?;
+        let (options, vocab) = (self.options, config.vocab_size());
+        tracing::info!(layout = %self.layout, steps = options.steps, "fine-tuning");
+        let report = run_spmd(self.placement, WorldConfig::default().timeout, |ctx| {
+            let groups = ctx.process_groups(self.layout)?;
+            let world = ctx.world()?;
+            let settings = options.trainer.clone();
+            let mut trainer = Trainer::new(&full, &groups, world.clone(), settings, &device)
+                .map_err(to_backend)?;
+            train_steps(&mut trainer, &world, options, 0, vocab, self.on_step)
+        })?;
+        Ok(report)
+    }
 }
 
 /// One rank's part of a fine-tuning run: `options.steps` steps of `trainer` on the built-in
 /// corpus ([`corpus_batch`] of steps `first_step..first_step + options.steps`, this rank's
 /// data-parallel replica). Every rank of `world` calls it; the losses are averaged over the
 /// ranks and `on_step(step, report so far)` runs on rank 0 after every step.
-pub fn train_steps(
-    trainer: &mut Trainer,
+pub fn train_steps<M: ShardModel>(
+    trainer: &mut Trainer<M>,
     world: &Comm,
     options: &FinetuneOptions,
     first_step: usize,

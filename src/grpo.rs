@@ -26,12 +26,16 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use moe_backend::BackendError;
 use moe_backend::comm::{Comm, GroupComms, ReduceOp, WorldConfig};
 use moe_backend::parallel::GroupFamily;
+use moe_backend::parallel::ParallelLayout;
 use moe_bridge::hf::HfCheckpoint;
+use moe_models::CausalLm;
+use moe_models::distributed::ShardModel;
+use moe_models::families::Family;
+use moe_models::hf::{ConfigVisitor, ModelConfig};
 use moe_models::rl::{
     LossAgg, MismatchMetrics, PpoConfig, ResponseMask, RolloutCorrection, aggregate,
     grpo_advantages, ppo_loss, rollout_correction, token_advantages,
@@ -41,7 +45,7 @@ use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
     ModelReceiver, SyncDest, SyncDtype, SyncOptions, WeightSyncError, sync_weights,
 };
-use moe_models::{Qwen3MoeConfig, Qwen3MoeForCausalLM};
+use moe_models::weights::WeightLoader;
 
 use crate::finetune::{FinetuneError, to_backend};
 use crate::launch::{Placement, run_spmd};
@@ -157,10 +161,55 @@ pub fn grpo_on(
     on_step: &(dyn Fn(usize, &GrpoReport) + Sync),
 ) -> Result<GrpoReport, FinetuneError> {
     let (placement, layout) = placement.resolve(&options.layout)?;
-    let device = Device::flex().autodiff();
     let checkpoint = HfCheckpoint::open(&options.model_dir)?;
-    let config = Qwen3MoeConfig::from_file(options.model_dir.join("config.json"))?;
-    let full = Qwen3MoeForCausalLM::from_weights(&config, &checkpoint, &device)?;
+    let config = ModelConfig::from_dir(&options.model_dir)?;
+    let job = Job {
+        placement: &placement,
+        layout: &layout,
+        checkpoint: &checkpoint,
+        options,
+        on_step,
+    };
+    config.visit(job)?
+}
+
+/// [`grpo_on`] for the family of the model's `config.json`.
+struct Job<'a> {
+    placement: &'a Placement,
+    layout: &'a ParallelLayout,
+    checkpoint: &'a HfCheckpoint,
+    options: &'a GrpoOptions,
+    on_step: &'a (dyn Fn(usize, &GrpoReport) + Sync),
+}
+
+impl ConfigVisitor for Job<'_> {
+    type Output = Result<GrpoReport, FinetuneError>;
+
+    fn visit<F: Family>(self, config: &F::Config) -> Self::Output {
+        let device = Device::flex().autodiff();
+        let loader = WeightLoader::new(self.checkpoint, &device);
+        let full = <F::Model as ShardModel>::from_loader(config, &loader)?;
+        run_grpo(
+            &full,
+            self.placement,
+            self.layout,
+            self.options,
+            self.on_step,
+            &device,
+        )
+    }
+}
+
+/// The GRPO loop on the ranks of `placement`, from the whole model `full`.
+fn run_grpo<M: ShardModel + CausalLm + Sync>(
+    full: &M,
+    placement: &Placement,
+    layout: &ParallelLayout,
+    options: &GrpoOptions,
+    on_step: &(dyn Fn(usize, &GrpoReport) + Sync),
+    device: &Device,
+) -> Result<GrpoReport, FinetuneError> {
+    let (placement, layout) = (placement.clone(), layout.clone());
     let trainer_config = TrainerConfig {
         lr: options.lr,
         // The policy objective alone (the router loss is a pre-training regulariser).
@@ -171,14 +220,9 @@ pub fn grpo_on(
     let report = run_spmd(&placement, WorldConfig::default().timeout, |ctx| {
         let groups = ctx.process_groups(&layout)?;
         let world = ctx.world()?;
-        let mut trainer = Trainer::new(
-            &full,
-            &groups,
-            world.clone(),
-            trainer_config.clone(),
-            &device,
-        )
-        .map_err(to_backend)?;
+        let mut trainer =
+            Trainer::new(full, &groups, world.clone(), trainer_config.clone(), device)
+                .map_err(to_backend)?;
         let replica = trainer.model().replica;
         let mut report = GrpoReport {
             layout: layout.to_string(),
@@ -234,11 +278,11 @@ pub fn grpo_on(
 
 /// Step 1, weight sync (collective): the trained shards stream into `policy`, this rank's
 /// rollout model, in f32 buckets that rank 0 assembles and broadcasts to every rank.
-fn sync_policy(
-    trainer: &Trainer,
+fn sync_policy<M: ShardModel>(
+    trainer: &Trainer<M>,
     groups: &GroupComms,
     world: &Comm,
-    policy: &mut Qwen3MoeForCausalLM,
+    policy: &mut M,
 ) -> Result<(), BackendError> {
     let options = SyncOptions {
         dtype: SyncDtype::F32,
@@ -260,9 +304,9 @@ fn sync_policy(
 /// rate and the rollout–trainer mismatch of its answer tokens ([`rollout_correction`]'s
 /// metrics, measured on the trainer's log-probabilities before the update; `None` off the
 /// last pipeline stage, where the policy loss runs).
-fn grpo_step(
-    trainer: &mut Trainer,
-    policy: &Qwen3MoeForCausalLM,
+fn grpo_step<M: ShardModel + CausalLm>(
+    trainer: &mut Trainer<M>,
+    policy: &M,
     options: &GrpoOptions,
     step: usize,
     replica: usize,

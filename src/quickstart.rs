@@ -26,10 +26,10 @@ use moe_bridge::dist::convert::{
 use moe_bridge::dist::{DistCheckpoint, TrainState};
 use moe_bridge::export::{ExportOptions, ExportSummary};
 use moe_bridge::safetensors::Dtype;
-use moe_models::Qwen3MoeConfig;
 use moe_models::checkpoint::{restore_trainer, save_trainer};
-use moe_models::distributed::gather_full;
-use moe_models::hf::ModelConfig;
+use moe_models::distributed::{ShardModel, gather_full};
+use moe_models::families::{Family, FamilyConfig, local_logits};
+use moe_models::hf::{ConfigVisitor, ModelConfig};
 use moe_models::train::Trainer;
 
 use crate::finetune::{FinetuneOptions, FinetuneReport, corpus_batch, to_backend, train_steps};
@@ -151,6 +151,77 @@ fn clear(dir: &Path) -> Result<(), QuickstartError> {
     Ok(())
 }
 
+/// Steps 2–3 of [`quickstart`] for the family of the checkpoint's `config.json`: every rank
+/// restores its shard, trains and saves with its optimizer state; rank 0 also returns the
+/// trained model's logits of the probe sequences.
+struct TrainStage<'a> {
+    probe: &'a [i64],
+    ckpt: &'a DistCheckpoint,
+    layout: &'a ParallelLayout,
+    dist_root: &'a Path,
+    options: &'a QuickstartOptions,
+    on_event: &'a (dyn Fn(QuickstartEvent<'_>) + Sync),
+}
+
+/// What every rank returns from [`TrainStage`]: its report, the saved checkpoint and (rank 0)
+/// the trained logits.
+type RankResults =
+    Vec<Result<(FinetuneReport, PathBuf, Option<Vec<f32>>), moe_backend::BackendError>>;
+
+impl ConfigVisitor for TrainStage<'_> {
+    type Output = Result<RankResults, QuickstartError>;
+
+    fn visit<F: Family>(self, config: &F::Config) -> Self::Output {
+        let (ckpt, options, on_event) = (self.ckpt, self.options, self.on_event);
+        let (train_layout, dist_root) = (self.layout, self.dist_root);
+        let vocab = config.vocab_size();
+        let device = Device::flex().autodiff();
+        // The module structure every rank shards; its values are replaced by the checkpoint's.
+        let template = <F::Model as ShardModel>::template(config, &device)?;
+        let probe = self.probe;
+        let steps = options.train.steps;
+        let results = World::run(train_layout.world, |ctx| {
+            let groups = ctx.process_groups(train_layout)?;
+            let world = ctx.world()?;
+            let mut trainer = Trainer::new(
+                &template,
+                &groups,
+                world.clone(),
+                options.train.trainer.clone(),
+                &device,
+            )
+            .map_err(to_backend)?;
+            let resumed = restore_trainer(ckpt, &mut trainer).map_err(carry)?;
+            let first = usize::try_from(resumed.step).unwrap_or(0);
+            let report = train_steps(
+                &mut trainer,
+                &world,
+                &options.train,
+                first,
+                vocab,
+                &|step, r| on_event(QuickstartEvent::Step(step, r)),
+            )?;
+            let state = TrainState {
+                step: (first + steps) as u64,
+                data_position: (first + steps) as u64,
+                rng_seed: resumed.rng_seed,
+                extra: resumed.extra,
+            };
+            let meta = checkpoint_meta(ckpt, train_layout).map_err(carry)?;
+            let saved = save_trainer(&world, dist_root, meta, &trainer, &state).map_err(carry)?;
+            let full = gather_full(trainer.model(), &groups).map_err(to_backend)?;
+            let logits = if ctx.rank() == 0 {
+                let out = local_logits(&full, ids_tensor(probe, 2, &device)).map_err(to_backend)?;
+                Some(logits_values(out).map_err(carry)?)
+            } else {
+                None
+            };
+            Ok((report, saved, logits))
+        });
+        Ok(results)
+    }
+}
+
 /// Token ids `[rows, S]` as a Burn tensor.
 fn ids_tensor(ids: &[i64], rows: usize, device: &Device) -> Tensor<2, Int> {
     let cols = ids.len() / rows.max(1);
@@ -198,54 +269,18 @@ pub fn quickstart(
     // 2-3. Restore every rank's shard, train, save with optimizer state.
     let clock = Instant::now();
     let ckpt = DistCheckpoint::open::<ModelConfig>(&converted)?;
-    let config = Qwen3MoeConfig::from_file(ckpt.dir().join(moe_bridge::hf::CONFIG_FILE))?;
-    let vocab = config.vocab_size;
-    let device = Device::flex().autodiff();
-    // The module structure every rank shards; its values are replaced by the checkpoint's.
-    let template = config.init(&device)?;
+    let config = ModelConfig::from_dir(ckpt.dir())?;
     // Held-out probe sequences (a step the run never trains on).
-    let probe = corpus_batch(1_000_000, 0, 2, options.train.seq_len, vocab);
-    let steps = options.train.steps;
-    let results = World::run(train_layout.world, |ctx| {
-        let groups = ctx.process_groups(&train_layout)?;
-        let world = ctx.world()?;
-        let mut trainer = Trainer::new(
-            &template,
-            &groups,
-            world.clone(),
-            options.train.trainer.clone(),
-            &device,
-        )
-        .map_err(to_backend)?;
-        let resumed = restore_trainer(&ckpt, &mut trainer).map_err(carry)?;
-        let first = usize::try_from(resumed.step).unwrap_or(0);
-        let report = train_steps(
-            &mut trainer,
-            &world,
-            &options.train,
-            first,
-            vocab,
-            &|step, r| on_event(QuickstartEvent::Step(step, r)),
-        )?;
-        let state = TrainState {
-            step: (first + steps) as u64,
-            data_position: (first + steps) as u64,
-            rng_seed: resumed.rng_seed,
-            extra: resumed.extra,
-        };
-        let meta = checkpoint_meta(&ckpt, &train_layout).map_err(carry)?;
-        let saved = save_trainer(&world, &dist_root, meta, &trainer, &state).map_err(carry)?;
-        let full = gather_full(trainer.model(), &groups).map_err(to_backend)?;
-        let logits = if ctx.rank() == 0 {
-            let out = full
-                .forward(ids_tensor(&probe, 2, &device))
-                .map_err(to_backend)?;
-            Some(logits_values(out.logits).map_err(carry)?)
-        } else {
-            None
-        };
-        Ok((report, saved, logits))
-    });
+    let probe = corpus_batch(1_000_000, 0, 2, options.train.seq_len, config.vocab_size());
+    let train = TrainStage {
+        probe: &probe,
+        ckpt: &ckpt,
+        layout: &train_layout,
+        dist_root: &dist_root,
+        options,
+        on_event,
+    };
+    let results = config.visit(train)??;
     let mut results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     let (train, trained, trained_logits) = results.swap_remove(0);
     let trained_logits = trained_logits.unwrap_or_default();

@@ -60,7 +60,7 @@ fn batch(step: usize, replica: usize, replicas: usize) -> TrainBatch {
 /// weight of a trainer's shard.
 type Fp8Boxes = BTreeMap<(String, Vec<usize>), (Vec<usize>, Vec<u8>, Vec<f32>)>;
 
-fn fp8_boxes(trainer: &Trainer) -> Fp8Boxes {
+fn fp8_boxes(trainer: &Trainer<burn_moe::models::Qwen3MoeForCausalLM>) -> Fp8Boxes {
     let model = &trainer.model().model;
     let groups = trainer.process_groups();
     let plan = ShardingPlan::new(

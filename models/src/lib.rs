@@ -80,13 +80,9 @@ pub mod weight_sync;
 pub mod weights;
 
 pub use causal_lm::{CausalLm, GenerationConfig, ParamCount, Sampling, generate};
-pub use deepseek_v3::DeepseekV3ForCausalLM;
 pub use error::ModelError;
 /// The family trait and list (also at [`families`]).
 pub use families as family;
-pub use families::{deepseek_v3, deepseek_v3::mtp, qwen3, qwen3_moe};
-pub use families::{deepseek_v3::DeepseekV3Config, qwen3::Qwen3Config, qwen3_moe::Qwen3MoeConfig};
+pub use families::prelude::*;
 pub use hf::{AnyCausalLm, ModelConfig, load_causal_lm};
-pub use qwen3::Qwen3ForCausalLM;
-pub use qwen3_moe::Qwen3MoeForCausalLM;
 pub use weights::{WeightLoader, WeightSource};

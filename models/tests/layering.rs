@@ -147,6 +147,9 @@ fn group_heads(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// The key under which [`root_reexports`] records the module of the root's glob re-export.
+const GLOB: &str = "*";
+
 /// Root items `lib.rs` re-exports: item name → the top-level module it comes from.
 fn root_reexports() -> BTreeMap<String, String> {
     let text = std::fs::read_to_string(src().join("lib.rs")).expect("lib.rs");
@@ -165,6 +168,11 @@ fn root_reexports() -> BTreeMap<String, String> {
             },
         };
         let top = module.split("::").next().unwrap_or(module).to_owned();
+        if items == "*" {
+            // A glob (the families' prelude): every other root item names that module.
+            map.insert(GLOB.to_owned(), top.clone());
+            continue;
+        }
         for item in items.split(',') {
             let item = item.trim();
             let name = item.rsplit(" as ").next().unwrap_or(item);
@@ -175,6 +183,21 @@ fn root_reexports() -> BTreeMap<String, String> {
         }
     }
     map
+}
+
+/// The top-level module a root path segment `first` lands in: a module itself, an item
+/// `lib.rs` re-exports by name, or else one of its glob's.
+fn resolve_root(roots: &BTreeMap<String, String>, first: String) -> String {
+    if let Some(top) = roots.get(&first) {
+        return top.clone();
+    }
+    let is_module = layer_of_module(&first).is_some();
+    match roots.get(GLOB) {
+        Some(glob) if !is_module && first.starts_with(|c: char| c.is_ascii_uppercase()) => {
+            glob.clone()
+        }
+        _ => first,
+    }
 }
 
 /// Every `crate::a…` / `super::…` path start in `line`, resolved to a top-level module name.
@@ -203,7 +226,7 @@ fn referenced_modules(
             None => vec![ident(after)],
         };
         for first in firsts {
-            out.push(roots.get(&first).cloned().unwrap_or(first));
+            out.push(resolve_root(roots, first));
         }
     }
     for (at, _) in line.match_indices("super::") {
@@ -229,6 +252,8 @@ fn referenced_modules(
                     Some(group) => group_heads(group),
                     None => vec![ident(p)],
                 };
+                // (Only `crate::` paths take the glob: a `super::` at the root from an inline
+                // module names the file's own module.)
                 for first in firsts {
                     out.push(roots.get(&first).cloned().unwrap_or(first));
                 }
@@ -305,6 +330,11 @@ fn a_probe_import_from_core_to_a_consumer_is_caught() {
     ];
     assert_eq!(
         referenced_modules("use super::super::Family;", &here, &roots),
+        vec!["families".to_owned()]
+    );
+    // A family's type re-exported by the root's glob resolves to the families.
+    assert_eq!(
+        referenced_modules("use crate::Qwen3MoeConfig;", &here, &roots),
         vec!["families".to_owned()]
     );
     // A root re-export resolves to its module.

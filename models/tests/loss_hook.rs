@@ -62,7 +62,7 @@ fn cross_entropy_through_the_hook_equals_the_sft_step() {
             assert_eq!(a.loss, b.loss, "step {step} loss");
             assert_eq!(a.grad_norm, b.grad_norm, "step {step} grad norm");
         }
-        let flat = |t: &Trainer| {
+        let flat = |t: &Trainer<moe_models::Qwen3MoeForCausalLM>| {
             t.optimizer()
                 .table()
                 .flatten_values(&t.model().model)
@@ -164,7 +164,7 @@ fn a_non_finite_objective_on_one_rank_is_skipped_then_refused_on_every_rank() {
                 Ok((loss, b.target_tokens()))
             }
         };
-        let flat = |t: &Trainer| {
+        let flat = |t: &Trainer<moe_models::Qwen3MoeForCausalLM>| {
             t.optimizer()
                 .table()
                 .flatten_values(&t.model().model)

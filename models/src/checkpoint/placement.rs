@@ -279,8 +279,8 @@ pub(crate) mod tests {
     use moe_bridge::fp8::DEFAULT_BLOCK_SIZE;
     use moe_bridge::mapping::{ExpertLayout, HfRole, canonical_tensors};
 
+    use crate::families::deepseek_v3::plan::deepseek_v3_expected;
     use crate::families::shard_rule;
-    use crate::hf::expected::deepseek_v3_expected;
     use crate::param_plan::hf_names::stage_place;
 
     /// A random DeepSeek-V3 with every part the walk knows: a dense layer, an MoE layer with a

@@ -17,6 +17,13 @@ pub mod qwen3;
 pub mod qwen3_moe;
 mod shard_rule;
 
+/// The families' main types (and their modules), re-exported at the crate root.
+pub mod prelude {
+    pub use super::deepseek_v3::{self, DeepseekV3Config, DeepseekV3ForCausalLM, mtp};
+    pub use super::qwen3::{self, Qwen3Config, Qwen3ForCausalLM};
+    pub use super::qwen3_moe::{self, Qwen3MoeConfig, Qwen3MoeForCausalLM};
+}
+
 pub use shard_rule::shard_rule;
 
 use std::path::Path;

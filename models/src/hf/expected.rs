@@ -1,6 +1,7 @@
 //! The HF tensors a model's `config.json` implies: name, shape and role of every tensor the model
-//! loads (docs/models.md §HF tensor names), per family ([`qwen3_expected`], [`qwen3_moe_expected`],
-//! [`deepseek_v3_expected`]), with the optional FP8 `*_scale_inv` companions of every matrix
+//! loads (docs/models.md §HF tensor names), per family
+//! ([`Family::expected_tensors`](crate::families::Family::expected_tensors)), with the optional
+//! FP8 `*_scale_inv` companions of every matrix
 //! (docs/checkpoints.md §FP8 release format) and DeepSeek-V3's MTP layers.
 //!
 //! This is the shape source of checkpoint validation ([`HfCheckpoint::check`]): a weight the
@@ -13,7 +14,7 @@
 //! [`ExpectedBuilder`](moe_bridge::mapping::ExpectedBuilder), so
 //! an absurd config is an error rather than an overflow, a huge allocation or a hang.
 //!
-//! The tables are built in each model's plan file (`param_plan/{qwen3,qwen3_moe,deepseek_v3}.rs`,
+//! The tables are built in each family's plan file (`families/<family>/plan.rs`,
 //! shared Llama-family names in [`crate::param_plan::hf_names`]), which spell the names.
 //!
 //! [`HfCheckpoint::check`]: moe_bridge::hf::HfCheckpoint::check
@@ -24,9 +25,6 @@ use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedTable, ExpertLayout};
 
 use super::load::ModelConfig;
-pub use crate::families::deepseek_v3::plan::deepseek_v3_expected;
-pub use crate::families::qwen3::plan::qwen3_expected;
-pub use crate::families::qwen3_moe::plan::qwen3_moe_expected;
 
 /// The HF tensors `config` implies (its family's [`Family::expected_tensors`](crate::family::Family::expected_tensors)).
 pub fn expected_hf_tensors(
@@ -48,6 +46,7 @@ mod tests {
 
     use super::*;
     use crate::Qwen3Config;
+    use crate::families::qwen3::plan::qwen3_expected;
 
     fn fixtures() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")

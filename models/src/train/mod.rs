@@ -41,7 +41,6 @@ use crate::distributed::sharded::{add_loads, mtp_labels, scalar, scored_targets_
 use crate::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm, TrainForward, err};
 use crate::param_plan::GradClass;
 use crate::plan::activations::Recompute;
-use crate::qwen3_moe::Qwen3MoeForCausalLM;
 use crate::rl::logprobs::TokenLogProbs;
 
 mod pipeline;
@@ -199,7 +198,7 @@ pub struct StepStats {
 
 /// One rank's training state (Qwen3-MoE unless another [`ParallelCausalLm`] is named).
 #[derive(Debug, Clone)]
-pub struct Trainer<M: ParallelCausalLm = Qwen3MoeForCausalLM> {
+pub struct Trainer<M: ParallelCausalLm> {
     model: M::Shard,
     optimizer: Optimizer,
     config: TrainerConfig,

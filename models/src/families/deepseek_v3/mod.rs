@@ -1,11 +1,11 @@
-//! DeepSeek-V3 (HF `DeepseekV3ForCausalLM`): its config, model (MLA in
-//! [`crate::layers::mla`]), multi-token prediction modules and plan.
+//! A family folder: its `config.json` ([`config`]), model ([`model`], which says what upstream
+//! code it follows), its parts ([`moe`], [`mtp`]) and HF layout ([`plan`]).
 
-mod config;
-mod model;
+pub mod config;
+pub mod model;
 pub mod moe;
 pub mod mtp;
 pub mod plan;
 
-pub use config::DeepseekV3Config;
+pub use config::*;
 pub use model::*;

@@ -1,9 +1,9 @@
-//! GLM-4.5 MoE (HF `Glm4MoeForCausalLM`): its config, model (DeepSeek-V3's MoE block and MTP
-//! layers around GQA attention with partial rotary) and plan.
+//! A family folder: its `config.json` ([`config`]), model ([`model`], which says what upstream
+//! code it follows) and HF layout ([`plan`]).
 
-mod config;
-mod model;
+pub mod config;
+pub mod model;
 pub mod plan;
 
-pub use config::Glm4MoeConfig;
+pub use config::*;
 pub use model::*;

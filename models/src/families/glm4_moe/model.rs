@@ -398,9 +398,9 @@ impl crate::distributed::ShardModel for Glm4MoeForCausalLM {
             .collect()
     }
 
-    fn replay_spec(&self) -> Option<crate::replay::ReplaySpec> {
+    fn replay_spec(&self) -> Option<crate::routing::ReplaySpec> {
         let c = &self.config;
-        Some(crate::replay::ReplaySpec {
+        Some(crate::routing::ReplaySpec {
             model_type: Glm4MoeConfig::MODEL_TYPE,
             moe_layers: (0..c.num_hidden_layers)
                 .filter(|&i| c.is_moe_layer(i))

@@ -1,8 +1,9 @@
-//! Dense Qwen3 (HF `Qwen3ForCausalLM`): its config, model and plan.
+//! A family folder: its `config.json` ([`config`]), model ([`model`], which says what upstream
+//! code it follows) and HF layout ([`plan`]).
 
-mod config;
-mod model;
+pub mod config;
+pub mod model;
 pub mod plan;
 
-pub use config::Qwen3Config;
+pub use config::*;
 pub use model::*;

@@ -1,8 +1,9 @@
-//! Qwen3-MoE (HF `Qwen3MoeForCausalLM`): its config, model and plan.
+//! A family folder: its `config.json` ([`config`]), model ([`model`], which says what upstream
+//! code it follows) and HF layout ([`plan`]).
 
-mod config;
-mod model;
+pub mod config;
+pub mod model;
 pub mod plan;
 
-pub use config::Qwen3MoeConfig;
+pub use config::*;
 pub use model::*;
