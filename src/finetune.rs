@@ -34,6 +34,10 @@ pub enum FinetuneError {
     Backend(#[from] moe_backend::BackendError),
 }
 
+/// The model the jobs default to: the tiny random MoE checkpoint shipped in the repository.
+pub const DEFAULT_MODEL_DIR: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_moe");
+
 /// Settings of [`finetune`].
 #[derive(Debug, Clone)]
 pub struct FinetuneOptions {
@@ -54,10 +58,7 @@ pub struct FinetuneOptions {
 impl Default for FinetuneOptions {
     fn default() -> Self {
         Self {
-            model_dir: PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/fixtures/qwen3_moe"
-            )),
+            model_dir: PathBuf::from(crate::finetune::DEFAULT_MODEL_DIR),
             layout: "tp=2,ep=4".into(),
             steps: 150,
             batch: 4,

@@ -78,10 +78,7 @@ pub struct GrpoOptions {
 impl Default for GrpoOptions {
     fn default() -> Self {
         Self {
-            model_dir: PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/fixtures/qwen3_moe"
-            )),
+            model_dir: PathBuf::from(crate::finetune::DEFAULT_MODEL_DIR),
             layout: "ep=4".into(),
             steps: 300,
             prompts_per_replica: 4,

@@ -232,10 +232,7 @@ pub struct EvalJob {
 impl Default for TrainJob {
     fn default() -> Self {
         Self {
-            model: PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/fixtures/qwen3_moe"
-            )),
+            model: PathBuf::from(crate::finetune::DEFAULT_MODEL_DIR),
             layout: "tp=2,ep=4".into(),
             steps: 20,
             gbs: 8,

@@ -10,6 +10,7 @@
 //! and one line in the list at the bottom of this file (torchtitan's one registration per
 //! model; Megatron-Core's one `GPTModel` built from a spec).
 
+pub mod blocks;
 pub mod deepseek_v3;
 pub mod glm4_moe;
 pub mod mixtral;
@@ -19,7 +20,8 @@ mod shard_rule;
 
 /// The families' main types (and their modules), re-exported at the crate root.
 pub mod prelude {
-    pub use super::deepseek_v3::{self, DeepseekV3Config, DeepseekV3ForCausalLM, mtp};
+    pub use super::blocks::mtp;
+    pub use super::deepseek_v3::{self, DeepseekV3Config, DeepseekV3ForCausalLM};
     pub use super::qwen3::{self, Qwen3Config, Qwen3ForCausalLM};
     pub use super::qwen3_moe::{self, Qwen3MoeConfig, Qwen3MoeForCausalLM};
 }

@@ -316,8 +316,8 @@ impl DeepseekV3Config {
     }
 
     /// The fields of the MoE block (shared with the families that route like DeepSeek-V3).
-    pub fn moe_block(&self) -> super::moe::SigmoidGroupMoe {
-        super::moe::SigmoidGroupMoe {
+    pub fn moe_block(&self) -> crate::families::blocks::moe::SigmoidGroupMoe {
+        crate::families::blocks::moe::SigmoidGroupMoe {
             hidden_size: self.hidden_size,
             n_routed_experts: self.n_routed_experts,
             num_experts_per_tok: self.num_experts_per_tok,

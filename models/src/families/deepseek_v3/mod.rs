@@ -1,10 +1,8 @@
 //! A family folder: its `config.json` ([`config`]), model ([`model`], which says what upstream
-//! code it follows), its parts ([`moe`], [`mtp`]) and HF layout ([`plan`]).
+//! code it follows) and HF layout ([`plan`]).
 
 pub mod config;
 pub mod model;
-pub mod moe;
-pub mod mtp;
 pub mod plan;
 
 pub use config::*;

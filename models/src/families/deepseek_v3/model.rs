@@ -14,17 +14,17 @@
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
-use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use moe_backend::layer::MoeLayerConfig;
 
 use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::families::blocks::mtp::MtpModule;
 use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{Mlp, MlpConfig, RmsNorm, RmsNormConfig};
-use crate::mtp::MtpModule;
+use crate::layers::{MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
@@ -110,36 +110,10 @@ impl DeepseekV3Config {
     }
 }
 
-/// Routing decisions of one MoE layer (HF `DeepseekV3TopkRouter` outputs).
-#[derive(Debug, Clone)]
-pub struct DeepseekV3Routing {
-    /// `[T, E]` f32 router logits.
-    pub router_logits: Tensor<2>,
-    /// `[T, k]` selected experts (descending selection score).
-    pub topk_indices: Tensor<2, Int>,
-    /// `[T, k]` routing weights of `topk_indices` (normalised, scaled).
-    pub topk_weights: Tensor<2>,
-}
-
-/// HF `DeepseekV3MoE`: router `gate`, routed `experts`, `shared_experts`.
-#[derive(Module, Debug)]
-pub struct DeepseekV3Moe {
-    /// Router (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`), experts
-    /// (`mlp.experts.*`) and shared experts (`mlp.shared_experts.*`).
-    pub moe: MoeLayer,
-}
-
-/// The feed-forward part of a decoder layer.
-// One value per layer: the size difference between variants is immaterial, and boxing would
-// hide the module from Burn's derive.
-#[allow(clippy::large_enum_variant)]
-#[derive(Module, Debug)]
-pub enum DeepseekV3FeedForward {
-    /// Dense SwiGLU MLP (`layer < first_k_dense_replace`).
-    Dense(Mlp),
-    /// MoE block.
-    Moe(DeepseekV3Moe),
-}
+pub use crate::families::blocks::moe::{
+    MoeBlock as DeepseekV3Moe, MoeFeedForward as DeepseekV3FeedForward,
+    MoeRouting as DeepseekV3Routing,
+};
 
 /// One pre-norm decoder layer (HF `DeepseekV3DecoderLayer`).
 #[derive(Module, Debug)]
@@ -209,7 +183,7 @@ pub struct DeepseekV3ForCausalLM {
     pub lm_head: Option<Linear>,
     /// Multi-token-prediction modules (`num_nextn_predict_layers`, stored as layers `N + j`);
     /// not used by [`Self::forward`], see [`Self::forward_mtp`].
-    pub mtp: Vec<MtpModule>,
+    pub mtp: Vec<MtpModule<DeepseekV3DecoderLayer>>,
     #[module(skip)]
     rope: RotaryEmbedding,
     #[module(skip)]
@@ -290,7 +264,7 @@ impl DeepseekV3ForCausalLM {
         input_ids: Tensor<2, Int>,
         hidden: Tensor<3>,
     ) -> Result<Vec<Tensor<3>>, ModelError> {
-        crate::mtp::mtp_logits(self, input_ids, hidden)
+        crate::families::blocks::mtp::mtp_logits(self, input_ids, hidden)
     }
 
     /// The parallel context of this model at `world = 1` (identity collectives, local
@@ -335,6 +309,32 @@ impl DeepseekV3ForCausalLM {
             hidden: out.hidden.reshape([b, s, h]),
             routing,
         })
+    }
+}
+
+impl MtpModule<DeepseekV3DecoderLayer> {
+    /// A randomly initialised DeepSeek-V3 module (norms at one).
+    pub fn init(config: &DeepseekV3Config, device: &Device) -> Result<Self, ModelError> {
+        let block = config.init_layer(true, device)?;
+        Ok(Self::around(
+            block,
+            config.hidden_size,
+            config.rms_norm_eps,
+            device,
+        ))
+    }
+}
+
+impl crate::families::blocks::mtp::MtpBlock for DeepseekV3DecoderLayer {
+    fn forward_in(
+        &self,
+        ctx: &ParallelContext,
+        x: Tensor<2>,
+        batch: usize,
+        trace: &mut RouterTrace,
+        inputs: AttentionInputs<'_>,
+    ) -> Result<Tensor<2>, ModelError> {
+        DeepseekV3DecoderLayer::forward_in(self, ctx, x, batch, trace, inputs)
     }
 }
 

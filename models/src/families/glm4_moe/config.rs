@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use crate::ModelError;
 use crate::config::rope::{self, RopeJson, RopeKeys};
 use crate::config::{RopeParameters, de};
-use crate::families::deepseek_v3::moe::SigmoidGroupMoe;
+use crate::families::blocks::moe::SigmoidGroupMoe;
 
 /// HF `Glm4MoeConfig` class defaults (transformers 5.23).
 mod hf_default {

@@ -8,7 +8,7 @@
 //! dense SwiGLU MLP, the others DeepSeek-V3's MoE block (`Glm4MoeTopkRouter` is
 //! `DeepseekV3TopkRouter`: sigmoid scores, `e_score_correction_bias` for the selection,
 //! group-limited top-k, renormalised and scaled weights, plus shared experts). The release's
-//! MTP layers (`model.layers.{N+j}`, always MoE) are DeepSeek-V3's [`MtpModule`] around this
+//! MTP layers (`model.layers.{N+j}`, always MoE) are the shared [`MtpModule`] around this
 //! family's decoder layer; they train like DeepSeek's and are not part of the main forward.
 
 use burn::module::Module;
@@ -20,12 +20,12 @@ use moe_backend::layer::MoeLayerConfig;
 use super::config::Glm4MoeConfig;
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
-use crate::deepseek_v3::{DeepseekV3FeedForward, DeepseekV3Moe, DeepseekV3Routing};
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::families::blocks::moe::{MoeBlock, MoeFeedForward, MoeRouting};
+use crate::families::blocks::mtp::{MtpBlock, MtpModule};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, MlpConfig, RmsNorm, RmsNormConfig};
-use crate::mtp::{MtpBlock, MtpModule};
 use crate::packing::SequenceLayout;
 use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
@@ -104,11 +104,11 @@ impl Glm4MoeConfig {
                 .init(device)
         };
         let mlp = if moe {
-            DeepseekV3FeedForward::Moe(DeepseekV3Moe {
+            MoeFeedForward::Moe(MoeBlock {
                 moe: self.moe_layer_config()?.init(device)?,
             })
         } else {
-            DeepseekV3FeedForward::Dense(
+            MoeFeedForward::Dense(
                 MlpConfig::new(self.hidden_size, self.intermediate_size).init(device),
             )
         };
@@ -132,7 +132,7 @@ pub struct Glm4MoeDecoderLayer {
     pub post_attention_layernorm: RmsNorm,
     /// Dense MLP (`layer < first_k_dense_replace`) or the MoE block (`mlp.gate`,
     /// `mlp.experts`, `mlp.shared_experts`).
-    pub mlp: DeepseekV3FeedForward,
+    pub mlp: MoeFeedForward,
 }
 
 impl Glm4MoeDecoderLayer {
@@ -152,8 +152,8 @@ impl Glm4MoeDecoderLayer {
         let h = ctx.attention_block(x, &self.input_layernorm, &self.self_attn, batch, inputs)?;
         let normed = self.post_attention_layernorm.forward(h.clone());
         let y = match &self.mlp {
-            DeepseekV3FeedForward::Dense(mlp) => ctx.dense_mlp(mlp, normed)?,
-            DeepseekV3FeedForward::Moe(block) => ctx.moe(&block.moe, normed, batch, trace)?,
+            MoeFeedForward::Dense(mlp) => ctx.dense_mlp(mlp, normed)?,
+            MoeFeedForward::Moe(block) => ctx.moe(&block.moe, normed, batch, trace)?,
         };
         Ok(h + y)
     }
@@ -163,9 +163,9 @@ impl Glm4MoeDecoderLayer {
             self.self_attn.fp8 = Some(recipe);
         }
         match &mut self.mlp {
-            DeepseekV3FeedForward::Dense(mlp) if linears => mlp.fp8 = Some(recipe),
-            DeepseekV3FeedForward::Dense(_) => {}
-            DeepseekV3FeedForward::Moe(block) => {
+            MoeFeedForward::Dense(mlp) if linears => mlp.fp8 = Some(recipe),
+            MoeFeedForward::Dense(_) => {}
+            MoeFeedForward::Moe(block) => {
                 block.moe = block.moe.clone().with_fp8_experts(Some(recipe))?;
             }
         }
@@ -206,7 +206,7 @@ pub struct Glm4MoeOutput {
     pub hidden: Tensor<3>,
     /// Routing of every MoE layer, in layer order (rows `b·S + s`; HF `Glm4MoeTopkRouter`
     /// outputs).
-    pub routing: Vec<DeepseekV3Routing>,
+    pub routing: Vec<MoeRouting>,
 }
 
 /// GLM-4.5 MoE causal language model (HF `Glm4MoeForCausalLM`).
@@ -284,13 +284,13 @@ impl Glm4MoeForCausalLM {
 
     /// MTP logits of every depth `j` (`[B, S − 1 − j, V]`, position `i` predicting token
     /// `i + j + 2`) from `input_ids [B, S]` and the main forward's `hidden`
-    /// ([`Glm4MoeOutput::hidden`]); see [`crate::mtp::mtp_logits`].
+    /// ([`Glm4MoeOutput::hidden`]); see [`crate::families::blocks::mtp::mtp_logits`].
     pub fn forward_mtp(
         &self,
         input_ids: Tensor<2, Int>,
         hidden: Tensor<3>,
     ) -> Result<Vec<Tensor<3>>, ModelError> {
-        crate::mtp::mtp_logits(self, input_ids, hidden)
+        crate::families::blocks::mtp::mtp_logits(self, input_ids, hidden)
     }
 
     /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on the
@@ -315,13 +315,11 @@ impl Glm4MoeForCausalLM {
         let routing = (trace.logits.into_iter())
             .zip(trace.selected)
             .zip(trace.selected_weights)
-            .map(
-                |((router_logits, topk_indices), topk_weights)| DeepseekV3Routing {
-                    router_logits,
-                    topk_indices,
-                    topk_weights,
-                },
-            )
+            .map(|((router_logits, topk_indices), topk_weights)| MoeRouting {
+                router_logits,
+                topk_indices,
+                topk_weights,
+            })
             .collect();
         Ok(Glm4MoeOutput {
             logits: out.logits,
@@ -372,8 +370,8 @@ impl crate::distributed::ShardModel for Glm4MoeForCausalLM {
         for (dst, src) in main.chain(mtp) {
             dst.self_attn.fp8 = src.self_attn.fp8;
             match (&mut dst.mlp, &src.mlp) {
-                (DeepseekV3FeedForward::Dense(d), DeepseekV3FeedForward::Dense(s)) => d.fp8 = s.fp8,
-                (DeepseekV3FeedForward::Moe(d), DeepseekV3FeedForward::Moe(s)) => {
+                (MoeFeedForward::Dense(d), MoeFeedForward::Dense(s)) => d.fp8 = s.fp8,
+                (MoeFeedForward::Moe(d), MoeFeedForward::Moe(s)) => {
                     d.moe.experts.fp8 = s.moe.experts.fp8;
                 }
                 _ => {}
@@ -383,7 +381,7 @@ impl crate::distributed::ShardModel for Glm4MoeForCausalLM {
 
     fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
         (self.model.layers.get(layers).unwrap_or_default().iter())
-            .filter(|l| matches!(l.mlp, DeepseekV3FeedForward::Moe(_)))
+            .filter(|l| matches!(l.mlp, MoeFeedForward::Moe(_)))
             .count()
     }
 
@@ -392,8 +390,8 @@ impl crate::distributed::ShardModel for Glm4MoeForCausalLM {
         let mtp = self.mtp.iter_mut().map(|m| &mut m.block);
         main.chain(mtp)
             .filter_map(|layer| match &mut layer.mlp {
-                DeepseekV3FeedForward::Moe(block) => Some(&mut block.moe.router),
-                DeepseekV3FeedForward::Dense(_) => None,
+                MoeFeedForward::Moe(block) => Some(&mut block.moe.router),
+                MoeFeedForward::Dense(_) => None,
             })
             .collect()
     }

@@ -2,7 +2,7 @@
 //! its parallel plan, name-mapping rules, expected-tensor table and export copies — the shared
 //! Llama-family names of [`crate::param_plan::hf_names`] (GQA attention with q/k/v biases and
 //! QK-norms, as Qwen3's) plus DeepSeek-V3's MoE block and MTP layers
-//! ([`crate::deepseek_v3::plan`]).
+//! ([`crate::families::blocks::plan`]).
 
 use std::path::Path;
 
@@ -10,7 +10,7 @@ use moe_bridge::BridgeError;
 use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
 
 use super::config::Glm4MoeConfig;
-use crate::deepseek_v3::plan as ds;
+use crate::families::blocks::plan as ds;
 use crate::param_plan::hf_names::{self as n, join, layer as layer_of};
 use crate::param_plan::rows::{column, embedding, gqa, mlp, moe, norm};
 use crate::param_plan::{ParallelPlan, PlanEntry};

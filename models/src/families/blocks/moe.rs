@@ -1,12 +1,16 @@
-//! DeepSeek-V3's MoE block as a set of config values, shared by every family that routes like
+//! DeepSeek-V3's MoE block: its module types and its config values, shared by every family that
+//! routes like
 //! it (HF transformers 5.23 `DeepseekV3TopkRouter` / `DeepseekV3MoE` and their copies): the
 //! checks of the routing fields and moe-backend's [`MoeLayerConfig`] (docs/models.md
 //! §DeepSeek-V3 router, §DeepSeek-V3 MoE block).
 
-use moe_backend::layer::MoeLayerConfig;
+use burn::module::Module;
+use burn::tensor::{Int, Tensor};
+use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 use moe_backend::router::{GroupLimitConfig, ScoreFunction, TopKRouterConfig};
 
 use crate::ModelError;
+use crate::layers::Mlp;
 
 /// The routing and expert fields of a DeepSeek-V3-style MoE block, by their HF names.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,4 +121,35 @@ impl SigmoidGroupMoe {
         Ok(MoeLayerConfig::new(router, self.moe_intermediate_size)
             .with_shared_ffn_hidden_size(shared))
     }
+}
+
+/// Routing decisions of one MoE layer (HF `DeepseekV3TopkRouter` outputs and their copies).
+#[derive(Debug, Clone)]
+pub struct MoeRouting {
+    /// `[T, E]` f32 router logits.
+    pub router_logits: Tensor<2>,
+    /// `[T, k]` selected experts (descending selection score).
+    pub topk_indices: Tensor<2, Int>,
+    /// `[T, k]` routing weights of `topk_indices` (normalised, scaled).
+    pub topk_weights: Tensor<2>,
+}
+
+/// HF `DeepseekV3MoE` (and its copies): router `gate`, routed `experts`, `shared_experts`.
+#[derive(Module, Debug)]
+pub struct MoeBlock {
+    /// Router (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`), experts
+    /// (`mlp.experts.*`) and shared experts (`mlp.shared_experts.*`).
+    pub moe: MoeLayer,
+}
+
+/// The feed-forward part of a decoder layer.
+// One value per layer: the size difference between variants is immaterial, and boxing would
+// hide the module from Burn's derive.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum MoeFeedForward {
+    /// Dense SwiGLU MLP (e.g. `layer < first_k_dense_replace`).
+    Dense(Mlp),
+    /// MoE block.
+    Moe(MoeBlock),
 }

@@ -1,4 +1,4 @@
-//! DeepSeek-V3 multi-token prediction (docs/models.md §Multi-token prediction), beside HF 5.23's
+//! Multi-token prediction as DeepSeek-V3 releases it (docs/models.md §Multi-token prediction), beside HF 5.23's
 //! `MtpLayer` / `MtpModel.forward_layer`; the module type is generic over its decoder layer, so
 //! every family whose release carries DeepSeek-style MTP layers uses it.
 //!
@@ -14,10 +14,8 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 
-use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::causal_lm_loss;
-use crate::deepseek_v3::DeepseekV3DecoderLayer;
 use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace, ShardModel};
 use crate::layers::{RmsNorm, RmsNormConfig};
 
@@ -35,23 +33,10 @@ pub trait MtpBlock {
     ) -> Result<Tensor<2>, ModelError>;
 }
 
-impl MtpBlock for DeepseekV3DecoderLayer {
-    fn forward_in(
-        &self,
-        ctx: &ParallelContext,
-        x: Tensor<2>,
-        batch: usize,
-        trace: &mut RouterTrace,
-        inputs: AttentionInputs<'_>,
-    ) -> Result<Tensor<2>, ModelError> {
-        DeepseekV3DecoderLayer::forward_in(self, ctx, x, batch, trace, inputs)
-    }
-}
-
 /// One MTP module (HF `MtpLayer`; release names `model.layers.{N+j}.*`) around a decoder layer
 /// `L` of its family.
 #[derive(Module, Debug)]
-pub struct MtpModule<L = DeepseekV3DecoderLayer> {
+pub struct MtpModule<L> {
     /// Norm of the token embedding `[H]`.
     pub enorm: RmsNorm,
     /// Norm of the previous hidden state `[H]`.
@@ -62,19 +47,6 @@ pub struct MtpModule<L = DeepseekV3DecoderLayer> {
     pub block: L,
     /// Output norm `[H]` (`shared_head.norm`, HF `post_norm`).
     pub shared_head_norm: RmsNorm,
-}
-
-impl MtpModule {
-    /// A randomly initialised DeepSeek-V3 module (norms at one).
-    pub fn init(config: &DeepseekV3Config, device: &Device) -> Result<Self, ModelError> {
-        let block = config.init_layer(true, device)?;
-        Ok(MtpModule::around(
-            block,
-            config.hidden_size,
-            config.rms_norm_eps,
-            device,
-        ))
-    }
 }
 
 impl<L: Module> MtpModule<L> {
@@ -166,7 +138,7 @@ pub fn mtp_logits<M: ShardModel>(
 }
 
 /// MTP loss (docs/models.md §Multi-token prediction): `λ / D · Σ_j CE_j`, where depth `j`'s logits
-/// `[B, S − 1 − j, V]` (from [`crate::deepseek_v3::DeepseekV3ForCausalLM::forward_mtp`]) predict
+/// `[B, S − 1 − j, V]` (from [`mtp_logits`]) predict
 /// `labels[:, i + j + 2]` (host values `[B, S]`, −100 ignored). Returns `[1]`.
 pub fn mtp_loss(
     mtp_logits: &[Tensor<3>],
@@ -203,6 +175,7 @@ mod tests {
     use burn::tensor::Int;
 
     use super::*;
+    use crate::DeepseekV3Config;
 
     #[test]
     fn mtp_loss_of_uniform_logits_is_scaled_ln_v() {
