@@ -1,6 +1,6 @@
-//! Fine-tuning Qwen3-MoE on in-process ranks: the library side of `examples/finetune.rs`.
+//! Fine-tuning any family on in-process ranks: the library side of `examples/finetune.rs`.
 //!
-//! Loads an HF directory of any family, shards it under a [`ParallelLayout`](moe_backend::parallel::ParallelLayout) on a
+//! Loads an HF directory of any family, shards it under a [`ParallelLayout`] on a
 //! [`World`](crate::backend::comm::World) of threads and trains it with
 //! [`Trainer`] on a small built-in corpus: arithmetic token
 //! sequences `a, a+d, a+2d, …` (mod V) with `d ∈ {1, 2, 3}`, which a model can learn from a few

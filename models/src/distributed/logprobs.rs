@@ -265,7 +265,7 @@ impl<M: ShardModel> Sharded<M> {
     }
 
     /// A forward-only copy of this rank's model (old and reference policies): parameters on the
-    /// device without autodiff ([`Module::valid`]), same groups and dispatcher. Later optimizer
+    /// device without autodiff ([`Module::valid`](burn::module::Module::valid)), same groups and dispatcher. Later optimizer
     /// steps on `self` do not change it.
     pub fn valid(&self) -> Self {
         Self {

@@ -45,7 +45,7 @@ pub use context_parallel::{CpCommType, CpExchange, ring_gather_sequence};
 pub(crate) use pipeline::stage_model;
 pub use pipeline::{ChunkParts, PipelineModel, PipelinePlace};
 /// One rank's parallel context: what a model's forward is written against (see
-/// [`SpRuntime`]'s methods; the built-in models use it too).
+/// [`ParallelContext`]'s methods; every family uses it).
 pub use runtime::SpRuntime as ParallelContext;
 pub use runtime::{Prepared, RouterTrace};
 pub use sharded::{CausalLmShard, LoadShard, ParallelCausalLm, TrainForward};

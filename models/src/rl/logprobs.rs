@@ -3,7 +3,7 @@
 //! [`crate::distributed::logprobs`]).
 //!
 //! Conventions shared by both: `input_ids` and `labels` are `[batch, S]` row-major host ids
-//! (HF style, `labels` usually equal to `input_ids`, with [`IGNORE_INDEX`] = −100 on the tokens
+//! (HF style, `labels` usually equal to `input_ids`, with [`IGNORE_INDEX`](crate::causal_lm::IGNORE_INDEX) = −100 on the tokens
 //! that are not scored, e.g. the prompt). Position `t < S − 1` of row `b` of the result is
 //!
 //! - `logprobs[b, t] = log p(labels[b, t+1] | input_ids[b, ..=t])`,
@@ -71,7 +71,7 @@ pub fn model_logprobs_batch<M: ShardModel>(
 }
 
 /// [`model_logprobs`] in forward-only mode, for reference and old policies: the model's
-/// [`valid`](Module::valid) copy runs on the device without autodiff, so nothing is recorded
+/// [`valid`](burn::module::Module::valid) copy runs on the device without autodiff, so nothing is recorded
 /// and the results are plain (non-autodiff) tensors.
 pub fn model_logprobs_detached<M: ShardModel>(
     model: &M,
