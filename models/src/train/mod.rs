@@ -14,7 +14,7 @@
 //!
 //! ```no_run
 //! # use moe_models::train::{Trainer, TrainerConfig, TrainBatch};
-//! # fn demo(trainer: &mut Trainer, ids: Vec<i64>) -> Result<(), moe_models::ModelError> {
+//! # fn demo<M: moe_models::distributed::ParallelCausalLm>(trainer: &mut Trainer<M>, ids: Vec<i64>) -> Result<(), moe_models::ModelError> {
 //! let batch = TrainBatch::causal(ids, 4)?; // labels = ids
 //! let stats = trainer.step(&batch)?;
 //! println!("loss {:.4} aux {:.4} |g| {:.3} {:.0} tok/s", stats.loss, stats.aux_loss,
