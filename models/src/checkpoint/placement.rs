@@ -148,6 +148,7 @@ impl Walk<'_> {
                 scale(0, layout.ep)?;
                 scale(etp_dim, layout.etp)?;
             }
+            ShardRule::ExpertReplicated => scale(0, layout.ep)?,
         }
         // A tensor this rank's pipeline stage does not own is a copy of the owner's (the
         // last stage's embedding for a tied output layer or the MTP modules): restored from
