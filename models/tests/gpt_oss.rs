@@ -266,9 +266,10 @@ fn gpt_oss_training_matches_pytorch() {
         if err > worst.0 {
             worst = (err, name.clone());
         }
-        // An element moves by at most ~lr per step; f32 reduction-order differences reach
-        // the parameters through Adam's m/√v at a small fraction of that.
-        assert!(err <= 2e-5, "{name}: max |ours − PyTorch| = {err:e}");
+        // An element moves by at most ~lr (1e-3) per step; f32 reduction-order differences
+        // reach the parameters through Adam's m/√v (amplified for near-zero gradients, e.g.
+        // through the sinks' and the clamp's) at a small fraction of that: 5% of one step.
+        assert!(err <= 5e-5, "{name}: max |ours − PyTorch| = {err:e}");
     }
     println!(
         "final parameters: worst max error {:.3e} ({})",

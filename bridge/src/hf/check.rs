@@ -304,7 +304,7 @@ impl HfCheckpoint {
             return Err(mxfp4(
                 &blocks_name,
                 format!(
-                    "blocks {blocks:?} hold {} values each; MXFP4 blocks hold {BLOCK}                      ({} bytes), and the input width {width} must be a whole number of them",
+                    "blocks {blocks:?} hold {} values each; MXFP4 blocks hold {BLOCK} ({} bytes) and tile the input width {width}",
                     2 * bytes,
                     BLOCK / 2
                 ),
