@@ -262,7 +262,8 @@ impl PlanExport {
             match (layout, dims.as_slice()) {
                 (L::InterleavedGateUp, &[a, b, c]) => {
                     let t3: Tensor<3> = t.reshape([a, b, c]);
-                    self.out.push(name, fc1_to_interleaved(t3).map_err(backend)?);
+                    self.out
+                        .push(name, fc1_to_interleaved(t3).map_err(backend)?);
                 }
                 (L::InterleavedGateUpBias, &[a, b]) => {
                     let t2: Tensor<2> = t.reshape([a, b]);

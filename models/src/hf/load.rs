@@ -143,8 +143,8 @@ impl CheckpointSource<'_> {
     /// orientation: the stored `[..., out, in]` matrix with its last two dims swapped, as
     /// transformers' `convert_moe_packed_tensors` hands it to the model.
     fn mxfp4(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
-        let (shape, values) = (self.checkpoint.read_mxfp4(name))
-            .map_err(|e| self.read_error(name, e))?;
+        let (shape, values) =
+            (self.checkpoint.read_mxfp4(name)).map_err(|e| self.read_error(name, e))?;
         let n = shape.len();
         if n < 2 {
             return Err(ModelError::TensorRead {

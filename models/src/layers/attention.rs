@@ -1054,8 +1054,7 @@ mod tests {
         let tables = rope.tables(0, 5, &device);
         let x = Tensor::<3>::random([1, 5, 16], Distribution::Normal(0.0, 1.0), &device);
         let whole = attn.forward(x.clone(), &tables, None);
-        let Ok(partial) =
-            attn.forward_partial(x, &tables, None, None, Ok::<_, Infallible>, false);
+        let Ok(partial) = attn.forward_partial(x, &tables, None, None, Ok::<_, Infallible>, false);
         let bias = attn.output_bias().unwrap();
         (partial + bias.unsqueeze_dim::<2>(0).unsqueeze_dim(0))
             .into_data()

@@ -256,9 +256,7 @@ impl Loader<'_> {
             ShardRule::Expert { etp_dim } if !stacked_pair => {
                 self.expert_box(path, &hf, full, entry.storage, Some(etp_dim))?
             }
-            ShardRule::ExpertReplicated => {
-                self.expert_box(path, &hf, full, entry.storage, None)?
-            }
+            ShardRule::ExpertReplicated => self.expert_box(path, &hf, full, entry.storage, None)?,
             ShardRule::Expert { etp_dim } => {
                 return Err(self.mismatch(
                     path,

@@ -32,8 +32,8 @@ use moe_bridge::dist::ShardRule;
 
 pub mod hf_names;
 mod load;
-pub mod release_layout;
 pub mod model_shape;
+pub mod release_layout;
 mod shard;
 
 pub use load::{load_by_plan, load_planned, load_with};

@@ -42,7 +42,11 @@ impl ReleaseLayout {
             (Self::InterleavedGateUpBias, &[e, f2]) if f2 % 2 == 0 => Ok(vec![e, f2]),
             (Self::InputMajorExperts, &[e, h, f]) => Ok(vec![e, f, h]),
             (Self::Stacked, s) => Ok(s.to_vec()),
-            _ => Err(error(name, canonical, "a canonical shape this layout cannot hold")),
+            _ => Err(error(
+                name,
+                canonical,
+                "a canonical shape this layout cannot hold",
+            )),
         }
     }
 
@@ -53,7 +57,11 @@ impl ReleaseLayout {
             (Self::InterleavedGateUpBias, &[e, f2]) if f2 % 2 == 0 => Ok(vec![e, f2]),
             (Self::InputMajorExperts, &[e, f, h]) => Ok(vec![e, h, f]),
             (Self::Stacked, s) => Ok(s.to_vec()),
-            _ => Err(error(name, stored, "a stored shape this layout cannot hold")),
+            _ => Err(error(
+                name,
+                stored,
+                "a stored shape this layout cannot hold",
+            )),
         }
     }
 
@@ -87,7 +95,11 @@ impl ReleaseLayout {
         to_canonical: bool,
     ) -> Result<Vec<T>, ModelError> {
         if values.len() != shape.iter().product::<usize>() {
-            return Err(error(name, shape, "a value count that does not match the shape"));
+            return Err(error(
+                name,
+                shape,
+                "a value count that does not match the shape",
+            ));
         }
         let mut out = values.to_vec();
         match (self, shape) {
@@ -172,7 +184,10 @@ mod tests {
         let got = l.to_canonical("w", &[e, h, 2 * f], &stored).unwrap();
         assert_eq!(got, want);
         assert_eq!(l.to_stored("w", &[e, 2 * f, h], &got).unwrap(), stored);
-        assert_eq!(l.canonical_shape("w", &[e, h, 2 * f]).unwrap(), [e, 2 * f, h]);
+        assert_eq!(
+            l.canonical_shape("w", &[e, h, 2 * f]).unwrap(),
+            [e, 2 * f, h]
+        );
 
         let bias: Vec<f32> = (0..e * 2 * f).map(|i| i as f32).collect();
         let t = Tensor::<2>::from_data(TensorData::new(bias.clone(), [e, 2 * f]), &device);

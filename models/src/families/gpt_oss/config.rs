@@ -483,7 +483,11 @@ mod tests {
         assert_eq!(c.rope_parameters.rope_theta, 150000.0);
         assert!(matches!(
             c.rope_parameters.scaling,
-            RopeScaling::Yarn(YarnParameters { factor: 32.0, truncate: false, .. })
+            RopeScaling::Yarn(YarnParameters {
+                factor: 32.0,
+                truncate: false,
+                ..
+            })
         ));
         assert_eq!((c.swiglu_alpha, c.swiglu_limit), (1.702, 7.0));
         assert!(c.attention_bias);
@@ -516,7 +520,10 @@ mod tests {
                 r#""num_hidden_layers": 4, "layer_types": ["sliding_attention"]"#,
                 "layer_types",
             ),
-            (r#""layer_types": ["chunked_attention"], "num_hidden_layers": 1"#, "layer_types"),
+            (
+                r#""layer_types": ["chunked_attention"], "num_hidden_layers": 1"#,
+                "layer_types",
+            ),
             (r#""sliding_window": null"#, "layer_types"),
             (r#""sliding_window": 0"#, "sliding_window"),
             (r#""swiglu_limit": 0"#, "swiglu_limit"),

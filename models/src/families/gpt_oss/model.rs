@@ -263,7 +263,10 @@ impl GptOssForCausalLM {
             self.config.num_experts_per_tok,
             attention_mask,
         )?;
-        let loss = ce_loss.clone() + aux_loss.clone().mul_scalar(self.config.router_aux_loss_coef);
+        let loss = ce_loss.clone()
+            + aux_loss
+                .clone()
+                .mul_scalar(self.config.router_aux_loss_coef);
         Ok(GptOssLoss {
             loss,
             ce_loss,

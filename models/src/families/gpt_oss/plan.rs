@@ -83,7 +83,11 @@ pub fn gpt_oss_plan() -> ParallelPlan {
         false,
     ));
     // The router weight is stored `[E, H]` as Burn's `TopKRouter` holds it.
-    if let Some(w) = rows.iter_mut().rev().find(|r| r.module.ends_with("router.weight")) {
+    if let Some(w) = rows
+        .iter_mut()
+        .rev()
+        .find(|r| r.module.ends_with("router.weight"))
+    {
         w.storage = Storage::Same;
     }
     let (ex, hf_ex) = (join(&mlp, n::EXPERTS), join(&hf_mlp, n::EXPERTS));
@@ -126,7 +130,10 @@ pub fn gpt_oss_plan() -> ParallelPlan {
     rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
     let experts = join(&h, &join(n::MLP, n::EXPERTS));
     ParallelPlan::new(GptOssConfig::MODEL_TYPE, rows).with_release_layouts(vec![
-        (n::stacked_gate_up(&experts), ReleaseLayout::InterleavedGateUp),
+        (
+            n::stacked_gate_up(&experts),
+            ReleaseLayout::InterleavedGateUp,
+        ),
         (
             join(&experts, GATE_UP_PROJ_BIAS),
             ReleaseLayout::InterleavedGateUpBias,
@@ -203,7 +210,11 @@ pub fn gpt_oss_expected(
         let mlp = join(&p, n::MLP);
         b.linear(&join(&mlp, ROUTER), h, e, true)?;
         let ex = join(&mlp, n::EXPERTS);
-        b.weight_or_mxfp4(n::stacked_gate_up(&ex), vec![e, h, two_i], vec![e, two_i, h])?;
+        b.weight_or_mxfp4(
+            n::stacked_gate_up(&ex),
+            vec![e, h, two_i],
+            vec![e, two_i, h],
+        )?;
         b.weight(join(&ex, GATE_UP_PROJ_BIAS), vec![e, two_i])?;
         b.weight_or_mxfp4(n::stacked_down(&ex), vec![e, i, h], vec![e, h, i])?;
         b.weight(join(&ex, DOWN_PROJ_BIAS), vec![e, h])?;
