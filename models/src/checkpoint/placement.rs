@@ -122,6 +122,7 @@ impl Walk<'_> {
             (Storage::Same, _) => burn_shape.clone(),
             (Storage::Transposed, [a, b]) => vec![*b, *a],
             (Storage::GatedExperts, [l, f2, h]) if f2 % 2 == 0 => vec![*l, 2, f2 / 2, *h],
+            (Storage::GatedExperts, [l, f2]) if f2 % 2 == 0 => vec![*l, 2, f2 / 2],
             _ => {
                 return Err(BridgeError::Sharding {
                     tensor: fqn,

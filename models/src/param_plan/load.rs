@@ -164,7 +164,7 @@ impl Loader<'_> {
                 offsets[d] = block.start;
                 shape[d] = block.len();
             }
-            (Storage::GatedExperts, Some(2)) if full.len() == 2 && full[1] % 2 == 0 => {
+            (Storage::GatedExperts, Some(2)) if full.len() == 2 && full[1].is_multiple_of(2) => {
                 let f = full[1] / 2;
                 let block = shard.etp_block(hf, f)?;
                 let (l, b) = (experts.len(), block.len());

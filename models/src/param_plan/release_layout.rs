@@ -38,8 +38,8 @@ impl ReleaseLayout {
     /// The stored shape of canonical shape `canonical` (`name` in errors).
     pub fn stored_shape(self, name: &str, canonical: &[usize]) -> Result<Vec<usize>, ModelError> {
         match (self, canonical) {
-            (Self::InterleavedGateUp, &[e, f2, h]) if f2 % 2 == 0 => Ok(vec![e, h, f2]),
-            (Self::InterleavedGateUpBias, &[e, f2]) if f2 % 2 == 0 => Ok(vec![e, f2]),
+            (Self::InterleavedGateUp, &[e, f2, h]) if f2.is_multiple_of(2) => Ok(vec![e, h, f2]),
+            (Self::InterleavedGateUpBias, &[e, f2]) if f2.is_multiple_of(2) => Ok(vec![e, f2]),
             (Self::InputMajorExperts, &[e, h, f]) => Ok(vec![e, f, h]),
             (Self::Stacked, s) => Ok(s.to_vec()),
             _ => Err(error(
@@ -53,8 +53,8 @@ impl ReleaseLayout {
     /// The canonical shape of stored shape `stored` (`name` in errors).
     pub fn canonical_shape(self, name: &str, stored: &[usize]) -> Result<Vec<usize>, ModelError> {
         match (self, stored) {
-            (Self::InterleavedGateUp, &[e, h, f2]) if f2 % 2 == 0 => Ok(vec![e, f2, h]),
-            (Self::InterleavedGateUpBias, &[e, f2]) if f2 % 2 == 0 => Ok(vec![e, f2]),
+            (Self::InterleavedGateUp, &[e, h, f2]) if f2.is_multiple_of(2) => Ok(vec![e, f2, h]),
+            (Self::InterleavedGateUpBias, &[e, f2]) if f2.is_multiple_of(2) => Ok(vec![e, f2]),
             (Self::InputMajorExperts, &[e, f, h]) => Ok(vec![e, h, f]),
             (Self::Stacked, s) => Ok(s.to_vec()),
             _ => Err(error(
@@ -106,7 +106,7 @@ impl ReleaseLayout {
             (Self::Stacked, _) => {}
             // Interleaved column `c` of expert `e` ↔ canonical row `π⁻¹(c)`:
             // `c = 2f` ↔ gate row `f`, `c = 2f + 1` ↔ up row `F + f`.
-            (Self::InterleavedGateUpBias, &[e, f2]) if f2 % 2 == 0 => {
+            (Self::InterleavedGateUpBias, &[e, f2]) if f2.is_multiple_of(2) => {
                 let f = f2 / 2;
                 for x in 0..e {
                     for c in 0..f2 {
@@ -126,7 +126,7 @@ impl ReleaseLayout {
                 } else {
                     (dims[0], dims[2], dims[1])
                 };
-                if f2 % 2 != 0 {
+                if !f2.is_multiple_of(2) {
                     return Err(error(name, shape, "an odd gate/up width"));
                 }
                 let f = f2 / 2;
