@@ -249,7 +249,44 @@ impl PlanExport {
             self.out.push(name, t.cast(DType::F32));
             return Ok(());
         }
-        let expert = matches!(entry.split, ShardRule::Expert { .. });
+        let release = match self.out.experts {
+            ExpertNames::PerExpert => self.plan.release_layout(&name),
+            ExpertNames::Fused => None,
+        };
+        if let Some(layout) = release {
+            // The release's own layout of this tensor (HF export), from the canonical one.
+            use crate::param_plan::ReleaseLayout as L;
+            use moe_backend::experts::layout::{fc1_bias_to_interleaved, fc1_to_interleaved};
+            let dims = t.dims();
+            let backend = |e: moe_backend::BackendError| mismatch(e.to_string());
+            match (layout, dims.as_slice()) {
+                (L::InterleavedGateUp, &[a, b, c]) => {
+                    let t3: Tensor<3> = t.reshape([a, b, c]);
+                    self.out
+                        .push(name, fc1_to_interleaved(t3).map_err(backend)?);
+                }
+                (L::InterleavedGateUpBias, &[a, b]) => {
+                    let t2: Tensor<2> = t.reshape([a, b]);
+                    self.out
+                        .push(name, fc1_bias_to_interleaved(t2).map_err(backend)?);
+                }
+                (L::InputMajorExperts, &[a, b, c]) => {
+                    let t3: Tensor<3> = t.reshape([a, b, c]);
+                    self.out.push(name, t3.swap_dims(1, 2));
+                }
+                (L::Stacked, _) => self.out.push(name, t),
+                (layout, dims) => {
+                    return Err(mismatch(format!(
+                        "a {layout:?} release tensor of shape {dims:?}"
+                    )));
+                }
+            }
+            return Ok(());
+        }
+        let expert = matches!(
+            entry.split,
+            ShardRule::Expert { .. } | ShardRule::ExpertReplicated
+        );
         match entry.storage {
             Storage::Transposed => self.out.push(name, t.transpose()),
             Storage::Same | Storage::GatedExperts

@@ -42,6 +42,7 @@ fn global_shape(t: &PlannedTensor, layout: &ParallelLayout) -> Vec<usize> {
         (Storage::Same, s) => s.to_vec(),
         (Storage::Transposed, [a, b]) => vec![*b, *a],
         (Storage::GatedExperts, [e, f2, h]) => vec![*e, 2, f2 / 2, *h],
+        (Storage::GatedExperts, [e, f2]) => vec![*e, 2, f2 / 2],
         (s, shape) => panic!("{}: {s:?} storage of a {shape:?} tensor", t.path),
     };
     match t.entry.split {
@@ -51,6 +52,7 @@ fn global_shape(t: &PlannedTensor, layout: &ParallelLayout) -> Vec<usize> {
             shape[0] *= layout.ep;
             shape[etp_dim] *= layout.etp;
         }
+        ShardRule::ExpertReplicated => shape[0] *= layout.ep,
     }
     shape
 }

@@ -44,6 +44,9 @@ pub enum ShardRule {
         /// The dimension split over ETP.
         etp_dim: usize,
     },
+    /// A per-expert tensor every expert-TP rank holds whole (e.g. the bias of a row-parallel
+    /// expert projection, added after the reduction): dim 0 split over EP only.
+    ExpertReplicated,
 }
 
 /// The split of a canonical parameter (or buffer) by name: the model's table (moe-models'
@@ -249,6 +252,10 @@ impl ShardingPlan {
                 split(0, self.layout.ep, index(GroupFamily::Ep), "ep")?;
                 split(etp_dim, self.layout.etp, index(GroupFamily::ExptTp), "etp")?;
                 index(GroupFamily::ExptDp) == 0
+            }
+            ShardRule::ExpertReplicated => {
+                split(0, self.layout.ep, index(GroupFamily::Ep), "ep")?;
+                index(GroupFamily::ExptTp) == 0 && index(GroupFamily::ExptDp) == 0
             }
         };
         Ok(Some(RankShard {

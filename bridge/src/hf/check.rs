@@ -148,6 +148,13 @@ impl HfCheckpoint {
         let mut value_cast = Vec::new();
         let mut ignored_scales = Vec::new();
         for (name, want) in &expected {
+            if !self.contains(name)
+                && let Some(stored) = &want.mxfp4
+                && self.is_mxfp4(name)
+            {
+                self.check_mxfp4(name, stored)?;
+                continue;
+            }
             if !self.contains(name) {
                 if want.required {
                     return Err(BridgeError::MissingWeight {
@@ -206,9 +213,13 @@ impl HfCheckpoint {
                 }
             }
         }
-        // Not expected, or the scale of a weight that is absent (an optional one).
+        // Not expected, or the scale of a weight that is absent (an optional one); the MXFP4
+        // pair of an expected weight is used.
         let used = |n: &str| {
-            expected.get(n).is_some_and(|want| {
+            let pair = crate::mxfp4::mxfp4_base(n)
+                .and_then(|base| expected.get(base))
+                .is_some_and(|want| want.mxfp4.is_some());
+            pair || expected.get(n).is_some_and(|want| {
                 want.scale_of
                     .as_deref()
                     .is_none_or(|weight| self.contains(weight))
@@ -255,5 +266,72 @@ impl HfCheckpoint {
             unused,
             warnings,
         })
+    }
+}
+
+impl HfCheckpoint {
+    /// Checks the MXFP4 pair of weight `name` against the matrix shape `stored` it must
+    /// decode to (`[..., K]`, `K` the blocked input width): both `U8`, blocks
+    /// `[..., K/32, 16]` (32 values a block) and scales `[..., K/32]`. A block width other than
+    /// 32 values, or blocks that do not tile `K`, is [`BridgeError::Mxfp4`] naming the blocks
+    /// tensor; other shapes are [`BridgeError::ConfigMismatch`].
+    fn check_mxfp4(&self, name: &str, stored: &[usize]) -> Result<(), BridgeError> {
+        use crate::mxfp4::{BLOCK, BLOCKS_SUFFIX, SCALES_SUFFIX};
+        let config = self.dir.join(CONFIG_FILE);
+        let blocks_name = format!("{name}{BLOCKS_SUFFIX}");
+        let scales_name = format!("{name}{SCALES_SUFFIX}");
+        let mxfp4 = |tensor: &str, reason: String| BridgeError::Mxfp4 {
+            tensor: tensor.to_owned(),
+            reason,
+        };
+        let Some((&width, lead)) = stored.split_last() else {
+            return Err(mxfp4(&blocks_name, "a scalar has no MXFP4 blocks".into()));
+        };
+        for tensor in [&blocks_name, &scales_name] {
+            let info = self.info(tensor)?;
+            if info.dtype != Dtype::U8 {
+                return Err(BridgeError::DtypeMismatch {
+                    path: self.file_of(tensor)?.to_owned(),
+                    tensor: tensor.clone(),
+                    expected: "U8 (MXFP4 codes / E8M0 scales)".to_owned(),
+                    actual: info.dtype.to_string(),
+                });
+            }
+        }
+        let blocks = self.info(&blocks_name)?.shape.clone();
+        let bytes = blocks.last().copied().unwrap_or(0);
+        if bytes != BLOCK / 2 {
+            return Err(mxfp4(
+                &blocks_name,
+                format!(
+                    "blocks {blocks:?} hold {} values each; MXFP4 blocks hold {BLOCK} ({} bytes) and tile the input width {width}",
+                    2 * bytes,
+                    BLOCK / 2
+                ),
+            ));
+        }
+        if !width.is_multiple_of(BLOCK) {
+            return Err(mxfp4(
+                &blocks_name,
+                format!("the input width {width} is not a multiple of the block size {BLOCK}"),
+            ));
+        }
+        let mut want_scales = lead.to_vec();
+        want_scales.push(width / BLOCK);
+        let mut want_blocks = want_scales.clone();
+        want_blocks.push(BLOCK / 2);
+        for (tensor, want) in [(&blocks_name, want_blocks), (&scales_name, want_scales)] {
+            let found = self.info(tensor)?.shape.clone();
+            if found != want {
+                return Err(BridgeError::ConfigMismatch {
+                    path: self.file_of(tensor)?.to_owned(),
+                    config,
+                    tensor: tensor.clone(),
+                    expected: want,
+                    found,
+                });
+            }
+        }
+        Ok(())
     }
 }

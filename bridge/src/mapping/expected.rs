@@ -45,6 +45,10 @@ pub struct ExpectedHf {
     pub role: HfRole,
     /// For a scale: the weight it scales.
     pub scale_of: Option<String>,
+    /// For a weight a release may store as an MXFP4 pair (`<name>_blocks`, `<name>_scales`,
+    /// [`crate::mxfp4`]): the shape of the stored matrix those blocks decode to (its last dim
+    /// the blocked input width), which may differ from `shape` by the model's orientation.
+    pub mxfp4: Option<Vec<usize>>,
 }
 
 /// Expected HF tensors by name.
@@ -125,6 +129,7 @@ impl<'a> ExpectedBuilder<'a> {
                     required: false,
                     role: HfRole::ScaleInv,
                     scale_of: Some(name.clone()),
+                    mxfp4: None,
                 },
             );
         }
@@ -135,8 +140,24 @@ impl<'a> ExpectedBuilder<'a> {
                 required,
                 role: HfRole::Weight,
                 scale_of: None,
+                mxfp4: None,
             },
         );
+        Ok(())
+    }
+
+    /// A required weight `name` of `shape` that may instead be stored as an MXFP4 pair whose
+    /// blocks decode to a matrix of shape `stored` ([`ExpectedHf::mxfp4`]).
+    pub fn weight_or_mxfp4(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        stored: Vec<usize>,
+    ) -> Result<(), BridgeError> {
+        self.insert(name.clone(), shape, true)?;
+        if let Some(entry) = self.table.get_mut(&name) {
+            entry.mxfp4 = Some(stored);
+        }
         Ok(())
     }
 

@@ -122,6 +122,7 @@ impl Walk<'_> {
             (Storage::Same, _) => burn_shape.clone(),
             (Storage::Transposed, [a, b]) => vec![*b, *a],
             (Storage::GatedExperts, [l, f2, h]) if f2 % 2 == 0 => vec![*l, 2, f2 / 2, *h],
+            (Storage::GatedExperts, [l, f2]) if f2 % 2 == 0 => vec![*l, 2, f2 / 2],
             _ => {
                 return Err(BridgeError::Sharding {
                     tensor: fqn,
@@ -148,6 +149,7 @@ impl Walk<'_> {
                 scale(0, layout.ep)?;
                 scale(etp_dim, layout.etp)?;
             }
+            ShardRule::ExpertReplicated => scale(0, layout.ep)?,
         }
         // A tensor this rank's pipeline stage does not own is a copy of the owner's (the
         // last stage's embedding for a tied output layer or the MTP modules): restored from

@@ -74,6 +74,7 @@ impl Gatherer {
         match resolved.entry.split {
             ShardRule::Replicated => Ok(t),
             ShardRule::Tp { dim } => gather_dim(&self.tp, t, dim_of(dim)?),
+            ShardRule::ExpertReplicated => gather_dim(&self.ep, t, dim_of(0)?),
             ShardRule::Expert { etp_dim } => {
                 let t = if storage == Storage::GatedExperts && etp_dim == 2 {
                     // [E, 2F/etp, H]: gate and up halves are gathered separately over ETP.

@@ -52,8 +52,60 @@ pub enum AttentionInputs<'a> {
 
 /// A self-attention module this rank runs on the gathered sequence `[B, S, H]`.
 pub trait SelfAttention {
-    /// This rank's heads' (partial, for TP) output `[B, S, H]` of `x`.
+    /// This rank's heads' (partial, for TP) output `[B, S, H]` of `x`, without
+    /// [`output_bias`](Self::output_bias).
     fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError>;
+
+    /// The output projection's bias `[H]`, added once after the tensor-parallel reduction
+    /// (Megatron's row-parallel bias; `None`: none, or already in [`attend`](Self::attend)).
+    fn output_bias(&self) -> Option<Tensor<1>> {
+        None
+    }
+}
+
+/// GQA attention: its `o_proj` bias is added after the reduce-scatter.
+impl SelfAttention for Attention {
+    fn attend(&self, x: Tensor<3>, inputs: AttentionInputs<'_>) -> Result<Tensor<3>, ModelError> {
+        Ok(match inputs {
+            AttentionInputs::Masked {
+                rope,
+                mask,
+                exchange: Some(cp),
+                recompute_core,
+            } => self.forward_partial(x, rope, mask, None, |t| cp.gather(t), recompute_core)?,
+            AttentionInputs::Masked {
+                rope,
+                mask,
+                exchange: None,
+                recompute_core,
+            } => {
+                let Ok(out) = self.forward_partial(
+                    x,
+                    rope,
+                    mask,
+                    None,
+                    Ok::<_, std::convert::Infallible>,
+                    recompute_core,
+                );
+                out
+            }
+            AttentionInputs::Cached { rope, cache } => {
+                let Ok(out) = self.forward_partial(
+                    x,
+                    rope,
+                    None,
+                    Some(cache),
+                    Ok::<_, std::convert::Infallible>,
+                    false,
+                );
+                out
+            }
+        })
+    }
+
+    fn output_bias(&self) -> Option<Tensor<1>> {
+        Attention::output_bias(self)
+    }
 }
 
 /// [`SelfAttention`] of an attention block with a cached `forward`, a `forward_masked` and a
@@ -95,7 +147,6 @@ macro_rules! self_attention {
     };
 }
 
-self_attention!(Attention);
 self_attention!(Mla);
 
 /// A decoder-only causal LM as the context runs it: token embedding, decoder layers on the
@@ -371,7 +422,13 @@ impl SpRuntime {
         batch: usize,
         inputs: AttentionInputs<'_>,
     ) -> Result<Tensor<2>, ModelError> {
-        self.try_attention_residual(x, norm, batch, |full| attention.attend(full, inputs))
+        let bias = attention.output_bias();
+        let out =
+            self.try_attention_residual(x, norm, batch, |full| attention.attend(full, inputs))?;
+        Ok(match bias {
+            Some(b) => out + b.unsqueeze_dim(0),
+            None => out,
+        })
     }
 
     /// This rank's sequence-parallel block `[B·S/tp, H]` of the embedded device ids

@@ -13,6 +13,7 @@
 pub mod blocks;
 pub mod deepseek_v3;
 pub mod glm4_moe;
+pub mod gpt_oss;
 pub mod mixtral;
 pub mod qwen3;
 pub mod qwen3_moe;
@@ -190,4 +191,5 @@ families!(
     deepseek_v3::DeepseekV3,
     glm4_moe::Glm4Moe,
     mixtral::Mixtral,
+    gpt_oss::GptOss,
 );

@@ -117,39 +117,139 @@ struct CheckpointSource<'a> {
     checkpoint: &'a HfCheckpoint,
     precision: WeightPrecision,
     first_error: RefCell<Option<BridgeError>>,
+    /// The plan of the family being loaded: its release layouts convert at read time.
+    plan: Option<crate::param_plan::ParallelPlan>,
+}
+
+impl CheckpointSource<'_> {
+    fn round(&self, values: &mut [f32]) {
+        if self.precision == WeightPrecision::Bf16 {
+            for v in values {
+                *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
+            }
+        }
+    }
+
+    fn read_error(&self, name: &str, e: BridgeError) -> ModelError {
+        let reason = e.to_string();
+        self.first_error.borrow_mut().get_or_insert(e);
+        ModelError::TensorRead {
+            name: name.to_owned(),
+            reason,
+        }
+    }
+
+    /// The decoded MXFP4 weight `name` (`<name>_blocks`, `<name>_scales`) in the parameter
+    /// orientation: the stored `[..., out, in]` matrix with its last two dims swapped, as
+    /// transformers' `convert_moe_packed_tensors` hands it to the model.
+    fn mxfp4(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        let (shape, values) =
+            (self.checkpoint.read_mxfp4(name)).map_err(|e| self.read_error(name, e))?;
+        let n = shape.len();
+        if n < 2 {
+            return Err(ModelError::TensorRead {
+                name: name.to_owned(),
+                reason: format!("an MXFP4 weight of shape {shape:?} is not a matrix"),
+            });
+        }
+        let (rows, cols) = (shape[n - 2], shape[n - 1]);
+        let mut out = vec![0.0f32; values.len()];
+        for (m, (src, dst)) in values
+            .chunks_exact((rows * cols).max(1))
+            .zip(out.chunks_exact_mut((rows * cols).max(1)))
+            .enumerate()
+        {
+            let _ = m;
+            for r in 0..rows {
+                for c in 0..cols {
+                    dst[c * rows + r] = src[r * cols + c];
+                }
+            }
+        }
+        let mut swapped = shape.clone();
+        swapped.swap(n - 2, n - 1);
+        Ok((swapped, out))
+    }
+
+    /// The box of the tensor `name` as the checkpoint stores it (shape `global`), an MXFP4
+    /// pair decoded.
+    fn stored_box(
+        &self,
+        name: &str,
+        global: &[usize],
+        offsets: &[usize],
+        shape: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        check_box(name, global, offsets, shape)?;
+        if !self.checkpoint.contains(name) && self.checkpoint.is_mxfp4(name) {
+            let (found, values) = self.mxfp4(name)?;
+            if found != global {
+                return Err(ModelError::TensorShape {
+                    name: name.to_owned(),
+                    expected: global.to_vec(),
+                    found,
+                });
+            }
+            let mut values = crate::weights::slice_box(&values, global, offsets, shape);
+            self.round(&mut values);
+            return Ok(values);
+        }
+        let stored = self
+            .checkpoint
+            .info(name)
+            .map_err(|_| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        if stored.shape != global {
+            return Err(ModelError::TensorShape {
+                name: name.to_owned(),
+                expected: global.to_vec(),
+                found: stored.shape.clone(),
+            });
+        }
+        let mut values = (self.checkpoint.read_box_f32(name, offsets, shape))
+            .map_err(|e| self.read_error(name, e))?;
+        self.round(&mut values);
+        Ok(values)
+    }
+
+    /// The stored shape of `name` (an MXFP4 pair: its decoded, transposed shape).
+    fn stored_shape(&self, name: &str) -> Result<Vec<usize>, ModelError> {
+        if let Ok(info) = self.checkpoint.info(name) {
+            return Ok(info.shape.clone());
+        }
+        if self.checkpoint.is_mxfp4(name) {
+            return Ok(self.mxfp4(name)?.0);
+        }
+        Err(ModelError::MissingTensor {
+            name: name.to_owned(),
+        })
+    }
 }
 
 impl WeightSource for CheckpointSource<'_> {
+    /// The whole canonical tensor (see [`tensor_box_f32`](Self::tensor_box_f32)).
     fn tensor_f32(&self, hf_name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
-        if !self.checkpoint.contains(hf_name) {
-            return Err(ModelError::MissingTensor {
-                name: hf_name.to_owned(),
-            });
-        }
-        match self.checkpoint.read_f32(hf_name) {
-            Ok((shape, mut values)) => {
-                if self.precision == WeightPrecision::Bf16 {
-                    for v in &mut values {
-                        *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
-                    }
-                }
-                Ok((shape, values))
-            }
-            Err(e) => {
-                let reason = e.to_string();
-                self.first_error.borrow_mut().get_or_insert(e);
-                Err(ModelError::TensorRead {
-                    name: hf_name.to_owned(),
-                    reason,
-                })
-            }
+        let stored = self.stored_shape(hf_name)?;
+        let offsets = vec![0; stored.len()];
+        let values = self.stored_box(hf_name, &stored, &offsets, &stored)?;
+        match self.plan.as_ref().and_then(|p| p.release_layout(hf_name)) {
+            Some(layout) => Ok((
+                layout.canonical_shape(hf_name, &stored)?,
+                layout.to_canonical(hf_name, &stored, &values)?,
+            )),
+            None => Ok((stored, values)),
         }
     }
 
     fn contains(&self, hf_name: &str) -> bool {
-        self.checkpoint.contains(hf_name)
+        self.checkpoint.contains(hf_name) || self.checkpoint.is_mxfp4(hf_name)
     }
 
+    /// The box of the canonical tensor `hf_name`: FP8 weights dequantised, MXFP4 pairs
+    /// decoded (`moe_bridge::mxfp4`), and a tensor the family's plan stores in a release
+    /// layout ([`crate::param_plan::ReleaseLayout`]) read for the box's experts and converted
+    /// to the canonical layout.
     fn tensor_box_f32(
         &self,
         hf_name: &str,
@@ -158,37 +258,24 @@ impl WeightSource for CheckpointSource<'_> {
         shape: &[usize],
     ) -> Result<Vec<f32>, ModelError> {
         check_box(hf_name, global, offsets, shape)?;
-        let stored = self
-            .checkpoint
-            .info(hf_name)
-            .map_err(|_| ModelError::MissingTensor {
-                name: hf_name.to_owned(),
-            })?;
-        if stored.shape != global {
-            return Err(ModelError::TensorShape {
-                name: hf_name.to_owned(),
-                expected: global.to_vec(),
-                found: stored.shape.clone(),
-            });
-        }
-        match self.checkpoint.read_box_f32(hf_name, offsets, shape) {
-            Ok(mut values) => {
-                if self.precision == WeightPrecision::Bf16 {
-                    for v in &mut values {
-                        *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
-                    }
-                }
-                Ok(values)
-            }
-            Err(e) => {
-                let reason = e.to_string();
-                self.first_error.borrow_mut().get_or_insert(e);
-                Err(ModelError::TensorRead {
-                    name: hf_name.to_owned(),
-                    reason,
-                })
-            }
-        }
+        let Some(layout) = self.plan.as_ref().and_then(|p| p.release_layout(hf_name)) else {
+            return self.stored_box(hf_name, global, offsets, shape);
+        };
+        // The box's experts (dim 0 in both layouts) whole, converted, then cut.
+        let stored = layout.stored_shape(hf_name, global)?;
+        let mut s_offsets = vec![0; stored.len()];
+        let mut s_shape = stored.clone();
+        s_offsets[0] = offsets[0];
+        s_shape[0] = shape[0];
+        let values = self.stored_box(hf_name, &stored, &s_offsets, &s_shape)?;
+        let canonical = layout.to_canonical(hf_name, &s_shape, &values)?;
+        let mut c_global = global.to_vec();
+        c_global[0] = shape[0];
+        let mut c_offsets = offsets.to_vec();
+        c_offsets[0] = 0;
+        Ok(crate::weights::slice_box(
+            &canonical, &c_global, &c_offsets, shape,
+        ))
     }
 }
 
@@ -197,11 +284,18 @@ impl WeightSource for CheckpointSource<'_> {
 pub trait HfShard: LoadShard {
     /// This family's configuration in `config`, `None` for another family.
     fn config_of(config: &ModelConfig) -> Option<&Self::Config>;
+
+    /// The family's parallel plan (its release layouts convert tensors on read).
+    fn plan() -> crate::param_plan::ParallelPlan;
 }
 
 impl<M: ShardModel> HfShard for M {
     fn config_of(config: &ModelConfig) -> Option<&M::Config> {
         config.config_as::<M::Config>()
+    }
+
+    fn plan() -> crate::param_plan::ParallelPlan {
+        <M as crate::param_plan::Planned>::parallel_plan()
     }
 }
 
@@ -235,6 +329,7 @@ pub fn load_shard_checked<M: HfShard>(
         checkpoint,
         precision: WeightPrecision::F32,
         first_error: RefCell::new(None),
+        plan: Some(M::plan()),
     };
     let shard = M::load_shard(config, &source, groups, kind, device).map_err(|err| match source
         .first_error
@@ -551,10 +646,18 @@ pub fn load_checked(
     device: &Device,
 ) -> Result<(AnyCausalLm, CheckReport), ModelError> {
     let report = checkpoint.check::<ModelConfig>()?;
+    struct PlanOf;
+    impl ConfigVisitor for PlanOf {
+        type Output = crate::param_plan::ParallelPlan;
+        fn visit<F: Family>(self, _: &F::Config) -> Self::Output {
+            <F::Model as crate::param_plan::Planned>::parallel_plan()
+        }
+    }
     let source = CheckpointSource {
         checkpoint,
         precision,
         first_error: RefCell::new(None),
+        plan: Some(report.config.visit(PlanOf)?),
     };
     struct Build<'a>(&'a CheckpointSource<'a>, &'a Device);
     impl ConfigVisitor for Build<'_> {

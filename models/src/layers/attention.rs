@@ -145,8 +145,9 @@ impl AttentionConfig {
     }
 
     /// Checks that the block splits over `tp` tensor-parallel ranks: query and KV heads
-    /// divisible by `tp`, and no bias on the row-parallel `o_proj` (it would be added once per
-    /// rank; the q/k/v biases are column-parallel and split with their heads).
+    /// divisible by `tp` (the q/k/v biases are column-parallel and split with their heads; the
+    /// bias of the row-parallel `o_proj` is added once after the reduction by the parallel
+    /// stack, [`Attention::forward_partial`]).
     pub fn check_split(&self, tp: usize) -> Result<(), ModelError> {
         self.check()?;
         if !self.num_attention_heads.is_multiple_of(tp)
@@ -158,12 +159,6 @@ impl AttentionConfig {
                     "{} query / {} KV heads cannot be split over tp = {tp}",
                     self.num_attention_heads, self.num_key_value_heads
                 ),
-            ));
-        }
-        if self.has_o_proj_bias() && tp > 1 {
-            return Err(ModelError::layout(
-                "tp",
-                "`o_proj` is row-parallel with a bias, which tp > 1 does not support",
             ));
         }
         Ok(())
@@ -289,7 +284,7 @@ impl Attention {
         rope: &RopeTables,
         cache: Option<&mut LayerCache>,
     ) -> Tensor<3> {
-        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>, false);
+        let Ok(out) = self.forward_inner(x, rope, None, cache, Ok::<_, Infallible>, false, true);
         out
     }
 
@@ -302,7 +297,7 @@ impl Attention {
         rope: &RopeTables,
         mask: Option<&AttentionMask>,
     ) -> Tensor<3> {
-        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>, false);
+        let Ok(out) = self.forward_inner(x, rope, mask, None, Ok::<_, Infallible>, false, true);
         out
     }
 
@@ -317,9 +312,31 @@ impl Attention {
         exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
         recompute_core: bool,
     ) -> Result<Tensor<3>, E> {
-        self.forward_inner(x, rope, mask, None, exchange, recompute_core)
+        self.forward_inner(x, rope, mask, None, exchange, recompute_core, true)
     }
 
+    /// This rank's heads' partial output for the parallel stack: as
+    /// [`forward_exchanged`](Self::forward_exchanged) (or the cached
+    /// [`forward`](Self::forward) with `cache`) without `o_proj`'s bias, which the caller adds
+    /// once after the tensor-parallel reduction ([`Self::output_bias`]).
+    pub fn forward_partial<E>(
+        &self,
+        x: Tensor<3>,
+        rope: &RopeTables,
+        mask: Option<&AttentionMask>,
+        cache: Option<&mut LayerCache>,
+        exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
+        recompute_core: bool,
+    ) -> Result<Tensor<3>, E> {
+        self.forward_inner(x, rope, mask, cache, exchange, recompute_core, false)
+    }
+
+    /// `o_proj`'s bias `[H]`, if any.
+    pub fn output_bias(&self) -> Option<Tensor<1>> {
+        self.o_proj.bias.as_ref().map(|b| b.val())
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn forward_inner<E>(
         &self,
         x: Tensor<3>,
@@ -328,6 +345,7 @@ impl Attention {
         cache: Option<&mut LayerCache>,
         mut exchange: impl FnMut(Tensor<4>) -> Result<Tensor<4>, E>,
         recompute_core: bool,
+        o_bias: bool,
     ) -> Result<Tensor<3>, E> {
         let [b, s, _] = x.dims();
         let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -371,11 +389,15 @@ impl Attention {
             sinks: self.sinks.as_ref().map(|s| s.val()),
         };
         let out = attention_core_with(q, k, v, scale, mask, offset, recompute_core, &options);
-        Ok(linear_maybe_fp8(
-            &self.o_proj,
-            out.swap_dims(1, 2).reshape([b, s, nh * hd]),
-            fp8,
-        ))
+        let out = out.swap_dims(1, 2).reshape([b, s, nh * hd]);
+        if o_bias || self.o_proj.bias.is_none() {
+            return Ok(linear_maybe_fp8(&self.o_proj, out, fp8));
+        }
+        let weight_only = Linear {
+            weight: self.o_proj.weight.clone(),
+            bias: None,
+        };
+        Ok(linear_maybe_fp8(&weight_only, out, fp8))
     }
 }
 
@@ -1013,10 +1035,10 @@ mod tests {
         grad(true).assert_approx_eq::<f32>(&grad(false), Tolerance::rel_abs(1e-5, 1e-6));
     }
 
-    /// q/k/v biases split with their heads under TP; a bias on the row-parallel `o_proj` is
-    /// refused there (it would be added once per rank).
+    /// q/k/v biases split with their heads under TP; the row-parallel `o_proj`'s bias is left
+    /// out of the partial output (the stack adds it once after the reduction) and splits fine.
     #[test]
-    fn tp_refuses_only_an_o_proj_bias() {
+    fn o_proj_bias_is_left_to_the_stack_under_tp() {
         let device = Device::flex();
         let qkv_only = AttentionConfig::new(16, 4, 2, 8)
             .with_attention_bias(true)
@@ -1026,10 +1048,17 @@ mod tests {
         assert!(attn.q_proj.bias.is_some() && attn.v_proj.bias.is_some());
         assert!(attn.o_proj.bias.is_none());
         let all = AttentionConfig::new(16, 4, 2, 8).with_attention_bias(true);
-        assert!(all.check_split(1).is_ok());
-        let err = all.check_split(2).unwrap_err().to_string();
-        assert!(err.contains("o_proj"), "{err}");
-        assert!(all.init(&device).unwrap().o_proj.bias.is_some());
+        assert!(all.check_split(2).is_ok());
+        let attn = all.init(&device).unwrap();
+        let rope = RotaryEmbedding::new(&RopeParameters::default(), 8).unwrap();
+        let tables = rope.tables(0, 5, &device);
+        let x = Tensor::<3>::random([1, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+        let whole = attn.forward(x.clone(), &tables, None);
+        let Ok(partial) = attn.forward_partial(x, &tables, None, None, Ok::<_, Infallible>, false);
+        let bias = attn.output_bias().unwrap();
+        (partial + bias.unsqueeze_dim::<2>(0).unsqueeze_dim(0))
+            .into_data()
+            .assert_approx_eq::<f32>(&whole.into_data(), Tolerance::rel_abs(1e-6, 1e-6));
     }
 
     #[test]

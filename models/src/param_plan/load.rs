@@ -139,6 +139,58 @@ impl Loader<'_> {
         Ok(mine)
     }
 
+    /// This rank's box of a per-expert tensor `hf` other than the stacked gate/up and down
+    /// projections (e.g. expert biases) whose full Burn shape is `full`: its experts along dim
+    /// 0 and, with `etp_dim`, its ETP block of that canonical dimension (for gated storage
+    /// `[E, 2F]` ≡ canonical `[E, 2, F]`, the same block of the gate and of the up half).
+    fn expert_box(
+        &self,
+        path: &str,
+        hf: &str,
+        full: &[usize],
+        storage: Storage,
+        etp_dim: Option<usize>,
+    ) -> Result<TensorData, ModelError> {
+        let shard = self.loader.shard();
+        let experts = shard.expert_range(*full.first().unwrap_or(&0))?;
+        let mut offsets = vec![0; full.len()];
+        let mut shape = full.to_vec();
+        offsets[0] = experts.start;
+        shape[0] = experts.len();
+        match (storage, etp_dim) {
+            (Storage::Same, None) => {}
+            (Storage::Same, Some(d)) if d > 0 && d < full.len() => {
+                let block = shard.etp_block(hf, full[d])?;
+                offsets[d] = block.start;
+                shape[d] = block.len();
+            }
+            (Storage::GatedExperts, Some(2)) if full.len() == 2 && full[1].is_multiple_of(2) => {
+                let f = full[1] / 2;
+                let block = shard.etp_block(hf, f)?;
+                let (l, b) = (experts.len(), block.len());
+                let read = |start: usize| {
+                    self.loader
+                        .host_box(hf, full, &[experts.start, start], &[l, b])
+                };
+                let (gate, up) = (read(block.start)?, read(f + block.start)?);
+                let mut values = Vec::with_capacity(2 * l * b);
+                for (g, u) in gate.chunks_exact(b.max(1)).zip(up.chunks_exact(b.max(1))) {
+                    values.extend_from_slice(g);
+                    values.extend_from_slice(u);
+                }
+                return Ok(TensorData::new(values, [l, 2 * b]));
+            }
+            _ => {
+                return Err(self.mismatch(
+                    path,
+                    format!("a per-expert {storage:?} tensor of shape {full:?} split over etp along {etp_dim:?}"),
+                ));
+            }
+        }
+        let values = self.loader.host_box(hf, full, &offsets, &shape)?;
+        Ok(TensorData::new(values, shape))
+    }
+
     /// This rank's box of the dense tensor `hf` whose full Burn shape is `full`, in Burn
     /// layout.
     fn dense(
@@ -198,8 +250,13 @@ impl Loader<'_> {
     ) -> Result<(Tensor<D>, GradClass), ModelError> {
         let resolved = self.plan.resolve(path, self.main_layers)?;
         let (entry, hf) = (resolved.entry.clone(), resolved.hf_name);
+        let stacked_pair = hf_names::split_stacked(&hf).is_some();
         let data = match entry.split {
-            ShardRule::Expert { etp_dim: 2 } => self.expert(path, &hf, full)?,
+            ShardRule::Expert { etp_dim: 2 } if stacked_pair => self.expert(path, &hf, full)?,
+            ShardRule::Expert { etp_dim } if !stacked_pair => {
+                self.expert_box(path, &hf, full, entry.storage, Some(etp_dim))?
+            }
+            ShardRule::ExpertReplicated => self.expert_box(path, &hf, full, entry.storage, None)?,
             ShardRule::Expert { etp_dim } => {
                 return Err(self.mismatch(
                     path,

@@ -33,10 +33,12 @@ use moe_bridge::dist::ShardRule;
 pub mod hf_names;
 mod load;
 pub mod model_shape;
+pub mod release_layout;
 mod shard;
 
 pub use load::{load_by_plan, load_planned, load_with};
 pub use model_shape::{AttentionShape, ModelShape};
+pub use release_layout::ReleaseLayout;
 pub use shard::{shard_by_plan, shard_planned};
 
 /// A model with a parallel plan: the trainer, gathering, checkpoint placement and HF export
@@ -128,6 +130,7 @@ pub struct ParallelPlan {
     family: &'static str,
     entries: Vec<PlanEntry>,
     expert_projections: hf_names::ExpertProjections,
+    release_layouts: Vec<(String, ReleaseLayout)>,
 }
 
 /// A parameter the plan does not cover, or covers twice.
@@ -196,7 +199,41 @@ impl ParallelPlan {
             family,
             entries,
             expert_projections: hf_names::ExpertProjections::LLAMA,
+            release_layouts: Vec::new(),
         }
+    }
+
+    /// The same plan whose HF release stores the canonical tensors named by the templates
+    /// (`{0}` matches one numeric segment) in another layout ([`ReleaseLayout`]): loading an
+    /// HF checkpoint converts them to the canonical layout, HF export converts back; the
+    /// canonical tensors (distributed checkpoints, resharding, weight sync) are unchanged.
+    pub fn with_release_layouts(mut self, layouts: Vec<(String, ReleaseLayout)>) -> Self {
+        self.release_layouts = layouts;
+        self
+    }
+
+    /// How the HF release stores canonical tensor `name`, when not as the canonical tensor.
+    pub fn release_layout(&self, name: &str) -> Option<ReleaseLayout> {
+        let segments: Vec<&str> = name.split('.').collect();
+        self.release_layouts
+            .iter()
+            .find(|(template, _)| {
+                let t: Vec<&str> = template.split('.').collect();
+                t.len() == segments.len()
+                    && t.iter().zip(&segments).all(|(t, s)| {
+                        if t.starts_with('{') {
+                            !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+                        } else {
+                            t == s
+                        }
+                    })
+            })
+            .map(|(_, layout)| *layout)
+    }
+
+    /// Whether any tensor of the plan has a [`ReleaseLayout`].
+    pub fn has_release_layouts(&self) -> bool {
+        !self.release_layouts.is_empty()
     }
 
     /// The same plan with the routed experts' per-expert HF tensors named by `projs`

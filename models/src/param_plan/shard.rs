@@ -119,6 +119,10 @@ impl Sharder<'_> {
                 let r = ShardSpec::part(path, "tp", dims[d], spec.tp_rank, spec.tp)?;
                 Ok(narrow(t, d, &r))
             }
+            ShardRule::ExpertReplicated => {
+                let experts = spec.expert_range(dims[0])?;
+                Ok(narrow(t, 0, &experts))
+            }
             ShardRule::Expert { etp_dim } => {
                 let experts = spec.expert_range(dims[0])?;
                 let t = narrow(t, 0, &experts);

@@ -300,6 +300,7 @@ pub fn chunk_params_of<M: ShardModel>(
         match entry.split {
             ShardRule::Tp { .. } => p.dense_sharded += n / tp,
             ShardRule::Expert { .. } => p.expert += n / ep_etp,
+            ShardRule::ExpertReplicated => p.expert += n / layout.ep as u64,
             ShardRule::Replicated => {
                 p.dense_replicated += n;
                 if entry.grad == GradClass::Buffer {

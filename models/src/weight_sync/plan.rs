@@ -240,6 +240,14 @@ fn stage_plan(
                 *extent *= tp;
                 push(spec.name.clone(), shape, Split::Tp { dim }, k);
             }
+            ShardRule::ExpertReplicated => {
+                return Err(bad(
+                    &spec.name,
+                    "per-expert tensors replicated over etp are not streamed by the weight \
+                     sync yet"
+                        .to_owned(),
+                ));
+            }
             ShardRule::Expert { etp_dim } => {
                 let prefix = match hf_names::split_stacked(&spec.name) {
                     Some((prefix, true)) => prefix,

@@ -139,6 +139,7 @@ fn bf16_precision_rounds_weights() {
         checkpoint: &ckpt,
         precision: WeightPrecision::Bf16,
         first_error: RefCell::new(None),
+        plan: None,
     };
     let (_, values) = source.tensor_f32("model.norm.weight").unwrap();
     assert!(values.iter().all(|v| v.to_bits() & 0xFFFF == 0));

@@ -1,0 +1,223 @@
+//! The gpt-oss model's HF layout (HF `GptOssForCausalLM` as released and as transformers 5.23
+//! `save_pretrained` writes it): its parallel plan, name-mapping rules and expected-tensor
+//! table, over the shared Llama-family names of [`crate::param_plan::hf_names`].
+//!
+//! gpt-oss's own names: the learned sinks `self_attn.sinks [nh]`, the router
+//! `mlp.router.{weight,bias}`, and the routed experts stored fused per layer in the release
+//! layout (transformers `GptOssExperts`): `mlp.experts.gate_up_proj [E, H, 2I]` (input-major,
+//! gate / up interleaved on the last dim), `gate_up_proj_bias [E, 2I]` (interleaved),
+//! `down_proj [E, I, H]`, `down_proj_bias [E, H]`. The canonical tensors (checkpoints,
+//! resharding, weight sync) are the project's stacked layout under the same names; the plan's
+//! [`ReleaseLayout`]s convert at the HF boundary (loading, export). The release stores
+//! `gate_up_proj` / `down_proj` as MXFP4 (`*_blocks`, `*_scales`, the rows of the
+//! output-major `[E, out, in]` matrix in blocks of 32 along `in`).
+
+use std::path::Path;
+
+use moe_backend::optim::ParamClass;
+use moe_bridge::BridgeError;
+use moe_bridge::dist::ShardRule;
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+
+use super::{GptOssConfig, GptOssForCausalLM};
+use crate::param_plan::hf_names::{self as n, join, layer};
+use crate::param_plan::rows::{column, embedding, gqa, norm, replicated};
+use crate::param_plan::{GradClass, ParallelPlan, PlanEntry, Planned, ReleaseLayout, Storage};
+
+/// The attention sinks inside `self_attn` (HF and Burn alike).
+pub const SINKS: &str = "sinks";
+/// The router inside `mlp`.
+pub const ROUTER: &str = "router";
+/// The fused gate/up projection's bias inside `mlp.experts`.
+pub const GATE_UP_PROJ_BIAS: &str = "gate_up_proj_bias";
+/// The down projection's bias inside `mlp.experts`.
+pub const DOWN_PROJ_BIAS: &str = "down_proj_bias";
+
+fn row(
+    module: String,
+    hf: String,
+    storage: Storage,
+    split: ShardRule,
+    class: ParamClass,
+) -> PlanEntry {
+    PlanEntry {
+        module,
+        hf,
+        storage,
+        split,
+        grad: GradClass::Param(class),
+        fp8: false,
+    }
+}
+
+/// The plan of [`GptOssForCausalLM`] and its shards: vocab-parallel embedding and head, GQA
+/// attention with biases (q/k/v column-, o row-parallel, the `o_proj` bias added once after
+/// the reduction) and sinks split by head, the biased router replicated, routed experts and
+/// their biases over EP × ETP (the `fc2` bias replicated over ETP, added by one rank).
+pub fn gpt_oss_plan() -> ParallelPlan {
+    let l = layer("*");
+    let h = layer("{0}");
+    let mut rows = embedding(n::EMBED_TOKENS, n::EMBED_TOKENS);
+    rows.extend(norm(
+        &join(&l, n::INPUT_LAYERNORM),
+        &join(&h, n::INPUT_LAYERNORM),
+    ));
+    let (attn, hf_attn) = (join(&l, n::SELF_ATTN), join(&h, n::SELF_ATTN));
+    rows.extend(gqa(&attn, &hf_attn));
+    rows.push(row(
+        join(&attn, SINKS),
+        join(&hf_attn, SINKS),
+        Storage::Same,
+        ShardRule::Tp { dim: 0 },
+        ParamClass::DenseTpSharded,
+    ));
+    rows.extend(norm(
+        &join(&l, n::POST_ATTENTION_LAYERNORM),
+        &join(&h, n::POST_ATTENTION_LAYERNORM),
+    ));
+    let (mlp, hf_mlp) = (join(&l, n::MLP), join(&h, n::MLP));
+    rows.extend(replicated(
+        &join(&mlp, ROUTER),
+        &join(&hf_mlp, ROUTER),
+        true,
+        false,
+    ));
+    // The router weight is stored `[E, H]` as Burn's `TopKRouter` holds it.
+    if let Some(w) = rows
+        .iter_mut()
+        .rev()
+        .find(|r| r.module.ends_with("router.weight"))
+    {
+        w.storage = Storage::Same;
+    }
+    let (ex, hf_ex) = (join(&mlp, n::EXPERTS), join(&hf_mlp, n::EXPERTS));
+    let expert = ParamClass::Expert;
+    rows.push(PlanEntry {
+        fp8: true,
+        ..row(
+            join(&ex, "fc1"),
+            n::stacked_gate_up(&hf_ex),
+            Storage::GatedExperts,
+            ShardRule::Expert { etp_dim: 2 },
+            expert,
+        )
+    });
+    rows.push(PlanEntry {
+        fp8: true,
+        ..row(
+            join(&ex, "fc2"),
+            n::stacked_down(&hf_ex),
+            Storage::Same,
+            ShardRule::Expert { etp_dim: 2 },
+            expert,
+        )
+    });
+    rows.push(row(
+        join(&ex, "fc1_bias"),
+        join(&hf_ex, GATE_UP_PROJ_BIAS),
+        Storage::GatedExperts,
+        ShardRule::Expert { etp_dim: 2 },
+        expert,
+    ));
+    rows.push(row(
+        join(&ex, "fc2_bias"),
+        join(&hf_ex, DOWN_PROJ_BIAS),
+        Storage::Same,
+        ShardRule::ExpertReplicated,
+        expert,
+    ));
+    rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
+    rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
+    let experts = join(&h, &join(n::MLP, n::EXPERTS));
+    ParallelPlan::new(GptOssConfig::MODEL_TYPE, rows).with_release_layouts(vec![
+        (
+            n::stacked_gate_up(&experts),
+            ReleaseLayout::InterleavedGateUp,
+        ),
+        (
+            join(&experts, GATE_UP_PROJ_BIAS),
+            ReleaseLayout::InterleavedGateUpBias,
+        ),
+        (n::stacked_down(&experts), ReleaseLayout::InputMajorExperts),
+        (join(&experts, DOWN_PROJ_BIAS), ReleaseLayout::Stacked),
+    ])
+}
+
+impl Planned for GptOssForCausalLM {
+    fn parallel_plan() -> ParallelPlan {
+        gpt_oss_plan()
+    }
+
+    fn main_layers(&self) -> usize {
+        self.config().num_hidden_layers
+    }
+}
+
+/// The four attention projections (with biases).
+const ATTENTION_PROJS: [&str; 4] = [n::Q_PROJ, n::K_PROJ, n::V_PROJ, n::O_PROJ];
+
+/// The name-mapping rules of gpt-oss (after the shared ignores): every HF name explicit,
+/// canonical name = HF name (the experts' release layout is the plan's business); MXFP4
+/// blocks and scales are decoded on load.
+pub(crate) fn mapping_rules() -> Vec<Rule> {
+    let mut rules = vec![
+        Rule::ignore("**_blocks", "MXFP4 codes, decoded on load"),
+        Rule::ignore("**_scales", "MXFP4 block scales, decoded on load"),
+    ];
+    rules.extend(n::top_level_rules());
+    rules.extend(n::per_layer(n::layer_norm_suffixes()));
+    rules.extend(n::per_layer(n::attention_suffixes(&ATTENTION_PROJS, true)));
+    rules.extend(n::per_layer([join(n::SELF_ATTN, SINKS)]));
+    let router = join(n::MLP, ROUTER);
+    rules.extend(n::per_layer([n::weight(&router), join(&router, "bias")]));
+    let experts = join(n::MLP, n::EXPERTS);
+    rules.extend(n::per_layer([
+        n::stacked_gate_up(&experts),
+        join(&experts, GATE_UP_PROJ_BIAS),
+        n::stacked_down(&experts),
+        join(&experts, DOWN_PROJ_BIAS),
+    ]));
+    rules
+}
+
+/// gpt-oss (`GptOssForCausalLM`): every layer's attention (biases, sinks), norms and MoE
+/// block in the release layout (the experts' matrices dense or as MXFP4 pairs). `path` names
+/// the config in errors; `block` is the FP8 block size of the scale companions.
+pub fn gpt_oss_expected(
+    c: &GptOssConfig,
+    _layout: ExpertLayout,
+    path: &Path,
+    block: [usize; 2],
+) -> Result<ExpectedTable, BridgeError> {
+    let mut b = Builder::new(path, block);
+    b.bound(c.num_hidden_layers, 16, "num_hidden_layers")?;
+    let h = c.hidden_size;
+    n::expected_top_level(&mut b, c.vocab_size, h, c.tie_word_embeddings)?;
+    let q = b.mul(c.num_attention_heads, c.head_dim, "num_attention_heads")?;
+    let kv = b.mul(c.num_key_value_heads, c.head_dim, "num_key_value_heads")?;
+    let (e, i) = (c.num_local_experts, c.intermediate_size);
+    let two_i = b.mul(2, i, "intermediate_size")?;
+    for l in 0..c.num_hidden_layers {
+        let p = layer(l);
+        n::expected_layer_norms(&mut b, &p, h)?;
+        let attn = join(&p, n::SELF_ATTN);
+        let bias = c.attention_bias;
+        for (proj, inp, out) in [(n::Q_PROJ, h, q), (n::K_PROJ, h, kv), (n::V_PROJ, h, kv)] {
+            b.linear(&join(&attn, proj), inp, out, bias)?;
+        }
+        b.linear(&join(&attn, n::O_PROJ), q, h, bias)?;
+        b.weight(join(&attn, SINKS), vec![c.num_attention_heads])?;
+        let mlp = join(&p, n::MLP);
+        b.linear(&join(&mlp, ROUTER), h, e, true)?;
+        let ex = join(&mlp, n::EXPERTS);
+        b.weight_or_mxfp4(
+            n::stacked_gate_up(&ex),
+            vec![e, h, two_i],
+            vec![e, two_i, h],
+        )?;
+        b.weight(join(&ex, GATE_UP_PROJ_BIAS), vec![e, two_i])?;
+        b.weight_or_mxfp4(n::stacked_down(&ex), vec![e, i, h], vec![e, h, i])?;
+        b.weight(join(&ex, DOWN_PROJ_BIAS), vec![e, h])?;
+    }
+    Ok(b.finish())
+}
