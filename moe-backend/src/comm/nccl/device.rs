@@ -615,3 +615,122 @@ impl Communicator for NcclComm {
         Some(self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use burn::tensor::{Int, Tensor, TensorData};
+
+    use super::super::{NcclConfig, nccl_ctx, probe_libraries};
+    use super::*;
+    use crate::comm::{CallSite, World, buffer};
+
+    fn site() -> CallSite {
+        std::panic::Location::caller()
+    }
+
+    /// `f` on the threads transport (a world of one).
+    fn threads<T: Send>(f: impl Fn(&dyn Communicator) -> Result<T> + Sync) -> Result<T> {
+        let mut out = World::run(1, |c| f(c.world()?.communicator().as_ref()));
+        out.remove(0)
+    }
+
+    /// Rows 0..rows of 3 values of `dtype` (integers as i64 first).
+    fn data(rows: usize, dtype: DType) -> TensorData {
+        let values: Vec<f32> = (0..rows * 3)
+            .map(|i| (i % 13) as f32 - 6.0 + if dtype.is_float() { 0.5 } else { 0.0 })
+            .collect();
+        TensorData::new(values, [rows, 3]).convert_dtype(dtype)
+    }
+
+    /// Every collective of the device path on CUDA tensors of every dtype the step uses,
+    /// through the real libnccl at world size 1 (a group of one still runs NCCL's kernels and
+    /// the device plumbing: pointers, allocation, stream ordering, the wait), against the
+    /// threads transport's results.
+    ///
+    /// Needs an NVIDIA GPU, libcuda and `libnccl.so` (see the module docs of `nccl`); run
+    /// with `cargo test -p moe-backend --features cuda,nccl --lib gpu_device_collectives --
+    /// --ignored` (benches/gpu/run.sh, case `nccl_device`).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU, libcuda and libnccl.so"]
+    fn gpu_device_collectives_world_of_one() {
+        probe_libraries().expect("libcuda and libnccl.so");
+        let device = burn::tensor::Device::cuda(0);
+        let results = World::run(1, |boot| {
+            let config = NcclConfig {
+                timeout: Duration::from_secs(60),
+                local_rank: Some(0),
+            };
+            let ctx = nccl_ctx(boot, config)?;
+            let world = ctx.world()?;
+            let dc = world.communicator().device().expect("a device path");
+            assert!(dc.accepts(BufferKind::Cuda) && dc.accepts(BufferKind::Host));
+            let mut checked = 0;
+            for dtype in [DType::F32, DType::BF16, DType::F16, DType::I64, DType::I32] {
+                let input = data(5, dtype);
+                let on_gpu = || {
+                    if dtype.is_float() {
+                        buffer::take(Tensor::<2>::from_data(input.clone(), (&device, dtype)))
+                    } else {
+                        buffer::take(Tensor::<2, Int>::from_data(input.clone(), (&device, dtype)))
+                    }
+                    .expect("a CUDA buffer")
+                };
+                let back = |buf: DeviceBuffer| -> TensorData {
+                    let DeviceBuffer::Cuda(t) = buf else {
+                        panic!("the result left the GPU")
+                    };
+                    read(t, "test", "[0]").unwrap()
+                };
+                let mut ops = vec![ReduceOp::Sum, ReduceOp::Max];
+                if dtype.is_float() {
+                    ops.push(ReduceOp::Mean);
+                }
+                for op in ops {
+                    let (buf, _) = on_gpu();
+                    let got = back(dc.all_reduce(buf, op, site())?);
+                    let want = threads(|r| r.all_reduce(input.clone(), op, site()))?;
+                    assert_eq!(got, want, "all_reduce {op:?} {dtype:?}");
+                    let (buf, _) = on_gpu();
+                    let got = back(dc.reduce_scatter_v(buf, &[5], op, site())?);
+                    let want = threads(|r| r.reduce_scatter_v(input.clone(), &[5], op, site()))?;
+                    assert_eq!(got, want, "reduce_scatter_v {op:?} {dtype:?}");
+                    checked += 2;
+                }
+                let (buf, _) = on_gpu();
+                let (got, sizes) = dc.all_gather_v(buf, site())?;
+                let (want, want_sizes) = threads(|r| r.all_gather_v(input.clone(), site()))?;
+                assert_eq!(
+                    (back(got), sizes),
+                    (want, want_sizes),
+                    "all_gather_v {dtype:?}"
+                );
+                let (buf, _) = on_gpu();
+                let got = back(dc.all_to_all_v(buf, &[5], &[5], site())?);
+                let want = threads(|r| r.all_to_all_v(input.clone(), &[5], &[5], site()))?;
+                assert_eq!(got, want, "all_to_all_v {dtype:?}");
+                let (buf, _) = on_gpu();
+                let got = back(dc.broadcast(buf, 0, site())?);
+                assert_eq!(got, threads(|r| r.broadcast(input.clone(), 0, site()))?);
+                // Point-to-point to itself (host-staged for CUDA tensors).
+                let (buf, _) = on_gpu();
+                dc.send(buf, 0, site())?;
+                let (like, _) = on_gpu();
+                let got = back(dc.recv(&[5, 3], dtype, 0, &like, site())?);
+                assert_eq!(got, input, "send/recv {dtype:?}");
+                // A bad argument is the host path's typed error, before any NCCL call.
+                let (buf, _) = on_gpu();
+                let err = dc.reduce_scatter_v(buf, &[4], ReduceOp::Sum, site());
+                assert!(
+                    matches!(err, Err(BackendError::Collective { .. })),
+                    "{err:?}"
+                );
+                checked += 5;
+            }
+            eprintln!("nccl_device: {checked} collectives on CUDA tensors matched the threads");
+            Ok(())
+        });
+        results.into_iter().for_each(|r| r.unwrap());
+    }
+}
