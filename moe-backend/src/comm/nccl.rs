@@ -25,11 +25,14 @@
 //! interface moves host [`TensorData`], so every transfer is copied host → device into a
 //! staging buffer, moved by `ncclSend`/`ncclRecv` inside one NCCL group call, and copied
 //! device → host again (`HostStagedNccl`). Reductions run on the host in `super::p2p`
-//! (deterministic, bit-identical to the in-process world), not in NCCL. This gives GPU jobs
-//! NCCL bootstrap, device selection and connectivity with the semantics of every other
-//! transport, but it is not fast: tensors that already live on the GPU make a device → host →
-//! device round trip per collective. The device-resident path (collectives on device buffers,
-//! `ncclAllReduce` & co.) comes with the GPU-training work. Staging memory is bounded:
+//! (deterministic, bit-identical to the in-process world), not in NCCL. This path serves host
+//! (Flex) tensors and the headers of every collective.
+//!
+//! With feature `cuda` as well, collectives on CUDA tensors run on their device buffers
+//! (submodule `device`: `ncclAllReduce`, `ncclReduceScatter` / grouped `ncclReduce`,
+//! `ncclAllGather` / grouped `ncclBroadcast`, grouped `ncclSend`/`ncclRecv` for
+//! all-to-all-v, `ncclBroadcast`) on the same communicator, after the host header round;
+//! only their point-to-point `send`/`recv` is still staged through the host. Staging memory is bounded:
 //! messages travel in pieces of 256 MiB / group size (at least 4 MiB) per peer and round, and
 //! every member cuts them the same way, so sends and receives match.
 //!
