@@ -31,6 +31,10 @@
 #                        libnccl (ncclGetUniqueId, ncclCommInitRank; at world size 1 the
 #                        collectives themselves never reach NCCL); BF16 mixed precision, moe
 #                        train's default on CUDA (needs binaries built after that default landed)
+#   nccl_device          every collective of the NCCL device path on CUDA tensors (f32, bf16,
+#                        f16, i64, i32) through the real libnccl at world size 1 against the
+#                        threads transport (moe-backend's ignored test
+#                        gpu_device_collectives_world_of_one, carried as moe-backend-nccl-tests)
 #   train_step           one Qwen3-MoE training step at world size 1 (moe-gpu-train-step, the
 #                        cube_train_step bench:
 #                        tokens/s, MFU against the BF16 peak; the bench trains f32 (it has no
@@ -358,6 +362,22 @@ if ! skip_or moe_train_nccl; then
         st=fail
     fi
     record moe_train_nccl "$st" "$secs" "$(tail -c 300 "$out/moe_train_nccl.log" | tr '\n' ' ')" ""
+fi
+
+# --- NCCL on device memory: every collective on CUDA tensors through the real libnccl ---------
+# The ignored test `gpu_device_collectives_world_of_one` of moe-backend (features cuda,nccl),
+# carried as the test binary moe-backend-nccl-tests when the build packs it:
+#   cargo test --release -p moe-backend --features cuda,nccl --lib --no-run
+if ! skip_or nccl_device; then
+    tests_bin="$bin_dir/moe-backend-nccl-tests"
+    if [ ! -x "$tests_bin" ]; then
+        record nccl_device skipped 0 "no moe-backend-nccl-tests in the carried set (build it with cargo test --release -p moe-backend --features cuda,nccl --lib --no-run)" ""
+    else
+        run_case nccl_device 60 "" "$tests_bin" --ignored --exact \
+            comm::nccl::device::tests::gpu_device_collectives_world_of_one --nocapture
+        record nccl_device "$(status_of "$rc")" "$secs" \
+            "$(grep -E 'nccl_device:|test result|panicked' "$out/nccl_device.log" | tr '\n' ' ' | head -c 300)" ""
+    fi
 fi
 
 # --- one Qwen3-MoE training step at world size 1 -------------------------------------------

@@ -60,6 +60,9 @@ mod local;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+// Used by the NCCL device path (features `cuda` and `nccl`); tested on every build.
+#[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
+pub(crate) mod nccl_plan;
 pub(crate) mod p2p;
 pub mod tcp;
 #[cfg(test)]

@@ -25,11 +25,14 @@
 //! interface moves host [`TensorData`], so every transfer is copied host → device into a
 //! staging buffer, moved by `ncclSend`/`ncclRecv` inside one NCCL group call, and copied
 //! device → host again (`HostStagedNccl`). Reductions run on the host in `super::p2p`
-//! (deterministic, bit-identical to the in-process world), not in NCCL. This gives GPU jobs
-//! NCCL bootstrap, device selection and connectivity with the semantics of every other
-//! transport, but it is not fast: tensors that already live on the GPU make a device → host →
-//! device round trip per collective. The device-resident path (collectives on device buffers,
-//! `ncclAllReduce` & co.) comes with the GPU-training work. Staging memory is bounded:
+//! (deterministic, bit-identical to the in-process world), not in NCCL. This path serves host
+//! (Flex) tensors and the headers of every collective.
+//!
+//! With feature `cuda` as well, collectives on CUDA tensors run on their device buffers
+//! (submodule `device`: `ncclAllReduce`, `ncclReduceScatter` / grouped `ncclReduce`,
+//! `ncclAllGather` / grouped `ncclBroadcast`, grouped `ncclSend`/`ncclRecv` for
+//! all-to-all-v, `ncclBroadcast`) on the same communicator, after the host header round;
+//! only their point-to-point `send`/`recv` is still staged through the host. Staging memory is bounded:
 //! messages travel in pieces of 256 MiB / group size (at least 4 MiB) per peer and round, and
 //! every member cuts them the same way, so sends and receives match.
 //!
@@ -101,8 +104,12 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, TensorData};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, DriverError};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use cudarc::nccl::result::NcclError;
+use cudarc::nccl::sys::ncclComm_t;
+
+#[cfg(feature = "cuda")]
+mod device;
 
 use super::Comm;
 use super::ctx::{Connector, RankCtx, Transport};
@@ -232,6 +239,7 @@ fn id_bytes(id: &cudarc::nccl::Id) -> [u8; ID_BYTES] {
     (*id.internal()).map(|c| c as u8)
 }
 
+#[cfg(test)]
 fn id_from_bytes(bytes: &[u8; ID_BYTES]) -> cudarc::nccl::Id {
     cudarc::nccl::Id::uninit(bytes.map(|b| b as c_char))
 }
@@ -368,7 +376,7 @@ impl Connector for NcclConnector {
             .device
             .new_stream()
             .map_err(|e| failed(driver_error("creating a stream", e)))?;
-        let comm = cudarc::nccl::Comm::from_rank(stream, index, ranks.len(), id_from_bytes(&id))
+        let comm = RawComm::init(stream, index, ranks.len(), &id)
             .map_err(|e| failed(nccl_error("ncclCommInitRank", &e)))?;
         let links = NcclLinks::new(
             HostStagedNccl::new(comm),
@@ -378,7 +386,12 @@ impl Connector for NcclConnector {
             piece_len(ranks.len()),
             &self.registry,
         );
-        Ok(Comm::new(Arc::new(P2pComm::new(links, self.timeout))))
+        let p2p = P2pComm::new(links, self.timeout);
+        // With Burn's CUDA runtime, collectives on CUDA tensors run on their device buffers.
+        #[cfg(feature = "cuda")]
+        return Ok(Comm::new(Arc::new(device::NcclComm::new(p2p))));
+        #[cfg(not(feature = "cuda"))]
+        Ok(Comm::new(Arc::new(p2p)))
     }
 }
 
@@ -416,21 +429,74 @@ pub(crate) trait Wire: Send + 'static {
     fn abort(&mut self);
 }
 
-/// cudarc's NCCL communicator, movable to another thread.
-struct SendComm(cudarc::nccl::Comm);
+/// An NCCL communicator (`ncclComm_t`) and the stream its operations run on; aborted
+/// (`ncclCommAbort`) when dropped. Raw rather than cudarc's `Comm`, whose typed calls take
+/// cudarc buffers only: the device path hands NCCL the pointers of CubeCL's buffers.
+pub(crate) struct RawComm {
+    comm: ncclComm_t,
+    stream: Arc<CudaStream>,
+}
 
 // SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it at
-// once. A `SendComm` lives only in a `HostStagedNccl`, which lives only inside the `Mutex` of
+// once. A `RawComm` lives only in a `HostStagedNccl`, which lives only inside the `Mutex` of
 // its `LinkState`; every use happens while that lock is held, so calls are serialised. The
 // group calls (`ncclGroupStart`/`End`, thread-local in NCCL) start and end within one lock.
-unsafe impl Send for SendComm {}
+unsafe impl Send for RawComm {}
+
+impl RawComm {
+    /// `ncclCommInitRank` of member `rank` of `members` with the shared `id`.
+    fn init(
+        stream: Arc<CudaStream>,
+        rank: usize,
+        members: usize,
+        id: &[u8; ID_BYTES],
+    ) -> std::result::Result<Self, NcclError> {
+        let unique = cudarc::nccl::sys::ncclUniqueId {
+            internal: id.map(|b| b as c_char),
+        };
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by a successful `ncclCommInitRank` before it is read; the
+        // rank and size fit an i32 (a group is at most the world, which the launcher sized).
+        let comm = unsafe {
+            cudarc::nccl::result::comm_init_rank(
+                comm.as_mut_ptr(),
+                members as i32,
+                unique,
+                rank as i32,
+            )?;
+            comm.assume_init()
+        };
+        Ok(Self { comm, stream })
+    }
+
+    /// The raw communicator.
+    pub(crate) fn raw(&self) -> ncclComm_t {
+        self.comm
+    }
+
+    /// The stream NCCL runs on.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // SAFETY: `comm` came from `ncclCommInitRank` and is aborted once. An error is
+        // reported, not raised: this runs on failure paths.
+        if let Err(e) = unsafe { cudarc::nccl::result::comm_abort(self.comm) } {
+            eprintln!("[moe] {}", nccl_error("ncclCommAbort", &e));
+        }
+    }
+}
 
 /// Host-staged NCCL transfers: each send is copied into a device buffer on the communicator's
 /// stream, all sends and receives go in one NCCL group (`ncclSend`/`ncclRecv` per peer), the
 /// stream's completion is polled until the deadline, and the receives are copied back to host.
+/// The device path (`device`) runs its collectives on the same communicator.
 pub(crate) struct HostStagedNccl {
     /// `None` once aborted.
-    comm: Option<SendComm>,
+    comm: Option<RawComm>,
 }
 
 /// Closes an NCCL group on every path.
@@ -482,10 +548,37 @@ fn wait_event(event: &CudaEvent, deadline: Instant) -> std::result::Result<bool,
 }
 
 impl HostStagedNccl {
-    fn new(comm: cudarc::nccl::Comm) -> Self {
-        Self {
-            comm: Some(SendComm(comm)),
+    fn new(comm: RawComm) -> Self {
+        Self { comm: Some(comm) }
+    }
+
+    /// The communicator, or the error of an aborted one.
+    pub(crate) fn comm(&self) -> std::result::Result<&RawComm, LinkError> {
+        self.comm
+            .as_ref()
+            .ok_or_else(|| LinkError::Failed("the NCCL communicator was aborted".into()))
+    }
+
+    /// Waits for the work issued on the communicator's stream until `deadline`; on a timeout
+    /// aborts the communicator (ending the kernels still waiting for `peers`) and returns
+    /// [`LinkError::Timeout`].
+    pub(crate) fn wait(
+        &mut self,
+        mut peers: Vec<usize>,
+        deadline: Instant,
+    ) -> std::result::Result<(), LinkError> {
+        let done = self
+            .comm()?
+            .stream
+            .record_event(None)
+            .map_err(cuda("recording an event"))?;
+        if wait_event(&done, deadline).map_err(cuda("waiting for NCCL"))? {
+            return Ok(());
         }
+        peers.sort_unstable();
+        peers.dedup();
+        self.abort();
+        Err(LinkError::Timeout(peers))
     }
 }
 
@@ -502,12 +595,9 @@ impl Wire for HostStagedNccl {
         recvs: &[(usize, usize)],
         deadline: Instant,
     ) -> std::result::Result<Vec<Vec<u8>>, LinkError> {
-        let Some(SendComm(comm)) = &self.comm else {
-            return Err(LinkError::Failed(
-                "the NCCL communicator was aborted".into(),
-            ));
-        };
-        let stream = comm.stream();
+        let comm = self.comm()?;
+        let stream = Arc::clone(comm.stream());
+        let raw = comm.raw();
         stream
             .context()
             .bind_to_thread()
@@ -523,30 +613,52 @@ impl Wire for HostStagedNccl {
             .map(|&(_, len)| unsafe { stream.alloc::<u8>(len) })
             .collect::<std::result::Result<Vec<CudaSlice<u8>>, _>>()
             .map_err(cuda("allocating a receive buffer"))?;
-        let group = GroupGuard::start().map_err(nccl("ncclGroupStart"))?;
-        for (&(peer, _), buf) in sends.iter().zip(&staged) {
-            comm.send(buf, peer as i32).map_err(nccl("ncclSend"))?;
+        let u8_type = cudarc::nccl::sys::ncclDataType_t::ncclUint8;
+        let cu_stream = stream.cu_stream() as cudarc::nccl::sys::cudaStream_t;
+        {
+            let group = GroupGuard::start().map_err(nccl("ncclGroupStart"))?;
+            for (&(peer, _), buf) in sends.iter().zip(&staged) {
+                let (ptr, _sync) = buf.device_ptr(&stream);
+                // SAFETY: `buf` is a live device buffer of `buf.len()` bytes on the
+                // communicator's stream; it outlives the transfer (awaited below, or the
+                // communicator is aborted before the buffer is freed).
+                unsafe {
+                    cudarc::nccl::result::send(
+                        ptr as *const _,
+                        buf.len(),
+                        u8_type,
+                        peer as i32,
+                        raw,
+                        cu_stream,
+                    )
+                }
+                .map_err(nccl("ncclSend"))?;
+            }
+            for (&(peer, _), buf) in recvs.iter().zip(landing.iter_mut()) {
+                let (ptr, _sync) = buf.device_ptr(&stream);
+                // SAFETY: as for the sends; NCCL writes `buf.len()` bytes into `buf`.
+                unsafe {
+                    cudarc::nccl::result::recv(
+                        ptr as *mut _,
+                        buf.len(),
+                        u8_type,
+                        peer as i32,
+                        raw,
+                        cu_stream,
+                    )
+                }
+                .map_err(nccl("ncclRecv"))?;
+            }
+            group.end().map_err(nccl("ncclGroupEnd"))?;
         }
-        for (&(peer, _), buf) in recvs.iter().zip(landing.iter_mut()) {
-            comm.recv(buf, peer as i32).map_err(nccl("ncclRecv"))?;
-        }
-        group.end().map_err(nccl("ncclGroupEnd"))?;
-        let done = stream
-            .record_event(None)
-            .map_err(cuda("recording an event"))?;
-        if !wait_event(&done, deadline).map_err(cuda("waiting for the transfers"))? {
-            let mut peers: Vec<usize> = sends
-                .iter()
-                .map(|s| s.0)
-                .chain(recvs.iter().map(|r| r.0))
-                .collect();
-            peers.sort_unstable();
-            peers.dedup();
-            // The kernels still reference `staged` and `landing`: abort them first; the
-            // buffers are freed after, in stream order.
-            self.abort();
-            return Err(LinkError::Timeout(peers));
-        }
+        let peers: Vec<usize> = sends
+            .iter()
+            .map(|s| s.0)
+            .chain(recvs.iter().map(|r| r.0))
+            .collect();
+        // On a timeout the kernels still reference `staged` and `landing`: `wait` aborts
+        // them first; the buffers are freed after, in stream order.
+        self.wait(peers, deadline)?;
         landing
             .iter()
             .map(|buf| stream.clone_dtoh(buf))
@@ -786,6 +898,23 @@ impl<W: Wire> NcclLinks<W> {
             registry: Arc::clone(registry),
             timeout,
         }
+    }
+
+    /// Runs `f` on the wire once every queued post of this rank is delivered, holding the
+    /// group's lock (NCCL matches a pair's operations in issue order, so the device path's
+    /// calls must follow the posts queued before them). An error of `f` gives the group up,
+    /// as a failed transfer does.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn with_wire<T>(
+        &self,
+        deadline: Instant,
+        f: impl FnOnce(&mut W) -> std::result::Result<T, LinkError>,
+    ) -> std::result::Result<T, LinkError> {
+        self.flush_others(deadline)?;
+        let state = &self.state;
+        let mut inner = state.lock()?;
+        state.flush_locked(&mut inner, deadline)?;
+        f(&mut inner.wire).map_err(|e| state.fail(&mut inner, e))
     }
 
     /// Delivers the posts queued on the rank's other groups.
@@ -1375,13 +1504,7 @@ mod tests {
             );
             // The staging path itself: NCCL send/recv to this rank in 3 pieces.
             let device = CudaContext::new(0).unwrap();
-            let comm = cudarc::nccl::Comm::from_rank(
-                device.new_stream().unwrap(),
-                0,
-                1,
-                id_from_bytes(&new_id()?),
-            )
-            .unwrap();
+            let comm = RawComm::init(device.new_stream().unwrap(), 0, 1, &new_id()?).unwrap();
             let registry = Arc::new(Registry::default());
             let links = NcclLinks::new(
                 HostStagedNccl::new(comm),

@@ -201,14 +201,14 @@ impl<L: Links> P2pComm<L> {
     fn begin(
         &self,
         op: Op,
-        data: &HostBuffer,
+        (shape, dtype): (&[usize], DType),
         mut header: Header,
         local: std::result::Result<(), String>,
         site: CallSite,
     ) -> Result<Vec<Header>> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         header.seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        header.set_shape(data.shape(), data.dtype());
+        header.set_shape(shape, dtype);
         header.set_site(site);
         let local = local.and_then(|()| header.tensor_problem().map_or(Ok(()), Err));
         if let Err(message) = &local {
@@ -238,7 +238,7 @@ impl<L: Links> P2pComm<L> {
         Ok(headers)
     }
 
-    fn splits_check(&self, data: &HostBuffer, splits: &[usize], what: &str) -> Option<String> {
+    fn splits_check(&self, shape: &[usize], splits: &[usize], what: &str) -> Option<String> {
         let n = self.n();
         if splits.len() != n {
             return Some(format!(
@@ -246,15 +246,160 @@ impl<L: Links> P2pComm<L> {
                 splits.len()
             ));
         }
-        let (rows, _) = data.rows_and_row_bytes();
+        let rows = shape.first().copied().unwrap_or(1);
         let sum: usize = splits.iter().sum();
-        if sum != rows || data.shape().is_empty() {
+        if sum != rows || shape.is_empty() {
             return Some(format!(
                 "{what} {splits:?} sum to {sum} but the tensor has {rows} rows"
             ));
         }
         None
     }
+}
+
+impl<L: Links> P2pComm<L> {
+    /// The header of a collective with `args` on a tensor of `shape`, and this member's verdict
+    /// on its own arguments (the same checks for host and device buffers).
+    fn header_for(
+        &self,
+        args: &Args<'_>,
+        shape: &[usize],
+    ) -> (Op, Header, std::result::Result<(), String>) {
+        let n = self.n();
+        match *args {
+            Args::AllReduce(op) => {
+                let mut header = Header::new(Op::AllReduce);
+                header.param = header::reduce_code(op);
+                (Op::AllReduce, header, Ok(()))
+            }
+            Args::AllGather => {
+                let local = verdict(
+                    shape
+                        .is_empty()
+                        .then(|| "a 0-d tensor has no dim 0".to_string()),
+                );
+                (Op::AllGather, Header::new(Op::AllGather), local)
+            }
+            Args::ReduceScatter { splits, op } => {
+                let problem = self.splits_check(shape, splits, "splits");
+                let mut header = Header::new(Op::ReduceScatter);
+                header.param = header::reduce_code(op);
+                if problem.is_none() {
+                    header.splits = splits.iter().map(|&s| s as u64).collect();
+                }
+                (Op::ReduceScatter, header, verdict(problem))
+            }
+            Args::AllToAll { send, recv } => {
+                let problem = self.splits_check(shape, send, "send_splits").or_else(|| {
+                    (recv.len() != n)
+                        .then(|| format!("recv_splits has {} entries for {n} members", recv.len()))
+                });
+                let mut header = Header::new(Op::AllToAll);
+                if problem.is_none() {
+                    header.splits = send.iter().map(|&s| s as u64).collect();
+                    header.recv_splits = recv.iter().map(|&s| s as u64).collect();
+                }
+                (Op::AllToAll, header, verdict(problem))
+            }
+            Args::Broadcast { root } => {
+                let local = verdict(
+                    (root >= n).then(|| format!("root {root} out of range for {n} members")),
+                );
+                let mut header = Header::new(Op::Broadcast);
+                header.param = root as u64;
+                (Op::Broadcast, header, local)
+            }
+        }
+    }
+}
+
+/// The device path's access to the header round and the links (the NCCL transport with
+/// features `cuda` and `nccl`).
+#[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
+impl<L: Links> P2pComm<L> {
+    /// The header round of a collective with `args` on a tensor of `shape` and `dtype`, for a
+    /// transport that moves the payload itself (the NCCL device path): every member's
+    /// arguments checked against the others' exactly as on the host path. Returns the
+    /// group's order lock (hold it until the payload has moved, so collectives stay in the
+    /// same order on every member) and every member's row count.
+    pub(crate) fn agree(
+        &self,
+        args: Args<'_>,
+        shape: &[usize],
+        dtype: DType,
+        site: CallSite,
+    ) -> Result<(std::sync::MutexGuard<'_, ()>, Vec<usize>)> {
+        let order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        let (op, header, local) = self.header_for(&args, shape);
+        let headers = self.begin(op, (shape, dtype), header, local, site)?;
+        Ok((order, headers.iter().map(Header::rows).collect()))
+    }
+
+    /// The links.
+    pub(crate) fn links(&self) -> &L {
+        &self.links
+    }
+
+    /// How long a wait lasts.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Counts a collective's payload addressed to other members (`bytes` per member `j`).
+    pub(crate) fn count_payload(&self, bytes: &[usize]) {
+        let me = self.me();
+        let total: usize = bytes
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != me)
+            .map(|(_, b)| b)
+            .sum();
+        self.bytes_sent.fetch_add(total as u64, Ordering::Relaxed);
+    }
+
+    /// A typed error of this group.
+    pub(crate) fn group_error(&self, op: &'static str, detail: String) -> BackendError {
+        self.error(op, detail)
+    }
+
+    /// The typed error of a failed link operation (timeouts name the members waited for).
+    pub(crate) fn link_failure(
+        &self,
+        op: &'static str,
+        e: LinkError,
+        site: CallSite,
+    ) -> BackendError {
+        self.link_error(op, e, site)
+    }
+}
+
+/// A collective's arguments, for [`P2pComm::agree`].
+#[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Args<'a> {
+    /// `all_reduce` with this reduction.
+    AllReduce(ReduceOp),
+    /// `all_gather_v`.
+    AllGather,
+    /// `reduce_scatter_v`.
+    ReduceScatter {
+        /// Rows per member.
+        splits: &'a [usize],
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// `all_to_all_v`.
+    AllToAll {
+        /// Rows sent to each member.
+        send: &'a [usize],
+        /// Rows received from each member.
+        recv: &'a [usize],
+    },
+    /// `broadcast` from this member.
+    Broadcast {
+        /// The sending member.
+        root: usize,
+    },
 }
 
 fn verdict(problem: Option<String>) -> std::result::Result<(), String> {
@@ -278,9 +423,8 @@ impl<L: Links> HostCollectives for P2pComm<L> {
     ) -> Result<HostBuffer> {
         const OP: &str = "all_reduce";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let mut header = Header::new(Op::AllReduce);
-        header.param = header::reduce_code(op);
-        self.begin(Op::AllReduce, &data, header, Ok(()), site)?;
+        let (code, header, local) = self.header_for(&Args::AllReduce(op), data.shape());
+        self.begin(code, (data.shape(), data.dtype()), header, local, site)?;
         let (n, me) = (self.n(), self.me());
         let dtype = data.dtype();
         let elem = dtype.size();
@@ -332,18 +476,8 @@ impl<L: Links> HostCollectives for P2pComm<L> {
     ) -> Result<(HostBuffer, Vec<usize>)> {
         const OP: &str = "all_gather";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let local = verdict(
-            data.shape()
-                .is_empty()
-                .then(|| "a 0-d tensor has no dim 0".to_string()),
-        );
-        let headers = self.begin(
-            Op::AllGather,
-            &data,
-            Header::new(Op::AllGather),
-            local,
-            site,
-        )?;
+        let (code, header, local) = self.header_for(&Args::AllGather, data.shape());
+        let headers = self.begin(code, (data.shape(), data.dtype()), header, local, site)?;
         let n = self.n();
         let (_, row_bytes) = data.rows_and_row_bytes();
         let sizes: Vec<usize> = headers.iter().map(|h| h.rows()).collect();
@@ -369,13 +503,9 @@ impl<L: Links> HostCollectives for P2pComm<L> {
     ) -> Result<HostBuffer> {
         const OP: &str = "reduce_scatter";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let problem = self.splits_check(&data, splits, "splits");
-        let mut header = Header::new(Op::ReduceScatter);
-        header.param = header::reduce_code(op);
-        if problem.is_none() {
-            header.splits = splits.iter().map(|&s| s as u64).collect();
-        }
-        self.begin(Op::ReduceScatter, &data, header, verdict(problem), site)?;
+        let args = Args::ReduceScatter { splits, op };
+        let (code, header, local) = self.header_for(&args, data.shape());
+        self.begin(code, (data.shape(), data.dtype()), header, local, site)?;
         let me = self.me();
         let (_, row_bytes) = data.rows_and_row_bytes();
         let all = data.bytes();
@@ -406,23 +536,12 @@ impl<L: Links> HostCollectives for P2pComm<L> {
     ) -> Result<HostBuffer> {
         const OP: &str = "all_to_all_v";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let n = self.n();
-        let problem = self
-            .splits_check(&data, send_splits, "send_splits")
-            .or_else(|| {
-                (recv_splits.len() != n).then(|| {
-                    format!(
-                        "recv_splits has {} entries for {n} members",
-                        recv_splits.len()
-                    )
-                })
-            });
-        let mut header = Header::new(Op::AllToAll);
-        if problem.is_none() {
-            header.splits = send_splits.iter().map(|&s| s as u64).collect();
-            header.recv_splits = recv_splits.iter().map(|&s| s as u64).collect();
-        }
-        self.begin(Op::AllToAll, &data, header, verdict(problem), site)?;
+        let args = Args::AllToAll {
+            send: send_splits,
+            recv: recv_splits,
+        };
+        let (code, header, local) = self.header_for(&args, data.shape());
+        self.begin(code, (data.shape(), data.dtype()), header, local, site)?;
         let (_, row_bytes) = data.rows_and_row_bytes();
         let all = data.bytes();
         let sends: Vec<Option<&[u8]>> = data
@@ -445,11 +564,8 @@ impl<L: Links> HostCollectives for P2pComm<L> {
         const OP: &str = "broadcast";
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let n = self.n();
-        let local =
-            verdict((root >= n).then(|| format!("root {root} out of range for {n} members")));
-        let mut header = Header::new(Op::Broadcast);
-        header.param = root as u64;
-        self.begin(Op::Broadcast, &data, header, local, site)?;
+        let (code, header, local) = self.header_for(&Args::Broadcast { root }, data.shape());
+        self.begin(code, (data.shape(), data.dtype()), header, local, site)?;
         if self.me() == root {
             let sends = vec![Some(data.bytes()); n];
             self.count(&sends);
@@ -533,7 +649,8 @@ impl<L: Links> HostCollectives for P2pComm<L> {
     fn host_barrier(&self, site: CallSite) -> Result<()> {
         let _order = self.order.lock().unwrap_or_else(|p| p.into_inner());
         let empty = HostBuffer::from_bytes(Vec::new(), vec![0], DType::F32);
-        self.begin(Op::Barrier, &empty, Header::new(Op::Barrier), Ok(()), site)
+        let tensor = (empty.shape(), empty.dtype());
+        self.begin(Op::Barrier, tensor, Header::new(Op::Barrier), Ok(()), site)
             .map(|_| ())
     }
 

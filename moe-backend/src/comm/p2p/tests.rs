@@ -331,3 +331,57 @@ fn recv_of_a_different_shape_names_both_sides() {
         "{err}"
     );
 }
+
+/// The header round of the device path ([`P2pComm::agree`]) checks exactly as the host path:
+/// the same verdicts on bad splits, and every member's rows for the ragged all-gather.
+#[test]
+fn agree_checks_device_collectives_like_the_host_path() {
+    let net = Arc::new(Net::default());
+    let out: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|index| {
+                let links = MemLinks {
+                    net: Arc::clone(&net),
+                    ranks: (0..3).collect(),
+                    index,
+                };
+                s.spawn(move || {
+                    let c = P2pComm::new(links, Duration::from_secs(30));
+                    let site = Location::caller();
+                    let rows = [2usize, 0, 5][index];
+                    let (order, sizes) = c
+                        .agree(super::Args::AllGather, &[rows, 4], DType::BF16, site)
+                        .unwrap();
+                    drop(order);
+                    // Rank 1 expects one row too many from rank 0.
+                    let mut recv = vec![1usize, 1, 1];
+                    if index == 1 {
+                        recv[0] = 2;
+                    }
+                    let args = super::Args::AllToAll {
+                        send: &[1, 1, 1],
+                        recv: &recv,
+                    };
+                    let err = c.agree(args, &[3, 2], DType::F32, site).map(|_| ());
+                    // A bad root is this member's own error, reported by every member.
+                    let root = if index == 2 { 7 } else { 0 };
+                    let bad_root = c
+                        .agree(super::Args::Broadcast { root }, &[1], DType::F32, site)
+                        .map(|_| ());
+                    (sizes, err, bad_root)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (sizes, err, bad_root) in out {
+        assert_eq!(sizes, vec![2, 0, 5]);
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("rank 0 sends 1 rows to rank 1"), "{err}");
+        let err = bad_root.unwrap_err().to_string();
+        assert!(
+            err.contains("rank 2 rejected its arguments") && err.contains("root 7 out of range"),
+            "{err}"
+        );
+    }
+}
