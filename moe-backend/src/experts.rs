@@ -20,9 +20,9 @@ use crate::ops::{
 pub mod layout;
 
 /// gpt-oss's default `swiglu_alpha` (transformers `GptOssConfig`).
-pub const GPT_OSS_SWIGLU_ALPHA: f64 = 1.702;
+pub const CLAMPED_SWIGLU_ALPHA: f64 = 1.702;
 /// gpt-oss's default `swiglu_limit` (transformers `GptOssConfig`).
-pub const GPT_OSS_SWIGLU_LIMIT: f64 = 7.0;
+pub const CLAMPED_SWIGLU_LIMIT: f64 = 7.0;
 
 /// Activation of the expert FFN.
 #[derive(Config, Debug, Copy, PartialEq)]
@@ -32,7 +32,7 @@ pub enum ExpertActivation {
     /// gpt-oss's clamped SwiGLU (transformers `GptOssExperts._apply_gate`): `fc1` rows are
     /// `[gate; up]`, `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
     /// `z = (u + 1) ⊙ g ⊙ σ(alpha·g)`; the gradient is zero where a value is clamped.
-    /// [`ExpertActivation::gpt_oss`] gives the released defaults.
+    /// [`ExpertActivation::clamped_swiglu`] gives the released defaults.
     ClampedSwiGlu {
         /// `swiglu_alpha`, the sigmoid's slope (gpt-oss: 1.702).
         alpha: f64,
@@ -46,12 +46,12 @@ pub enum ExpertActivation {
 }
 
 impl ExpertActivation {
-    /// gpt-oss's clamped SwiGLU with its defaults ([`GPT_OSS_SWIGLU_ALPHA`],
-    /// [`GPT_OSS_SWIGLU_LIMIT`]).
-    pub fn gpt_oss() -> Self {
+    /// gpt-oss's clamped SwiGLU with its defaults ([`CLAMPED_SWIGLU_ALPHA`],
+    /// [`CLAMPED_SWIGLU_LIMIT`]).
+    pub fn clamped_swiglu() -> Self {
         Self::ClampedSwiGlu {
-            alpha: GPT_OSS_SWIGLU_ALPHA,
-            limit: GPT_OSS_SWIGLU_LIMIT,
+            alpha: CLAMPED_SWIGLU_ALPHA,
+            limit: CLAMPED_SWIGLU_LIMIT,
         }
     }
 

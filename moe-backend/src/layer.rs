@@ -20,7 +20,7 @@ pub struct MoeLayerConfig {
     pub router: TopKRouterConfig,
     /// Expert FFN width `F` (`moe_ffn_hidden_size`).
     pub ffn_hidden_size: usize,
-    /// Expert activation ([`ExpertActivation::gpt_oss`] for gpt-oss's clamped SwiGLU).
+    /// Expert activation ([`ExpertActivation::clamped_swiglu`] for gpt-oss's clamped SwiGLU).
     #[config(default = "ExpertActivation::SwiGlu")]
     pub activation: ExpertActivation,
     /// Per-expert `fc1` / `fc2` biases (gpt-oss's `gate_up_proj_bias` / `down_proj_bias`).
@@ -311,4 +311,4 @@ pub struct MoeRecompute {
 mod tests;
 
 #[cfg(test)]
-mod gpt_oss_tests;
+mod clamped_swiglu_tests;

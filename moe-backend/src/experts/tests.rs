@@ -256,7 +256,7 @@ fn experts_from_params_name_a_mis_shaped_bias() {
     let (l, h, f) = (3, 4, 5);
     let cfg = GroupedExpertsConfig::new(l, h, f)
         .with_bias(true)
-        .with_activation(ExpertActivation::gpt_oss());
+        .with_activation(ExpertActivation::clamped_swiglu());
     let p3 = |dims: [usize; 3]| Param::from_tensor(Tensor::<3>::zeros(dims, &device));
     let p2 = |dims: [usize; 2]| Param::from_tensor(Tensor::<2>::zeros(dims, &device));
     let build = |fc1_bias: Option<[usize; 2]>, fc2_bias: Option<[usize; 2]>| {

@@ -110,7 +110,7 @@ fn layer_matches_transformers_gpt_oss_mlp_forward_and_every_gradient() {
     // is the default post-softmax softmax router with a bias.
     let router_cfg = TopKRouterConfig::new(H, E, K).with_bias(true);
     let cfg = MoeLayerConfig::new(router_cfg.clone(), I)
-        .with_activation(ExpertActivation::gpt_oss())
+        .with_activation(ExpertActivation::clamped_swiglu())
         .with_experts_bias(true);
     let router = router_cfg
         .init_with_params(
