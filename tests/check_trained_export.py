@@ -1,15 +1,16 @@
 """Checks that what `moe train` trains, once `moe export`ed, loads in transformers 5.23 with
 the trained weights.
 
-For Qwen3, Qwen3-MoE, DeepSeek-V3 and the DeepSeek-V3 FP8 release (trained dequantised), this script
+For Qwen3, Qwen3-MoE, DeepSeek-V3, the DeepSeek-V3 FP8 release (trained dequantised), GLM-4.5
+and Mixtral, this script
 
 1. trains 3 steps under `tp=2,ep=4` (4 ranks on threads) from the HF fixture, saving a
    distributed checkpoint (`moe train ... --save <tmp>/ckpt`);
 2. exports it (`moe export <tmp>/ckpt --out <tmp>/hf`);
 3. loads the export with transformers (`output_loading_info=True`, float32) and asserts that
    `missing_keys`, `mismatched_keys` and `error_msgs` are empty and that `unexpected_keys`
-   holds nothing but DeepSeek-V3's MTP layers `model.layers.{N+j}.*` (HF 5.23 has no MTP
-   module; see tests/check_export.py);
+   holds nothing but DeepSeek-V3's / GLM-4.5's MTP layers `model.layers.{N+j}.*` (HF 5.23 has
+   no MTP module; see tests/check_export.py);
 4. asserts that every tensor of the loaded model's state dict equals the exported tensor bit
    for bit, that the trained weights differ from the fixture's, and that the logits of a
    batch are finite.
@@ -42,7 +43,7 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
-CASES = ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_fp8"]
+CASES = ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_fp8", "glm4_moe", "mixtral"]
 
 
 def moe_binary() -> Path:
@@ -94,7 +95,7 @@ def check(binary: Path, tmp: Path, fixture: str, bf16: bool) -> str:
         hf, output_loading_info=True, dtype=dtype
     )
     prefixes = ()
-    if config.get("model_type") == "deepseek_v3":
+    if config.get("model_type") in ("deepseek_v3", "glm4_moe"):
         n = config["num_hidden_layers"]
         prefixes = tuple(
             f"model.layers.{n + j}." for j in range(config.get("num_nextn_predict_layers", 0))
