@@ -39,6 +39,7 @@ use crate::ModelError;
 use crate::causal_lm::{CausalLm, LmLosses, ParamCount, causal_lm_loss};
 pub use crate::config::FamilyConfig;
 use crate::distributed::{ParallelContext, RouterTrace, ShardModel};
+use crate::param_plan::hf_names;
 
 /// A model family (see the module docs).
 pub trait Family: Send + Sync + 'static {
@@ -52,8 +53,12 @@ pub trait Family: Send + Sync + 'static {
     type Model: ShardModel<Config = Self::Config> + CausalLm + Send + Sync + 'static;
 
     /// The name-mapping rules from HF checkpoint names to canonical names (moe-bridge's
-    /// engine; ignored HF-only tensors shared by every family are added in front).
-    fn mapping_rules() -> Vec<Rule>;
+    /// engine; ignored HF-only tensors shared by every family are added in front). The
+    /// default: read off the plan rows ([`hf_names::rules_from_plan`]); a family adds only
+    /// what no row spells (the ignores of tensors its release repeats, release layouts).
+    fn mapping_rules() -> Vec<Rule> {
+        hf_names::rules_from_plan(&<Self::Model as crate::param_plan::Planned>::parallel_plan())
+    }
 
     /// The HF tensors `config` implies (name, shape, role), with the optional FP8
     /// `*_scale_inv` companions of block size `block`; `path` names the config in errors.

@@ -385,3 +385,45 @@ pub fn mtp_copy_names(l: usize) -> (String, String) {
         weight(&join(&join(&p, SHARED_HEAD), "head")),
     )
 }
+
+// ---- Name-mapping rules read off a plan ----
+
+/// The name-mapping rules of a family read off its plan rows (canonical name = HF name for
+/// every row, a layer placeholder `{0}` / `{0+L}` matching any layer): dense tensors one rule
+/// each (the router's expert bias kept F32 on export), routed experts stacked per layer from
+/// the plan's per-expert projection names or taken fused. A family adds only what no row
+/// spells: the ignores of tensors its release repeats (MTP copies) and release layouts.
+pub fn rules_from_plan(plan: &super::ParallelPlan) -> Vec<Rule> {
+    let any_layer = |hf: &str| -> String {
+        hf.split('.')
+            .map(|seg| if seg.starts_with('{') { "*" } else { seg })
+            .collect::<Vec<_>>()
+            .join(".")
+    };
+    let mut rules: Vec<Rule> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut push = |rule: Rule, rules: &mut Vec<Rule>| {
+        if seen.insert(format!("{rule:?}")) {
+            rules.push(rule);
+        }
+    };
+    for entry in plan.entries() {
+        let hf = any_layer(&entry.hf);
+        if let Some((experts, _gate_up)) = split_stacked(&hf) {
+            let block = experts
+                .strip_suffix(&format!(".{EXPERTS}"))
+                .unwrap_or(experts);
+            for rule in routed_expert_rules_in(block, plan.expert_projections()) {
+                push(rule, &mut rules);
+            }
+            continue;
+        }
+        let rule = if is_expert_bias(&hf) {
+            Rule::same_as_dtype(&hf, moe_bridge::safetensors::Dtype::F32)
+        } else {
+            Rule::same(&hf)
+        };
+        push(rule, &mut rules);
+    }
+    rules
+}

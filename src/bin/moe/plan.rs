@@ -137,8 +137,7 @@ fn load_model(path: &std::path::Path) -> anyhow::Result<PlannedModel> {
     match PlannedModel::from_config(&config)? {
         Some(model) => Ok(model),
         None => bail!(
-            "`moe plan` plans MoE models; `{}` is dense (plan its layout as the dense part of an \
-             MoE model)",
+            "`moe plan` needs an MoE model; `{}` is dense",
             config.model_type()
         ),
     }

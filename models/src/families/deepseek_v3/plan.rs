@@ -140,32 +140,8 @@ pub(crate) fn mtp_export_copies(
 /// of the embedding and the LM head are ignored (they are the main model's tensors, re-emitted
 /// on export).
 pub(crate) fn mapping_rules() -> Vec<Rule> {
-    let (mut rules, mtp_own) = mtp_rules();
-    rules.extend(n::top_level_rules());
-    rules.extend(n::per_layer(n::layer_norm_suffixes()));
-    let mut attention = n::attention_suffixes(
-        &[
-            Q_A_PROJ,
-            Q_A_LAYERNORM,
-            Q_B_PROJ,
-            n::Q_PROJ,
-            KV_A_PROJ_WITH_MQA,
-            KV_A_LAYERNORM,
-            KV_B_PROJ,
-            n::O_PROJ,
-        ],
-        false,
-    );
-    // With `attention_bias`.
-    attention.extend(
-        [Q_A_PROJ, KV_A_PROJ_WITH_MQA, n::O_PROJ].map(|p| format!("{}.{p}.bias", n::SELF_ATTN)),
-    );
-    rules.extend(n::per_layer(attention));
-    rules.extend(n::per_layer([n::router_suffix()]));
-    rules.extend(n::routed_expert_rules());
-    rules.extend(expert_bias_and_shared_rules());
-    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
-    rules.extend(mtp_own);
+    let (mut rules, _) = mtp_rules();
+    rules.extend(n::rules_from_plan(&deepseek_v3_plan()));
     rules
 }
 

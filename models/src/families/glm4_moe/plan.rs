@@ -72,20 +72,8 @@ pub(crate) fn mtp_export_copies(
 /// The name-mapping rules (after the shared ignores): the MTP copies ignored, every other HF
 /// name explicit with canonical name = HF name.
 pub(crate) fn mapping_rules() -> Vec<Rule> {
-    let (mut rules, mtp_own) = ds::mtp_rules();
-    rules.extend(n::top_level_rules());
-    rules.extend(n::per_layer(n::layer_norm_suffixes()));
-    let mut attention = n::attention_suffixes(&[n::Q_PROJ, n::K_PROJ, n::V_PROJ], true);
-    attention.extend(n::attention_suffixes(
-        &[n::O_PROJ, n::Q_NORM, n::K_NORM],
-        false,
-    ));
-    rules.extend(n::per_layer(attention));
-    rules.extend(n::per_layer([n::router_suffix()]));
-    rules.extend(n::routed_expert_rules());
-    rules.extend(ds::expert_bias_and_shared_rules());
-    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
-    rules.extend(mtp_own);
+    let (mut rules, _) = ds::mtp_rules();
+    rules.extend(n::rules_from_plan(&glm4_moe_plan()));
     rules
 }
 

@@ -431,10 +431,6 @@ impl crate::families::Family for Mixtral {
         })
     }
 
-    fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
-        super::plan::mapping_rules()
-    }
-
     fn expected_tensors(
         config: &MixtralConfig,
         layout: moe_bridge::mapping::ExpertLayout,

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout};
 
 use super::{MixtralConfig, MixtralForCausalLM};
 use crate::param_plan::hf_names::{self as n, ExpertProjections, join, layer};
@@ -58,26 +58,6 @@ impl Planned for MixtralForCausalLM {
     fn main_layers(&self) -> usize {
         self.config().num_hidden_layers
     }
-}
-
-/// The four attention projections (no biases, no QK-norm).
-const ATTENTION_PROJS: [&str; 4] = [n::Q_PROJ, n::K_PROJ, n::V_PROJ, n::O_PROJ];
-
-/// The name-mapping rules of Mixtral (after the shared ignores): every HF name explicit,
-/// canonical name = HF name but for the routed experts (stacked per layer).
-pub(crate) fn mapping_rules() -> Vec<Rule> {
-    let mut rules = n::top_level_rules();
-    rules.extend(n::per_layer(n::layer_norm_suffixes()));
-    rules.extend(n::per_layer(n::attention_suffixes(&ATTENTION_PROJS, false)));
-    rules.extend(n::per_layer([n::weight(&join(
-        BLOCK_SPARSE_MOE,
-        n::ROUTER,
-    ))]));
-    rules.extend(n::routed_expert_rules_in(
-        &join(&layer("*"), BLOCK_SPARSE_MOE),
-        EXPERT_PROJECTIONS,
-    ));
-    rules
 }
 
 /// Mixtral (`MixtralForCausalLM`): every layer's attention, norms and MoE block (router

@@ -394,10 +394,6 @@ impl crate::family::Family for Qwen3 {
     type Config = Qwen3Config;
     type Model = Qwen3ForCausalLM;
 
-    fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
-        super::plan::mapping_rules()
-    }
-
     fn expected_tensors(
         config: &Qwen3Config,
         _layout: moe_bridge::mapping::ExpertLayout,

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, Rule};
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable};
 
 use crate::Qwen3Config;
 use crate::param_plan::ParallelPlan;
@@ -45,24 +45,6 @@ impl crate::param_plan::Planned for crate::Qwen3ForCausalLM {
     fn main_layers(&self) -> usize {
         self.config().num_hidden_layers
     }
-}
-
-/// Qwen3 attention's weights under a layer (`q/k/v/o_proj` with optional biases, QK-norms).
-pub(crate) fn attention_suffixes() -> Vec<String> {
-    let projs = [n::Q_PROJ, n::K_PROJ, n::V_PROJ, n::O_PROJ];
-    let mut out = n::attention_suffixes(&projs, true);
-    out.extend(n::attention_suffixes(&[Q_NORM, K_NORM], false));
-    out
-}
-
-/// The name-mapping rules of Qwen3 (after the shared ignores): every HF name explicit,
-/// canonical name = HF name.
-pub(crate) fn mapping_rules() -> Vec<Rule> {
-    let mut rules = n::top_level_rules();
-    rules.extend(n::per_layer(n::layer_norm_suffixes()));
-    rules.extend(n::per_layer(attention_suffixes()));
-    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
-    rules
 }
 
 /// Qwen-style attention: `q/k/v/o_proj` (biases with `attention_bias`) and `q_norm`/`k_norm`.

@@ -611,10 +611,6 @@ impl crate::family::Family for Qwen3Moe {
         })
     }
 
-    fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
-        super::plan::mapping_rules()
-    }
-
     fn expected_tensors(
         config: &Qwen3MoeConfig,
         layout: moe_bridge::mapping::ExpertLayout,

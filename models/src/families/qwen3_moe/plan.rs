@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout};
 
 use crate::Qwen3MoeConfig;
 use crate::param_plan::ParallelPlan;
@@ -48,20 +48,6 @@ impl crate::param_plan::Planned for crate::Qwen3MoeForCausalLM {
     fn main_layers(&self) -> usize {
         self.config().num_hidden_layers
     }
-}
-
-/// The name-mapping rules of Qwen3-MoE (after the shared ignores), dense layers from
-/// `mlp_only_layers` included.
-pub(crate) fn mapping_rules() -> Vec<Rule> {
-    let mut rules = n::top_level_rules();
-    rules.extend(n::per_layer(n::layer_norm_suffixes()));
-    rules.extend(n::per_layer(
-        crate::families::qwen3::plan::attention_suffixes(),
-    ));
-    rules.extend(n::per_layer([n::router_suffix()]));
-    rules.extend(n::routed_expert_rules());
-    rules.extend(n::per_layer(n::dense_mlp_suffixes()));
-    rules
 }
 
 /// Qwen3-MoE (`Qwen3MoeForCausalLM`): MoE layers (router `mlp.gate` and routed experts in
