@@ -335,7 +335,14 @@ fn main() {
         }
     };
     let config = config(&opts);
-    let count = config.param_count();
+    let count = match moe_models::families::param_count::<moe_models::qwen3_moe::Qwen3Moe>(&config)
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("cube_train_step: error: {e}");
+            std::process::exit(3);
+        }
+    };
     let matmul_active = matmul_active_params(&config);
     let tokens_per_step = opts.micro * opts.batch * opts.seq;
     let fpt = flops_per_token(&config, opts.seq);
