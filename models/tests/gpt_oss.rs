@@ -9,8 +9,8 @@
 //!   continuation with the KV cache past the window; for the f32 directory and the MXFP4
 //!   release (its experts decoded bit-exactly as transformers dequantises them);
 //! - training: 6 [`Trainer`] steps equal the PyTorch reference;
-//! - parallel equivalence: the same training run under EP, TP, PP and CP equals the
-//!   `world = 1` run;
+//! - parallel equivalence: the same training run under EP, TP, PP, CP and EP·ETP (beside CP,
+//!   beside TP) equals the `world = 1` run;
 //! - bad inputs (`tests/fixtures/gpt_oss_bad/`): refused before any rank allocates, naming the
 //!   field or tensor.
 
@@ -298,9 +298,19 @@ fn common_names(dir: &std::path::Path) -> Vec<String> {
 }
 
 /// Layouts the `world = 1` training run is compared under: EP, TP (the `o_proj` bias added
-/// after the reduction, sinks split by head), PP and CP (sliding windows across the split
-/// sequence). Expert TP (`etp = 2`) does not match yet (see the report of the gpt-oss work).
-const LAYOUTS: [(usize, &str); 4] = [(2, "ep=2"), (2, "tp=2"), (2, "pp=2"), (2, "cp=2")];
+/// after the reduction, sinks split by head), PP, CP (sliding windows across the split
+/// sequence), and expert TP with EP beside CP or TP (`etp = 2`: the `fc2` bias held whole on
+/// both expert-TP ranks, added by one, counted once in the gradient norm). The world-4 expert
+/// layouts keep two data-parallel replicas for the two sequences of a step (a plain
+/// `ep=2,etp=2` at world 4 would need four).
+const LAYOUTS: [(usize, &str); 6] = [
+    (2, "ep=2"),
+    (2, "tp=2"),
+    (2, "pp=2"),
+    (2, "cp=2"),
+    (4, "cp=2,ep=2,etp=2"),
+    (4, "tp=2,ep=2,etp=2"),
+];
 
 /// Micro-batches (one sequence each) per step of the global batch.
 const MICRO: usize = 2;
@@ -382,7 +392,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 #[test]
-fn gpt_oss_training_under_four_layouts_matches_one_rank() {
+fn gpt_oss_training_under_six_layouts_matches_one_rank() {
     let start = replicate(&fixture(&Device::flex().autodiff()));
     // The world = 1 run: both micro-batches on one rank, and its final model.
     let one = {
