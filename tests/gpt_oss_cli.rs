@@ -93,10 +93,11 @@ fn golden_logprobs(golden: &Path) -> (Vec<usize>, Vec<f32>) {
         for i in 0..s - 1 {
             let row = &logits[(r * s + i) * v..(r * s + i + 1) * v];
             let m = row.iter().fold(f64::MIN, |m, &x| m.max(f64::from(x)));
-            let lse = m + (row.iter())
-                .map(|&x| (f64::from(x) - m).exp())
-                .sum::<f64>()
-                .ln();
+            let lse = m
+                + (row.iter())
+                    .map(|&x| (f64::from(x) - m).exp())
+                    .sum::<f64>()
+                    .ln();
             let next = ids[r * s + i + 1] as usize;
             want.push((f64::from(row[next]) - lse) as f32);
         }
@@ -117,7 +118,10 @@ fn logits_logprobs_and_generation_match_transformers_for_both_formats() {
         assert_eq!(got_shape, shape, "{name}");
         assert!(shape[1] > 4, "longer than the sliding window");
         let (err, scale) = (max_err(&got, &logits), max_abs(&logits));
-        assert!(err <= 1e-4 * scale, "{name}: logit error {err} (scale {scale})");
+        assert!(
+            err <= 1e-4 * scale,
+            "{name}: logit error {err} (scale {scale})"
+        );
         for key in ["loss", "aux_loss"] {
             let (_, want) = read_f32(&golden, key);
             let (_, ours) = read_f32(&out, key);
@@ -128,7 +132,13 @@ fn logits_logprobs_and_generation_match_transformers_for_both_formats() {
         for layout in ["", "world=2,ep=2"] {
             let lp = dir.join("logprobs.safetensors");
             let _ = std::fs::remove_file(&lp);
-            let args = ["logprobs", "--model", path(&model), "--input", path(&golden)];
+            let args = [
+                "logprobs",
+                "--model",
+                path(&model),
+                "--input",
+                path(&golden),
+            ];
             ok(&[&args[..], &["--out", path(&lp), "--layout", layout]].concat());
             let (shape, got) = read_f32(&lp, "logprobs");
             assert_eq!(shape, lp_shape, "{name} {layout:?}");
@@ -191,7 +201,8 @@ fn release_values(name: &str, shape: &[usize], values: &[f32]) -> Vec<f32> {
             for g in 0..2 {
                 for r in 0..i {
                     for c in 0..h {
-                        out[(x * h + c) * 2 * i + 2 * r + g] = values[((x * 2 + g) * i + r) * h + c];
+                        out[(x * h + c) * 2 * i + 2 * r + g] =
+                            values[((x * 2 + g) * i + r) * h + c];
                     }
                 }
             }
@@ -252,7 +263,10 @@ fn a_trained_mxfp4_checkpoint_exports_the_dequantised_release_and_loads_back() {
         let got = t.to_f32_vec().expect("f32");
         let stored = dist.read_tensor(name).expect("stored");
         let want = release_values(name, &stored.shape, &stored.to_f32_vec().expect("f32"));
-        assert_eq!(got, want, "{name}: the checkpoint's values in the release layout");
+        assert_eq!(
+            got, want,
+            "{name}: the checkpoint's values in the release layout"
+        );
         let before = if start.contains(name) {
             let t = start.tensor(name).expect("tensor");
             t.to_f32_vec().expect("f32")
@@ -268,6 +282,14 @@ fn a_trained_mxfp4_checkpoint_exports_the_dequantised_release_and_loads_back() {
     // The export is a gpt-oss checkpoint again: it loads and runs.
     let out = dir.join("logits.safetensors");
     let golden = golden("gpt_oss_mxfp4");
-    ok(&["logits", "--model", path(&hf), "--input", path(&golden), "--out", path(&out)]);
+    ok(&[
+        "logits",
+        "--model",
+        path(&hf),
+        "--input",
+        path(&golden),
+        "--out",
+        path(&out),
+    ]);
     let _ = std::fs::remove_dir_all(&dir);
 }

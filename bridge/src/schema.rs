@@ -76,7 +76,11 @@ pub trait ModelSchema: Sized {
     /// in, when its release layout is not the canonical one (e.g. gpt-oss's input-major,
     /// gate/up-interleaved experts); `None` (the default) when the release stores the
     /// canonical tensor. Errors name the tensor.
-    fn release_shape(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<usize>>, BridgeError> {
+    fn release_shape(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Vec<usize>>, BridgeError> {
         let _ = (name, shape);
         Ok(None)
     }

@@ -793,14 +793,14 @@ pub fn export_dist_to_hf<C: ModelSchema>(
             if let Some(canonical) = &item.release {
                 // The release's permutation of the canonical values (exact in f32).
                 let values = t.to_f32_vec()?;
-                let stored = schema
-                    .to_release(key, canonical, &values)?
-                    .ok_or_else(|| BridgeError::Conversion {
+                let stored = schema.to_release(key, canonical, &values)?.ok_or_else(|| {
+                    BridgeError::Conversion {
                         path: ckpt.dir().to_path_buf(),
                         tensor: key.clone(),
                         dtype: t.dtype.to_string(),
                         reason: "a release shape without a release layout".to_owned(),
-                    })?;
+                    }
+                })?;
                 t = OwnedTensor::from_f32(key.clone(), item.shape.clone(), &stored)?;
             }
             t.shape = item.shape.clone();
