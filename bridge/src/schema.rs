@@ -73,7 +73,7 @@ pub trait ModelSchema: Sized {
     }
 
     /// The shape the HF release stores canonical tensor `name` of (checkpoint) shape `shape`
-    /// in, when its release layout is not the canonical one (e.g. gpt-oss's input-major,
+    /// in, when its release layout is not the canonical one (e.g. input-major,
     /// gate/up-interleaved experts); `None` (the default) when the release stores the
     /// canonical tensor. Errors name the tensor.
     fn release_shape(
