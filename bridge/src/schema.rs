@@ -71,4 +71,30 @@ pub trait ModelSchema: Sized {
     fn warnings(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// The shape the HF release stores canonical tensor `name` of (checkpoint) shape `shape`
+    /// in, when its release layout is not the canonical one (e.g. input-major,
+    /// gate/up-interleaved experts); `None` (the default) when the release stores the
+    /// canonical tensor. Errors name the tensor.
+    fn release_shape(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Vec<usize>>, BridgeError> {
+        let _ = (name, shape);
+        Ok(None)
+    }
+
+    /// The release's values of canonical tensor `name` of shape `shape` (row-major f32
+    /// `values`), permuted to [`release_shape`](Self::release_shape); `None` (the default)
+    /// when the release stores the canonical tensor.
+    fn to_release(
+        &self,
+        name: &str,
+        shape: &[usize],
+        values: &[f32],
+    ) -> Result<Option<Vec<f32>>, BridgeError> {
+        let _ = (name, shape, values);
+        Ok(None)
+    }
 }

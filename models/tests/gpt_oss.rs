@@ -9,8 +9,8 @@
 //!   continuation with the KV cache past the window; for the f32 directory and the MXFP4
 //!   release (its experts decoded bit-exactly as transformers dequantises them);
 //! - training: 6 [`Trainer`] steps equal the PyTorch reference;
-//! - parallel equivalence: the same training run under EP, TP, PP and CP equals the
-//!   `world = 1` run;
+//! - parallel equivalence: the same training run under EP, TP, PP, CP and EP·ETP (beside CP,
+//!   beside TP) equals the `world = 1` run;
 //! - bad inputs (`tests/fixtures/gpt_oss_bad/`): refused before any rank allocates, naming the
 //!   field or tensor.
 
@@ -298,9 +298,19 @@ fn common_names(dir: &std::path::Path) -> Vec<String> {
 }
 
 /// Layouts the `world = 1` training run is compared under: EP, TP (the `o_proj` bias added
-/// after the reduction, sinks split by head), PP and CP (sliding windows across the split
-/// sequence). Expert TP (`etp = 2`) does not match yet (see the report of the gpt-oss work).
-const LAYOUTS: [(usize, &str); 4] = [(2, "ep=2"), (2, "tp=2"), (2, "pp=2"), (2, "cp=2")];
+/// after the reduction, sinks split by head), PP, CP (sliding windows across the split
+/// sequence), and expert TP with EP beside CP or TP (`etp = 2`: the `fc2` bias held whole on
+/// both expert-TP ranks, added by one, counted once in the gradient norm). The world-4 expert
+/// layouts keep two data-parallel replicas for the two sequences of a step (a plain
+/// `ep=2,etp=2` at world 4 would need four).
+const LAYOUTS: [(usize, &str); 6] = [
+    (2, "ep=2"),
+    (2, "tp=2"),
+    (2, "pp=2"),
+    (2, "cp=2"),
+    (4, "cp=2,ep=2,etp=2"),
+    (4, "tp=2,ep=2,etp=2"),
+];
 
 /// Micro-batches (one sequence each) per step of the global batch.
 const MICRO: usize = 2;
@@ -382,7 +392,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 #[test]
-fn gpt_oss_training_under_four_layouts_matches_one_rank() {
+fn gpt_oss_training_under_six_layouts_matches_one_rank() {
     let start = replicate(&fixture(&Device::flex().autodiff()));
     // The world = 1 run: both micro-batches on one rank, and its final model.
     let one = {
@@ -534,5 +544,68 @@ fn bad_inputs_are_refused_before_any_rank_allocates_naming_the_field_or_tensor()
         };
         assert!(err.contains(named), "{bad}: {err}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The `config.json` of an `openai/gpt-oss-*` release (Hugging Face hub, 2025-08): 64 query
+/// heads of 64, 8 KV heads, hidden and expert width 2880, top-4 routing, vocab 201088,
+/// alternating 128-token sliding / full attention, YaRN ×32.
+fn release_config(layers: usize, experts: usize) -> String {
+    let types: Vec<&str> = (0..layers)
+        .map(|i| {
+            if i % 2 == 0 {
+                "\"sliding_attention\""
+            } else {
+                "\"full_attention\""
+            }
+        })
+        .collect();
+    format!(
+        r#"{{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "attention_bias": true, "attention_dropout": 0.0, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": [{}], "max_position_embeddings": 131072,
+        "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": {layers},
+        "num_key_value_heads": 8, "num_local_experts": {experts}, "output_router_logits": false,
+        "rms_norm_eps": 1e-05, "rope_scaling": {{"beta_fast": 32.0, "beta_slow": 1.0,
+        "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn",
+        "truncate": false}}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+        "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false,
+        "use_cache": true, "vocab_size": 201088}}"#,
+        types.join(", ")
+    )
+}
+
+/// `param_count` of gpt-oss-120b and gpt-oss-20b from their released configs against the
+/// counts OpenAI publishes (gpt-oss model card, table 1: 116.83B total / 5.13B active for
+/// 120b, 20.91B / 3.61B for 20b; "active" there leaves out the input embedding) and against
+/// the closed form written out here from the architecture.
+#[test]
+fn param_count_matches_the_published_gpt_oss_120b_and_20b_counts() {
+    use moe_models::families::gpt_oss::GptOssConfig;
+    for (layers, experts, total_b, active_b) in [(36, 128, 116.83, 5.13), (24, 32, 20.91, 3.61)] {
+        let config = GptOssConfig::from_json_str(&release_config(layers, experts)).expect("config");
+        let count = moe_models::families::param_count::<GptOss>(&config).expect("count");
+        let (h, v, q, kv, f) = (2880u64, 201_088u64, 64 * 64u64, 8 * 64u64, 2880u64);
+        let attention = (h * q + q) + 2 * (h * kv + kv) + (q * h + h) + 64;
+        let router = h * experts as u64 + experts as u64;
+        let expert = (h * 2 * f + 2 * f) + (f * h + h);
+        let norms = 2 * h;
+        let embeddings = 2 * v * h + h;
+        let layer = |routed: u64| attention + router + norms + routed * expert;
+        let total = embeddings + layers as u64 * layer(experts as u64);
+        let active = embeddings + layers as u64 * layer(4);
+        assert_eq!((count.total, count.active, count.mtp), (total, active, 0));
+        let billions = |n: u64| (n as f64 / 1e7).round() / 100.0;
+        assert_eq!(billions(count.total), total_b, "{layers} layers: total");
+        assert_eq!(
+            billions(count.active - v * h),
+            active_b,
+            "{layers} layers: active"
+        );
+        println!(
+            "gpt-oss {layers}×{experts}: {} total, {} active",
+            count.total, count.active
+        );
     }
 }

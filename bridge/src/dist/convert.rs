@@ -582,6 +582,9 @@ struct ExportItem {
     dtype: Dtype,
     /// An FP8 weight exported as dequantised floats.
     dequantize: bool,
+    /// Stored in the release's layout, not the canonical one ([`ModelSchema::to_release`]):
+    /// the canonical shape of the region read.
+    release: Option<Vec<usize>>,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -698,6 +701,7 @@ pub fn export_dist_to_hf<C: ModelSchema>(
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = read_json(&config_path)?;
     let registry = C::registry_of(&config, &config_path)?;
+    let schema = C::from_config(&config, &config_path)?;
     let tied = C::tied_head(&config);
     let index = ckpt.index();
     let dequantize_fp8 = opts.dtype.is_some();
@@ -741,12 +745,18 @@ pub fn export_dist_to_hf<C: ModelSchema>(
             _ => fqn.clone(),
         };
         for part in parts {
+            let release = schema.release_shape(&part.name, &part.shape)?;
+            let (shape, release) = match release {
+                Some(stored) => (stored, Some(part.shape)),
+                None => (part.shape, None),
+            };
             let item = ExportItem {
                 fqn: source.clone(),
                 region: part.region,
-                shape: part.shape,
+                shape,
                 dtype,
                 dequantize: fp8 && dequantize_fp8,
+                release,
             };
             items.insert(part.name, item);
         }
@@ -780,6 +790,19 @@ pub fn export_dist_to_hf<C: ModelSchema>(
                 ckpt.read_box(&item.fqn, &item.region)?
             };
             t.name = key.clone();
+            if let Some(canonical) = &item.release {
+                // The release's permutation of the canonical values (exact in f32).
+                let values = t.to_f32_vec()?;
+                let stored = schema.to_release(key, canonical, &values)?.ok_or_else(|| {
+                    BridgeError::Conversion {
+                        path: ckpt.dir().to_path_buf(),
+                        tensor: key.clone(),
+                        dtype: t.dtype.to_string(),
+                        reason: "a release shape without a release layout".to_owned(),
+                    }
+                })?;
+                t = OwnedTensor::from_f32(key.clone(), item.shape.clone(), &stored)?;
+            }
             t.shape = item.shape.clone();
             tensors.push(if is_float(t.dtype) {
                 t.cast(item.dtype)?

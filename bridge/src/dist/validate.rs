@@ -167,13 +167,16 @@ pub fn validate_config<C: ModelSchema>(dir: &Path, index: &DcpIndex) -> Result<(
                     ),
                 });
             };
-            if want.shape != part.shape {
+            let part_shape = config
+                .release_shape(&part.name, &part.shape)?
+                .unwrap_or(part.shape);
+            if want.shape != part_shape {
                 return Err(BridgeError::ConfigMismatch {
                     path: index_path,
                     config: config_path,
                     tensor: part.name,
                     expected: want.shape.clone(),
-                    found: part.shape,
+                    found: part_shape,
                 });
             }
             stored.insert(part.name);

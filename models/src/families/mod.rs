@@ -105,7 +105,8 @@ pub trait Family: Send + Sync + 'static {
 
 /// Shape-only parameter counts of family `F`'s model of `config`, read off the family's own
 /// lazily built model (nothing is allocated) by its plan: `total` every parameter of the main
-/// model, `active` with the routed experts (plan rows split over EP) at `k / E`, `mtp` the
+/// model, `active` with the routed experts (plan rows split over EP, their biases included)
+/// at `k / E`, `mtp` the
 /// MTP modules' parameters as a release stores them (their layers and the copies of the
 /// embedding and head, [`Family::export_copies`]).
 pub fn param_count<F: Family>(config: &F::Config) -> Result<ParamCount, ModelError> {
@@ -130,7 +131,7 @@ pub fn param_count<F: Family>(config: &F::Config) -> Result<ParamCount, ModelErr
         }
         count.total += n;
         count.active += match split {
-            ShardRule::Expert { .. } => n * k / experts,
+            ShardRule::Expert { .. } | ShardRule::ExpertReplicated => n * k / experts,
             _ => n,
         };
     }

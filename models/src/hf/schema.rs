@@ -11,7 +11,7 @@ use serde_json::Value;
 use super::expected::expected_hf_tensors;
 use super::load::ModelConfig;
 use super::mapping::for_config;
-use crate::param_plan::hf_names;
+use crate::param_plan::{ReleaseLayout, hf_names};
 
 impl ModelSchema for ModelConfig {
     fn from_config(config: &Value, path: &Path) -> Result<Self, BridgeError> {
@@ -59,5 +59,67 @@ impl ModelSchema for ModelConfig {
 
     fn export_copies(&self, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
         ModelConfig::export_copies(self, has)
+    }
+
+    /// The family plan's [`ReleaseLayout`] of `name`, if any; the checkpoint's gated shapes
+    /// (`[E, 2, F, H]`, `[E, 2, F]`) are the canonical `[E, 2F, H]`, `[E, 2F]` in the same
+    /// element order.
+    fn release_shape(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Vec<usize>>, BridgeError> {
+        match self.release_layout(name) {
+            Some(layout) => (layout.stored_shape(name, &merged_gate_up(layout, shape)))
+                .map(Some)
+                .map_err(|e| conversion(name, e)),
+            None => Ok(None),
+        }
+    }
+
+    fn to_release(
+        &self,
+        name: &str,
+        shape: &[usize],
+        values: &[f32],
+    ) -> Result<Option<Vec<f32>>, BridgeError> {
+        match self.release_layout(name) {
+            Some(layout) => (layout.to_stored(name, &merged_gate_up(layout, shape), values))
+                .map(Some)
+                .map_err(|e| conversion(name, e)),
+            None => Ok(None),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// How this family's release stores canonical tensor `name`, when not as is
+    /// ([`Stacked`](ReleaseLayout::Stacked) tensors are stored as is).
+    fn release_layout(&self, name: &str) -> Option<ReleaseLayout> {
+        let model_type = ModelConfig::model_type(self);
+        (crate::families::plans().into_iter())
+            .find(|p| p.family() == model_type)
+            .and_then(|p| p.release_layout(name))
+            .filter(|l| *l != ReleaseLayout::Stacked)
+    }
+}
+
+/// A checkpoint's gated expert shape (`[E, 2, F, …]`) as the canonical `[E, 2F, …]` for the
+/// gate/up layouts; other shapes unchanged.
+fn merged_gate_up(layout: ReleaseLayout, shape: &[usize]) -> Vec<usize> {
+    let gated = matches!(
+        layout,
+        ReleaseLayout::InterleavedGateUp | ReleaseLayout::InterleavedGateUpBias
+    );
+    match shape {
+        [e, 2, f, rest @ ..] if gated && rest.len() <= 1 => [&[*e, 2 * f][..], rest].concat(),
+        _ => shape.to_vec(),
+    }
+}
+
+fn conversion(name: &str, e: crate::ModelError) -> BridgeError {
+    BridgeError::Sharding {
+        tensor: name.to_owned(),
+        reason: e.to_string(),
     }
 }

@@ -427,12 +427,16 @@ pub struct DistributedAdamW {
     pub(super) config: DistributedAdamWConfig,
     pub(super) table: ParamTable,
     pub(super) tp: Comm,
+    /// The expert-TP group (its rank 0 counts the ETP-replicated expert parameters).
+    pub(super) expt_tp: Comm,
     world: Comm,
     pub(super) dense: Shard,
     pub(super) expert: Shard,
     /// Ranges of the dense shard (shard coordinates) this rank counts in the global norm, or
     /// `None` for the whole shard (every dense parameter counts on this TP rank).
     norm_ranges: Option<Vec<Range<usize>>>,
+    /// The same for the expert shard (ETP-replicated parameters count on expert-TP rank 0).
+    expert_norm_ranges: Option<Vec<Range<usize>>>,
     /// Dense parameters left out of the gradient norm ([`DistributedAdamW::exclude_from_norm`]).
     norm_excluded: Vec<ParamId>,
     /// `1/|dp_cp|`, the gradient pre-factor of both classes.
@@ -482,7 +486,12 @@ impl DistributedAdamW {
             config.moment_dtype,
         );
         let tp = groups.comm(GroupFamily::Tp).clone();
-        let norm_ranges = norm_ranges(&table, &dense, tp.rank(), &[]);
+        let expt_tp = groups.comm(GroupFamily::ExptTp).clone();
+        let ranks = (tp.rank(), expt_tp.rank());
+        let (norm_ranges, expert_norm_ranges) = (
+            counted_ranges(&table, &dense, false, ranks, &[]),
+            counted_ranges(&table, &expert, true, ranks, &[]),
+        );
         if config.exempt_norms_and_biases {
             let exempt = |experts: bool| {
                 table
@@ -499,9 +508,11 @@ impl DistributedAdamW {
             dense,
             expert,
             norm_ranges,
+            expert_norm_ranges,
             norm_excluded: Vec::new(),
             check_non_finite: true,
             tp,
+            expt_tp,
             world,
             config,
             table,
@@ -728,7 +739,8 @@ impl DistributedAdamW {
                 detail: format!("`{}` is an expert parameter", p.path),
             });
         }
-        self.norm_ranges = norm_ranges(&self.table, &self.dense, self.tp.rank(), ids);
+        let ranks = (self.tp.rank(), self.expt_tp.rank());
+        self.norm_ranges = counted_ranges(&self.table, &self.dense, false, ranks, ids);
         self.norm_excluded = ids.to_vec();
         Ok(())
     }
@@ -1100,8 +1112,12 @@ impl DistributedAdamW {
                 parts.extend(ranges.iter().map(|r| dense_shard.clone().slice(r.clone())))
             }
         }
-        if self.expert.size > 0 {
-            parts.push(expert_shard.clone());
+        match &self.expert_norm_ranges {
+            None if self.expert.size > 0 => parts.push(expert_shard.clone()),
+            None => {}
+            Some(ranges) => {
+                parts.extend(ranges.iter().map(|r| expert_shard.clone().slice(r.clone())))
+            }
         }
         let dtype = if f64 { DType::F64 } else { DType::F32 };
         let mut sq = Tensor::<1>::zeros([1], (device, dtype));
@@ -1129,7 +1145,13 @@ impl DistributedAdamW {
             None => dense.sum_of_squares(0..dense.len()),
             Some(ranges) => ranges.iter().map(|r| dense.sum_of_squares(r.clone())).sum(),
         };
-        sq += expert.sum_of_squares(0..expert.len());
+        sq += match &self.expert_norm_ranges {
+            None => expert.sum_of_squares(0..expert.len()),
+            Some(ranges) => ranges
+                .iter()
+                .map(|r| expert.sum_of_squares(r.clone()))
+                .sum(),
+        };
         let t = Tensor::<1>::from_data(
             TensorData::new(vec![sq], [1]),
             (&self.dense.device, DType::F64),
@@ -1147,26 +1169,29 @@ impl DistributedAdamW {
     }
 }
 
-/// The dense-shard ranges this rank counts in the global norm (see
-/// [`DistributedAdamW::global_norm`]), merged; `None` when that is every parameter.
-fn norm_ranges(
+/// The ranges of the dense (`experts = false`) or expert shard this rank counts in the global
+/// norm (see [`DistributedAdamW::global_norm`]), merged; `None` when that is every parameter.
+/// `ranks` are this rank's (TP, expert-TP) ranks: a duplicate copy
+/// ([`ParamClass::is_duplicate_on`]) or an `excluded` parameter is not counted.
+fn counted_ranges(
     table: &ParamTable,
-    dense: &Shard,
-    tp_rank: usize,
+    shard: &Shard,
+    experts: bool,
+    (tp_rank, expt_tp_rank): (usize, usize),
     excluded: &[ParamId],
 ) -> Option<Vec<Range<usize>>> {
-    let dense_params = || table.params.iter().filter(|p| !p.class.is_expert());
-    let counted =
-        |p: &&ParamInfo| !excluded.contains(&p.id) && (tp_rank == 0 || !p.class.tp_replicated());
-    if excluded.is_empty() && (tp_rank == 0 || !dense_params().any(|p| p.class.tp_replicated())) {
+    let params = || (table.params.iter()).filter(move |p| p.class.is_expert() == experts);
+    let skipped =
+        |p: &ParamInfo| excluded.contains(&p.id) || p.class.is_duplicate_on(tp_rank, expt_tp_rank);
+    if !params().any(skipped) {
         return None;
     }
-    let start = dense.comm.rank() * dense.size;
+    let start = shard.comm.rank() * shard.size;
     let mut out: Vec<Range<usize>> = Vec::new();
-    for p in dense_params().filter(counted) {
-        // Intersection of the parameter's range with this rank's dense shard.
+    for p in params().filter(|p| !skipped(p)) {
+        // Intersection of the parameter's range with this rank's shard.
         let lo = p.offset.max(start);
-        let hi = (p.offset + p.numel()).min(start + dense.size);
+        let hi = (p.offset + p.numel()).min(start + shard.size);
         if lo >= hi {
             continue;
         }

@@ -854,7 +854,7 @@ impl DistributedMuon {
             };
             if (self.config.sharding == MuonSharding::Replicated
                 && self.dp(slot.expert()).rank() != 0)
-                || (slot.info.class.tp_replicated() && self.tp.rank() != 0)
+                || (slot.info.class).is_duplicate_on(self.tp.rank(), self.expt_tp.rank())
                 || slot.numel() == 0
             {
                 continue;
@@ -1242,7 +1242,7 @@ impl MuonAdamW {
         let mut ranges: [Vec<std::ops::Range<usize>>; 2] = [Vec::new(), Vec::new()];
         for p in &self.adamw.table().params {
             let counted = if p.class.is_expert() {
-                m.expt_dp.rank() == 0
+                m.expt_dp.rank() == 0 && !(p.class.expt_tp_replicated() && m.expt_tp.rank() != 0)
             } else {
                 m.dp_cp.rank() == 0
                     && !(p.class.tp_replicated() && m.tp.rank() != 0)

@@ -21,12 +21,31 @@ pub enum ParamClass {
     DenseTpSharded,
     /// Routed-expert weights (sharded over EP/ETP); reduced over `expt_dp`.
     Expert,
+    /// A routed-expert parameter sharded over EP but held whole on every expert-TP rank with
+    /// the full gradient on each (the row-parallel `fc2` bias, added after the ETP reduction):
+    /// reduced over `expt_dp` like [`ParamClass::Expert`], counted in the global gradient norm
+    /// (and written to checkpoints) by expert-TP rank 0 only, as Megatron-Core's
+    /// `param_is_not_tensor_parallel_duplicate` counts a row-parallel bias once
+    /// (`megatron/core/tensor_parallel/layers.py`).
+    ExpertTpReplicated,
 }
 
 impl ParamClass {
     /// Whether the parameter belongs to the expert buffer.
     pub fn is_expert(self) -> bool {
-        self == ParamClass::Expert
+        matches!(self, ParamClass::Expert | ParamClass::ExpertTpReplicated)
+    }
+
+    /// Whether every expert-TP rank holds an identical copy (so only expert-TP rank 0 counts
+    /// it in norms).
+    pub fn expt_tp_replicated(self) -> bool {
+        self == ParamClass::ExpertTpReplicated
+    }
+
+    /// Whether this rank's copy is a duplicate another rank counts: a TP-replicated dense
+    /// parameter off TP rank 0, an ETP-replicated expert parameter off expert-TP rank 0.
+    pub fn is_duplicate_on(self, tp_rank: usize, expt_tp_rank: usize) -> bool {
+        (self.tp_replicated() && tp_rank != 0) || (self.expt_tp_replicated() && expt_tp_rank != 0)
     }
 
     /// Whether every TP rank holds an identical copy (so only TP rank 0 counts it in norms).

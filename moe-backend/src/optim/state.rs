@@ -333,7 +333,9 @@ impl DistributedAdamW {
                 }
                 let placement = place(info)?;
                 check_placement(info, &placement)?;
-                let main_replica = !(info.class.tp_replicated() && self.tp.rank() != 0);
+                let main_replica = !info
+                    .class
+                    .is_duplicate_on(self.tp.rank(), self.expt_tp.rank());
                 // Boxes of the parameter's local layout (transposed: Burn's `[in, out]`).
                 let local_shape = if placement.transposed {
                     info.shape.clone()

@@ -484,3 +484,140 @@ fn a_non_finite_gradient_on_one_rank_is_refused_on_every_rank_changing_nothing()
         assert!(unchanged, "rank {rank}: the refused step changed the state");
     }
 }
+
+/// gpt-oss's MoE layer (biased router, experts with biases, clamped SwiGLU) with reproducible
+/// weights and biases.
+fn biased_clamped_layer() -> MoeLayer {
+    let router = TopKRouterConfig::new(H, E, 2)
+        .with_init_std(0.5)
+        .with_bias(true);
+    let layer = MoeLayerConfig::new(router, 8)
+        .with_init_std(0.3)
+        .with_activation(crate::experts::ExpertActivation::ClampedSwiGlu {
+            alpha: 1.702,
+            limit: 0.7,
+        })
+        .with_experts_bias(true)
+        .init(&ad())
+        .unwrap();
+    replicate(&MoeLayer {
+        router: redraw(layer.router, 4, 0.5),
+        experts: redraw(layer.experts, 5, 0.3),
+        shared_experts: None,
+    })
+}
+
+/// [`default_classify`] with the routed experts' `fc2` bias ETP-replicated (the plan's class
+/// for a bias held whole on every expert-TP rank).
+fn etp_replicated_fc2_bias(path: &str, in_experts: bool) -> ParamClass {
+    if in_experts && path.ends_with("fc2_bias") {
+        ParamClass::ExpertTpReplicated
+    } else {
+        default_classify(path, in_experts)
+    }
+}
+
+/// Per step: the global norm, the dense parameters and this rank's `fc2` bias; with the
+/// rank's local experts.
+type BiasRun = (Vec<(f64, Vec<f32>, Vec<f32>)>, std::ops::Range<usize>);
+
+/// Trains `start` under `(world, spec)` for [`STEPS`] clipped steps (each rank its own batch,
+/// the `world = 1` run all of them with the loss divided by their count, so the gradients are
+/// the same), classes by `classify`.
+fn biased_run(
+    start: &MoeLayer,
+    (world, spec): (usize, &str),
+    batches: usize,
+    classify: fn(&str, bool) -> ParamClass,
+) -> Vec<BiasRun> {
+    let layout = ParallelLayout::parse(world, spec).unwrap();
+    let layout = &layout;
+    World::run(world, |ctx| {
+        let pg = ctx.process_groups(layout)?;
+        let (dispatcher, mut layer) = rank_layer(&pg, layout, start)?;
+        let mut optim = DistributedAdamW::with_classes(
+            &layer,
+            &pg,
+            ctx.world()?,
+            config(Some(0.05), MomentDtype::F32),
+            &classify,
+        )?;
+        let per = batches / world;
+        let mut out = Vec::new();
+        for step in 0..STEPS {
+            let rows = |tag| -> Vec<f64> {
+                (0..per)
+                    .flat_map(|b| batch(step, ctx.rank() * per + b, tag))
+                    .collect()
+            };
+            let x = tensor(rows(1), [per * T, H], &ad(), DType::F32);
+            let w = tensor(rows(2), [per * T, H], &ad(), DType::F32);
+            let l = loss(&layer, x, w, &dispatcher) / per as f64;
+            let grads = GradientsParams::from_grads(l.backward(), &layer);
+            let (next, report) = optim.step(LR, layer, grads)?;
+            layer = next;
+            let (dense, _) = optim.table().flatten_values(&layer)?;
+            let bias = layer.experts.fc2_bias.as_ref().map(|b| b.val());
+            let bias = bias.map(|b| values(b.reshape([-1]))).unwrap_or_default();
+            let bias = bias.iter().map(|&v| v as f32).collect();
+            out.push((report.grad_norm, dense, bias));
+        }
+        Ok((out, dispatcher.local_experts()))
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{spec}: {e}")))
+    .collect()
+}
+
+/// The gpt-oss expert-TP bug's minimal case: the `fc2` bias is held whole on every expert-TP
+/// rank with the full gradient on each, so the global norm must count it once. Classed as a
+/// plain expert parameter it is counted `etp` times, the norm is too large and clipping
+/// scales every update differently from `world = 1`; classed `ExpertTpReplicated`, the norm,
+/// the dense parameters and the bias equal the `world = 1` run under `ep = 2, etp = 2` (and
+/// `etp = 2` alone).
+#[test]
+fn an_etp_replicated_expert_bias_counts_once_in_the_norm_and_trains_as_on_one_rank() {
+    let start = biased_clamped_layer();
+    let one = biased_run(&start, (1, ""), 4, etp_replicated_fc2_bias)
+        .remove(0)
+        .0;
+    for (world, spec) in [(4, "ep=2,etp=2"), (2, "etp=2")] {
+        for (rank, (steps, local)) in biased_run(&start, (world, spec), 4, etp_replicated_fc2_bias)
+            .into_iter()
+            .enumerate()
+        {
+            for (s, ((norm, dense, bias), (want_norm, want_dense, want_bias))) in
+                steps.iter().zip(&one).enumerate()
+            {
+                let what = format!("{spec} rank {rank} step {s}");
+                assert!(
+                    (norm - want_norm).abs() <= 1e-6 * want_norm,
+                    "{what}: norm {norm} vs {want_norm}"
+                );
+                let f = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+                assert_close(
+                    &f(dense),
+                    &f(want_dense),
+                    1e-5,
+                    1e-6,
+                    &format!("{what}: dense"),
+                );
+                let want_bias = &want_bias[local.start * H..local.end * H];
+                assert_close(
+                    &f(bias),
+                    &f(want_bias),
+                    1e-5,
+                    1e-6,
+                    &format!("{what}: fc2 bias"),
+                );
+            }
+        }
+    }
+    // The same bias classed as a sharded expert parameter is counted twice under etp = 2.
+    let (steps, _) = biased_run(&start, (2, "etp=2"), 4, default_classify).remove(0);
+    let (norm, want) = (steps[0].0, one[0].0);
+    assert!(
+        norm > want * (1.0 + 1e-6),
+        "double-counted norm {norm} vs {want}"
+    );
+}

@@ -124,7 +124,7 @@ pub fn gpt_oss_plan() -> ParallelPlan {
         join(&hf_ex, DOWN_PROJ_BIAS),
         Storage::Same,
         ShardRule::ExpertReplicated,
-        expert,
+        ParamClass::ExpertTpReplicated,
     ));
     rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
     rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
