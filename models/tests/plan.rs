@@ -835,3 +835,56 @@ fn the_plan_follows_the_training_precision() {
         );
     }
 }
+
+/// The planner's per-rank parameters of the families added through the family list (their
+/// fixtures), read off each family's plan, equal what a real shard loaded from the HF
+/// directory holds, on every rank and pipeline stage, under TP, EP × ETP and PP.
+#[test]
+fn every_family_rank_params_match_the_loaded_shard() {
+    use moe_models::families::{Family, FamilyVisitor, visit_family};
+    use moe_models::hf::load_shard_checked;
+
+    struct Check(&'static str);
+    impl FamilyVisitor for Check {
+        type Output = ();
+        fn visit<F: Family>(self) {
+            let name = self.0;
+            let dir = format!("{}/../tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+            let text = std::fs::read_to_string(format!("{dir}/config.json")).unwrap();
+            let config =
+                <F::Config as moe_models::families::FamilyConfig>::from_json_str(&text).unwrap();
+            let ckpt = moe_bridge::hf::HfCheckpoint::open(&dir).unwrap();
+            for (world, spec) in [(2, "ep=2"), (4, "tp=2,ep=2,etp=2"), (2, "pp=2")] {
+                let layout = ParallelLayout::parse(world, spec).unwrap();
+                let (ckpt, layout_ref) = (&ckpt, &layout);
+                let held = World::run(world, |ctx| {
+                    let pg = ctx.process_groups(layout_ref)?;
+                    let stage = pg.groups.get(moe_backend::parallel::GroupFamily::Pp).index;
+                    let (shard, _) = load_shard_checked::<F::Model>(
+                        ckpt,
+                        &pg,
+                        DispatcherKind::AllToAll,
+                        &Device::flex(),
+                    )
+                    .map_err(|e| moe_backend::BackendError::Replay(e.to_string()))?;
+                    Ok((stage, shard.model.num_params()))
+                });
+                for (rank, r) in held.into_iter().enumerate() {
+                    let (stage, held) =
+                        r.unwrap_or_else(|e| panic!("{name} {spec} rank {rank}: {e}"));
+                    let planned = rank_params_of::<F::Model>(&config, &layout, stage)
+                        .unwrap()
+                        .total() as usize;
+                    assert_eq!(held, planned, "{name} {spec} rank {rank} (stage {stage})");
+                }
+            }
+        }
+    }
+    for (model_type, fixture) in [
+        ("mixtral", "mixtral"),
+        ("glm4_moe", "glm4_moe"),
+        ("gpt_oss", "gpt_oss"),
+    ] {
+        visit_family(model_type, Check(fixture)).expect("a listed family");
+    }
+}
