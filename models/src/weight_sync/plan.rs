@@ -117,6 +117,7 @@ pub(super) fn plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
+    release: bool,
 ) -> Result<Plan, WeightSyncError> {
     // (order key, name, dtype, shape, source)
     type Keyed = ((u8, usize, usize, usize), String, DType, Vec<usize>, Source);
@@ -124,9 +125,10 @@ pub(super) fn plan(
     let mut seen: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
     for (stage, specs) in stages.iter().enumerate() {
         let keys = order_keys(specs);
-        for (at, (name, dtype, shape, split, entry)) in stage_plan(specs, tp, ep, etp, options)?
-            .into_iter()
-            .enumerate()
+        for (at, (name, dtype, shape, split, entry)) in
+            stage_plan(specs, tp, ep, etp, options, release)?
+                .into_iter()
+                .enumerate()
         {
             if let Some((d, s)) = seen.get(&name) {
                 // A copy another stage holds too (the last stage's embedding): the first
@@ -249,7 +251,15 @@ fn release_etp_dim(layout: ReleaseLayout, rule: ShardRule) -> Option<usize> {
     }
 }
 
-/// One stage's synced tensors from its local fused export (full shapes: TP splits times `tp`,
+/// Whether a model whose local per-expert HF export lists `names` streams experts in its
+/// family's release layout: it names a stacked expert tensor that a plan's release layout
+/// covers (families without one list per-expert tensors there instead).
+pub(super) fn streams_release<'a>(names: impl IntoIterator<Item = &'a str>) -> bool {
+    names.into_iter().any(|n| release_layout(n).is_some())
+}
+
+/// One stage's synced tensors from its local fused export (`release`: the family streams its
+/// release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
 /// local experts times `ep`, expert FFN widths times `etp`).
 fn stage_plan(
     local: &[HfTensorSpec],
@@ -257,6 +267,7 @@ fn stage_plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
+    release: bool,
 ) -> Result<StagePlan, WeightSyncError> {
     let mut out = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, split: Split, entry: usize| {
@@ -290,7 +301,8 @@ fn stage_plan(
                 push(spec.name.clone(), shape, Split::Tp { dim }, k);
             }
             rule @ (ShardRule::ExpertReplicated | ShardRule::Expert { .. })
-                if options.experts == ExpertNames::PerExpert
+                if release
+                    && options.experts == ExpertNames::PerExpert
                     && let Some(layout) = release_layout(&spec.name) =>
             {
                 // The release's stacked layout (the receiver's HF export): one tensor.
@@ -673,7 +685,7 @@ mod tests {
             dtype: super::super::SyncDtype::F32,
             ..SyncOptions::default()
         };
-        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options).unwrap();
+        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, false).unwrap();
         let mut want: Vec<(String, Vec<usize>, usize, usize)> =
             vec![("model.embed_tokens.weight".into(), vec![16, 4], 0, 0)];
         // Layer l's entries: rank l % 2, local layer l / 2 after the embedding.
@@ -717,7 +729,7 @@ mod tests {
     fn a_copy_of_another_shape_is_refused_naming_it() {
         let mut stages = stages();
         stages[1][0].shape = vec![9, 4];
-        let err = plan(&stages, 1, 1, 1, &SyncOptions::default()).unwrap_err();
+        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), false).unwrap_err();
         assert!(
             matches!(&err, WeightSyncError::Layout { name, .. } if name == "model.embed_tokens.weight"),
             "{err}"

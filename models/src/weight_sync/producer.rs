@@ -146,7 +146,12 @@ impl WeightSync {
         let table = GroupTable::new(layout)?;
         let specs: Vec<HfTensorSpec> = local.iter().map(|(s, _)| s.clone()).collect();
         let stages = stage_specs(groups, &table, specs)?;
-        let (tensors, sources) = plan(&stages, layout.tp, layout.ep, layout.etp, &options)?;
+        let per_expert = shard.hf_tensors_as(ExpertNames::PerExpert)?;
+        let release =
+            super::plan::streams_release(per_expert.specs().iter().map(|s| s.name.as_str()));
+        drop(per_expert);
+        let (tensors, sources) =
+            plan(&stages, layout.tp, layout.ep, layout.etp, &options, release)?;
         let manifest = SyncManifest::pack(
             tensors,
             options.bucket_bytes,

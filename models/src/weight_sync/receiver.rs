@@ -227,7 +227,11 @@ impl<M: SyncTarget> WeightReceiver for ModelReceiver<'_, M> {
             }
             let mut shape = t.shape.clone();
             let mut values = decode_f32(&t.name, bytes, t.dtype)?;
+            // Stacked under per-expert names too (not fused-only): the release layout.
+            let stacked = (self.expected.as_ref())
+                .is_some_and(|e| !e.fused_only.contains(&t.name) && e.per_expert.contains(&t.name));
             if self.experts == Some(ExpertNames::PerExpert)
+                && stacked
                 && let Some(layout) = super::plan::release_layout(&t.name)
             {
                 // The family's release layout (its HF export), back to the canonical tensor
