@@ -102,7 +102,7 @@ pub trait ModelSchema: Sized {
     /// `stored` (the inverse of [`release_shape`](Self::release_shape)); `None` (the default)
     /// when the release stores the canonical tensor. HF → distributed conversion uses it to
     /// lay out the canonical tensors before reading any value. Errors name the tensor.
-    fn from_release_shape(
+    fn release_canonical_shape(
         &self,
         name: &str,
         stored: &[usize],
@@ -112,10 +112,10 @@ pub trait ModelSchema: Sized {
     }
 
     /// The canonical values of tensor `name` from the release's `values` (row-major f32) of
-    /// shape `stored`, in the shape [`from_release_shape`](Self::from_release_shape) gives
+    /// shape `stored`, in the shape [`release_canonical_shape`](Self::release_canonical_shape) gives
     /// (the inverse of [`to_release`](Self::to_release), exact: pure data movement); `None`
     /// (the default) when the release stores the canonical tensor.
-    fn from_release(
+    fn release_to_canonical(
         &self,
         name: &str,
         stored: &[usize],

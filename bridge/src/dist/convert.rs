@@ -64,7 +64,7 @@ struct Piece {
 }
 
 /// A canonical tensor the release stores whole under another layout or as an MXFP4 pair: read
-/// whole (decoded), converted by [`ModelSchema::from_release`], written as one box.
+/// whole (decoded), converted by [`ModelSchema::release_to_canonical`], written as one box.
 #[derive(Debug, Clone)]
 struct ReleaseSource {
     /// The HF tensor (the MXFP4 pair's base name).
@@ -117,7 +117,7 @@ fn hooked_dtype(ckpt: &HfCheckpoint, name: &str, stored: Dtype, keep_fp8: bool) 
 }
 
 /// The release source of canonical tensor `canon` resolved to the single whole HF tensor `hf`,
-/// when the release stores it in another layout ([`ModelSchema::from_release_shape`]) or as
+/// when the release stores it in another layout ([`ModelSchema::release_canonical_shape`]) or as
 /// an MXFP4 pair; `None` when the HF tensor is the canonical one. Decoded MXFP4 values are
 /// BF16-exact (an E2M1 code times a power of two) and stored as BF16; a release-layout tensor
 /// keeps its float dtype (an FP8 one is dequantised to BF16).
@@ -137,7 +137,7 @@ fn plan_release<C: ModelSchema>(
             hooked_dtype(ckpt, hf, info.dtype, false),
         )
     };
-    let canonical = schema.from_release_shape(hf, &stored)?;
+    let canonical = schema.release_canonical_shape(hf, &stored)?;
     if canonical.is_none() && !mxfp4 {
         return Ok(None);
     }
@@ -187,7 +187,7 @@ fn read_release<C: ModelSchema>(
         });
     }
     let values = schema
-        .from_release(&r.hf, &shape, &values)?
+        .release_to_canonical(&r.hf, &shape, &values)?
         .unwrap_or(values);
     let t = OwnedTensor::from_f32(meta.fqn.clone(), meta.global_shape.clone(), &values)?;
     Ok(t.cast(meta.dtype)?.bytes)

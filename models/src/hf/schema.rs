@@ -93,7 +93,7 @@ impl ModelSchema for ModelConfig {
 
     /// The canonical shape of the plan's [`ReleaseLayout`] of `name` stored as `stored`, the
     /// gate/up layouts' `[E, 2F, …]` as the checkpoint's gated `[E, 2, F, …]`.
-    fn from_release_shape(
+    fn release_canonical_shape(
         &self,
         name: &str,
         stored: &[usize],
@@ -108,7 +108,7 @@ impl ModelSchema for ModelConfig {
 
     /// The canonical values of the plan's [`ReleaseLayout`] of `name` (the gated
     /// `[E, 2, F, …]` holds the same element order as `[E, 2F, …]`).
-    fn from_release(
+    fn release_to_canonical(
         &self,
         name: &str,
         stored: &[usize],
