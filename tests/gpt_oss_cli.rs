@@ -293,3 +293,92 @@ fn a_trained_mxfp4_checkpoint_exports_the_dequantised_release_and_loads_back() {
     ]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The values of HF tensor `name` of release directory `release` as the model sees them: a
+/// stored tensor widened to f32, an MXFP4 pair decoded and transposed to the parameter
+/// orientation (`[E, H, 2I]`, `[E, I, H]`) as transformers' `convert_moe_packed_tensors` does.
+fn release_param(release: &HfCheckpoint, name: &str) -> (Vec<usize>, Vec<f32>) {
+    if release.contains(name) {
+        let t = release.tensor(name).expect("tensor");
+        (t.shape.to_vec(), t.to_f32_vec().expect("f32"))
+    } else {
+        let (shape, values) = release.read_mxfp4(name).expect("mxfp4");
+        let [e, rows, cols] = shape.as_slice().try_into().expect("[E, out, in]");
+        let mut out = vec![0.0; values.len()];
+        for x in 0..e {
+            for r in 0..rows {
+                for c in 0..cols {
+                    out[(x * cols + c) * rows + r] = values[(x * rows + r) * cols + c];
+                }
+            }
+        }
+        (vec![e, cols, rows], out)
+    }
+}
+
+/// `moe convert --from-hf` of both fixtures under `tp=2,ep=2,etp=2` (world 4), `moe reshard` to
+/// `ep=4`, `moe export`: the canonical checkpoint holds the release's tensors in the stacked
+/// layout (checked through the hand-written permutation above), and the export has exactly the
+/// f32 fixture's names holding the source's values bit for bit (the MXFP4 release: its decoded
+/// values, exact in BF16, the experts dequantised).
+#[test]
+fn hf_to_distributed_conversion_reshards_and_exports_back_bit_for_bit() {
+    let dense: BTreeSet<String> = (HfCheckpoint::open(fixture("gpt_oss")).expect("f32 fixture"))
+        .tensor_names()
+        .map(str::to_owned)
+        .collect();
+    for name in ["gpt_oss", "gpt_oss_mxfp4"] {
+        let dir = scratch(&format!("{name}-convert"));
+        let src = fixture(name);
+        let (a, b, hf) = (dir.join("a"), dir.join("b"), dir.join("hf"));
+        let layout = "world=4,tp=2,ep=2,etp=2";
+        ok(&[
+            "convert",
+            "--from-hf",
+            path(&src),
+            "--out",
+            path(&a),
+            "--layout",
+            layout,
+        ]);
+        ok(&["validate", path(&a)]);
+        ok(&["reshard", path(&a), "--out", path(&b), "--layout", "ep=4"]);
+        ok(&["export", path(&b), "--out", path(&hf)]);
+
+        let release = HfCheckpoint::open(&src).expect("source");
+        let dist = DistCheckpoint::open::<ModelConfig>(&b).expect("resharded checkpoint");
+        let back = HfCheckpoint::open(&hf).expect("the export opens");
+        let names: BTreeSet<String> = back.tensor_names().map(str::to_owned).collect();
+        assert_eq!(names, dense, "{name}: the release's dequantised names");
+        let mut permuted = 0;
+        for t in &names {
+            let (shape, want) = release_param(&release, t);
+            let stored = dist.read_tensor(t).expect("stored");
+            let canonical = stored.to_f32_vec().expect("f32");
+            let as_release = release_values(t, &stored.shape, &canonical);
+            assert_eq!(as_release, want, "{name} {t}: the canonical tensor");
+            permuted += usize::from(stored.shape != shape);
+            let got = back.tensor(t).expect("exported");
+            assert_eq!(got.shape, shape, "{name} {t}");
+            let values = got.to_f32_vec().expect("f32");
+            assert!(
+                values
+                    .iter()
+                    .zip(&want)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name} {t}: values bit for bit"
+            );
+            if release.contains(t) {
+                let orig = release.tensor(t).expect("tensor");
+                assert_eq!(
+                    (got.dtype, got.bytes),
+                    (orig.dtype, orig.bytes),
+                    "{name} {t}"
+                );
+            }
+        }
+        // gate_up_proj, its bias and down_proj of 4 layers change layout.
+        assert_eq!(permuted, 12, "{name}: the release-layout tensors");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -267,6 +267,56 @@ impl crate::hf::HfCheckpoint {
         )
     }
 
+    /// Shape and f32 values of the MXFP4 weight `base` as a parameter: the decoded
+    /// `[..., out, in]` matrix ([`read_mxfp4`](Self::read_mxfp4)) with its last two dims
+    /// swapped, as transformers' `convert_moe_packed_tensors` hands it to the model (its
+    /// `.transpose(1, 2)`). Errors: those of [`read_mxfp4`](Self::read_mxfp4), and
+    /// [`BridgeError::Mxfp4`] for a decoded tensor of rank < 2.
+    pub fn read_mxfp4_param(&self, base: &str) -> Result<(Vec<usize>, Vec<f32>), BridgeError> {
+        let (shape, values) = self.read_mxfp4(base)?;
+        let n = shape.len();
+        if n < 2 {
+            return Err(error(
+                base,
+                format!("an MXFP4 weight of shape {shape:?} is not a matrix"),
+            ));
+        }
+        let (rows, cols) = (shape[n - 2], shape[n - 1]);
+        let mut out = vec![0.0f32; values.len()];
+        let size = (rows * cols).max(1);
+        for (src, dst) in values.chunks_exact(size).zip(out.chunks_exact_mut(size)) {
+            for r in 0..rows {
+                for c in 0..cols {
+                    dst[c * rows + r] = src[r * cols + c];
+                }
+            }
+        }
+        let mut swapped = shape;
+        swapped.swap(n - 2, n - 1);
+        Ok((swapped, out))
+    }
+
+    /// The parameter shape of the MXFP4 weight `base` ([`read_mxfp4_param`](Self::read_mxfp4_param)'s)
+    /// from the headers alone: the blocks `[..., out, G, 16]` give `[..., G·32, out]`.
+    /// Errors: a missing pair, and [`BridgeError::Mxfp4`] for blocks of rank < 3 or whose
+    /// last dim is not 16.
+    pub fn mxfp4_param_shape(&self, base: &str) -> Result<Vec<usize>, BridgeError> {
+        let blocks_name = format!("{base}{BLOCKS_SUFFIX}");
+        let info = self.info(&blocks_name)?;
+        match info.shape.as_slice() {
+            [lead @ .., out, groups, bytes] if *bytes == BLOCK / 2 => {
+                Ok([lead, &[groups * BLOCK, *out][..]].concat())
+            }
+            shape => Err(error(
+                &blocks_name,
+                format!(
+                    "blocks of shape {shape:?} are not [..., out, G, {}]",
+                    BLOCK / 2
+                ),
+            )),
+        }
+    }
+
     /// Whether `base` is stored as an MXFP4 pair (`<base>_blocks` and `<base>_scales`).
     pub fn is_mxfp4(&self, base: &str) -> bool {
         self.contains(&format!("{base}{BLOCKS_SUFFIX}"))

@@ -97,4 +97,31 @@ pub trait ModelSchema: Sized {
         let _ = (name, shape, values);
         Ok(None)
     }
+
+    /// The (checkpoint) shape of canonical tensor `name` that the HF release stores in shape
+    /// `stored` (the inverse of [`release_shape`](Self::release_shape)); `None` (the default)
+    /// when the release stores the canonical tensor. HF → distributed conversion uses it to
+    /// lay out the canonical tensors before reading any value. Errors name the tensor.
+    fn release_canonical_shape(
+        &self,
+        name: &str,
+        stored: &[usize],
+    ) -> Result<Option<Vec<usize>>, BridgeError> {
+        let _ = (name, stored);
+        Ok(None)
+    }
+
+    /// The canonical values of tensor `name` from the release's `values` (row-major f32) of
+    /// shape `stored`, in the shape [`release_canonical_shape`](Self::release_canonical_shape) gives
+    /// (the inverse of [`to_release`](Self::to_release), exact: pure data movement); `None`
+    /// (the default) when the release stores the canonical tensor.
+    fn release_to_canonical(
+        &self,
+        name: &str,
+        stored: &[usize],
+        values: &[f32],
+    ) -> Result<Option<Vec<f32>>, BridgeError> {
+        let _ = (name, stored, values);
+        Ok(None)
+    }
 }

@@ -15,6 +15,7 @@ use moe_backend::comm::{GroupComms, World};
 use moe_backend::parallel::ParallelLayout;
 use moe_models::distributed::{CausalLmShard, ParallelCausalLm, gather_full};
 use moe_models::export::{ExportHf, export_hf_tensors};
+use moe_models::families::gpt_oss::{GptOssConfig, GptOssForCausalLM};
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
     ExpertNames, ModelReceiver, SyncDest, SyncDtype, SyncOptions, SyncStats, SyncTarget,
@@ -47,6 +48,12 @@ trait Case: ParallelCausalLm + ExportHf + SyncTarget + Clone + Send + Sync {
 }
 
 impl Case for Qwen3MoeForCausalLM {
+    fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
+        gather_full(shard, pg)
+    }
+}
+
+impl Case for GptOssForCausalLM {
     fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
         gather_full(shard, pg)
     }
@@ -501,6 +508,16 @@ fn check_pipeline_model<M: Case + moe_models::checkpoint::PlacedModel>(
         (2, format!("pp=2,pp_layout=Et|t*3{mtp}L")),
         (8, "tp=2,pp=2,ep=2,etp=2".to_owned()),
     ];
+    check_layouts(full, config, what, &layouts);
+}
+
+/// [`check_pipeline_model`]'s checks under `layouts` (`(world, spec)`).
+fn check_layouts<M: Case + moe_models::checkpoint::PlacedModel>(
+    full: &M,
+    config: &serde_json::Value,
+    what: &str,
+    layouts: &[(usize, String)],
+) {
     let cases = [
         (SyncDtype::F32, ExpertNames::PerExpert, false),
         (SyncDtype::Bf16, ExpertNames::Fused, true),
@@ -509,7 +526,7 @@ fn check_pipeline_model<M: Case + moe_models::checkpoint::PlacedModel>(
         cases.iter().map(|&(d, e, b)| (options(d, e), b)).collect();
     let initial = tensors(full);
     let total_f32: u64 = full.hf_tensors().expect("export").total_bytes();
-    for (world, spec) in &layouts {
+    for (world, spec) in layouts {
         let layout = ParallelLayout::parse(*world, spec).expect("layout");
         let dir = std::env::temp_dir().join(format!(
             "moe-weight-sync-{what}-{}-{}",
@@ -608,4 +625,19 @@ fn deepseek_v3_with_mtp_syncs_from_pipeline_and_context_layouts() {
     assert_eq!(parsed.num_nextn_predict_layers, 1);
     let full = parsed.init(&Device::flex().autodiff()).unwrap();
     check_pipeline_model(&full, &config, "deepseek-v3", "m");
+}
+
+/// gpt-oss: the experts' release layout (`gate_up_proj [E, H, 2I]` interleaved, its bias
+/// interleaved, `down_proj [E, I, H]`) streamed under per-expert names, the canonical stacked
+/// tensors under fused ones, and the ETP-replicated `down_proj_bias` and the gated
+/// `gate_up_proj_bias` in both: equal to `moe export` of the same trained checkpoint.
+#[test]
+fn gpt_oss_syncs_its_release_layout_and_expert_biases() {
+    let config = four_layer_config("gpt_oss");
+    let full = GptOssConfig::from_json_str(&config.to_string())
+        .unwrap()
+        .init(&Device::flex().autodiff())
+        .unwrap();
+    let layouts = [(2, "ep=2".to_owned()), (4, "tp=2,ep=2,etp=2".to_owned())];
+    check_layouts(&full, &config, "gpt-oss", &layouts);
 }

@@ -63,11 +63,25 @@ struct Piece {
     region: TensorBox,
 }
 
+/// A canonical tensor the release stores whole under another layout or as an MXFP4 pair: read
+/// whole (decoded), converted by [`ModelSchema::release_to_canonical`], written as one box.
+#[derive(Debug, Clone)]
+struct ReleaseSource {
+    /// The HF tensor (the MXFP4 pair's base name).
+    hf: String,
+    /// Its shape as the release stores it (an MXFP4 pair: the decoded parameter's).
+    stored: Vec<usize>,
+    /// Stored as an MXFP4 pair (`<hf>_blocks`, `<hf>_scales`).
+    mxfp4: bool,
+}
+
 /// A canonical tensor and the HF tensors it is made of.
 #[derive(Debug, Clone)]
 struct CanonSource {
     meta: TensorMeta,
     pieces: Vec<Piece>,
+    /// Read whole and converted rather than copied piece by piece.
+    release: Option<ReleaseSource>,
 }
 
 /// Options of [`convert_hf_to_dist_opts`].
@@ -102,9 +116,87 @@ fn hooked_dtype(ckpt: &HfCheckpoint, name: &str, stored: Dtype, keep_fp8: bool) 
     }
 }
 
-/// Resolves canonical tensor `canon` to its HF pieces, global shape and dtype.
-fn plan_source(
+/// The release source of canonical tensor `canon` resolved to the single whole HF tensor `hf`,
+/// when the release stores it in another layout ([`ModelSchema::release_canonical_shape`]) or as
+/// an MXFP4 pair; `None` when the HF tensor is the canonical one. Decoded MXFP4 values are
+/// BF16-exact (an E2M1 code times a power of two) and stored as BF16; a release-layout tensor
+/// keeps its float dtype (an FP8 one is dequantised to BF16).
+fn plan_release<C: ModelSchema>(
     ckpt: &HfCheckpoint,
+    schema: &C,
+    canon: &str,
+    hf: &str,
+) -> Result<Option<CanonSource>, BridgeError> {
+    let mxfp4 = !ckpt.contains(hf) && ckpt.is_mxfp4(hf);
+    let (stored, dtype) = if mxfp4 {
+        (ckpt.mxfp4_param_shape(hf)?, Dtype::BF16)
+    } else {
+        let info = ckpt.info(hf)?;
+        (
+            info.shape.clone(),
+            hooked_dtype(ckpt, hf, info.dtype, false),
+        )
+    };
+    let canonical = schema.release_canonical_shape(hf, &stored)?;
+    if canonical.is_none() && !mxfp4 {
+        return Ok(None);
+    }
+    let shape = canonical.unwrap_or_else(|| stored.clone());
+    let meta = TensorMeta {
+        fqn: canon.to_owned(),
+        kind: TensorKind::Param,
+        dtype,
+        global_shape: shape.clone(),
+        hf: vec![hf.to_owned()],
+    };
+    let pieces = vec![Piece {
+        hf: hf.to_owned(),
+        region: TensorBox::full(&shape),
+    }];
+    let release = Some(ReleaseSource {
+        hf: hf.to_owned(),
+        stored,
+        mxfp4,
+    });
+    Ok(Some(CanonSource {
+        meta,
+        pieces,
+        release,
+    }))
+}
+
+/// Reads release source `r` of canonical tensor `meta` and returns the canonical tensor's
+/// bytes in its stored dtype.
+fn read_release<C: ModelSchema>(
+    ckpt: &HfCheckpoint,
+    schema: &C,
+    meta: &TensorMeta,
+    r: &ReleaseSource,
+) -> Result<Vec<u8>, BridgeError> {
+    let (shape, values) = if r.mxfp4 {
+        ckpt.read_mxfp4_param(&r.hf)?
+    } else {
+        ckpt.read_f32(&r.hf)?
+    };
+    if shape != r.stored {
+        return Err(BridgeError::Conversion {
+            path: ckpt.dir().to_path_buf(),
+            tensor: r.hf.clone(),
+            dtype: meta.dtype.to_string(),
+            reason: format!("read shape {shape:?}, planned {:?}", r.stored),
+        });
+    }
+    let values = schema
+        .release_to_canonical(&r.hf, &shape, &values)?
+        .unwrap_or(values);
+    let t = OwnedTensor::from_f32(meta.fqn.clone(), meta.global_shape.clone(), &values)?;
+    Ok(t.cast(meta.dtype)?.bytes)
+}
+
+/// Resolves canonical tensor `canon` to its HF pieces, global shape and dtype.
+fn plan_source<C: ModelSchema>(
+    ckpt: &HfCheckpoint,
+    schema: &C,
     registry: &Registry,
     canon: &str,
     num_experts: Option<usize>,
@@ -126,6 +218,13 @@ fn plan_source(
     let Some(first) = resolved.pieces.first() else {
         return Err(mismatch(canon, "no HF tensors map to it".to_owned()));
     };
+    if let [only] = resolved.pieces.as_slice()
+        && only.expert.is_none()
+        && resolved.split_parts.is_none()
+        && let Some(source) = plan_release(ckpt, schema, canon, &only.hf)?
+    {
+        return Ok(source);
+    }
     let info = ckpt.info(&first.hf)?;
     let dtype = hooked_dtype(ckpt, &first.hf, info.dtype, keep_fp8);
     let piece_shape = info.shape.clone();
@@ -155,7 +254,11 @@ fn plan_source(
             hf: first.hf.clone(),
             region: TensorBox::full(&shape),
         }];
-        return Ok(CanonSource { meta, pieces });
+        return Ok(CanonSource {
+            meta,
+            pieces,
+            release: None,
+        });
     }
     let multi = resolved.pieces.iter().any(|p| p.part.is_some());
     let parts = resolved
@@ -208,7 +311,11 @@ fn plan_source(
         global_shape: global,
         hf,
     };
-    Ok(CanonSource { meta, pieces })
+    Ok(CanonSource {
+        meta,
+        pieces,
+        release: None,
+    })
 }
 
 /// The companion `<canon>_scale_inv` of a canonical tensor kept in FP8: one HF scale per HF
@@ -290,7 +397,11 @@ fn plan_scale(
         global_shape: global,
         hf: source.meta.hf.iter().map(|h| scale_inv_name(h)).collect(),
     };
-    Ok(Some(CanonSource { meta, pieces }))
+    Ok(Some(CanonSource {
+        meta,
+        pieces,
+        release: None,
+    }))
 }
 
 /// Reads HF tensors with positioned reads (no mapping stays resident), keeping files open.
@@ -403,12 +514,28 @@ pub fn convert_hf_to_dist_report<C: ModelSchema>(
     let registry = C::registry_of(&config, &config_path)?;
     let expert_layout = report.expert_layout.unwrap_or(ExpertLayout::PerExpert);
     let used = ckpt.tensor_names().filter(|n| !report.unused.contains(*n));
-    let canon = canonical_tensors(&registry, used);
+    let mut canon = canonical_tensors(&registry, used);
+    // MXFP4 pairs (their `_blocks` / `_scales` names ignored by the rules) feed the canonical
+    // tensor their base name maps to.
+    let packed: Vec<&str> = (ckpt.tensor_names())
+        .filter_map(|n| n.strip_suffix(crate::mxfp4::BLOCKS_SUFFIX))
+        .filter(|base| !ckpt.contains(base) && ckpt.is_mxfp4(base))
+        .collect();
+    for base in packed {
+        if let Some(crate::mapping::ResolvedHf {
+            target: crate::mapping::HfTarget::Direct { canon: name, .. },
+            ..
+        }) = registry.hf_to_canon(base)
+        {
+            canon.entry(name).or_insert(None);
+        }
+    }
     let mut sources = canon
         .iter()
         .map(|(name, experts)| {
             plan_source(
                 &ckpt,
+                &report.config,
                 &registry,
                 name,
                 *experts,
@@ -474,6 +601,20 @@ pub fn convert_hf_to_dist_report<C: ModelSchema>(
     };
     let mut bytes_done = 0u64;
     for (i, source) in sources.iter().enumerate() {
+        if let Some(release) = &source.release {
+            let bytes = read_release(&ckpt, &report.config, &source.meta, release)?;
+            let region = TensorBox::full(&source.meta.global_shape);
+            writer.write_region(&source.meta.fqn, &region, &bytes)?;
+            bytes_done += bytes.len() as u64;
+            progress(&ConvertProgress {
+                tensor: source.meta.fqn.clone(),
+                done: i + 1,
+                total: sources.len(),
+                bytes: bytes_done,
+                total_bytes,
+            });
+            continue;
+        }
         for piece in &source.pieces {
             let bytes = reader.read(&piece.hf)?;
             writer.write_region(&source.meta.fqn, &piece.region, &bytes)?;

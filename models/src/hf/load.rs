@@ -46,32 +46,47 @@ pub use any_lm::{AnyCausalLm, ModelVisitor, ModelVisitorMut};
 /// expert layout, the expected tensors, unused tensors and warnings.
 pub type CheckReport = moe_bridge::hf::CheckReport<ModelConfig>;
 
+/// The plan of the family `checkpoint`'s `config.json` names, when that plan stores tensors in
+/// a release layout ([`crate::param_plan::ReleaseLayout`]); `None` without a config, with an
+/// unreadable one or one of an unknown family (the weights are then read as stored).
+fn release_plan(checkpoint: &HfCheckpoint) -> Option<crate::param_plan::ParallelPlan> {
+    let config = checkpoint.config_json_opt().ok()??;
+    let model_type = config.get("model_type")?.as_str()?.to_owned();
+    (crate::families::plans().into_iter())
+        .find(|p| p.family() == model_type && p.has_release_layouts())
+}
+
+/// `checkpoint` as a [`CheckpointSource`] of f32 weights under its family's release plan.
+fn as_source(checkpoint: &HfCheckpoint) -> CheckpointSource<'_> {
+    CheckpointSource {
+        checkpoint,
+        precision: WeightPrecision::F32,
+        first_error: RefCell::new(None),
+        plan: release_plan(checkpoint),
+    }
+}
+
 impl WeightSource for HfCheckpoint {
     /// [`HfCheckpoint::read_f32`]: FP8 weights dequantised per
     /// docs/checkpoints.md §FP8 release format (to BF16, then widened), every other float dtype
-    /// widened to f32. A tensor absent from the checkpoint is [`ModelError::MissingTensor`]; any
-    /// read failure is [`ModelError::TensorRead`] whose reason is the bridge error (naming the
-    /// file).
+    /// widened to f32, MXFP4 pairs decoded (`moe_bridge::mxfp4`), and a tensor the plan of the
+    /// config's family stores in a release layout converted to the canonical one, as
+    /// [`load_causal_lm`] reads it. A tensor absent from the checkpoint is
+    /// [`ModelError::MissingTensor`]; any read failure is [`ModelError::TensorRead`] whose
+    /// reason is the bridge error (naming the file).
     fn tensor_f32(&self, hf_name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
-        if !HfCheckpoint::contains(self, hf_name) {
-            return Err(ModelError::MissingTensor {
-                name: hf_name.to_owned(),
-            });
-        }
-        self.read_f32(hf_name).map_err(|e| ModelError::TensorRead {
-            name: hf_name.to_owned(),
-            reason: e.to_string(),
-        })
+        as_source(self).tensor_f32(hf_name)
     }
 
     fn contains(&self, hf_name: &str) -> bool {
-        HfCheckpoint::contains(self, hf_name)
+        HfCheckpoint::contains(self, hf_name) || self.is_mxfp4(hf_name)
     }
 
     /// [`HfCheckpoint::read_box_f32`]: only the box is read (positioned reads; an FP8 weight's
-    /// box with the scales of the blocks it touches). The stored shape must be `global`
-    /// ([`ModelError::TensorShape`] otherwise); read failures are [`ModelError::TensorRead`]
-    /// whose reason is the bridge error (naming the file).
+    /// box with the scales of the blocks it touches; a release-layout tensor the box's experts
+    /// whole, converted). The canonical shape must be `global` ([`ModelError::TensorShape`]
+    /// otherwise); read failures are [`ModelError::TensorRead`] whose reason is the bridge
+    /// error (naming the file).
     fn tensor_box_f32(
         &self,
         hf_name: &str,
@@ -79,22 +94,7 @@ impl WeightSource for HfCheckpoint {
         offsets: &[usize],
         shape: &[usize],
     ) -> Result<Vec<f32>, ModelError> {
-        check_box(hf_name, global, offsets, shape)?;
-        let stored = self.info(hf_name).map_err(|_| ModelError::MissingTensor {
-            name: hf_name.to_owned(),
-        })?;
-        if stored.shape != global {
-            return Err(ModelError::TensorShape {
-                name: hf_name.to_owned(),
-                expected: global.to_vec(),
-                found: stored.shape.clone(),
-            });
-        }
-        self.read_box_f32(hf_name, offsets, shape)
-            .map_err(|e| ModelError::TensorRead {
-                name: hf_name.to_owned(),
-                reason: e.to_string(),
-            })
+        as_source(self).tensor_box_f32(hf_name, global, offsets, shape)
     }
 }
 
@@ -143,32 +143,7 @@ impl CheckpointSource<'_> {
     /// orientation: the stored `[..., out, in]` matrix with its last two dims swapped, as
     /// transformers' `convert_moe_packed_tensors` hands it to the model.
     fn mxfp4(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
-        let (shape, values) =
-            (self.checkpoint.read_mxfp4(name)).map_err(|e| self.read_error(name, e))?;
-        let n = shape.len();
-        if n < 2 {
-            return Err(ModelError::TensorRead {
-                name: name.to_owned(),
-                reason: format!("an MXFP4 weight of shape {shape:?} is not a matrix"),
-            });
-        }
-        let (rows, cols) = (shape[n - 2], shape[n - 1]);
-        let mut out = vec![0.0f32; values.len()];
-        for (m, (src, dst)) in values
-            .chunks_exact((rows * cols).max(1))
-            .zip(out.chunks_exact_mut((rows * cols).max(1)))
-            .enumerate()
-        {
-            let _ = m;
-            for r in 0..rows {
-                for c in 0..cols {
-                    dst[c * rows + r] = src[r * cols + c];
-                }
-            }
-        }
-        let mut swapped = shape.clone();
-        swapped.swap(n - 2, n - 1);
-        Ok((swapped, out))
+        (self.checkpoint.read_mxfp4_param(name)).map_err(|e| self.read_error(name, e))
     }
 
     /// The box of the tensor `name` as the checkpoint stores it (shape `global`), an MXFP4

@@ -90,6 +90,37 @@ impl ModelSchema for ModelConfig {
             None => Ok(None),
         }
     }
+
+    /// The canonical shape of the plan's [`ReleaseLayout`] of `name` stored as `stored`, the
+    /// gate/up layouts' `[E, 2F, …]` as the checkpoint's gated `[E, 2, F, …]`.
+    fn release_canonical_shape(
+        &self,
+        name: &str,
+        stored: &[usize],
+    ) -> Result<Option<Vec<usize>>, BridgeError> {
+        match self.release_layout(name) {
+            Some(layout) => (layout.canonical_shape(name, stored))
+                .map(|shape| Some(split_gate_up(layout, &shape)))
+                .map_err(|e| conversion(name, e)),
+            None => Ok(None),
+        }
+    }
+
+    /// The canonical values of the plan's [`ReleaseLayout`] of `name` (the gated
+    /// `[E, 2, F, …]` holds the same element order as `[E, 2F, …]`).
+    fn release_to_canonical(
+        &self,
+        name: &str,
+        stored: &[usize],
+        values: &[f32],
+    ) -> Result<Option<Vec<f32>>, BridgeError> {
+        match self.release_layout(name) {
+            Some(layout) => (layout.to_canonical(name, stored, values))
+                .map(Some)
+                .map_err(|e| conversion(name, e)),
+            None => Ok(None),
+        }
+    }
 }
 
 impl ModelConfig {
@@ -113,6 +144,21 @@ fn merged_gate_up(layout: ReleaseLayout, shape: &[usize]) -> Vec<usize> {
     );
     match shape {
         [e, 2, f, rest @ ..] if gated && rest.len() <= 1 => [&[*e, 2 * f][..], rest].concat(),
+        _ => shape.to_vec(),
+    }
+}
+
+/// The canonical `[E, 2F, …]` of a gate/up layout as the checkpoint's gated `[E, 2, F, …]`
+/// (the inverse of [`merged_gate_up`]); other shapes unchanged.
+fn split_gate_up(layout: ReleaseLayout, shape: &[usize]) -> Vec<usize> {
+    let gated = matches!(
+        layout,
+        ReleaseLayout::InterleavedGateUp | ReleaseLayout::InterleavedGateUpBias
+    );
+    match shape {
+        [e, f2, rest @ ..] if gated && f2.is_multiple_of(2) && rest.len() <= 1 => {
+            [&[*e, 2, f2 / 2][..], rest].concat()
+        }
         _ => shape.to_vec(),
     }
 }

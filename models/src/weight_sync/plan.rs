@@ -26,6 +26,7 @@ use super::{ExpertNames, SyncOptions, WeightSyncError};
 use crate::distributed::ShardRule;
 use crate::export::{HfTensorSpec, keeps_f32};
 use crate::families::shard_rule;
+use crate::param_plan::ReleaseLayout;
 use crate::param_plan::hf_names::{self, ExpertProjections};
 
 /// Which part of a layer's local expert tensors a synced tensor is.
@@ -41,6 +42,14 @@ pub(super) enum ExpertPart {
     Up(usize),
     /// Expert `e`'s `down_proj [H, Im]`.
     Down(usize),
+    /// The fused gate/up bias `[E, 2·Im]` (rows `[gate; up]`, each split over ETP).
+    FusedGateUpBias,
+    /// A stacked `[E, …]` tensor replicated over ETP (e.g. an `fc2` bias): ETP rank 0 of each
+    /// EP rank sends its local experts.
+    EtpReplicated,
+    /// A stacked expert tensor in its family's release layout (the receiver's HF export):
+    /// each holder converts its local experts to the layout before sending.
+    Release(ReleaseLayout),
 }
 
 /// How a synced tensor is split over the ranks of the stage holding it.
@@ -88,6 +97,9 @@ pub(super) struct Piece {
     pub shape: Vec<usize>,
     /// Its box in the synced tensor.
     pub bx: PieceBox,
+    /// The release layout the holder converts its cut (of the local entry's shape) to before
+    /// sending ([`ReleaseLayout::to_stored`]); `shape` is then the converted shape.
+    pub release: Option<ReleaseLayout>,
 }
 
 /// The synced tensors (name, dtype, full shape) and where each comes from.
@@ -105,6 +117,7 @@ pub(super) fn plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
+    release: bool,
 ) -> Result<Plan, WeightSyncError> {
     // (order key, name, dtype, shape, source)
     type Keyed = ((u8, usize, usize, usize), String, DType, Vec<usize>, Source);
@@ -112,9 +125,10 @@ pub(super) fn plan(
     let mut seen: HashMap<String, (DType, Vec<usize>)> = HashMap::new();
     for (stage, specs) in stages.iter().enumerate() {
         let keys = order_keys(specs);
-        for (at, (name, dtype, shape, split, entry)) in stage_plan(specs, tp, ep, etp, options)?
-            .into_iter()
-            .enumerate()
+        for (at, (name, dtype, shape, split, entry)) in
+            stage_plan(specs, tp, ep, etp, options, release)?
+                .into_iter()
+                .enumerate()
         {
             if let Some((d, s)) = seen.get(&name) {
                 // A copy another stage holds too (the last stage's embedding): the first
@@ -200,7 +214,52 @@ fn expert_projections(experts: &str) -> ExpertProjections {
         .map_or(ExpertProjections::LLAMA, |(_, projs)| *projs)
 }
 
-/// One stage's synced tensors from its local fused export (full shapes: TP splits times `tp`,
+/// The release layout of stacked expert tensor `name` in its family's plan, when the release
+/// does not store the canonical tensor (what the HF export with per-expert names writes).
+pub(super) fn release_layout(name: &str) -> Option<ReleaseLayout> {
+    static PLANS: OnceLock<Vec<crate::param_plan::ParallelPlan>> = OnceLock::new();
+    let plans = PLANS.get_or_init(|| {
+        (crate::families::plans().into_iter())
+            .filter(|p| p.has_release_layouts())
+            .collect()
+    });
+    plans.iter().find_map(|p| p.release_layout(name))
+}
+
+/// The full canonical shape of a stacked expert tensor from its local entry `local` (local
+/// experts times `ep`, the ETP-split dim `etp_dim` of the local entry times `etp`).
+fn expert_full_shape(local: &[usize], ep: usize, etp: usize, etp_dim: Option<usize>) -> Vec<usize> {
+    let mut shape = local.to_vec();
+    if let Some(first) = shape.first_mut() {
+        *first *= ep;
+    }
+    if let Some(d) = etp_dim.and_then(|d| shape.get_mut(d)) {
+        *d *= etp;
+    }
+    shape
+}
+
+/// The dim of a local fused expert entry that ETP splits under `layout` (`None`: none):
+/// the gate/up rows (dim 1) of `[L, 2·Im, H]` and `[L, 2·Im]`, the FFN columns (dim 2) of
+/// `down_proj [L, H, Im]`.
+fn release_etp_dim(layout: ReleaseLayout, rule: ShardRule) -> Option<usize> {
+    match (layout, rule) {
+        (_, ShardRule::ExpertReplicated) => None,
+        (ReleaseLayout::InterleavedGateUp | ReleaseLayout::InterleavedGateUpBias, _) => Some(1),
+        (_, ShardRule::Expert { .. }) => Some(2),
+        _ => None,
+    }
+}
+
+/// Whether a model whose local per-expert HF export lists `names` streams experts in its
+/// family's release layout: it names a stacked expert tensor that a plan's release layout
+/// covers (families without one list per-expert tensors there instead).
+pub(super) fn streams_release<'a>(names: impl IntoIterator<Item = &'a str>) -> bool {
+    names.into_iter().any(|n| release_layout(n).is_some())
+}
+
+/// One stage's synced tensors from its local fused export (`release`: the family streams its
+/// release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
 /// local experts times `ep`, expert FFN widths times `etp`).
 fn stage_plan(
     local: &[HfTensorSpec],
@@ -208,6 +267,7 @@ fn stage_plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
+    release: bool,
 ) -> Result<StagePlan, WeightSyncError> {
     let mut out = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, split: Split, entry: usize| {
@@ -240,13 +300,43 @@ fn stage_plan(
                 *extent *= tp;
                 push(spec.name.clone(), shape, Split::Tp { dim }, k);
             }
+            rule @ (ShardRule::ExpertReplicated | ShardRule::Expert { .. })
+                if release
+                    && options.experts == ExpertNames::PerExpert
+                    && let Some(layout) = release_layout(&spec.name) =>
+            {
+                // The release's stacked layout (the receiver's HF export): one tensor.
+                let etp_dim = release_etp_dim(layout, rule);
+                let canonical = expert_full_shape(&spec.shape, ep, etp, etp_dim);
+                let shape = (layout.stored_shape(&spec.name, &canonical))
+                    .map_err(|e| bad(&spec.name, e.to_string()))?;
+                let part = match rule {
+                    ShardRule::ExpertReplicated if layout == ReleaseLayout::Stacked => {
+                        ExpertPart::EtpReplicated
+                    }
+                    _ => ExpertPart::Release(layout),
+                };
+                push(spec.name.clone(), shape, Split::Experts { part }, k);
+            }
             ShardRule::ExpertReplicated => {
-                return Err(bad(
-                    &spec.name,
-                    "per-expert tensors replicated over etp are not streamed by the weight \
-                     sync yet"
-                        .to_owned(),
-                ));
+                let shape = expert_full_shape(&spec.shape, ep, etp, None);
+                let part = ExpertPart::EtpReplicated;
+                push(spec.name.clone(), shape, Split::Experts { part }, k);
+            }
+            ShardRule::Expert { etp_dim: 2 } if spec.shape.len() == 2 => {
+                // A gated bias `[L, 2·Im]` (checkpoint `[E, 2, Im]`), stacked as HF's fused
+                // names hold it (per-expert names of a family without a release layout for
+                // it have no HF tensor to stream it as).
+                if options.experts == ExpertNames::PerExpert {
+                    return Err(bad(
+                        &spec.name,
+                        "a gated expert bias has no per-expert HF name in this family's plan"
+                            .to_owned(),
+                    ));
+                }
+                let shape = expert_full_shape(&spec.shape, ep, etp, Some(1));
+                let part = ExpertPart::FusedGateUpBias;
+                push(spec.name.clone(), shape, Split::Experts { part }, k);
             }
             ShardRule::Expert { etp_dim } => {
                 let prefix = match hf_names::split_stacked(&spec.name) {
@@ -334,6 +424,7 @@ pub(super) fn piece(
         narrow: Vec::new(),
         shape: local.to_vec(),
         bx: PieceBox::whole(local),
+        release: None,
     };
     let bad = || WeightSyncError::Layout {
         name: t.name.clone(),
@@ -354,6 +445,79 @@ pub(super) fn piece(
                     offsets,
                     shape: local.to_vec(),
                 },
+                release: None,
+            }
+        }
+        Split::Experts {
+            part:
+                part
+                @ (ExpertPart::FusedGateUpBias | ExpertPart::EtpReplicated | ExpertPart::Release(_)),
+        } => {
+            let (ep_rank, etp_rank) = (coords.a, coords.b);
+            let l = *local.first().ok_or_else(bad)?;
+            let mut offsets = vec![0; local.len()];
+            offsets[0] = ep_rank * l;
+            let (full, shape, release) = match part {
+                ExpertPart::FusedGateUpBias => {
+                    // `[E, 2·Im]` viewed as `[E, 2, Im]`: this rank's `Iml` rows of each half.
+                    let &[_, two_iml] = local else {
+                        return Err(bad());
+                    };
+                    let (e, im, iml) = (t.shape[0], t.shape[1] / 2, two_iml / 2);
+                    return Ok(Some(Piece {
+                        narrow: Vec::new(),
+                        shape: local.to_vec(),
+                        bx: PieceBox {
+                            full: vec![e, 2, im],
+                            offsets: vec![ep_rank * l, 0, etp_rank * iml],
+                            shape: vec![l, 2, iml],
+                        },
+                        release: None,
+                    }));
+                }
+                ExpertPart::EtpReplicated => {
+                    if etp_rank != 0 {
+                        return Ok(None);
+                    }
+                    (t.shape.clone(), local.to_vec(), None)
+                }
+                ExpertPart::Release(layout) => {
+                    let stored = (layout.stored_shape(&t.name, local)).map_err(|e| {
+                        WeightSyncError::Layout {
+                            name: t.name.clone(),
+                            reason: e.to_string(),
+                        }
+                    })?;
+                    // Interleaving is per FFN row, so an ETP rank's rows stay one contiguous
+                    // range of the stored last dim (gate/up) or of dim 1 (`down_proj`).
+                    match layout {
+                        ReleaseLayout::InterleavedGateUp | ReleaseLayout::InterleavedGateUpBias => {
+                            let last = stored.len() - 1;
+                            offsets[last] = etp_rank * stored[last];
+                        }
+                        ReleaseLayout::InputMajorExperts => offsets[1] = etp_rank * stored[1],
+                        ReleaseLayout::Stacked => {
+                            // Any dim the full tensor has more of than the holder is ETP's.
+                            for d in 1..local.len() {
+                                if t.shape.get(d).is_some_and(|&f| f > local[d]) {
+                                    offsets[d] = etp_rank * local[d];
+                                }
+                            }
+                        }
+                    }
+                    (t.shape.clone(), stored, Some(layout))
+                }
+                _ => return Err(bad()),
+            };
+            Piece {
+                narrow: Vec::new(),
+                shape: shape.clone(),
+                bx: PieceBox {
+                    full,
+                    offsets,
+                    shape,
+                },
+                release,
             }
         }
         Split::Experts { part } => {
@@ -374,6 +538,7 @@ pub(super) fn piece(
                             offsets: vec![ep_rank * l, 0, etp_rank * iml, 0],
                             shape: vec![l, 2, iml, h],
                         },
+                        release: None,
                     }
                 }
                 ExpertPart::FusedDown => Piece {
@@ -384,6 +549,7 @@ pub(super) fn piece(
                         offsets: vec![ep_rank * l, 0, etp_rank * d2],
                         shape: local.to_vec(),
                     },
+                    release: None,
                 },
                 ExpertPart::Gate(x) | ExpertPart::Up(x) => {
                     if x / l != ep_rank {
@@ -403,8 +569,12 @@ pub(super) fn piece(
                             offsets: vec![etp_rank * iml, 0],
                             shape: vec![iml, h],
                         },
+                        release: None,
                     }
                 }
+                ExpertPart::FusedGateUpBias
+                | ExpertPart::EtpReplicated
+                | ExpertPart::Release(_) => return Err(bad()),
                 ExpertPart::Down(x) => {
                     if x / l != ep_rank {
                         return Ok(None);
@@ -418,6 +588,7 @@ pub(super) fn piece(
                             offsets: vec![0, etp_rank * iml],
                             shape: vec![h, iml],
                         },
+                        release: None,
                     }
                 }
             }
@@ -514,7 +685,7 @@ mod tests {
             dtype: super::super::SyncDtype::F32,
             ..SyncOptions::default()
         };
-        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options).unwrap();
+        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, false).unwrap();
         let mut want: Vec<(String, Vec<usize>, usize, usize)> =
             vec![("model.embed_tokens.weight".into(), vec![16, 4], 0, 0)];
         // Layer l's entries: rank l % 2, local layer l / 2 after the embedding.
@@ -558,7 +729,7 @@ mod tests {
     fn a_copy_of_another_shape_is_refused_naming_it() {
         let mut stages = stages();
         stages[1][0].shape = vec![9, 4];
-        let err = plan(&stages, 1, 1, 1, &SyncOptions::default()).unwrap_err();
+        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), false).unwrap_err();
         assert!(
             matches!(&err, WeightSyncError::Layout { name, .. } if name == "model.embed_tokens.weight"),
             "{err}"

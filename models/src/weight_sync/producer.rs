@@ -1,6 +1,7 @@
 //! The collective producer: every rank walks the same plan, the ranks holding a tensor's pieces
 //! send them to global rank 0, which packs them into buckets.
 
+use crate::param_plan::ReleaseLayout;
 use std::panic::Location;
 use std::time::Instant;
 
@@ -145,7 +146,12 @@ impl WeightSync {
         let table = GroupTable::new(layout)?;
         let specs: Vec<HfTensorSpec> = local.iter().map(|(s, _)| s.clone()).collect();
         let stages = stage_specs(groups, &table, specs)?;
-        let (tensors, sources) = plan(&stages, layout.tp, layout.ep, layout.etp, &options)?;
+        let per_expert = shard.hf_tensors_as(ExpertNames::PerExpert)?;
+        let release =
+            super::plan::streams_release(per_expert.specs().iter().map(|s| s.name.as_str()));
+        drop(per_expert);
+        let (tensors, sources) =
+            plan(&stages, layout.tp, layout.ep, layout.etp, &options, release)?;
         let manifest = SyncManifest::pack(
             tensors,
             options.bucket_bytes,
@@ -402,7 +408,7 @@ impl WeightSync {
                         });
                     }
                 };
-                match piece.narrow.split_first() {
+                let cut = match piece.narrow.split_first() {
                     None => lazy.fetch(),
                     Some((&(dim, start, len), rest)) => {
                         let mut cut = lazy.narrow(dim, start, len);
@@ -411,6 +417,10 @@ impl WeightSync {
                         }
                         cut.fetch()
                     }
+                };
+                match piece.release {
+                    Some(layout) => to_release(&t.name, layout, cut)?,
+                    None => cut,
                 }
             } else {
                 // Senders cast their pieces to the sync dtype (below).
@@ -565,4 +575,43 @@ fn stage_specs(
             })
         })
         .collect()
+}
+
+/// `data` (a holder's local experts, canonical) in release layout `layout`: the same elements
+/// permuted (exact: pure data movement, any dtype).
+fn to_release(
+    name: &str,
+    layout: ReleaseLayout,
+    data: TensorData,
+) -> Result<TensorData, WeightSyncError> {
+    let bad = |reason: String| WeightSyncError::Layout {
+        name: name.to_owned(),
+        reason,
+    };
+    let shape: Vec<usize> = data.shape().to_vec();
+    let dtype = data.dtype();
+    let stored = (layout.stored_shape(name, &shape)).map_err(|e| bad(e.to_string()))?;
+    let bytes = data.as_bytes();
+    let out = match dtype.size() {
+        1 => permute::<1>(name, layout, &shape, bytes),
+        2 => permute::<2>(name, layout, &shape, bytes),
+        4 => permute::<4>(name, layout, &shape, bytes),
+        8 => permute::<8>(name, layout, &shape, bytes),
+        n => return Err(bad(format!("{n}-byte elements"))),
+    }
+    .map_err(|e| bad(e.to_string()))?;
+    Ok(TensorData::from_bytes_vec(out, stored, dtype))
+}
+
+/// [`ReleaseLayout::to_stored`] on `N`-byte elements.
+fn permute<const N: usize>(
+    name: &str,
+    layout: ReleaseLayout,
+    shape: &[usize],
+    bytes: &[u8],
+) -> Result<Vec<u8>, crate::ModelError> {
+    let elems: Vec<[u8; N]> = (bytes.chunks_exact(N))
+        .map(|c| <[u8; N]>::try_from(c).unwrap_or([0; N]))
+        .collect();
+    Ok(layout.to_stored(name, shape, &elems)?.concat())
 }

@@ -64,6 +64,8 @@ pub struct ModelReceiver<'m, M: SyncTarget> {
     /// per-expert-only.
     expected: Option<Expected>,
     store: Store,
+    /// The expert names of the sync under way (from its manifest).
+    experts: Option<ExpertNames>,
 }
 
 impl<M: SyncTarget> std::fmt::Debug for ModelReceiver<'_, M> {
@@ -77,6 +79,9 @@ impl<M: SyncTarget> std::fmt::Debug for ModelReceiver<'_, M> {
 
 struct Expected {
     shapes: HashMap<String, Vec<usize>>,
+    /// Shapes under per-expert names where they differ from the fused ones (tensors the
+    /// family's release stores in another layout).
+    per_expert_shapes: HashMap<String, Vec<usize>>,
     per_expert: Vec<String>,
     fused: Vec<String>,
     fused_only: HashSet<String>,
@@ -94,6 +99,12 @@ impl Expected {
             .filter(|s| !per_set.contains(&s.name))
             .map(|s| s.name.clone())
             .collect();
+        let fused_shapes: HashMap<&String, &Vec<usize>> =
+            fused.specs().iter().map(|s| (&s.name, &s.shape)).collect();
+        let per_expert_shapes = (per.specs().iter())
+            .filter(|s| fused_shapes.get(&s.name).is_some_and(|f| **f != s.shape))
+            .map(|s| (s.name.clone(), s.shape.clone()))
+            .collect();
         let shapes = per
             .specs()
             .iter()
@@ -102,6 +113,7 @@ impl Expected {
             .collect();
         Ok(Self {
             shapes,
+            per_expert_shapes,
             per_expert: per_names,
             fused: fused.specs().iter().map(|s| s.name.clone()).collect(),
             fused_only,
@@ -130,9 +142,10 @@ impl WeightSource for Store {
             .ok_or_else(|| ModelError::MissingTensor {
                 name: hf_name.to_owned(),
             })?;
-        let values = t.values.take().ok_or_else(|| ModelError::TensorRead {
+        // A model may read a tensor more than once (gpt-oss's gated expert bias): a copy.
+        let values = t.values.clone().ok_or_else(|| ModelError::TensorRead {
             name: hf_name.to_owned(),
-            reason: "already loaded once in this sync".to_owned(),
+            reason: "no values received".to_owned(),
         })?;
         Ok((t.shape.clone(), values))
     }
@@ -150,6 +163,7 @@ impl<'m, M: SyncTarget> ModelReceiver<'m, M> {
             device: device.clone(),
             expected: None,
             store: Store::default(),
+            experts: None,
         }
     }
 
@@ -164,10 +178,11 @@ impl<'m, M: SyncTarget> ModelReceiver<'m, M> {
 
     /// Checks one tensor's name, shape and dtype against the model.
     fn check(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<(), WeightSyncError> {
+        let per_expert = self.experts == Some(ExpertNames::PerExpert);
         let expected = self.expected()?;
-        let want = expected
-            .shapes
-            .get(name)
+        let want = (expected.per_expert_shapes.get(name))
+            .filter(|_| per_expert)
+            .or_else(|| expected.shapes.get(name))
             .ok_or_else(|| WeightSyncError::UnknownTensor {
                 name: name.to_owned(),
             })?;
@@ -193,6 +208,7 @@ impl<M: SyncTarget> WeightReceiver for ModelReceiver<'_, M> {
     /// unfinished sync.
     fn begin(&mut self, manifest: &SyncManifest) -> Result<(), WeightSyncError> {
         self.store.tensors.borrow_mut().clear();
+        self.experts = Some(manifest.experts);
         for t in manifest.tensors() {
             self.check(&t.name, &t.shape, t.dtype)?;
         }
@@ -209,11 +225,25 @@ impl<M: SyncTarget> WeightReceiver for ModelReceiver<'_, M> {
                     name: t.name.clone(),
                 });
             }
+            let mut shape = t.shape.clone();
+            let mut values = decode_f32(&t.name, bytes, t.dtype)?;
+            // Stacked under per-expert names too (not fused-only): the release layout.
+            let stacked = (self.expected.as_ref())
+                .is_some_and(|e| !e.fused_only.contains(&t.name) && e.per_expert.contains(&t.name));
+            if self.experts == Some(ExpertNames::PerExpert)
+                && stacked
+                && let Some(layout) = super::plan::release_layout(&t.name)
+            {
+                // The family's release layout (its HF export), back to the canonical tensor
+                // the model loads.
+                values = layout.to_canonical(&t.name, &shape, &values)?;
+                shape = layout.canonical_shape(&t.name, &shape)?;
+            }
             tensors.insert(
                 t.name.clone(),
                 Received {
-                    shape: t.shape.clone(),
-                    values: Some(decode_f32(&t.name, bytes, t.dtype)?),
+                    shape,
+                    values: Some(values),
                 },
             );
         }
