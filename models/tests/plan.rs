@@ -844,17 +844,17 @@ fn every_family_rank_params_match_the_loaded_shard() {
     use moe_models::families::{Family, FamilyVisitor, visit_family};
     use moe_models::hf::load_shard_checked;
 
-    struct Check(&'static str);
+    struct Check(&'static str, (usize, &'static str));
     impl FamilyVisitor for Check {
         type Output = ();
         fn visit<F: Family>(self) {
-            let name = self.0;
+            let (name, pp) = (self.0, self.1);
             let dir = format!("{}/../tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
             let text = std::fs::read_to_string(format!("{dir}/config.json")).unwrap();
             let config =
                 <F::Config as moe_models::families::FamilyConfig>::from_json_str(&text).unwrap();
             let ckpt = moe_bridge::hf::HfCheckpoint::open(&dir).unwrap();
-            for (world, spec) in [(2, "ep=2"), (4, "tp=2,ep=2,etp=2"), (2, "pp=2")] {
+            for (world, spec) in [(2, "ep=2"), (4, "tp=2,ep=2,etp=2"), pp] {
                 let layout = ParallelLayout::parse(world, spec).unwrap();
                 let (ckpt, layout_ref) = (&ckpt, &layout);
                 let held = World::run(world, |ctx| {
@@ -880,11 +880,12 @@ fn every_family_rank_params_match_the_loaded_shard() {
             }
         }
     }
-    for (model_type, fixture) in [
-        ("mixtral", "mixtral"),
-        ("glm4_moe", "glm4_moe"),
-        ("gpt_oss", "gpt_oss"),
+    // Pipeline stages over the fixtures' layers (GLM-4.5's 3 layers and MTP layer over 3).
+    for (model_type, pp) in [
+        ("mixtral", (2, "pp=2")),
+        ("glm4_moe", (3, "pp=3")),
+        ("gpt_oss", (2, "pp=2")),
     ] {
-        visit_family(model_type, Check(fixture)).expect("a listed family");
+        visit_family(model_type, Check(model_type, pp)).expect("a listed family");
     }
 }
