@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
-CASES = ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_fp8", "glm4_moe", "mixtral"]
+CASES = ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_fp8", "glm4_moe", "mixtral", "gpt_oss"]
 
 
 def moe_binary() -> Path:
