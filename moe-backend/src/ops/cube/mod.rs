@@ -20,6 +20,7 @@
 //! feature must stay off (the selector names `CubeBackend`, not `Fusion<CubeBackend>`).
 
 mod gemm;
+mod gemm_cmma;
 mod launch;
 mod routing;
 mod rows;
@@ -29,6 +30,10 @@ use burn::backend::ops::IntTensorOps;
 use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::TensorData;
 use burn_cubecl::CubeBackend;
+
+pub use gemm::{
+    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+};
 
 use super::MoeOps;
 use super::kernels::sort_chunks_row_index;
