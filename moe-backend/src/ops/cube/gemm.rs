@@ -661,8 +661,8 @@ impl Body {
         if let Some(why) = fallback {
             WARNED.call_once(|| {
                 eprintln!(
-                    "warning: {GEMM_KERNEL_ENV}=cmma on {} with {dtype:?}: {why}; running the \
-                     {} kernel",
+                    "warning: grouped-GEMM kernel cmma requested on {} with {dtype:?}: {why}; \
+                     running the {} kernel",
                     client.name(),
                     body.kernel()
                 )
