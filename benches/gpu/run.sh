@@ -40,8 +40,9 @@
 #                        gpu_device_collectives_world_of_one, carried as moe-backend-nccl-tests)
 #   train_step           one Qwen3-MoE training step at world size 1 (moe-gpu-train-step, the
 #                        cube_train_step bench:
-#                        tokens/s, MFU against the BF16 peak; the bench trains f32 (it has no
-#                        BF16 option yet; --train-args passes one once it has))
+#                        tokens/s, MFU against the BF16 peak; BF16 mixed precision, --bf16,
+#                        with the grouped GEMM's automatic kernel choice (tensor cores where
+#                        the device has them); --train-args replaces the default "--bf16")
 #
 # Carried (built by benches/gpu/build-cuda.sh on the CPU machine, gitignored):
 #   .bench/gpu-bins.tar.xz  moe, moe-gpu-gemm-check, moe-gpu-train-step
@@ -60,7 +61,7 @@ out="${OUT:-$root/out}"
 budget=330
 gemm_dtype=bf16
 gemm_kernels=cmma,tiled
-train_args=""
+train_args="--bf16"
 only=""
 keep=0
 while [ $# -gt 0 ]; do
