@@ -650,6 +650,9 @@ enum Body {
     Direct,
     /// [`CubeGemmKernel::Cmma`] with planes of this many lanes.
     Cmma(u32),
+    /// The tensor-core kernels with [`gemm_cmma::Emulated`] fragment products (tests).
+    #[cfg(test)]
+    Emulated(u32),
 }
 
 impl Body {
@@ -677,6 +680,8 @@ impl Body {
             Self::Tiled => CubeGemmKernel::Tiled,
             Self::Direct => CubeGemmKernel::Direct,
             Self::Cmma(_) => CubeGemmKernel::Cmma,
+            #[cfg(test)]
+            Self::Emulated(_) => CubeGemmKernel::Cmma,
         }
     }
 }
@@ -798,7 +803,7 @@ fn grouped_matmul_with(
             transpose_weights,
             dtype,
         ),
-        Body::Cmma(plane) => gemm_cmma::grouped_gemm_cmma_kernel::launch(
+        Body::Cmma(plane) => gemm_cmma::grouped_gemm_cmma_kernel::launch::<gemm_cmma::Cmma>(
             &x.client,
             count,
             CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
@@ -814,6 +819,25 @@ fn grouped_matmul_with(
             plane,
             dtype,
         ),
+        #[cfg(test)]
+        Body::Emulated(plane) => {
+            gemm_cmma::grouped_gemm_cmma_kernel::launch::<gemm_cmma::Emulated>(
+                &x.client,
+                count,
+                CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
+                x_arg,
+                w_arg,
+                off_arg,
+                tiles_arg,
+                out_arg,
+                k_arg,
+                m_arg,
+                g_arg,
+                transpose_weights,
+                plane,
+                dtype,
+            )
+        }
     }
     out
 }
@@ -884,7 +908,7 @@ fn grouped_matmul_wgrad_with(
             q_arg,
             dtype,
         ),
-        Body::Cmma(plane) => gemm_cmma::grouped_wgrad_cmma_kernel::launch(
+        Body::Cmma(plane) => gemm_cmma::grouped_wgrad_cmma_kernel::launch::<gemm_cmma::Cmma>(
             &lhs.client,
             CubeCount::Static(
                 tiles(q, gemm_cmma::CMMA_TILE_N, op),
@@ -901,6 +925,26 @@ fn grouped_matmul_wgrad_with(
             plane,
             dtype,
         ),
+        #[cfg(test)]
+        Body::Emulated(plane) => {
+            gemm_cmma::grouped_wgrad_cmma_kernel::launch::<gemm_cmma::Emulated>(
+                &lhs.client,
+                CubeCount::Static(
+                    tiles(q, gemm_cmma::CMMA_TILE_N, op),
+                    tiles(p, gemm_cmma::CMMA_TILE_M, op),
+                    groups,
+                ),
+                CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
+                lhs_arg,
+                rhs_arg,
+                off_arg,
+                out_arg,
+                p_arg,
+                q_arg,
+                plane,
+                dtype,
+            )
+        }
     }
     out
 }
@@ -1091,6 +1135,134 @@ mod tests {
                     .collect()
             };
             assert_eq!(scalar, want, "{what}: the scalar body");
+        }
+    }
+
+    /// `CubeTensor` of a Burn tensor on a Cube device.
+    #[cfg(feature = "vulkan")]
+    fn cube_of<const D: usize, K: burn::tensor::kind::Basic>(
+        t: burn::tensor::Tensor<D, K>,
+    ) -> CubeTensor {
+        use burn::backend::{BackendTensor, DispatchTensorKind};
+        match t.into_dispatch().kind {
+            DispatchTensorKind::Cube(BackendTensor::Float(t) | BackendTensor::Int(t)) => t,
+            _ => panic!("not a Cube tensor"),
+        }
+    }
+
+    #[cfg(feature = "vulkan")]
+    fn read_f32(t: CubeTensor) -> Vec<f32> {
+        let t = launch::cast_float(t, burn::tensor::DType::F32);
+        let bytes = t.client.read_one(t.handle.clone()).expect("read back");
+        bytemuck_f32(&bytes)
+    }
+
+    /// The tensor-core kernels' own index math — operand staging and its zero padding, the
+    /// fragment offsets and layouts of every plane, the accumulators' way out through shared
+    /// memory and the edge masks — run with [`gemm_cmma::Emulated`] fragment products on
+    /// llvmpipe (OpenGL, WGSL: shared memory works there), at ragged shapes that cross every
+    /// tile edge (groups of 0, 2, 70 and 129 rows; `K = 70`: two full `K` slices and a partial
+    /// one; 130 columns: a full and a partial column tile; wgrad `P = 70`, `Q = 130`), against
+    /// f64 references. Planes of 256 lanes (one accumulator element per lane): llvmpipe's
+    /// shader compiler (LLVM's coroutine splitting at the barriers) takes minutes on the
+    /// per-lane loops of 32-lane planes; the kernels' indexing is the same for every plane
+    /// size, and the staging loops still run 2 and 4 rounds.
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn cmma_kernels_with_emulated_fragments_equal_the_reference() {
+        use burn::tensor::wgpu::WgpuBackend;
+        use burn::tensor::{Device, Int, Tensor, TensorData};
+        let device = Device::wgpu_options()
+            .graphics_api(WgpuBackend::Gl)
+            .init()
+            .expect("OpenGL wgpu device (on Debian: libegl1, libegl-mesa0, libgl1-mesa-dri)");
+        let sizes = [70usize, 0, 129, 2, 0];
+        let (g, n) = (sizes.len(), sizes.iter().sum::<usize>());
+        let (k, m) = (70usize, 130usize);
+        let mut state = 7u64;
+        let mut rand = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let (xv, wv, rv) = (rand(n * k), rand(g * k * m), rand(n * m));
+        let sizes_t = || {
+            let v: Vec<i32> = sizes.iter().map(|&s| s as i32).collect();
+            cube_of(Tensor::<1, Int>::from_data(
+                TensorData::new(v, [g]),
+                &device,
+            ))
+        };
+        let f32s = |v: &[f32], shape: Vec<usize>| TensorData::new(v.to_vec(), shape);
+        let group_of = |r: usize| {
+            let mut end = 0;
+            sizes.iter().position(|&s| {
+                end += s;
+                r < end
+            })
+        };
+        // y[r][c] = Σ_k x[r][k] · W_g[k][c] with W as [G, K, M].
+        let want_y: Vec<f64> = (0..n * m)
+            .map(|e| {
+                let (r, c) = (e / m, e % m);
+                let gi = group_of(r).expect("row in a group");
+                (0..k)
+                    .map(|kk| xv[r * k + kk] as f64 * wv[(gi * k + kk) * m + c] as f64)
+                    .sum()
+            })
+            .collect();
+        // dW[g][p][q] = Σ_{r ∈ g} x[r][p] · rhs[r][q] (P = K, Q = M).
+        let want_dw: Vec<f64> = (0..g * k * m)
+            .map(|e| {
+                let (gi, p, q) = (e / (k * m), (e / m) % k, e % m);
+                (0..n)
+                    .filter(|&r| group_of(r) == Some(gi))
+                    .map(|r| xv[r * k + p] as f64 * rv[r * m + q] as f64)
+                    .sum()
+            })
+            .collect();
+        let close = |got: &[f32], want: &[f64], what: &str| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0) * 10.0,
+                    "{what}: element {i}: {a} vs {b}"
+                );
+            }
+        };
+        for plane in [256u32] {
+            for transpose in [false, true] {
+                let w = Tensor::<3>::from_data(f32s(&wv, vec![g, k, m]), &device);
+                // `transpose`: the same W held as [G, M, K].
+                let w = if transpose { w.swap_dims(1, 2) } else { w };
+                let x = Tensor::<2>::from_data(f32s(&xv, vec![n, k]), &device);
+                let y = grouped_matmul_with(
+                    cube_of(x),
+                    cube_of(w),
+                    sizes_t(),
+                    transpose,
+                    Some(Body::Emulated(plane)),
+                );
+                close(
+                    &read_f32(y),
+                    &want_y,
+                    &format!("fprop plane {plane} transpose {transpose}"),
+                );
+            }
+            let x = Tensor::<2>::from_data(f32s(&xv, vec![n, k]), &device);
+            let r = Tensor::<2>::from_data(f32s(&rv, vec![n, m]), &device);
+            let dw = grouped_matmul_wgrad_with(
+                cube_of(x),
+                cube_of(r),
+                sizes_t(),
+                Some(Body::Emulated(plane)),
+            );
+            close(&read_f32(dw), &want_dw, &format!("wgrad plane {plane}"));
         }
     }
 }

@@ -17,6 +17,11 @@
 //! fragments accumulate along `K` in order; results match the scalar bodies to f32 rounding, not
 //! bit for bit.
 //!
+//! The fragment operations sit behind [`TileMma`]: [`Cmma`] runs them on the tensor cores,
+//! [`Emulated`] in scalar code with the same contract, so the kernels' own index math runs (and
+//! is tested) on a CPU driver without cooperative matrices; only the `cmma` instructions
+//! themselves need a GPU (the GPU script's `grouped_gemm_rust` case).
+//!
 //! Shared-memory layouts (element `(row, col)` of a fragment at `base + row·stride + col` for
 //! row-major, `base + col·stride + row` for column-major; every fragment base is a multiple of
 //! 16 elements, 32 bytes, as WMMA requires):
@@ -47,105 +52,275 @@ pub(crate) fn plane_dim_fits(plane_dim: u32) -> bool {
     plane_dim.is_power_of_two() && (4..=256).contains(&plane_dim)
 }
 
-/// A `16 × 16 × 16` f32 accumulator fragment set to zero.
+/// The `16 × 16 × 16` fragment products of the kernels below: [`Cmma`] on tensor cores, and
+/// [`Emulated`], the same contract in scalar code, which tests every index of the kernels
+/// (staging, fragment offsets, layouts, the store) on devices without cooperative matrices.
 #[cube]
-fn zero_acc() -> Matrix<f32> {
-    Matrix::<f32>::from_value(
-        MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        MatrixLayout::Undefined,
-        0.0f32,
-    )
+pub(crate) trait TileMma<E: Float>: Send + Sync + 'static {
+    /// An operand fragment.
+    type Frag: CubeType;
+    /// An f32 accumulator fragment (`16 × 16`).
+    type Acc: CubeType;
+
+    /// An accumulator set to zero.
+    fn zero(#[comptime] plane_dim: u32) -> Self::Acc;
+
+    /// The `A` (`ident`: false) or `B` (true) fragment whose element `(0, 0)` is `s[base]`,
+    /// element `(r, c)` at `base + r·stride + c` (row-major) or `base + c·stride + r`.
+    fn load(
+        s: &Shared<[E]>,
+        base: usize,
+        #[comptime] stride: usize,
+        #[comptime] row_major: bool,
+        #[comptime] b: bool,
+    ) -> Self::Frag;
+
+    /// `acc += a · b` (`a_s`, `b_s` and the layouts are those the fragments were loaded with).
+    #[allow(clippy::too_many_arguments)]
+    fn mma(
+        a_s: &Shared<[E]>,
+        a: &Self::Frag,
+        #[comptime] a_stride: usize,
+        #[comptime] a_row_major: bool,
+        b_s: &Shared<[E]>,
+        b: &Self::Frag,
+        #[comptime] b_stride: usize,
+        #[comptime] b_row_major: bool,
+        acc: &mut Self::Acc,
+        #[comptime] plane_dim: u32,
+    );
+
+    /// Writes `acc` row-major (stride 16) to `c_s[at..at + 256]`.
+    fn store(acc: &Self::Acc, c_s: &mut Shared<[f32]>, at: usize, #[comptime] plane_dim: u32);
+
+    /// Orders the plane's accesses to its scratch: what [`TileMma::store`] wrote is visible to
+    /// every lane of the plane, and the lanes' reads finish before the next store.
+    fn fence();
 }
 
-/// Loads the `A` fragment whose first element is `s[base]` (`layout`, `stride`).
-#[cube]
-fn load_a<E: Float>(
-    s: &Shared<[E]>,
-    base: usize,
-    #[comptime] stride: usize,
-    #[comptime] layout: MatrixLayout,
-) -> Matrix<E> {
-    let end = base + comptime!(15 * stride + 16);
-    Matrix::<E>::from_slice(
-        MatrixIdent::A,
-        16usize,
-        16usize,
-        16usize,
-        layout,
-        s.slice(base, end),
-        comptime!(stride as u32),
-    )
+/// Tensor cores through CubeCL's cooperative matrices.
+pub(crate) struct Cmma;
+
+/// Scalar stand-in for [`Cmma`]: a fragment is its base offset in shared memory, an
+/// accumulator the `256 / plane_dim` elements `lane + l · plane_dim` (row-major `16 × 16`)
+/// this lane owns.
+pub(crate) struct Emulated;
+
+/// The cooperative-matrix layout of a row-major (`true`) or column-major operand.
+fn layout_of(row_major: bool) -> MatrixLayout {
+    if row_major {
+        MatrixLayout::RowMajor
+    } else {
+        MatrixLayout::ColMajor
+    }
 }
 
-/// Loads the `B` fragment whose first element is `s[base]` (`layout`, `stride`).
 #[cube]
-fn load_b<E: Float>(
-    s: &Shared<[E]>,
-    base: usize,
-    #[comptime] stride: usize,
-    #[comptime] layout: MatrixLayout,
-) -> Matrix<E> {
-    let end = base + comptime!(15 * stride + 16);
-    Matrix::<E>::from_slice(
-        MatrixIdent::B,
-        16usize,
-        16usize,
-        16usize,
-        layout,
-        s.slice(base, end),
-        comptime!(stride as u32),
-    )
+impl<E: Float> TileMma<E> for Cmma {
+    type Frag = Matrix<E>;
+    type Acc = Matrix<f32>;
+
+    fn zero(#[comptime] _plane_dim: u32) -> Matrix<f32> {
+        Matrix::<f32>::from_value(
+            MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            MatrixLayout::Undefined,
+            0.0f32,
+        )
+    }
+
+    fn load(
+        s: &Shared<[E]>,
+        base: usize,
+        #[comptime] stride: usize,
+        #[comptime] row_major: bool,
+        #[comptime] b: bool,
+    ) -> Matrix<E> {
+        let end = base + comptime!(15 * stride + 16);
+        let ident = comptime!(if b { MatrixIdent::B } else { MatrixIdent::A });
+        Matrix::<E>::from_slice(
+            ident,
+            16usize,
+            16usize,
+            16usize,
+            comptime!(layout_of(row_major)),
+            s.slice(base, end),
+            comptime!(stride as u32),
+        )
+    }
+
+    fn mma(
+        _a_s: &Shared<[E]>,
+        a: &Matrix<E>,
+        #[comptime] _a_stride: usize,
+        #[comptime] _a_row_major: bool,
+        _b_s: &Shared<[E]>,
+        b: &Matrix<E>,
+        #[comptime] _b_stride: usize,
+        #[comptime] _b_row_major: bool,
+        acc: &mut Matrix<f32>,
+        #[comptime] _plane_dim: u32,
+    ) {
+        cmma::execute(a, b, &*acc, &*acc);
+    }
+
+    fn store(acc: &Matrix<f32>, c_s: &mut Shared<[f32]>, at: usize, #[comptime] _plane_dim: u32) {
+        cmma::store(
+            c_s.slice_mut(at, at + 256usize),
+            acc,
+            16u32,
+            MatrixLayout::RowMajor,
+        );
+    }
+
+    fn fence() {
+        // The fragment's elements are spread over the plane's lanes in the device's own way.
+        sync_plane();
+    }
 }
 
-/// `acc += a · b`.
 #[cube]
-fn mma<E: Float>(a: &Matrix<E>, b: &Matrix<E>, acc: &mut Matrix<f32>) {
-    cmma::execute(a, b, &*acc, &*acc);
+impl<E: Float> TileMma<E> for Emulated {
+    type Frag = usize;
+    type Acc = Array<f32>;
+
+    fn zero(#[comptime] plane_dim: u32) -> Array<f32> {
+        let mut acc = Array::<f32>::new(comptime!(256 / plane_dim as usize));
+        for l in 0..comptime!(256 / plane_dim as usize) {
+            acc[l] = 0.0f32;
+        }
+        acc
+    }
+
+    fn load(
+        _s: &Shared<[E]>,
+        base: usize,
+        #[comptime] _stride: usize,
+        #[comptime] _row_major: bool,
+        #[comptime] _b: bool,
+    ) -> usize {
+        base
+    }
+
+    fn mma(
+        a_s: &Shared<[E]>,
+        a: &usize,
+        #[comptime] a_stride: usize,
+        #[comptime] a_row_major: bool,
+        b_s: &Shared<[E]>,
+        b: &usize,
+        #[comptime] b_stride: usize,
+        #[comptime] b_row_major: bool,
+        acc: &mut Array<f32>,
+        #[comptime] plane_dim: u32,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        for l in 0..comptime!(256 / plane_dim as usize) {
+            let e = lane + l * comptime!(plane_dim as usize);
+            let (i, j) = (e / 16usize, e % 16usize);
+            let mut sum = 0.0f32;
+            #[unroll]
+            for kk in 0..16usize {
+                let av = if comptime![a_row_major] {
+                    a_s[*a + i * a_stride + kk]
+                } else {
+                    a_s[*a + kk * a_stride + i]
+                };
+                let bv = if comptime![b_row_major] {
+                    b_s[*b + kk * b_stride + j]
+                } else {
+                    b_s[*b + j * b_stride + kk]
+                };
+                sum += f32::cast_from(av) * f32::cast_from(bv);
+            }
+            acc[l] += sum;
+        }
+    }
+
+    fn store(acc: &Array<f32>, c_s: &mut Shared<[f32]>, at: usize, #[comptime] plane_dim: u32) {
+        let lane = UNIT_POS_X as usize;
+        for l in 0..comptime!(256 / plane_dim as usize) {
+            c_s[at + lane + l * comptime!(plane_dim as usize)] = acc[l];
+        }
+    }
+
+    fn fence() {
+        // Every lane reads back exactly the elements it wrote.
+    }
 }
 
 /// The products of one `K = 32` slice for one plane: `A` fragments at `a_base + mi·a_row`
 /// (mi < 2), `B` fragments at `b_base + nj·b_col` (nj < 4), for both 16-wide `K` steps
-/// (`a_k`, `b_k` apart); accumulators row-major `acc[mi][nj]`.
+/// (`a_k`, `b_k` apart); accumulators row-major `acc[mi·4 + nj]`.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn mma_slice<E: Float>(
+fn mma_slice<E: Float, T: TileMma<E>>(
     a_s: &Shared<[E]>,
     b_s: &Shared<[E]>,
     a_base: usize,
     b_base: usize,
     #[comptime] a_stride: usize,
-    #[comptime] a_layout: MatrixLayout,
+    #[comptime] a_row_major: bool,
     #[comptime] a_row: usize,
     #[comptime] a_k: usize,
     #[comptime] b_stride: usize,
-    #[comptime] b_layout: MatrixLayout,
+    #[comptime] b_row_major: bool,
     #[comptime] b_col: usize,
     #[comptime] b_k: usize,
-    acc: &mut Sequence<Matrix<f32>>,
+    acc: &mut Sequence<T::Acc>,
+    #[comptime] plane_dim: u32,
 ) {
     #[unroll]
     for ks in 0..2usize {
-        let a0 = load_a::<E>(a_s, a_base + ks * a_k, a_stride, a_layout);
-        let a1 = load_a::<E>(a_s, a_base + a_row + ks * a_k, a_stride, a_layout);
+        let a0 = T::load(a_s, a_base + ks * a_k, a_stride, a_row_major, false);
+        let a1 = T::load(a_s, a_base + a_row + ks * a_k, a_stride, a_row_major, false);
         #[unroll]
         for nj in 0..4usize {
-            let b = load_b::<E>(b_s, b_base + nj * b_col + ks * b_k, b_stride, b_layout);
-            mma::<E>(&a0, &b, acc.index_mut(nj));
-            mma::<E>(&a1, &b, acc.index_mut(4usize + nj));
+            let b = T::load(
+                b_s,
+                b_base + nj * b_col + ks * b_k,
+                b_stride,
+                b_row_major,
+                true,
+            );
+            T::mma(
+                a_s,
+                &a0,
+                a_stride,
+                a_row_major,
+                b_s,
+                &b,
+                b_stride,
+                b_row_major,
+                acc.index_mut(nj),
+                plane_dim,
+            );
+            T::mma(
+                a_s,
+                &a1,
+                a_stride,
+                a_row_major,
+                b_s,
+                &b,
+                b_stride,
+                b_row_major,
+                acc.index_mut(4usize + nj),
+                plane_dim,
+            );
         }
     }
 }
 
 /// Stores accumulator `acc` (rows `r0..r0 + 16` of the output, columns `c0..c0 + 16`) through
-/// this plane's scratch `c_s[scratch..scratch + 256]`: lanes write the elements with row below
+/// this plane's scratch `c_s[scratch..scratch + 256]` (ordered by [`TileMma::fence`], the
+/// scratch being the plane's own): lanes write the elements with row below
 /// `row_end` and column below `cols` to `out[row_base + r · row_stride + c]`.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn store_acc<E: Float>(
-    acc: &Matrix<f32>,
+fn store_acc<E: Float, T: TileMma<E>>(
+    acc: &T::Acc,
     c_s: &mut Shared<[f32]>,
     out: &mut Tensor<E>,
     scratch: usize,
@@ -157,15 +332,9 @@ fn store_acc<E: Float>(
     row_stride: usize,
     #[comptime] plane_dim: u32,
 ) {
-    cmma::store(
-        c_s.slice_mut(scratch, scratch + 256usize),
-        acc,
-        16u32,
-        MatrixLayout::RowMajor,
-    );
-    sync_cube();
+    T::store(acc, c_s, scratch, plane_dim);
+    T::fence();
     let lane = UNIT_POS_X as usize;
-    #[unroll]
     for l in 0..comptime!(256 / plane_dim as usize) {
         let e = lane + l * comptime!(plane_dim as usize);
         let r = r0 + e / 16usize;
@@ -174,14 +343,14 @@ fn store_acc<E: Float>(
             out[row_base + r * row_stride + c] = E::cast_from(c_s[scratch + e]);
         }
     }
-    sync_cube();
+    T::fence();
 }
 
 /// Tensor-core grouped GEMM: `out[seg_g] = x[seg_g] · W_g(ᵀ)` for `x [N, K]`; `w [G, M, K]`
 /// when `transpose_w`, else `[G, K, M]`; `out [N, M]`. Grid `(ceil(M / 128), row-tile bound)`,
 /// cube `(plane_dim, 4)`; offsets as in [`super::gemm`] (row tiles of 64).
 #[cube(launch)]
-pub(crate) fn grouped_gemm_cmma_kernel<E: Float>(
+pub(crate) fn grouped_gemm_cmma_kernel<E: Float, T: TileMma<E>>(
     x: &Tensor<E>,
     w: &Tensor<E>,
     offsets: &Tensor<u32>,
@@ -216,10 +385,10 @@ pub(crate) fn grouped_gemm_cmma_kernel<E: Float>(
     let mut a_s = Shared::<[E]>::new_aligned_slice(2048usize, 128usize);
     let mut b_s = Shared::<[E]>::new_aligned_slice(4096usize, 128usize);
     let mut c_s = Shared::<[f32]>::new_aligned_slice(1024usize, 128usize);
-    let mut acc = Sequence::<Matrix<f32>>::new();
+    let mut acc = Sequence::<T::Acc>::new();
     #[unroll]
     for _i in 0..8usize {
-        acc.push(zero_acc());
+        acc.push(T::zero(plane_dim));
     }
 
     let mut k0 = 0usize;
@@ -260,36 +429,38 @@ pub(crate) fn grouped_gemm_cmma_kernel<E: Float>(
         }
         sync_cube();
         if comptime![transpose_w] {
-            mma_slice::<E>(
+            mma_slice::<E, T>(
                 &a_s,
                 &b_s,
                 pr * 1024usize,
                 pc * 2048usize,
                 32usize,
-                MatrixLayout::RowMajor,
+                true,
                 512usize,
                 16usize,
                 32usize,
-                MatrixLayout::ColMajor,
+                false,
                 512usize,
                 16usize,
                 &mut acc,
+                plane_dim,
             );
         } else {
-            mma_slice::<E>(
+            mma_slice::<E, T>(
                 &a_s,
                 &b_s,
                 pr * 1024usize,
                 pc * 64usize,
                 32usize,
-                MatrixLayout::RowMajor,
+                true,
                 512usize,
                 16usize,
                 128usize,
-                MatrixLayout::RowMajor,
+                true,
                 16usize,
                 2048usize,
                 &mut acc,
+                plane_dim,
             );
         }
         sync_cube();
@@ -301,7 +472,7 @@ pub(crate) fn grouped_gemm_cmma_kernel<E: Float>(
     for f in 0..8usize {
         let mi = comptime!(f / 4);
         let nj = comptime!(f % 4);
-        store_acc::<E>(
+        store_acc::<E, T>(
             acc.index(f),
             &mut c_s,
             out,
@@ -321,7 +492,7 @@ pub(crate) fn grouped_gemm_cmma_kernel<E: Float>(
 /// `rhs [N, Q]`, `out [G, P, Q]` (zero for empty groups). Grid `(ceil(Q / 128), ceil(P / 64),
 /// G)`, cube `(plane_dim, 4)`; each cube loops over its group's rows 32 at a time.
 #[cube(launch)]
-pub(crate) fn grouped_wgrad_cmma_kernel<E: Float>(
+pub(crate) fn grouped_wgrad_cmma_kernel<E: Float, T: TileMma<E>>(
     lhs: &Tensor<E>,
     rhs: &Tensor<E>,
     offsets: &Tensor<u32>,
@@ -348,10 +519,10 @@ pub(crate) fn grouped_wgrad_cmma_kernel<E: Float>(
     let mut a_s = Shared::<[E]>::new_aligned_slice(2048usize, 128usize);
     let mut b_s = Shared::<[E]>::new_aligned_slice(4096usize, 128usize);
     let mut c_s = Shared::<[f32]>::new_aligned_slice(1024usize, 128usize);
-    let mut acc = Sequence::<Matrix<f32>>::new();
+    let mut acc = Sequence::<T::Acc>::new();
     #[unroll]
     for _i in 0..8usize {
-        acc.push(zero_acc());
+        acc.push(T::zero(plane_dim));
     }
 
     let mut r0 = row_start;
@@ -381,20 +552,21 @@ pub(crate) fn grouped_wgrad_cmma_kernel<E: Float>(
             b_s[e] = v;
         }
         sync_cube();
-        mma_slice::<E>(
+        mma_slice::<E, T>(
             &a_s,
             &b_s,
             pr * 32usize,
             pc * 64usize,
             64usize,
-            MatrixLayout::ColMajor,
+            false,
             16usize,
             1024usize,
             128usize,
-            MatrixLayout::RowMajor,
+            true,
             16usize,
             2048usize,
             &mut acc,
+            plane_dim,
         );
         sync_cube();
         r0 += 32usize;
@@ -405,7 +577,7 @@ pub(crate) fn grouped_wgrad_cmma_kernel<E: Float>(
     for f in 0..8usize {
         let mi = comptime!(f / 4);
         let nj = comptime!(f % 4);
-        store_acc::<E>(
+        store_acc::<E, T>(
             acc.index(f),
             &mut c_s,
             out,
