@@ -18,7 +18,7 @@
 //! bit for bit.
 //!
 //! The fragment operations sit behind [`TileMma`]: [`Cmma`] runs them on the tensor cores,
-//! [`Emulated`] in scalar code with the same contract, so the kernels' own index math runs (and
+//! `Emulated` in scalar code with the same contract, so the kernels' own index math runs (and
 //! is tested) on a CPU driver without cooperative matrices; only the `cmma` instructions
 //! themselves need a GPU (the GPU script's `grouped_gemm_rust` case).
 //!
@@ -53,7 +53,7 @@ pub(crate) fn plane_dim_fits(plane_dim: u32) -> bool {
 }
 
 /// The `16 × 16 × 16` fragment products of the kernels below: [`Cmma`] on tensor cores, and
-/// [`Emulated`], the same contract in scalar code, which tests every index of the kernels
+/// `Emulated`, the same contract in scalar code, which tests every index of the kernels
 /// (staging, fragment offsets, layouts, the store) on devices without cooperative matrices.
 #[cube]
 pub(crate) trait TileMma<E: Float>: Send + Sync + 'static {
@@ -103,7 +103,8 @@ pub(crate) struct Cmma;
 
 /// Scalar stand-in for [`Cmma`]: a fragment is its base offset in shared memory, an
 /// accumulator the `256 / plane_dim` elements `lane + l · plane_dim` (row-major `16 × 16`)
-/// this lane owns.
+/// this lane owns. Test-only: the tests run the kernels' index math with it on CPU drivers.
+#[cfg(test)]
 pub(crate) struct Emulated;
 
 /// The cooperative-matrix layout of a row-major (`true`) or column-major operand.
@@ -181,6 +182,7 @@ impl<E: Float> TileMma<E> for Cmma {
     }
 }
 
+#[cfg(test)]
 #[cube]
 impl<E: Float> TileMma<E> for Emulated {
     type Frag = usize;
