@@ -22,7 +22,10 @@
 #                        at DeepSeek-V3 and Qwen3-30B-A3B expert shapes against the device's
 #                        dense matmul per group, ragged and empty groups, NaN-poisoned pool,
 #                        then timed against a dense matmul of equal FLOPs (moe-gpu-gemm-check,
-#                        the grouped_gemm_check bench; --gemm-dtype, default bf16)
+#                        the grouped_gemm_check bench; --gemm-dtype, default bf16), once per
+#                        kernel candidate (--gemm-kernels, default cmma,tiled: the tensor-core
+#                        body and the scalar shared-memory one); the summary names the
+#                        choice, the fastest kernel that passed every case (MOE_CUBE_GEMM)
 #   torch_ceilings       the image's PyTorch: BF16 dense matmul, copy bandwidth,
 #                        torch._grouped_mm (same routing, same checks), NCCL at world size 1
 #                        (benches/gpu/torch_ceilings.py)
@@ -37,8 +40,9 @@
 #                        gpu_device_collectives_world_of_one, carried as moe-backend-nccl-tests)
 #   train_step           one Qwen3-MoE training step at world size 1 (moe-gpu-train-step, the
 #                        cube_train_step bench:
-#                        tokens/s, MFU against the BF16 peak; the bench trains f32 (it has no
-#                        BF16 option yet; --train-args passes one once it has))
+#                        tokens/s, MFU against the BF16 peak; BF16 mixed precision, --bf16,
+#                        with the grouped GEMM's automatic kernel choice (tensor cores where
+#                        the device has them); --train-args replaces the default "--bf16")
 #
 # Carried (built by benches/gpu/build-cuda.sh on the CPU machine, gitignored):
 #   .bench/gpu-bins.tar.xz  moe, moe-gpu-gemm-check, moe-gpu-train-step
@@ -46,7 +50,8 @@
 #
 # Options: --dry | --out DIR (default $OUT, else ./out) | --budget SECONDS (default 330, for all
 # cases after the preflight) | --gemm-dtype f32|bf16|f16 | --train-args "ARGS" |
-# --only NAME[,NAME...] | --keep (keep the unpacked binaries)
+# --only NAME[,NAME...] | --keep (keep the unpacked binaries) | --gemm-kernels LIST (default
+# cmma,tiled)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -55,7 +60,8 @@ dry=0
 out="${OUT:-$root/out}"
 budget=330
 gemm_dtype=bf16
-train_args=""
+gemm_kernels=cmma,tiled
+train_args="--bf16"
 only=""
 keep=0
 while [ $# -gt 0 ]; do
@@ -64,6 +70,7 @@ while [ $# -gt 0 ]; do
         --out) out="$2"; shift ;;
         --budget) budget="$2"; shift ;;
         --gemm-dtype) gemm_dtype="$2"; shift ;;
+        --gemm-kernels) gemm_kernels="$2"; shift ;;
         --train-args) train_args="$2"; shift ;;
         --only) only="$2"; shift ;;
         --keep) keep=1 ;;
@@ -337,9 +344,10 @@ fi
 # --- correctness, then speed: grouped GEMM (Rust) -----------------------------------------
 if ! skip_or grouped_gemm_rust; then
     json="$out/grouped_gemm_rust.json"
-    run_case grouped_gemm_rust 100 "" "$bin_dir/moe-gpu-gemm-check" --device cuda \
-        --dtype "$gemm_dtype" --shapes deepseek_v3,qwen3_30b_a3b --iters 5 --json "$json"
-    text="$(grep -cE ' pass ' "$out/grouped_gemm_rust.log") pass, $(grep -cE ' FAIL | ERROR ' "$out/grouped_gemm_rust.log") fail/error; $(grep -oE 'ratio [0-9.]+' "$out/grouped_gemm_rust.log" | tr '\n' ' ')"
+    run_case grouped_gemm_rust 140 "" "$bin_dir/moe-gpu-gemm-check" --device cuda \
+        --dtype "$gemm_dtype" --shapes deepseek_v3,qwen3_30b_a3b --kernels "$gemm_kernels" \
+        --iters 5 --json "$json"
+    text="$(grep -cE ' pass ' "$out/grouped_gemm_rust.log") pass, $(grep -cE ' FAIL | ERROR ' "$out/grouped_gemm_rust.log") fail/error; $(grep -oE '^choice: [^ ]+' "$out/grouped_gemm_rust.log"); $(grep -oE '\[[a-z]+\] .*ratio [0-9.]+' "$out/grouped_gemm_rust.log" | sed -E 's/\] .*ratio /]/' | tr '\n' ' ')"
     record grouped_gemm_rust "$(status_of "$rc")" "$secs" "$text" "$json"
 fi
 

@@ -3,7 +3,7 @@
 //! with `--device gl`, in a `vulkan` build), in tokens/s and
 //! MFU, with the device's dense matmul measured in the same run as the baseline.
 //!
-//! Model (random weights, f32 parameters and activations), default sized for one H200 within
+//! Model (random weights; f32 parameters and activations unless `--bf16`), default sized for one H200 within
 //! Vulkan's buffer limit (below): hidden 2048, 2 layers, every layer a sparse MoE block of 64
 //! experts, top-8 (`norm_topk_prob`), expert width 640; GQA attention 16 query / 4 KV heads
 //! of 128 with QK norm; vocabulary 32768, untied LM head: 0.659 B parameters, 0.218 B active
@@ -28,15 +28,21 @@
 //! the `k` routed experts' three matrices or a dense layer's MLP, the LM head; not the
 //! embedding lookup nor the norms) and `6 · L · nh · hd · S` is PaLM's `12 · L · H · Q · T`
 //! halved for causal attention. MFU = model FLOPs per step / step time / peak:
-//! `--peak-tflops` (default 989, the H200's dense BF16 tensor-core peak) and, since this
-//! model trains in f32, also against `--peak-f32-tflops` (default 67, the H200's FP32
-//! non-tensor-core peak); both are printed and written.
+//! `--peak-tflops` (default 989, the H200's dense BF16 tensor-core peak) and also against
+//! `--peak-f32-tflops` (default 67, the H200's FP32 non-tensor-core peak, the ceiling of an f32
+//! run); both are printed and written.
+//!
+//! Precision: f32 by default (what Mesa's drivers can run); `--bf16` trains with Megatron's
+//! BF16 mixed precision (`TrainerConfig::precision`: BF16 parameters, activations and
+//! gradients, f32 main weights, moments and gradient accumulation; the grouped GEMMs then run
+//! the tensor-core kernel where the device has it, `MOE_CUBE_GEMM` overrides) and measures the
+//! dense baselines in BF16.
 //!
 //! Run: `cargo bench -p moe-models --features vulkan --bench cube_train_step -- [--quick]
 //! [--device vulkan|gl|cuda] [--steps N] [--warmup N] [--json PATH] [--layers N] [--hidden N]
 //! [--experts N] [--top-k N] [--width N] [--heads N] [--kv-heads N] [--head-dim N]
 //! [--vocab N] [--seq N] [--batch N] [--micro N] [--recompute none|selective|full]
-//! [--peak-tflops X] [--peak-f32-tflops X]`. On lavapipe Burn's dense matmul crashes the
+//! [--peak-tflops X] [--peak-f32-tflops X] [--bf16]`. On lavapipe Burn's dense matmul crashes the
 //! driver (see `tests/cube_training.rs`): use `--device gl` (llvmpipe) on a CPU.
 //! Timing: `--warmup` steps (default 1), then `--steps` timed steps (default 3), each step's
 //! wall time (the step reads its loss and gradient norm back, which waits for the device);
@@ -46,8 +52,9 @@
 use std::sync::Mutex;
 use std::time::Instant;
 
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, Tensor};
 use moe_backend::comm::World;
+use moe_backend::optim::Precision;
 use moe_backend::parallel::ParallelLayout;
 use moe_models::Qwen3MoeConfig;
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
@@ -77,6 +84,9 @@ struct Options {
     recompute: String,
     peak_tflops: f64,
     peak_f32_tflops: f64,
+    /// `--bf16`: Megatron's BF16 mixed precision (`TrainerConfig::precision`), the dense
+    /// baselines in BF16 too; default f32 (`--fp32`).
+    bf16: bool,
 }
 
 impl Options {
@@ -106,6 +116,7 @@ impl Options {
             recompute: "selective".into(),
             peak_tflops: 989.0,
             peak_f32_tflops: 67.0,
+            bf16: false,
         }
     }
 
@@ -170,6 +181,8 @@ fn parse_args() -> Result<Options, String> {
             "--batch" => opts.batch = num("--batch")?,
             "--micro" => opts.micro = num("--micro")?,
             "--recompute" => opts.recompute = value()?,
+            "--bf16" => opts.bf16 = true,
+            "--fp32" => opts.bf16 = false,
             "--peak-tflops" | "--peak-f32-tflops" => {
                 let v: f64 = value()?
                     .parse()
@@ -254,10 +267,16 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The device's dense f32 matmul `[m, k] × [k, n]`: TFLOP/s, median of `iters` after a warm-up.
-fn dense_matmul(device: &Device, (m, k, n): (usize, usize, usize), iters: usize) -> Value {
-    let a = Tensor::<2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device);
-    let b = Tensor::<2>::random([k, n], Distribution::Uniform(-1.0, 1.0), device);
+/// The device's dense matmul `[m, k] × [k, n]` in `dtype`: TFLOP/s, median of `iters` after a
+/// warm-up.
+fn dense_matmul(
+    device: &Device,
+    (m, k, n): (usize, usize, usize),
+    iters: usize,
+    dtype: DType,
+) -> Value {
+    let a = Tensor::<2>::random([m, k], Distribution::Uniform(-1.0, 1.0), (device, dtype));
+    let b = Tensor::<2>::random([k, n], Distribution::Uniform(-1.0, 1.0), (device, dtype));
     let run = || {
         let _ = a.clone().matmul(b.clone()).slice([0..1, 0..1]).into_data();
     };
@@ -272,11 +291,17 @@ fn dense_matmul(device: &Device, (m, k, n): (usize, usize, usize), iters: usize)
             .collect(),
     );
     let tflops = 2.0 * (m * k * n) as f64 / s / 1e12;
+    let name = dtype_name(dtype);
     println!(
-        "dense matmul f32 [{m} x {k}] x [{k} x {n}]: {:.3} ms, {tflops:.3} TFLOP/s",
+        "dense matmul {name} [{m} x {k}] x [{k} x {n}]: {:.3} ms, {tflops:.3} TFLOP/s",
         s * 1e3
     );
-    json!({ "m": m, "k": k, "n": n, "dtype": "f32", "ms": s * 1e3, "tflops": tflops })
+    json!({ "m": m, "k": k, "n": n, "dtype": name, "ms": s * 1e3, "tflops": tflops })
+}
+
+/// `"bf16"` / `"f32"`.
+fn dtype_name(dtype: DType) -> &'static str {
+    if dtype == DType::BF16 { "bf16" } else { "f32" }
 }
 
 /// The device `name`, probed before Burn opens its runtime (`moe_backend::devices`): a machine
@@ -334,6 +359,10 @@ fn main() {
             std::process::exit(3);
         }
     };
+    if opts.bf16 && !device.supports_dtype(DType::BF16) {
+        eprintln!("cube_train_step: error: --bf16: {device:?} has no BF16 (use --fp32)");
+        std::process::exit(3);
+    }
     let config = config(&opts);
     let count = match moe_models::families::param_count::<moe_models::qwen3_moe::Qwen3Moe>(&config)
     {
@@ -346,12 +375,18 @@ fn main() {
     let matmul_active = matmul_active_params(&config);
     let tokens_per_step = opts.micro * opts.batch * opts.seq;
     let fpt = flops_per_token(&config, opts.seq);
+    let dtype = if opts.bf16 { DType::BF16 } else { DType::F32 };
     println!(
-        "cube_train_step: {} model, device {device:?}, f32; {} layers, hidden {}, {} experts \
+        "cube_train_step: {} model, device {device:?}, {}; {} layers, hidden {}, {} experts \
          top-{} width {}, heads {}/{}x{}, vocab {}; {:.1} M parameters, {:.1} M active \
          ({:.1} M matmul weights per token); {} micro-batch(es) of {} x {} tokens = \
          {tokens_per_step} tokens per step; recompute {}; {:.3} GFLOP per token",
         if opts.quick { "quick" } else { "H200-sized" },
+        if opts.bf16 {
+            "bf16 mixed precision"
+        } else {
+            "f32"
+        },
         opts.layers,
         opts.hidden,
         opts.experts,
@@ -385,7 +420,7 @@ fn main() {
         "bench": "cube_train_step",
         "device": format!("{device:?}"),
         "quick": opts.quick,
-        "dtype": "f32",
+        "dtype": dtype_name(dtype),
         "model": {
             "layers": opts.layers, "hidden": opts.hidden, "experts": opts.experts,
             "top_k": opts.top_k, "moe_width": opts.width, "heads": opts.heads,
@@ -414,8 +449,9 @@ fn main() {
             &device,
             (t_micro * opts.top_k, opts.hidden, opts.width),
             iters,
+            dtype,
         ),
-        dense_matmul(&device, (t_micro, opts.hidden, opts.hidden), iters),
+        dense_matmul(&device, (t_micro, opts.hidden, opts.hidden), iters, dtype),
     ];
     let dense_best = dense
         .iter()
@@ -429,6 +465,11 @@ fn main() {
             eprintln!("cube_train_step: --recompute {}: {e}", opts.recompute);
             std::process::exit(2);
         }),
+        precision: if opts.bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        },
         ..TrainerConfig::default()
     };
     let ad = device.clone().autodiff();

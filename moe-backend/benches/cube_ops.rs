@@ -11,8 +11,9 @@
 //! [--dtype f32|f16|bf16] [--iters N] [--device vulkan|gl] [--json PATH]`. `--json` also writes
 //! every measured case (shapes, dtype, ms, TFLOP/s or GB/s, the ratios grouped/dense and
 //! permute/copy) as one JSON object to `PATH`. `--quick` uses small shapes (seconds
-//! on Mesa's CPU drivers). `MOE_CUBE_GEMM=tiled|direct` forces a grouped-GEMM kernel body
-//! (default: tiled, direct on software Vulkan devices; see `src/ops/cube/gemm.rs`). On lavapipe
+//! on Mesa's CPU drivers). `MOE_CUBE_GEMM=tiled|direct|cmma` forces a grouped-GEMM kernel body
+//! (default: cmma for BF16/F16 where the device has tensor-core fragments, else tiled, direct on
+//! software Vulkan devices; see `src/ops/cube/gemm.rs`). On lavapipe
 //! the dense baseline (Burn's shared-memory matmul) hits the CubeCL SPIR-V bug described there and
 //! crashes the driver: use `--device gl` (llvmpipe, WGSL) for a smoke run on a CPU.
 //! Timing: one warm-up call, then the median of `--iters` calls; each call ends by reading one

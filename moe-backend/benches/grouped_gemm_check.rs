@@ -19,23 +19,35 @@
 //! with one element read back (waits for the device); every grouped op against one dense
 //! matmul of equal FLOPs on the same device (`ratio = grouped TFLOP/s / dense TFLOP/s`).
 //!
+//! Kernels (`--kernels auto,tiled,direct,cmma`, default `auto`): every op runs once per listed
+//! grouped-GEMM kernel of the Cube backend (`ops::set_cube_gemm_kernel`), checked against the
+//! same references; a kernel the device cannot run with the dtype (`cmma` with f32, or without
+//! tensor-core fragments) falls back, and its cases are recorded `"skipped"` with the kernel
+//! that ran. With several kernels timed, the last line names the *choice*: the kernel that passed
+//! every case with the least total time (`"choice"` in the JSON) — what `MOE_CUBE_GEMM` should
+//! be set to on that device.
+//!
 //! Output: a line per case, and with `--json PATH` one JSON object rewritten after every case
 //! (a timeout or crash keeps the cases done). A case that panics is recorded as `"error"` and
 //! the next one runs.
 //!
 //! Run: `cargo bench -p moe-backend --features cuda --bench grouped_gemm_check -- --device cuda
-//! [--dtype f32|bf16|f16] [--shapes deepseek_v3,qwen3_30b_a3b|quick] [--iters N] [--no-time]
-//! [--json PATH]`; with `--features vulkan`, `--device vulkan|gl` (`gl`: llvmpipe on a CPU,
+//! [--dtype f32|bf16|f16] [--shapes deepseek_v3,qwen3_30b_a3b|quick] [--kernels LIST]
+//! [--iters N] [--no-time] [--json PATH]`; with `--features vulkan`, `--device vulkan|gl` (`gl`: llvmpipe on a CPU,
 //! `--shapes quick`). The device is probed first (`moe_backend::devices`): no driver or no
 //! device ends the run with exit code 3 and a named error, not a panic. The full shapes need
 //! CUDA: the expert weights are one buffer each (7.5 GiB in bf16 for DeepSeek-V3), over
 //! Vulkan's storage-binding limits (the `cube_ops` bench chunks them for Vulkan).
 
+use std::cell::LazyCell;
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
-use moe_backend::ops::{GroupSizes, WeightLayout, grouped_matmul, grouped_matmul_wgrad};
+use moe_backend::ops::{
+    CubeGemmKernel, GroupSizes, WeightLayout, grouped_matmul, grouped_matmul_wgrad,
+    last_cube_gemm_kernel, set_cube_gemm_kernel,
+};
 use serde_json::{Value, json};
 
 /// One set of expert shapes.
@@ -84,6 +96,8 @@ struct Options {
     iters: usize,
     time: bool,
     json: Option<String>,
+    /// Grouped-GEMM kernels of the Cube backend to check and time, in order.
+    kernels: Vec<CubeGemmKernel>,
 }
 
 fn parse_args() -> Result<Options, String> {
@@ -94,6 +108,7 @@ fn parse_args() -> Result<Options, String> {
         iters: 5,
         time: true,
         json: None,
+        kernels: vec![CubeGemmKernel::Auto],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -128,6 +143,15 @@ fn parse_args() -> Result<Options, String> {
                 if opts.iters == 0 {
                     return Err("--iters must be at least 1".into());
                 }
+            }
+            "--kernels" => {
+                opts.kernels = value()?
+                    .split(',')
+                    .map(|k| {
+                        k.parse::<CubeGemmKernel>()
+                            .map_err(|e| format!("--kernels: {e}"))
+                    })
+                    .collect::<Result<_, _>>()?
             }
             "--no-time" => opts.time = false,
             "--json" => opts.json = Some(value()?),
@@ -284,11 +308,24 @@ struct Case<'a> {
     shapes: &'a Shapes,
     op: &'static str,
     flops: f64,
+    /// The kernel asked for (`set_cube_gemm_kernel`).
+    kernel: CubeGemmKernel,
+}
+
+impl Case<'_> {
+    /// `grouped_gemm_{op}_{shapes}_{kernel}`.
+    fn name(&self) -> String {
+        format!(
+            "grouped_gemm_{}_{}_{}",
+            self.op, self.shapes.name, self.kernel
+        )
+    }
 }
 
 fn record(
     case: &Case,
     opts: &Options,
+    ran: CubeGemmKernel,
     (err, scale, nan): (f64, f64, bool),
     times: Option<(f64, f64)>,
 ) -> Value {
@@ -296,9 +333,11 @@ fn record(
     let rel = if scale > 0.0 { err / scale } else { err };
     let pass = !nan && rel.is_finite() && rel <= tol;
     let mut v = json!({
-        "case": format!("grouped_gemm_{}_{}", case.op, case.shapes.name),
+        "case": case.name(),
         "op": case.op,
         "shapes": case.shapes.name,
+        "kernel": case.kernel.name(),
+        "kernel_ran": ran.name(),
         "dtype": format!("{:?}", opts.dtype).to_lowercase(),
         "status": if pass { "pass" } else { "fail" },
         "max_abs_err": err,
@@ -323,8 +362,8 @@ fn record(
         )
     });
     println!(
-        "{:<40} {:>4}  rel err {rel:.2e} (tol {tol:.0e}){}{}",
-        format!("grouped_gemm_{}_{}", case.op, case.shapes.name),
+        "{:<46} {:>4}  [{ran}] rel err {rel:.2e} (tol {tol:.0e}){}{}",
+        case.name(),
         if pass { "pass" } else { "FAIL" },
         if nan { ", NaN in output" } else { "" },
         timing.unwrap_or_default()
@@ -364,17 +403,8 @@ fn run_shapes(s: &Shapes, opts: &Options, device: &Device, out: &mut dyn FnMut(V
             )
         })
     };
-
-    // fprop: y = x · W_gᵀ per group.
-    let case = Case {
-        shapes: s,
-        op: "fprop",
-        flops,
-    };
-    let result = guarded(&case, || {
-        poison([n, f], device, dt);
-        let y = grouped_matmul(x.clone(), w.clone(), &gs, WeightLayout::OutIn)
-            .map_err(|e| e.to_string())?;
+    // The references, once per op (the device's dense matmul per group).
+    let fprop_ref = || {
         let parts: Vec<Tensor<2>> = (0..e)
             .filter_map(|g| {
                 x_rows[g]
@@ -382,27 +412,9 @@ fn run_shapes(s: &Shapes, opts: &Options, device: &Device, out: &mut dyn FnMut(V
                     .map(|xg| xg.clone().matmul(expert(&w, g).transpose()))
             })
             .collect();
-        let reference = Tensor::cat(parts, 0);
-        let cmp = compare(&y, &reference);
-        let w_dense = expert(&w, 1).transpose(); // [h, f]
-        let times = time(
-            &|| grouped_matmul(x.clone(), w.clone(), &gs, WeightLayout::OutIn).expect("fprop"),
-            &|| x.clone().matmul(w_dense.clone()),
-        );
-        Ok(record(&case, opts, cmp, times))
-    });
-    out(result);
-
-    // dgrad: dx = dy · W_g per group.
-    let case = Case {
-        shapes: s,
-        op: "dgrad",
-        flops,
+        Tensor::cat(parts, 0)
     };
-    let result = guarded(&case, || {
-        poison([n, h], device, dt);
-        let dx = grouped_matmul(dy.clone(), w.clone(), &gs, WeightLayout::InOut)
-            .map_err(|e| e.to_string())?;
+    let dgrad_ref = || {
         let parts: Vec<Tensor<2>> = (0..e)
             .filter_map(|g| {
                 dy_rows[g]
@@ -410,50 +422,120 @@ fn run_shapes(s: &Shapes, opts: &Options, device: &Device, out: &mut dyn FnMut(V
                     .map(|dyg| dyg.clone().matmul(expert(&w, g)))
             })
             .collect();
-        let cmp = compare(&dx, &Tensor::cat(parts, 0));
-        let w_dense = expert(&w, 1); // [f, h]
-        let times = time(
-            &|| grouped_matmul(dy.clone(), w.clone(), &gs, WeightLayout::InOut).expect("dgrad"),
-            &|| dy.clone().matmul(w_dense.clone()),
-        );
-        Ok(record(&case, opts, cmp, times))
-    });
-    out(result);
-
-    // wgrad: dW_g = dy_gᵀ · x_g per group, zero for the empty groups.
-    let case = Case {
-        shapes: s,
-        op: "wgrad",
-        flops,
+        Tensor::cat(parts, 0)
     };
-    let result = guarded(&case, || {
-        poison([e, f, h], device, dt);
-        let dw = grouped_matmul_wgrad(dy.clone(), x.clone(), &gs).map_err(|e| e.to_string())?;
+    let wgrad_ref = || {
         let parts: Vec<Tensor<2>> = (0..e)
             .map(|g| match (&dy_rows[g], &x_rows[g]) {
                 (Some(dyg), Some(xg)) => dyg.clone().transpose().matmul(xg.clone()),
                 _ => Tensor::<2>::zeros([f, h], (device, dt)),
             })
             .collect();
-        let reference: Tensor<3> = Tensor::stack(parts, 0);
-        let cmp = compare(&dw, &reference);
-        let dy_t = dy.clone().transpose();
-        let times = opts.time.then(|| {
-            (
-                median_secs(opts.iters, || {
-                    sync(&grouped_matmul_wgrad(dy.clone(), x.clone(), &gs).expect("wgrad"))
-                }),
-                median_secs(opts.iters, || sync(&dy_t.clone().matmul(x.clone()))),
-            )
+        Tensor::stack::<3>(parts, 0)
+    };
+    // Computed on first use: a case that errors before its comparison needs none.
+    let fprop_ref = LazyCell::new(fprop_ref);
+    let dgrad_ref = LazyCell::new(dgrad_ref);
+    let wgrad_ref = LazyCell::new(wgrad_ref);
+
+    for &kernel in &opts.kernels {
+        set_cube_gemm_kernel(kernel);
+        // A requested kernel the device cannot run falls back: skip the duplicate.
+        let ran = |case: &Case| -> Result<CubeGemmKernel, Value> {
+            let ran = last_cube_gemm_kernel().unwrap_or(kernel);
+            if kernel != CubeGemmKernel::Auto && ran != kernel {
+                let why = format!("{kernel} cannot run here with {dt:?}; {ran} ran instead");
+                println!("{:<46} skip  {why}", case.name());
+                return Err(json!({"case": case.name(), "op": case.op,
+                    "shapes": case.shapes.name, "kernel": kernel.name(),
+                    "kernel_ran": ran.name(), "status": "skipped", "reason": why}));
+            }
+            Ok(ran)
+        };
+
+        // fprop: y = x · W_gᵀ per group.
+        let case = Case {
+            shapes: s,
+            op: "fprop",
+            flops,
+            kernel,
+        };
+        let result = guarded(&case, || {
+            poison([n, f], device, dt);
+            let y = grouped_matmul(x.clone(), w.clone(), &gs, WeightLayout::OutIn)
+                .map_err(|e| e.to_string())?;
+            let ran = match ran(&case) {
+                Ok(k) => k,
+                Err(skipped) => return Ok(skipped),
+            };
+            let cmp = compare(&y, &fprop_ref);
+            let w_dense = expert(&w, 1).transpose(); // [h, f]
+            let times = time(
+                &|| grouped_matmul(x.clone(), w.clone(), &gs, WeightLayout::OutIn).expect("fprop"),
+                &|| x.clone().matmul(w_dense.clone()),
+            );
+            Ok(record(&case, opts, ran, cmp, times))
         });
-        Ok(record(&case, opts, cmp, times))
-    });
-    out(result);
+        out(result);
+
+        // dgrad: dx = dy · W_g per group.
+        let case = Case {
+            shapes: s,
+            op: "dgrad",
+            flops,
+            kernel,
+        };
+        let result = guarded(&case, || {
+            poison([n, h], device, dt);
+            let dx = grouped_matmul(dy.clone(), w.clone(), &gs, WeightLayout::InOut)
+                .map_err(|e| e.to_string())?;
+            let ran = match ran(&case) {
+                Ok(k) => k,
+                Err(skipped) => return Ok(skipped),
+            };
+            let cmp = compare(&dx, &dgrad_ref);
+            let w_dense = expert(&w, 1); // [f, h]
+            let times = time(
+                &|| grouped_matmul(dy.clone(), w.clone(), &gs, WeightLayout::InOut).expect("dgrad"),
+                &|| dy.clone().matmul(w_dense.clone()),
+            );
+            Ok(record(&case, opts, ran, cmp, times))
+        });
+        out(result);
+
+        // wgrad: dW_g = dy_gᵀ · x_g per group, zero for the empty groups.
+        let case = Case {
+            shapes: s,
+            op: "wgrad",
+            flops,
+            kernel,
+        };
+        let result = guarded(&case, || {
+            poison([e, f, h], device, dt);
+            let dw = grouped_matmul_wgrad(dy.clone(), x.clone(), &gs).map_err(|e| e.to_string())?;
+            let ran = match ran(&case) {
+                Ok(k) => k,
+                Err(skipped) => return Ok(skipped),
+            };
+            let cmp = compare(&dw, &wgrad_ref);
+            let dy_t = dy.clone().transpose();
+            let times = opts.time.then(|| {
+                (
+                    median_secs(opts.iters, || {
+                        sync(&grouped_matmul_wgrad(dy.clone(), x.clone(), &gs).expect("wgrad"))
+                    }),
+                    median_secs(opts.iters, || sync(&dy_t.clone().matmul(x.clone()))),
+                )
+            });
+            Ok(record(&case, opts, ran, cmp, times))
+        });
+        out(result);
+    }
 }
 
 /// Runs one case, turning an error or a panic into an `"error"` record.
 fn guarded(case: &Case, f: impl FnOnce() -> Result<Value, String>) -> Value {
-    let name = format!("grouped_gemm_{}_{}", case.op, case.shapes.name);
+    let name = case.name();
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(f));
     let message = match outcome {
         Ok(Ok(v)) => return v,
@@ -467,9 +549,36 @@ fn guarded(case: &Case, f: impl FnOnce() -> Result<Value, String>) -> Value {
             format!("panicked: {text}")
         }
     };
-    println!("{name:<40} ERROR {message}");
-    json!({"case": name, "op": case.op, "shapes": case.shapes.name, "status": "error",
-           "error": message})
+    println!("{name:<46} ERROR {message}");
+    json!({"case": name, "op": case.op, "shapes": case.shapes.name,
+           "kernel": case.kernel.name(), "status": "error", "error": message})
+}
+
+/// The kernel that passed every one of its cases with the least total time, and that time
+/// (skipped cases, i.e. a kernel that fell back, disqualify it).
+fn choose(cases: &[Value]) -> Option<(String, f64)> {
+    let mut totals: Vec<(String, f64, bool)> = Vec::new();
+    for c in cases {
+        let Some(kernel) = c["kernel"].as_str() else {
+            continue;
+        };
+        let at = match totals.iter().position(|(k, _, _)| k == kernel) {
+            Some(i) => i,
+            None => {
+                totals.push((kernel.to_string(), 0.0, true));
+                totals.len() - 1
+            }
+        };
+        match (c["status"].as_str(), c["ms"].as_f64()) {
+            (Some("pass"), Some(ms)) => totals[at].1 += ms,
+            _ => totals[at].2 = false,
+        }
+    }
+    totals
+        .into_iter()
+        .filter(|(_, _, ok)| *ok)
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(k, ms, _)| (k, ms))
 }
 
 fn write_json(path: &str, report: &Value) {
@@ -498,7 +607,8 @@ fn main() {
         "bench": "grouped_gemm_check",
         "device": opts.device,
         "dtype": format!("{:?}", opts.dtype).to_lowercase(),
-        "kernel": "moe_backend::ops::grouped_matmul / grouped_matmul_wgrad (Cube backend)",
+        "op": "moe_backend::ops::grouped_matmul / grouped_matmul_wgrad (Cube backend)",
+        "kernels": opts.kernels.iter().map(|k| k.name()).collect::<Vec<_>>(),
         "iters": opts.iters,
         "cases": [],
     });
@@ -508,7 +618,7 @@ fn main() {
     let mut failed = 0;
     for s in &opts.shapes {
         let mut push = |v: Value| {
-            if v["status"] != "pass" {
+            if v["status"] != "pass" && v["status"] != "skipped" {
                 failed += 1;
             }
             if let Some(cases) = report["cases"].as_array_mut() {
@@ -519,6 +629,20 @@ fn main() {
             }
         };
         run_shapes(s, &opts, &device, &mut push);
+    }
+    if opts.time && opts.kernels.len() > 1 {
+        let choice = choose(report["cases"].as_array().map(Vec::as_slice).unwrap_or(&[]));
+        match &choice {
+            Some((kernel, ms)) => println!(
+                "choice: MOE_CUBE_GEMM={kernel} ({ms:.3} ms over every timed case; the fastest \
+                 kernel that passed them all)"
+            ),
+            None => println!("choice: none (no kernel passed every case)"),
+        }
+        report["choice"] = json!(choice.map(|(k, ms)| json!({"kernel": k, "total_ms": ms})));
+        if let Some(path) = &opts.json {
+            write_json(path, &report);
+        }
     }
     if failed > 0 {
         eprintln!("grouped_gemm_check: {failed} case(s) failed");

@@ -38,9 +38,10 @@ use std::sync::OnceLock;
 use burn::tensor::wgpu::WgpuBackend;
 use burn::tensor::{Bool, DType, Device, DeviceKind, Int, Tensor, TensorData};
 use moe_backend::ops::{
-    GroupSizes, PermuteMode, RowIdMap, WeightLayout, attach_loss, grouped_matmul,
-    grouped_matmul_wgrad, int_tensor_to_usize, permute, permute_with_indices, sort_chunks_by_idxs,
-    swiglu_with_probs, topk_indices, unpermute,
+    CubeGemmKernel, GroupSizes, PermuteMode, RowIdMap, WeightLayout, attach_loss, grouped_matmul,
+    grouped_matmul_wgrad, int_tensor_to_usize, last_cube_gemm_kernel, permute,
+    permute_with_indices, set_cube_gemm_kernel, sort_chunks_by_idxs, swiglu_with_probs,
+    topk_indices, unpermute,
 };
 use testing::{SplitMix, assert_close, int_tensor, reference_grouped_matmul, tensor, values};
 
@@ -481,11 +482,33 @@ fn half_dtypes(device: &Device) -> Vec<DType> {
     dtypes
 }
 
+/// Runs under the automatic kernel choice, then with the tensor-core kernel requested (`cmma`:
+/// where the device has no cooperative matrices — lavapipe — the automatic scalar body runs,
+/// which `last_cube_gemm_kernel` shows). Any body is correct, so a test running meanwhile is
+/// unaffected by the process-wide request.
 #[test]
 fn grouped_matmul_in_half_precision_accumulates_in_f32() {
     let device = cube();
     for dtype in half_dtypes(&device) {
         check_grouped_matmul_half(&device, dtype);
+        let auto = last_cube_gemm_kernel().expect("a grouped GEMM ran");
+        set_cube_gemm_kernel(CubeGemmKernel::Cmma);
+        let outcome = std::panic::catch_unwind(|| check_grouped_matmul_half(&device, dtype));
+        let ran = last_cube_gemm_kernel();
+        set_cube_gemm_kernel(CubeGemmKernel::Auto);
+        eprintln!("{dtype:?}: auto ran {auto}; cmma requested, {ran:?} ran");
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+        // Only a device with the fragments runs cmma, and then the automatic choice is cmma.
+        assert!(
+            ran == Some(auto) || (ran == Some(CubeGemmKernel::Cmma)),
+            "{dtype:?}: cmma requested, {ran:?} ran (auto: {auto})"
+        );
+        assert_eq!(
+            ran == Some(CubeGemmKernel::Cmma),
+            auto == CubeGemmKernel::Cmma
+        );
     }
 }
 

@@ -11,6 +11,10 @@
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg(feature = "cube")]
+pub use cube::{
+    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+};
 mod flex;
 pub mod kernels;
 #[cfg(test)]

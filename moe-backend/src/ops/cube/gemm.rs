@@ -29,7 +29,11 @@ use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use super::gemm_cmma;
 use super::launch::{self, empty_like_dtype, float_storage, int_storage};
+use crate::error::BackendError;
 
 /// Output rows per cube.
 const TILE_M: usize = 64;
@@ -44,6 +48,8 @@ const UNITS: u32 = 16;
 // The kernels spell these sizes as literals (shared slices of 1024, 4 loads per unit).
 const _: () =
     assert!(TILE_M * TILE_K == 1024 && TILE_N * TILE_K == 2048 && TILE_Q == TILE_M && UNITS == 16);
+// The tensor-core forward shares the launch grid and the row-tile scan.
+const _: () = assert!(gemm_cmma::CMMA_TILE_M == TILE_M && gemm_cmma::CMMA_TILE_N == TILE_N);
 
 /// `offsets[g + 1] = Σ_{g' ≤ g} sizes[g']` and `tile_offsets[g + 1] = Σ ceil(sizes / 64usize)`.
 #[cube(launch)]
@@ -72,7 +78,7 @@ fn group_offsets_kernel<I: Int>(
 /// Group of row tile `tile`: the last `g` with `tile_offsets[g] <= tile` (binary search; the
 /// caller has checked `tile < tile_offsets[groups]`).
 #[cube]
-fn tile_group(tile_offsets: &Tensor<u32>, tile: u32, groups: u32) -> u32 {
+pub(crate) fn tile_group(tile_offsets: &Tensor<u32>, tile: u32, groups: u32) -> u32 {
     let mut lo = 0u32;
     let mut hi = groups;
     while hi - lo > 1 {
@@ -462,57 +468,221 @@ fn grouped_wgrad_direct_kernel<E: Float>(
     }
 }
 
-/// Which grouped-GEMM kernel body runs on a device.
+/// A grouped-GEMM kernel body of the Cube backend (docs/gpu.md §Cube kernels), or the automatic
+/// choice among them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum GemmKernel {
-    /// Shared-memory staged tiles: what a GPU runs.
+pub enum CubeGemmKernel {
+    /// Per device: [`CubeGemmKernel::Direct`] on a software Vulkan device (no usable shared
+    /// memory) and [`CubeGemmKernel::Tiled`] everywhere else. [`CubeGemmKernel::Cmma`] runs
+    /// only when asked for until a GPU run has checked it.
+    Auto,
+    /// Scalar f32 FMAs on register tiles, operands staged through shared memory (any dtype).
     Tiled,
-    /// Operands read from global memory, no shared memory.
+    /// Scalar f32 FMAs on register tiles, operands read from global memory (any dtype).
     Direct,
+    /// Tensor cores (CubeCL `cmma`): BF16 / F16 operands, f32 accumulators. Where the device or
+    /// dtype cannot run it, the automatic choice runs instead (with a warning on stderr, once).
+    Cmma,
 }
 
-/// Environment variable that overrides the kernel choice: `tiled`, `direct` or `auto`.
-pub(crate) const GEMM_KERNEL_ENV: &str = "MOE_CUBE_GEMM";
+/// Environment variable that sets the process's initial [`CubeGemmKernel`]:
+/// `auto`, `tiled`, `direct` or `cmma`.
+pub const GEMM_KERNEL_ENV: &str = "MOE_CUBE_GEMM";
 
-impl GemmKernel {
-    /// The kernel for `client`'s device: [`GemmKernel::Direct`] where CubeCL compiles to SPIR-V
-    /// for a device that is no card (lavapipe, SwiftShader: no explicit workgroup-memory layout,
-    /// so CubeCL 0.11.3's shared memory is invalid SPIR-V there), else [`GemmKernel::Tiled`].
-    /// [`GEMM_KERNEL_ENV`] overrides it (read once per process; other values warn on stderr and
-    /// fall back to the automatic choice).
-    pub(crate) fn for_client(client: &Client) -> Self {
-        static CHOICE: std::sync::OnceLock<Option<GemmKernel>> = std::sync::OnceLock::new();
-        let forced = *CHOICE.get_or_init(|| match std::env::var(GEMM_KERNEL_ENV).as_deref() {
-            Ok("tiled") => Some(Self::Tiled),
-            Ok("direct") => Some(Self::Direct),
-            Ok("auto") | Ok("") | Err(std::env::VarError::NotPresent) => None,
-            Ok(other) => {
-                eprintln!(
-                    "warning: {GEMM_KERNEL_ENV}={other:?} is not tiled, direct or auto; \
-                     choosing the grouped-GEMM kernel automatically"
-                );
-                None
-            }
-            Err(e) => {
-                eprintln!("warning: {GEMM_KERNEL_ENV}: {e}; choosing automatically");
-                None
-            }
-        });
-        forced.unwrap_or_else(|| {
-            Self::auto(
-                client.name(),
-                client.properties().identity.physical.is_some(),
-            )
-        })
+impl CubeGemmKernel {
+    /// The name `MOE_CUBE_GEMM` and [`str::parse`] take.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Tiled => "tiled",
+            Self::Direct => "direct",
+            Self::Cmma => "cmma",
+        }
     }
 
-    /// The automatic choice for a runtime named `runtime` (CubeCL's `Client::name`) on a device
-    /// that is (`has_card`) or is not a physical card.
-    fn auto(runtime: &str, has_card: bool) -> Self {
-        if runtime == "wgpu<spirv>" && !has_card {
-            Self::Direct
-        } else {
-            Self::Tiled
+    fn code(self) -> u8 {
+        match self {
+            Self::Auto => 0,
+            Self::Tiled => 1,
+            Self::Direct => 2,
+            Self::Cmma => 3,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::Auto),
+            1 => Some(Self::Tiled),
+            2 => Some(Self::Direct),
+            3 => Some(Self::Cmma),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for CubeGemmKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CubeGemmKernel {
+    type Err = BackendError;
+
+    fn from_str(s: &str) -> Result<Self, BackendError> {
+        [Self::Auto, Self::Tiled, Self::Direct, Self::Cmma]
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| BackendError::Config {
+                field: GEMM_KERNEL_ENV,
+                detail: format!("{s:?} is not auto, tiled, direct or cmma"),
+            })
+    }
+}
+
+/// No kernel requested yet (the environment is read on first use) / no launch yet.
+const UNSET: u8 = u8::MAX;
+/// The requested kernel ([`CubeGemmKernel::code`]), or [`UNSET`].
+static REQUESTED: AtomicU8 = AtomicU8::new(UNSET);
+/// The body the most recent launch ran, or [`UNSET`].
+static LAST_RUN: AtomicU8 = AtomicU8::new(UNSET);
+
+/// Sets the grouped-GEMM kernel of the Cube backend for the rest of the process (every device;
+/// overrides `MOE_CUBE_GEMM`). Benches use it to time the candidates in one process.
+pub fn set_cube_gemm_kernel(kernel: CubeGemmKernel) {
+    REQUESTED.store(kernel.code(), Ordering::Relaxed);
+}
+
+/// The requested grouped-GEMM kernel: the last [`set_cube_gemm_kernel`], else `MOE_CUBE_GEMM`
+/// (read once; an unknown value warns on stderr and means [`CubeGemmKernel::Auto`]).
+pub fn cube_gemm_kernel() -> CubeGemmKernel {
+    if let Some(k) = CubeGemmKernel::from_code(REQUESTED.load(Ordering::Relaxed)) {
+        return k;
+    }
+    let k = match std::env::var(GEMM_KERNEL_ENV) {
+        Ok(v) if v.is_empty() => CubeGemmKernel::Auto,
+        Ok(v) => v.parse().unwrap_or_else(|e| {
+            eprintln!("warning: {e}; choosing the grouped-GEMM kernel automatically");
+            CubeGemmKernel::Auto
+        }),
+        Err(std::env::VarError::NotPresent) => CubeGemmKernel::Auto,
+        Err(e) => {
+            eprintln!("warning: {GEMM_KERNEL_ENV}: {e}; choosing automatically");
+            CubeGemmKernel::Auto
+        }
+    };
+    // A concurrent `set_cube_gemm_kernel` wins over the environment.
+    let _ = REQUESTED.compare_exchange(UNSET, k.code(), Ordering::Relaxed, Ordering::Relaxed);
+    CubeGemmKernel::from_code(REQUESTED.load(Ordering::Relaxed)).unwrap_or(k)
+}
+
+/// The body the most recent grouped GEMM (forward, dgrad or wgrad) of the Cube backend ran in
+/// this process — never [`CubeGemmKernel::Auto`]; `None` before the first launch.
+pub fn last_cube_gemm_kernel() -> Option<CubeGemmKernel> {
+    CubeGemmKernel::from_code(LAST_RUN.load(Ordering::Relaxed))
+}
+
+/// What a device offers the kernel choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DeviceTraits {
+    /// The runtime compiles to SPIR-V for a device that is no card (lavapipe, SwiftShader: no
+    /// explicit workgroup-memory layout, so CubeCL 0.11.3's shared memory is invalid SPIR-V).
+    software_spirv: bool,
+    /// The plane size of the tensor-core kernel, where the device has its fragments for the
+    /// operands' dtype (f32 accumulators) and a fixed plane size that fits the kernel.
+    cmma_plane: Option<u32>,
+}
+
+impl DeviceTraits {
+    fn of(client: &Client, dtype: burn::tensor::DType) -> Self {
+        let props = client.properties();
+        let software_spirv = client.name() == "wgpu<spirv>" && props.identity.physical.is_none();
+        let half = matches!(dtype, burn::tensor::DType::BF16 | burn::tensor::DType::F16);
+        let elem = float_storage(dtype);
+        let f32_elem = float_storage(burn::tensor::DType::F32);
+        let has_fragments = props.features.matmul.cmma.iter().any(|c| {
+            c.a_type == elem
+                && c.b_type == elem
+                && c.cd_type == f32_elem
+                && (c.m, c.n, c.k) == (16, 16, 16)
+        });
+        let (lo, hi) = (props.hardware.plane_size_min, props.hardware.plane_size_max);
+        let cmma_plane =
+            (half && has_fragments && lo == hi && gemm_cmma::plane_dim_fits(hi)).then_some(hi);
+        Self {
+            software_spirv,
+            cmma_plane,
+        }
+    }
+}
+
+/// The body that runs for `requested` on a device with `traits`, and a reason when a requested
+/// [`CubeGemmKernel::Cmma`] cannot run there.
+fn resolve(requested: CubeGemmKernel, traits: DeviceTraits) -> (Body, Option<&'static str>) {
+    let scalar = if traits.software_spirv {
+        Body::Direct
+    } else {
+        Body::Tiled
+    };
+    match (requested, traits.cmma_plane) {
+        (CubeGemmKernel::Tiled, _) => (Body::Tiled, None),
+        (CubeGemmKernel::Direct, _) => (Body::Direct, None),
+        // Tensor cores only on request until a GPU run has checked them (the device script
+        // times `cmma` against `tiled` and names the choice).
+        (CubeGemmKernel::Cmma, Some(plane)) => (Body::Cmma(plane), None),
+        (CubeGemmKernel::Auto, _) => (scalar, None),
+        (CubeGemmKernel::Cmma, None) => (
+            scalar,
+            Some(
+                "the device has no 16x16x16 tensor-core fragments with f32 accumulators for \
+                 this dtype (or no fixed plane size of 4..=256 lanes); cmma needs BF16 or F16 \
+                 operands",
+            ),
+        ),
+    }
+}
+
+/// The kernel body a launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Body {
+    /// [`CubeGemmKernel::Tiled`].
+    Tiled,
+    /// [`CubeGemmKernel::Direct`].
+    Direct,
+    /// [`CubeGemmKernel::Cmma`] with planes of this many lanes.
+    Cmma(u32),
+    /// The tensor-core kernels with [`gemm_cmma::Emulated`] fragment products (tests).
+    #[cfg(test)]
+    Emulated(u32),
+}
+
+impl Body {
+    /// The body for operands of `dtype` on `client`'s device (warns once per process when a
+    /// requested `cmma` falls back) and records it for [`last_cube_gemm_kernel`].
+    fn choose(client: &Client, dtype: burn::tensor::DType) -> Self {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        let (body, fallback) = resolve(cube_gemm_kernel(), DeviceTraits::of(client, dtype));
+        if let Some(why) = fallback {
+            WARNED.call_once(|| {
+                eprintln!(
+                    "warning: grouped-GEMM kernel cmma requested on {} with {dtype:?}: {why}; \
+                     running the {} kernel",
+                    client.name(),
+                    body.kernel()
+                )
+            });
+        }
+        LAST_RUN.store(body.kernel().code(), Ordering::Relaxed);
+        body
+    }
+
+    fn kernel(self) -> CubeGemmKernel {
+        match self {
+            Self::Tiled => CubeGemmKernel::Tiled,
+            Self::Direct => CubeGemmKernel::Direct,
+            Self::Cmma(_) => CubeGemmKernel::Cmma,
+            #[cfg(test)]
+            Self::Emulated(_) => CubeGemmKernel::Cmma,
         }
     }
 }
@@ -545,6 +715,17 @@ pub(crate) fn grouped_matmul(
     weights: CubeTensor,
     sizes: CubeTensor,
     transpose_weights: bool,
+) -> CubeTensor {
+    grouped_matmul_with(x, weights, sizes, transpose_weights, None)
+}
+
+/// [`grouped_matmul`] running `body` (`None`: the requested kernel, [`Body::choose`]).
+fn grouped_matmul_with(
+    x: CubeTensor,
+    weights: CubeTensor,
+    sizes: CubeTensor,
+    transpose_weights: bool,
+    body: Option<Body>,
 ) -> CubeTensor {
     let op = "moe_grouped_matmul";
     let x = launch::contiguous(x);
@@ -592,8 +773,8 @@ pub(crate) fn grouped_matmul(
         launch::u32_arg(m, op),
         launch::u32_arg(g, op),
     );
-    match GemmKernel::for_client(&x.client) {
-        GemmKernel::Tiled => grouped_gemm_kernel::launch(
+    match body.unwrap_or_else(|| Body::choose(&x.client, x.dtype)) {
+        Body::Tiled => grouped_gemm_kernel::launch(
             &x.client,
             count,
             dim,
@@ -608,7 +789,7 @@ pub(crate) fn grouped_matmul(
             transpose_weights,
             dtype,
         ),
-        GemmKernel::Direct => grouped_gemm_direct_kernel::launch(
+        Body::Direct => grouped_gemm_direct_kernel::launch(
             &x.client,
             count,
             dim,
@@ -623,6 +804,41 @@ pub(crate) fn grouped_matmul(
             transpose_weights,
             dtype,
         ),
+        Body::Cmma(plane) => gemm_cmma::grouped_gemm_cmma_kernel::launch::<gemm_cmma::Cmma>(
+            &x.client,
+            count,
+            CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
+            x_arg,
+            w_arg,
+            off_arg,
+            tiles_arg,
+            out_arg,
+            k_arg,
+            m_arg,
+            g_arg,
+            transpose_weights,
+            plane,
+            dtype,
+        ),
+        #[cfg(test)]
+        Body::Emulated(plane) => {
+            gemm_cmma::grouped_gemm_cmma_kernel::launch::<gemm_cmma::Emulated>(
+                &x.client,
+                count,
+                CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
+                x_arg,
+                w_arg,
+                off_arg,
+                tiles_arg,
+                out_arg,
+                k_arg,
+                m_arg,
+                g_arg,
+                transpose_weights,
+                plane,
+                dtype,
+            )
+        }
     }
     out
 }
@@ -633,6 +849,16 @@ pub(crate) fn grouped_matmul_wgrad(
     lhs: CubeTensor,
     rhs: CubeTensor,
     sizes: CubeTensor,
+) -> CubeTensor {
+    grouped_matmul_wgrad_with(lhs, rhs, sizes, None)
+}
+
+/// [`grouped_matmul_wgrad`] running `body` (`None`: the requested kernel, [`Body::choose`]).
+fn grouped_matmul_wgrad_with(
+    lhs: CubeTensor,
+    rhs: CubeTensor,
+    sizes: CubeTensor,
+    body: Option<Body>,
 ) -> CubeTensor {
     let op = "moe_grouped_matmul_wgrad";
     let lhs = launch::contiguous(lhs);
@@ -652,20 +878,16 @@ pub(crate) fn grouped_matmul_wgrad(
     }
     let out = empty_like_dtype(&lhs, [g, p, q], lhs.dtype);
     let (offsets, _) = group_offsets(&sizes);
-    let count = CubeCount::Static(
-        tiles(q, TILE_Q, op),
-        tiles(p, TILE_M, op),
-        launch::u32_arg(g, op),
-    );
     let dtype = float_storage(lhs.dtype);
-    let dim = CubeDim::new_2d(UNITS, UNITS);
     let (lhs_arg, rhs_arg) = (lhs.clone().into_tensor_arg(), rhs.into_tensor_arg());
     let (off_arg, out_arg) = (offsets.into_tensor_arg(), out.clone().into_tensor_arg());
     let (p_arg, q_arg) = (launch::u32_arg(p, op), launch::u32_arg(q, op));
-    match GemmKernel::for_client(&lhs.client) {
-        GemmKernel::Tiled => grouped_wgrad_kernel::launch(
+    let groups = launch::u32_arg(g, op);
+    let dim = CubeDim::new_2d(UNITS, UNITS);
+    match body.unwrap_or_else(|| Body::choose(&lhs.client, lhs.dtype)) {
+        Body::Tiled => grouped_wgrad_kernel::launch(
             &lhs.client,
-            count,
+            CubeCount::Static(tiles(q, TILE_Q, op), tiles(p, TILE_M, op), groups),
             dim,
             lhs_arg,
             rhs_arg,
@@ -675,9 +897,9 @@ pub(crate) fn grouped_matmul_wgrad(
             q_arg,
             dtype,
         ),
-        GemmKernel::Direct => grouped_wgrad_direct_kernel::launch(
+        Body::Direct => grouped_wgrad_direct_kernel::launch(
             &lhs.client,
-            count,
+            CubeCount::Static(tiles(q, TILE_Q, op), tiles(p, TILE_M, op), groups),
             dim,
             lhs_arg,
             rhs_arg,
@@ -687,6 +909,362 @@ pub(crate) fn grouped_matmul_wgrad(
             q_arg,
             dtype,
         ),
+        Body::Cmma(plane) => gemm_cmma::grouped_wgrad_cmma_kernel::launch::<gemm_cmma::Cmma>(
+            &lhs.client,
+            CubeCount::Static(
+                tiles(q, gemm_cmma::CMMA_TILE_N, op),
+                tiles(p, gemm_cmma::CMMA_TILE_M, op),
+                groups,
+            ),
+            CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
+            lhs_arg,
+            rhs_arg,
+            off_arg,
+            out_arg,
+            p_arg,
+            q_arg,
+            plane,
+            dtype,
+        ),
+        #[cfg(test)]
+        Body::Emulated(plane) => {
+            gemm_cmma::grouped_wgrad_cmma_kernel::launch::<gemm_cmma::Emulated>(
+                &lhs.client,
+                CubeCount::Static(
+                    tiles(q, gemm_cmma::CMMA_TILE_N, op),
+                    tiles(p, gemm_cmma::CMMA_TILE_M, op),
+                    groups,
+                ),
+                CubeDim::new_2d(plane, gemm_cmma::CMMA_PLANES),
+                lhs_arg,
+                rhs_arg,
+                off_arg,
+                out_arg,
+                p_arg,
+                q_arg,
+                plane,
+                dtype,
+            )
+        }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GPU: DeviceTraits = DeviceTraits {
+        software_spirv: false,
+        cmma_plane: None,
+    };
+    const TENSOR_CORES: DeviceTraits = DeviceTraits {
+        software_spirv: false,
+        cmma_plane: Some(32),
+    };
+    const LAVAPIPE: DeviceTraits = DeviceTraits {
+        software_spirv: true,
+        cmma_plane: None,
+    };
+
+    #[test]
+    fn tensor_cores_run_when_asked_for_where_the_device_has_them() {
+        use CubeGemmKernel as K;
+        // Automatic: the scalar bodies until a GPU run has checked the tensor-core ones.
+        assert_eq!(resolve(K::Auto, TENSOR_CORES), (Body::Tiled, None));
+        assert_eq!(resolve(K::Auto, GPU), (Body::Tiled, None));
+        assert_eq!(resolve(K::Auto, LAVAPIPE), (Body::Direct, None));
+        for traits in [GPU, TENSOR_CORES, LAVAPIPE] {
+            assert_eq!(resolve(K::Tiled, traits), (Body::Tiled, None));
+            assert_eq!(resolve(K::Direct, traits), (Body::Direct, None));
+        }
+        assert_eq!(resolve(K::Cmma, TENSOR_CORES), (Body::Cmma(32), None));
+        let (body, why) = resolve(K::Cmma, GPU);
+        assert_eq!(body, Body::Tiled);
+        assert!(why.is_some_and(|w| w.contains("tensor-core")), "{why:?}");
+        assert_eq!(resolve(K::Cmma, LAVAPIPE).0, Body::Direct);
+    }
+
+    #[test]
+    fn kernel_names_parse_and_bad_ones_are_config_errors() {
+        for k in [
+            CubeGemmKernel::Auto,
+            CubeGemmKernel::Tiled,
+            CubeGemmKernel::Direct,
+            CubeGemmKernel::Cmma,
+        ] {
+            assert_eq!(k.name().parse::<CubeGemmKernel>().ok(), Some(k));
+            assert_eq!(CubeGemmKernel::from_code(k.code()), Some(k));
+        }
+        let err = "wmma".parse::<CubeGemmKernel>().unwrap_err();
+        assert!(
+            matches!(&err, BackendError::Config { field, .. } if *field == GEMM_KERNEL_ENV),
+            "{err}"
+        );
+        assert!(err.to_string().contains("\"wmma\""), "{err}");
+    }
+
+    #[test]
+    fn plane_sizes_that_fit_the_staging_loops() {
+        for p in [4, 8, 16, 32, 64, 128, 256] {
+            assert!(gemm_cmma::plane_dim_fits(p), "{p}");
+        }
+        for p in [0, 1, 2, 3, 24, 48, 512] {
+            assert!(!gemm_cmma::plane_dim_fits(p), "{p}");
+        }
+    }
+
+    /// Output of a grouped GEMM run with `body`, or the launch's error text.
+    #[cfg(feature = "vulkan")]
+    fn run_body(
+        device: &burn::tensor::Device,
+        body: Body,
+        wgrad: bool,
+        transpose: bool,
+    ) -> Result<Vec<f32>, String> {
+        use burn::backend::{BackendTensor, DispatchTensorKind};
+        use burn::tensor::{DType, Int, Tensor, TensorData};
+        fn cube<const D: usize, K: burn::tensor::kind::Basic>(t: Tensor<D, K>) -> CubeTensor {
+            match t.into_dispatch().kind {
+                DispatchTensorKind::Cube(BackendTensor::Float(t) | BackendTensor::Int(t)) => t,
+                _ => panic!("not a Cube tensor"),
+            }
+        }
+        // Two groups of 2 and 1 rows, K = 2, M = 3: small integers, exact in F16.
+        let half = |v: Vec<f32>, shape: Vec<usize>| {
+            Tensor::<2>::from_data(TensorData::new(v, shape), device).cast(DType::F16)
+        };
+        let x = half((1..=6).map(|v| v as f32).collect(), vec![3, 2]);
+        let sizes = cube(Tensor::<1, Int>::from_data(
+            TensorData::new(vec![2i32, 1], [2]),
+            device,
+        ));
+        let y = if wgrad {
+            let rhs = half((1..=9).map(|v| v as f32).collect(), vec![3, 3]);
+            grouped_matmul_wgrad_with(cube(x), cube(rhs), sizes, Some(body))
+        } else {
+            let w = Tensor::<3>::from_data(
+                TensorData::new((1..=12).map(|v| v as f32).collect(), [2, 2, 3]),
+                device,
+            )
+            .cast(DType::F16);
+            let w = if transpose { w.swap_dims(1, 2) } else { w };
+            grouped_matmul_with(cube(x), cube(w), sizes, transpose, Some(body))
+        };
+        let y = launch::cast_float(y, DType::F32);
+        y.client
+            .read_one(y.handle.clone())
+            .map(|b| bytemuck_f32(&b))
+            .map_err(|e| format!("{e:?}"))
+    }
+
+    #[cfg(feature = "vulkan")]
+    fn bytemuck_f32(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    /// The tensor-core kernels expand completely on a Vulkan device: on one without
+    /// cooperative matrices (lavapipe) every expansion error is a missing fragment — all 8
+    /// accumulators, both `A` and all 4 `B` fragments of both `K` steps, nothing else — and
+    /// on a device with them the results equal the scalar body's (exact small integers).
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn cmma_kernels_expand_on_vulkan() {
+        use burn::tensor::{DType, Device, DeviceKind};
+        let device = Device::vulkan(DeviceKind::DefaultDevice);
+        for (wgrad, transpose) in [(false, true), (false, false), (true, false)] {
+            let what = format!("wgrad {wgrad} transpose {transpose}");
+            let client = {
+                use burn::backend::{BackendTensor, DispatchTensorKind};
+                let t = burn::tensor::Tensor::<1>::zeros([1], &device);
+                match t.into_dispatch().kind {
+                    DispatchTensorKind::Cube(BackendTensor::Float(t)) => t.client,
+                    _ => panic!("not a Cube tensor"),
+                }
+            };
+            let traits = DeviceTraits::of(&client, DType::F16);
+            // The scalar body this device runs (lavapipe crashes on the shared-memory one).
+            let scalar_traits = DeviceTraits {
+                cmma_plane: None,
+                ..traits
+            };
+            let (scalar_body, _) = resolve(CubeGemmKernel::Auto, scalar_traits);
+            let scalar = run_body(&device, scalar_body, wgrad, transpose).expect("scalar body");
+            match traits.cmma_plane {
+                Some(plane) => {
+                    let got = run_body(&device, Body::Cmma(plane), wgrad, transpose);
+                    assert_eq!(got.as_ref(), Ok(&scalar), "{what}");
+                }
+                None => {
+                    let err = run_body(&device, Body::Cmma(8), wgrad, transpose)
+                        .expect_err("a device without cooperative matrices cannot run cmma");
+                    let missing = |ident: &str| {
+                        err.matches(&format!(
+                            "doesn't support a 16x16 {ident} cooperative matrix fragment"
+                        ))
+                        .count()
+                    };
+                    assert_eq!(
+                        (missing("Accumulator"), missing("A"), missing("B")),
+                        (8, 4, 8),
+                        "{what}: {err}"
+                    );
+                }
+            }
+            // Closed form: x = 1..=6 as [3, 2], groups of rows {0, 1} and {2}.
+            let xv = |r: usize, k: usize| (r * 2 + k + 1) as f32;
+            let want: Vec<f32> = if wgrad {
+                // out[g][k][c] = Σ_{r ∈ g} x[r][k] · rhs[r][c], rhs = 1..=9 as [3, 3].
+                let rhs = |r: usize, c: usize| (r * 3 + c + 1) as f32;
+                let rows = [0..2, 2..3];
+                (0..2)
+                    .flat_map(|g| (0..2).flat_map(move |k| (0..3).map(move |c| (g, k, c))))
+                    .map(|(g, k, c)| rows[g].clone().map(|r| xv(r, k) * rhs(r, c)).sum())
+                    .collect()
+            } else {
+                // y[r][c] = Σ_k x[r][k] · W_g[k][c], W = 1..=12 as [2, 2, 3].
+                let wv = |g: usize, k: usize, c: usize| (g * 6 + k * 3 + c + 1) as f32;
+                (0..3)
+                    .flat_map(|r| (0..3).map(move |c| (r, c)))
+                    .map(|(r, c)| {
+                        (0..2)
+                            .map(|k| xv(r, k) * wv(usize::from(r == 2), k, c))
+                            .sum()
+                    })
+                    .collect()
+            };
+            assert_eq!(scalar, want, "{what}: the scalar body");
+        }
+    }
+
+    /// `CubeTensor` of a Burn tensor on a Cube device.
+    #[cfg(feature = "vulkan")]
+    fn cube_of<const D: usize, K: burn::tensor::kind::Basic>(
+        t: burn::tensor::Tensor<D, K>,
+    ) -> CubeTensor {
+        use burn::backend::{BackendTensor, DispatchTensorKind};
+        match t.into_dispatch().kind {
+            DispatchTensorKind::Cube(BackendTensor::Float(t) | BackendTensor::Int(t)) => t,
+            _ => panic!("not a Cube tensor"),
+        }
+    }
+
+    #[cfg(feature = "vulkan")]
+    fn read_f32(t: CubeTensor) -> Vec<f32> {
+        let t = launch::cast_float(t, burn::tensor::DType::F32);
+        let bytes = t.client.read_one(t.handle.clone()).expect("read back");
+        bytemuck_f32(&bytes)
+    }
+
+    /// The tensor-core kernels' own index math — operand staging and its zero padding, the
+    /// fragment offsets and layouts of every plane, the accumulators' way out through shared
+    /// memory and the edge masks — run with [`gemm_cmma::Emulated`] fragment products on
+    /// llvmpipe (OpenGL, WGSL: shared memory works there), at ragged shapes that cross every
+    /// tile edge (groups of 0, 2, 70 and 129 rows; `K = 70`: two full `K` slices and a partial
+    /// one; 130 columns: a full and a partial column tile; wgrad `P = 70`, `Q = 130`), against
+    /// f64 references. Planes of 256 lanes (one accumulator element per lane): llvmpipe's
+    /// shader compiler (LLVM's coroutine splitting at the barriers) takes minutes on the
+    /// per-lane loops of 32-lane planes; the kernels' indexing is the same for every plane
+    /// size, and the staging loops still run 2 and 4 rounds.
+    #[cfg(feature = "vulkan")]
+    #[test]
+    fn cmma_kernels_with_emulated_fragments_equal_the_reference() {
+        use burn::tensor::wgpu::WgpuBackend;
+        use burn::tensor::{Device, Int, Tensor, TensorData};
+        let device = Device::wgpu_options()
+            .graphics_api(WgpuBackend::Gl)
+            .init()
+            .expect("OpenGL wgpu device (on Debian: libegl1, libegl-mesa0, libgl1-mesa-dri)");
+        let sizes = [70usize, 0, 129, 2, 0];
+        let (g, n) = (sizes.len(), sizes.iter().sum::<usize>());
+        let (k, m) = (70usize, 130usize);
+        let mut state = 7u64;
+        let mut rand = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let (xv, wv, rv) = (rand(n * k), rand(g * k * m), rand(n * m));
+        let sizes_t = || {
+            let v: Vec<i32> = sizes.iter().map(|&s| s as i32).collect();
+            cube_of(Tensor::<1, Int>::from_data(
+                TensorData::new(v, [g]),
+                &device,
+            ))
+        };
+        let f32s = |v: &[f32], shape: Vec<usize>| TensorData::new(v.to_vec(), shape);
+        let group_of = |r: usize| {
+            let mut end = 0;
+            sizes.iter().position(|&s| {
+                end += s;
+                r < end
+            })
+        };
+        // y[r][c] = Σ_k x[r][k] · W_g[k][c] with W as [G, K, M].
+        let want_y: Vec<f64> = (0..n * m)
+            .map(|e| {
+                let (r, c) = (e / m, e % m);
+                let gi = group_of(r).expect("row in a group");
+                (0..k)
+                    .map(|kk| xv[r * k + kk] as f64 * wv[(gi * k + kk) * m + c] as f64)
+                    .sum()
+            })
+            .collect();
+        // dW[g][p][q] = Σ_{r ∈ g} x[r][p] · rhs[r][q] (P = K, Q = M).
+        let want_dw: Vec<f64> = (0..g * k * m)
+            .map(|e| {
+                let (gi, p, q) = (e / (k * m), (e / m) % k, e % m);
+                (0..n)
+                    .filter(|&r| group_of(r) == Some(gi))
+                    .map(|r| xv[r * k + p] as f64 * rv[r * m + q] as f64)
+                    .sum()
+            })
+            .collect();
+        let close = |got: &[f32], want: &[f64], what: &str| {
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0) * 10.0,
+                    "{what}: element {i}: {a} vs {b}"
+                );
+            }
+        };
+        for plane in [256u32] {
+            for transpose in [false, true] {
+                let w = Tensor::<3>::from_data(f32s(&wv, vec![g, k, m]), &device);
+                // `transpose`: the same W held as [G, M, K].
+                let w = if transpose { w.swap_dims(1, 2) } else { w };
+                let x = Tensor::<2>::from_data(f32s(&xv, vec![n, k]), &device);
+                let y = grouped_matmul_with(
+                    cube_of(x),
+                    cube_of(w),
+                    sizes_t(),
+                    transpose,
+                    Some(Body::Emulated(plane)),
+                );
+                close(
+                    &read_f32(y),
+                    &want_y,
+                    &format!("fprop plane {plane} transpose {transpose}"),
+                );
+            }
+            let x = Tensor::<2>::from_data(f32s(&xv, vec![n, k]), &device);
+            let r = Tensor::<2>::from_data(f32s(&rv, vec![n, m]), &device);
+            let dw = grouped_matmul_wgrad_with(
+                cube_of(x),
+                cube_of(r),
+                sizes_t(),
+                Some(Body::Emulated(plane)),
+            );
+            close(&read_f32(dw), &want_dw, &format!("wgrad plane {plane}"));
+        }
+    }
 }

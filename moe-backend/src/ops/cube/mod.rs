@@ -7,12 +7,15 @@
 //! | `moe_topk_indices` | one unit per token, k selection passes ([`routing`]) |
 //! | `moe_permute`, `moe_sort_chunks` | row gather ([`rows`]) |
 //! | `moe_unpermute(_weighted)` | device CSR inverse map + per-token f32 sum ([`rows`]) |
-//! | `moe_grouped_matmul(_wgrad)` | tiled grouped GEMM, group offsets on device ([`gemm`]) |
+//! | `moe_grouped_matmul(_wgrad)` | grouped GEMM, group offsets on device ([`gemm`]; tensor cores: [`gemm_cmma`]) |
 //! | `moe_swiglu(_backward)` | elementwise + per-row reduction ([`swiglu`]) |
 //!
-//! The grouped GEMM stages its tiles through shared memory on GPUs and reads them straight from
-//! global memory on software Vulkan devices such as lavapipe, where CubeCL 0.11.3 cannot compile
-//! shared memory (see [`gemm`]; `MOE_CUBE_GEMM=tiled|direct` overrides the choice).
+//! The grouped GEMM has three bodies ([`CubeGemmKernel`]): tensor cores (`cmma`, BF16 / F16
+//! operands with f32 accumulators, where the device advertises the fragments), scalar tiles
+//! staged through shared memory on other GPUs, and scalar tiles read straight from global memory
+//! on software Vulkan devices such as lavapipe, where CubeCL 0.11.3 cannot compile shared memory
+//! (see [`gemm`]; `MOE_CUBE_GEMM=auto|tiled|direct|cmma` or [`set_cube_gemm_kernel`] overrides
+//! the choice).
 //!
 //! Inputs may be any float dtype the runtime supports (f32 everywhere; f16/bf16 where the device
 //! has them); accumulation is f32. Index tensors may be any integer dtype; index outputs are
@@ -20,6 +23,7 @@
 //! feature must stay off (the selector names `CubeBackend`, not `Fusion<CubeBackend>`).
 
 mod gemm;
+mod gemm_cmma;
 mod launch;
 mod routing;
 mod rows;
@@ -29,6 +33,10 @@ use burn::backend::ops::IntTensorOps;
 use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::TensorData;
 use burn_cubecl::CubeBackend;
+
+pub use gemm::{
+    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+};
 
 use super::MoeOps;
 use super::kernels::sort_chunks_row_index;
