@@ -236,7 +236,11 @@ impl<M: crate::distributed::ShardModel + CausalLm> RolloutModel for M {
     ) -> Result<CachedForward, ModelError> {
         let shape = M::stack_shape(self.model_config())?;
         let moe = shape.num_experts.is_some();
-        let ctx = crate::family::local_context::<M>(self.model_config())?;
+        let ctx = crate::distributed::ParallelContext::local(
+            shape.num_experts,
+            shape.vocab_size,
+            shape.rope,
+        )?;
         let mut trace = crate::distributed::RouterTrace::recording(1.0, None);
         let out = ctx.logits(self, input_ids, None, Some(cache), &mut trace)?;
         Ok(CachedForward {

@@ -141,6 +141,19 @@ pub fn param_count<F: Family>(config: &F::Config) -> Result<ParamCount, ModelErr
     Ok(count)
 }
 
+/// The parallel plan of the family whose `model_type` is `model_type` (`None`: no family has
+/// it); only that family's plan is built.
+pub fn plan_of(model_type: &str) -> Option<crate::param_plan::ParallelPlan> {
+    struct Plan;
+    impl FamilyVisitor for Plan {
+        type Output = crate::param_plan::ParallelPlan;
+        fn visit<F: Family>(self) -> Self::Output {
+            <F::Model as crate::param_plan::Planned>::parallel_plan()
+        }
+    }
+    visit_family(model_type, Plan)
+}
+
 /// Logits `[B, S, V]` of `input_ids [B, S]` through the whole model `model` on its
 /// single-rank context (positions `0..S`, no cache).
 pub fn local_logits<M: ShardModel>(

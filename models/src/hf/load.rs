@@ -51,9 +51,8 @@ pub type CheckReport = moe_bridge::hf::CheckReport<ModelConfig>;
 /// unreadable one or one of an unknown family (the weights are then read as stored).
 fn release_plan(checkpoint: &HfCheckpoint) -> Option<crate::param_plan::ParallelPlan> {
     let config = checkpoint.config_json_opt().ok()??;
-    let model_type = config.get("model_type")?.as_str()?.to_owned();
-    (crate::families::plans().into_iter())
-        .find(|p| p.family() == model_type && p.has_release_layouts())
+    let model_type = config.get("model_type")?.as_str()?;
+    crate::families::plan_of(model_type).filter(|p| p.has_release_layouts())
 }
 
 /// `checkpoint` as a [`CheckpointSource`] of f32 weights under its family's release plan.

@@ -127,9 +127,7 @@ impl ModelConfig {
     /// How this family's release stores canonical tensor `name`, when not as is
     /// ([`Stacked`](ReleaseLayout::Stacked) tensors are stored as is).
     fn release_layout(&self, name: &str) -> Option<ReleaseLayout> {
-        let model_type = ModelConfig::model_type(self);
-        (crate::families::plans().into_iter())
-            .find(|p| p.family() == model_type)
+        crate::families::plan_of(ModelConfig::model_type(self))
             .and_then(|p| p.release_layout(name))
             .filter(|l| *l != ReleaseLayout::Stacked)
     }

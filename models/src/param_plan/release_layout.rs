@@ -94,7 +94,8 @@ impl ReleaseLayout {
         values: &[T],
         to_canonical: bool,
     ) -> Result<Vec<T>, ModelError> {
-        if values.len() != shape.iter().product::<usize>() {
+        let count = (shape.iter()).try_fold(1usize, |n, &d| n.checked_mul(d));
+        if count != Some(values.len()) {
             return Err(error(
                 name,
                 shape,
