@@ -25,7 +25,7 @@ mod math;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 pub use self::math::{
     ExpertShard, RouterMode, SplitMix64, UpcycleScale, split_dense_mlp, upcycled_router,
@@ -38,6 +38,7 @@ use moe_bridge::fp8::{OutDtype, is_scale_inv};
 use moe_bridge::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint};
 use moe_bridge::safetensors::{Dtype, HfDirWriter, OwnedTensor, ShardPlan};
 
+use crate::families::{self, UpcycledMoe};
 use crate::param_plan::hf_names;
 
 /// What to build (`moe upcycle --experts E --topk K --granularity G [--seed S]`).
@@ -110,31 +111,22 @@ fn config_usize(config: &Value, path: &Path, field: &str) -> Result<usize, Bridg
         })
 }
 
-/// The Qwen3-MoE `config.json` of an upcycled dense Qwen3 `source`
-/// (docs/checkpoints.md §Upcycling): `model_type = qwen3_moe`,
-/// `architectures = [Qwen3MoeForCausalLM]`, `moe_intermediate_size = F/G`, `num_experts = E`,
-/// `num_experts_per_tok = k`, `norm_topk_prob` = post-softmax, `mlp_only_layers = []`,
-/// `decoder_sparse_step = 1`; every other key (including `tie_word_embeddings` and the dense
-/// `intermediate_size`) is copied.
-pub fn upcycled_config(source: &Value, scale: &UpcycleScale, mode: RouterMode) -> Value {
-    let mut config = source.clone();
-    if let Value::Object(map) = &mut config {
-        map.remove("num_local_experts");
-        let entries = [
-            ("model_type", json!("qwen3_moe")),
-            ("architectures", json!(["Qwen3MoeForCausalLM"])),
-            ("moe_intermediate_size", json!(scale.moe_intermediate)),
-            ("num_experts", json!(scale.experts)),
-            ("num_experts_per_tok", json!(scale.topk)),
-            ("norm_topk_prob", json!(mode == RouterMode::PostSoftmax)),
-            ("mlp_only_layers", json!([])),
-            ("decoder_sparse_step", json!(1)),
-        ];
-        for (key, value) in entries {
-            map.insert(key.to_owned(), value);
-        }
-    }
-    config
+/// The MoE `config.json` of an upcycled dense `source` (docs/checkpoints.md §Upcycling): the
+/// family that upcycles from `source`'s `model_type` ([`Family::upcycled_config`]) sets its
+/// MoE fields (`moe_intermediate_size = F/G`, `num_experts = E`, `num_experts_per_tok = k`,
+/// `norm_topk_prob` = post-softmax) and copies the rest; `None` when no family upcycles from
+/// that `model_type`.
+///
+/// [`Family::upcycled_config`]: crate::families::Family::upcycled_config
+pub fn upcycled_config(source: &Value, scale: &UpcycleScale, mode: RouterMode) -> Option<Value> {
+    let dense = source.get("model_type").and_then(Value::as_str)?;
+    let moe = UpcycledMoe {
+        experts: scale.experts,
+        topk: scale.topk,
+        moe_intermediate: scale.moe_intermediate,
+        norm_topk_prob: mode == RouterMode::PostSoftmax,
+    };
+    families::upcycled_config(dense, source, moe).map(|(_, config)| config)
 }
 
 /// Upcycles the dense Qwen3 HF checkpoint in `from_dense_dir` into a Qwen3-MoE checkpoint at
@@ -154,13 +146,17 @@ pub fn upcycle(
         field: field.to_owned(),
         reason,
     };
+    let sources = families::upcycle_sources();
     match config.get("model_type").and_then(Value::as_str) {
-        Some("qwen3") => {}
+        Some(t) if sources.contains(&t) => {}
         other => {
             let found = other.map_or_else(|| "none".to_owned(), |t| format!("\"{t}\""));
             return Err(invalid(
                 "model_type",
-                format!("upcycling needs a dense \"qwen3\" checkpoint, found {found}"),
+                format!("upcycling needs a dense {} checkpoint, found {found}", {
+                    let quoted: Vec<String> = sources.iter().map(|t| format!("\"{t}\"")).collect();
+                    quoted.join(" or ")
+                }),
             ));
         }
     }
@@ -281,7 +277,12 @@ pub fn upcycle(
         }
     }
 
-    let moe_config = upcycled_config(&config, &scale, opts.router_mode);
+    let moe_config = upcycled_config(&config, &scale, opts.router_mode).ok_or_else(|| {
+        invalid(
+            "model_type",
+            "no family upcycles this model_type".to_owned(),
+        )
+    })?;
     let moe_config = export_config(&moe_config, dequantized.then_some(Dtype::BF16), dequantized);
     writer.write_json(CONFIG_FILE, &moe_config)?;
     let generation = match src.generation_config_json()? {

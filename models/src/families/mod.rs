@@ -83,6 +83,18 @@ pub trait Family: Send + Sync + 'static {
         None
     }
 
+    /// The dense family (`model_type`) whose checkpoints upcycle into this one (`moe upcycle`,
+    /// docs/checkpoints.md §Upcycling); `None` (the default) for a family nothing upcycles into.
+    const UPCYCLED_FROM: Option<&'static str> = None;
+
+    /// This family's `config.json` for the dense `source` config (of family
+    /// [`UPCYCLED_FROM`](Family::UPCYCLED_FROM)) upcycled to `moe`: the dense fields copied, the
+    /// MoE fields set. Called only for a family with `UPCYCLED_FROM`; the default copies `source`.
+    fn upcycled_config(source: &serde_json::Value, moe: UpcycledMoe) -> serde_json::Value {
+        let _ = moe;
+        source.clone()
+    }
+
     /// Logits of `input_ids [B, S]` and the losses HF reports for `labels` (`[B, S]`, −100
     /// ignored, shifted inside). The default: cross-entropy only (families whose HF loss adds
     /// a load-balancing term override it).
@@ -101,6 +113,19 @@ pub trait Family: Send + Sync + 'static {
             },
         ))
     }
+}
+
+/// The MoE sizes of an upcycled model ([`Family::upcycled_config`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpcycledMoe {
+    /// Routed experts per layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Each expert's FFN width (the dense width over the granularity).
+    pub moe_intermediate: usize,
+    /// Routing weights renormalised over the top-k (post-softmax routing).
+    pub norm_topk_prob: bool,
 }
 
 /// Shape-only parameter counts of family `F`'s model of `config`, read off the family's own
@@ -189,6 +214,31 @@ macro_rules! families {
         /// Every family's parallel plan, in list order.
         pub fn plans() -> Vec<crate::param_plan::ParallelPlan> {
             vec![$(<<$family as Family>::Model as crate::param_plan::Planned>::parallel_plan()),+]
+        }
+
+        /// The MoE `config.json` of the dense `source` config of family `dense_model_type`
+        /// upcycled to `moe`, with the target family's `model_type`; `None` when no family
+        /// upcycles from `dense_model_type` ([`upcycle_sources`] lists those that do).
+        pub fn upcycled_config(
+            dense_model_type: &str,
+            source: &serde_json::Value,
+            moe: UpcycledMoe,
+        ) -> Option<(&'static str, serde_json::Value)> {
+            $(
+                if <$family as Family>::UPCYCLED_FROM == Some(dense_model_type) {
+                    return Some((
+                        <$family as Family>::MODEL_TYPE,
+                        <$family as Family>::upcycled_config(source, moe),
+                    ));
+                }
+            )+
+            None
+        }
+
+        /// The dense `model_type`s some family upcycles from, in list order.
+        pub fn upcycle_sources() -> Vec<&'static str> {
+            let all = [$(<$family as Family>::UPCYCLED_FROM),+];
+            all.into_iter().flatten().collect()
         }
 
         /// Runs `visitor` for the family whose `model_type` is `model_type`; `None` when no

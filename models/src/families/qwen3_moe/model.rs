@@ -634,4 +634,35 @@ impl crate::family::Family for Qwen3Moe {
         };
         Ok((out.logits, losses))
     }
+
+    const UPCYCLED_FROM: Option<&'static str> = Some(crate::Qwen3Config::MODEL_TYPE);
+
+    /// The dense Qwen3 fields copied (including `tie_word_embeddings` and the dense
+    /// `intermediate_size`), then `model_type`, `architectures`, `moe_intermediate_size`,
+    /// `num_experts`, `num_experts_per_tok`, `norm_topk_prob`, `mlp_only_layers = []`,
+    /// `decoder_sparse_step = 1` set (every layer sparse).
+    fn upcycled_config(
+        source: &serde_json::Value,
+        moe: crate::families::UpcycledMoe,
+    ) -> serde_json::Value {
+        use serde_json::json;
+        let mut config = source.clone();
+        if let serde_json::Value::Object(map) = &mut config {
+            map.remove("num_local_experts");
+            let entries = [
+                ("model_type", json!(Self::MODEL_TYPE)),
+                ("architectures", json!([Self::ARCHITECTURE])),
+                ("moe_intermediate_size", json!(moe.moe_intermediate)),
+                ("num_experts", json!(moe.experts)),
+                ("num_experts_per_tok", json!(moe.topk)),
+                ("norm_topk_prob", json!(moe.norm_topk_prob)),
+                ("mlp_only_layers", json!([])),
+                ("decoder_sparse_step", json!(1)),
+            ];
+            for (key, value) in entries {
+                map.insert(key.to_owned(), value);
+            }
+        }
+        config
+    }
 }
