@@ -13,7 +13,7 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{FixtureSource, Golden, fixtures, max_errors};
+use common::{FixtureSource, Golden, family, fixtures, max_errors};
 use moe_backend::comm::World;
 use moe_backend::parallel::{ParallelLayout, replicate};
 use moe_models::WeightSource;
@@ -152,37 +152,6 @@ fn ad() -> Device {
     Device::flex().autodiff()
 }
 
-fn be(e: moe_models::ModelError) -> moe_backend::BackendError {
-    moe_backend::BackendError::Config {
-        field: "model",
-        detail: e.to_string(),
-    }
-}
-
-/// The PyTorch reference's settings (`tests/fixtures/README.md`, training goldens): AdamW
-/// lr 1e-3, β (0.9, 0.95), ε 1e-8, weight decay 0.1 except norms and biases, clipping at 1.0;
-/// cross-entropy only (no aux loss, z-loss, expert-bias update or MTP loss).
-fn reference_config() -> TrainerConfig {
-    let defaults = TrainerConfig::default();
-    TrainerConfig {
-        lr: 1e-3,
-        aux_loss_coeff: 0.0,
-        z_loss_coeff: 0.0,
-        update_expert_bias: false,
-        mtp_loss_scaling_factor: 0.0,
-        optimizer: moe_backend::optim::DistributedAdamWConfig {
-            beta_1: 0.9,
-            beta_2: 0.95,
-            epsilon: 1e-8,
-            weight_decay: 0.1,
-            exempt_norms_and_biases: true,
-            max_grad_norm: Some(1.0),
-            ..defaults.optimizer
-        },
-        ..defaults
-    }
-}
-
 #[test]
 fn glm4_moe_training_matches_pytorch() {
     let golden = Golden::open("glm4_moe.train");
@@ -195,13 +164,20 @@ fn glm4_moe_training_matches_pytorch() {
     let (ids, start, layout) = (&ids, &start, &layout);
     let mut out = World::run(1, |ctx| {
         let pg = ctx.process_groups(layout)?;
-        let mut trainer =
-            Trainer::new(start, &pg, ctx.world()?, reference_config(), &ad()).map_err(be)?;
+        let mut trainer = Trainer::new(
+            start,
+            &pg,
+            ctx.world()?,
+            family::reference_settings(),
+            &ad(),
+        )
+        .map_err(family::be)?;
         let mut stats: Vec<StepStats> = Vec::new();
         for t in 0..steps {
             let at = t * batch * seq;
-            let b = TrainBatch::causal(ids[at..at + batch * seq].to_vec(), batch).map_err(be)?;
-            stats.push(trainer.step(&b).map_err(be)?);
+            let b = TrainBatch::causal(ids[at..at + batch * seq].to_vec(), batch)
+                .map_err(family::be)?;
+            stats.push(trainer.step(&b).map_err(family::be)?);
         }
         Ok((stats, trainer.model().model().clone()))
     });
@@ -327,29 +303,17 @@ fn equivalence_config() -> TrainerConfig {
     }
 }
 
-fn close(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-    let tight = 1e-5 * scale + 1e-6;
-    let worst = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert!(worst <= tight, "{what}: max err {worst:e} > {tight:e}");
-}
-
 /// `(per-step stats, final model)` of the whole global batch (`replicas` batches) on one rank.
 fn one_rank(start: &Glm4MoeForCausalLM, replicas: usize) -> (Vec<StepStats>, Glm4MoeForCausalLM) {
     let layout = ParallelLayout::parse(1, "").expect("layout");
     let mut out = World::run(1, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        let mut trainer =
-            Trainer::new(start, &pg, ctx.world()?, equivalence_config(), &ad()).map_err(be)?;
+        let mut trainer = Trainer::new(start, &pg, ctx.world()?, equivalence_config(), &ad())
+            .map_err(family::be)?;
         let mut stats = Vec::new();
         for step in 0..STEPS {
             let micro: Vec<TrainBatch> = (0..replicas).map(|r| replica_batch(step, r)).collect();
-            stats.push(trainer.step_micro_batches(&micro).map_err(be)?);
+            stats.push(trainer.step_micro_batches(&micro).map_err(family::be)?);
         }
         Ok((stats, trainer.model().model().clone()))
     });
@@ -387,18 +351,22 @@ fn glm4_moe_parallel_training_with_mtp_matches_one_rank() {
         let (start, layout) = (&start, &layout);
         let results = World::run(world, |ctx| {
             let pg = ctx.process_groups(layout)?;
-            let mut trainer =
-                Trainer::new(start, &pg, ctx.world()?, equivalence_config(), &ad()).map_err(be)?;
+            let mut trainer = Trainer::new(start, &pg, ctx.world()?, equivalence_config(), &ad())
+                .map_err(family::be)?;
             let replica = pg.groups.get(moe_backend::parallel::GroupFamily::Dp).index;
             let mut stats = Vec::new();
             for step in 0..STEPS {
-                stats.push(trainer.step(&replica_batch(step, replica)).map_err(be)?);
+                stats.push(
+                    trainer
+                        .step(&replica_batch(step, replica))
+                        .map_err(family::be)?,
+                );
             }
             let table = trainer.optimizer().table();
             let mine = table.flatten_values(trainer.model().model())?;
             let mut want_shard = want_model
                 .shard(&pg, DispatcherKind::AllToAll)
-                .map_err(be)?;
+                .map_err(family::be)?;
             let want = table.flatten_values(want_shard.model())?;
             let biases = |rs: Vec<&mut moe_backend::router::TopKRouter>| -> Vec<Vec<f32>> {
                 rs.into_iter()
@@ -414,19 +382,19 @@ fn glm4_moe_parallel_training_with_mtp_matches_one_rank() {
         for (rank, res) in results.into_iter().enumerate() {
             let (replica, stats, mine, want, bias, want_bias) =
                 res.unwrap_or_else(|e| panic!("{spec} rank {rank}: {e}"));
-            close(
+            family::close(
                 &mine.0,
                 &want.0,
                 &format!("{spec} rank {rank} dense parameters"),
             );
-            close(
+            family::close(
                 &mine.1,
                 &want.1,
                 &format!("{spec} rank {rank} expert parameters"),
             );
             assert_eq!(bias.len(), want_bias.len(), "{spec} rank {rank}: routers");
             for (b, w) in bias.iter().zip(&want_bias) {
-                close(b, w, &format!("{spec} rank {rank} expert bias"));
+                family::close(b, w, &format!("{spec} rank {rank} expert bias"));
             }
             for (step, s) in stats.into_iter().enumerate() {
                 per_step[step].push((replica, s));

@@ -19,16 +19,12 @@ mod common;
 use std::collections::BTreeMap;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use common::{Golden, fixtures, max_errors};
-use moe_backend::comm::World;
-use moe_backend::optim::DistributedAdamWConfig;
-use moe_backend::parallel::{ParallelLayout, replicate};
+use common::{Golden, family, fixtures, max_errors};
+use moe_backend::parallel::replicate;
 use moe_models::causal_lm::{GenerationConfig, generate, hf_load_balancing_loss};
-use moe_models::distributed::{CausalLmShard, DispatcherKind, ParallelCausalLm};
 use moe_models::export::export_hf_tensors;
 use moe_models::families::gpt_oss::{GptOss, GptOssForCausalLM};
 use moe_models::hf::load_causal_lm;
-use moe_models::train::{StepStats, TrainBatch, Trainer, TrainerConfig};
 
 fn load(name: &str, device: &Device) -> GptOssForCausalLM {
     let any = load_causal_lm(fixtures().join(name), device).expect("load_causal_lm");
@@ -45,15 +41,6 @@ fn f32s<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         .convert::<f32>()
         .try_into_vec::<f32>()
         .expect("f32")
-}
-
-fn assert_rel(what: &str, ours: f64, want: f64, tol: f64) {
-    let rel = (ours - want).abs() / want.abs();
-    println!("{what}: ours {ours:.7}, golden {want:.7}, rel err {rel:.3e}");
-    assert!(
-        rel <= tol,
-        "{what}: {ours} vs {want} (rel {rel:e} > {tol:e})"
-    );
 }
 
 fn assert_logits(what: &str, ours: Tensor<3>, golden: &Golden) {
@@ -89,7 +76,7 @@ fn parity(name: &str) {
     ] {
         let (_, want) = golden.f32(key);
         let ours = f64::from(ours.into_scalar::<f32>());
-        assert_rel(&format!("{name} {key}"), ours, f64::from(want[0]), 1e-5);
+        family::assert_rel(&format!("{name} {key}"), ours, f64::from(want[0]), 1e-5);
     }
     for (l, ours) in out.router_logits.iter().enumerate() {
         let (shape, want) = golden.f32(&format!("router_logits.{l}"));
@@ -108,7 +95,7 @@ fn parity(name: &str) {
     let masked = hf_load_balancing_loss(&layers, 2, Some(&mask)).expect("masked aux");
     let (_, want) = golden.f32("aux_loss_masked");
     let masked = f64::from(masked.into_scalar::<f32>());
-    assert_rel(
+    family::assert_rel(
         &format!("{name} aux_loss_masked"),
         masked,
         f64::from(want[0]),
@@ -163,138 +150,13 @@ fn the_mxfp4_release_matches_transformers_and_decodes_bit_exactly() {
     assert_eq!(checked, 8);
 }
 
-/// The PyTorch reference's settings (README: training goldens): AdamW lr 1e-3, β (0.9, 0.95),
-/// ε 1e-8, weight decay 0.1 except 1-D parameters, clipping at 1.0; cross-entropy only.
-fn reference_settings() -> TrainerConfig {
-    TrainerConfig {
-        lr: 1e-3,
-        aux_loss_coeff: 0.0,
-        z_loss_coeff: 0.0,
-        update_expert_bias: false,
-        mtp_loss_scaling_factor: 0.0,
-        optimizer: DistributedAdamWConfig {
-            beta_1: 0.9,
-            beta_2: 0.95,
-            epsilon: 1e-8,
-            weight_decay: 0.1,
-            exempt_norms_and_biases: true,
-            max_grad_norm: Some(1.0),
-            ..TrainerConfig::default().optimizer
-        },
-        ..TrainerConfig::default()
-    }
-}
-
-fn be(e: moe_models::ModelError) -> moe_backend::BackendError {
-    moe_backend::BackendError::Config {
-        field: "model",
-        detail: e.to_string(),
-    }
-}
-
-/// Every tensor of a safetensors golden but the listed non-parameter keys, by name.
-fn golden_params(golden: &Golden, skip: &[&str]) -> BTreeMap<String, Vec<f32>> {
-    let bytes = std::fs::read(fixtures().join("gpt_oss.train.golden.safetensors")).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("golden");
-    (st.names().into_iter())
-        .filter(|n| !skip.contains(n))
-        .map(|n| (n.to_owned(), golden.f32(n).1))
-        .collect()
-}
-
 #[test]
 fn gpt_oss_training_matches_pytorch() {
-    let ad = Device::flex().autodiff();
-    let start = replicate(&fixture(&ad));
-    let golden = Golden::open("gpt_oss.train");
-    let (shape, ids) = golden.i64("train_ids");
-    assert_eq!(shape, [6, 2, 12]);
-    let (_, want_losses) = golden.f32("losses");
-    let (_, want_norms) = golden.f32("grad_norms");
-    let layout = ParallelLayout::parse(1, "").expect("layout");
-    let (ids, layout) = (&ids, &layout);
-    let mut runs = World::run(1, |ctx| {
-        let pg = ctx.process_groups(layout)?;
-        let mut trainer =
-            Trainer::new(&start, &pg, ctx.world()?, reference_settings(), &ad).map_err(be)?;
-        let mut stats = Vec::new();
-        for step in ids.chunks(24) {
-            let batch = TrainBatch::causal(step.to_vec(), 2).map_err(be)?;
-            stats.push(trainer.step_micro_batches(&[batch]).map_err(be)?);
-        }
-        let exported: BTreeMap<String, Vec<f32>> = export_hf_tensors(trainer.model().model())
-            .map_err(be)?
-            .map(|(name, data)| {
-                (
-                    name,
-                    data.convert::<f32>()
-                        .try_to_vec::<f32>()
-                        .unwrap_or_default(),
-                )
-            })
-            .collect();
-        Ok((stats, exported))
-    });
-    let (stats, exported) = runs.remove(0).expect("world 1");
-    for (t, s) in stats.iter().enumerate() {
-        let what = format!("step {t}");
-        assert_rel(
-            &format!("{what} loss"),
-            f64::from(s.loss),
-            f64::from(want_losses[t]),
-            1e-4,
-        );
-        assert_rel(
-            &format!("{what} grad norm"),
-            s.grad_norm,
-            f64::from(want_norms[t]),
-            1e-4,
-        );
-    }
-    // The trained parameters under the release names, against the reference's.
-    let want = golden_params(&golden, &["train_ids", "losses", "grad_norms"]);
-    let fixture_names: Vec<String> = common_names(&fixtures().join("gpt_oss"));
-    assert_eq!(
-        exported.keys().cloned().collect::<Vec<_>>(),
-        fixture_names,
-        "export names = the release checkpoint's"
-    );
-    assert_eq!(
-        want.keys().collect::<Vec<_>>(),
-        exported.keys().collect::<Vec<_>>()
-    );
-    let start_values: BTreeMap<String, Vec<f32>> = export_hf_tensors(&start)
-        .expect("export")
-        .map(|(n, d)| (n, d.convert::<f32>().try_to_vec::<f32>().expect("f32")))
-        .collect();
-    let mut worst = (0f32, String::new());
-    for (name, w) in &want {
-        let got = &exported[name];
-        let (err, _) = max_errors(got, w);
-        // Six steps moved every tensor (the comparison is not of the starting point).
-        let (moved, _) = max_errors(&start_values[name], w);
-        assert!(moved > 1e-4, "{name} did not train ({moved})");
-        if err > worst.0 {
-            worst = (err, name.clone());
-        }
-        // An element moves by at most ~lr (1e-3) per step; f32 reduction-order differences
-        // reach the parameters through Adam's m/√v (amplified for near-zero gradients, e.g.
-        // through the sinks' and the clamp's) at a small fraction of that: 5% of one step.
-        assert!(err <= 5e-5, "{name}: max |ours − PyTorch| = {err:e}");
-    }
-    println!(
-        "final parameters: worst max error {:.3e} ({})",
-        worst.0, worst.1
-    );
-}
-
-/// The tensor names of the HF directory `dir`, sorted.
-fn common_names(dir: &std::path::Path) -> Vec<String> {
-    let bytes = std::fs::read(dir.join("model.safetensors")).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("fixture");
-    let mut names: Vec<String> = st.names().into_iter().map(str::to_owned).collect();
-    names.sort();
-    names
+    let start = replicate(&fixture(&Device::flex().autodiff()));
+    // An element moves by at most ~lr (1e-3) per step; f32 reduction-order differences
+    // reach the parameters through Adam's m/√v (amplified for near-zero gradients, e.g.
+    // through the sinks' and the clamp's) at a small fraction of that: 5% of one step.
+    family::training_matches_pytorch(&start, "gpt_oss", 5e-5);
 }
 
 /// Layouts the `world = 1` training run is compared under: EP, TP (the `o_proj` bias added
@@ -312,156 +174,10 @@ const LAYOUTS: [(usize, &str); 6] = [
     (4, "tp=2,ep=2,etp=2"),
 ];
 
-/// Micro-batches (one sequence each) per step of the global batch.
-const MICRO: usize = 2;
-
-/// The real defaults (router aux loss and z-loss on) with lr 1e-2 and Adam ε 1e-3 (so that
-/// f32 reduction-order differences of near-zero gradients are not amplified, as in
-/// `training_equivalence.rs`).
-fn layout_settings() -> TrainerConfig {
-    TrainerConfig {
-        lr: 1e-2,
-        z_loss_coeff: 1e-3,
-        optimizer: DistributedAdamWConfig {
-            epsilon: 1e-3,
-            ..TrainerConfig::default().optimizer
-        },
-        ..TrainerConfig::default()
-    }
-}
-
-type Flat = (Vec<f32>, Vec<f32>);
-
-/// Trains `start` under `(world, spec)` on the golden batches; per rank: its replica, its
-/// step stats, its parameters and `reference`'s shard of this rank, flattened the same way.
-fn train_under(
-    start: &GptOssForCausalLM,
-    (world, spec): (usize, &str),
-    reference: Option<&GptOssForCausalLM>,
-) -> Vec<(usize, Vec<StepStats>, Flat, Option<Flat>)> {
-    let golden = Golden::open("gpt_oss.train");
-    let (_, ids) = golden.i64("train_ids");
-    let layout = ParallelLayout::parse(world, spec).expect("layout");
-    let replicas = layout.dp;
-    let (ids, layout) = (&ids, &layout);
-    let ad = Device::flex().autodiff();
-    let ad = &ad;
-    World::run(world, |ctx| {
-        let pg = ctx.process_groups(layout)?;
-        let mut trainer =
-            Trainer::new(start, &pg, ctx.world()?, layout_settings(), ad).map_err(be)?;
-        let replica = pg.groups.get(moe_backend::parallel::GroupFamily::Dp).index;
-        let per = MICRO / replicas;
-        let mut stats = Vec::new();
-        for step in ids.chunks(24) {
-            let micro: Vec<TrainBatch> = (0..per)
-                .map(|m| {
-                    let row = replica * per + m;
-                    TrainBatch::causal(step[row * 12..(row + 1) * 12].to_vec(), 1)
-                })
-                .collect::<Result<_, _>>()
-                .map_err(be)?;
-            stats.push(trainer.step_micro_batches(&micro).map_err(be)?);
-        }
-        let table = trainer.optimizer().table();
-        let mine = table.flatten_values(trainer.model().model())?;
-        let want = match reference {
-            Some(r) => {
-                let shard = r.shard(&pg, DispatcherKind::AllToAll).map_err(be)?;
-                Some(table.flatten_values(shard.model())?)
-            }
-            None => None,
-        };
-        Ok((replica, stats, mine, want))
-    })
-    .into_iter()
-    .enumerate()
-    .map(|(rank, r)| r.unwrap_or_else(|e| panic!("{spec} rank {rank}: {e}")))
-    .collect()
-}
-
-/// `a` equals `b` within `1e-5·max|b| + 1e-6` element-wise.
-fn close(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-    let (err, _) = max_errors(a, b);
-    assert!(
-        err <= 1e-5 * scale + 1e-6,
-        "{what}: max error {err:e} (scale {scale})"
-    );
-}
-
 #[test]
 fn gpt_oss_training_under_six_layouts_matches_one_rank() {
     let start = replicate(&fixture(&Device::flex().autodiff()));
-    // The world = 1 run: both micro-batches on one rank, and its final model.
-    let one = {
-        let golden = Golden::open("gpt_oss.train");
-        let (_, ids) = golden.i64("train_ids");
-        let layout = ParallelLayout::parse(1, "").expect("layout");
-        let (ids, layout, start) = (&ids, &layout, &start);
-        let ad = Device::flex().autodiff();
-        let ad = &ad;
-        let mut out = World::run(1, |ctx| {
-            let pg = ctx.process_groups(layout)?;
-            let mut trainer =
-                Trainer::new(start, &pg, ctx.world()?, layout_settings(), ad).map_err(be)?;
-            let mut stats = Vec::new();
-            for step in ids.chunks(24) {
-                let micro: Vec<TrainBatch> = (0..MICRO)
-                    .map(|r| TrainBatch::causal(step[r * 12..(r + 1) * 12].to_vec(), 1))
-                    .collect::<Result<_, _>>()
-                    .map_err(be)?;
-                stats.push(trainer.step_micro_batches(&micro).map_err(be)?);
-            }
-            Ok((stats, trainer.model().model().clone()))
-        });
-        out.remove(0).expect("world 1")
-    };
-    let (want_stats, final_model) = one;
-    assert!(
-        want_stats.iter().all(|s| s.aux_loss > 0.0),
-        "the aux loss is on"
-    );
-    for (world, spec) in LAYOUTS {
-        let ranks = train_under(&start, (world, spec), Some(&final_model));
-        let replicas = ParallelLayout::parse(world, spec).expect("layout").dp;
-        for (rank, (_, _, mine, want)) in ranks.iter().enumerate() {
-            let want = want.as_ref().expect("reference shard");
-            close(
-                &mine.0,
-                &want.0,
-                &format!("{spec} rank {rank}: dense parameters"),
-            );
-            close(
-                &mine.1,
-                &want.1,
-                &format!("{spec} rank {rank}: expert parameters"),
-            );
-        }
-        for (step, want) in want_stats.iter().enumerate() {
-            let mut seen = vec![false; replicas];
-            let (mut loss, mut tokens) = (0f64, 0usize);
-            for (replica, stats, _, _) in &ranks {
-                let s = &stats[step];
-                let rel = (s.grad_norm - want.grad_norm).abs() / want.grad_norm;
-                assert!(rel <= 1e-5, "{spec} step {step}: grad norm rel {rel:e}");
-                if !std::mem::replace(&mut seen[*replica], true) {
-                    loss += f64::from(s.loss) * s.tokens as f64;
-                    tokens += s.tokens;
-                }
-            }
-            assert_eq!(tokens, want.tokens, "{spec} step {step}: tokens");
-            let loss = loss / tokens as f64;
-            let rel = (loss - f64::from(want.loss)).abs() / f64::from(want.loss);
-            assert!(
-                rel <= 1e-5,
-                "{spec} step {step}: loss {loss} vs {} ({rel:e})",
-                want.loss
-            );
-        }
-        println!("{spec}: losses, gradient norms and parameters equal world = 1");
-    }
+    family::layouts_match_one_rank(&start, "gpt_oss", &LAYOUTS);
 }
 
 /// A copy of fixture directory `base` with `file` replaced by `gpt_oss_bad/{bad}`.
