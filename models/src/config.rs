@@ -38,4 +38,32 @@ pub trait FamilyConfig: Clone + std::fmt::Debug + serde::Serialize + Send + Sync
     fn warnings(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The sizes a model of this config is built from, bounded before any model of it is
+    /// built (`families::check_sizes`: an absurd config is refused naming the field, never a
+    /// hang or a huge allocation). The default: the layers, the routed experts, the hidden and
+    /// vocabulary widths; a family lists every other size field its layers multiply (head
+    /// counts, head and MLP widths, ranks) and its MTP layers.
+    fn sizes(&self) -> ConfigSizes {
+        ConfigSizes {
+            layers: ("num_hidden_layers", self.num_layers()),
+            experts: self.experts().map(|(e, _)| ("num_experts", e)),
+            dims: vec![
+                ("vocab_size", self.vocab_size()),
+                ("hidden_size", self.hidden_size()),
+            ],
+        }
+    }
+}
+
+/// The sizes a model of a config is built from, by their HF field names
+/// ([`FamilyConfig::sizes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigSizes {
+    /// The decoder layers the model builds (MTP layers included) and the field(s) naming
+    /// them (`num_hidden_layers/num_nextn_predict_layers`).
+    pub layers: (&'static str, usize),
+    /// The routed experts of an MoE layer and their field; `None` for a dense model.
+    pub experts: Option<(&'static str, usize)>,
+    /// Every other size field a tensor dimension is built from, with its value.
+    pub dims: Vec<(&'static str, usize)>,
 }
