@@ -19,6 +19,23 @@ pub use self::layer_types::LayerType;
 pub use self::rope::{DEFAULT_ROPE_THETA, RopeParameters, RopeScaling, YarnParameters};
 use crate::ModelError;
 
+/// The largest size field a config may have (2²⁴ = 16 777 216, 64 × the largest vocabulary of
+/// a released model): above it the config is taken to be corrupt, before anything of its size
+/// is built (so that no product of two sizes overflows and no per-layer list is huge).
+pub const MAX_DIM: usize = 1 << 24;
+
+/// Refuses a layer count above [`MAX_DIM`] (naming `field`) before a per-layer list of it is
+/// built.
+pub(crate) fn check_layer_count(field: &'static str, layers: usize) -> Result<(), ModelError> {
+    if layers > MAX_DIM {
+        return Err(ModelError::invalid(
+            field,
+            format!("{layers} is above {MAX_DIM}; the config is not plausible"),
+        ));
+    }
+    Ok(())
+}
+
 /// A family's parsed HF `config.json`: what tools read of any family.
 pub trait FamilyConfig: Clone + std::fmt::Debug + serde::Serialize + Send + Sync + 'static {
     /// Parses and validates a `config.json` text (HF class defaults for absent keys; errors

@@ -41,10 +41,7 @@ use crate::config::ConfigSizes;
 use crate::distributed::ShardModel;
 use crate::param_plan::{Planned, Storage, hf_names};
 
-/// The largest size field a config may have (2²⁴ = 16 777 216, 64 × the largest vocabulary of
-/// a released model): above it the config is taken to be corrupt, before any model of it is
-/// built (so that no product of two sizes overflows and no per-size table is huge).
-pub const MAX_DIM: usize = 1 << 24;
+pub use crate::config::MAX_DIM;
 
 /// Tensors a decoder layer may hold besides three per routed expert (the bound of
 /// [`check_sizes`]; DeepSeek-V3's MTP layer has 28).

@@ -610,15 +610,6 @@ impl crate::family::Family for DeepseekV3 {
         super::plan::mapping_rules()
     }
 
-    fn expected_tensors(
-        config: &DeepseekV3Config,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::deepseek_v3_expected(config, layout, path, block)
-    }
-
     fn export_copies(
         config: &DeepseekV3Config,
         has: &dyn Fn(&str) -> bool,

@@ -545,15 +545,6 @@ impl crate::family::Family for Glm4Moe {
         super::plan::mapping_rules()
     }
 
-    fn expected_tensors(
-        config: &Glm4MoeConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::glm4_moe_expected(config, layout, path, block)
-    }
-
     fn export_copies(config: &Glm4MoeConfig, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {
         super::plan::mtp_export_copies(config, has)
     }

@@ -466,13 +466,11 @@ impl crate::families::Family for GptOss {
         super::plan::mapping_rules()
     }
 
-    fn expected_tensors(
-        config: &GptOssConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::gpt_oss_expected(config, layout, path, block)
+    /// The release stores the routed experts' `gate_up_proj` / `down_proj` as MXFP4 pairs
+    /// whose blocks decode to the output-major `[E, out, in]` matrices (the canonical
+    /// tensors), transformers' `Mxfp4GptOssExperts`.
+    fn release_mxfp4(hf_name: &str, canonical: &[usize]) -> Option<Vec<usize>> {
+        super::plan::is_mxfp4_expert(hf_name).then(|| canonical.to_vec())
     }
 
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.

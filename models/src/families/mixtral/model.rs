@@ -446,15 +446,6 @@ impl crate::families::Family for Mixtral {
         })
     }
 
-    fn expected_tensors(
-        config: &MixtralConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::mixtral_expected(config, layout, path, block)
-    }
-
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.
     fn hf_losses(
         model: &MixtralForCausalLM,

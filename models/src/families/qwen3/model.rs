@@ -408,13 +408,4 @@ impl crate::family::Family for Qwen3 {
     const ARCHITECTURE: &'static str = "Qwen3ForCausalLM";
     type Config = Qwen3Config;
     type Model = Qwen3ForCausalLM;
-
-    fn expected_tensors(
-        config: &Qwen3Config,
-        _layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::qwen3_expected(config, path, block)
-    }
 }

@@ -627,15 +627,6 @@ impl crate::family::Family for Qwen3Moe {
         })
     }
 
-    fn expected_tensors(
-        config: &Qwen3MoeConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::qwen3_moe_expected(config, layout, path, block)
-    }
-
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.
     fn hf_losses(
         model: &Qwen3MoeForCausalLM,
