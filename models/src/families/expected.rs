@@ -29,6 +29,7 @@
 //! [`MAX_TENSORS`] / [`MAX_ELEMENTS`](moe_bridge::mapping::MAX_ELEMENTS), each refusal a [`BridgeError::InvalidConfig`] naming the
 //! field.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use moe_bridge::BridgeError;
@@ -39,7 +40,7 @@ use super::{Family, FamilyConfig};
 use crate::ModelError;
 use crate::config::ConfigSizes;
 use crate::distributed::ShardModel;
-use crate::param_plan::{Planned, Storage, hf_names};
+use crate::param_plan::{ParallelPlan, Planned, Storage, hf_names};
 
 pub use crate::config::MAX_DIM;
 
@@ -123,11 +124,50 @@ pub fn derive_expected<F: Family + ?Sized>(
         .pipeline
         .tied;
     let plan = <F::Model as Planned>::parallel_plan();
-    let tensors = plan
-        .walk(&template, config.num_layers())
-        .map_err(|e| config_error(e.into(), path))?;
     let mut b = ExpectedBuilder::new(path, block);
-    let mut shapes = std::collections::HashMap::new();
+    let mut shapes = emit_module(
+        &mut b,
+        &template,
+        &plan,
+        config.num_layers(),
+        layout,
+        &F::release_mxfp4,
+        path,
+    )?;
+    let (embed, head) = (hf_names::embed_weight(), hf_names::lm_head_weight());
+    let planned_head = plan.entries().iter().any(|e| e.hf == head);
+    if tied
+        && planned_head
+        && !shapes.contains_key(&head)
+        && let Some(shape) = shapes.get(&embed)
+    {
+        b.insert(head.clone(), shape.clone(), false)?;
+        shapes.insert(head, shape.clone());
+    }
+    for (copy, source) in F::export_copies(config, &|n| shapes.contains_key(n)) {
+        if let Some(shape) = shapes.get(&source) {
+            b.insert(copy, shape.clone(), false)?;
+        }
+    }
+    Ok(b.finish())
+}
+
+/// Adds to `b` the HF tensors a release stores for every parameter of `module` (a model built
+/// lazily or not: only shapes are read) by its plan rows (see the module docs; `main_layers`
+/// for the `{0+L}` templates, `mxfp4` as [`Family::release_mxfp4`]); returns every canonical
+/// tensor's shape by name. What [`derive_expected`] builds a family's table with, before the
+/// tied head and the export copies.
+pub fn emit_module<M: burn::module::Module>(
+    b: &mut ExpectedBuilder<'_>,
+    module: &M,
+    plan: &ParallelPlan,
+    main_layers: usize,
+    layout: ExpertLayout,
+    mxfp4: &dyn Fn(&str, &[usize]) -> Option<Vec<usize>>,
+    path: &Path,
+) -> Result<HashMap<String, Vec<usize>>, BridgeError> {
+    let tensors = (plan.walk(module, main_layers)).map_err(|e| config_error(e.into(), path))?;
+    let mut shapes = HashMap::new();
     let unfit = |name: &str, reason: String| BridgeError::InvalidConfig {
         path: path.to_path_buf(),
         field: "(sizes)".to_owned(),
@@ -146,7 +186,7 @@ pub fn derive_expected<F: Family + ?Sized>(
         if let Some(release) = plan.release_layout(&name) {
             let stored = (release.stored_shape(&name, &canonical))
                 .map_err(|e| unfit(&name, e.to_string()))?;
-            match F::release_mxfp4(&name, &canonical) {
+            match mxfp4(&name, &canonical) {
                 Some(blocks) => b.weight_or_mxfp4(name, stored, blocks)?,
                 None => b.weight(name, stored)?,
             }
@@ -175,20 +215,175 @@ pub fn derive_expected<F: Family + ?Sized>(
             }
         }
     }
-    let (embed, head) = (hf_names::embed_weight(), hf_names::lm_head_weight());
-    let planned_head = plan.entries().iter().any(|e| e.hf == head);
-    if tied
-        && planned_head
-        && !shapes.contains_key(&head)
-        && let Some(shape) = shapes.get(&embed)
-    {
-        b.insert(head.clone(), shape.clone(), false)?;
-        shapes.insert(head, shape.clone());
+    Ok(shapes)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::Module;
+    use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+    use burn::tensor::Device;
+    use moe_bridge::mapping::HfRole;
+
+    use super::*;
+    use crate::layers::{RmsNorm, RmsNormConfig};
+    use crate::param_plan::rows::{column, embedding, norm};
+
+    /// A toy decoder layer: a norm and one projection.
+    #[derive(Module, Debug)]
+    struct Layer {
+        norm: RmsNorm,
+        up: Linear,
     }
-    for (copy, source) in F::export_copies(config, &|n| shapes.contains_key(n)) {
-        if let Some(shape) = shapes.get(&source) {
-            b.insert(copy, shape.clone(), false)?;
+
+    /// The same layer with one more parameter: a biased gate projection.
+    #[derive(Module, Debug)]
+    struct LayerWithGate {
+        norm: RmsNorm,
+        up: Linear,
+        gate: Linear,
+    }
+
+    #[derive(Module, Debug)]
+    struct Toy<L: Module> {
+        embed_tokens: Embedding,
+        layers: Vec<L>,
+    }
+
+    const H: usize = 16;
+    const F: usize = 32;
+    const V: usize = 40;
+
+    fn rows() -> Vec<crate::param_plan::PlanEntry> {
+        let mut rows = embedding("embed_tokens", "model.embed_tokens");
+        rows.extend(norm("layers.*.norm", "model.layers.{0}.input_layernorm"));
+        rows.extend(column(
+            "layers.*.up",
+            "model.layers.{0}.mlp.up_proj",
+            false,
+            true,
+        ));
+        rows
+    }
+
+    fn table<M: Module>(module: &M, plan: &ParallelPlan) -> ExpectedTable {
+        let path = Path::new("config.json");
+        let mut b = ExpectedBuilder::new(path, [16, 16]);
+        let none = |_: &str, _: &[usize]| None;
+        emit_module(
+            &mut b,
+            module,
+            plan,
+            2,
+            ExpertLayout::PerExpert,
+            &none,
+            path,
+        )
+        .unwrap();
+        b.finish()
+    }
+
+    /// Adding a parameter to a model and one row to its plan adds its tensors (weight, bias,
+    /// the weight's FP8 scale companion) to the table, with no table code: the toy model's
+    /// tables before and after differ by exactly those, shapes in HF's `[out, in]`.
+    #[test]
+    fn a_new_parameter_and_its_plan_row_show_up_in_the_table() {
+        let device = Device::flex();
+        let norm = || RmsNormConfig::new(H).init(&device);
+        let linear = |i, o, bias| LinearConfig::new(i, o).with_bias(bias).init(&device);
+        let embed = || EmbeddingConfig::new(V, H).init(&device);
+        let before = Toy {
+            embed_tokens: embed(),
+            layers: (0..2)
+                .map(|_| Layer {
+                    norm: norm(),
+                    up: linear(H, F, false),
+                })
+                .collect(),
+        };
+        let after = Toy {
+            embed_tokens: embed(),
+            layers: (0..2)
+                .map(|_| LayerWithGate {
+                    norm: norm(),
+                    up: linear(H, F, false),
+                    gate: linear(H, F, true),
+                })
+                .collect(),
+        };
+        let old = table(&before, &ParallelPlan::new("toy", rows()));
+        // The new parameter unplanned is an error naming it, never a silent omission.
+        let path = Path::new("config.json");
+        let mut b = ExpectedBuilder::new(path, [16, 16]);
+        let none = |_: &str, _: &[usize]| None;
+        let plan = ParallelPlan::new("toy", rows());
+        let err = emit_module(
+            &mut b,
+            &after,
+            &plan,
+            2,
+            ExpertLayout::PerExpert,
+            &none,
+            path,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("layers.0.gate.weight"), "{err}");
+
+        let mut with_gate = rows();
+        with_gate.extend(column(
+            "layers.*.gate",
+            "model.layers.{0}.mlp.gate_proj",
+            true,
+            true,
+        ));
+        let new = table(&after, &ParallelPlan::new("toy", with_gate));
+        assert_eq!(
+            old.len(),
+            2 + 2 * 3,
+            "embed (+scale), per layer norm, up (+scale)"
+        );
+        assert_eq!(old["model.embed_tokens.weight"].shape, [V, H]);
+        assert_eq!(old["model.layers.1.mlp.up_proj.weight"].shape, [F, H]);
+        let added: Vec<_> = new.keys().filter(|k| !old.contains_key(*k)).collect();
+        assert!(old.iter().all(|(k, v)| new.get(k) == Some(v)));
+        assert_eq!(added.len(), 2 * 3, "{added:?}");
+        for l in 0..2 {
+            let p = format!("model.layers.{l}.mlp.gate_proj");
+            let w = &new[&format!("{p}.weight")];
+            assert_eq!((w.shape.as_slice(), w.required), (&[F, H][..], true));
+            assert_eq!(new[&format!("{p}.bias")].shape, [F]);
+            let s = &new[&format!("{p}.weight_scale_inv")];
+            assert_eq!(
+                (s.shape.as_slice(), s.role),
+                (&[2, 1][..], HfRole::ScaleInv)
+            );
         }
     }
-    Ok(b.finish())
+
+    /// The size bound names the field and runs before anything is built.
+    #[test]
+    fn check_sizes_names_the_field() {
+        let path = Path::new("config.json");
+        let sizes = |layers, experts| ConfigSizes {
+            layers: ("num_hidden_layers", layers),
+            experts: Some(("num_experts", experts)),
+            dims: vec![("hidden_size", 64), ("head_dim", MAX_DIM + 1)],
+        };
+        let err = check_sizes(&sizes(2, 8), path).unwrap_err().to_string();
+        assert!(
+            err.contains("head_dim") && err.contains("not plausible"),
+            "{err}"
+        );
+        let ok = |s: ConfigSizes| ConfigSizes { dims: vec![], ..s };
+        assert!(
+            check_sizes(&ok(sizes(61, 256)), path).is_ok(),
+            "DeepSeek-V3's sizes"
+        );
+        // 10⁷ tensors: (32 + 3·E)·2 per layer.
+        let err = check_sizes(&ok(sizes(20_000, 100)), path)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("num_hidden_layers/num_experts"), "{err}");
+        assert!(check_sizes(&ok(sizes(10_000, 100)), path).is_ok());
+    }
 }
