@@ -6,8 +6,9 @@
 //! `lm_head`.
 //!
 //! This is the one place these literals are spelled (a test enforces it); each model's plan
-//! file (`qwen3.rs`, `qwen3_moe.rs`, `deepseek_v3.rs`) builds its parallel plan, name-mapping
-//! rules and expected-tensor table from these and adds its own names (Qwen3's `q_norm` /
+//! file (`qwen3.rs`, `qwen3_moe.rs`, `deepseek_v3.rs`) builds its parallel plan and name-mapping
+//! rules from these (the expected-tensor table is derived from the plan,
+//! [`crate::families::expected`]) and adds its own names (Qwen3's `q_norm` /
 //! `k_norm`, DeepSeek-V3's MLA projections, MTP modules and router bias). Burn module paths
 //! of the built-in models use the same field names, so the plan rows read them from here too.
 

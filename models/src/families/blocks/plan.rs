@@ -1,5 +1,5 @@
 //! HF layout shared by the families built from the same blocks ([`super`]): the MTP layers'
-//! plan rows, names, copies and expected tensors, and the DeepSeek-style MoE block's router
+//! plan rows, names and copies, and the DeepSeek-style MoE block's router
 //! bias and shared experts (their names as the DeepSeek-V3 and GLM-4.5 releases spell them).
 
 use moe_bridge::mapping::Rule;

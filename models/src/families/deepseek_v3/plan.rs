@@ -1,5 +1,5 @@
 //! The DeepSeek-V3 model's HF layout (HF `DeepseekV3ForCausalLM`, MTP modules included): its
-//! parallel plan, name-mapping rules, expected-tensor table and export copies, over the shared
+//! parallel plan, name-mapping rules and export copies, over the shared
 //! Llama-family names of [`crate::param_plan::hf_names`] plus DeepSeek-V3's own: MLA's projections, the
 //! router's `e_score_correction_bias`, shared experts, the MTP modules' `enorm`, `hnorm`,
 //! `eh_proj` and `shared_head`, and FP8 `weight_scale_inv` companions.

@@ -1,5 +1,5 @@
 //! The GLM-4.5 MoE model's HF layout (HF `Glm4MoeForCausalLM` and the release's MTP layers):
-//! its parallel plan, name-mapping rules, expected-tensor table and export copies — the shared
+//! its parallel plan, name-mapping rules and export copies — the shared
 //! Llama-family names of [`crate::param_plan::hf_names`] (GQA attention with q/k/v biases and
 //! QK-norms, as Qwen3's) plus DeepSeek-V3's MoE block and MTP layers
 //! ([`crate::families::blocks::plan`]).

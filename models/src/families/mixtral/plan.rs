@@ -1,6 +1,5 @@
 //! The Mixtral model's HF layout (HF `MixtralForCausalLM` as released and as transformers 5.23
-//! `save_pretrained` writes it): its parallel plan, name-mapping rules and expected-tensor
-//! table, over the shared Llama-family names of [`crate::param_plan::hf_names`]. Mixtral's own
+//! `save_pretrained` writes it): its parallel plan and name-mapping rules, over the shared Llama-family names of [`crate::param_plan::hf_names`]. Mixtral's own
 //! names: the MoE block `block_sparse_moe` (router `block_sparse_moe.gate`) and the per-expert
 //! projections `w1` (gate), `w3` (up), `w2` (down). Attention has no QK-norm and no biases.
 

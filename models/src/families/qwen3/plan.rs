@@ -1,5 +1,5 @@
-//! The dense Qwen3 model's HF layout (HF `Qwen3ForCausalLM`): its parallel plan, name-mapping
-//! rules and expected-tensor table, over the shared Llama-family names of [`crate::param_plan::hf_names`]
+//! The dense Qwen3 model's HF layout (HF `Qwen3ForCausalLM`): its parallel plan and name-mapping
+//! rules, over the shared Llama-family names of [`crate::param_plan::hf_names`]
 //! plus Qwen3's own QK-norms (`self_attn.q_norm`, `self_attn.k_norm`).
 
 use crate::param_plan::ParallelPlan;

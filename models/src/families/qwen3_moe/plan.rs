@@ -1,5 +1,5 @@
-//! The Qwen3-MoE model's HF layout (HF `Qwen3MoeForCausalLM`): its parallel plan,
-//! name-mapping rules and expected-tensor table, over the shared Llama-family names of
+//! The Qwen3-MoE model's HF layout (HF `Qwen3MoeForCausalLM`): its parallel plan and
+//! name-mapping rules, over the shared Llama-family names of
 //! [`crate::param_plan::hf_names`] and Qwen3's attention ([`crate::families::qwen3::plan`]).
 
 use crate::param_plan::ParallelPlan;
