@@ -152,6 +152,10 @@ pub fn derive_expected<F: Family + ?Sized>(
     Ok(b.finish())
 }
 
+/// Where a release may store a canonical tensor as an MXFP4 pair (as
+/// [`Family::release_mxfp4`]: name, canonical shape → the shape its blocks decode to).
+pub type ReleaseMxfp4 = dyn Fn(&str, &[usize]) -> Option<Vec<usize>>;
+
 /// Adds to `b` the HF tensors a release stores for every parameter of `module` (a model built
 /// lazily or not: only shapes are read) by its plan rows (see the module docs; `main_layers`
 /// for the `{0+L}` templates, `mxfp4` as [`Family::release_mxfp4`]); returns every canonical
@@ -163,7 +167,7 @@ pub fn emit_module<M: burn::module::Module>(
     plan: &ParallelPlan,
     main_layers: usize,
     layout: ExpertLayout,
-    mxfp4: &dyn Fn(&str, &[usize]) -> Option<Vec<usize>>,
+    mxfp4: &ReleaseMxfp4,
     path: &Path,
 ) -> Result<HashMap<String, Vec<usize>>, BridgeError> {
     let tensors = (plan.walk(module, main_layers)).map_err(|e| config_error(e.into(), path))?;

@@ -49,7 +49,8 @@ fn cases() -> Vec<(String, Value)> {
     ] {
         out.push((name.to_owned(), read(name)));
     }
-    let edits: &[(&str, &str, &[(&str, Value)])] = &[
+    type Edit<'a> = (&'a str, &'a str, &'a [(&'a str, Value)]);
+    let edits: &[Edit<'_>] = &[
         (
             "qwen3",
             "untied_bias",
