@@ -1,6 +1,6 @@
 //! The gpt-oss model's HF layout (HF `GptOssForCausalLM` as released and as transformers 5.23
 //! `save_pretrained` writes it): its parallel plan, name-mapping rules and the MXFP4 test of
-//! its expected table ([`is_mxfp4_expert`]), over the shared Llama-family names of [`crate::param_plan::hf_names`].
+//! its expected table (`is_mxfp4_expert`), over the shared Llama-family names of [`crate::param_plan::hf_names`].
 //!
 //! gpt-oss's own names: the learned sinks `self_attn.sinks [nh]`, the router
 //! `mlp.router.{weight,bias}`, and the routed experts stored fused per layer in the release
