@@ -202,33 +202,41 @@ struct PlanExport {
     layers: usize,
     path: Vec<String>,
     out: HfTensors,
-    /// A layer's stacked gate/up projections waiting for its `down_proj` (per-expert order).
-    gate_up: Option<(String, Tensor<3>)>,
+    /// A layer's stacked gate/up projections (experts prefix, name, tensor) waiting for its
+    /// `down_proj` (per-expert order).
+    gate_up: Option<(String, String, Tensor<3>)>,
     error: Option<ModelError>,
 }
 
 impl PlanExport {
-    /// Expert `i`'s `gate_proj` and `up_proj` rows of the stacked `[E, 2F, H]` `fc1`.
-    fn push_gate_up(&mut self, prefix: &str, i: usize, fc1: &Tensor<3>) {
-        let [_, rows, cols] = fc1.dims();
-        let one = fc1.clone().narrow(0, i, 1).reshape([rows, cols]);
-        let f = rows / 2;
-        let projs = self.plan.expert_projections();
-        self.out.push(
-            hf_names::expert_proj_weight(prefix, i, projs.gate),
-            one.clone().narrow(0, 0, f),
-        );
-        self.out.push(
-            hf_names::expert_proj_weight(prefix, i, projs.up),
-            one.narrow(0, f, f),
-        );
+    /// Expert `i`'s per-expert tensors of the stacked tensor `name` (`[E, rows, cols]`,
+    /// stored as `storage`), named as the plan names them
+    /// ([`ParallelPlan::per_expert_names`]): a gated `[E, 2F, H]` `fc1` is the expert's
+    /// `gate_proj` and `up_proj` rows.
+    fn push_expert(&mut self, name: &str, storage: Storage, i: usize, t: &Tensor<3>) {
+        let [_, rows, cols] = t.dims();
+        let Some(names) = self.plan.per_expert_names(name, storage, i, rows) else {
+            self.error.get_or_insert_with(|| {
+                ModelError::from(PlanError::Mismatch {
+                    family: self.plan.family(),
+                    path: name.to_owned(),
+                    reason: format!("stacked experts {storage:?} of {rows} rows per expert"),
+                })
+            });
+            return;
+        };
+        let one = t.clone().narrow(0, i, 1).reshape([rows, cols]);
+        for (hf, range) in names {
+            let n = range.len();
+            self.out.push(hf, one.clone().narrow(0, range.start, n));
+        }
     }
 
     /// Emits a waiting gate/up tensor on its own (a layer without a stacked `down_proj`).
     fn flush_gate_up(&mut self) {
-        if let Some((prefix, fc1)) = self.gate_up.take() {
+        if let Some((_, name, fc1)) = self.gate_up.take() {
             for i in 0..fc1.dims()[0] {
-                self.push_gate_up(&prefix, i, &fc1);
+                self.push_expert(&name, Storage::GatedExperts, i, &fc1);
             }
         }
     }
@@ -299,7 +307,7 @@ impl PlanExport {
                 // .weight [F, H]` and `…up_proj.weight`; any other stacked `…experts.X
                 // [E, …]` → `…experts.{e}.X.weight`. HF's order is per expert (gate, up,
                 // down), so gate/up wait for the layer's `down_proj`.
-                let (prefix, proj) = name
+                let (prefix, _) = name
                     .rsplit_once('.')
                     .ok_or_else(|| mismatch(format!("`{name}` has no expert prefix")))?;
                 let dims = t.dims();
@@ -309,28 +317,24 @@ impl PlanExport {
                 let t3: Tensor<3> = t.reshape([dims[0], dims[1], dims[2]]);
                 if storage == Storage::GatedExperts {
                     self.flush_gate_up();
-                    self.gate_up = Some((prefix.to_owned(), t3));
+                    self.gate_up = Some((prefix.to_owned(), name, t3));
                 } else {
                     let gate_up = match self.gate_up.take() {
-                        Some((p, g)) if p == prefix => Some(g),
+                        Some((p, g, t)) if p == prefix => Some((g, t)),
                         other => {
                             self.gate_up = other;
                             self.flush_gate_up();
                             None
                         }
                     };
-                    // The stacked down projection takes the family's per-expert name.
-                    let proj = match proj == hf_names::DOWN_PROJ {
-                        true => self.plan.expert_projections().down,
-                        false => proj,
-                    };
                     for i in 0..dims[0] {
-                        if let Some(g) = &gate_up {
-                            self.push_gate_up(prefix, i, g);
+                        if let Some((g, fc1)) = &gate_up {
+                            self.push_expert(g, Storage::GatedExperts, i, fc1);
                         }
-                        let one = t3.clone().narrow(0, i, 1).reshape([dims[1], dims[2]]);
-                        self.out
-                            .push(hf_names::expert_proj_weight(prefix, i, proj), one);
+                        self.push_expert(&name, storage, i, &t3);
+                    }
+                    if let Some(e) = self.error.take() {
+                        return Err(e);
                     }
                 }
             }

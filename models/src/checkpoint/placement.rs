@@ -281,7 +281,7 @@ pub(crate) mod tests {
     use moe_bridge::fp8::DEFAULT_BLOCK_SIZE;
     use moe_bridge::mapping::{ExpertLayout, HfRole, canonical_tensors};
 
-    use crate::families::deepseek_v3::plan::deepseek_v3_expected;
+    use crate::families::Family;
     use crate::families::shard_rule;
     use crate::param_plan::hf_names::stage_place;
 
@@ -386,7 +386,7 @@ pub(crate) mod tests {
     /// The canonical tensors (name → global shape, `None` for stacked experts) a HF
     /// checkpoint of `config` converts to: the names the checkpoint conversion writes.
     fn canonical_of(config: &DeepseekV3Config) -> BTreeMap<String, Option<Vec<usize>>> {
-        let table = deepseek_v3_expected(
+        let table = crate::deepseek_v3::DeepseekV3::expected_tensors(
             config,
             ExpertLayout::PerExpert,
             Path::new("config.json"),

@@ -12,6 +12,7 @@
 
 pub mod blocks;
 pub mod deepseek_v3;
+pub mod expected;
 pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod mixtral;
@@ -37,7 +38,7 @@ use moe_bridge::mapping::{ExpectedTable, ExpertLayout, Rule};
 
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, LmLosses, ParamCount, causal_lm_loss};
-pub use crate::config::FamilyConfig;
+pub use crate::config::{ConfigSizes, FamilyConfig};
 use crate::distributed::{ParallelContext, RouterTrace, ShardModel};
 use crate::param_plan::hf_names;
 
@@ -62,12 +63,25 @@ pub trait Family: Send + Sync + 'static {
 
     /// The HF tensors `config` implies (name, shape, role), with the optional FP8
     /// `*_scale_inv` companions of block size `block`; `path` names the config in errors.
+    /// The default derives them from the family's model and plan
+    /// ([`expected::derive_expected`]): a family writes no table.
     fn expected_tensors(
         config: &Self::Config,
         layout: ExpertLayout,
         path: &Path,
         block: [usize; 2],
-    ) -> Result<ExpectedTable, BridgeError>;
+    ) -> Result<ExpectedTable, BridgeError> {
+        expected::derive_expected::<Self>(config, layout, path, block)
+    }
+
+    /// Where the family's release may store canonical tensor `hf_name` (of canonical shape
+    /// `canonical`) as an MXFP4 pair (`<name>_blocks`, `<name>_scales`): the shape of the
+    /// matrix its blocks decode to ([`ExpectedHf::mxfp4`](moe_bridge::mapping::ExpectedHf)).
+    /// `None` (the default): the release stores no MXFP4 tensors.
+    fn release_mxfp4(hf_name: &str, canonical: &[usize]) -> Option<Vec<usize>> {
+        let _ = (hf_name, canonical);
+        None
+    }
 
     /// Tensors an export writes twice, `(copy, source)` (DeepSeek-V3's MTP layers repeat the
     /// embedding and head); `has` says whether the source exists. None by default.

@@ -6,16 +6,16 @@
 //! `lm_head`.
 //!
 //! This is the one place these literals are spelled (a test enforces it); each model's plan
-//! file (`qwen3.rs`, `qwen3_moe.rs`, `deepseek_v3.rs`) builds its parallel plan, name-mapping
-//! rules and expected-tensor table from these and adds its own names (Qwen3's `q_norm` /
+//! file (`qwen3.rs`, `qwen3_moe.rs`, `deepseek_v3.rs`) builds its parallel plan and name-mapping
+//! rules from these (the expected-tensor table is derived from the plan,
+//! [`crate::families::expected`]) and adds its own names (Qwen3's `q_norm` /
 //! `k_norm`, DeepSeek-V3's MLA projections, MTP modules and router bias). Burn module paths
 //! of the built-in models use the same field names, so the plan rows read them from here too.
 
 use std::fmt::Display;
 
-use moe_bridge::BridgeError;
 use moe_bridge::dist::StagePlace;
-use moe_bridge::mapping::{ExpectedBuilder, ExpertLayout, Rule};
+use moe_bridge::mapping::Rule;
 
 /// Prefix of the decoder layers: layer `i` is `model.layers.{i}`.
 pub const LAYERS: &str = "model.layers";
@@ -279,85 +279,6 @@ pub fn routed_expert_rules_in(block: &str, projs: ExpertProjections) -> Vec<Rule
         Rule::fused_experts(&gate_up, &gate_up, Some(2)),
         Rule::fused_experts(&down, &down, None),
     ]
-}
-
-// ---- Expected-tensor tables (moe-bridge's builder) ----
-
-/// Embedding, final norm and LM head (optional when tied: HF loads and then re-ties it).
-pub fn expected_top_level(
-    b: &mut ExpectedBuilder<'_>,
-    vocab: usize,
-    hidden: usize,
-    tied: bool,
-) -> Result<(), BridgeError> {
-    b.weight(embed_weight(), vec![vocab, hidden])?;
-    b.norm(FINAL_NORM, hidden)?;
-    b.insert(lm_head_weight(), vec![vocab, hidden], !tied)
-}
-
-/// The two norms of layer `p`.
-pub fn expected_layer_norms(
-    b: &mut ExpectedBuilder<'_>,
-    p: &str,
-    hidden: usize,
-) -> Result<(), BridgeError> {
-    b.norm(&join(p, INPUT_LAYERNORM), hidden)?;
-    b.norm(&join(p, POST_ATTENTION_LAYERNORM), hidden)
-}
-
-/// A SwiGLU MLP `{prefix}.{gate,up,down}_proj`.
-pub fn expected_mlp(
-    b: &mut ExpectedBuilder<'_>,
-    prefix: &str,
-    hidden: usize,
-    inter: usize,
-) -> Result<(), BridgeError> {
-    b.linear(&join(prefix, GATE_PROJ), hidden, inter, false)?;
-    b.linear(&join(prefix, UP_PROJ), hidden, inter, false)?;
-    b.linear(&join(prefix, DOWN_PROJ), inter, hidden, false)
-}
-
-/// An MoE block's router weight and routed experts `{mlp}.experts.*` in `layout`.
-pub fn expected_moe(
-    b: &mut ExpectedBuilder<'_>,
-    mlp: &str,
-    experts: usize,
-    inter: usize,
-    hidden: usize,
-    layout: ExpertLayout,
-) -> Result<(), BridgeError> {
-    let projs = ExpertProjections::LLAMA;
-    expected_moe_with(b, mlp, projs, experts, inter, hidden, layout)
-}
-
-/// [`expected_moe`] of an MoE block whose per-expert tensors are named by `projs`.
-pub fn expected_moe_with(
-    b: &mut ExpectedBuilder<'_>,
-    mlp: &str,
-    projs: ExpertProjections,
-    experts: usize,
-    inter: usize,
-    hidden: usize,
-    layout: ExpertLayout,
-) -> Result<(), BridgeError> {
-    b.weight(weight(&join(mlp, ROUTER)), vec![experts, hidden])?;
-    let prefix = join(mlp, EXPERTS);
-    match layout {
-        ExpertLayout::PerExpert => {
-            for e in 0..experts {
-                let p = join(&prefix, &e.to_string());
-                b.linear(&join(&p, projs.gate), hidden, inter, false)?;
-                b.linear(&join(&p, projs.up), hidden, inter, false)?;
-                b.linear(&join(&p, projs.down), inter, hidden, false)?;
-            }
-            Ok(())
-        }
-        ExpertLayout::Stacked => {
-            let fused = b.mul(2, inter, "moe_intermediate_size")?;
-            b.weight(stacked_gate_up(&prefix), vec![experts, fused, hidden])?;
-            b.weight(stacked_down(&prefix), vec![experts, hidden, inter])
-        }
-    }
 }
 
 // ---- Multi-token prediction layers (DeepSeek-V3 and GLM-4.5 releases) ----

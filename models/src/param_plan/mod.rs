@@ -250,6 +250,41 @@ impl ParallelPlan {
         self.expert_projections
     }
 
+    /// The per-expert HF tensors of expert `e` of the stacked routed-expert tensor `name`
+    /// (`{experts}.{proj}`, stored as `storage`), in the order a per-expert checkpoint
+    /// stores them, each with its rows of the expert's `[rows, cols]` slice: gated experts
+    /// (`gate_up_proj [E, 2F, H]`) are the expert's gate then up projection (`F` rows each);
+    /// any other stacked tensor is one projection, `down_proj` under the family's
+    /// per-expert name ([`expert_projections`](Self::expert_projections)). HF export and the
+    /// expected-tensor table both name per-expert tensors through this; `None` for a name
+    /// without an experts prefix or a storage that is not stacked.
+    pub fn per_expert_names(
+        &self,
+        name: &str,
+        storage: Storage,
+        e: usize,
+        rows: usize,
+    ) -> Option<Vec<(String, std::ops::Range<usize>)>> {
+        let (experts, proj) = name.rsplit_once('.')?;
+        let projs = self.expert_projections;
+        let one = |p: &str| hf_names::expert_proj_weight(experts, e, p);
+        match storage {
+            Storage::GatedExperts if rows.is_multiple_of(2) => {
+                let f = rows / 2;
+                Some(vec![(one(projs.gate), 0..f), (one(projs.up), f..rows)])
+            }
+            Storage::Same => {
+                let proj = if proj == hf_names::DOWN_PROJ {
+                    projs.down
+                } else {
+                    proj
+                };
+                Some(vec![(one(proj), 0..rows)])
+            }
+            _ => None,
+        }
+    }
+
     /// The model family (`qwen3_moe`, …).
     pub fn family(&self) -> &'static str {
         self.family

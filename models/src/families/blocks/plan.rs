@@ -1,9 +1,8 @@
 //! HF layout shared by the families built from the same blocks ([`super`]): the MTP layers'
-//! plan rows, names, copies and expected tensors, and the DeepSeek-style MoE block's router
+//! plan rows, names and copies, and the DeepSeek-style MoE block's router
 //! bias and shared experts (their names as the DeepSeek-V3 and GLM-4.5 releases spell them).
 
-use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpertLayout, Rule};
+use moe_bridge::mapping::Rule;
 use moe_bridge::safetensors::Dtype;
 
 use crate::param_plan::PlanEntry;
@@ -92,47 +91,4 @@ pub fn expert_bias_and_shared_rules() -> Vec<Rule> {
         n::MLP_PROJS.map(|p| weight(&format!("{}.{SHARED_EXPERTS}.{p}", n::MLP))),
     ));
     rules
-}
-
-/// The tensors of MTP layer `p` besides its decoder layer: `enorm`, `hnorm`, `eh_proj`
-/// `[H, 2H]`, `shared_head.norm`, and the optional copies of `embed_tokens` and
-/// `shared_head.head` (`[V, H]`).
-pub fn expected_mtp_extras(
-    b: &mut Builder<'_>,
-    layer: usize,
-    hidden: usize,
-    vocab: usize,
-) -> Result<(), BridgeError> {
-    let p = layer_of(layer);
-    b.norm(&join(&p, ENORM), hidden)?;
-    b.norm(&join(&p, HNORM), hidden)?;
-    let two_h = b.mul(2, hidden, "hidden_size")?;
-    b.linear(&join(&p, EH_PROJ), two_h, hidden, false)?;
-    b.norm(&format!("{p}.{SHARED_HEAD}.norm"), hidden)?;
-    let (embed_copy, head_copy) = mtp_copy_names(layer);
-    b.insert(embed_copy, vec![vocab, hidden], false)?;
-    b.insert(head_copy, vec![vocab, hidden], false)
-}
-
-/// The routed experts, router bias and shared experts of an MoE block `m` (`mlp`) as
-/// DeepSeek-V3 stores them: router weight, experts in `layout`, F32
-/// `gate.e_score_correction_bias`, shared experts of width `Im · n_shared_experts`.
-pub fn expected_sigmoid_moe(
-    b: &mut Builder<'_>,
-    m: &str,
-    moe: &super::moe::SigmoidGroupMoe,
-    layout: ExpertLayout,
-) -> Result<(), BridgeError> {
-    let (e, im, h) = (
-        moe.n_routed_experts,
-        moe.moe_intermediate_size,
-        moe.hidden_size,
-    );
-    n::expected_moe(b, m, e, im, h, layout)?;
-    b.weight(format!("{m}.{}.{EXPERT_BIAS}", n::ROUTER), vec![e])?;
-    if moe.n_shared_experts > 0 {
-        let shared = b.mul(im, moe.n_shared_experts, "n_shared_experts")?;
-        n::expected_mlp(b, &join(m, SHARED_EXPERTS), h, shared)?;
-    }
-    Ok(())
 }

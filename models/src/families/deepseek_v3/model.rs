@@ -545,6 +545,31 @@ impl crate::config::FamilyConfig for DeepseekV3Config {
     fn warnings(&self) -> Vec<String> {
         Self::warnings(self)
     }
+
+    fn sizes(&self) -> crate::config::ConfigSizes {
+        crate::config::ConfigSizes {
+            layers: (
+                "num_hidden_layers/num_nextn_predict_layers",
+                self.num_hidden_layers
+                    .saturating_add(self.num_nextn_predict_layers),
+            ),
+            experts: Some(("n_routed_experts", self.n_routed_experts)),
+            dims: vec![
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("n_shared_experts", self.n_shared_experts),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("kv_lora_rank", self.kv_lora_rank),
+                ("qk_nope_head_dim", self.qk_nope_head_dim),
+                ("qk_rope_head_dim", self.qk_rope_head_dim),
+                ("v_head_dim", self.v_head_dim),
+                ("q_lora_rank", self.q_lora_rank.unwrap_or(0)),
+            ],
+        }
+    }
 }
 
 /// DeepSeek-V3 (`DeepseekV3ForCausalLM`), MTP modules included.
@@ -583,15 +608,6 @@ impl crate::family::Family for DeepseekV3 {
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
         super::plan::mapping_rules()
-    }
-
-    fn expected_tensors(
-        config: &DeepseekV3Config,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::deepseek_v3_expected(config, layout, path, block)
     }
 
     fn export_copies(

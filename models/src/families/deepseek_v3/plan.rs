@@ -1,18 +1,13 @@
 //! The DeepSeek-V3 model's HF layout (HF `DeepseekV3ForCausalLM`, MTP modules included): its
-//! parallel plan, name-mapping rules, expected-tensor table and export copies, over the shared
+//! parallel plan, name-mapping rules and export copies, over the shared
 //! Llama-family names of [`crate::param_plan::hf_names`] plus DeepSeek-V3's own: MLA's projections, the
 //! router's `e_score_correction_bias`, shared experts, the MTP modules' `enorm`, `hnorm`,
 //! `eh_proj` and `shared_head`, and FP8 `weight_scale_inv` companions.
 
-use std::path::Path;
+use moe_bridge::mapping::Rule;
 
-use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
-
-use crate::DeepseekV3Config;
 pub use crate::families::blocks::plan::{
-    EH_PROJ, ENORM, HNORM, expected_mtp_extras, expected_sigmoid_moe, expert_bias_and_shared_rules,
-    mtp_copies, mtp_rows, mtp_rules,
+    EH_PROJ, ENORM, HNORM, expert_bias_and_shared_rules, mtp_copies, mtp_rows, mtp_rules,
 };
 use crate::param_plan::hf_names::{self as n, join, layer as layer_of};
 use crate::param_plan::rows::{column, embedding, mlp, moe, norm, replicated, row};
@@ -143,74 +138,4 @@ pub(crate) fn mapping_rules() -> Vec<Rule> {
     let (mut rules, _) = mtp_rules();
     rules.extend(n::rules_from_plan(&deepseek_v3_plan()));
     rules
-}
-
-/// One DeepSeek-V3 decoder layer under `p`: MLA attention, then a dense MLP or an MoE block
-/// (router weight and F32 `e_score_correction_bias`, routed experts, shared experts).
-fn expected_layer(
-    b: &mut Builder<'_>,
-    c: &DeepseekV3Config,
-    p: &str,
-    moe: bool,
-    layout: ExpertLayout,
-) -> Result<(), BridgeError> {
-    let (h, nh, bias) = (c.hidden_size, c.num_attention_heads, c.attention_bias);
-    n::expected_layer_norms(b, p, h)?;
-    let a = join(p, n::SELF_ATTN);
-    let qk_head = b.add(c.qk_nope_head_dim, c.qk_rope_head_dim, "qk_nope_head_dim")?;
-    let q_out = b.mul(nh, qk_head, "num_attention_heads")?;
-    match c.q_lora_rank {
-        None => b.linear(&join(&a, n::Q_PROJ), h, q_out, false)?,
-        Some(r) => {
-            b.linear(&join(&a, Q_A_PROJ), h, r, bias)?;
-            b.norm(&join(&a, Q_A_LAYERNORM), r)?;
-            b.linear(&join(&a, Q_B_PROJ), r, q_out, false)?;
-        }
-    }
-    let kv_a = b.add(c.kv_lora_rank, c.qk_rope_head_dim, "kv_lora_rank")?;
-    b.linear(&join(&a, KV_A_PROJ_WITH_MQA), h, kv_a, bias)?;
-    b.norm(&join(&a, KV_A_LAYERNORM), c.kv_lora_rank)?;
-    let kv_head = b.add(c.qk_nope_head_dim, c.v_head_dim, "v_head_dim")?;
-    let kv_b = b.mul(nh, kv_head, "num_attention_heads")?;
-    b.linear(&join(&a, KV_B_PROJ), c.kv_lora_rank, kv_b, false)?;
-    let o_in = b.mul(nh, c.v_head_dim, "num_attention_heads")?;
-    b.linear(&join(&a, n::O_PROJ), o_in, h, bias)?;
-    let m = join(p, n::MLP);
-    if !moe {
-        return n::expected_mlp(b, &m, h, c.intermediate_size);
-    }
-    expected_sigmoid_moe(b, &m, &c.moe_block(), layout)
-}
-
-/// DeepSeek-V3 (`DeepseekV3ForCausalLM`): dense layers `0..first_k_dense_replace`, MoE layers
-/// after, and the `num_nextn_predict_layers` MTP layers `model.layers.{N+j}` (required: the
-/// model loads them) with their optional copies of `embed_tokens` and `shared_head.head`.
-pub fn deepseek_v3_expected(
-    c: &DeepseekV3Config,
-    layout: ExpertLayout,
-    path: &Path,
-    block: [usize; 2],
-) -> Result<ExpectedTable, BridgeError> {
-    let mut b = Builder::new(path, block);
-    let layers = c
-        .num_hidden_layers
-        .saturating_add(c.num_nextn_predict_layers);
-    let per_layer = 30 + 3 * c.n_routed_experts as u128;
-    b.bound(
-        layers,
-        per_layer,
-        "num_hidden_layers/num_nextn_predict_layers/n_routed_experts",
-    )?;
-    let (h, v) = (c.hidden_size, c.vocab_size);
-    n::expected_top_level(&mut b, v, h, c.tie_word_embeddings)?;
-    for l in 0..c.num_hidden_layers {
-        expected_layer(&mut b, c, &layer_of(l), c.is_moe_layer(l), layout)?;
-    }
-    for j in 0..c.num_nextn_predict_layers {
-        let i = c.num_hidden_layers + j;
-        let p = layer_of(i);
-        expected_layer(&mut b, c, &p, true, layout)?;
-        expected_mtp_extras(&mut b, i, h, v)?;
-    }
-    Ok(b.finish())
 }

@@ -486,6 +486,27 @@ impl crate::config::FamilyConfig for Glm4MoeConfig {
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.n_routed_experts, self.num_experts_per_tok))
     }
+
+    fn sizes(&self) -> crate::config::ConfigSizes {
+        crate::config::ConfigSizes {
+            layers: (
+                "num_hidden_layers/num_nextn_predict_layers",
+                self.num_hidden_layers
+                    .saturating_add(self.num_nextn_predict_layers),
+            ),
+            experts: Some(("n_routed_experts", self.n_routed_experts)),
+            dims: vec![
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("n_shared_experts", self.n_shared_experts),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("head_dim", self.head_dim),
+            ],
+        }
+    }
 }
 
 /// GLM-4.5 / 4.6 MoE (`Glm4MoeForCausalLM`), MTP layers included.
@@ -522,15 +543,6 @@ impl crate::family::Family for Glm4Moe {
 
     fn mapping_rules() -> Vec<moe_bridge::mapping::Rule> {
         super::plan::mapping_rules()
-    }
-
-    fn expected_tensors(
-        config: &Glm4MoeConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::glm4_moe_expected(config, layout, path, block)
     }
 
     fn export_copies(config: &Glm4MoeConfig, has: &dyn Fn(&str) -> bool) -> Vec<(String, String)> {

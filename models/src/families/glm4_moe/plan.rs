@@ -1,13 +1,10 @@
 //! The GLM-4.5 MoE model's HF layout (HF `Glm4MoeForCausalLM` and the release's MTP layers):
-//! its parallel plan, name-mapping rules, expected-tensor table and export copies — the shared
+//! its parallel plan, name-mapping rules and export copies — the shared
 //! Llama-family names of [`crate::param_plan::hf_names`] (GQA attention with q/k/v biases and
 //! QK-norms, as Qwen3's) plus DeepSeek-V3's MoE block and MTP layers
 //! ([`crate::families::blocks::plan`]).
 
-use std::path::Path;
-
-use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+use moe_bridge::mapping::Rule;
 
 use super::config::Glm4MoeConfig;
 use crate::families::blocks::plan as ds;
@@ -75,66 +72,4 @@ pub(crate) fn mapping_rules() -> Vec<Rule> {
     let (mut rules, _) = ds::mtp_rules();
     rules.extend(n::rules_from_plan(&glm4_moe_plan()));
     rules
-}
-
-/// One decoder layer under `p`: attention (q/k/v with biases under `attention_bias`, `o_proj`
-/// without, QK-norms `[head_dim]` under `use_qk_norm`), then a dense MLP or the MoE block.
-fn expected_layer(
-    b: &mut Builder<'_>,
-    c: &Glm4MoeConfig,
-    p: &str,
-    moe: bool,
-    layout: ExpertLayout,
-) -> Result<(), BridgeError> {
-    let h = c.hidden_size;
-    n::expected_layer_norms(b, p, h)?;
-    let a = join(p, n::SELF_ATTN);
-    let q = b.mul(c.num_attention_heads, c.head_dim, "num_attention_heads")?;
-    let kv = b.mul(c.num_key_value_heads, c.head_dim, "num_key_value_heads")?;
-    b.linear(&join(&a, n::Q_PROJ), h, q, c.attention_bias)?;
-    b.linear(&join(&a, n::K_PROJ), h, kv, c.attention_bias)?;
-    b.linear(&join(&a, n::V_PROJ), h, kv, c.attention_bias)?;
-    b.linear(&join(&a, n::O_PROJ), q, h, false)?;
-    if c.use_qk_norm {
-        b.norm(&join(&a, n::Q_NORM), c.head_dim)?;
-        b.norm(&join(&a, n::K_NORM), c.head_dim)?;
-    }
-    let m = join(p, n::MLP);
-    if moe {
-        ds::expected_sigmoid_moe(b, &m, &c.moe_block(), layout)
-    } else {
-        n::expected_mlp(b, &m, h, c.intermediate_size)
-    }
-}
-
-/// `Glm4MoeForCausalLM`: dense layers `0..first_k_dense_replace`, MoE layers after, and the
-/// `num_nextn_predict_layers` MTP layers `model.layers.{N+j}` (required: the model loads
-/// them; always MoE) with their optional copies of `embed_tokens` and `shared_head.head`.
-pub fn glm4_moe_expected(
-    c: &Glm4MoeConfig,
-    layout: ExpertLayout,
-    path: &Path,
-    block: [usize; 2],
-) -> Result<ExpectedTable, BridgeError> {
-    let mut b = Builder::new(path, block);
-    let layers = c
-        .num_hidden_layers
-        .saturating_add(c.num_nextn_predict_layers);
-    let per_layer = 30 + 3 * c.n_routed_experts as u128;
-    b.bound(
-        layers,
-        per_layer,
-        "num_hidden_layers/num_nextn_predict_layers/n_routed_experts",
-    )?;
-    let (h, v) = (c.hidden_size, c.vocab_size);
-    n::expected_top_level(&mut b, v, h, c.tie_word_embeddings)?;
-    for l in 0..c.num_hidden_layers {
-        expected_layer(&mut b, c, &layer_of(l), c.is_moe_layer(l), layout)?;
-    }
-    for j in 0..c.num_nextn_predict_layers {
-        let i = c.num_hidden_layers + j;
-        expected_layer(&mut b, c, &layer_of(i), true, layout)?;
-        ds::expected_mtp_extras(&mut b, i, h, v)?;
-    }
-    Ok(b.finish())
 }

@@ -366,6 +366,7 @@ impl TryFrom<GptOssJson> for GptOssConfig {
                 ));
             }
         };
+        crate::config::check_layer_count("num_hidden_layers", j.num_hidden_layers)?;
         let layer_types = match &j.layer_types {
             Some(written) => parse_layer_types(written, j.num_hidden_layers)?,
             None => alternating(j.num_hidden_layers),

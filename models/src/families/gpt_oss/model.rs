@@ -415,6 +415,21 @@ impl crate::config::FamilyConfig for GptOssConfig {
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.num_local_experts, self.num_experts_per_tok))
     }
+
+    fn sizes(&self) -> crate::config::ConfigSizes {
+        crate::config::ConfigSizes {
+            layers: ("num_hidden_layers", self.num_hidden_layers),
+            experts: Some(("num_local_experts", self.num_local_experts)),
+            dims: vec![
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("head_dim", self.head_dim),
+            ],
+        }
+    }
 }
 
 /// gpt-oss (`GptOssForCausalLM`).
@@ -451,13 +466,11 @@ impl crate::families::Family for GptOss {
         super::plan::mapping_rules()
     }
 
-    fn expected_tensors(
-        config: &GptOssConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::gpt_oss_expected(config, layout, path, block)
+    /// The release stores the routed experts' `gate_up_proj` / `down_proj` as MXFP4 pairs
+    /// whose blocks decode to the output-major `[E, out, in]` matrices (the canonical
+    /// tensors), transformers' `Mxfp4GptOssExperts`.
+    fn release_mxfp4(hf_name: &str, canonical: &[usize]) -> Option<Vec<usize>> {
+        super::plan::is_mxfp4_expert(hf_name).then(|| canonical.to_vec())
     }
 
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.

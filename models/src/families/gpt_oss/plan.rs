@@ -1,6 +1,6 @@
 //! The gpt-oss model's HF layout (HF `GptOssForCausalLM` as released and as transformers 5.23
-//! `save_pretrained` writes it): its parallel plan, name-mapping rules and expected-tensor
-//! table, over the shared Llama-family names of [`crate::param_plan::hf_names`].
+//! `save_pretrained` writes it): its parallel plan, name-mapping rules and the MXFP4 test of
+//! its expected table (`is_mxfp4_expert`), over the shared Llama-family names of [`crate::param_plan::hf_names`].
 //!
 //! gpt-oss's own names: the learned sinks `self_attn.sinks [nh]`, the router
 //! `mlp.router.{weight,bias}`, and the routed experts stored fused per layer in the release
@@ -12,12 +12,9 @@
 //! `gate_up_proj` / `down_proj` as MXFP4 (`*_blocks`, `*_scales`, the rows of the
 //! output-major `[E, out, in]` matrix in blocks of 32 along `in`).
 
-use std::path::Path;
-
 use moe_backend::optim::ParamClass;
-use moe_bridge::BridgeError;
 use moe_bridge::dist::ShardRule;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout, Rule};
+use moe_bridge::mapping::Rule;
 
 use super::{GptOssConfig, GptOssForCausalLM};
 use crate::param_plan::hf_names::{self as n, join, layer};
@@ -180,44 +177,9 @@ pub(crate) fn mapping_rules() -> Vec<Rule> {
     rules
 }
 
-/// gpt-oss (`GptOssForCausalLM`): every layer's attention (biases, sinks), norms and MoE
-/// block in the release layout (the experts' matrices dense or as MXFP4 pairs). `path` names
-/// the config in errors; `block` is the FP8 block size of the scale companions.
-pub fn gpt_oss_expected(
-    c: &GptOssConfig,
-    _layout: ExpertLayout,
-    path: &Path,
-    block: [usize; 2],
-) -> Result<ExpectedTable, BridgeError> {
-    let mut b = Builder::new(path, block);
-    b.bound(c.num_hidden_layers, 16, "num_hidden_layers")?;
-    let h = c.hidden_size;
-    n::expected_top_level(&mut b, c.vocab_size, h, c.tie_word_embeddings)?;
-    let q = b.mul(c.num_attention_heads, c.head_dim, "num_attention_heads")?;
-    let kv = b.mul(c.num_key_value_heads, c.head_dim, "num_key_value_heads")?;
-    let (e, i) = (c.num_local_experts, c.intermediate_size);
-    let two_i = b.mul(2, i, "intermediate_size")?;
-    for l in 0..c.num_hidden_layers {
-        let p = layer(l);
-        n::expected_layer_norms(&mut b, &p, h)?;
-        let attn = join(&p, n::SELF_ATTN);
-        let bias = c.attention_bias;
-        for (proj, inp, out) in [(n::Q_PROJ, h, q), (n::K_PROJ, h, kv), (n::V_PROJ, h, kv)] {
-            b.linear(&join(&attn, proj), inp, out, bias)?;
-        }
-        b.linear(&join(&attn, n::O_PROJ), q, h, bias)?;
-        b.weight(join(&attn, SINKS), vec![c.num_attention_heads])?;
-        let mlp = join(&p, n::MLP);
-        b.linear(&join(&mlp, ROUTER), h, e, true)?;
-        let ex = join(&mlp, n::EXPERTS);
-        b.weight_or_mxfp4(
-            n::stacked_gate_up(&ex),
-            vec![e, h, two_i],
-            vec![e, two_i, h],
-        )?;
-        b.weight(join(&ex, GATE_UP_PROJ_BIAS), vec![e, two_i])?;
-        b.weight_or_mxfp4(n::stacked_down(&ex), vec![e, i, h], vec![e, h, i])?;
-        b.weight(join(&ex, DOWN_PROJ_BIAS), vec![e, h])?;
-    }
-    Ok(b.finish())
+/// Whether canonical tensor `name` is a layer's routed experts' `gate_up_proj` or
+/// `down_proj`, which the release stores as MXFP4 (`*_blocks`, `*_scales`).
+pub(crate) fn is_mxfp4_expert(name: &str) -> bool {
+    n::split_stacked(name)
+        .is_some_and(|(experts, _)| experts.ends_with(&format!(".{}", n::EXPERTS)))
 }

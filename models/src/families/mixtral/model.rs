@@ -399,6 +399,21 @@ impl crate::config::FamilyConfig for MixtralConfig {
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.num_local_experts, self.num_experts_per_tok))
     }
+
+    fn sizes(&self) -> crate::config::ConfigSizes {
+        crate::config::ConfigSizes {
+            layers: ("num_hidden_layers", self.num_hidden_layers),
+            experts: Some(("num_local_experts", self.num_local_experts)),
+            dims: vec![
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("head_dim", self.head_dim),
+            ],
+        }
+    }
 }
 
 /// Mixtral (`MixtralForCausalLM`).
@@ -429,15 +444,6 @@ impl crate::families::Family for Mixtral {
             shared_ffn: 0,
             tied_embeddings: c.tie_word_embeddings,
         })
-    }
-
-    fn expected_tensors(
-        config: &MixtralConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::mixtral_expected(config, layout, path, block)
     }
 
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.

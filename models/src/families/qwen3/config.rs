@@ -255,6 +255,7 @@ impl TryFrom<Qwen3Json> for Qwen3Config {
         // HF `__post_init__`: the window counts only with `use_sliding_window`; absent
         // `layer_types` slide from `max_window_layers` on when it does.
         let sliding_window = j.sliding_window.filter(|_| j.use_sliding_window);
+        crate::config::check_layer_count("num_hidden_layers", j.num_hidden_layers)?;
         let layer_types = match &j.layer_types {
             Some(written) => parse_layer_types(written, j.num_hidden_layers)?,
             None => (0..j.num_hidden_layers)

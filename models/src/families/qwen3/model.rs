@@ -382,6 +382,21 @@ impl crate::config::FamilyConfig for Qwen3Config {
     fn experts(&self) -> Option<(usize, usize)> {
         None
     }
+
+    fn sizes(&self) -> crate::config::ConfigSizes {
+        crate::config::ConfigSizes {
+            layers: ("num_hidden_layers", self.num_hidden_layers),
+            experts: None,
+            dims: vec![
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("head_dim", self.head_dim),
+            ],
+        }
+    }
 }
 
 /// Dense Qwen3 (`Qwen3ForCausalLM`).
@@ -393,13 +408,4 @@ impl crate::family::Family for Qwen3 {
     const ARCHITECTURE: &'static str = "Qwen3ForCausalLM";
     type Config = Qwen3Config;
     type Model = Qwen3ForCausalLM;
-
-    fn expected_tensors(
-        config: &Qwen3Config,
-        _layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::qwen3_expected(config, path, block)
-    }
 }

@@ -577,6 +577,22 @@ impl crate::config::FamilyConfig for Qwen3MoeConfig {
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.num_experts, self.num_experts_per_tok))
     }
+
+    fn sizes(&self) -> crate::config::ConfigSizes {
+        crate::config::ConfigSizes {
+            layers: ("num_hidden_layers", self.num_hidden_layers),
+            experts: Some(("num_experts", self.num_experts)),
+            dims: vec![
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("head_dim", self.head_dim),
+            ],
+        }
+    }
 }
 
 /// Qwen3-MoE (`Qwen3MoeForCausalLM`).
@@ -609,15 +625,6 @@ impl crate::family::Family for Qwen3Moe {
             shared_ffn: 0,
             tied_embeddings: c.tie_word_embeddings,
         })
-    }
-
-    fn expected_tensors(
-        config: &Qwen3MoeConfig,
-        layout: moe_bridge::mapping::ExpertLayout,
-        path: &std::path::Path,
-        block: [usize; 2],
-    ) -> Result<moe_bridge::mapping::ExpectedTable, moe_bridge::BridgeError> {
-        super::plan::qwen3_moe_expected(config, layout, path, block)
     }
 
     /// HF's loss: cross-entropy plus `router_aux_loss_coef ·` the load-balancing loss.

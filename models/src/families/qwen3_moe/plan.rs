@@ -1,13 +1,7 @@
-//! The Qwen3-MoE model's HF layout (HF `Qwen3MoeForCausalLM`): its parallel plan,
-//! name-mapping rules and expected-tensor table, over the shared Llama-family names of
+//! The Qwen3-MoE model's HF layout (HF `Qwen3MoeForCausalLM`): its parallel plan and
+//! name-mapping rules, over the shared Llama-family names of
 //! [`crate::param_plan::hf_names`] and Qwen3's attention ([`crate::families::qwen3::plan`]).
 
-use std::path::Path;
-
-use moe_bridge::BridgeError;
-use moe_bridge::mapping::{ExpectedBuilder as Builder, ExpectedTable, ExpertLayout};
-
-use crate::Qwen3MoeConfig;
 use crate::param_plan::ParallelPlan;
 use crate::param_plan::hf_names::{self as n, join, layer};
 use crate::param_plan::rows::{column, embedding, gqa, mlp, moe, norm};
@@ -48,50 +42,4 @@ impl crate::param_plan::Planned for crate::Qwen3MoeForCausalLM {
     fn main_layers(&self) -> usize {
         self.config().num_hidden_layers
     }
-}
-
-/// Qwen3-MoE (`Qwen3MoeForCausalLM`): MoE layers (router `mlp.gate` and routed experts in
-/// `layout`) and the dense layers of `mlp_only_layers` / `decoder_sparse_step`.
-pub fn qwen3_moe_expected(
-    c: &Qwen3MoeConfig,
-    layout: ExpertLayout,
-    path: &Path,
-    block: [usize; 2],
-) -> Result<ExpectedTable, BridgeError> {
-    let mut b = Builder::new(path, block);
-    let per_layer = 20 + 3 * c.num_experts as u128;
-    b.bound(
-        c.num_hidden_layers,
-        per_layer,
-        "num_hidden_layers/num_experts",
-    )?;
-    let h = c.hidden_size;
-    n::expected_top_level(&mut b, c.vocab_size, h, c.tie_word_embeddings)?;
-    for l in 0..c.num_hidden_layers {
-        let p = layer(l);
-        n::expected_layer_norms(&mut b, &p, h)?;
-        crate::families::qwen3::plan::qwen_attention(
-            &mut b,
-            &join(&p, n::SELF_ATTN),
-            h,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.attention_bias,
-        )?;
-        let m = join(&p, n::MLP);
-        if c.is_moe_layer(l) {
-            n::expected_moe(
-                &mut b,
-                &m,
-                c.num_experts,
-                c.moe_intermediate_size,
-                h,
-                layout,
-            )?;
-        } else {
-            n::expected_mlp(&mut b, &m, h, c.intermediate_size)?;
-        }
-    }
-    Ok(b.finish())
 }

@@ -3,5 +3,6 @@
 
 mod check;
 mod dist_convert;
+mod expected_tables;
 mod export;
 mod mapping_convert;
