@@ -122,9 +122,8 @@ fn planner_pipeline_traffic_matches_the_executor() {
             let pg = ctx.process_groups(layout_ref)?;
             let pp = pg.groups.get(moe_backend::parallel::GroupFamily::Pp);
             let channels = PipelineChannels {
-                activations: ctx.group("pp_activations", &pp.ranks)?,
-                gradients: ctx.group("pp_gradients", &pp.ranks)?,
-            };
+            p2p: ctx.group("pp_p2p", &pp.ranks)?,
+        };
             let device = Device::flex().autodiff();
             let stages = layout_ref.pp * vpp;
             let mut stage = Passing {
@@ -136,7 +135,7 @@ fn planner_pipeline_traffic_matches_the_executor() {
             };
             run_pipeline(schedule_ref, pp.index, &channels, &mut stage)?;
             let bytes =
-                channels.activations.traffic().bytes_sent + channels.gradients.traffic().bytes_sent;
+                channels.p2p.traffic().bytes_sent;
             Ok((pp.index, bytes))
         });
         for (rank, result) in sent.into_iter().enumerate() {
@@ -202,7 +201,7 @@ fn planner_pipeline_traffic_matches_a_training_step() {
                 })?;
             let channels = pg.pipeline_channels();
             let bytes =
-                channels.activations.traffic().bytes_sent + channels.gradients.traffic().bytes_sent;
+                channels.p2p.traffic().bytes_sent;
             Ok((pg.groups.get(GroupFamily::Pp).index, bytes))
         });
         for (rank, result) in sent.into_iter().enumerate() {

@@ -807,7 +807,12 @@ impl PipelineSchedule {
                 return Err(config(
                     "schedule",
                     format!(
-                        "rank {r} runs {forwards} forwards and {backwards} backwards, expected {expected} and {expected_backwards}"
+                        "rank {r} runs {forwards} forwards and {backwards} backwards, expected {}",
+                        if with_backwards {
+                            format!("{expected} each")
+                        } else {
+                            format!("{expected} forwards and no backward")
+                        }
                     ),
                 ));
             }
