@@ -122,8 +122,8 @@ fn planner_pipeline_traffic_matches_the_executor() {
             let pg = ctx.process_groups(layout_ref)?;
             let pp = pg.groups.get(moe_backend::parallel::GroupFamily::Pp);
             let channels = PipelineChannels {
-            p2p: ctx.group("pp_p2p", &pp.ranks)?,
-        };
+                p2p: ctx.group("pp_p2p", &pp.ranks)?,
+            };
             let device = Device::flex().autodiff();
             let stages = layout_ref.pp * vpp;
             let mut stage = Passing {
@@ -134,8 +134,7 @@ fn planner_pipeline_traffic_matches_the_executor() {
                 weight: burn::tensor::Tensor::ones([rows, hidden], &device).require_grad(),
             };
             run_pipeline(schedule_ref, pp.index, &channels, &mut stage)?;
-            let bytes =
-                channels.p2p.traffic().bytes_sent;
+            let bytes = channels.p2p.traffic().bytes_sent;
             Ok((pp.index, bytes))
         });
         for (rank, result) in sent.into_iter().enumerate() {
@@ -200,8 +199,7 @@ fn planner_pipeline_traffic_matches_a_training_step() {
                     detail: e.to_string(),
                 })?;
             let channels = pg.pipeline_channels();
-            let bytes =
-                channels.p2p.traffic().bytes_sent;
+            let bytes = channels.p2p.traffic().bytes_sent;
             Ok((pg.groups.get(GroupFamily::Pp).index, bytes))
         });
         for (rank, result) in sent.into_iter().enumerate() {

@@ -492,7 +492,9 @@ pub(crate) fn plan_send_recv(
     recvs: &[(usize, usize)],
 ) -> Result<Vec<P2pCall>, String> {
     if let Some(&(dst, _)) = sends.iter().find(|(dst, _)| *dst >= members) {
-        return Err(format!("destination {dst} out of range for {members} members"));
+        return Err(format!(
+            "destination {dst} out of range for {members} members"
+        ));
     }
     if let Some(&(src, _)) = recvs.iter().find(|(src, _)| *src >= members) {
         return Err(format!("source {src} out of range for {members} members"));
@@ -556,8 +558,13 @@ pub(crate) fn check_p2p_bounds(
 ) -> Result<(), String> {
     let fits = |what: &str, k: usize, len: usize, caps: &[usize]| match caps.get(k) {
         Some(&cap) if len <= cap => Ok(()),
-        Some(&cap) => Err(format!("{what} {k}: {len} bytes exceed its buffer of {cap}")),
-        None => Err(format!("{what} {k} does not exist ({} planned)", caps.len())),
+        Some(&cap) => Err(format!(
+            "{what} {k}: {len} bytes exceed its buffer of {cap}"
+        )),
+        None => Err(format!(
+            "{what} {k} does not exist ({} planned)",
+            caps.len()
+        )),
     };
     let header_fits = |what: &str, k: usize, cap: usize| {
         if k.checked_add(1)
@@ -566,7 +573,9 @@ pub(crate) fn check_p2p_bounds(
         {
             Ok(())
         } else {
-            Err(format!("{what} header {k} exceeds the header buffer of {cap} bytes"))
+            Err(format!(
+                "{what} header {k} exceeds the header buffer of {cap} bytes"
+            ))
         }
     };
     for call in calls {

@@ -291,9 +291,7 @@ impl<const D: usize> Mailboxes<D> {
             match t.direction {
                 Direction::Send => {
                     let tensor = self.outbox.remove(&key).ok_or_else(|| {
-                        schedule_error(format!(
-                            "pipeline rank {rank} must {t} before computing it"
-                        ))
+                        schedule_error(format!("pipeline rank {rank} must {t} before computing it"))
                     })?;
                     sends.push((tensor, t.peer));
                 }

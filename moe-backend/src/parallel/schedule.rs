@@ -614,10 +614,13 @@ impl PipelineSchedule {
         let mut steps = Vec::new();
         let mut previous: Option<Action> = None;
         for &a in self.ranks[rank].iter().filter(|a| a.is_forward()) {
-            let ops: Vec<Transfer> = [previous.and_then(|p| self.send_of(rank, p)), self.recv_of(rank, a)]
-                .into_iter()
-                .flatten()
-                .collect();
+            let ops: Vec<Transfer> = [
+                previous.and_then(|p| self.send_of(rank, p)),
+                self.recv_of(rank, a),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
             if !ops.is_empty() {
                 steps.push(Step::Exchange(ops));
             }
@@ -683,7 +686,10 @@ impl PipelineSchedule {
         pairs.dedup();
         for (src, dst) in pairs {
             let posted = sent.get(&(src, dst)).map(Vec::as_slice).unwrap_or_default();
-            let wanted = asked.get(&(src, dst)).map(Vec::as_slice).unwrap_or_default();
+            let wanted = asked
+                .get(&(src, dst))
+                .map(Vec::as_slice)
+                .unwrap_or_default();
             if posted != wanted {
                 let at = posted
                     .iter()
@@ -735,8 +741,7 @@ impl PipelineSchedule {
             }
         };
         // Per rank and op of the current exchange: time the op was matched.
-        let mut matched: Vec<Vec<Option<u64>>> =
-            (0..pp).map(|r| reset(programs, &pc, r)).collect();
+        let mut matched: Vec<Vec<Option<u64>>> = (0..pp).map(|r| reset(programs, &pc, r)).collect();
 
         loop {
             let mut progress = false;

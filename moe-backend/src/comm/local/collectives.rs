@@ -310,6 +310,9 @@ impl HostCollectives for LocalComm {
     }
 }
 
+/// A point-to-point channel: `(group, from, to)`.
+type Channel = (Arc<str>, usize, usize);
+
 impl LocalComm {
     /// Point-to-point sends and receives issued together: every send is posted (in order, to
     /// its channel's queue), then the receives are filled as their messages arrive (in order
@@ -345,7 +348,7 @@ impl LocalComm {
             return Err(self.aborted(op, failure));
         }
         // Post every send; remember the index each must see taken.
-        let mut waits: Vec<((Arc<str>, usize, usize), u64)> = Vec::with_capacity(sends.len());
+        let mut waits: Vec<(Channel, u64)> = Vec::with_capacity(sends.len());
         for ((data, _), &rank) in sends.into_iter().zip(&to) {
             if rank != me {
                 self.count(data.bytes().len());
@@ -385,7 +388,12 @@ impl LocalComm {
                 if mail.sig.shape != spec.shape || mail.sig.dtype != spec.dtype {
                     let detail = format!(
                         "rank {} sent {:?} {:?} (at {}), rank {me} expected {:?} {:?} (at {site})",
-                        from[k], mail.sig.dtype, mail.sig.shape, mail.sig.site, spec.dtype, spec.shape
+                        from[k],
+                        mail.sig.dtype,
+                        mail.sig.shape,
+                        mail.sig.site,
+                        spec.dtype,
+                        spec.shape
                     );
                     drop(st);
                     self.shared.wake.notify_all();
@@ -421,9 +429,8 @@ impl LocalComm {
                 } else {
                     "receiving from"
                 };
-                let reason = format!(
-                    "rank {gone} finished without {what} rank {me} ({op} at {site})"
-                );
+                let reason =
+                    format!("rank {gone} finished without {what} rank {me} ({op} at {site})");
                 drop(st);
                 self.shared.fail(me, reason.clone());
                 return Err(self.error(op, reason));

@@ -26,10 +26,25 @@
 //!    [`BackendError::Timeout`](crate::BackendError::Timeout) naming the members, and the
 //!    group stays failed — exactly the host-staged path's behaviour and errors.
 //!
-//! Still host-staged for CUDA tensors: `send`/`recv` (the pipeline's point-to-point, small next
-//! to the expert all-to-all): the tensor is read to the host and moves through the queued-post
-//! protocol of the module above, because NCCL's rendezvous sends would otherwise need that
-//! protocol for device payloads too. Host (Flex) tensors take the host-staged path as before.
+//! The pipeline's batched point-to-point exchange (`send_recv`, Megatron's
+//! `batch_isend_irecv`) on CUDA tensors runs on their buffers too: one NCCL group with, per
+//! message to another member, an `ncclSend` of its header (shape, dtype, call site; staged
+//! through a small device buffer) followed by an `ncclSend` of the payload from the tensor's
+//! own memory, and per receive an `ncclRecv` of the header then of the payload into a fresh
+//! CubeCL allocation of the expected size (`nccl_plan::plan_send_recv`, bounds-checked); a
+//! message to itself is a device-to-device copy. Header and payload are adjacent on both
+//! ends, so a pair's transfers match in issue order even when one rank's batch meets its
+//! peer's counterparts across several batches (interleaved schedules with `m = pp` do). The
+//! headers are checked after the group completed — a disagreement is the host path's typed
+//! error naming both ranks and call sites; a disagreement in size never completes and ends
+//! as the deadline's `ncclCommAbort` and [`BackendError::Timeout`](crate::BackendError::Timeout).
+//! The batch has NCCL's rendezvous semantics, which the pipeline executor is checked and
+//! tested against (`parallel::pipeline`).
+//!
+//! Still host-staged for CUDA tensors: a lone `send` / `recv` (not the pipeline's, which
+//! batches): its callers may rely on a buffered send, so the tensor is read to the host and
+//! moves through the queued-post protocol of the module above. Host (Flex) tensors take the
+//! host-staged path as before. Nothing of a CUDA pipeline step is staged through the host.
 //!
 //! Reductions run in NCCL's order and in the tensor's dtype (see `nccl_plan`), so float sums
 //! agree with the threads transport within `(members − 1)` roundings of the dtype; data
@@ -597,8 +612,7 @@ impl DeviceCommunicator for NcclComm {
         let send_bytes: Vec<usize> = send_plan.iter().map(|s| s.1).collect();
         let recv_bytes: Vec<usize> = recv_plan.iter().map(|r| r.1).collect();
         let header_bytes = (tensors.len() * header, recvs.len() * header);
-        check_p2p_bounds(&calls, &send_bytes, &recv_bytes, header, header_bytes)
-            .map_err(&fail)?;
+        check_p2p_bounds(&calls, &send_bytes, &recv_bytes, header, header_bytes).map_err(&fail)?;
         let mut sent = vec![0; n];
         for &(dst, bytes) in &send_plan {
             sent[dst] += bytes;
@@ -637,7 +651,15 @@ impl DeviceCommunicator for NcclComm {
         peers.dedup();
         let deadline = Instant::now() + self.p2p.timeout();
         let landed = self.p2p.links().with_wire(deadline, |wire| {
-            issue_p2p(wire, &calls, (&src, &dst), (&send_headers, recvs.len() * header), header, peers, deadline)
+            issue_p2p(
+                wire,
+                &calls,
+                (&src, &dst),
+                (&send_headers, recvs.len() * header),
+                header,
+                peers,
+                deadline,
+            )
         });
         // The allocations stay pinned until NCCL is done (or aborted).
         drop((send_res, recv_res, tensors));
@@ -767,8 +789,10 @@ fn issue_p2p(
             }
             P2pCall::Copy { send, recv, bytes } => {
                 // Stream-ordered with the group's transfers on the same stream.
-                unsafe { cudarc::driver::result::memcpy_dtod_async(dst[recv], src[send], bytes, cu) }
-                    .map_err(cuda("a device-to-device copy"))?;
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(dst[recv], src[send], bytes, cu)
+                }
+                .map_err(cuda("a device-to-device copy"))?;
             }
         }
     }

@@ -460,14 +460,16 @@ fn the_model_rejects_mismatched_point_to_point_sizes() {
 /// all its batches, in issue order; the `k`-th send from `p` to `q` meets the `k`-th receive
 /// of `q` from `p`, and both must be the same kind (header or payload) and size (NCCL's
 /// requirement). Returns, per member and batch, the payload bytes each receive got.
-fn execute_p2p(
-    batches: &[Vec<(Vec<P2pCall>, Vec<Vec<u8>>)>],
-    header: usize,
-) -> Vec<Vec<Vec<Vec<u8>>>> {
+/// One member's planned batch: its calls and the payload of each send.
+type PlannedBatch = (Vec<P2pCall>, Vec<Vec<u8>>);
+
+/// Per `(src, dst)`: whether each send is a header, and its bytes, in issue order.
+type Wire = std::collections::HashMap<(usize, usize), Vec<(bool, Vec<u8>)>>;
+
+fn execute_p2p(batches: &[Vec<PlannedBatch>], header: usize) -> Vec<Vec<Vec<Vec<u8>>>> {
     let n = batches.len();
     // Per (src, dst): the (is_header, bytes) of every send in issue order.
-    let mut wire: std::collections::HashMap<(usize, usize), Vec<(bool, Vec<u8>)>> =
-        std::collections::HashMap::new();
+    let mut wire: Wire = Wire::new();
     for (src, member) in batches.iter().enumerate() {
         for (calls, payloads) in member {
             for call in calls {
@@ -511,7 +513,10 @@ fn execute_p2p(
                                 let k = taken.entry((peer, me)).or_default();
                                 let (is_header, bytes) = &wire[&(peer, me)][*k];
                                 *k += 1;
-                                assert!(*is_header && bytes.len() == header, "header meets payload");
+                                assert!(
+                                    *is_header && bytes.len() == header,
+                                    "header meets payload"
+                                );
                             }
                             P2pCall::Recv { peer, recv, bytes } => {
                                 let k = taken.entry((peer, me)).or_default();
@@ -584,7 +589,7 @@ fn send_recv_plans_equal_the_threads_transport() {
             let message = |src: usize, tag: usize, rows: usize| {
                 input(src * 10 + tag, rows, dtype).into_bytes().to_vec()
             };
-            let planned: Vec<Vec<(Vec<P2pCall>, Vec<Vec<u8>>)>> = (0..n)
+            let planned: Vec<Vec<PlannedBatch>> = (0..n)
                 .map(|me| {
                     program(me)
                         .into_iter()
@@ -599,8 +604,7 @@ fn send_recv_plans_equal_the_threads_transport() {
                             let send_bytes: Vec<usize> = s.iter().map(|x| x.1).collect();
                             let recv_bytes: Vec<usize> = r.iter().map(|x| x.1).collect();
                             let hb = (s.len() * header, r.len() * header);
-                            check_p2p_bounds(&calls, &send_bytes, &recv_bytes, header, hb)
-                                .unwrap();
+                            check_p2p_bounds(&calls, &send_bytes, &recv_bytes, header, hb).unwrap();
                             (calls, payloads)
                         })
                         .collect()
@@ -617,7 +621,8 @@ fn send_recv_plans_equal_the_threads_transport() {
                         let sends = sends
                             .iter()
                             .map(|&(d, r, t)| {
-                                let data = TensorData::from_bytes_vec(message(me, t, r), [r, 3], dtype);
+                                let data =
+                                    TensorData::from_bytes_vec(message(me, t, r), [r, 3], dtype);
                                 (data, d)
                             })
                             .collect();
@@ -646,8 +651,16 @@ fn send_recv_plans_equal_the_threads_transport() {
 
 #[test]
 fn send_recv_plans_refuse_what_nccl_would_hang_on() {
-    assert!(plan_send_recv(0, 2, &[(2, 4)], &[]).unwrap_err().contains("destination 2"));
-    assert!(plan_send_recv(0, 2, &[], &[(5, 4)]).unwrap_err().contains("source 5"));
+    assert!(
+        plan_send_recv(0, 2, &[(2, 4)], &[])
+            .unwrap_err()
+            .contains("destination 2")
+    );
+    assert!(
+        plan_send_recv(0, 2, &[], &[(5, 4)])
+            .unwrap_err()
+            .contains("source 5")
+    );
     let err = plan_send_recv(1, 2, &[(1, 4)], &[]).unwrap_err();
     assert!(err.contains("1 sends to itself but 0 receives"), "{err}");
     let err = plan_send_recv(1, 2, &[(1, 4)], &[(1, 8)]).unwrap_err();

@@ -609,7 +609,7 @@ fn batched_exchanges_over_tcp_deliver_and_fail_promptly_on_a_vanished_peer() {
     let out = spawn_ranks(
         &[3, 3, 3],
         config(Duration::from_secs(30), Duration::from_secs(10)),
-        |rank, world| {
+        |_, world| {
             let world = world.unwrap();
             let start = Instant::now();
             let result = world.run(|ctx| {

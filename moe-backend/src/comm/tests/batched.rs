@@ -25,7 +25,12 @@ fn config(p2p: PointToPoint, timeout: Duration) -> WorldConfig {
 /// The tensor member `src` sends to member `dst` as its `k`-th message of a test: values
 /// from the triple, so a receiver can check what it got without the sender's help.
 fn message(src: usize, dst: usize, k: usize, rows: usize, dtype: DType) -> Tensor<2> {
-    tensor(input(src as u64 * 100 + dst as u64 * 10 + k as u64, 0, rows, 3), [rows, 3], &dev(), dtype)
+    tensor(
+        input(src as u64 * 100 + dst as u64 * 10 + k as u64, 0, rows, 3),
+        [rows, 3],
+        &dev(),
+        dtype,
+    )
 }
 
 /// Every member sends two messages to each of the next two members (ring distance 1 and 2)
@@ -63,7 +68,11 @@ fn a_batch_delivers_every_message_on_both_paths_and_both_modes() {
                 });
                 for r in ok(out) {
                     assert_eq!(r.0, 0, "the device path stays on the tensors' storage");
-                    assert_eq!(r.1, 2 * 4, "the host path reads each send and uploads each receive");
+                    assert_eq!(
+                        r.1,
+                        2 * 4,
+                        "the host path reads each send and uploads each receive"
+                    );
                 }
             }
         }
@@ -100,7 +109,8 @@ fn a_ring_completes_under_rendezvous_only_as_a_batch() {
     assert!(start.elapsed() < Duration::from_secs(5));
     assert!(out.iter().all(Result::is_err));
     assert!(
-        out.iter().any(|r| matches!(r, Err(BackendError::Timeout { op: "send", .. }))),
+        out.iter()
+            .any(|r| matches!(r, Err(BackendError::Timeout { op: "send", .. }))),
         "{out:?}"
     );
 }
@@ -119,7 +129,10 @@ fn mismatched_messages_and_bad_peers_are_typed_errors() {
         });
         for r in out {
             let err = r.expect_err("shape mismatch").to_string();
-            assert!(err.contains("sent F32 [2, 3]") && err.contains("expected F32 [3, 3]"), "{err}");
+            assert!(
+                err.contains("sent F32 [2, 3]") && err.contains("expected F32 [3, 3]"),
+                "{err}"
+            );
             assert!(err.contains("batched.rs"), "{err}");
         }
     }
@@ -158,10 +171,16 @@ fn a_dead_or_silent_peer_fails_the_batch_promptly() {
         for r in [0, 1] {
             let err = out[r].as_ref().expect_err("the batch fails");
             assert!(
-                matches!(err, BackendError::Collective { .. } | BackendError::Aborted { .. }),
+                matches!(
+                    err,
+                    BackendError::Collective { .. } | BackendError::Aborted { .. }
+                ),
                 "{p2p:?} rank {r}: {err:?}"
             );
-            assert!(err.to_string().contains("rank 2"), "{p2p:?} rank {r}: {err}");
+            assert!(
+                err.to_string().contains("rank 2"),
+                "{p2p:?} rank {r}: {err}"
+            );
         }
 
         let start = Instant::now();

@@ -198,8 +198,7 @@ fn pipelined(
             device,
         };
         let run = run_pipeline(schedule, ctx.rank(), &channels, &mut stage)?;
-        let bytes =
-            channels.p2p.traffic().bytes_sent;
+        let bytes = channels.p2p.traffic().bytes_sent;
         Ok((finish(stage.sums), run, bytes))
     });
     let mut grads = Grads::new();
@@ -396,41 +395,41 @@ fn forward_only_runs_give_one_rank_losses() {
             .collect();
         let pp = schedule.pp();
         for p2p in [PointToPoint::Buffered, PointToPoint::Rendezvous] {
-        let out = World::run_with(pp, world_config(p2p), |ctx| {
-            let ranks: Vec<usize> = (0..pp).collect();
-            let channels = PipelineChannels {
-            p2p: ctx.group("pp_p2p", &ranks)?,
-        };
-            let device = Device::flex();
-            let mut stage = ForwardOnly {
-                inner: ChainStage {
-                    split: split.clone(),
-                    rank: ctx.rank(),
-                    chain: frozen_chain(layers),
-                    microbatches: m,
-                    sums: BTreeMap::new(),
-                    device,
-                },
-                losses: Vec::new(),
-            };
-            let run = run_pipeline_forward(&schedule, ctx.rank(), &channels, &mut stage)?;
-            let bytes = channels.p2p.traffic().bytes_sent;
-            Ok((stage.losses, run, bytes))
-        });
-        let mut seen = Vec::new();
-        for (rank, result) in out.into_iter().enumerate() {
-            let (losses, run, bytes) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            assert_eq!(run.forwards, m * schedule.vpp(), "rank {rank}");
-            assert_eq!(run.backwards, 0);
-            // Activations only: every virtual stage but the last sends each micro-batch on.
-            let stages = schedule.pp() * schedule.vpp();
-            let senders = (0..schedule.vpp())
-                .filter(|&c| schedule.virtual_stage(rank, c) + 1 < stages)
-                .count();
-            assert_eq!(bytes, (senders * m * ROWS * WIDTH * 4) as u64, "{p2p:?}");
-            seen.extend(losses);
-        }
-        assert_eq!(seen, want, "{p2p:?}");
+            let out = World::run_with(pp, world_config(p2p), |ctx| {
+                let ranks: Vec<usize> = (0..pp).collect();
+                let channels = PipelineChannels {
+                    p2p: ctx.group("pp_p2p", &ranks)?,
+                };
+                let device = Device::flex();
+                let mut stage = ForwardOnly {
+                    inner: ChainStage {
+                        split: split.clone(),
+                        rank: ctx.rank(),
+                        chain: frozen_chain(layers),
+                        microbatches: m,
+                        sums: BTreeMap::new(),
+                        device,
+                    },
+                    losses: Vec::new(),
+                };
+                let run = run_pipeline_forward(&schedule, ctx.rank(), &channels, &mut stage)?;
+                let bytes = channels.p2p.traffic().bytes_sent;
+                Ok((stage.losses, run, bytes))
+            });
+            let mut seen = Vec::new();
+            for (rank, result) in out.into_iter().enumerate() {
+                let (losses, run, bytes) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert_eq!(run.forwards, m * schedule.vpp(), "rank {rank}");
+                assert_eq!(run.backwards, 0);
+                // Activations only: every virtual stage but the last sends each micro-batch on.
+                let stages = schedule.pp() * schedule.vpp();
+                let senders = (0..schedule.vpp())
+                    .filter(|&c| schedule.virtual_stage(rank, c) + 1 < stages)
+                    .count();
+                assert_eq!(bytes, (senders * m * ROWS * WIDTH * 4) as u64, "{p2p:?}");
+                seen.extend(losses);
+            }
+            assert_eq!(seen, want, "{p2p:?}");
         }
     }
 }
@@ -651,7 +650,11 @@ fn the_unbatched_order_deadlocks_under_rendezvous_sends() {
     for result in run(PointToPoint::Buffered) {
         got.extend(result.unwrap());
     }
-    assert_eq!(got, reference(layers, m), "the unbatched order itself is right");
+    assert_eq!(
+        got,
+        reference(layers, m),
+        "the unbatched order itself is right"
+    );
     let start = std::time::Instant::now();
     let out = run(PointToPoint::Rendezvous);
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
@@ -660,7 +663,9 @@ fn the_unbatched_order_deadlocks_under_rendezvous_sends() {
         .map(|r| r.expect_err("a deadlock").to_string())
         .collect();
     assert!(
-        errors.iter().any(|e| e.contains("timed out") || e.contains("timeout")),
+        errors
+            .iter()
+            .any(|e| e.contains("timed out") || e.contains("timeout")),
         "{errors:?}"
     );
 }

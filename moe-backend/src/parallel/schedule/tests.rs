@@ -534,8 +534,10 @@ fn posting_order_puts_activations_first_then_micro_batch_then_stage() {
         t(Direction::Send, Payload::Activation, 1, 0, 0),
     ];
     s.posting_order(0, &mut ops);
-    let keys: Vec<(Payload, usize, usize)> =
-        ops.iter().map(|t| (t.payload, t.microbatch, t.chunk)).collect();
+    let keys: Vec<(Payload, usize, usize)> = ops
+        .iter()
+        .map(|t| (t.payload, t.microbatch, t.chunk))
+        .collect();
     // Produced by virtual stages: send a(1) from vs 0, recv a(1) from vs 1, send a(2) from
     // vs 2, recv g(0) from vs 3.
     assert_eq!(
