@@ -35,7 +35,7 @@ use burn::backend::{
 use burn::tensor::{Bytes, DType, Device, Tensor, TensorData, kind::Basic};
 use burn_flex::{FlexTensor, Layout};
 
-use super::{CallSite, Communicator, ReduceOp, Traffic};
+use super::{CallSite, Communicator, RecvSpec, ReduceOp, Traffic};
 use crate::error::Result;
 
 /// A tensor's storage on its device, moved by a [`DeviceCommunicator`] without a round trip
@@ -140,6 +140,25 @@ pub trait DeviceCommunicator: Send + Sync + fmt::Debug {
         like: &DeviceBuffer,
         site: CallSite,
     ) -> Result<DeviceBuffer>;
+    /// As [`Communicator::send_recv`]: the buffers of `sends` go to their members and one
+    /// buffer like `like` is received per entry of `recvs`, all issued together (NCCL: one
+    /// group of `ncclSend`/`ncclRecv` on the buffers). The default sends, then receives (the
+    /// buffered transports).
+    fn send_recv(
+        &self,
+        sends: Vec<(DeviceBuffer, usize)>,
+        recvs: &[RecvSpec],
+        like: &DeviceBuffer,
+        site: CallSite,
+    ) -> Result<Vec<DeviceBuffer>> {
+        for (buf, dst) in sends {
+            self.send(buf, dst, site)?;
+        }
+        recvs
+            .iter()
+            .map(|r| self.recv(&r.shape, r.dtype, r.src, like, site))
+            .collect()
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -523,6 +542,21 @@ pub(crate) trait HostCollectives: Send + Sync + fmt::Debug {
         src: usize,
         site: CallSite,
     ) -> Result<HostBuffer>;
+    /// See [`Communicator::send_recv`] (default: sends, then receives).
+    fn host_send_recv(
+        &self,
+        sends: Vec<(HostBuffer, usize)>,
+        recvs: &[RecvSpec],
+        site: CallSite,
+    ) -> Result<Vec<HostBuffer>> {
+        for (buf, dst) in sends {
+            self.host_send(buf, dst, site)?;
+        }
+        recvs
+            .iter()
+            .map(|r| self.host_recv(&r.shape, r.dtype, r.src, site))
+            .collect()
+    }
     /// See [`Communicator::barrier`].
     fn host_barrier(&self, site: CallSite) -> Result<()>;
     /// See [`Communicator::traffic`].
@@ -588,6 +622,20 @@ impl<T: HostCollectives> Communicator for T {
     ) -> Result<TensorData> {
         self.host_recv(shape, dtype, src, site)
             .map(HostBuffer::into_data)
+    }
+
+    fn send_recv(
+        &self,
+        sends: Vec<(TensorData, usize)>,
+        recvs: &[RecvSpec],
+        site: CallSite,
+    ) -> Result<Vec<TensorData>> {
+        let sends = sends
+            .into_iter()
+            .map(|(d, dst)| (HostBuffer::from_data(d), dst))
+            .collect();
+        let got = self.host_send_recv(sends, recvs, site)?;
+        Ok(got.into_iter().map(HostBuffer::into_data).collect())
     }
 
     fn barrier(&self, site: CallSite) -> Result<()> {
@@ -696,5 +744,30 @@ impl<T: HostCollectives> DeviceCommunicator for T {
             });
         }
         self.host_recv(shape, dtype, src, site).map(dev)
+    }
+
+    fn send_recv(
+        &self,
+        sends: Vec<(DeviceBuffer, usize)>,
+        recvs: &[RecvSpec],
+        like: &DeviceBuffer,
+        site: CallSite,
+    ) -> Result<Vec<DeviceBuffer>> {
+        if like.kind() != BufferKind::Host {
+            return Err(crate::BackendError::Collective {
+                op: "send_recv",
+                group: format!("{:?}", self.members()),
+                detail: format!(
+                    "a host transport cannot receive into a {:?} device buffer",
+                    like.kind()
+                ),
+            });
+        }
+        let sends = sends
+            .into_iter()
+            .map(|(b, dst)| Ok((host(b, "send_recv", self.members())?, dst)))
+            .collect::<Result<Vec<_>>>()?;
+        let got = self.host_send_recv(sends, recvs, site)?;
+        Ok(got.into_iter().map(dev).collect())
     }
 }

@@ -150,31 +150,28 @@ impl RankCtx {
             .iter()
             .map(|m| self.group(m.family.name(), &m.ranks))
             .collect::<Result<Vec<_>>>()?;
-        // The pipeline's two channels (activations, their gradients) and Megatron's embedding
+        // The pipeline's point-to-point channel and Megatron's embedding
         // group (first and last pipeline stage: the tied or MTP copy of the embedding),
         // created after the families in the same order on every rank; without a pipeline,
         // the one-member `pp` communicator stands for the channels (never used).
         let pp = groups.get(GroupFamily::Pp).clone();
-        let (pp_activations, pp_gradients, embedding) = if pp.size() == 1 {
+        let (pp_p2p, embedding) = if pp.size() == 1 {
             let at = GroupFamily::ALL.iter().position(|f| *f == GroupFamily::Pp);
-            let alone = comms[at.unwrap_or_default()].clone();
-            (alone.clone(), alone, None)
+            (comms[at.unwrap_or_default()].clone(), None)
         } else {
-            let activations = self.group("pp_activations", &pp.ranks)?;
-            let gradients = self.group("pp_gradients", &pp.ranks)?;
+            let p2p = self.group("pp_p2p", &pp.ranks)?;
             let ends = [pp.ranks[0], pp.ranks[pp.size() - 1]];
             let embedding = if ends.contains(&self.rank) {
                 Some(self.group("pp_embedding", &ends)?)
             } else {
                 None
             };
-            (activations, gradients, embedding)
+            (p2p, embedding)
         };
         Ok(GroupComms {
             groups,
             comms,
-            pp_activations,
-            pp_gradients,
+            pp_p2p,
             embedding,
         })
     }
@@ -186,11 +183,10 @@ pub struct GroupComms {
     /// Memberships.
     pub groups: ProcessGroups,
     comms: Vec<Comm>,
-    /// The pipeline's channels over the `pp` group's members (activations, their gradients),
-    /// apart from the `pp` communicator so their traffic counters hold only the pipeline's
-    /// transfers.
-    pp_activations: Comm,
-    pp_gradients: Comm,
+    /// The pipeline's point-to-point channel over the `pp` group's members (activations and
+    /// their gradients, batched per exchange), apart from the `pp` communicator so its traffic
+    /// counter holds only the pipeline's transfers.
+    pp_p2p: Comm,
     /// The first and last stage of this rank's pipeline (`None` on the stages between).
     embedding: Option<Comm>,
 }
@@ -203,12 +199,11 @@ impl GroupComms {
         local::single_ctx().process_groups(&ParallelLayout::single())
     }
 
-    /// The two channels of this rank's pipeline group (activations and their gradients, each
-    /// its own communicator over the `pp` group's members).
+    /// The point-to-point channel of this rank's pipeline group (activations and their
+    /// gradients on one communicator over the `pp` group's members, as Megatron's).
     pub fn pipeline_channels(&self) -> PipelineChannels {
         PipelineChannels {
-            activations: self.pp_activations.clone(),
-            gradients: self.pp_gradients.clone(),
+            p2p: self.pp_p2p.clone(),
         }
     }
 

@@ -104,6 +104,34 @@ pub struct Vote {
     pub first: Option<usize>,
 }
 
+/// A receive of a batched point-to-point exchange ([`Communicator::send_recv`]): the next
+/// tensor member `src` sends, which must have `shape` and `dtype`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvSpec {
+    /// Expected shape.
+    pub shape: Vec<usize>,
+    /// Expected element type.
+    pub dtype: DType,
+    /// The sending member.
+    pub src: usize,
+}
+
+/// How the in-process [`World`]'s point-to-point `send` completes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PointToPoint {
+    /// Buffered (the TCP and MPI transports' behaviour): a send returns at once; the message
+    /// waits in the receiver's queue.
+    #[default]
+    Buffered,
+    /// Rendezvous (NCCL's behaviour): a send completes only when the receiver has posted the
+    /// matching receive, and a batch ([`Communicator::send_recv`]) when every send in it has
+    /// been received and every receive filled. A program that relies on buffering (a rank
+    /// that sends before it receives while its peer does the same, each waiting for its own
+    /// send) then waits until the timeout — which is how the tests prove that the pipeline's
+    /// batched exchanges cannot deadlock on NCCL.
+    Rendezvous,
+}
+
 /// Bytes a member has addressed to the other members of its group (payload only: a ring or
 /// tree algorithm may move more on the wire).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -160,6 +188,29 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// Receives the next tensor member `src` sent, which must have `shape` and `dtype`.
     fn recv(&self, shape: &[usize], dtype: DType, src: usize, site: CallSite)
     -> Result<TensorData>;
+    /// Sends and receives issued together (Megatron's `batch_isend_irecv`): every tensor of
+    /// `sends` goes to its member (as [`send`](Communicator::send)), and one tensor is
+    /// received per entry of `recvs` (as [`recv`](Communicator::recv)); all complete before it
+    /// returns, the received tensors in the order of `recvs`. Messages between two members
+    /// are matched in the order each posts them (sends in the order of `sends`, receives in
+    /// the order of `recvs`). On a transport whose sends are rendezvous (NCCL) the batch
+    /// completes when every peer has posted the counterparts, so two members that exchange
+    /// in one batch each never wait on the other's send. The default (buffered transports)
+    /// sends, then receives.
+    fn send_recv(
+        &self,
+        sends: Vec<(TensorData, usize)>,
+        recvs: &[RecvSpec],
+        site: CallSite,
+    ) -> Result<Vec<TensorData>> {
+        for (data, dst) in sends {
+            self.send(data, dst, site)?;
+        }
+        recvs
+            .iter()
+            .map(|r| self.recv(&r.shape, r.dtype, r.src, site))
+            .collect()
+    }
     /// Returns once every member has entered the barrier.
     fn barrier(&self, site: CallSite) -> Result<()>;
     /// Traffic issued by this member so far (transports that do not count report zeros).
@@ -690,6 +741,57 @@ impl Comm {
         }
         let data = self.inner.recv(&shape, dtype, src, site)?;
         Ok(self.upload(data, device))
+    }
+
+    /// Sends and receives issued together, as Megatron's `_batched_p2p_ops`
+    /// (`torch.distributed.batch_isend_irecv`): each `(tensor, dst)` of `sends` goes to member
+    /// `dst`, and one tensor is received per entry of `recvs` (shape, dtype, source member)
+    /// onto `device`; everything completes before it returns (see
+    /// [`Communicator::send_recv`] for the matching order). On a transport with a device path
+    /// for the tensors' buffers (NCCL on CUDA tensors, the host transports on Flex tensors)
+    /// the batch moves the tensors' own storage: one NCCL group of `ncclSend`/`ncclRecv`, no
+    /// host copy. Not differentiable.
+    #[track_caller]
+    pub fn send_recv<const D: usize, K: CollectiveKind>(
+        &self,
+        sends: Vec<(Tensor<D, K>, usize)>,
+        recvs: &[([usize; D], DType, usize)],
+        device: &Device,
+    ) -> Result<Vec<Tensor<D, K>>> {
+        let site = Location::caller();
+        let specs: Vec<RecvSpec> = recvs
+            .iter()
+            .map(|(shape, dtype, src)| RecvSpec {
+                shape: shape.to_vec(),
+                dtype: *dtype,
+                src: *src,
+            })
+            .collect();
+        if let Some(dc) = self.inner.device()
+            && let Some((like, wrap)) = buffer::Rewrap::of_device::<K>(device)
+            && dc.accepts(like.kind())
+        {
+            let mut bufs = Vec::with_capacity(sends.len());
+            for (tensor, dst) in &sends {
+                match buffer::take(tensor.clone()) {
+                    Some((buf, _)) if buf.kind() == like.kind() => bufs.push((buf, *dst)),
+                    _ => break,
+                }
+            }
+            if bufs.len() == sends.len() {
+                let got = dc.send_recv(bufs, &specs, &like, site)?;
+                return Ok(got.into_iter().map(|b| wrap.wrap(b)).collect());
+            }
+        }
+        let data: Vec<(TensorData, usize)> = sends
+            .into_iter()
+            .map(|(t, dst)| {
+                self.staged.fetch_add(1, Ordering::Relaxed);
+                (t.into_data(), dst)
+            })
+            .collect();
+        let got = self.inner.send_recv(data, &specs, site)?;
+        Ok(got.into_iter().map(|d| self.upload(d, device)).collect())
     }
 
     /// Payload traffic this member has issued on the group so far.

@@ -31,8 +31,9 @@
 //! With feature `cuda` as well, collectives on CUDA tensors run on their device buffers
 //! (submodule `device`: `ncclAllReduce`, `ncclReduceScatter` / grouped `ncclReduce`,
 //! `ncclAllGather` / grouped `ncclBroadcast`, grouped `ncclSend`/`ncclRecv` for
-//! all-to-all-v, `ncclBroadcast`) on the same communicator, after the host header round;
-//! only their point-to-point `send`/`recv` is still staged through the host. Staging memory is bounded:
+//! all-to-all-v, `ncclBroadcast`) on the same communicator, after the host header round, and
+//! so does the pipeline's batched `send_recv` (grouped `ncclSend`/`ncclRecv` of header and
+//! payload per message); only a lone `send`/`recv` is still staged through the host. Staging memory is bounded:
 //! messages travel in pieces of 256 MiB / group size (at least 4 MiB) per peer and round, and
 //! every member cuts them the same way, so sends and receives match.
 //!

@@ -14,7 +14,13 @@
 //!   grouped — PyTorch's uneven `reduce_scatter`. No padding, no extra device buffers;
 //! - `all_to_all_v` → one `ncclSend` / `ncclRecv` per peer with rows, grouped (PyTorch's
 //!   `alltoall_base` with splits); the block a member keeps is a device-to-device copy;
-//! - `send` / `recv` → `ncclSend` / `ncclRecv` of the payload after the host header.
+//! - `send_recv` (the pipeline's batched point-to-point, Megatron's `batch_isend_irecv`) →
+//!   one group with, per remote send, an `ncclSend` of its message header then one of its
+//!   payload, and per remote receive an `ncclRecv` of the header then one of the payload
+//!   ([`plan_send_recv`]); header and payload of a message are adjacent on both ends, so a
+//!   pair's transfers match in issue order even when one rank's batch meets the peer's
+//!   counterparts across several of its batches. Sends to the member itself are
+//!   device-to-device copies into the matching receive of the same batch.
 //!
 //! Movements (gather, broadcast, all-to-all, send) travel as bytes (`ncclUint8`), so every
 //! dtype moves; reductions need NCCL's own type ([`reduction`]): f32, bf16, f16, f64 and the
@@ -420,6 +426,167 @@ pub(crate) fn check_bounds(
             Call::Copy { src, dst, bytes } => {
                 within("copy input", src, bytes, in_bytes)?;
                 within("copy output", dst, bytes, out_bytes)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One call of a batched point-to-point exchange ([`plan_send_recv`]). Buffers are indexed:
+/// send `k` is the `k`-th send of the batch, receive `k` the `k`-th receive; headers sit at
+/// `k · header` in one staging buffer per side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum P2pCall {
+    /// `ncclSend` of send `send`'s header to `peer`.
+    SendHeader {
+        /// The receiving member.
+        peer: usize,
+        /// Index of the send.
+        send: usize,
+    },
+    /// `ncclSend` of send `send`'s `bytes` to `peer`.
+    Send {
+        /// The receiving member.
+        peer: usize,
+        /// Index of the send.
+        send: usize,
+        /// Bytes sent.
+        bytes: usize,
+    },
+    /// `ncclRecv` of receive `recv`'s header from `peer`.
+    RecvHeader {
+        /// The sending member.
+        peer: usize,
+        /// Index of the receive.
+        recv: usize,
+    },
+    /// `ncclRecv` of `bytes` from `peer` into receive `recv`'s buffer.
+    Recv {
+        /// The sending member.
+        peer: usize,
+        /// Index of the receive.
+        recv: usize,
+        /// Bytes received.
+        bytes: usize,
+    },
+    /// A device-to-device copy of send `send` into receive `recv` (a message to itself).
+    Copy {
+        /// Index of the send.
+        send: usize,
+        /// Index of the receive.
+        recv: usize,
+        /// Bytes copied.
+        bytes: usize,
+    },
+}
+
+/// The calls of one batched exchange of member `me` of `members`: `sends[k]` is
+/// `(destination, payload bytes)`, `recvs[k]` `(source, expected payload bytes)`. Sends to
+/// itself pair with its receives from itself in order (the `j`-th with the `j`-th, of the
+/// same size); anything else about them is an error, as are peers out of range. Empty
+/// payloads move only their header.
+pub(crate) fn plan_send_recv(
+    me: usize,
+    members: usize,
+    sends: &[(usize, usize)],
+    recvs: &[(usize, usize)],
+) -> Result<Vec<P2pCall>, String> {
+    if let Some(&(dst, _)) = sends.iter().find(|(dst, _)| *dst >= members) {
+        return Err(format!(
+            "destination {dst} out of range for {members} members"
+        ));
+    }
+    if let Some(&(src, _)) = recvs.iter().find(|(src, _)| *src >= members) {
+        return Err(format!("source {src} out of range for {members} members"));
+    }
+    let own_sends: Vec<usize> = (0..sends.len()).filter(|&k| sends[k].0 == me).collect();
+    let own_recvs: Vec<usize> = (0..recvs.len()).filter(|&k| recvs[k].0 == me).collect();
+    if own_sends.len() != own_recvs.len() {
+        return Err(format!(
+            "{} sends to itself but {} receives from itself in one batch (NCCL would wait \
+             for the missing one)",
+            own_sends.len(),
+            own_recvs.len()
+        ));
+    }
+    let mut calls = Vec::new();
+    for (&send, &recv) in own_sends.iter().zip(&own_recvs) {
+        let (sent, wanted) = (sends[send].1, recvs[recv].1);
+        if sent != wanted {
+            return Err(format!(
+                "a message to itself of {sent} bytes where {wanted} are expected"
+            ));
+        }
+        if sent > 0 {
+            calls.push(P2pCall::Copy {
+                send,
+                recv,
+                bytes: sent,
+            });
+        }
+    }
+    for (send, &(peer, bytes)) in sends.iter().enumerate() {
+        if peer == me {
+            continue;
+        }
+        calls.push(P2pCall::SendHeader { peer, send });
+        if bytes > 0 {
+            calls.push(P2pCall::Send { peer, send, bytes });
+        }
+    }
+    for (recv, &(peer, bytes)) in recvs.iter().enumerate() {
+        if peer == me {
+            continue;
+        }
+        calls.push(P2pCall::RecvHeader { peer, recv });
+        if bytes > 0 {
+            calls.push(P2pCall::Recv { peer, recv, bytes });
+        }
+    }
+    Ok(calls)
+}
+
+/// Bounds of a batched exchange's calls against its buffers (bytes of each send and each
+/// receive buffer; `headers` of each side's header staging buffer, `header` bytes per
+/// message) before any pointer reaches NCCL.
+pub(crate) fn check_p2p_bounds(
+    calls: &[P2pCall],
+    send_bytes: &[usize],
+    recv_bytes: &[usize],
+    header: usize,
+    (send_headers, recv_headers): (usize, usize),
+) -> Result<(), String> {
+    let fits = |what: &str, k: usize, len: usize, caps: &[usize]| match caps.get(k) {
+        Some(&cap) if len <= cap => Ok(()),
+        Some(&cap) => Err(format!(
+            "{what} {k}: {len} bytes exceed its buffer of {cap}"
+        )),
+        None => Err(format!(
+            "{what} {k} does not exist ({} planned)",
+            caps.len()
+        )),
+    };
+    let header_fits = |what: &str, k: usize, cap: usize| {
+        if k.checked_add(1)
+            .and_then(|n| n.checked_mul(header))
+            .is_some_and(|end| end <= cap)
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} header {k} exceeds the header buffer of {cap} bytes"
+            ))
+        }
+    };
+    for call in calls {
+        match *call {
+            P2pCall::SendHeader { send, .. } => header_fits("send", send, send_headers)?,
+            P2pCall::RecvHeader { recv, .. } => header_fits("receive", recv, recv_headers)?,
+            P2pCall::Send { send, bytes, .. } => fits("send", send, bytes, send_bytes)?,
+            P2pCall::Recv { recv, bytes, .. } => fits("receive", recv, bytes, recv_bytes)?,
+            P2pCall::Copy { send, recv, bytes } => {
+                fits("send", send, bytes, send_bytes)?;
+                fits("receive", recv, bytes, recv_bytes)?;
             }
         }
     }

@@ -14,22 +14,31 @@
 //!
 //! # Transfers
 //!
-//! Activations travel on one communicator and gradients on another, both over the ranks of
-//! the pipeline group in pipeline order ([`PipelineChannels`]; a [`crate::comm::RankCtx`]
-//! gives independent channels over the same members by name). The transports' `send` is
-//! buffered, so a rank never waits on its own sends, and each channel delivers in order per
-//! sender: the executor checks up front ([`check_transfer_order`]) that on every channel each
-//! receiver asks for messages in the order its sender posts them — true of Megatron's
-//! schedules (every rank runs its forwards, and its backwards, in the same micro-batch/chunk
-//! order), and refused with an error naming both ranks for a custom order that is not. No
-//! header travels with a payload: the traffic counters of the pipeline channels are exactly
-//! the activation and gradient bytes.
+//! The rank runs its program of [`PipelineSchedule::steps`] (forward-only:
+//! [`PipelineSchedule::forward_steps`]): computations, and between them
+//! [`Step::Exchange`] batches of sends and receives, each issued as ONE
+//! [`Comm::send_recv`] on the pipeline group's communicator ([`PipelineChannels`]) — Megatron's
+//! `send_forward_recv_backward` / `send_backward_recv_forward` (1F1B) and
+//! `send_forward_backward_recv_forward_backward` (interleaved) through `_batched_p2p_ops`.
+//! Within a batch the transfers are posted in [`PipelineSchedule::posting_order`].
+//!
+//! So the schedule does not rely on buffered sends: on NCCL, whose sends complete only when
+//! the receiver posts the matching receive, a rank that sent its activation and then waited
+//! to receive its gradient (while the next rank sent that gradient and waited to receive the
+//! next activation) would deadlock; batched, both exchanges complete together. The executor
+//! checks up front that the programs complete under these rendezvous semantics
+//! ([`PipelineSchedule::simulate`]) and that on the one channel every receiver asks for
+//! messages in the order its sender posts them ([`PipelineSchedule::check_matching`]); the
+//! tests run every schedule on the threads transport in rendezvous mode
+//! ([`crate::comm::PointToPoint::Rendezvous`]). Hand-offs between chunks of the same rank
+//! (`pp = 1`) stay on the rank. No header travels with a payload on the host transports: the
+//! traffic counter of the pipeline channel is exactly the activation and gradient bytes.
 
 use std::collections::HashMap;
 
 use burn::tensor::{DType, Device, Gradients, Tensor};
 
-use super::schedule::{Action, PipelineSchedule};
+use super::schedule::{Action, Direction, Payload, PipelineSchedule, Step, Transfer};
 use crate::comm::Comm;
 use crate::error::{BackendError, Result};
 
@@ -88,14 +97,14 @@ pub trait PipelineStage<const D: usize> {
     ) -> std::result::Result<(), Self::Error>;
 }
 
-/// The two communicators of a pipeline group, members in pipeline order (member `r` is
-/// pipeline rank `r`): one carries activations, the other their gradients.
+/// The point-to-point communicator of a pipeline group, members in pipeline order (member
+/// `r` is pipeline rank `r`), as Megatron's pipeline-parallel group: it carries the
+/// activations (virtual stage `v` to `v + 1`) and their gradients (`v + 1` to `v`), batched
+/// per exchange.
 #[derive(Debug, Clone)]
 pub struct PipelineChannels {
-    /// Forward activations, virtual stage `v` to `v + 1`.
-    pub activations: Comm,
-    /// Gradients of those activations, virtual stage `v + 1` to `v`.
-    pub gradients: Comm,
+    /// The pipeline group's communicator.
+    pub p2p: Comm,
 }
 
 /// What one rank's run of a schedule did.
@@ -129,8 +138,10 @@ fn tracked_backward(objective: Tensor<1>) -> Option<Gradients> {
     objective.is_tracked().then(|| objective.backward())
 }
 
-/// Checks that on every channel each receiver of `schedule` asks for messages in the order
-/// its sender posts them (see the module docs); an error names the two ranks.
+/// Checks that, per kind of message (activations, gradients), each receiver of `schedule`
+/// asks for its sender's messages in the order the sender's actions produce them; an error
+/// names the two ranks. (The executor checks the stronger
+/// [`PipelineSchedule::check_matching`]: one channel for both kinds, batched.)
 pub fn check_transfer_order(schedule: &PipelineSchedule) -> Result<()> {
     let pp = schedule.pp();
     // (kind, src, dst) → keys in post order / in request order; kind 0 activations, 1 grads.
@@ -179,34 +190,168 @@ pub fn check_transfer_order(schedule: &PipelineSchedule) -> Result<()> {
     Ok(())
 }
 
-/// One forward action of `rank`: receives the input activation (a tracked leaf when
-/// `track`), runs the stage's chunk and sends an activation on; checks that only the last
-/// virtual stage returns a loss.
+/// Checks that `channels` are pipeline rank `rank`'s of a pipeline of `pp` ranks.
+fn check_channels(pp: usize, rank: usize, channels: &PipelineChannels) -> Result<()> {
+    if rank >= pp {
+        return Err(BackendError::Layout {
+            field: "pp",
+            detail: format!("pipeline rank {rank} of a schedule over pp = {pp}"),
+        });
+    }
+    let comm = &channels.p2p;
+    if comm.size() != pp || comm.rank() != rank {
+        return Err(BackendError::Layout {
+            field: "pp",
+            detail: format!(
+                "the pipeline channel is member {} of {}, the schedule wants pipeline rank {rank} of {pp}",
+                comm.rank(),
+                comm.size()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Tensors in transit on one rank: outputs waiting for the next exchange to send them,
+/// inputs received (or handed over by a chunk of the same rank) waiting for their
+/// computation. Keys: payload, micro-batch, and the chunk on this rank that produced
+/// (outbox) or consumes (inbox) the tensor.
+struct Mailboxes<const D: usize> {
+    outbox: HashMap<(Payload, usize, usize), Tensor<D>>,
+    inbox: HashMap<(Payload, usize, usize), Tensor<D>>,
+}
+
+impl<const D: usize> Mailboxes<D> {
+    fn new() -> Self {
+        Self {
+            outbox: HashMap::new(),
+            inbox: HashMap::new(),
+        }
+    }
+
+    /// The input of `action` on `rank` (received or handed over), `None` on virtual stage 0
+    /// of a forward / the last of a backward.
+    fn input(
+        &mut self,
+        schedule: &PipelineSchedule,
+        rank: usize,
+        action: Action,
+    ) -> Result<Option<Tensor<D>>> {
+        if schedule.input_of(rank, action).is_none() {
+            return Ok(None);
+        }
+        let payload = payload_of(action);
+        let key = (payload, action.microbatch(), action.chunk());
+        self.inbox.remove(&key).map(Some).ok_or_else(|| {
+            schedule_error(format!(
+                "pipeline rank {rank}: {action} runs before its input arrived"
+            ))
+        })
+    }
+
+    /// Queues `tensor`, the output of `action` on `rank`, for its consumer: handed over
+    /// directly when that is a chunk of this rank, else sent by the next exchange.
+    fn output(
+        &mut self,
+        schedule: &PipelineSchedule,
+        rank: usize,
+        action: Action,
+        tensor: Tensor<D>,
+    ) {
+        let Some((dst, dst_chunk)) = schedule.output_of(rank, action) else {
+            return;
+        };
+        let payload = payload_of(action);
+        if dst == rank {
+            self.inbox
+                .insert((payload, action.microbatch(), dst_chunk), tensor);
+        } else {
+            self.outbox
+                .insert((payload, action.microbatch(), action.chunk()), tensor);
+        }
+    }
+
+    /// One [`Step::Exchange`]: the batch's sends and receives in one [`Comm::send_recv`].
+    /// `shape_of` gives the shape of a received tensor.
+    fn exchange(
+        &mut self,
+        schedule: &PipelineSchedule,
+        rank: usize,
+        mut ops: Vec<Transfer>,
+        channels: &PipelineChannels,
+        (dtype, device): (DType, &Device),
+        shape_of: impl Fn(&Transfer) -> [usize; D],
+    ) -> Result<()> {
+        schedule.posting_order(rank, &mut ops);
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        let mut keys = Vec::new();
+        for t in &ops {
+            let key = (t.payload, t.microbatch, t.chunk);
+            match t.direction {
+                Direction::Send => {
+                    let tensor = self.outbox.remove(&key).ok_or_else(|| {
+                        schedule_error(format!("pipeline rank {rank} must {t} before computing it"))
+                    })?;
+                    sends.push((tensor, t.peer));
+                }
+                Direction::Recv => {
+                    recvs.push((shape_of(t), dtype, t.peer));
+                    keys.push(key);
+                }
+            }
+        }
+        let got = channels.p2p.send_recv(sends, &recvs, device)?;
+        self.inbox.extend(keys.into_iter().zip(got));
+        Ok(())
+    }
+
+    /// Errors unless every tensor was sent and consumed.
+    fn check_empty(&self, rank: usize) -> Result<()> {
+        if let Some((payload, mb, chunk)) = self.outbox.keys().next() {
+            return Err(schedule_error(format!(
+                "pipeline rank {rank} never sent the {payload:?} of micro-batch {mb}, chunk {chunk}"
+            )));
+        }
+        if let Some((payload, mb, chunk)) = self.inbox.keys().next() {
+            return Err(schedule_error(format!(
+                "pipeline rank {rank} never used the {payload:?} of micro-batch {mb}, chunk {chunk}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn payload_of(action: Action) -> Payload {
+    if action.is_forward() {
+        Payload::Activation
+    } else {
+        Payload::Grad
+    }
+}
+
+/// One forward action of `rank`: takes the input activation (a tracked leaf when `track`),
+/// runs the stage's chunk and queues the activation for the next virtual stage; checks that
+/// only the last virtual stage returns a loss.
 #[allow(clippy::type_complexity)]
 fn run_forward<const D: usize, S: PipelineStage<D>>(
     schedule: &PipelineSchedule,
     rank: usize,
     action: Action,
-    channels: &PipelineChannels,
+    mail: &mut Mailboxes<D>,
     stage: &mut S,
     track: bool,
 ) -> std::result::Result<(Option<Tensor<D>>, StageOutput<D>), S::Error> {
     let (microbatch, chunk) = (action.microbatch(), action.chunk());
     let vs = schedule.virtual_stage(rank, chunk);
     let last = schedule.pp() * schedule.vpp() - 1;
-    let input = match schedule.input_of(rank, action) {
-        Some((src, _)) => {
-            let shape = stage.activation_shape(microbatch);
-            let (dtype, device) = (stage.activation_dtype(), stage.device());
-            let x: Tensor<D> = channels.activations.recv(shape, dtype, src, &device)?;
-            Some(if track { x.require_grad() } else { x })
-        }
-        None => None,
-    };
+    let input = mail
+        .input(schedule, rank, action)?
+        .map(|x| if track { x.require_grad() } else { x });
     let output = stage.forward(chunk, microbatch, input.clone())?;
     match (&output, schedule.output_of(rank, action)) {
-        (StageOutput::Activation(y), Some((dst, _))) => {
-            channels.activations.send(y.clone().detach(), dst)?;
+        (StageOutput::Activation(y), Some(_)) => {
+            mail.output(schedule, rank, action, y.clone().detach());
         }
         (StageOutput::Loss(_), None) => {}
         (StageOutput::Activation(_), None) => {
@@ -226,38 +371,13 @@ fn run_forward<const D: usize, S: PipelineStage<D>>(
     Ok((input, output))
 }
 
-/// Checks that `channels` are pipeline rank `rank`'s of a pipeline of `pp` ranks.
-fn check_channels(pp: usize, rank: usize, channels: &PipelineChannels) -> Result<()> {
-    if rank >= pp {
-        return Err(BackendError::Layout {
-            field: "pp",
-            detail: format!("pipeline rank {rank} of a schedule over pp = {pp}"),
-        });
-    }
-    for (name, comm) in [
-        ("activations", &channels.activations),
-        ("gradients", &channels.gradients),
-    ] {
-        if comm.size() != pp || comm.rank() != rank {
-            return Err(BackendError::Layout {
-                field: "pp",
-                detail: format!(
-                    "the {name} channel is member {} of {}, the schedule wants pipeline rank {rank} of {pp}",
-                    comm.rank(),
-                    comm.size()
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
 /// The forwards of pipeline rank `rank`'s part of `schedule` only, in the schedule's order
-/// (Megatron's `forward_only`): activations travel as in [`run_pipeline`], nothing is kept
-/// for a backward and no gradient is exchanged; the last virtual stage's outputs are the
-/// stage's to keep ([`PipelineStage::forward`] sees every micro-batch). A collective of the
-/// pipeline group. Deadlock-free for any schedule [`run_pipeline`] runs: a forward waits only
-/// on earlier virtual stages' forwards, and sends are buffered.
+/// (Megatron's `forward_only`): activations travel as in [`run_pipeline`], batched per
+/// [`PipelineSchedule::forward_steps`], nothing is kept for a backward and no gradient is
+/// exchanged; the last virtual stage's outputs are the stage's to keep
+/// ([`PipelineStage::forward`] sees every micro-batch). A collective of the pipeline group.
+/// Checked up front to complete under rendezvous sends
+/// ([`PipelineSchedule::simulate_forward`], [`PipelineSchedule::check_matching`]).
 pub fn run_pipeline_forward<const D: usize, S: PipelineStage<D>>(
     schedule: &PipelineSchedule,
     rank: usize,
@@ -265,19 +385,34 @@ pub fn run_pipeline_forward<const D: usize, S: PipelineStage<D>>(
     stage: &mut S,
 ) -> std::result::Result<PipelineRun, S::Error> {
     check_channels(schedule.pp(), rank, channels)?;
-    check_transfer_order(schedule)?;
+    schedule.simulate_forward()?;
+    schedule.check_matching(true)?;
+    let device = stage.device();
+    let dtype = stage.activation_dtype();
+    let mut mail = Mailboxes::new();
     let mut run = PipelineRun::default();
-    for &action in schedule.actions(rank).iter().filter(|a| a.is_forward()) {
-        run_forward(schedule, rank, action, channels, stage, false)?;
-        run.forwards += 1;
-        run.peak_in_flight = run.peak_in_flight.max(1);
+    for step in schedule.forward_steps(rank) {
+        match step {
+            Step::Exchange(ops) => {
+                let shape = |t: &Transfer| stage.activation_shape(t.microbatch);
+                mail.exchange(schedule, rank, ops, channels, (dtype, &device), shape)?;
+            }
+            Step::Compute(action) => {
+                run_forward(schedule, rank, action, &mut mail, stage, false)?;
+                run.forwards += 1;
+                run.peak_in_flight = run.peak_in_flight.max(1);
+            }
+        }
     }
+    mail.check_empty(rank)?;
     Ok(run)
 }
 
-/// Runs pipeline rank `rank`'s actions of `schedule` on `stage`, exchanging activations and
-/// gradients with the other pipeline ranks over `channels` (a collective of the pipeline
-/// group: every rank calls it with the same schedule).
+/// Runs pipeline rank `rank`'s program of `schedule` ([`PipelineSchedule::steps`]) on
+/// `stage`, exchanging activations and gradients with the other pipeline ranks over
+/// `channels`, each exchange one batched [`Comm::send_recv`] (a collective of the pipeline
+/// group: every rank calls it with the same schedule). Checked up front to complete under
+/// rendezvous sends ([`PipelineSchedule::simulate`], [`PipelineSchedule::check_matching`]).
 pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
     schedule: &PipelineSchedule,
     rank: usize,
@@ -286,17 +421,37 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
 ) -> std::result::Result<PipelineRun, S::Error> {
     let pp = schedule.pp();
     check_channels(pp, rank, channels)?;
-    check_transfer_order(schedule)?;
+    schedule.simulate()?;
+    schedule.check_matching(false)?;
     let device = stage.device();
     let dtype = stage.activation_dtype();
     let mut held: HashMap<(usize, usize), InFlight<D>> = HashMap::new();
+    let mut mail = Mailboxes::new();
     let mut run = PipelineRun::default();
-    for &action in schedule.actions(rank) {
+    for step in schedule.steps(rank) {
+        let action = match step {
+            Step::Exchange(ops) => {
+                // A gradient has the shape of the activation it belongs to.
+                let shape = |t: &Transfer| match (t.payload, held.get(&(t.microbatch, t.chunk))) {
+                    (
+                        Payload::Grad,
+                        Some(InFlight {
+                            output: StageOutput::Activation(y),
+                            ..
+                        }),
+                    ) => y.dims(),
+                    _ => stage.activation_shape(t.microbatch),
+                };
+                mail.exchange(schedule, rank, ops, channels, (dtype, &device), shape)?;
+                continue;
+            }
+            Step::Compute(action) => action,
+        };
         let (microbatch, chunk) = (action.microbatch(), action.chunk());
         let vs = schedule.virtual_stage(rank, chunk);
         match action {
             Action::Forward { .. } => {
-                let (input, output) = run_forward(schedule, rank, action, channels, stage, true)?;
+                let (input, output) = run_forward(schedule, rank, action, &mut mail, stage, true)?;
                 held.insert((microbatch, chunk), InFlight { input, output });
                 run.forwards += 1;
                 run.peak_in_flight = run.peak_in_flight.max(held.len());
@@ -311,24 +466,24 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
                 let mut grads = match output {
                     StageOutput::Loss(loss) => tracked_backward(loss),
                     StageOutput::Activation(y) => {
-                        let Some((src, _)) = schedule.input_of(rank, action) else {
+                        let Some(dy) = mail.input(schedule, rank, action)? else {
                             return Err(schedule_error(format!(
                                 "virtual stage {vs} has no next stage to send it a gradient"
                             ))
                             .into());
                         };
-                        let dy: Tensor<D> =
-                            channels.gradients.recv(y.dims(), dtype, src, &device)?;
                         // d(Σ y·dy)/dy = dy: the received gradient seeds the chunk's backward.
                         tracked_backward((y * dy).sum())
                     }
                 };
-                if let (Some(x), Some((dst, _))) = (input, schedule.output_of(rank, action)) {
+                if let Some(x) = input
+                    && schedule.output_of(rank, action).is_some()
+                {
                     let dx = match grads.as_mut().and_then(|g| x.grad_remove(g)) {
                         Some(g) => g,
                         None => Tensor::zeros(x.dims(), &x.device().without_autodiff()),
                     };
-                    channels.gradients.send(dx, dst)?;
+                    mail.output(schedule, rank, action, dx);
                 }
                 if let Some(grads) = grads {
                     stage.backward_done(chunk, microbatch, grads)?;
@@ -343,5 +498,6 @@ pub fn run_pipeline<const D: usize, S: PipelineStage<D>>(
         ))
         .into());
     }
+    mail.check_empty(rank)?;
     Ok(run)
 }

@@ -595,23 +595,153 @@ impl PipelineSchedule {
     /// Errors (`BackendError::Config { field: "schedule" }`) name the rank and action of the
     /// first violation, or every blocked rank and what it waits for on a deadlock.
     pub fn simulate_with(&self, costs: Costs) -> Result<Simulation> {
+        let programs: Vec<Vec<Step>> = (0..self.pp).map(|r| self.steps(r)).collect();
+        self.run_model(&programs, costs, true)
+    }
+
+    /// [`Self::simulate`] of the forward-only programs ([`Self::forward_steps`]): proves that
+    /// a forward-only pass (Megatron's `forward_only`) completes under rendezvous semantics.
+    pub fn simulate_forward(&self) -> Result<Simulation> {
+        let programs: Vec<Vec<Step>> = (0..self.pp).map(|r| self.forward_steps(r)).collect();
+        self.run_model(&programs, Costs::default(), false)
+    }
+
+    /// The program of `rank` for a forward-only pass: its forwards in the schedule's order,
+    /// with one [`Step::Exchange`] between consecutive forwards (the previous one's output
+    /// sent, the next one's input received), as Megatron's forward-only pass batches
+    /// `send_forward_recv_forward`. Same-rank hand-offs (`pp = 1`) are not listed.
+    pub fn forward_steps(&self, rank: usize) -> Vec<Step> {
+        let mut steps = Vec::new();
+        let mut previous: Option<Action> = None;
+        for &a in self.ranks[rank].iter().filter(|a| a.is_forward()) {
+            let ops: Vec<Transfer> = [
+                previous.and_then(|p| self.send_of(rank, p)),
+                self.recv_of(rank, a),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            if !ops.is_empty() {
+                steps.push(Step::Exchange(ops));
+            }
+            steps.push(Step::Compute(a));
+            previous = Some(a);
+        }
+        if let Some(t) = previous.and_then(|p| self.send_of(rank, p)) {
+            steps.push(Step::Exchange(vec![t]));
+        }
+        steps
+    }
+
+    /// Sorts the transfers of one exchange of `rank` into the order they are posted: by
+    /// payload (activations first), micro-batch, then the virtual stage that produced the
+    /// tensor. Both ends compute the same key for a message, so when the batches of two ranks
+    /// meet, the messages between them are posted in the same order on both ends — what a
+    /// transport that matches a pair's messages in issue order (NCCL, TCP, MPI) needs.
+    pub fn posting_order(&self, rank: usize, ops: &mut [Transfer]) {
+        ops.sort_by_key(|t| self.message_key(rank, t));
+    }
+
+    /// `(payload, micro-batch, producing virtual stage)` of a transfer posted by `rank`.
+    fn message_key(&self, rank: usize, t: &Transfer) -> (u8, usize, usize) {
+        let producer = match t.direction {
+            Direction::Send => self.virtual_stage(rank, t.chunk),
+            Direction::Recv => self.virtual_stage(t.peer, t.peer_chunk),
+        };
+        (u8::from(t.payload == Payload::Grad), t.microbatch, producer)
+    }
+
+    /// Checks that the programs ([`Self::steps`], or [`Self::forward_steps`] when
+    /// `forward_only`) can run over ONE channel per pair of ranks that matches messages in
+    /// issue order: for every ordered pair `(src, dst)`, the messages `src` posts to `dst`
+    /// (exchanges in program order, each in [`Self::posting_order`]) are the messages `dst`
+    /// asks `src` for, in the same order. An error names the two ranks and the first
+    /// difference.
+    pub fn check_matching(&self, forward_only: bool) -> Result<()> {
+        type Key = (u8, usize, usize);
+        let mut sent: HashMap<(usize, usize), Vec<Key>> = HashMap::new();
+        let mut asked: HashMap<(usize, usize), Vec<Key>> = HashMap::new();
+        for rank in 0..self.pp {
+            let program = if forward_only {
+                self.forward_steps(rank)
+            } else {
+                self.steps(rank)
+            };
+            for step in program {
+                let Step::Exchange(mut ops) = step else {
+                    continue;
+                };
+                self.posting_order(rank, &mut ops);
+                for t in &ops {
+                    let key = self.message_key(rank, t);
+                    match t.direction {
+                        Direction::Send => sent.entry((rank, t.peer)).or_default().push(key),
+                        Direction::Recv => asked.entry((t.peer, rank)).or_default().push(key),
+                    }
+                }
+            }
+        }
+        let mut pairs: Vec<(usize, usize)> = sent.keys().chain(asked.keys()).copied().collect();
+        pairs.sort_unstable();
+        pairs.dedup();
+        for (src, dst) in pairs {
+            let posted = sent.get(&(src, dst)).map(Vec::as_slice).unwrap_or_default();
+            let wanted = asked
+                .get(&(src, dst))
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            if posted != wanted {
+                let at = posted
+                    .iter()
+                    .zip(wanted)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(posted.len().min(wanted.len()));
+                let show = |k: Option<&Key>| match k {
+                    Some(&(kind, mb, vs)) => format!(
+                        "the {} of micro-batch {mb} from virtual stage {vs}",
+                        if kind == 0 { "activation" } else { "gradient" }
+                    ),
+                    None => "nothing".into(),
+                };
+                return Err(config(
+                    "schedule",
+                    format!(
+                        "pipeline rank {src} posts {} as its message {at} to rank {dst}, which \
+                         asks for {} ({} messages posted, {} asked for)",
+                        show(posted.get(at)),
+                        show(wanted.get(at)),
+                        posted.len(),
+                        wanted.len()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The discrete-event model of [`Self::simulate_with`] on `programs`; `with_backwards`:
+    /// every (micro-batch, chunk) must also run backward.
+    fn run_model(
+        &self,
+        programs: &[Vec<Step>],
+        costs: Costs,
+        with_backwards: bool,
+    ) -> Result<Simulation> {
         let pp = self.pp;
-        let programs: Vec<Vec<Step>> = (0..pp).map(|r| self.steps(r)).collect();
         let mut pc = vec![0usize; pp];
         let mut clock = vec![0u64; pp];
         let mut busy = vec![0u64; pp];
         // Per rank: (is_forward, microbatch, chunk) -> completion time.
         let mut done: Vec<HashMap<(bool, usize, usize), u64>> = vec![HashMap::new(); pp];
 
-        let reset = |programs: &Vec<Vec<Step>>, pc: &[usize], r: usize| -> Vec<Option<u64>> {
+        let reset = |programs: &[Vec<Step>], pc: &[usize], r: usize| -> Vec<Option<u64>> {
             match programs[r].get(pc[r]) {
                 Some(Step::Exchange(ops)) => vec![None; ops.len()],
                 _ => Vec::new(),
             }
         };
         // Per rank and op of the current exchange: time the op was matched.
-        let mut matched: Vec<Vec<Option<u64>>> =
-            (0..pp).map(|r| reset(&programs, &pc, r)).collect();
+        let mut matched: Vec<Vec<Option<u64>>> = (0..pp).map(|r| reset(programs, &pc, r)).collect();
 
         loop {
             let mut progress = false;
@@ -658,7 +788,7 @@ impl PipelineSchedule {
                         }
                     }
                     pc[r] += 1;
-                    matched[r] = reset(&programs, &pc, r);
+                    matched[r] = reset(programs, &pc, r);
                     progress = true;
                 }
             }
@@ -668,7 +798,7 @@ impl PipelineSchedule {
             if !progress {
                 return Err(config(
                     "schedule",
-                    self.deadlock_report(&programs, &pc, &matched),
+                    self.deadlock_report(programs, &pc, &matched),
                 ));
             }
         }
@@ -677,11 +807,17 @@ impl PipelineSchedule {
         for (r, d) in done.iter().enumerate() {
             let forwards = d.keys().filter(|k| k.0).count();
             let backwards = d.len() - forwards;
-            if forwards != expected || backwards != expected {
+            let expected_backwards = if with_backwards { expected } else { 0 };
+            if forwards != expected || backwards != expected_backwards {
                 return Err(config(
                     "schedule",
                     format!(
-                        "rank {r} runs {forwards} forwards and {backwards} backwards, expected {expected} each"
+                        "rank {r} runs {forwards} forwards and {backwards} backwards, expected {}",
+                        if with_backwards {
+                            format!("{expected} each")
+                        } else {
+                            format!("{expected} forwards and no backward")
+                        }
                     ),
                 ));
             }

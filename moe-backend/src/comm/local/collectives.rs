@@ -15,7 +15,7 @@ use super::rendezvous::LocalComm;
 use super::{Mail, Payload};
 use crate::comm::buffer::{HostBuffer, HostCollectives};
 use crate::comm::data::reduce_blocks;
-use crate::comm::{CallSite, ReduceOp, Traffic};
+use crate::comm::{CallSite, PointToPoint, RecvSpec, ReduceOp, Traffic};
 use crate::error::{BackendError, Result};
 
 /// One payload per member: the blocks of `splits` rows of `buf`, shared, not copied.
@@ -267,25 +267,7 @@ impl HostCollectives for LocalComm {
     }
 
     fn host_send(&self, data: HostBuffer, dst: usize, site: CallSite) -> Result<()> {
-        const OP: &str = "send";
-        let Some(&to) = self.ranks.get(dst) else {
-            return Err(self.error(OP, format!("destination {dst} out of range (at {site})")));
-        };
-        let sig = self.sig(OP, &data, site);
-        if to != self.me() {
-            self.count(data.bytes().len());
-        }
-        let mut st = self.shared.lock();
-        if let Some(failure) = &st.failure {
-            return Err(self.aborted(OP, failure));
-        }
-        st.mail
-            .entry((Arc::clone(&self.key), self.me(), to))
-            .or_default()
-            .push_back(Mail { sig, data });
-        drop(st);
-        self.shared.wake.notify_all();
-        Ok(())
+        self.batch(vec![(data, dst)], &[], "send", site).map(|_| ())
     }
 
     fn host_recv(
@@ -295,65 +277,23 @@ impl HostCollectives for LocalComm {
         src: usize,
         site: CallSite,
     ) -> Result<HostBuffer> {
-        const OP: &str = "recv";
-        let Some(&from) = self.ranks.get(src) else {
-            return Err(self.error(OP, format!("source {src} out of range (at {site})")));
+        let spec = RecvSpec {
+            shape: shape.to_vec(),
+            dtype,
+            src,
         };
-        let key = (Arc::clone(&self.key), from, self.me());
-        let deadline = Instant::now() + self.shared.config.timeout;
-        let mut st = self.shared.lock();
-        let mail = loop {
-            if let Some(failure) = &st.failure {
-                return Err(self.aborted(OP, failure));
-            }
-            if let Some(mail) = st.mail.get_mut(&key).and_then(VecDeque::pop_front) {
-                break mail;
-            }
-            if st.exited[from] {
-                let reason = format!(
-                    "rank {from} finished without sending to rank {} (recv at {site})",
-                    self.me()
-                );
-                drop(st);
-                self.shared.fail(self.me(), reason.clone());
-                return Err(self.error(OP, reason));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                drop(st);
-                let err = BackendError::Timeout {
-                    op: OP,
-                    group: self.group(),
-                    waiting: vec![from],
-                    seconds: self.shared.config.timeout.as_secs_f64(),
-                    site: site.to_string(),
-                };
-                self.shared.fail(self.me(), err.to_string());
-                return Err(err);
-            }
-            st = self
-                .shared
-                .wake
-                .wait_timeout(st, deadline - now)
-                .map(|(guard, _)| guard)
-                .unwrap_or_else(|p| p.into_inner().0);
-        };
-        drop(st);
-        if mail.sig.shape != shape || mail.sig.dtype != dtype {
-            return Err(self.error(
-                OP,
-                format!(
-                    "rank {from} sent {:?} {:?} (at {}), rank {} expected {:?} {:?} (at {site})",
-                    mail.sig.dtype,
-                    mail.sig.shape,
-                    mail.sig.site,
-                    self.me(),
-                    dtype,
-                    shape
-                ),
-            ));
-        }
-        Ok(mail.data)
+        let mut got = self.batch(Vec::new(), &[spec], "recv", site)?;
+        got.pop()
+            .ok_or_else(|| self.error("recv", format!("nothing received (at {site})")))
+    }
+
+    fn host_send_recv(
+        &self,
+        sends: Vec<(HostBuffer, usize)>,
+        recvs: &[RecvSpec],
+        site: CallSite,
+    ) -> Result<Vec<HostBuffer>> {
+        self.batch(sends, recvs, "send_recv", site)
     }
 
     fn host_traffic(&self) -> Traffic {
@@ -367,5 +307,154 @@ impl HostCollectives for LocalComm {
         let empty = HostBuffer::from_bytes(Vec::new(), vec![0], DType::F32);
         let sig = self.sig("barrier", &empty, site);
         self.exchange(sig, vec![None; self.ranks.len()]).map(|_| ())
+    }
+}
+
+/// A point-to-point channel: `(group, from, to)`.
+type Channel = (Arc<str>, usize, usize);
+
+impl LocalComm {
+    /// Point-to-point sends and receives issued together: every send is posted (in order, to
+    /// its channel's queue), then the receives are filled as their messages arrive (in order
+    /// per source), and — with [`PointToPoint::Rendezvous`] — the call returns only once every
+    /// send of the batch has been taken by its receiver (NCCL's group semantics). Waits end
+    /// with the world's failure, a peer that exited, or the timeout.
+    fn batch(
+        &self,
+        sends: Vec<(HostBuffer, usize)>,
+        recvs: &[RecvSpec],
+        op: &'static str,
+        site: CallSite,
+    ) -> Result<Vec<HostBuffer>> {
+        let me = self.me();
+        let mut to = Vec::with_capacity(sends.len());
+        for (_, dst) in &sends {
+            let Some(&rank) = self.ranks.get(*dst) else {
+                return Err(self.error(op, format!("destination {dst} out of range (at {site})")));
+            };
+            to.push(rank);
+        }
+        let mut from = Vec::with_capacity(recvs.len());
+        for r in recvs {
+            let Some(&rank) = self.ranks.get(r.src) else {
+                return Err(self.error(op, format!("source {} out of range (at {site})", r.src)));
+            };
+            from.push(rank);
+        }
+        let rendezvous = self.shared.config.p2p == PointToPoint::Rendezvous;
+        let deadline = Instant::now() + self.shared.config.timeout;
+        let mut st = self.shared.lock();
+        if let Some(failure) = &st.failure {
+            return Err(self.aborted(op, failure));
+        }
+        // Post every send; remember the index each must see taken.
+        let mut waits: Vec<(Channel, u64)> = Vec::with_capacity(sends.len());
+        for ((data, _), &rank) in sends.into_iter().zip(&to) {
+            if rank != me {
+                self.count(data.bytes().len());
+            } else {
+                self.calls.fetch_add(1, Ordering::Relaxed);
+            }
+            let key = (Arc::clone(&self.key), me, rank);
+            let sig = self.sig("send", &data, site);
+            st.mail
+                .entry(key.clone())
+                .or_default()
+                .push_back(Mail { sig, data });
+            let posted = st.posted.entry(key.clone()).or_default();
+            *posted += 1;
+            waits.push((key, *posted));
+        }
+        self.shared.wake.notify_all();
+        let mut out: Vec<Option<HostBuffer>> = (0..recvs.len()).map(|_| None).collect();
+        loop {
+            if let Some(failure) = &st.failure {
+                return Err(self.aborted(op, failure));
+            }
+            // Fill the receives whose message is there, in order per source.
+            let mut blocked_sources = Vec::new();
+            let mut progress = false;
+            for (k, spec) in recvs.iter().enumerate() {
+                if out[k].is_some() || blocked_sources.contains(&from[k]) {
+                    continue;
+                }
+                let key = (Arc::clone(&self.key), from[k], me);
+                let Some(mail) = st.mail.get_mut(&key).and_then(VecDeque::pop_front) else {
+                    blocked_sources.push(from[k]);
+                    continue;
+                };
+                *st.taken.entry(key).or_default() += 1;
+                progress = true;
+                if mail.sig.shape != spec.shape || mail.sig.dtype != spec.dtype {
+                    let detail = format!(
+                        "rank {} sent {:?} {:?} (at {}), rank {me} expected {:?} {:?} (at {site})",
+                        from[k],
+                        mail.sig.dtype,
+                        mail.sig.shape,
+                        mail.sig.site,
+                        spec.dtype,
+                        spec.shape
+                    );
+                    drop(st);
+                    self.shared.wake.notify_all();
+                    return Err(self.error(op, detail));
+                }
+                out[k] = Some(mail.data);
+            }
+            if progress {
+                self.shared.wake.notify_all();
+            }
+            let unsent: Vec<usize> = if rendezvous {
+                waits
+                    .iter()
+                    .filter(|(key, n)| st.taken.get(key).copied().unwrap_or(0) < *n)
+                    .map(|(key, _)| key.2)
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let unfilled: Vec<usize> = (0..recvs.len())
+                .filter(|&k| out[k].is_none())
+                .map(|k| from[k])
+                .collect();
+            if unsent.is_empty() && unfilled.is_empty() {
+                break;
+            }
+            let mut waiting: Vec<usize> = unsent.iter().chain(&unfilled).copied().collect();
+            waiting.sort_unstable();
+            waiting.dedup();
+            if let Some(&gone) = waiting.iter().find(|&&r| st.exited[r]) {
+                let what = if unfilled.contains(&gone) {
+                    "sending to"
+                } else {
+                    "receiving from"
+                };
+                let reason =
+                    format!("rank {gone} finished without {what} rank {me} ({op} at {site})");
+                drop(st);
+                self.shared.fail(me, reason.clone());
+                return Err(self.error(op, reason));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(st);
+                let err = BackendError::Timeout {
+                    op,
+                    group: self.group(),
+                    waiting,
+                    seconds: self.shared.config.timeout.as_secs_f64(),
+                    site: site.to_string(),
+                };
+                self.shared.fail(me, err.to_string());
+                return Err(err);
+            }
+            st = self
+                .shared
+                .wake
+                .wait_timeout(st, deadline - now)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 }

@@ -17,7 +17,7 @@ use burn::tensor::DType;
 
 use super::buffer::HostBuffer;
 use super::ctx::{RankCtx, Transport, catch_rank};
-use super::{CallSite, Comm};
+use super::{CallSite, Comm, PointToPoint};
 use crate::error::{BackendError, Result};
 
 mod collectives;
@@ -32,6 +32,9 @@ pub struct WorldConfig {
     pub timeout: Duration,
     /// Stack size of each rank thread.
     pub stack_bytes: usize,
+    /// Whether point-to-point sends are buffered (the default) or rendezvous (NCCL's
+    /// semantics, for tests that prove a program does not rely on buffering).
+    pub p2p: PointToPoint,
 }
 
 impl Default for WorldConfig {
@@ -39,6 +42,7 @@ impl Default for WorldConfig {
         Self {
             timeout: Duration::from_secs(300),
             stack_bytes: 16 << 20,
+            p2p: PointToPoint::Buffered,
         }
     }
 }
@@ -97,6 +101,10 @@ struct Mail {
 struct State {
     slots: HashMap<(Arc<str>, u64), Slot>,
     mail: HashMap<(Arc<str>, usize, usize), VecDeque<Mail>>,
+    /// Per channel `(group, from, to)`: messages posted and messages received so far (a
+    /// rendezvous send waits until the receiver has taken its message).
+    posted: HashMap<(Arc<str>, usize, usize), u64>,
+    taken: HashMap<(Arc<str>, usize, usize), u64>,
     failure: Option<(usize, String)>,
     exited: Vec<bool>,
 }

@@ -26,10 +26,25 @@
 //!    [`BackendError::Timeout`](crate::BackendError::Timeout) naming the members, and the
 //!    group stays failed — exactly the host-staged path's behaviour and errors.
 //!
-//! Still host-staged for CUDA tensors: `send`/`recv` (the pipeline's point-to-point, small next
-//! to the expert all-to-all): the tensor is read to the host and moves through the queued-post
-//! protocol of the module above, because NCCL's rendezvous sends would otherwise need that
-//! protocol for device payloads too. Host (Flex) tensors take the host-staged path as before.
+//! The pipeline's batched point-to-point exchange (`send_recv`, Megatron's
+//! `batch_isend_irecv`) on CUDA tensors runs on their buffers too: one NCCL group with, per
+//! message to another member, an `ncclSend` of its header (shape, dtype, call site; staged
+//! through a small device buffer) followed by an `ncclSend` of the payload from the tensor's
+//! own memory, and per receive an `ncclRecv` of the header then of the payload into a fresh
+//! CubeCL allocation of the expected size (`nccl_plan::plan_send_recv`, bounds-checked); a
+//! message to itself is a device-to-device copy. Header and payload are adjacent on both
+//! ends, so a pair's transfers match in issue order even when one rank's batch meets its
+//! peer's counterparts across several batches (interleaved schedules with `m = pp` do). The
+//! headers are checked after the group completed — a disagreement is the host path's typed
+//! error naming both ranks and call sites; a disagreement in size never completes and ends
+//! as the deadline's `ncclCommAbort` and [`BackendError::Timeout`](crate::BackendError::Timeout).
+//! The batch has NCCL's rendezvous semantics, which the pipeline executor is checked and
+//! tested against (`parallel::pipeline`).
+//!
+//! Still host-staged for CUDA tensors: a lone `send` / `recv` (not the pipeline's, which
+//! batches): its callers may rely on a buffered send, so the tensor is read to the host and
+//! moves through the queued-post protocol of the module above. Host (Flex) tensors take the
+//! host-staged path as before. Nothing of a CUDA pipeline step is staged through the host.
 //!
 //! Reductions run in NCCL's order and in the tensor's dtype (see `nccl_plan`), so float sums
 //! agree with the threads transport within `(members − 1)` roundings of the dtype; data
@@ -44,15 +59,19 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl_runtime::runtime::Runtime;
+use cudarc::driver::DevicePtr;
 use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclRedOp_t};
 
 use super::super::buffer::{BufferKind, DeviceBuffer, DeviceCommunicator};
 use super::super::nccl_plan::{
-    self, Call, NcclReduce, NcclType, Plan, check_bounds, plan_all_gather_v, plan_all_reduce,
-    plan_all_to_all_v, plan_broadcast, plan_reduce_scatter_v,
+    self, Call, NcclReduce, NcclType, P2pCall, Plan, check_bounds, check_p2p_bounds,
+    plan_all_gather_v, plan_all_reduce, plan_all_to_all_v, plan_broadcast, plan_reduce_scatter_v,
+    plan_send_recv,
 };
-use super::super::p2p::{Args, LinkError, P2pComm};
-use super::super::{CallSite, Communicator, ReduceOp, Traffic};
+use super::super::p2p::{
+    Args, LinkError, P2pComm, check_message_header, message_header, message_header_len,
+};
+use super::super::{CallSite, Communicator, RecvSpec, ReduceOp, Traffic};
 use super::{GroupGuard, HostStagedNccl, NcclLinks, cuda, nccl};
 use crate::error::{BackendError, Result};
 
@@ -507,7 +526,8 @@ impl DeviceCommunicator for NcclComm {
         let DeviceBuffer::Cuda(t) = buf else {
             return self.host().send(buf, dst, site);
         };
-        // Host-staged (see the module docs).
+        // Host-staged, buffered (see the module docs): a lone send keeps the queued-post
+        // semantics its callers rely on; the pipeline batches through `send_recv`.
         let data = read(t, "send", &self.group())?;
         Communicator::send(&self.p2p, data, dst, site)
     }
@@ -529,9 +549,264 @@ impl DeviceCommunicator for NcclComm {
             &like.device,
         )))
     }
+
+    fn send_recv(
+        &self,
+        sends: Vec<(DeviceBuffer, usize)>,
+        recvs: &[RecvSpec],
+        like: &DeviceBuffer,
+        site: CallSite,
+    ) -> Result<Vec<DeviceBuffer>> {
+        const OP: &str = "send_recv";
+        let DeviceBuffer::Cuda(like) = like else {
+            return self.host().send_recv(sends, recvs, like, site);
+        };
+        let group = self.group();
+        let fail = |detail: String| self.p2p.group_error(OP, format!("{detail} (at {site})"));
+        let tensors = sends
+            .into_iter()
+            .map(|(b, dst)| Ok((cuda_tensor(b, OP, &group)?, dst)))
+            .collect::<Result<Vec<_>>>()?;
+        let (me, n) = (self.me(), self.members());
+        let bytes_of = |t: &CubeTensor| t.meta.shape().num_elements() * t.dtype.size();
+        let send_plan: Vec<(usize, usize)> =
+            tensors.iter().map(|(t, dst)| (*dst, bytes_of(t))).collect();
+        let recv_plan: Vec<(usize, usize)> = recvs
+            .iter()
+            .map(|r| (r.src, r.shape.iter().product::<usize>() * r.dtype.size()))
+            .collect();
+        let calls = plan_send_recv(me, n, &send_plan, &recv_plan).map_err(&fail)?;
+        // Headers: one per send, in send order; a message to itself is checked right here.
+        let header = message_header_len();
+        let mut send_headers = Vec::with_capacity(tensors.len() * header);
+        for (t, _) in &tensors {
+            send_headers.extend(message_header(&shape_of(t), t.dtype, site));
+        }
+        let ranks = Communicator::ranks(&self.p2p).to_vec();
+        for call in &calls {
+            if let P2pCall::Copy { send, recv, .. } = *call {
+                let spec = &recvs[recv];
+                let at = send * header;
+                check_message_header(
+                    &send_headers[at..at + header],
+                    (&spec.shape, spec.dtype),
+                    (ranks[me], ranks[me]),
+                    site,
+                )
+                .map_err(|d| self.p2p.group_error(OP, d))?;
+            }
+        }
+        let outputs: Vec<CubeTensor> = recvs
+            .iter()
+            .zip(&recv_plan)
+            .map(|(spec, &(_, bytes))| {
+                CubeTensor::new_contiguous(
+                    like.client.clone(),
+                    like.device.clone(),
+                    spec.shape.clone().into(),
+                    like.client.empty(bytes),
+                    spec.dtype,
+                )
+            })
+            .collect();
+        let send_bytes: Vec<usize> = send_plan.iter().map(|s| s.1).collect();
+        let recv_bytes: Vec<usize> = recv_plan.iter().map(|r| r.1).collect();
+        let header_bytes = (tensors.len() * header, recvs.len() * header);
+        check_p2p_bounds(&calls, &send_bytes, &recv_bytes, header, header_bytes).map_err(&fail)?;
+        let mut sent = vec![0; n];
+        for &(dst, bytes) in &send_plan {
+            sent[dst] += bytes;
+        }
+        self.p2p.count_payload(&sent);
+        if calls.is_empty() {
+            return Ok(outputs.into_iter().map(DeviceBuffer::Cuda).collect());
+        }
+        let client = like.client.clone();
+        let resource = |t: &CubeTensor, what: &str| {
+            client
+                .get_resource::<CudaServer>(t.handle.clone())
+                .map_err(|e| fail(format!("CubeCL gave no device pointer for {what}: {e:?}")))
+        };
+        let send_res = tensors
+            .iter()
+            .map(|(t, _)| resource(t, "a send"))
+            .collect::<Result<Vec<_>>>()?;
+        let recv_res = outputs
+            .iter()
+            .map(|t| resource(t, "a receive"))
+            .collect::<Result<Vec<_>>>()?;
+        let src: Vec<u64> = send_res.iter().map(|r| r.resource().ptr).collect();
+        let dst: Vec<u64> = recv_res.iter().map(|r| r.resource().ptr).collect();
+        // CubeCL's kernels that wrote the sends (or last used the outputs' memory) finish
+        // before NCCL touches them.
+        burn_cubecl::cubecl::future::block_on(client.sync())
+            .map_err(|e| fail(format!("CubeCL's pending work failed: {e:?}")))?;
+        let mut peers: Vec<usize> = send_plan
+            .iter()
+            .map(|s| s.0)
+            .chain(recv_plan.iter().map(|r| r.0))
+            .filter(|&p| p != me)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let deadline = Instant::now() + self.p2p.timeout();
+        let landed = self.p2p.links().with_wire(deadline, |wire| {
+            issue_p2p(
+                wire,
+                &calls,
+                (&src, &dst),
+                (&send_headers, recvs.len() * header),
+                header,
+                peers,
+                deadline,
+            )
+        });
+        // The allocations stay pinned until NCCL is done (or aborted).
+        drop((send_res, recv_res, tensors));
+        let landed = landed.map_err(|e| self.p2p.link_failure(OP, e, site))?;
+        for call in &calls {
+            if let P2pCall::RecvHeader { peer, recv } = *call {
+                let spec = &recvs[recv];
+                let at = recv * header;
+                check_message_header(
+                    landed.get(at..at + header).unwrap_or_default(),
+                    (&spec.shape, spec.dtype),
+                    (ranks[peer], ranks[me]),
+                    site,
+                )
+                .map_err(|d| self.p2p.group_error(OP, d))?;
+            }
+        }
+        Ok(outputs.into_iter().map(DeviceBuffer::Cuda).collect())
+    }
 }
 
-/// A CUDA tensor's data on the host (the host-staged point-to-point path).
+/// Issues a batched exchange's planned calls in one NCCL group on the wire's communicator
+/// and stream, waits for it until `deadline` (aborting the communicator on a timeout), and
+/// returns the received headers. `src[k]` / `dst[k]` are the device pointers of send `k` /
+/// receive `k` (bounds checked by the caller); `send_headers` holds one header per send.
+fn issue_p2p(
+    wire: &mut HostStagedNccl,
+    calls: &[P2pCall],
+    (src, dst): (&[u64], &[u64]),
+    (send_headers, recv_headers): (&[u8], usize),
+    header: usize,
+    peers: Vec<usize>,
+    deadline: Instant,
+) -> std::result::Result<Vec<u8>, LinkError> {
+    let comm = wire.comm()?;
+    let (raw, stream) = (comm.raw(), Arc::clone(comm.stream()));
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(cuda("binding the GPU"))?;
+    let cu = stream.cu_stream();
+    let nccl_stream = cu as cudaStream_t;
+    let bytes_type = ncclDataType_t::ncclUint8;
+    // The headers travel through small device staging buffers on the communicator's stream.
+    let staged = if send_headers.is_empty() {
+        None
+    } else {
+        Some(
+            stream
+                .clone_htod(send_headers)
+                .map_err(cuda("staging the message headers"))?,
+        )
+    };
+    let landing = if recv_headers == 0 {
+        None
+    } else {
+        // SAFETY: written by the header receives before it is read.
+        Some(
+            unsafe { stream.alloc::<u8>(recv_headers) }
+                .map_err(cuda("allocating the header receive buffer"))?,
+        )
+    };
+    let staged_ptr = staged.as_ref().map(|b| b.device_ptr(&stream).0);
+    let landing_ptr = landing.as_ref().map(|b| b.device_ptr(&stream).0);
+    let missing = || LinkError::Failed("a header transfer without a header buffer".into());
+    let group = GroupGuard::start().map_err(nccl("ncclGroupStart"))?;
+    for call in calls {
+        // SAFETY (every call below): the send and receive buffers are live CubeCL
+        // allocations pinned by the caller's `ManagedResource`s, and the header buffers live
+        // in this frame, until the stream's work is done or the communicator is aborted
+        // (`wait` below); `check_p2p_bounds` proved every length inside its buffer; `raw` is
+        // this group's communicator, used under the group's lock only.
+        match *call {
+            P2pCall::SendHeader { peer, send } => {
+                let at = staged_ptr.ok_or_else(missing)? + (send * header) as u64;
+                unsafe {
+                    cudarc::nccl::result::send(
+                        at as *const _,
+                        header,
+                        bytes_type,
+                        peer as i32,
+                        raw,
+                        nccl_stream,
+                    )
+                }
+                .map_err(nccl("ncclSend"))?;
+            }
+            P2pCall::Send { peer, send, bytes } => {
+                unsafe {
+                    cudarc::nccl::result::send(
+                        src[send] as *const _,
+                        bytes,
+                        bytes_type,
+                        peer as i32,
+                        raw,
+                        nccl_stream,
+                    )
+                }
+                .map_err(nccl("ncclSend"))?;
+            }
+            P2pCall::RecvHeader { peer, recv } => {
+                let at = landing_ptr.ok_or_else(missing)? + (recv * header) as u64;
+                unsafe {
+                    cudarc::nccl::result::recv(
+                        at as *mut _,
+                        header,
+                        bytes_type,
+                        peer as i32,
+                        raw,
+                        nccl_stream,
+                    )
+                }
+                .map_err(nccl("ncclRecv"))?;
+            }
+            P2pCall::Recv { peer, recv, bytes } => {
+                unsafe {
+                    cudarc::nccl::result::recv(
+                        dst[recv] as *mut _,
+                        bytes,
+                        bytes_type,
+                        peer as i32,
+                        raw,
+                        nccl_stream,
+                    )
+                }
+                .map_err(nccl("ncclRecv"))?;
+            }
+            P2pCall::Copy { send, recv, bytes } => {
+                // Stream-ordered with the group's transfers on the same stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(dst[recv], src[send], bytes, cu)
+                }
+                .map_err(cuda("a device-to-device copy"))?;
+            }
+        }
+    }
+    group.end().map_err(nccl("ncclGroupEnd"))?;
+    wire.wait(peers, deadline)?;
+    match &landing {
+        Some(buf) => stream
+            .clone_dtoh(buf)
+            .map_err(cuda("copying the received headers to the host")),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// A CUDA tensor's data on the host (the host-staged lone `send`).
 fn read(t: CubeTensor, op: &'static str, group: &str) -> Result<TensorData> {
     match burn::tensor::try_read_sync(CubeBackend::float_into_data(t)) {
         Some(Ok(data)) => Ok(data),
@@ -719,6 +994,17 @@ mod tests {
                 let (like, _) = on_gpu();
                 let got = back(dc.recv(&[5, 3], dtype, 0, &like, site())?);
                 assert_eq!(got, input, "send/recv {dtype:?}");
+                // The batched exchange on the device buffers (a message to itself: a
+                // device-to-device copy after the host header check).
+                let (buf, _) = on_gpu();
+                let (like, _) = on_gpu();
+                let spec = RecvSpec {
+                    shape: vec![5, 3],
+                    dtype,
+                    src: 0,
+                };
+                let mut got = dc.send_recv(vec![(buf, 0)], &[spec], &like, site())?;
+                assert_eq!(back(got.remove(0)), input, "send_recv {dtype:?}");
                 // A bad argument is the host path's typed error, before any NCCL call.
                 let (buf, _) = on_gpu();
                 let err = dc.reduce_scatter_v(buf, &[4], ReduceOp::Sum, site());

@@ -455,3 +455,218 @@ fn the_model_rejects_mismatched_point_to_point_sizes() {
     };
     execute(&[a, b], 1, None, DType::U8);
 }
+
+/// A model of NCCL's point-to-point matching for batched exchanges: every member's calls of
+/// all its batches, in issue order; the `k`-th send from `p` to `q` meets the `k`-th receive
+/// of `q` from `p`, and both must be the same kind (header or payload) and size (NCCL's
+/// requirement). Returns, per member and batch, the payload bytes each receive got.
+/// One member's planned batch: its calls and the payload of each send.
+type PlannedBatch = (Vec<P2pCall>, Vec<Vec<u8>>);
+
+/// Per `(src, dst)`: whether each send is a header, and its bytes, in issue order.
+type Wire = std::collections::HashMap<(usize, usize), Vec<(bool, Vec<u8>)>>;
+
+fn execute_p2p(batches: &[Vec<PlannedBatch>], header: usize) -> Vec<Vec<Vec<Vec<u8>>>> {
+    let n = batches.len();
+    // Per (src, dst): the (is_header, bytes) of every send in issue order.
+    let mut wire: Wire = Wire::new();
+    for (src, member) in batches.iter().enumerate() {
+        for (calls, payloads) in member {
+            for call in calls {
+                match *call {
+                    P2pCall::SendHeader { peer, send } => wire
+                        .entry((src, peer))
+                        .or_default()
+                        .push((true, vec![send as u8; header])),
+                    P2pCall::Send { peer, send, bytes } => {
+                        assert_eq!(payloads[send].len(), bytes);
+                        wire.entry((src, peer))
+                            .or_default()
+                            .push((false, payloads[send].clone()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let mut taken: std::collections::HashMap<(usize, usize), usize> =
+        std::collections::HashMap::new();
+    let out = (0..n)
+        .map(|me| {
+            batches[me]
+                .iter()
+                .map(|(calls, payloads)| {
+                    let recvs = calls
+                        .iter()
+                        .filter_map(|c| match *c {
+                            P2pCall::RecvHeader { recv, .. }
+                            | P2pCall::Recv { recv, .. }
+                            | P2pCall::Copy { recv, .. } => Some(recv + 1),
+                            _ => None,
+                        })
+                        .max()
+                        .unwrap_or(0);
+                    let mut got = vec![Vec::new(); recvs];
+                    for call in calls {
+                        match *call {
+                            P2pCall::RecvHeader { peer, .. } => {
+                                let k = taken.entry((peer, me)).or_default();
+                                let (is_header, bytes) = &wire[&(peer, me)][*k];
+                                *k += 1;
+                                assert!(
+                                    *is_header && bytes.len() == header,
+                                    "header meets payload"
+                                );
+                            }
+                            P2pCall::Recv { peer, recv, bytes } => {
+                                let k = taken.entry((peer, me)).or_default();
+                                let (is_header, sent) = &wire[&(peer, me)][*k];
+                                *k += 1;
+                                assert!(!is_header, "payload meets header");
+                                assert_eq!(sent.len(), bytes, "sizes differ: NCCL would hang");
+                                got[recv] = sent.clone();
+                            }
+                            P2pCall::Copy { send, recv, bytes } => {
+                                assert_eq!(payloads[send].len(), bytes);
+                                got[recv] = payloads[send].clone();
+                            }
+                            _ => {}
+                        }
+                    }
+                    got
+                })
+                .collect()
+        })
+        .collect();
+    for ((src, dst), sent) in &wire {
+        assert_eq!(
+            taken.get(&(*src, *dst)).copied().unwrap_or(0),
+            sent.len(),
+            "unmatched sends from {src} to {dst}"
+        );
+    }
+    out
+}
+
+/// The batched exchanges of a pipeline-like program — rings in both directions, messages to
+/// itself, empty messages, and one member's batch met by two of its peer's batches — planned
+/// per member and run in the NCCL model deliver what the threads transport's `send_recv`
+/// delivers, bit for bit, for worlds of 1–4 members and every dtype.
+#[test]
+fn send_recv_plans_equal_the_threads_transport() {
+    let header = 64;
+    for n in 1..=4usize {
+        for dtype in DTYPES {
+            let elem = dtype.size();
+            // Member `me`'s batches: (sends (dst, rows, tag), recvs (src, rows, tag)).
+            type Batch = (Vec<(usize, usize, usize)>, Vec<(usize, usize, usize)>);
+            let program = |me: usize| -> Vec<Batch> {
+                let next = (me + 1) % n;
+                let prev = (me + n - 1) % n;
+                let mut batches = vec![
+                    // Send forward, receive from behind; an empty message; one to itself.
+                    (
+                        vec![(next, 2, 0), (next, 0, 1), (me, 1, 2)],
+                        vec![(prev, 2, 0), (prev, 0, 1), (me, 1, 2)],
+                    ),
+                ];
+                // Member 0 sends two messages backwards in one batch; the others receive
+                // them in two batches (partial matching across batches).
+                if n == 1 {
+                    return batches;
+                }
+                if me == 0 {
+                    batches.push((vec![(prev, 3, 3), (prev, 1, 4)], vec![]));
+                    batches.push((vec![], vec![(next, 2, 5)]));
+                } else if me == n - 1 {
+                    batches.push((vec![], vec![(next, 3, 3)]));
+                    batches.push((vec![(prev, 2, 5)], vec![(next, 1, 4)]));
+                } else {
+                    batches.push((vec![(prev, 2, 5)], vec![(next, 2, 5)]));
+                }
+                batches
+            };
+            let message = |src: usize, tag: usize, rows: usize| {
+                input(src * 10 + tag, rows, dtype).into_bytes().to_vec()
+            };
+            let planned: Vec<Vec<PlannedBatch>> = (0..n)
+                .map(|me| {
+                    program(me)
+                        .into_iter()
+                        .map(|(sends, recvs)| {
+                            let s: Vec<(usize, usize)> =
+                                sends.iter().map(|&(d, r, _)| (d, r * 3 * elem)).collect();
+                            let r: Vec<(usize, usize)> =
+                                recvs.iter().map(|&(p, r, _)| (p, r * 3 * elem)).collect();
+                            let calls = plan_send_recv(me, n, &s, &r).unwrap();
+                            let payloads: Vec<Vec<u8>> =
+                                sends.iter().map(|&(_, r, t)| message(me, t, r)).collect();
+                            let send_bytes: Vec<usize> = s.iter().map(|x| x.1).collect();
+                            let recv_bytes: Vec<usize> = r.iter().map(|x| x.1).collect();
+                            let hb = (s.len() * header, r.len() * header);
+                            check_p2p_bounds(&calls, &send_bytes, &recv_bytes, header, hb).unwrap();
+                            (calls, payloads)
+                        })
+                        .collect()
+                })
+                .collect();
+            let got = execute_p2p(&planned, header);
+            let want: Vec<Vec<Vec<Vec<u8>>>> = World::run(n, |ctx| {
+                let comm = ctx.world()?;
+                let c = comm.communicator();
+                let me = ctx.rank();
+                program(me)
+                    .into_iter()
+                    .map(|(sends, recvs)| {
+                        let sends = sends
+                            .iter()
+                            .map(|&(d, r, t)| {
+                                let data =
+                                    TensorData::from_bytes_vec(message(me, t, r), [r, 3], dtype);
+                                (data, d)
+                            })
+                            .collect();
+                        let specs: Vec<crate::comm::RecvSpec> = recvs
+                            .iter()
+                            .map(|&(p, r, _)| crate::comm::RecvSpec {
+                                shape: vec![r, 3],
+                                dtype,
+                                src: p,
+                            })
+                            .collect();
+                        Ok(c.send_recv(sends, &specs, site())?
+                            .into_iter()
+                            .map(|d| d.into_bytes().to_vec())
+                            .collect())
+                    })
+                    .collect()
+            })
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+            assert_eq!(got, want, "n={n} {dtype:?}");
+        }
+    }
+}
+
+#[test]
+fn send_recv_plans_refuse_what_nccl_would_hang_on() {
+    assert!(
+        plan_send_recv(0, 2, &[(2, 4)], &[])
+            .unwrap_err()
+            .contains("destination 2")
+    );
+    assert!(
+        plan_send_recv(0, 2, &[], &[(5, 4)])
+            .unwrap_err()
+            .contains("source 5")
+    );
+    let err = plan_send_recv(1, 2, &[(1, 4)], &[]).unwrap_err();
+    assert!(err.contains("1 sends to itself but 0 receives"), "{err}");
+    let err = plan_send_recv(1, 2, &[(1, 4)], &[(1, 8)]).unwrap_err();
+    assert!(err.contains("4 bytes where 8"), "{err}");
+    let calls = plan_send_recv(0, 2, &[(1, 8)], &[(1, 8)]).unwrap();
+    assert!(check_p2p_bounds(&calls, &[4], &[8], 16, (16, 16)).is_err());
+    assert!(check_p2p_bounds(&calls, &[8], &[8], 16, (8, 16)).is_err());
+    assert!(check_p2p_bounds(&calls, &[8], &[8], 16, (16, 16)).is_ok());
+}

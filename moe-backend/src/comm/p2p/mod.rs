@@ -373,6 +373,45 @@ impl<L: Links> P2pComm<L> {
     }
 }
 
+/// The header of a point-to-point message of `shape` and `dtype` sent at `site` (what the
+/// host path puts before a payload; the NCCL device path sends it just before the payload).
+#[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
+pub(crate) fn message_header(shape: &[usize], dtype: DType, site: CallSite) -> Vec<u8> {
+    let mut header = Header::new(Op::Send);
+    header.set_shape(shape, dtype);
+    header.set_site(site);
+    header.encode(0)
+}
+
+/// Bytes of a [`message_header`].
+#[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
+pub(crate) fn message_header_len() -> usize {
+    Header::new(Op::Send).encode(0).len()
+}
+
+/// Checks a received message header against the receive's `shape` and `dtype`: the error
+/// names both ranks (global) and both call sites, as the host path's.
+#[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
+pub(crate) fn check_message_header(
+    bytes: &[u8],
+    (shape, dtype): (&[usize], DType),
+    (src, me): (usize, usize),
+    site: CallSite,
+) -> std::result::Result<(), String> {
+    let header = Header::decode(bytes, 0)
+        .map_err(|e| format!("unreadable message header: {e} (at {site})"))?;
+    let mut expected = Header::new(Op::Send);
+    expected.set_shape(shape, dtype);
+    if header.op != Op::Send || !header.same_tensor(&expected) {
+        return Err(format!(
+            "rank {src} sent {} (at {}), rank {me} expected {dtype:?} {shape:?} (at {site})",
+            header.describe_tensor(),
+            header.site(),
+        ));
+    }
+    Ok(())
+}
+
 /// A collective's arguments, for [`P2pComm::agree`].
 #[cfg_attr(not(all(feature = "cuda", feature = "nccl")), allow(dead_code))]
 #[derive(Debug, Clone, Copy)]

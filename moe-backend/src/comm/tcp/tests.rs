@@ -594,3 +594,65 @@ fn a_vanished_peer_fails_device_buffer_collectives_over_tcp() {
         );
     }
 }
+
+/// The pipeline's batched exchange over TCP: a ring of `send_recv` batches on Flex tensors
+/// (the device-buffer path) delivers each message as sent; when rank 2's stage fails
+/// mid-way, ranks 0 and 1 get the transport's typed error naming it within a fraction of
+/// the timeout, never a hang.
+#[test]
+fn batched_exchanges_over_tcp_deliver_and_fail_promptly_on_a_vanished_peer() {
+    use burn::tensor::{DType, Device};
+    let message = |src: usize, step: usize| {
+        let values: Vec<f64> = (0..6).map(|i| (src * 100 + step * 10 + i) as f64).collect();
+        crate::testing::tensor(values, [3, 2], &Device::flex(), DType::F32)
+    };
+    let out = spawn_ranks(
+        &[3, 3, 3],
+        config(Duration::from_secs(30), Duration::from_secs(10)),
+        |_, world| {
+            let world = world.unwrap();
+            let start = Instant::now();
+            let result = world.run(|ctx| {
+                let comm = ctx.group("pp_p2p", &[0, 1, 2])?;
+                let (next, prev) = ((ctx.rank() + 1) % 3, (ctx.rank() + 2) % 3);
+                let mut delivered = 0;
+                for step in 0..50 {
+                    if ctx.rank() == 2 && step == 3 {
+                        // The stage fails mid-schedule.
+                        return Err(BackendError::Config {
+                            field: "test",
+                            detail: format!("stage died after {delivered} exchanges"),
+                        });
+                    }
+                    let got = comm.send_recv(
+                        vec![(message(ctx.rank(), step), next)],
+                        &[([3, 2], DType::F32, prev)],
+                        &Device::flex(),
+                    )?;
+                    let got = got.into_iter().next().expect("one message");
+                    assert_eq!(got.into_data(), message(prev, step).into_data());
+                    assert_eq!(comm.host_transfers(), 0);
+                    delivered += 1;
+                    if step == 2 {
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                }
+                Ok(delivered)
+            });
+            (result, start.elapsed())
+        },
+    );
+    let two = out[2].0.as_ref().expect_err("rank 2 failed").to_string();
+    assert!(two.contains("stage died after 3 exchanges"), "{two}");
+    for (rank, (result, elapsed)) in out.iter().enumerate().take(2) {
+        let err = result.as_ref().expect_err("rank 2 is gone").to_string();
+        assert!(
+            err.contains("rank 2 failed: invalid config field `test`: stage died"),
+            "rank {rank}: {err}"
+        );
+        assert!(
+            *elapsed < Duration::from_secs(5),
+            "rank {rank}: {elapsed:?}"
+        );
+    }
+}

@@ -63,12 +63,20 @@ impl Communicator for HostOnly {
     ) -> Result<TensorData> {
         self.0.recv(shape, dtype, src, site)
     }
+    fn send_recv(
+        &self,
+        sends: Vec<(TensorData, usize)>,
+        recvs: &[RecvSpec],
+        site: CallSite,
+    ) -> Result<Vec<TensorData>> {
+        self.0.send_recv(sends, recvs, site)
+    }
     fn barrier(&self, site: CallSite) -> Result<()> {
         self.0.barrier(site)
     }
 }
 
-fn host_only(comm: &Comm) -> Comm {
+pub(crate) fn host_only(comm: &Comm) -> Comm {
     Comm::new(Arc::new(HostOnly(comm.communicator().clone())))
 }
 

@@ -9,6 +9,7 @@ use burn::tensor::Device;
 use super::*;
 use crate::testing::SplitMix;
 
+mod batched;
 mod collectives;
 pub(crate) mod device;
 mod failures;

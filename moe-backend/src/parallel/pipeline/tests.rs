@@ -1,5 +1,7 @@
-//! The executor against the one-rank run of the same micro-batches (bit for bit), the
-//! transfer-order check, and the stage splits against their definitions.
+//! The executor against the one-rank run of the same micro-batches (bit for bit), with
+//! buffered and with rendezvous (NCCL's) sends; the old unbatched order deadlocking under
+//! rendezvous; a stage that fails mid-schedule; the transfer-order checks, and the stage
+//! splits against their definitions.
 
 use std::collections::BTreeMap;
 
@@ -8,7 +10,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::*;
-use crate::comm::World;
+use crate::comm::{PointToPoint, World, WorldConfig};
 use crate::testing::SplitMix;
 
 const WIDTH: usize = 8;
@@ -178,13 +180,13 @@ fn pipelined(
     layers: usize,
     split: &PipelineSplit,
     schedule: &PipelineSchedule,
+    p2p: PointToPoint,
 ) -> (Grads, Vec<PipelineRun>, Vec<u64>) {
     let pp = schedule.pp();
-    let out = World::run(pp, |ctx| {
+    let out = World::run_with(pp, world_config(p2p), |ctx| {
         let ranks: Vec<usize> = (0..pp).collect();
         let channels = PipelineChannels {
-            activations: ctx.group("pp_activations", &ranks)?,
-            gradients: ctx.group("pp_gradients", &ranks)?,
+            p2p: ctx.group("pp_p2p", &ranks)?,
         };
         let device = device();
         let mut stage = ChainStage {
@@ -196,8 +198,7 @@ fn pipelined(
             device,
         };
         let run = run_pipeline(schedule, ctx.rank(), &channels, &mut stage)?;
-        let bytes =
-            channels.activations.traffic().bytes_sent + channels.gradients.traffic().bytes_sent;
+        let bytes = channels.p2p.traffic().bytes_sent;
         Ok((finish(stage.sums), run, bytes))
     });
     let mut grads = Grads::new();
@@ -214,16 +215,39 @@ fn pipelined(
     (grads, runs, bytes)
 }
 
+/// A world whose point-to-point sends are `p2p`, with a timeout short enough for a test
+/// that waits for one.
+fn world_config(p2p: PointToPoint) -> WorldConfig {
+    WorldConfig {
+        timeout: std::time::Duration::from_secs(20),
+        p2p,
+        ..WorldConfig::default()
+    }
+}
+
+/// The pipelined gradients equal one rank's bit for bit with buffered sends and with
+/// rendezvous sends (NCCL's semantics: the batched exchanges never wait on their own sends).
 fn check(layers: usize, split: PipelineSplit, schedule: PipelineSchedule) {
+    for p2p in [PointToPoint::Buffered, PointToPoint::Rendezvous] {
+        check_with(layers, &split, &schedule, p2p);
+    }
+}
+
+fn check_with(
+    layers: usize,
+    split: &PipelineSplit,
+    schedule: &PipelineSchedule,
+    p2p: PointToPoint,
+) {
     let m = schedule.microbatches();
     let want = reference(layers, m);
-    let (got, runs, bytes) = pipelined(layers, &split, &schedule);
+    let (got, runs, bytes) = pipelined(layers, split, schedule, p2p);
     assert_eq!(got.len(), layers);
     for (l, g) in &want {
         assert_eq!(
             got.get(l),
             Some(g),
-            "layer {l}: gradients differ from one rank"
+            "layer {l}: gradients differ from one rank ({p2p:?})"
         );
     }
     let stages = schedule.pp() * schedule.vpp();
@@ -370,37 +394,43 @@ fn forward_only_runs_give_one_rank_losses() {
             })
             .collect();
         let pp = schedule.pp();
-        let out = World::run(pp, |ctx| {
-            let ranks: Vec<usize> = (0..pp).collect();
-            let channels = PipelineChannels {
-                activations: ctx.group("pp_activations", &ranks)?,
-                gradients: ctx.group("pp_gradients", &ranks)?,
-            };
-            let device = Device::flex();
-            let mut stage = ForwardOnly {
-                inner: ChainStage {
-                    split: split.clone(),
-                    rank: ctx.rank(),
-                    chain: frozen_chain(layers),
-                    microbatches: m,
-                    sums: BTreeMap::new(),
-                    device,
-                },
-                losses: Vec::new(),
-            };
-            let run = run_pipeline_forward(&schedule, ctx.rank(), &channels, &mut stage)?;
-            let grad_bytes = channels.gradients.traffic().bytes_sent;
-            Ok((stage.losses, run, grad_bytes))
-        });
-        let mut seen = Vec::new();
-        for (rank, result) in out.into_iter().enumerate() {
-            let (losses, run, grad_bytes) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            assert_eq!(run.forwards, m * schedule.vpp(), "rank {rank}");
-            assert_eq!(run.backwards, 0);
-            assert_eq!(grad_bytes, 0);
-            seen.extend(losses);
+        for p2p in [PointToPoint::Buffered, PointToPoint::Rendezvous] {
+            let out = World::run_with(pp, world_config(p2p), |ctx| {
+                let ranks: Vec<usize> = (0..pp).collect();
+                let channels = PipelineChannels {
+                    p2p: ctx.group("pp_p2p", &ranks)?,
+                };
+                let device = Device::flex();
+                let mut stage = ForwardOnly {
+                    inner: ChainStage {
+                        split: split.clone(),
+                        rank: ctx.rank(),
+                        chain: frozen_chain(layers),
+                        microbatches: m,
+                        sums: BTreeMap::new(),
+                        device,
+                    },
+                    losses: Vec::new(),
+                };
+                let run = run_pipeline_forward(&schedule, ctx.rank(), &channels, &mut stage)?;
+                let bytes = channels.p2p.traffic().bytes_sent;
+                Ok((stage.losses, run, bytes))
+            });
+            let mut seen = Vec::new();
+            for (rank, result) in out.into_iter().enumerate() {
+                let (losses, run, bytes) = result.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert_eq!(run.forwards, m * schedule.vpp(), "rank {rank}");
+                assert_eq!(run.backwards, 0);
+                // Activations only: every virtual stage but the last sends each micro-batch on.
+                let stages = schedule.pp() * schedule.vpp();
+                let senders = (0..schedule.vpp())
+                    .filter(|&c| schedule.virtual_stage(rank, c) + 1 < stages)
+                    .count();
+                assert_eq!(bytes, (senders * m * ROWS * WIDTH * 4) as u64, "{p2p:?}");
+                seen.extend(losses);
+            }
+            assert_eq!(seen, want, "{p2p:?}");
         }
-        assert_eq!(seen, want);
     }
 }
 
@@ -531,6 +561,203 @@ fn impossible_splits_are_refused_naming_the_field() {
                 assert!(d.contains(detail), "{d}");
             }
             other => panic!("expected a `{field}` error with `{detail}`, got {other:?}"),
+        }
+    }
+}
+
+/// The executor's order before batching: per action, receive its input, compute, send its
+/// output, each transfer a blocking call of its own.
+fn run_unbatched(
+    schedule: &PipelineSchedule,
+    rank: usize,
+    comm: &Comm,
+    stage: &mut ChainStage,
+) -> Result<()> {
+    let device = stage.device();
+    let mut held: HashMap<(usize, usize), (Option<Tensor<2>>, StageOutput<2>)> = HashMap::new();
+    for &action in schedule.actions(rank) {
+        let (mb, chunk) = (action.microbatch(), action.chunk());
+        let input = match schedule.input_of(rank, action) {
+            Some((src, _)) => Some(comm.recv::<2, burn::tensor::Float>(
+                [ROWS, WIDTH],
+                DType::F32,
+                src,
+                &device,
+            )?),
+            None => None,
+        };
+        if action.is_forward() {
+            let x = input.map(Tensor::require_grad);
+            let out = stage.forward(chunk, mb, x.clone())?;
+            if let (StageOutput::Activation(y), Some((dst, _))) =
+                (&out, schedule.output_of(rank, action))
+            {
+                comm.send(y.clone().detach(), dst)?;
+            }
+            held.insert((mb, chunk), (x, out));
+        } else {
+            let (x, out) = held.remove(&(mb, chunk)).expect("forward ran");
+            let mut grads = match (out, input) {
+                (StageOutput::Loss(l), _) => l.backward(),
+                (StageOutput::Activation(y), Some(dy)) => (y * dy).sum().backward(),
+                (StageOutput::Activation(_), None) => panic!("no gradient received"),
+            };
+            if let (Some(x), Some((dst, _))) = (x, schedule.output_of(rank, action)) {
+                comm.send(x.grad_remove(&mut grads).expect("input gradient"), dst)?;
+            }
+            stage.backward_done(chunk, mb, grads)?;
+        }
+    }
+    Ok(())
+}
+
+fn chain_stage(split: &PipelineSplit, rank: usize, layers: usize, m: usize) -> ChainStage {
+    let device = device();
+    ChainStage {
+        split: split.clone(),
+        rank,
+        chain: chain(layers, &device),
+        microbatches: m,
+        sums: BTreeMap::new(),
+        device,
+    }
+}
+
+/// The unbatched order relies on buffered sends: it completes (and equals one rank) with
+/// buffered sends, and under rendezvous sends (NCCL's) rank 0 waits to send the activation
+/// of micro-batch 1 while rank 1 waits to send the gradient of micro-batch 0 — a deadlock,
+/// which the threads transport reports as a timeout instead of hanging. The batched executor
+/// runs the same schedule under rendezvous (`one_f_one_b_equals_one_rank_bit_for_bit`).
+#[test]
+fn the_unbatched_order_deadlocks_under_rendezvous_sends() {
+    let (layers, m) = (4, 3);
+    let split = PipelineSplit::even(layers, 0, 2, 1).unwrap();
+    let schedule = PipelineSchedule::one_f_one_b(2, m).unwrap();
+    let run = |p2p: PointToPoint| {
+        let config = WorldConfig {
+            timeout: std::time::Duration::from_millis(1500),
+            p2p,
+            ..WorldConfig::default()
+        };
+        World::run_with(2, config, |ctx| {
+            let comm = ctx.group("pp_p2p", &[0, 1])?;
+            let mut stage = chain_stage(&split, ctx.rank(), layers, m);
+            run_unbatched(&schedule, ctx.rank(), &comm, &mut stage)?;
+            Ok(finish(stage.sums))
+        })
+    };
+    let mut got = Grads::new();
+    for result in run(PointToPoint::Buffered) {
+        got.extend(result.unwrap());
+    }
+    assert_eq!(
+        got,
+        reference(layers, m),
+        "the unbatched order itself is right"
+    );
+    let start = std::time::Instant::now();
+    let out = run(PointToPoint::Rendezvous);
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    let errors: Vec<String> = out
+        .into_iter()
+        .map(|r| r.expect_err("a deadlock").to_string())
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("timed out") || e.contains("timeout")),
+        "{errors:?}"
+    );
+}
+
+/// A stage that fails in the middle of the schedule makes every other rank's exchange fail
+/// with the transport's typed error within the timeout, never hang — with buffered and with
+/// rendezvous sends, for 1F1B over 4 ranks and the interleaved schedule.
+#[test]
+fn a_stage_that_fails_mid_schedule_fails_the_others_promptly() {
+    struct Failing {
+        inner: ChainStage,
+        fail_at: Option<(usize, usize)>,
+    }
+    impl PipelineStage<2> for Failing {
+        type Error = BackendError;
+        fn activation_shape(&self, mb: usize) -> [usize; 2] {
+            self.inner.activation_shape(mb)
+        }
+        fn device(&self) -> Device {
+            self.inner.device()
+        }
+        fn forward(
+            &mut self,
+            chunk: usize,
+            mb: usize,
+            input: Option<Tensor<2>>,
+        ) -> Result<StageOutput<2>> {
+            if self.fail_at == Some((mb, chunk)) {
+                return Err(BackendError::Config {
+                    field: "test",
+                    detail: format!("stage fails at micro-batch {mb}"),
+                });
+            }
+            self.inner.forward(chunk, mb, input)
+        }
+        fn backward_done(&mut self, chunk: usize, mb: usize, grads: Gradients) -> Result<()> {
+            self.inner.backward_done(chunk, mb, grads)
+        }
+    }
+    for (layers, split, schedule, dying) in [
+        (
+            4,
+            PipelineSplit::even(4, 0, 4, 1).unwrap(),
+            PipelineSchedule::one_f_one_b(4, 6).unwrap(),
+            2,
+        ),
+        (
+            8,
+            PipelineSplit::even(8, 0, 2, 2).unwrap(),
+            PipelineSchedule::interleaved(2, 2, 4).unwrap(),
+            1,
+        ),
+    ] {
+        for p2p in [PointToPoint::Buffered, PointToPoint::Rendezvous] {
+            let pp = schedule.pp();
+            let timeout = std::time::Duration::from_secs(3);
+            let config = WorldConfig {
+                timeout,
+                p2p,
+                ..WorldConfig::default()
+            };
+            let start = std::time::Instant::now();
+            let out = World::run_with(pp, config, |ctx| {
+                let ranks: Vec<usize> = (0..pp).collect();
+                let channels = PipelineChannels {
+                    p2p: ctx.group("pp_p2p", &ranks)?,
+                };
+                let m = schedule.microbatches();
+                let mut stage = Failing {
+                    inner: chain_stage(&split, ctx.rank(), layers, m),
+                    fail_at: (ctx.rank() == dying).then_some((2, 0)),
+                };
+                run_pipeline(&schedule, ctx.rank(), &channels, &mut stage)
+            });
+            let elapsed = start.elapsed();
+            assert!(elapsed < timeout * 2, "{p2p:?}: {elapsed:?}");
+            for (rank, result) in out.into_iter().enumerate() {
+                let err = result.expect_err("every rank fails");
+                if rank == dying {
+                    assert!(err.to_string().contains("stage fails"), "{err}");
+                } else {
+                    assert!(
+                        matches!(
+                            err,
+                            BackendError::Aborted { .. }
+                                | BackendError::Collective { .. }
+                                | BackendError::Timeout { .. }
+                        ),
+                        "{p2p:?} rank {rank}: {err:?}"
+                    );
+                }
+            }
         }
     }
 }
