@@ -633,11 +633,24 @@ fn deepseek_v3_with_mtp_syncs_from_pipeline_and_context_layouts() {
 /// `gate_up_proj_bias` in both: equal to `moe export` of the same trained checkpoint.
 #[test]
 fn gpt_oss_syncs_its_release_layout_and_expert_biases() {
+    let layouts = [(2, "ep=2".to_owned()), (4, "tp=2,ep=2,etp=2".to_owned())];
+    check_layouts(&gpt_oss_model(), &four_layer_config("gpt_oss"), "gpt-oss", &layouts);
+}
+
+/// gpt-oss under pipeline parallelism (each stage streams its own layers' experts in the
+/// release layout, merged into the whole model's export order): `pp=2` alone and with the
+/// experts over `ep=2` (two data-parallel replicas), equal to `moe export` bit for bit.
+#[test]
+fn gpt_oss_syncs_its_release_layout_from_pipeline_layouts() {
+    let layouts = [(2, "pp=2".to_owned()), (4, "pp=2,ep=2".to_owned())];
+    check_layouts(&gpt_oss_model(), &four_layer_config("gpt_oss"), "gpt-oss-pp", &layouts);
+}
+
+/// The gpt-oss fixture with 4 decoder layers (alternating sliding / full attention).
+fn gpt_oss_model() -> GptOssForCausalLM {
     let config = four_layer_config("gpt_oss");
-    let full = GptOssConfig::from_json_str(&config.to_string())
+    GptOssConfig::from_json_str(&config.to_string())
         .unwrap()
         .init(&Device::flex().autodiff())
-        .unwrap();
-    let layouts = [(2, "ep=2".to_owned()), (4, "tp=2,ep=2,etp=2".to_owned())];
-    check_layouts(&full, &config, "gpt-oss", &layouts);
+        .unwrap()
 }

@@ -26,7 +26,7 @@ use super::{ExpertNames, SyncOptions, WeightSyncError};
 use crate::distributed::ShardRule;
 use crate::export::{HfTensorSpec, keeps_f32};
 use crate::families::shard_rule;
-use crate::param_plan::ReleaseLayout;
+use crate::param_plan::{ParallelPlan, ReleaseLayout};
 use crate::param_plan::hf_names::{self, ExpertProjections};
 
 /// Which part of a layer's local expert tensors a synced tensor is.
@@ -110,14 +110,15 @@ type StagePlan = Vec<(String, DType, Vec<usize>, Split, usize)>;
 
 /// The plan of the whole model from every pipeline stage's local entries (`stages[s]`: pipeline
 /// rank `s`'s local fused export, the same on every rank of that stage), in the order of the
-/// whole model's export (see the module docs).
+/// whole model's export (see the module docs). `release`: the synced model's plan when it
+/// streams its experts in the family's release layout ([`streams_release`]).
 pub(super) fn plan(
     stages: &[Vec<HfTensorSpec>],
     tp: usize,
     ep: usize,
     etp: usize,
     options: &SyncOptions,
-    release: bool,
+    release: Option<&ParallelPlan>,
 ) -> Result<Plan, WeightSyncError> {
     // (order key, name, dtype, shape, source)
     type Keyed = ((u8, usize, usize, usize), String, DType, Vec<usize>, Source);
@@ -214,16 +215,12 @@ fn expert_projections(experts: &str) -> ExpertProjections {
         .map_or(ExpertProjections::LLAMA, |(_, projs)| *projs)
 }
 
-/// The release layout of stacked expert tensor `name` in its family's plan, when the release
-/// does not store the canonical tensor (what the HF export with per-expert names writes).
-pub(super) fn release_layout(name: &str) -> Option<ReleaseLayout> {
-    static PLANS: OnceLock<Vec<crate::param_plan::ParallelPlan>> = OnceLock::new();
-    let plans = PLANS.get_or_init(|| {
-        (crate::families::plans().into_iter())
-            .filter(|p| p.has_release_layouts())
-            .collect()
-    });
-    plans.iter().find_map(|p| p.release_layout(name))
+/// The release layout of stacked expert tensor `name` in the synced model's own plan `plan`
+/// ([`crate::export::ExportHf::export_plan`]), when its release does not store the canonical
+/// tensor (what the HF export with per-expert names writes).
+pub(super) fn release_layout(plan: Option<&ParallelPlan>, name: &str) -> Option<ReleaseLayout> {
+    plan.filter(|p| p.has_release_layouts())
+        .and_then(|p| p.release_layout(name))
 }
 
 /// The full canonical shape of a stacked expert tensor from its local entry `local` (local
@@ -252,14 +249,17 @@ fn release_etp_dim(layout: ReleaseLayout, rule: ShardRule) -> Option<usize> {
 }
 
 /// Whether a model whose local per-expert HF export lists `names` streams experts in its
-/// family's release layout: it names a stacked expert tensor that a plan's release layout
-/// covers (families without one list per-expert tensors there instead).
-pub(super) fn streams_release<'a>(names: impl IntoIterator<Item = &'a str>) -> bool {
-    names.into_iter().any(|n| release_layout(n).is_some())
+/// family's release layout: it names a stacked expert tensor that its plan's (`plan`) release
+/// layout covers (families without one list per-expert tensors there instead).
+pub(super) fn streams_release<'a>(
+    plan: Option<&ParallelPlan>,
+    names: impl IntoIterator<Item = &'a str>,
+) -> bool {
+    names.into_iter().any(|n| release_layout(plan, n).is_some())
 }
 
-/// One stage's synced tensors from its local fused export (`release`: the family streams its
-/// release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
+/// One stage's synced tensors from its local fused export (`release`: the model's plan when the
+/// family streams its release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
 /// local experts times `ep`, expert FFN widths times `etp`).
 fn stage_plan(
     local: &[HfTensorSpec],
@@ -267,7 +267,7 @@ fn stage_plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
-    release: bool,
+    release: Option<&ParallelPlan>,
 ) -> Result<StagePlan, WeightSyncError> {
     let mut out = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, split: Split, entry: usize| {
@@ -301,9 +301,8 @@ fn stage_plan(
                 push(spec.name.clone(), shape, Split::Tp { dim }, k);
             }
             rule @ (ShardRule::ExpertReplicated | ShardRule::Expert { .. })
-                if release
-                    && options.experts == ExpertNames::PerExpert
-                    && let Some(layout) = release_layout(&spec.name) =>
+                if options.experts == ExpertNames::PerExpert
+                    && let Some(layout) = release_layout(release, &spec.name) =>
             {
                 // The release's stacked layout (the receiver's HF export): one tensor.
                 let etp_dim = release_etp_dim(layout, rule);
@@ -685,7 +684,7 @@ mod tests {
             dtype: super::super::SyncDtype::F32,
             ..SyncOptions::default()
         };
-        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, false).unwrap();
+        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, None).unwrap();
         let mut want: Vec<(String, Vec<usize>, usize, usize)> =
             vec![("model.embed_tokens.weight".into(), vec![16, 4], 0, 0)];
         // Layer l's entries: rank l % 2, local layer l / 2 after the embedding.
@@ -729,7 +728,7 @@ mod tests {
     fn a_copy_of_another_shape_is_refused_naming_it() {
         let mut stages = stages();
         stages[1][0].shape = vec![9, 4];
-        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), false).unwrap_err();
+        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), None).unwrap_err();
         assert!(
             matches!(&err, WeightSyncError::Layout { name, .. } if name == "model.embed_tokens.weight"),
             "{err}"
