@@ -440,7 +440,9 @@ fn check_ocp(export: &HfCheckpoint, name: &str, param: &[f32], shape: &[usize]) 
                 assert_eq!(scales[at], scale, "{name}: block {at}'s scale");
                 let got = &decoded[at * 32..(at + 1) * 32];
                 assert!(
-                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{name}: block {at}: {got:?} vs {want:?}"
                 );
                 moved += got.iter().zip(block).filter(|(a, b)| a != b).count();
@@ -504,13 +506,27 @@ fn the_converted_mxfp4_release_exports_mxfp4_byte_for_byte() {
     assert_eq!(got["dtype"], "bfloat16");
 
     // Without the reference: the OCP rule's scales for the same values.
-    ok(&["export", path(&ckpt), "--out", path(&plain), "--dtype", "mxfp4"]);
+    ok(&[
+        "export",
+        path(&ckpt),
+        "--out",
+        path(&plain),
+        "--dtype",
+        "mxfp4",
+    ]);
     let plain = HfCheckpoint::open(&plain).expect("the export opens");
     let start = HfCheckpoint::open(&release).expect("release");
     let (mut rescaled, mut below_four) = (0, 0);
-    for name in start.tensor_names().filter_map(|n| n.strip_suffix("_blocks")) {
+    for name in start
+        .tensor_names()
+        .filter_map(|n| n.strip_suffix("_blocks"))
+    {
         let (shape, values) = start.read_mxfp4_param(name).expect("release values");
-        assert_eq!(check_ocp(&plain, name, &values, &shape), 0, "{name}: lossless");
+        assert_eq!(
+            check_ocp(&plain, name, &values, &shape),
+            0,
+            "{name}: lossless"
+        );
         let (_, a) = start.read_mxfp4_scales(name).expect("scales");
         let (_, b) = plain.read_mxfp4_scales(name).expect("scales");
         let codes = start.tensor(&format!("{name}_blocks")).expect("blocks");
@@ -526,7 +542,10 @@ fn the_converted_mxfp4_release_exports_mxfp4_byte_for_byte() {
             assert_eq!(a[g] != b[g], small, "{name}: block {g}'s scale");
         }
     }
-    assert!(rescaled > 0 && rescaled == below_four, "{rescaled} rescaled");
+    assert!(
+        rescaled > 0 && rescaled == below_four,
+        "{rescaled} rescaled"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -577,7 +596,11 @@ fn a_trained_checkpoint_exports_mxfp4_as_the_ocp_quantisation_of_its_weights() {
                 .iter()
                 .map(|&v| burn::tensor::bf16::from_f32(v).to_f32())
                 .collect();
-            assert_eq!(t.to_f32_vec().expect("f32"), bf16, "{name}: the trained values");
+            assert_eq!(
+                t.to_f32_vec().expect("f32"),
+                bf16,
+                "{name}: the trained values"
+            );
         }
     }
     assert_eq!(packed, 8, "gate_up / down of 4 layers");
@@ -588,7 +611,14 @@ fn a_trained_checkpoint_exports_mxfp4_as_the_ocp_quantisation_of_its_weights() {
     );
     let out = dir.join("logits.safetensors");
     let golden = golden("gpt_oss_mxfp4");
-    let args = ["logits", "--model", path(&hf), "--input", path(&golden), "--out"];
+    let args = [
+        "logits",
+        "--model",
+        path(&hf),
+        "--input",
+        path(&golden),
+        "--out",
+    ];
     ok(&[&args[..], &[path(&out)]].concat());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -600,7 +630,15 @@ fn the_dense_fixture_exports_mxfp4_experts() {
     let dir = scratch("gpt-oss-dense-mxfp4");
     let dense = fixture("gpt_oss");
     let hf = dir.join("hf");
-    ok(&["export", "--model", path(&dense), "--out", path(&hf), "--dtype", "mxfp4"]);
+    ok(&[
+        "export",
+        "--model",
+        path(&dense),
+        "--out",
+        path(&hf),
+        "--dtype",
+        "mxfp4",
+    ]);
     let exported = HfCheckpoint::open(&hf).expect("the export opens");
     let release = HfCheckpoint::open(fixture("gpt_oss_mxfp4")).expect("release");
     let names: BTreeSet<&str> = exported.tensor_names().collect();
@@ -618,7 +656,14 @@ fn the_dense_fixture_exports_mxfp4_experts() {
     assert_eq!(config["quantization_config"]["quant_method"], "mxfp4");
     let out = dir.join("logits.safetensors");
     let golden = golden("gpt_oss");
-    let args = ["logits", "--model", path(&hf), "--input", path(&golden), "--out"];
+    let args = [
+        "logits",
+        "--model",
+        path(&hf),
+        "--input",
+        path(&golden),
+        "--out",
+    ];
     ok(&[&args[..], &[path(&out)]].concat());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -631,7 +676,15 @@ fn mxfp4_export_of_another_family_is_refused_by_name() {
     let out = dir.join("hf");
     let model = fixture("qwen3_moe");
     let run = Command::new(common::MOE)
-        .args(["export", "--model", path(&model), "--out", path(&out), "--dtype", "mxfp4"])
+        .args([
+            "export",
+            "--model",
+            path(&model),
+            "--out",
+            path(&out),
+            "--dtype",
+            "mxfp4",
+        ])
         .output()
         .expect("moe");
     let text = String::from_utf8_lossy(&run.stderr);

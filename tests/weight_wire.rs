@@ -165,11 +165,7 @@ fn sync_into_a_separate_generator(name: &str, model: &str, layout: &str, steps: 
     assert_eq!(want.trim().split(',').count(), 12, "{want}");
     assert_eq!(rx_out, want, "receiver vs moe generate on the export");
     // The sync changed the receiver's model: the untrained fixture continues otherwise.
-    assert_ne!(
-        generate(model),
-        want,
-        "training changed nothing to compare"
-    );
+    assert_ne!(generate(model), want, "training changed nothing to compare");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

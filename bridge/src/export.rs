@@ -177,8 +177,12 @@ pub(crate) enum Mxfp4Part {
 pub struct Mxfp4Export {
     reference: Option<HfCheckpoint>,
     quantization: Value,
-    pending: BTreeMap<String, (Option<(Vec<usize>, Vec<u8>)>, Option<(Vec<usize>, Vec<u8>)>)>,
+    /// Packed pairs with a half not yet written: `(blocks, scales)`.
+    pending: BTreeMap<String, (Option<PairHalf>, Option<PairHalf>)>,
 }
+
+/// One half of a packed MXFP4 pair: its shape and bytes.
+type PairHalf = (Vec<usize>, Vec<u8>);
 
 impl std::fmt::Debug for Mxfp4Export {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -634,7 +634,12 @@ fn deepseek_v3_with_mtp_syncs_from_pipeline_and_context_layouts() {
 #[test]
 fn gpt_oss_syncs_its_release_layout_and_expert_biases() {
     let layouts = [(2, "ep=2".to_owned()), (4, "tp=2,ep=2,etp=2".to_owned())];
-    check_layouts(&gpt_oss_model(), &four_layer_config("gpt_oss"), "gpt-oss", &layouts);
+    check_layouts(
+        &gpt_oss_model(),
+        &four_layer_config("gpt_oss"),
+        "gpt-oss",
+        &layouts,
+    );
 }
 
 /// gpt-oss under pipeline parallelism (each stage streams its own layers' experts in the
@@ -643,7 +648,12 @@ fn gpt_oss_syncs_its_release_layout_and_expert_biases() {
 #[test]
 fn gpt_oss_syncs_its_release_layout_from_pipeline_layouts() {
     let layouts = [(2, "pp=2".to_owned()), (4, "pp=2,ep=2".to_owned())];
-    check_layouts(&gpt_oss_model(), &four_layer_config("gpt_oss"), "gpt-oss-pp", &layouts);
+    check_layouts(
+        &gpt_oss_model(),
+        &four_layer_config("gpt_oss"),
+        "gpt-oss-pp",
+        &layouts,
+    );
 }
 
 /// The gpt-oss fixture with 4 decoder layers (alternating sliding / full attention).

@@ -35,8 +35,8 @@ use super::save::{OfflineWriter, SaveMeta};
 use super::sharding::ShardingPlan;
 use crate::BridgeError;
 use crate::export::{
-    ExportOptions, ExportSummary, Mxfp4Export, Mxfp4Part, default_generation_config,
-    export_config, mxfp4_outputs,
+    ExportOptions, ExportSummary, Mxfp4Export, Mxfp4Part, default_generation_config, export_config,
+    mxfp4_outputs,
 };
 use crate::fp8::{OutDtype, scale_inv_name, scale_shape, should_dequantize};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, read_json};

@@ -26,8 +26,8 @@ use super::{ExpertNames, SyncOptions, WeightSyncError};
 use crate::distributed::ShardRule;
 use crate::export::{HfTensorSpec, keeps_f32};
 use crate::families::shard_rule;
-use crate::param_plan::{ParallelPlan, ReleaseLayout};
 use crate::param_plan::hf_names::{self, ExpertProjections};
+use crate::param_plan::{ParallelPlan, ReleaseLayout};
 
 /// Which part of a layer's local expert tensors a synced tensor is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
