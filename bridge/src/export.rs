@@ -173,7 +173,7 @@ pub(crate) enum Mxfp4Part {
 /// ([`crate::mxfp4::encode_mxfp4_param`]: the OCP MX rule, or the reference scale where the
 /// values still fit it exactly); `config.json` gets the release's `quantization_config` (the
 /// source's when it is an MXFP4 one, else the model's). The two tensors of a pair are packed
-/// once ([`Mxfp4Export::take`] keeps the half not yet written).
+/// once (the half not yet written is kept until it is).
 pub struct Mxfp4Export {
     reference: Option<HfCheckpoint>,
     quantization: Value,
