@@ -15,7 +15,6 @@
 //! read it.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
 
 use burn::tensor::DType;
 use moe_bridge::dist::StagePlace;
@@ -110,15 +109,17 @@ type StagePlan = Vec<(String, DType, Vec<usize>, Split, usize)>;
 
 /// The plan of the whole model from every pipeline stage's local entries (`stages[s]`: pipeline
 /// rank `s`'s local fused export, the same on every rank of that stage), in the order of the
-/// whole model's export (see the module docs). `release`: the synced model's plan when it
-/// streams its experts in the family's release layout ([`streams_release`]).
+/// whole model's export (see the module docs). `family`: the synced model's own plan (its
+/// per-expert projection names and release layouts); `release`: whether it streams its experts
+/// in the family's release layout ([`streams_release`]).
 pub(super) fn plan(
     stages: &[Vec<HfTensorSpec>],
     tp: usize,
     ep: usize,
     etp: usize,
     options: &SyncOptions,
-    release: Option<&ParallelPlan>,
+    family: Option<&ParallelPlan>,
+    release: bool,
 ) -> Result<Plan, WeightSyncError> {
     // (order key, name, dtype, shape, source)
     type Keyed = ((u8, usize, usize, usize), String, DType, Vec<usize>, Source);
@@ -127,7 +128,7 @@ pub(super) fn plan(
     for (stage, specs) in stages.iter().enumerate() {
         let keys = order_keys(specs);
         for (at, (name, dtype, shape, split, entry)) in
-            stage_plan(specs, tp, ep, etp, options, release)?
+            stage_plan(specs, tp, ep, etp, options, family, release)?
                 .into_iter()
                 .enumerate()
         {
@@ -185,36 +186,6 @@ fn order_keys(specs: &[HfTensorSpec]) -> Vec<(u8, usize)> {
         .collect()
 }
 
-/// The per-expert projection names of the routed experts stacked under `experts`
-/// (`{experts}.gate_up_proj`): those of the family plan whose expert rows name that tensor
-/// (a `{…}` placeholder matching one numeric segment), Llama's when no plan does.
-fn expert_projections(experts: &str) -> ExpertProjections {
-    static TABLE: OnceLock<Vec<(String, ExpertProjections)>> = OnceLock::new();
-    let table = TABLE.get_or_init(|| {
-        (crate::families::plans().iter())
-            .flat_map(|plan| {
-                let projs = plan.expert_projections();
-                (plan.entries().iter())
-                    .filter(|e| matches!(e.split, ShardRule::Expert { .. }))
-                    .map(move |e| (e.hf.clone(), projs))
-            })
-            .collect()
-    });
-    let name = hf_names::stacked_gate_up(experts);
-    let fits = |template: &str| {
-        let (t, n): (Vec<&str>, Vec<&str>) =
-            (template.split('.').collect(), name.split('.').collect());
-        t.len() == n.len()
-            && t.iter().zip(&n).all(|(t, s)| match t.starts_with('{') {
-                true => !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()),
-                false => t == s,
-            })
-    };
-    (table.iter())
-        .find(|(template, _)| fits(template))
-        .map_or(ExpertProjections::LLAMA, |(_, projs)| *projs)
-}
-
 /// The release layout of stacked expert tensor `name` in the synced model's own plan `plan`
 /// ([`crate::export::ExportHf::export_plan`]), when its release does not store the canonical
 /// tensor (what the HF export with per-expert names writes).
@@ -258,8 +229,8 @@ pub(super) fn streams_release<'a>(
     names.into_iter().any(|n| release_layout(plan, n).is_some())
 }
 
-/// One stage's synced tensors from its local fused export (`release`: the model's plan when the
-/// family streams its release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
+/// One stage's synced tensors from its local fused export (`family`: the model's own plan;
+/// `release`: the family streams its release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
 /// local experts times `ep`, expert FFN widths times `etp`).
 fn stage_plan(
     local: &[HfTensorSpec],
@@ -267,7 +238,8 @@ fn stage_plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
-    release: Option<&ParallelPlan>,
+    family: Option<&ParallelPlan>,
+    release: bool,
 ) -> Result<StagePlan, WeightSyncError> {
     let mut out = Vec::new();
     let mut push = |name: String, shape: Vec<usize>, split: Split, entry: usize| {
@@ -301,8 +273,9 @@ fn stage_plan(
                 push(spec.name.clone(), shape, Split::Tp { dim }, k);
             }
             rule @ (ShardRule::ExpertReplicated | ShardRule::Expert { .. })
-                if options.experts == ExpertNames::PerExpert
-                    && let Some(layout) = release_layout(release, &spec.name) =>
+                if release
+                    && options.experts == ExpertNames::PerExpert
+                    && let Some(layout) = release_layout(family, &spec.name) =>
             {
                 // The release's stacked layout (the receiver's HF export): one tensor.
                 let etp_dim = release_etp_dim(layout, rule);
@@ -385,7 +358,9 @@ fn stage_plan(
                         push(down_name, vec![e, h, im], Split::Experts { part }, dn);
                     }
                     ExpertNames::PerExpert => {
-                        let projs = expert_projections(prefix);
+                        // The family plan's names (Llama's for a model without a plan).
+                        let projs =
+                            family.map_or(ExpertProjections::LLAMA, |p| p.expert_projections());
                         for x in 0..e {
                             for (proj, entry, part, shape) in [
                                 (projs.gate, gu, ExpertPart::Gate(x), vec![im, h]),
@@ -684,7 +659,7 @@ mod tests {
             dtype: super::super::SyncDtype::F32,
             ..SyncOptions::default()
         };
-        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, None).unwrap();
+        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, None, false).unwrap();
         let mut want: Vec<(String, Vec<usize>, usize, usize)> =
             vec![("model.embed_tokens.weight".into(), vec![16, 4], 0, 0)];
         // Layer l's entries: rank l % 2, local layer l / 2 after the embedding.
@@ -728,7 +703,7 @@ mod tests {
     fn a_copy_of_another_shape_is_refused_naming_it() {
         let mut stages = stages();
         stages[1][0].shape = vec![9, 4];
-        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), None).unwrap_err();
+        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), None, false).unwrap_err();
         assert!(
             matches!(&err, WeightSyncError::Layout { name, .. } if name == "model.embed_tokens.weight"),
             "{err}"
