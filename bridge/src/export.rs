@@ -48,7 +48,8 @@ pub struct ExportOptions {
     /// Pack the tensors the model's release stores as MXFP4 ([`ModelSchema::release_mxfp4`])
     /// into `<name>_blocks` / `<name>_scales` ([`crate::mxfp4`]) and write the release's
     /// `quantization_config`; the other tensors follow `dtype`. Refused for a model whose
-    /// release has no MXFP4 tensors. See [`Mxfp4Export`].
+    /// release has no MXFP4 tensors. See [`Mxfp4Export`]. With `dtype` `None` the other
+    /// tensors are BF16 (the release's dtype).
     pub mxfp4: bool,
     /// With `mxfp4`: an HF directory (the MXFP4 release the weights came from) whose block
     /// scales are kept wherever a block's values are still exactly representable at them, so
@@ -56,6 +57,20 @@ pub struct ExportOptions {
     /// determine a block's scale: a block whose largest code is 3 holds the same values at
     /// half the scale with doubled codes).
     pub mxfp4_reference: Option<PathBuf>,
+}
+
+impl ExportOptions {
+    /// These options with the dtype an MXFP4 export gives the other tensors when `dtype` is
+    /// `None` (BF16, the release's); unchanged otherwise.
+    pub fn resolved(&self) -> std::borrow::Cow<'_, Self> {
+        match self.dtype {
+            None if self.mxfp4 => std::borrow::Cow::Owned(Self {
+                dtype: Some(Dtype::BF16),
+                ..self.clone()
+            }),
+            _ => std::borrow::Cow::Borrowed(self),
+        }
+    }
 }
 
 impl Default for ExportOptions {
@@ -364,6 +379,7 @@ pub fn export_hf<C: ModelSchema>(
     target: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportSummary, BridgeError> {
+    let opts = &*opts.resolved();
     if let Some(d) = opts.dtype.filter(|d| !is_float(*d)) {
         return Err(BridgeError::InvalidConfig {
             path: target.to_path_buf(),

@@ -881,6 +881,7 @@ pub fn export_dist_to_hf<C: ModelSchema>(
     target: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportSummary, BridgeError> {
+    let opts = &*opts.resolved();
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = read_json(&config_path)?;
     let registry = C::registry_of(&config, &config_path)?;
