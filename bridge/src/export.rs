@@ -237,7 +237,7 @@ impl Mxfp4Export {
                 path: config_path.to_path_buf(),
                 field: "dtype".to_owned(),
                 reason: format!(
-                    "`{}` has no MXFP4 tensors: only a model whose release stores some (gpt-oss) \
+                    "`{}` has no MXFP4 tensors: only a model whose release stores some \
                      exports MXFP4",
                     schema.model_type()
                 ),
