@@ -26,6 +26,13 @@ benches/torch_moe_block.py). Run it from the repository root after `cargo build 
 
     benches/.venv/bin/python tests/check_trained_export.py [--bf16]
 
+With `--mxfp4` it checks the MXFP4 release format instead: it trains gpt-oss from its MXFP4
+release fixture (`ep=2`), exports the checkpoint twice (`--dtype f32` and `--dtype mxfp4`),
+loads the MXFP4 export with transformers (which dequantises the experts on load, on CPU) with
+no missing or unexpected keys, and asserts that every expert weight transformers dequantised
+equals the OCP MX quantisation (computed here in torch, block by block) of the trained f32
+weight, and every other tensor the bf16 rounding of it.
+
 Set `MOE_BIN` to use another `moe` binary (default: target/debug/moe, else target/release/moe).
 Prints one line per model; exits non-zero naming the model on the first failure.
 """
@@ -123,9 +130,77 @@ def check(binary: Path, tmp: Path, fixture: str, bf16: bool) -> str:
     return f"{fixture}: {mode}export loads in transformers with the trained weights ({len(changed)} of {len(exported)} tensors trained)"
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def ocp_mxfp4(w: torch.Tensor) -> torch.Tensor:
+    """The OCP MX quantisation of a parameter `w` [E, in, out] (transformers' orientation),
+    packed along `in` in blocks of 32: scale 2^(floor(log2 amax) - 2), values rounded to the
+    nearest E2M1 magnitude (ties to the even code), saturating at 6; returned dequantised in
+    the same orientation."""
+    e, k, out = w.shape
+    x = w.transpose(1, 2).reshape(e, out, k // 32, 32).double()
+    amax = x.abs().amax(-1, keepdim=True)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127.0))
+    scale = torch.exp2(exp.clamp(-127, 127))
+    q = (x / scale).abs()
+    dist = (q[..., None] - E2M1.double()).abs()
+    best = dist.min(-1, keepdim=True).values
+    ties = dist == best
+    # Ties to the even code: prefer an even index among the nearest.
+    even = ties & (torch.arange(8) % 2 == 0)
+    code = torch.where(even.any(-1), even.double().argmax(-1), ties.double().argmax(-1))
+    v = E2M1.double()[code] * scale * torch.where(x < 0, -1.0, 1.0)
+    return v.float().reshape(e, out, k).transpose(1, 2)
+
+
+def check_mxfp4(binary: Path, tmp: Path) -> str:
+    from transformers import GptOssForCausalLM
+
+    fixture = "gpt_oss_mxfp4"
+    ckpt, dense, packed = tmp / "mx" / "ckpt", tmp / "mx" / "f32", tmp / "mx" / "mxfp4"
+    run([
+        str(binary), "train", "--model", str(FIXTURES / fixture), "--layout", "world=2,ep=2",
+        "--steps", "2", "--gbs", "2", "--seq-len", "12", "--lr", "1e-2",
+        "--save", str(ckpt), "--transport", "threads",
+    ])
+    run([str(binary), "export", str(ckpt), "--out", str(dense), "--dtype", "f32"])
+    run([str(binary), "export", str(ckpt), "--out", str(packed), "--dtype", "mxfp4",
+         "--mxfp4-reference", str(FIXTURES / fixture)])
+    model, info = GptOssForCausalLM.from_pretrained(
+        packed, output_loading_info=True, dtype=torch.float32
+    )
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{fixture}: loading info not empty: {problems}"
+    trained = tensors(dense)
+    state = model.state_dict()
+    experts = 0
+    for name, value in state.items():
+        want = trained[name]
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            want = ocp_mxfp4(want)
+            experts += 1
+        else:
+            want = want.to(torch.bfloat16).float()
+        assert torch.equal(value, want), f"{fixture}: {name} differs"
+    assert experts == 8, experts
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(12)[None]).logits
+    assert torch.isfinite(logits).all(), f"{fixture}: non-finite logits"
+    return (f"{fixture}: MXFP4 export loads in transformers; its {experts} dequantised expert "
+            f"weights are the OCP quantisation of the trained weights")
+
+
 def main() -> None:
     binary = moe_binary()
     bf16 = "--bf16" in sys.argv[1:]
+    if "--mxfp4" in sys.argv[1:]:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                print(check_mxfp4(binary, Path(tmp)), flush=True)
+            except AssertionError as e:
+                sys.exit(f"FAIL {e}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for fixture in CASES:
             try:

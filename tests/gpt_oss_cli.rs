@@ -11,7 +11,13 @@
 //!   checkpoint: exactly the release's dequantised tensor names (those of the f32 fixture),
 //!   no `quantization_config`, holding the checkpoint's trained values in the release layout
 //!   (`gate_up_proj [E, H, 2I]` gate/up interleaved, `down_proj [E, I, H]`), permuted here by
-//!   the test from the canonical tensors; the export loads and runs again.
+//!   the test from the canonical tensors; the export loads and runs again;
+//! - `export --dtype mxfp4` (the release format): of the release converted to a distributed
+//!   checkpoint, with the release as the reference, every tensor byte for byte the release's
+//!   (without it, the same values: only the scales of blocks whose largest code is below 4
+//!   differ, as the OCP rule picks them); of a trained checkpoint and of the f32 fixture
+//!   (HF → HF), the experts' blocks decode to the OCP MX quantisation of the weights,
+//!   computed here block by block in closed form, and the export runs.
 
 mod common;
 
@@ -381,4 +387,309 @@ fn hf_to_distributed_conversion_reshards_and_exports_back_bit_for_bit() {
         assert_eq!(permuted, 12, "{name}: the release-layout tensors");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The OCP MX (MXFP4) quantisation of one block of 32 values, in closed form: the shared scale
+/// `2^(⌊log2 amax⌋ − 2)` (the exponent read off amax's f32 bits; byte 0 for an all-zero block),
+/// each value the nearest E2M1 magnitude of `x / scale` (ties to the even code, saturating at 6)
+/// with its sign. Returns the scale byte and the quantised values.
+fn ocp_block(block: &[f32]) -> (u8, Vec<f32>) {
+    const MAGNITUDES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let exponent = if amax == 0.0 {
+        -127
+    } else {
+        assert!(amax.is_normal(), "a test weight of {amax}");
+        i32::try_from((amax.to_bits() >> 23) & 0xFF).expect("exponent") - 127 - 2
+    };
+    let exponent = exponent.clamp(-127, 127);
+    let scale = 2f32.powi(exponent);
+    let values = block
+        .iter()
+        .map(|&x| {
+            let q = (x / scale).abs();
+            let mut best = 0;
+            for (c, &m) in MAGNITUDES.iter().enumerate() {
+                let (d, db) = ((q - m).abs(), (q - MAGNITUDES[best]).abs());
+                if d < db || (d == db && c % 2 == 0) {
+                    best = c;
+                }
+            }
+            let v = MAGNITUDES[best] * scale;
+            if x.is_sign_negative() { -v } else { v }
+        })
+        .collect();
+    (u8::try_from(exponent + 127).expect("scale byte"), values)
+}
+
+/// Checks MXFP4 pair `name` of `export` against the OCP quantisation ([`ocp_block`]) of
+/// `param`, the weight in the release's parameter layout `[E, in, out]`: the scales byte for
+/// byte and the decoded values bit for bit. Returns how many values differ from `param`.
+fn check_ocp(export: &HfCheckpoint, name: &str, param: &[f32], shape: &[usize]) -> usize {
+    let [e, k, out] = shape.try_into().expect("[E, in, out]");
+    let (_, scales) = export.read_mxfp4_scales(name).expect("scales");
+    let (stored, decoded) = export.read_mxfp4(name).expect("decodes");
+    assert_eq!(stored, vec![e, out, k], "{name}: the stored [E, out, in]");
+    let mut moved = 0;
+    for x in 0..e {
+        for r in 0..out {
+            let row: Vec<f32> = (0..k).map(|c| param[(x * k + c) * out + r]).collect();
+            for (g, block) in row.chunks_exact(32).enumerate() {
+                let (scale, want) = ocp_block(block);
+                let at = (x * out + r) * (k / 32) + g;
+                assert_eq!(scales[at], scale, "{name}: block {at}'s scale");
+                let got = &decoded[at * 32..(at + 1) * 32];
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{name}: block {at}: {got:?} vs {want:?}"
+                );
+                moved += got.iter().zip(block).filter(|(a, b)| a != b).count();
+            }
+        }
+    }
+    moved
+}
+
+fn read_config(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
+        .expect("json")
+}
+
+/// `moe convert --from-hf` of the MXFP4 release, then `moe export --dtype mxfp4` of that
+/// untrained checkpoint: with `--mxfp4-reference` the release itself, byte for byte (tensors,
+/// dtypes, `quantization_config`); without it, the same decoded values, the scales those of the
+/// OCP rule (they differ exactly in the blocks whose largest code is below 4, which hold the
+/// same values at half the scale).
+#[test]
+fn the_converted_mxfp4_release_exports_mxfp4_byte_for_byte() {
+    let dir = scratch("gpt-oss-mxfp4-repack");
+    let release = fixture("gpt_oss_mxfp4");
+    let (ckpt, hf, plain) = (dir.join("ckpt"), dir.join("hf"), dir.join("plain"));
+    ok(&[
+        "convert",
+        "--from-hf",
+        path(&release),
+        "--out",
+        path(&ckpt),
+        "--layout",
+        "world=2,ep=2",
+    ]);
+    ok(&[
+        "export",
+        path(&ckpt),
+        "--out",
+        path(&hf),
+        "--dtype",
+        "mxfp4",
+        "--mxfp4-reference",
+        path(&release),
+    ]);
+    let src = SafetensorsFile::open(release.join("model.safetensors")).expect("release");
+    let dst = HfCheckpoint::open(&hf).expect("the export opens");
+    let mut packed = 0;
+    for name in src.names() {
+        let want = src.tensor(name).expect("tensor");
+        let got = dst.tensor(name).expect("exported");
+        assert_eq!(
+            (got.dtype, got.shape, got.bytes),
+            (want.dtype, want.shape, want.bytes),
+            "{name}: the release's tensor"
+        );
+        packed += usize::from(name.ends_with("_blocks") || name.ends_with("_scales"));
+    }
+    assert_eq!(packed, 16, "gate_up / down blocks and scales of 4 layers");
+    assert_eq!(dst.tensor_names().count(), src.names().count());
+    let (got, want) = (read_config(&hf), read_config(&release));
+    assert_eq!(got["quantization_config"], want["quantization_config"]);
+    assert_eq!(got["dtype"], "bfloat16");
+
+    // Without the reference: the OCP rule's scales for the same values.
+    ok(&[
+        "export",
+        path(&ckpt),
+        "--out",
+        path(&plain),
+        "--dtype",
+        "mxfp4",
+    ]);
+    let plain = HfCheckpoint::open(&plain).expect("the export opens");
+    let start = HfCheckpoint::open(&release).expect("release");
+    let (mut rescaled, mut below_four) = (0, 0);
+    for name in start
+        .tensor_names()
+        .filter_map(|n| n.strip_suffix("_blocks"))
+    {
+        let (shape, values) = start.read_mxfp4_param(name).expect("release values");
+        assert_eq!(
+            check_ocp(&plain, name, &values, &shape),
+            0,
+            "{name}: lossless"
+        );
+        let (_, a) = start.read_mxfp4_scales(name).expect("scales");
+        let (_, b) = plain.read_mxfp4_scales(name).expect("scales");
+        let codes = start.tensor(&format!("{name}_blocks")).expect("blocks");
+        for (g, block) in codes.bytes.chunks_exact(16).enumerate() {
+            let top = block
+                .iter()
+                .flat_map(|b| [b & 7, (b >> 4) & 7])
+                .max()
+                .unwrap_or(0);
+            let small = top > 0 && top < 6; // the largest magnitude below 4 (code 6)
+            below_four += usize::from(small);
+            rescaled += usize::from(a[g] != b[g]);
+            assert_eq!(a[g] != b[g], small, "{name}: block {g}'s scale");
+        }
+    }
+    assert!(
+        rescaled > 0 && rescaled == below_four,
+        "{rescaled} rescaled"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `moe train` two steps from the MXFP4 release, then `moe export --dtype mxfp4` (with the
+/// release as the reference: trained blocks no longer fit it): the experts' blocks decode to
+/// the OCP quantisation of the trained values (closed form, [`ocp_block`]), every other tensor
+/// is the trained one in bf16, and the export loads and runs.
+#[test]
+fn a_trained_checkpoint_exports_mxfp4_as_the_ocp_quantisation_of_its_weights() {
+    let dir = scratch("gpt-oss-train-mxfp4");
+    let release = fixture("gpt_oss_mxfp4");
+    let extra = ["--model", path(&release), "--gbs", "2"];
+    threads(&train_args(&dir, "world=2,ep=2", 2, &extra));
+    let (hf, ckpt) = (dir.join("hf"), dir.join("ckpt"));
+    ok(&[
+        "export",
+        path(&ckpt),
+        "--out",
+        path(&hf),
+        "--dtype",
+        "mxfp4",
+        "--mxfp4-reference",
+        path(&release),
+    ]);
+    let exported = HfCheckpoint::open(&hf).expect("the export opens");
+    let start = HfCheckpoint::open(&release).expect("release");
+    let names: BTreeSet<&str> = exported.tensor_names().collect();
+    let want: BTreeSet<&str> = start.tensor_names().collect();
+    assert_eq!(names, want, "the release's tensor names");
+    let dist = DistCheckpoint::open::<ModelConfig>(&ckpt).expect("checkpoint");
+    let (mut packed, mut moved) = (0, 0);
+    for name in start.tensor_names().filter(|n| !n.ends_with("_scales")) {
+        let base = name.strip_suffix("_blocks");
+        let stored = dist.read_tensor(base.unwrap_or(name)).expect("stored");
+        let values = release_values(
+            base.unwrap_or(name),
+            &stored.shape,
+            &stored.to_f32_vec().expect("f32"),
+        );
+        if let Some(base) = base {
+            let shape = start.mxfp4_param_shape(base).expect("shape");
+            moved += check_ocp(&exported, base, &values, &shape);
+            packed += 1;
+        } else {
+            let t = exported.tensor(name).expect("tensor");
+            assert_eq!(t.dtype, Dtype::BF16, "{name}");
+            let bf16: Vec<f32> = values
+                .iter()
+                .map(|&v| burn::tensor::bf16::from_f32(v).to_f32())
+                .collect();
+            assert_eq!(
+                t.to_f32_vec().expect("f32"),
+                bf16,
+                "{name}: the trained values"
+            );
+        }
+    }
+    assert_eq!(packed, 8, "gate_up / down of 4 layers");
+    assert!(moved > 0, "the quantisation rounds the trained weights");
+    assert_eq!(
+        read_config(&hf)["quantization_config"],
+        read_config(&release)["quantization_config"]
+    );
+    let out = dir.join("logits.safetensors");
+    let golden = golden("gpt_oss_mxfp4");
+    let args = [
+        "logits",
+        "--model",
+        path(&hf),
+        "--input",
+        path(&golden),
+        "--out",
+    ];
+    ok(&[&args[..], &[path(&out)]].concat());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// HF → HF: `moe export --model <f32 fixture> --dtype mxfp4` packs the dense experts (OCP
+/// rule, closed form), writes the release's tensor names and `quantization_config`, and runs.
+#[test]
+fn the_dense_fixture_exports_mxfp4_experts() {
+    let dir = scratch("gpt-oss-dense-mxfp4");
+    let dense = fixture("gpt_oss");
+    let hf = dir.join("hf");
+    ok(&[
+        "export",
+        "--model",
+        path(&dense),
+        "--out",
+        path(&hf),
+        "--dtype",
+        "mxfp4",
+    ]);
+    let exported = HfCheckpoint::open(&hf).expect("the export opens");
+    let release = HfCheckpoint::open(fixture("gpt_oss_mxfp4")).expect("release");
+    let names: BTreeSet<&str> = exported.tensor_names().collect();
+    let want: BTreeSet<&str> = release.tensor_names().collect();
+    assert_eq!(names, want, "the release's tensor names");
+    let source = HfCheckpoint::open(&dense).expect("dense");
+    let mut packed = 0;
+    for name in names.iter().filter_map(|n| n.strip_suffix("_blocks")) {
+        let t = source.tensor(name).expect("dense experts");
+        check_ocp(&exported, name, &t.to_f32_vec().expect("f32"), t.shape);
+        packed += 1;
+    }
+    assert_eq!(packed, 8);
+    let config = read_config(&hf);
+    assert_eq!(config["quantization_config"]["quant_method"], "mxfp4");
+    let out = dir.join("logits.safetensors");
+    let golden = golden("gpt_oss");
+    let args = [
+        "logits",
+        "--model",
+        path(&hf),
+        "--input",
+        path(&golden),
+        "--out",
+    ];
+    ok(&[&args[..], &[path(&out)]].concat());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--dtype mxfp4` of a family whose release has no MXFP4 tensors is refused by name, before
+/// anything is written.
+#[test]
+fn mxfp4_export_of_another_family_is_refused_by_name() {
+    let dir = scratch("gpt-oss-mxfp4-refused");
+    let out = dir.join("hf");
+    let model = fixture("qwen3_moe");
+    let run = Command::new(common::MOE)
+        .args([
+            "export",
+            "--model",
+            path(&model),
+            "--out",
+            path(&out),
+            "--dtype",
+            "mxfp4",
+        ])
+        .output()
+        .expect("moe");
+    let text = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{text}");
+    assert!(text.contains("`qwen3_moe` has no MXFP4 tensors"), "{text}");
+    assert!(!out.exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -60,7 +60,7 @@ fn moe(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn four_rank_train_syncs_into_a_separate_generator() {
-    sync_into_a_separate_generator("weight-wire", "tp=2,ep=4", 3);
+    sync_into_a_separate_generator("weight-wire", FIXTURE, "tp=2,ep=4", 3);
 }
 
 /// The same under pipeline parallelism: two stages (the fixture's 3 layers split 1 + 2, the
@@ -68,20 +68,34 @@ fn four_rank_train_syncs_into_a_separate_generator() {
 /// and 2 data-parallel replicas.
 #[test]
 fn pipeline_train_syncs_into_a_separate_generator() {
-    sync_into_a_separate_generator("weight-wire-pp", "pp=2,ep=2,pp_layout=Et|ttL", 2);
+    sync_into_a_separate_generator("weight-wire-pp", FIXTURE, "pp=2,ep=2,pp_layout=Et|ttL", 2);
 }
 
-/// `moe train` under `layout` for `steps` steps syncing into `moe receive-weights`: the receiver
-/// generates what `moe generate` generates from the run's exported checkpoint.
-fn sync_into_a_separate_generator(name: &str, layout: &str, steps: usize) {
+/// gpt-oss from its MXFP4 release (`tests/fixtures/gpt_oss_mxfp4`) under `tp=2,ep=2,etp=2`: the
+/// experts travel in the release layout (`gate_up_proj [E, H, 2I]` gate/up interleaved, its
+/// bias interleaved, `down_proj [E, I, H]`, the stacked `down_proj_bias`), each EP·ETP rank
+/// converting its slice; the receiver, holding the MXFP4 release decoded, generates what
+/// `moe generate` generates from the run's exported checkpoint.
+#[test]
+fn gpt_oss_train_syncs_its_release_layout_into_a_separate_generator() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gpt_oss_mxfp4");
+    sync_into_a_separate_generator("weight-wire-gpt-oss", model, "world=4,tp=2,ep=2,etp=2", 2);
+}
+
+/// `moe train` of `model` under `layout` for `steps` steps syncing into `moe receive-weights`
+/// (holding `model`): the receiver generates what `moe generate` generates from the run's
+/// exported checkpoint.
+fn sync_into_a_separate_generator(name: &str, model: &str, layout: &str, steps: usize) {
     let dir = scratch(name);
-    let (mut rx, addr, rx_err) = receiver(FIXTURE);
+    let (mut rx, addr, rx_err) = receiver(model);
     let train = Command::new(MOE)
         .args(train_args(
             &dir,
             layout,
             steps,
             &[
+                "--model",
+                model,
                 "--sync-weights-to",
                 &addr,
                 "--sync-bucket-size",
@@ -151,11 +165,7 @@ fn sync_into_a_separate_generator(name: &str, layout: &str, steps: usize) {
     assert_eq!(want.trim().split(',').count(), 12, "{want}");
     assert_eq!(rx_out, want, "receiver vs moe generate on the export");
     // The sync changed the receiver's model: the untrained fixture continues otherwise.
-    assert_ne!(
-        generate(FIXTURE),
-        want,
-        "training changed nothing to compare"
-    );
+    assert_ne!(generate(model), want, "training changed nothing to compare");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

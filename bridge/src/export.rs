@@ -6,7 +6,9 @@
 //!   computing in f32 and rounding once); `e_score_correction_bias` stays F32 (mapping rule);
 //!   every `*_scale_inv` and `rotary_emb.inv_freq` is dropped; `lm_head.weight` is omitted when
 //!   `tie_word_embeddings` is true; MTP copies of `embed_tokens` / `shared_head.head` are copied
-//!   through, and optionally emitted when absent.
+//!   through, and optionally emitted when absent. With [`ExportOptions::mxfp4`] the tensors the
+//!   model's release stores as MXFP4 are packed into `*_blocks` / `*_scales` ([`Mxfp4Export`];
+//!   a source already in MXFP4 keeps its pairs).
 //! - `config.json` starts from the source (unknown keys kept), with `dtype` (and a legacy
 //!   `torch_dtype`) updated and `quantization_config` removed when the source was quantised;
 //!   `generation_config.json` is copied, or the default of
@@ -43,6 +45,32 @@ pub struct ExportOptions {
     pub overwrite: bool,
     /// Add DeepSeek-V3 MTP copies of `embed_tokens` and `shared_head.head` when absent.
     pub emit_mtp_copies: bool,
+    /// Pack the tensors the model's release stores as MXFP4 ([`ModelSchema::release_mxfp4`])
+    /// into `<name>_blocks` / `<name>_scales` ([`crate::mxfp4`]) and write the release's
+    /// `quantization_config`; the other tensors follow `dtype`. Refused for a model whose
+    /// release has no MXFP4 tensors. See [`Mxfp4Export`]. With `dtype` `None` the other
+    /// tensors are BF16 (the release's dtype).
+    pub mxfp4: bool,
+    /// With `mxfp4`: an HF directory (the MXFP4 release the weights came from) whose block
+    /// scales are kept wherever a block's values are still exactly representable at them, so
+    /// weights that did not change re-pack to the release's bytes (the values alone do not
+    /// determine a block's scale: a block whose largest code is 3 holds the same values at
+    /// half the scale with doubled codes).
+    pub mxfp4_reference: Option<PathBuf>,
+}
+
+impl ExportOptions {
+    /// These options with the dtype an MXFP4 export gives the other tensors when `dtype` is
+    /// `None` (BF16, the release's); unchanged otherwise.
+    pub fn resolved(&self) -> std::borrow::Cow<'_, Self> {
+        match self.dtype {
+            None if self.mxfp4 => std::borrow::Cow::Owned(Self {
+                dtype: Some(Dtype::BF16),
+                ..self.clone()
+            }),
+            _ => std::borrow::Cow::Borrowed(self),
+        }
+    }
 }
 
 impl Default for ExportOptions {
@@ -52,6 +80,8 @@ impl Default for ExportOptions {
             max_shard_size: DEFAULT_MAX_SHARD_SIZE,
             overwrite: false,
             emit_mtp_copies: false,
+            mxfp4: false,
+            mxfp4_reference: None,
         }
     }
 }
@@ -142,6 +172,183 @@ pub fn default_generation_config(config: &Value) -> Value {
     })
 }
 
+/// Which tensor of an MXFP4 pair an exported name is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mxfp4Part {
+    /// `<name>_blocks`.
+    Blocks,
+    /// `<name>_scales`.
+    Scales,
+}
+
+/// The MXFP4 side of an export ([`ExportOptions::mxfp4`]), following transformers 5.23's
+/// gpt-oss release format (`integrations/mxfp4.py`): each tensor the model's release stores as
+/// MXFP4 ([`ModelSchema::release_mxfp4`]) leaves as `<name>_blocks` `U8 [..., out, in/32, 16]`
+/// and `<name>_scales` `U8 [..., out, in/32]` of its transposed parameter
+/// ([`crate::mxfp4::encode_mxfp4_param`]: the OCP MX rule, or the reference scale where the
+/// values still fit it exactly); `config.json` gets the release's `quantization_config` (the
+/// source's when it is an MXFP4 one, else the model's). The two tensors of a pair are packed
+/// once (the half not yet written is kept until it is).
+pub struct Mxfp4Export {
+    reference: Option<HfCheckpoint>,
+    quantization: Value,
+    /// Packed pairs with a half not yet written: `(blocks, scales)`.
+    pending: BTreeMap<String, (Option<PairHalf>, Option<PairHalf>)>,
+}
+
+/// One half of a packed MXFP4 pair: its shape and bytes.
+type PairHalf = (Vec<usize>, Vec<u8>);
+
+impl std::fmt::Debug for Mxfp4Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mxfp4Export")
+            .field("reference", &self.reference.as_ref().map(HfCheckpoint::dir))
+            .field("quantization", &self.quantization)
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+impl Mxfp4Export {
+    /// The MXFP4 side of an export with `opts` of a model `schema` whose `config.json`
+    /// (`config`, at `config_path`) the export starts from; `None` when `opts.mxfp4` is off.
+    ///
+    /// Errors: [`BridgeError::InvalidConfig`] (field `dtype`) for a model whose release has no
+    /// MXFP4 tensors, naming its `model_type`, or a reference without `mxfp4`; a reference
+    /// directory that does not open.
+    pub fn new<C: ModelSchema>(
+        schema: &C,
+        opts: &ExportOptions,
+        config: &Value,
+        config_path: &Path,
+    ) -> Result<Option<Self>, BridgeError> {
+        if !opts.mxfp4 {
+            if let Some(r) = &opts.mxfp4_reference {
+                return Err(BridgeError::InvalidConfig {
+                    path: r.clone(),
+                    field: "mxfp4_reference".to_owned(),
+                    reason: "reference scales are for an MXFP4 export only".to_owned(),
+                });
+            }
+            return Ok(None);
+        }
+        let Some(default) = schema.mxfp4_quantization_config() else {
+            return Err(BridgeError::InvalidConfig {
+                path: config_path.to_path_buf(),
+                field: "dtype".to_owned(),
+                reason: format!(
+                    "`{}` has no MXFP4 tensors: only a model whose release stores some \
+                     exports MXFP4",
+                    schema.model_type()
+                ),
+            });
+        };
+        let source = config
+            .get("quantization_config")
+            .filter(|q| q.get("quant_method").and_then(Value::as_str) == Some("mxfp4"));
+        let reference = match &opts.mxfp4_reference {
+            Some(dir) => Some(HfCheckpoint::open(dir)?),
+            None => None,
+        };
+        Ok(Some(Self {
+            reference,
+            quantization: source.cloned().unwrap_or(default),
+            pending: BTreeMap::new(),
+        }))
+    }
+
+    /// The exported `config.json` `config` with the release's `quantization_config`.
+    pub fn write_config(&self, config: &mut Value) {
+        if let Value::Object(map) = config {
+            map.insert("quantization_config".to_owned(), self.quantization.clone());
+        }
+    }
+
+    /// The reference scales of `name` (shape `scales_shape`), when a reference is given.
+    /// Errors: a reference that lacks the pair or holds scales of another shape, naming it.
+    fn reference_scales(
+        &self,
+        name: &str,
+        scales_shape: &[usize],
+    ) -> Result<Option<Vec<u8>>, BridgeError> {
+        let Some(reference) = &self.reference else {
+            return Ok(None);
+        };
+        if !reference.is_mxfp4(name) {
+            return Err(BridgeError::Mxfp4 {
+                tensor: name.to_owned(),
+                reason: format!(
+                    "the reference {} does not store it as an MXFP4 pair",
+                    reference.dir().display()
+                ),
+            });
+        }
+        let (shape, scales) = reference.read_mxfp4_scales(name)?;
+        if shape != scales_shape {
+            return Err(BridgeError::Mxfp4 {
+                tensor: name.to_owned(),
+                reason: format!(
+                    "the reference {} holds scales {shape:?}, the export {scales_shape:?}",
+                    reference.dir().display()
+                ),
+            });
+        }
+        Ok(Some(scales))
+    }
+
+    /// The `part` of the MXFP4 pair of parameter `name`: `(shape, bytes)`, packed by `values`
+    /// (the parameter's `(shape [..., in, out], values)`) the first time either half is asked
+    /// for, the other half kept until it is.
+    pub(crate) fn take(
+        &mut self,
+        name: &str,
+        part: Mxfp4Part,
+        values: impl FnOnce() -> Result<(Vec<usize>, Vec<f32>), BridgeError>,
+    ) -> Result<(Vec<usize>, Vec<u8>), BridgeError> {
+        if !self.pending.contains_key(name) {
+            let (shape, values) = values()?;
+            let (_, scales_shape) = crate::mxfp4::mxfp4_pair_shapes(name, &shape)?;
+            let reference = self.reference_scales(name, &scales_shape)?;
+            let packed =
+                crate::mxfp4::encode_mxfp4_param(name, &values, &shape, reference.as_deref())?;
+            self.pending.insert(
+                name.to_owned(),
+                (
+                    Some((packed.blocks_shape, packed.blocks)),
+                    Some((packed.scales_shape, packed.scales)),
+                ),
+            );
+        }
+        let missing = || BridgeError::Mxfp4 {
+            tensor: name.to_owned(),
+            reason: format!("{part:?} asked for twice"),
+        };
+        let entry = self.pending.get_mut(name).ok_or_else(missing)?;
+        let got = match part {
+            Mxfp4Part::Blocks => entry.0.take(),
+            Mxfp4Part::Scales => entry.1.take(),
+        };
+        if entry.0.is_none() && entry.1.is_none() {
+            self.pending.remove(name);
+        }
+        got.ok_or_else(missing)
+    }
+}
+
+/// The names and shapes of the MXFP4 pair of parameter `name` of shape `shape`
+/// (`[..., in, out]`): `(<name>_blocks, shape, Blocks)`, `(<name>_scales, shape, Scales)`.
+pub(crate) fn mxfp4_outputs(
+    name: &str,
+    shape: &[usize],
+) -> Result<[(String, Vec<usize>, Mxfp4Part); 2], BridgeError> {
+    use crate::mxfp4::{BLOCKS_SUFFIX, SCALES_SUFFIX};
+    let (blocks, scales) = crate::mxfp4::mxfp4_pair_shapes(name, shape)?;
+    Ok([
+        (format!("{name}{BLOCKS_SUFFIX}"), blocks, Mxfp4Part::Blocks),
+        (format!("{name}{SCALES_SUFFIX}"), scales, Mxfp4Part::Scales),
+    ])
+}
+
 /// Where one exported tensor comes from.
 #[derive(Debug, Clone)]
 struct Planned {
@@ -154,6 +361,8 @@ struct Planned {
     shape: Vec<usize>,
     /// Output dtype.
     dtype: Dtype,
+    /// A half of the MXFP4 pair the dense `source` is packed into.
+    mxfp4: Option<Mxfp4Part>,
 }
 
 fn is_float(dtype: Dtype) -> bool {
@@ -170,6 +379,7 @@ pub fn export_hf<C: ModelSchema>(
     target: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportSummary, BridgeError> {
+    let opts = &*opts.resolved();
     if let Some(d) = opts.dtype.filter(|d| !is_float(*d)) {
         return Err(BridgeError::InvalidConfig {
             path: target.to_path_buf(),
@@ -181,6 +391,7 @@ pub fn export_hf<C: ModelSchema>(
     let config_path = src.dir().join(CONFIG_FILE);
     let config = src.config_json()?;
     let registry = C::registry_of(&config, &config_path)?;
+    let mut mxfp4 = Mxfp4Export::new(&report.config, opts, &config, &config_path)?;
     let tied = C::tied_head(&config);
     let mut plan: BTreeMap<String, Planned> = BTreeMap::new();
     let mut dropped = Vec::new();
@@ -203,6 +414,20 @@ pub fn export_hf<C: ModelSchema>(
             _ => None,
         };
         let dtype = out_dtype(info.dtype, export_dtype.or(opts.dtype));
+        if mxfp4.is_some() && is_float(info.dtype) && report.config.release_mxfp4(name) {
+            // A dense tensor the release packs (a source already in MXFP4 keeps its pairs).
+            for (out, shape, part) in mxfp4_outputs(name, &info.shape)? {
+                let planned = Planned {
+                    source: name.to_owned(),
+                    chunk: None,
+                    shape,
+                    dtype: Dtype::U8,
+                    mxfp4: Some(part),
+                };
+                plan.insert(out, planned);
+            }
+            continue;
+        }
         match resolved.map(|r| r.target) {
             Some(HfTarget::Fused { split_parts, .. }) => {
                 plan_fused(&registry, name, &info.shape, split_parts, dtype, &mut plan).map_err(
@@ -220,6 +445,7 @@ pub fn export_hf<C: ModelSchema>(
                     chunk: None,
                     shape: info.shape.clone(),
                     dtype,
+                    mxfp4: None,
                 };
                 plan.insert(name.to_owned(), planned);
             }
@@ -248,17 +474,26 @@ pub fn export_hf<C: ModelSchema>(
                 path: src.dir().to_path_buf(),
                 tensor: key.clone(),
             })?;
-            tensors.push(produce(src, key, planned, &mut cache)?);
+            let t = match (planned.mxfp4, mxfp4.as_mut()) {
+                (Some(part), Some(mx)) => {
+                    let (shape, bytes) =
+                        mx.take(&planned.source, part, || src.read_f32(&planned.source))?;
+                    OwnedTensor::new(key.clone(), Dtype::U8, shape, bytes)?
+                }
+                _ => produce(src, key, planned, &mut cache)?,
+            };
+            tensors.push(t);
         }
         let views: Vec<TensorView<'_>> = tensors.iter().map(OwnedTensor::view).collect();
         writer.write_shard(i, &views)?;
     }
 
     let config_dtype = opts.dtype.or(dequantized.then_some(Dtype::BF16));
-    writer.write_json(
-        CONFIG_FILE,
-        &export_config(&config, config_dtype, dequantized),
-    )?;
+    let mut out_config = export_config(&config, config_dtype, dequantized);
+    if let Some(mx) = &mxfp4 {
+        mx.write_config(&mut out_config);
+    }
+    writer.write_json(CONFIG_FILE, &out_config)?;
     let generation = match src.generation_config_json()? {
         Some(g) => g,
         None => default_generation_config(&config),
@@ -325,6 +560,7 @@ fn plan_fused(
             chunk: Some((index, count)),
             shape: piece_shape.clone(),
             dtype,
+            mxfp4: None,
         };
         plan.insert(piece.hf, planned);
     }
@@ -349,6 +585,7 @@ fn add_copies(
             chunk: None,
             shape: info.shape.clone(),
             dtype: out_dtype(info.dtype, dtype),
+            mxfp4: None,
         };
         plan.insert(name, planned);
     }

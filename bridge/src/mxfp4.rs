@@ -21,7 +21,8 @@
 //! that did not change re-pack **bit for bit** to the release's bytes; otherwise the OCP MX
 //! rule: shared exponent `⌊log2 amax⌋ − 2` (E2M1's largest exponent), codes rounded to the
 //! nearest FP4 value (ties to the even code), saturating at ±6; an all-zero block gets the
-//! smallest scale (0) and zero codes.
+//! smallest scale (0) and zero codes. [`encode_mxfp4_param`] packs a parameter held in
+//! transformers' orientation (`[..., in, out]`) into that layout.
 
 use crate::BridgeError;
 
@@ -240,6 +241,81 @@ pub fn encode_mxfp4(
     })
 }
 
+/// The last two dims of `values` (shape `shape`, rank ≥ 2) swapped: the values and the
+/// swapped shape. `tensor` names a lower rank in errors.
+fn swap_last_two(
+    tensor: &str,
+    shape: &[usize],
+    values: &[f32],
+) -> Result<(Vec<usize>, Vec<f32>), BridgeError> {
+    let n = shape.len();
+    if n < 2 || values.len() != shape.iter().product::<usize>() {
+        return Err(error(
+            tensor,
+            format!(
+                "{} values of shape {shape:?} are not a matrix (or a stack of them)",
+                values.len()
+            ),
+        ));
+    }
+    let (rows, cols) = (shape[n - 2], shape[n - 1]);
+    let mut out = vec![0.0f32; values.len()];
+    let size = (rows * cols).max(1);
+    for (src, dst) in values.chunks_exact(size).zip(out.chunks_exact_mut(size)) {
+        for r in 0..rows {
+            for c in 0..cols {
+                dst[c * rows + r] = src[r * cols + c];
+            }
+        }
+    }
+    let mut swapped = shape.to_vec();
+    swapped.swap(n - 2, n - 1);
+    Ok((swapped, out))
+}
+
+/// Packs the parameter `values` of `tensor`, shape `[..., in, out]` (the orientation
+/// [`HfCheckpoint::read_mxfp4_param`](crate::hf::HfCheckpoint::read_mxfp4_param) returns and
+/// transformers' `GptOssExperts` holds), into the release's MXFP4 pair: the matrix is
+/// transposed to the stored `[..., out, in]` and its rows packed in blocks of 32 along `in`
+/// ([`encode_mxfp4`], `reference` scales `[..., out, in/32]` as there). The inverse of
+/// `read_mxfp4_param` for values an MXFP4 pair holds exactly.
+///
+/// Errors ([`BridgeError::Mxfp4`], naming `tensor`): a rank below 2, an `in` that 32 does not
+/// divide, and [`encode_mxfp4`]'s.
+pub fn encode_mxfp4_param(
+    tensor: &str,
+    values: &[f32],
+    shape: &[usize],
+    reference: Option<&[u8]>,
+) -> Result<Mxfp4Packed, BridgeError> {
+    let (stored, values) = swap_last_two(tensor, shape, values)?;
+    encode_mxfp4(tensor, &values, &stored, reference)
+}
+
+/// The shapes of the MXFP4 pair of a parameter of shape `[..., in, out]`
+/// ([`encode_mxfp4_param`]): blocks `[..., out, in/32, 16]` and scales `[..., out, in/32]`.
+/// Errors ([`BridgeError::Mxfp4`], naming `tensor`): a rank below 2 or an `in` that 32 does
+/// not divide.
+pub fn mxfp4_pair_shapes(
+    tensor: &str,
+    shape: &[usize],
+) -> Result<(Vec<usize>, Vec<usize>), BridgeError> {
+    match shape {
+        [lead @ .., k, out] if *k > 0 && k.is_multiple_of(BLOCK) => {
+            let scales = [lead, &[*out, k / BLOCK][..]].concat();
+            let blocks = [&scales[..], &[BLOCK / 2][..]].concat();
+            Ok((blocks, scales))
+        }
+        _ => Err(error(
+            tensor,
+            format!(
+                "a parameter of shape {shape:?} is not [..., in, out] with `in` in blocks of \
+                 {BLOCK}"
+            ),
+        )),
+    }
+}
+
 impl crate::hf::HfCheckpoint {
     /// Shape and f32 values of the MXFP4 weight `base` (`<base>_blocks`, `<base>_scales`, both
     /// `U8`), decoded ([`decode_mxfp4`]), in the stored orientation.
@@ -274,26 +350,24 @@ impl crate::hf::HfCheckpoint {
     /// [`BridgeError::Mxfp4`] for a decoded tensor of rank < 2.
     pub fn read_mxfp4_param(&self, base: &str) -> Result<(Vec<usize>, Vec<f32>), BridgeError> {
         let (shape, values) = self.read_mxfp4(base)?;
-        let n = shape.len();
-        if n < 2 {
-            return Err(error(
-                base,
-                format!("an MXFP4 weight of shape {shape:?} is not a matrix"),
-            ));
+        swap_last_two(base, &shape, &values)
+    }
+
+    /// The stored E8M0 scales of the MXFP4 weight `base` (`<base>_scales`, `U8 [..., G]`): its
+    /// shape and bytes, e.g. the reference scales [`encode_mxfp4`] keeps for unchanged blocks.
+    /// Errors: a missing tensor, and [`BridgeError::DtypeMismatch`] for scales not `U8`.
+    pub fn read_mxfp4_scales(&self, base: &str) -> Result<(Vec<usize>, Vec<u8>), BridgeError> {
+        let name = format!("{base}{SCALES_SUFFIX}");
+        let view = self.tensor(&name)?;
+        if view.dtype != crate::safetensors::Dtype::U8 {
+            return Err(BridgeError::DtypeMismatch {
+                path: view.path.to_path_buf(),
+                tensor: view.name.to_owned(),
+                expected: "U8 (E8M0 scales)".to_owned(),
+                actual: view.dtype.to_string(),
+            });
         }
-        let (rows, cols) = (shape[n - 2], shape[n - 1]);
-        let mut out = vec![0.0f32; values.len()];
-        let size = (rows * cols).max(1);
-        for (src, dst) in values.chunks_exact(size).zip(out.chunks_exact_mut(size)) {
-            for r in 0..rows {
-                for c in 0..cols {
-                    dst[c * rows + r] = src[r * cols + c];
-                }
-            }
-        }
-        let mut swapped = shape;
-        swapped.swap(n - 2, n - 1);
-        Ok((swapped, out))
+        Ok((view.shape.to_vec(), view.bytes.to_vec()))
     }
 
     /// The parameter shape of the MXFP4 weight `base` ([`read_mxfp4_param`](Self::read_mxfp4_param)'s)

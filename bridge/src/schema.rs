@@ -124,4 +124,19 @@ pub trait ModelSchema: Sized {
         let _ = (name, stored, values);
         Ok(None)
     }
+
+    /// Whether the HF release stores tensor `name` (its release parameter, `[..., in, out]`) as
+    /// an MXFP4 pair (`<name>_blocks`, `<name>_scales`, [`crate::mxfp4`]): what an MXFP4 export
+    /// packs. `false` (the default) for every tensor of a model whose release has none.
+    fn release_mxfp4(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
+    /// The `quantization_config` an HF release storing some tensors as MXFP4
+    /// ([`release_mxfp4`](Self::release_mxfp4)) writes in its `config.json`; `None` (the
+    /// default) when the release has no MXFP4 tensors, which an MXFP4 export refuses.
+    fn mxfp4_quantization_config(&self) -> Option<Value> {
+        None
+    }
 }

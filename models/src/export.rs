@@ -194,6 +194,13 @@ pub trait ExportHf {
     fn hf_tensors(&self) -> Result<HfTensors, ModelError> {
         self.hf_tensors_as(ExpertNames::PerExpert)
     }
+
+    /// The parallel plan the model exports by (its family's [`Planned::parallel_plan`]): what
+    /// a consumer converting its tensors reads the family's release layouts from (the weight
+    /// sync). `None` (the default) for a model without one.
+    fn export_plan(&self) -> Option<ParallelPlan> {
+        None
+    }
 }
 
 /// Places each tensor of a module in the iterator by its plan entry (see the module docs).
@@ -383,6 +390,10 @@ impl<M: Planned> ExportHf for M {
             Some(e) => Err(e),
             None => Ok(v.out),
         }
+    }
+
+    fn export_plan(&self) -> Option<ParallelPlan> {
+        Some(M::parallel_plan())
     }
 }
 

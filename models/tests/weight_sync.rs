@@ -16,6 +16,7 @@ use moe_backend::parallel::ParallelLayout;
 use moe_models::distributed::{CausalLmShard, ParallelCausalLm, gather_full};
 use moe_models::export::{ExportHf, export_hf_tensors};
 use moe_models::families::gpt_oss::{GptOssConfig, GptOssForCausalLM};
+use moe_models::families::mixtral::{MixtralConfig, MixtralForCausalLM};
 use moe_models::train::{TrainBatch, Trainer, TrainerConfig};
 use moe_models::weight_sync::{
     ExpertNames, ModelReceiver, SyncDest, SyncDtype, SyncOptions, SyncStats, SyncTarget,
@@ -54,6 +55,12 @@ impl Case for Qwen3MoeForCausalLM {
 }
 
 impl Case for GptOssForCausalLM {
+    fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
+        gather_full(shard, pg)
+    }
+}
+
+impl Case for MixtralForCausalLM {
     fn gather(shard: &Self::Shard, pg: &GroupComms) -> Result<Self, ModelError> {
         gather_full(shard, pg)
     }
@@ -633,11 +640,58 @@ fn deepseek_v3_with_mtp_syncs_from_pipeline_and_context_layouts() {
 /// `gate_up_proj_bias` in both: equal to `moe export` of the same trained checkpoint.
 #[test]
 fn gpt_oss_syncs_its_release_layout_and_expert_biases() {
-    let config = four_layer_config("gpt_oss");
-    let full = GptOssConfig::from_json_str(&config.to_string())
+    let layouts = [(2, "ep=2".to_owned()), (4, "tp=2,ep=2,etp=2".to_owned())];
+    check_layouts(
+        &gpt_oss_model(),
+        &four_layer_config("gpt_oss"),
+        "gpt-oss",
+        &layouts,
+    );
+}
+
+/// gpt-oss under pipeline parallelism (each stage streams its own layers' experts in the
+/// release layout, merged into the whole model's export order): `pp=2` alone and with the
+/// experts over `ep=2` (two data-parallel replicas), equal to `moe export` bit for bit.
+#[test]
+fn gpt_oss_syncs_its_release_layout_from_pipeline_layouts() {
+    let layouts = [(2, "pp=2".to_owned()), (4, "pp=2,ep=2".to_owned())];
+    check_layouts(
+        &gpt_oss_model(),
+        &four_layer_config("gpt_oss"),
+        "gpt-oss-pp",
+        &layouts,
+    );
+}
+
+/// Mixtral: routed experts streamed under its own per-expert names
+/// (`block_sparse_moe.experts.{e}.w1/w3/w2`, read off the synced model's plan) and stacked
+/// under fused ones, under `ep=2,etp=2` and `pp=2,ep=2`: equal to `moe export`.
+#[test]
+fn mixtral_syncs_under_its_own_expert_names() {
+    let config = four_layer_config("mixtral");
+    let full = MixtralConfig::from_json_str(&config.to_string())
         .unwrap()
         .init(&Device::flex().autodiff())
         .unwrap();
-    let layouts = [(2, "ep=2".to_owned()), (4, "tp=2,ep=2,etp=2".to_owned())];
-    check_layouts(&full, &config, "gpt-oss", &layouts);
+    let names: Vec<String> = moe_models::export::export_hf_tensors(&full)
+        .expect("export")
+        .specs()
+        .iter()
+        .map(|s| s.name.clone())
+        .collect();
+    assert!(
+        names.contains(&"model.layers.0.block_sparse_moe.experts.0.w3.weight".to_owned()),
+        "{names:?}"
+    );
+    let layouts = [(4, "ep=2,etp=2".to_owned()), (4, "pp=2,ep=2".to_owned())];
+    check_layouts(&full, &config, "mixtral", &layouts);
+}
+
+/// The gpt-oss fixture with 4 decoder layers (alternating sliding / full attention).
+fn gpt_oss_model() -> GptOssForCausalLM {
+    let config = four_layer_config("gpt_oss");
+    GptOssConfig::from_json_str(&config.to_string())
+        .unwrap()
+        .init(&Device::flex().autodiff())
+        .unwrap()
 }

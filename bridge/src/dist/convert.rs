@@ -34,7 +34,10 @@ use super::region::TensorBox;
 use super::save::{OfflineWriter, SaveMeta};
 use super::sharding::ShardingPlan;
 use crate::BridgeError;
-use crate::export::{ExportOptions, ExportSummary, default_generation_config, export_config};
+use crate::export::{
+    ExportOptions, ExportSummary, Mxfp4Export, Mxfp4Part, default_generation_config, export_config,
+    mxfp4_outputs,
+};
 use crate::fp8::{OutDtype, scale_inv_name, scale_shape, should_dequantize};
 use crate::hf::{CONFIG_FILE, GENERATION_CONFIG_FILE, HfCheckpoint, read_json};
 use crate::mapping::{ExpertLayout, Registry, canonical_tensors};
@@ -726,6 +729,9 @@ struct ExportItem {
     /// Stored in the release's layout, not the canonical one ([`ModelSchema::to_release`]):
     /// the canonical shape of the region read.
     release: Option<Vec<usize>>,
+    /// A half of the MXFP4 pair the parameter (`base`, of release shape `param`) is packed
+    /// into ([`Mxfp4Export`]).
+    mxfp4: Option<(Mxfp4Part, String, Vec<usize>)>,
 }
 
 fn is_float(d: Dtype) -> bool {
@@ -821,6 +827,36 @@ pub fn main_weight_fqn(
         })
 }
 
+/// The f32 values of export item `item` (HF tensor `name`) in the release layout: its region
+/// read (FP8 dequantised to f32), permuted by [`ModelSchema::to_release`] when the release
+/// stores it in another layout.
+fn release_values<C: ModelSchema>(
+    ckpt: &DistCheckpoint,
+    schema: &C,
+    item: &ExportItem,
+    name: &str,
+) -> Result<Vec<f32>, BridgeError> {
+    let t = if item.dequantize {
+        ckpt.read_box_dequantized(&item.fqn, &item.region, OutDtype::F32)?
+    } else {
+        ckpt.read_box(&item.fqn, &item.region)?
+    };
+    let values = t.to_f32_vec()?;
+    match &item.release {
+        Some(canonical) => {
+            schema
+                .to_release(name, canonical, &values)?
+                .ok_or_else(|| BridgeError::Conversion {
+                    path: ckpt.dir().to_path_buf(),
+                    tensor: name.to_owned(),
+                    dtype: t.dtype.to_string(),
+                    reason: "a release shape without a release layout".to_owned(),
+                })
+        }
+        None => Ok(values),
+    }
+}
+
 /// Exports the model tensors of a distributed checkpoint (of a model whose config is `C`) as
 /// an HF checkpoint in `target`
 /// (per-expert names; `generation_config.json` copied or defaulted; optimizer state is not
@@ -834,15 +870,23 @@ pub fn main_weight_fqn(
 /// (BF16)): `None` exports exactly those (the config's `dtype` says `bfloat16` when every
 /// parameter is BF16 or every one F16), and a wider `opts.dtype` (F32) exports the f32 main
 /// weights themselves ([`main_weight_fqn`]) rather than widened BF16 values.
+///
+/// With `opts.mxfp4` the tensors the model's release stores as MXFP4 leave packed from their
+/// f32 values (main weights where kept) as `<name>_blocks` / `<name>_scales` with the release's
+/// `quantization_config` ([`Mxfp4Export`]); `opts.mxfp4_reference` keeps the release's scales
+/// where the values still fit them, so an untrained checkpoint converted from the release
+/// exports its bytes.
 pub fn export_dist_to_hf<C: ModelSchema>(
     ckpt: &DistCheckpoint,
     target: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportSummary, BridgeError> {
+    let opts = &*opts.resolved();
     let config_path = ckpt.dir().join(CONFIG_FILE);
     let config = read_json(&config_path)?;
     let registry = C::registry_of(&config, &config_path)?;
     let schema = C::from_config(&config, &config_path)?;
+    let mut mxfp4 = Mxfp4Export::new(&schema, opts, &config, &config_path)?;
     let tied = C::tied_head(&config);
     let index = ckpt.index();
     let dequantize_fp8 = opts.dtype.is_some();
@@ -891,6 +935,29 @@ pub fn export_dist_to_hf<C: ModelSchema>(
                 Some(stored) => (stored, Some(part.shape)),
                 None => (part.shape, None),
             };
+            if mxfp4.is_some() && !scale && schema.release_mxfp4(&part.name) {
+                // Packed from the f32 values: a narrower parameter's f32 main weight when
+                // the checkpoint keeps one.
+                let source = match entry.dtype {
+                    d if entry.kind == TensorKind::Param && !fp8 && d.size() < 4 => {
+                        main_weight_fqn(index, fqn, entry).unwrap_or_else(|| fqn.clone())
+                    }
+                    _ => fqn.clone(),
+                };
+                for (out, pair_shape, half) in mxfp4_outputs(&part.name, &shape)? {
+                    let item = ExportItem {
+                        fqn: source.clone(),
+                        region: part.region.clone(),
+                        shape: pair_shape,
+                        dtype: Dtype::U8,
+                        dequantize: fp8,
+                        release: release.clone(),
+                        mxfp4: Some((half, part.name.clone(), shape.clone())),
+                    };
+                    items.insert(out, item);
+                }
+                continue;
+            }
             let item = ExportItem {
                 fqn: source.clone(),
                 region: part.region,
@@ -898,6 +965,7 @@ pub fn export_dist_to_hf<C: ModelSchema>(
                 dtype,
                 dequantize: fp8 && dequantize_fp8,
                 release,
+                mxfp4: None,
             };
             items.insert(part.name, item);
         }
@@ -921,6 +989,14 @@ pub fn export_dist_to_hf<C: ModelSchema>(
             let Some(item) = items.get(key) else {
                 continue;
             };
+            if let (Some((half, base, param)), Some(mx)) = (&item.mxfp4, mxfp4.as_mut()) {
+                let (shape, bytes) = mx.take(base, *half, || {
+                    let values = release_values(ckpt, &schema, item, base)?;
+                    Ok((param.clone(), values))
+                })?;
+                tensors.push(OwnedTensor::new(key.clone(), Dtype::U8, shape, bytes)?);
+                continue;
+            }
             let mut t = if item.dequantize {
                 let out = match item.dtype {
                     Dtype::BF16 => OutDtype::BF16,
@@ -975,6 +1051,9 @@ pub fn export_dist_to_hf<C: ModelSchema>(
                 serde_json::json!(record.weight_block_size),
             );
         }
+    }
+    if let Some(mx) = &mxfp4 {
+        mx.write_config(&mut out_config);
     }
     writer.write_json(CONFIG_FILE, &out_config)?;
     let generation_path = ckpt.dir().join(GENERATION_CONFIG_FILE);

@@ -167,3 +167,31 @@ fn bad_packed_weights_are_refused_naming_the_tensor() {
     assert_eq!(mxfp4_base("a.down_proj_scales"), Some("a.down_proj"));
     assert_eq!(mxfp4_base("a.down_proj"), None);
 }
+
+/// transformers' parameter (`[E, K, R]`, the golden's `gate_up_proj`) packs back to the
+/// golden's blocks and scales through [`encode_mxfp4_param`] with the golden's scales as the
+/// reference; [`mxfp4_pair_shapes`] gives their shapes; a width that 32 does not divide and a
+/// vector are refused naming the tensor.
+#[test]
+fn transformers_parameters_pack_back_to_the_release_pair() {
+    let file = golden();
+    let (blocks, bshape, scales, sshape) = packed(&file);
+    let param = file.tensor("gate_up_proj").expect("golden values");
+    let values = param.to_f32_vec().expect("f32");
+    let packed = encode_mxfp4_param("w", &values, param.shape, Some(&scales)).expect("encode");
+    assert_eq!(
+        (packed.blocks_shape, packed.scales_shape),
+        (bshape.clone(), sshape.clone())
+    );
+    assert_eq!((packed.blocks, packed.scales), (blocks, scales));
+    assert_eq!(
+        mxfp4_pair_shapes("w", param.shape).expect("shapes"),
+        (bshape, sshape)
+    );
+    let err = mxfp4_pair_shapes("m.w", &[2, 48, 6])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`m.w`") && err.contains("[2, 48, 6]"), "{err}");
+    let err = encode_mxfp4_param("m.w", &[0.0; 32], &[32], None).unwrap_err();
+    assert!(err.to_string().contains("`m.w`"), "{err}");
+}

@@ -121,6 +121,17 @@ impl ModelSchema for ModelConfig {
             None => Ok(None),
         }
     }
+
+    /// The family plan's [`Mxfp4Release`](crate::param_plan::Mxfp4Release) tensors.
+    fn release_mxfp4(&self, name: &str) -> bool {
+        crate::families::plan_of(ModelConfig::model_type(self)).is_some_and(|p| p.is_mxfp4(name))
+    }
+
+    /// The family plan's MXFP4 `quantization_config`.
+    fn mxfp4_quantization_config(&self) -> Option<Value> {
+        crate::families::plan_of(ModelConfig::model_type(self))
+            .and_then(|p| p.mxfp4_release().map(|m| m.quantization_config()))
+    }
 }
 
 impl ModelConfig {

@@ -131,6 +131,41 @@ pub struct ParallelPlan {
     entries: Vec<PlanEntry>,
     expert_projections: hf_names::ExpertProjections,
     release_layouts: Vec<(String, ReleaseLayout)>,
+    mxfp4: Option<Mxfp4Release>,
+}
+
+/// The tensors a family's HF release stores as MXFP4 pairs (`<name>_blocks`,
+/// `<name>_scales`, moe-bridge's `mxfp4` codec) and the `quantization_config` it writes:
+/// transformers 5.23's `Mxfp4Config` (`quant_method: "mxfp4"`, the modules left unquantised).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mxfp4Release {
+    /// HF name templates of the packed tensors (`{0}` matches one numeric segment).
+    pub tensors: Vec<String>,
+    /// `quantization_config.modules_to_not_convert` (transformers' module patterns).
+    pub modules_to_not_convert: Vec<String>,
+}
+
+impl Mxfp4Release {
+    /// The release's `quantization_config`.
+    pub fn quantization_config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "modules_to_not_convert": self.modules_to_not_convert,
+            "quant_method": "mxfp4",
+        })
+    }
+}
+
+/// Whether the dotted `name` fits `template` (a `{…}` segment matches one numeric segment).
+fn fits_template(template: &str, name: &str) -> bool {
+    let (t, n): (Vec<&str>, Vec<&str>) = (template.split('.').collect(), name.split('.').collect());
+    t.len() == n.len()
+        && t.iter().zip(&n).all(|(t, s)| {
+            if t.starts_with('{') {
+                !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+            } else {
+                t == s
+            }
+        })
 }
 
 /// A parameter the plan does not cover, or covers twice.
@@ -200,6 +235,7 @@ impl ParallelPlan {
             entries,
             expert_projections: hf_names::ExpertProjections::LLAMA,
             release_layouts: Vec::new(),
+            mxfp4: None,
         }
     }
 
@@ -214,21 +250,29 @@ impl ParallelPlan {
 
     /// How the HF release stores canonical tensor `name`, when not as the canonical tensor.
     pub fn release_layout(&self, name: &str) -> Option<ReleaseLayout> {
-        let segments: Vec<&str> = name.split('.').collect();
         self.release_layouts
             .iter()
-            .find(|(template, _)| {
-                let t: Vec<&str> = template.split('.').collect();
-                t.len() == segments.len()
-                    && t.iter().zip(&segments).all(|(t, s)| {
-                        if t.starts_with('{') {
-                            !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
-                        } else {
-                            t == s
-                        }
-                    })
-            })
+            .find(|(template, _)| fits_template(template, name))
             .map(|(_, layout)| *layout)
+    }
+
+    /// The same plan whose HF release stores some tensors as MXFP4 ([`Mxfp4Release`]): what
+    /// an MXFP4 export (`moe export --dtype mxfp4`) packs.
+    pub fn with_mxfp4_release(mut self, release: Mxfp4Release) -> Self {
+        self.mxfp4 = Some(release);
+        self
+    }
+
+    /// The family's MXFP4 release, if its release stores any tensor as MXFP4.
+    pub fn mxfp4_release(&self) -> Option<&Mxfp4Release> {
+        self.mxfp4.as_ref()
+    }
+
+    /// Whether the HF release stores tensor `name` (its HF name) as an MXFP4 pair.
+    pub fn is_mxfp4(&self, name: &str) -> bool {
+        self.mxfp4
+            .as_ref()
+            .is_some_and(|m| m.tensors.iter().any(|t| fits_template(t, name)))
     }
 
     /// Whether any tensor of the plan has a [`ReleaseLayout`].

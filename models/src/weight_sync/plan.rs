@@ -15,7 +15,6 @@
 //! read it.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
 
 use burn::tensor::DType;
 use moe_bridge::dist::StagePlace;
@@ -26,8 +25,8 @@ use super::{ExpertNames, SyncOptions, WeightSyncError};
 use crate::distributed::ShardRule;
 use crate::export::{HfTensorSpec, keeps_f32};
 use crate::families::shard_rule;
-use crate::param_plan::ReleaseLayout;
 use crate::param_plan::hf_names::{self, ExpertProjections};
+use crate::param_plan::{ParallelPlan, ReleaseLayout};
 
 /// Which part of a layer's local expert tensors a synced tensor is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,13 +109,16 @@ type StagePlan = Vec<(String, DType, Vec<usize>, Split, usize)>;
 
 /// The plan of the whole model from every pipeline stage's local entries (`stages[s]`: pipeline
 /// rank `s`'s local fused export, the same on every rank of that stage), in the order of the
-/// whole model's export (see the module docs).
+/// whole model's export (see the module docs). `family`: the synced model's own plan (its
+/// per-expert projection names and release layouts); `release`: whether it streams its experts
+/// in the family's release layout ([`streams_release`]).
 pub(super) fn plan(
     stages: &[Vec<HfTensorSpec>],
     tp: usize,
     ep: usize,
     etp: usize,
     options: &SyncOptions,
+    family: Option<&ParallelPlan>,
     release: bool,
 ) -> Result<Plan, WeightSyncError> {
     // (order key, name, dtype, shape, source)
@@ -126,7 +128,7 @@ pub(super) fn plan(
     for (stage, specs) in stages.iter().enumerate() {
         let keys = order_keys(specs);
         for (at, (name, dtype, shape, split, entry)) in
-            stage_plan(specs, tp, ep, etp, options, release)?
+            stage_plan(specs, tp, ep, etp, options, family, release)?
                 .into_iter()
                 .enumerate()
         {
@@ -184,46 +186,12 @@ fn order_keys(specs: &[HfTensorSpec]) -> Vec<(u8, usize)> {
         .collect()
 }
 
-/// The per-expert projection names of the routed experts stacked under `experts`
-/// (`{experts}.gate_up_proj`): those of the family plan whose expert rows name that tensor
-/// (a `{…}` placeholder matching one numeric segment), Llama's when no plan does.
-fn expert_projections(experts: &str) -> ExpertProjections {
-    static TABLE: OnceLock<Vec<(String, ExpertProjections)>> = OnceLock::new();
-    let table = TABLE.get_or_init(|| {
-        (crate::families::plans().iter())
-            .flat_map(|plan| {
-                let projs = plan.expert_projections();
-                (plan.entries().iter())
-                    .filter(|e| matches!(e.split, ShardRule::Expert { .. }))
-                    .map(move |e| (e.hf.clone(), projs))
-            })
-            .collect()
-    });
-    let name = hf_names::stacked_gate_up(experts);
-    let fits = |template: &str| {
-        let (t, n): (Vec<&str>, Vec<&str>) =
-            (template.split('.').collect(), name.split('.').collect());
-        t.len() == n.len()
-            && t.iter().zip(&n).all(|(t, s)| match t.starts_with('{') {
-                true => !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()),
-                false => t == s,
-            })
-    };
-    (table.iter())
-        .find(|(template, _)| fits(template))
-        .map_or(ExpertProjections::LLAMA, |(_, projs)| *projs)
-}
-
-/// The release layout of stacked expert tensor `name` in its family's plan, when the release
-/// does not store the canonical tensor (what the HF export with per-expert names writes).
-pub(super) fn release_layout(name: &str) -> Option<ReleaseLayout> {
-    static PLANS: OnceLock<Vec<crate::param_plan::ParallelPlan>> = OnceLock::new();
-    let plans = PLANS.get_or_init(|| {
-        (crate::families::plans().into_iter())
-            .filter(|p| p.has_release_layouts())
-            .collect()
-    });
-    plans.iter().find_map(|p| p.release_layout(name))
+/// The release layout of stacked expert tensor `name` in the synced model's own plan `plan`
+/// ([`crate::export::ExportHf::export_plan`]), when its release does not store the canonical
+/// tensor (what the HF export with per-expert names writes).
+pub(super) fn release_layout(plan: Option<&ParallelPlan>, name: &str) -> Option<ReleaseLayout> {
+    plan.filter(|p| p.has_release_layouts())
+        .and_then(|p| p.release_layout(name))
 }
 
 /// The full canonical shape of a stacked expert tensor from its local entry `local` (local
@@ -252,14 +220,17 @@ fn release_etp_dim(layout: ReleaseLayout, rule: ShardRule) -> Option<usize> {
 }
 
 /// Whether a model whose local per-expert HF export lists `names` streams experts in its
-/// family's release layout: it names a stacked expert tensor that a plan's release layout
-/// covers (families without one list per-expert tensors there instead).
-pub(super) fn streams_release<'a>(names: impl IntoIterator<Item = &'a str>) -> bool {
-    names.into_iter().any(|n| release_layout(n).is_some())
+/// family's release layout: it names a stacked expert tensor that its plan's (`plan`) release
+/// layout covers (families without one list per-expert tensors there instead).
+pub(super) fn streams_release<'a>(
+    plan: Option<&ParallelPlan>,
+    names: impl IntoIterator<Item = &'a str>,
+) -> bool {
+    names.into_iter().any(|n| release_layout(plan, n).is_some())
 }
 
-/// One stage's synced tensors from its local fused export (`release`: the family streams its
-/// release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
+/// One stage's synced tensors from its local fused export (`family`: the model's own plan;
+/// `release`: the family streams its release layout under per-expert names, [`streams_release`]; full shapes: TP splits times `tp`,
 /// local experts times `ep`, expert FFN widths times `etp`).
 fn stage_plan(
     local: &[HfTensorSpec],
@@ -267,6 +238,7 @@ fn stage_plan(
     ep: usize,
     etp: usize,
     options: &SyncOptions,
+    family: Option<&ParallelPlan>,
     release: bool,
 ) -> Result<StagePlan, WeightSyncError> {
     let mut out = Vec::new();
@@ -303,7 +275,7 @@ fn stage_plan(
             rule @ (ShardRule::ExpertReplicated | ShardRule::Expert { .. })
                 if release
                     && options.experts == ExpertNames::PerExpert
-                    && let Some(layout) = release_layout(&spec.name) =>
+                    && let Some(layout) = release_layout(family, &spec.name) =>
             {
                 // The release's stacked layout (the receiver's HF export): one tensor.
                 let etp_dim = release_etp_dim(layout, rule);
@@ -386,7 +358,9 @@ fn stage_plan(
                         push(down_name, vec![e, h, im], Split::Experts { part }, dn);
                     }
                     ExpertNames::PerExpert => {
-                        let projs = expert_projections(prefix);
+                        // The family plan's names (Llama's for a model without a plan).
+                        let projs =
+                            family.map_or(ExpertProjections::LLAMA, |p| p.expert_projections());
                         for x in 0..e {
                             for (proj, entry, part, shape) in [
                                 (projs.gate, gu, ExpertPart::Gate(x), vec![im, h]),
@@ -685,7 +659,7 @@ mod tests {
             dtype: super::super::SyncDtype::F32,
             ..SyncOptions::default()
         };
-        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, false).unwrap();
+        let (tensors, sources) = plan(&stages(), 2, 1, 1, &options, None, false).unwrap();
         let mut want: Vec<(String, Vec<usize>, usize, usize)> =
             vec![("model.embed_tokens.weight".into(), vec![16, 4], 0, 0)];
         // Layer l's entries: rank l % 2, local layer l / 2 after the embedding.
@@ -729,7 +703,7 @@ mod tests {
     fn a_copy_of_another_shape_is_refused_naming_it() {
         let mut stages = stages();
         stages[1][0].shape = vec![9, 4];
-        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), false).unwrap_err();
+        let err = plan(&stages, 1, 1, 1, &SyncOptions::default(), None, false).unwrap_err();
         assert!(
             matches!(&err, WeightSyncError::Layout { name, .. } if name == "model.embed_tokens.weight"),
             "{err}"

@@ -147,11 +147,22 @@ impl WeightSync {
         let specs: Vec<HfTensorSpec> = local.iter().map(|(s, _)| s.clone()).collect();
         let stages = stage_specs(groups, &table, specs)?;
         let per_expert = shard.hf_tensors_as(ExpertNames::PerExpert)?;
-        let release =
-            super::plan::streams_release(per_expert.specs().iter().map(|s| s.name.as_str()));
+        // The family's expert names and release layouts, from the synced model's own plan.
+        let family_plan = shard.export_plan();
+        let release = super::plan::streams_release(
+            family_plan.as_ref(),
+            per_expert.specs().iter().map(|s| s.name.as_str()),
+        );
         drop(per_expert);
-        let (tensors, sources) =
-            plan(&stages, layout.tp, layout.ep, layout.etp, &options, release)?;
+        let (tensors, sources) = plan(
+            &stages,
+            layout.tp,
+            layout.ep,
+            layout.etp,
+            &options,
+            family_plan.as_ref(),
+            release,
+        )?;
         let manifest = SyncManifest::pack(
             tensors,
             options.bucket_bytes,

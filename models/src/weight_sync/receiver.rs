@@ -66,6 +66,8 @@ pub struct ModelReceiver<'m, M: SyncTarget> {
     store: Store,
     /// The expert names of the sync under way (from its manifest).
     experts: Option<ExpertNames>,
+    /// The model's own plan (its family's release layouts).
+    plan: Option<crate::param_plan::ParallelPlan>,
 }
 
 impl<M: SyncTarget> std::fmt::Debug for ModelReceiver<'_, M> {
@@ -158,12 +160,14 @@ impl WeightSource for Store {
 impl<'m, M: SyncTarget> ModelReceiver<'m, M> {
     /// A receiver updating `model`, rebuilt on `device`.
     pub fn new(model: &'m mut M, device: &Device) -> Self {
+        let plan = model.export_plan();
         Self {
             model,
             device: device.clone(),
             expected: None,
             store: Store::default(),
             experts: None,
+            plan,
         }
     }
 
@@ -232,7 +236,7 @@ impl<M: SyncTarget> WeightReceiver for ModelReceiver<'_, M> {
                 .is_some_and(|e| !e.fused_only.contains(&t.name) && e.per_expert.contains(&t.name));
             if self.experts == Some(ExpertNames::PerExpert)
                 && stacked
-                && let Some(layout) = super::plan::release_layout(&t.name)
+                && let Some(layout) = super::plan::release_layout(self.plan.as_ref(), &t.name)
             {
                 // The family's release layout (its HF export), back to the canonical tensor
                 // the model loads.

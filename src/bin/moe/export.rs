@@ -30,9 +30,16 @@ pub struct Args {
     /// distributed checkpoint stay FP8 with their `*_scale_inv` and `quantization_config`, and
     /// the checkpoint of a `--bf16` run gives bf16 (its f32 main weights rounded once);
     /// `f32` exports such a checkpoint's f32 main weights. The DeepSeek-V3 router bias always
-    /// stays f32.
+    /// stays f32. `mxfp4` writes the release format of a model whose release stores MXFP4
+    /// tensors (gpt-oss): those packed as `*_blocks` / `*_scales` (the OCP MX rule), the rest
+    /// bf16, the release's `quantization_config`; refused for other models.
     #[arg(long, value_enum)]
     pub dtype: Option<ExportDtype>,
+    /// With `--dtype mxfp4`: the MXFP4 release (HF directory) the weights came from; its block
+    /// scales are kept wherever a block's values still fit them exactly, so weights that did
+    /// not change re-pack to the release's bytes.
+    #[arg(long, value_name = "DIR")]
+    pub mxfp4_reference: Option<PathBuf>,
     /// Largest shard, e.g. `5GB` (10^9 bytes), `500MB`, `2GiB` or a byte count.
     #[arg(long, value_name = "SIZE", default_value = "5GB", value_parser = parse_size)]
     pub max_shard_size: u64,
@@ -52,18 +59,22 @@ pub enum ExportDtype {
     Bf16,
     /// float32.
     F32,
+    /// MXFP4 for the tensors the model's release packs, bfloat16 for the rest.
+    Mxfp4,
 }
 
 /// Runs `moe export`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let options = ExportOptions {
         dtype: args.dtype.map(|d| match d {
-            ExportDtype::Bf16 => Dtype::BF16,
+            ExportDtype::Bf16 | ExportDtype::Mxfp4 => Dtype::BF16,
             ExportDtype::F32 => Dtype::F32,
         }),
         max_shard_size: args.max_shard_size,
         overwrite: args.overwrite,
         emit_mtp_copies: args.emit_mtp_copies,
+        mxfp4: args.dtype == Some(ExportDtype::Mxfp4),
+        mxfp4_reference: args.mxfp4_reference.clone(),
     };
     if let Some(checkpoint) = &args.checkpoint {
         let ckpt = burn_moe::bridge::dist::DistCheckpoint::open::<ModelConfig>(checkpoint)?;

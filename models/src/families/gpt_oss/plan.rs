@@ -19,7 +19,9 @@ use moe_bridge::mapping::Rule;
 use super::{GptOssConfig, GptOssForCausalLM};
 use crate::param_plan::hf_names::{self as n, join, layer};
 use crate::param_plan::rows::{column, embedding, gqa, norm, replicated};
-use crate::param_plan::{GradClass, ParallelPlan, PlanEntry, Planned, ReleaseLayout, Storage};
+use crate::param_plan::{
+    GradClass, Mxfp4Release, ParallelPlan, PlanEntry, Planned, ReleaseLayout, Storage,
+};
 
 /// The attention sinks inside `self_attn` (HF and Burn alike).
 pub const SINKS: &str = "sinks";
@@ -126,19 +128,32 @@ pub fn gpt_oss_plan() -> ParallelPlan {
     rows.extend(norm(n::FINAL_NORM, n::FINAL_NORM));
     rows.extend(column(n::LM_HEAD, n::LM_HEAD, false, false));
     let experts = join(&h, &join(n::MLP, n::EXPERTS));
-    ParallelPlan::new(GptOssConfig::MODEL_TYPE, rows).with_release_layouts(vec![
-        (
-            n::stacked_gate_up(&experts),
-            ReleaseLayout::InterleavedGateUp,
-        ),
-        (
-            join(&experts, GATE_UP_PROJ_BIAS),
-            ReleaseLayout::InterleavedGateUpBias,
-        ),
-        (n::stacked_down(&experts), ReleaseLayout::InputMajorExperts),
-        (join(&experts, DOWN_PROJ_BIAS), ReleaseLayout::Stacked),
-    ])
+    ParallelPlan::new(GptOssConfig::MODEL_TYPE, rows)
+        .with_release_layouts(vec![
+            (
+                n::stacked_gate_up(&experts),
+                ReleaseLayout::InterleavedGateUp,
+            ),
+            (
+                join(&experts, GATE_UP_PROJ_BIAS),
+                ReleaseLayout::InterleavedGateUpBias,
+            ),
+            (n::stacked_down(&experts), ReleaseLayout::InputMajorExperts),
+            (join(&experts, DOWN_PROJ_BIAS), ReleaseLayout::Stacked),
+        ])
+        .with_mxfp4_release(Mxfp4Release {
+            tensors: vec![n::stacked_gate_up(&experts), n::stacked_down(&experts)],
+            modules_to_not_convert: MXFP4_NOT_CONVERTED.map(str::to_owned).to_vec(),
+        })
 }
+
+/// The modules the gpt-oss release leaves unquantised (its `quantization_config`).
+const MXFP4_NOT_CONVERTED: [&str; 4] = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+];
 
 impl Planned for GptOssForCausalLM {
     fn parallel_plan() -> ParallelPlan {

@@ -249,3 +249,54 @@ fn unknown_model_type_is_a_clear_error() {
     assert!(err.to_string().contains("llama"));
     assert!(!tmp.join("out").exists());
 }
+
+/// The API's MXFP4 export: `mxfp4` with `dtype` `None` packs gpt-oss's dense experts into the
+/// release's pairs (their shapes: `[E, out, in/32, 16]`, `[E, out, in/32]`), writes every other
+/// float tensor in BF16 and the plan's `quantization_config`; a reference without `mxfp4`, and
+/// `mxfp4` for a family with no MXFP4 tensors, are refused by field and name before anything
+/// is written.
+#[test]
+fn mxfp4_export_packs_the_release_tensors_and_refuses_other_families() {
+    let tmp = TempDir::new("mxfp4-export");
+    let opts = ExportOptions {
+        mxfp4: true,
+        ..ExportOptions::default()
+    };
+    let src = fixture("gpt_oss");
+    let out = HfCheckpoint::open(
+        export_hf::<ModelConfig>(&src, &tmp.join("o"), &opts)
+            .unwrap()
+            .target,
+    )
+    .unwrap();
+    let release = fixture("gpt_oss_mxfp4");
+    for name in release.tensor_names() {
+        let (got, want) = (out.tensor(name).unwrap(), release.tensor(name).unwrap());
+        assert_eq!((got.dtype, got.shape), (want.dtype, want.shape), "{name}");
+    }
+    assert_eq!(out.tensor_names().count(), release.tensor_names().count());
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.join("o").join(CONFIG_FILE)).unwrap())
+            .unwrap();
+    assert_eq!(
+        config["quantization_config"],
+        release.config_json().unwrap()["quantization_config"]
+    );
+    assert_eq!(config["dtype"], "bfloat16");
+
+    let reference_only = ExportOptions {
+        mxfp4_reference: Some(fixture_dir("gpt_oss_mxfp4")),
+        ..ExportOptions::default()
+    };
+    let err = export_hf::<ModelConfig>(&src, &tmp.join("r"), &reference_only).unwrap_err();
+    assert!(
+        matches!(&err, BridgeError::InvalidConfig { field, .. } if field == "mxfp4_reference"),
+        "{err}"
+    );
+    let err = export_hf::<ModelConfig>(&fixture("qwen3_moe"), &tmp.join("q"), &opts).unwrap_err();
+    assert!(
+        err.to_string().contains("`qwen3_moe` has no MXFP4 tensors"),
+        "{err}"
+    );
+    assert!(!tmp.join("q").exists() && !tmp.join("r").exists());
+}
