@@ -9,6 +9,9 @@
 //! `burn::tensor::Tensor`s, validate their arguments and return [`BackendError`] on bad input.
 
 mod autodiff;
+// The cuBLAS candidate's host planning: built (and tested) everywhere, used with `cuda`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cublas_plan;
 #[cfg(feature = "cube")]
 mod cube;
 #[cfg(feature = "cube")]
