@@ -16,7 +16,8 @@ mod cublas_plan;
 mod cube;
 #[cfg(feature = "cube")]
 pub use cube::{
-    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+    CubeGemmKernel, CublasRoute, GEMM_KERNEL_ENV, cube_gemm_kernel, cublas_library_info,
+    last_cube_gemm_kernel, last_cublas_route, set_cube_gemm_kernel,
 };
 mod flex;
 pub mod kernels;

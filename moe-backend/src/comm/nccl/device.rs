@@ -13,7 +13,7 @@
 //!    ragged rows, grouped `ncclSend`/`ncclRecv` for all-to-all-v, `ncclBroadcast`) and
 //!    bounds-checked against both buffers;
 //! 4. the output is allocated by the tensor's CubeCL client (`client.empty`), and both device
-//!    pointers come from CubeCL's storage (`client.get_resource::<CudaServer>` →
+//!    pointers come from CubeCL's storage (`crate::cuda_mem`: `client.get_resource::<CudaServer>` →
 //!    `GpuResource::ptr`, held for the call so the allocations stay in place);
 //! 5. **stream ordering:** CubeCL's pending work is finished before NCCL reads
 //!    (`client.sync()`: CubeCL does not expose its stream for an event wait); the calls run in
@@ -41,9 +41,7 @@ use std::time::Instant;
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, TensorData};
 use burn_cubecl::CubeBackend;
-use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl_runtime::runtime::Runtime;
 use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclRedOp_t};
 
 use super::super::buffer::{BufferKind, DeviceBuffer, DeviceCommunicator};
@@ -54,10 +52,8 @@ use super::super::nccl_plan::{
 use super::super::p2p::{Args, LinkError, P2pComm};
 use super::super::{CallSite, Communicator, ReduceOp, Traffic};
 use super::{GroupGuard, HostStagedNccl, NcclLinks, cuda, nccl};
+use crate::cuda_mem;
 use crate::error::{BackendError, Result};
-
-/// CubeCL's CUDA server: the storage whose resources carry device pointers.
-type CudaServer = <CudaRuntime as Runtime>::Server;
 
 /// NCCL's data type for a planned type.
 fn nccl_data_type(ty: NcclType) -> ncclDataType_t {
@@ -138,21 +134,14 @@ impl NcclComm {
             return Ok(output);
         }
         let resource = |t: &CubeTensor, what: &str| {
-            client
-                .get_resource::<CudaServer>(t.handle.clone())
-                .map_err(|e| {
-                    fail(format!(
-                        "CubeCL gave no device pointer for the {what}: {e:?}"
-                    ))
-                })
+            cuda_mem::device_ptr(&client, &t.handle).map_err(|e| fail(format!("{e} (the {what})")))
         };
         let input_res = resource(&input, "input")?;
         let output_res = resource(&output, "output")?;
-        let (src, dst) = (input_res.resource().ptr, output_res.resource().ptr);
+        let (src, dst) = (input_res.ptr, output_res.ptr);
         // CubeCL's kernels that write the input (or last used the output's memory) finish
         // before NCCL touches either buffer.
-        burn_cubecl::cubecl::future::block_on(client.sync())
-            .map_err(|e| fail(format!("CubeCL's pending work failed: {e:?}")))?;
+        cuda_mem::finish_pending(&client).map_err(&fail)?;
         let peers = plan_peers(&plan, self.members(), self.me());
         let deadline = Instant::now() + self.p2p.timeout();
         let issued = self.p2p.links().with_wire(deadline, |wire| {

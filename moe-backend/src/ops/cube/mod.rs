@@ -24,6 +24,8 @@
 
 mod gemm;
 mod gemm_cmma;
+#[cfg(feature = "cuda")]
+mod gemm_cublas;
 mod launch;
 mod routing;
 mod rows;
@@ -35,7 +37,8 @@ use burn::tensor::TensorData;
 use burn_cubecl::CubeBackend;
 
 pub use gemm::{
-    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+    CubeGemmKernel, CublasRoute, GEMM_KERNEL_ENV, cube_gemm_kernel, cublas_library_info,
+    last_cube_gemm_kernel, last_cublas_route, set_cube_gemm_kernel,
 };
 
 use super::MoeOps;
