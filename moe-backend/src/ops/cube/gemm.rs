@@ -1130,32 +1130,64 @@ mod tests {
     const GPU: DeviceTraits = DeviceTraits {
         software_spirv: false,
         cmma_plane: None,
+        cublas: false,
     };
     const TENSOR_CORES: DeviceTraits = DeviceTraits {
         software_spirv: false,
         cmma_plane: Some(32),
+        cublas: false,
     };
     const LAVAPIPE: DeviceTraits = DeviceTraits {
         software_spirv: true,
         cmma_plane: None,
+        cublas: false,
+    };
+    /// A CUDA GPU with tensor cores, BF16 operands, in a `cuda` build.
+    const CUDA: DeviceTraits = DeviceTraits {
+        software_spirv: false,
+        cmma_plane: Some(32),
+        cublas: true,
     };
 
     #[test]
     fn tensor_cores_run_when_asked_for_where_the_device_has_them() {
         use CubeGemmKernel as K;
+        let kernel = Choice::Kernel;
         // Automatic: the scalar bodies until a GPU run has checked the tensor-core ones.
-        assert_eq!(resolve(K::Auto, TENSOR_CORES), (Body::Tiled, None));
-        assert_eq!(resolve(K::Auto, GPU), (Body::Tiled, None));
-        assert_eq!(resolve(K::Auto, LAVAPIPE), (Body::Direct, None));
-        for traits in [GPU, TENSOR_CORES, LAVAPIPE] {
-            assert_eq!(resolve(K::Tiled, traits), (Body::Tiled, None));
-            assert_eq!(resolve(K::Direct, traits), (Body::Direct, None));
+        assert_eq!(resolve(K::Auto, TENSOR_CORES), (kernel(Body::Tiled), None));
+        assert_eq!(resolve(K::Auto, GPU), (kernel(Body::Tiled), None));
+        assert_eq!(resolve(K::Auto, LAVAPIPE), (kernel(Body::Direct), None));
+        assert_eq!(resolve(K::Auto, CUDA), (kernel(Body::Tiled), None));
+        for traits in [GPU, TENSOR_CORES, LAVAPIPE, CUDA] {
+            assert_eq!(resolve(K::Tiled, traits), (kernel(Body::Tiled), None));
+            assert_eq!(resolve(K::Direct, traits), (kernel(Body::Direct), None));
         }
-        assert_eq!(resolve(K::Cmma, TENSOR_CORES), (Body::Cmma(32), None));
+        assert_eq!(
+            resolve(K::Cmma, TENSOR_CORES),
+            (kernel(Body::Cmma(32)), None)
+        );
         let (body, why) = resolve(K::Cmma, GPU);
-        assert_eq!(body, Body::Tiled);
+        assert_eq!(body, kernel(Body::Tiled));
         assert!(why.is_some_and(|w| w.contains("tensor-core")), "{why:?}");
-        assert_eq!(resolve(K::Cmma, LAVAPIPE).0, Body::Direct);
+        assert_eq!(resolve(K::Cmma, LAVAPIPE).0, kernel(Body::Direct));
+    }
+
+    #[test]
+    fn cublas_runs_when_asked_for_on_cuda_devices_only() {
+        use CubeGemmKernel as K;
+        assert_eq!(resolve(K::Cublas, CUDA), (Choice::Cublas, None));
+        assert_eq!(resolve(K::Cmma, CUDA).0, Choice::Kernel(Body::Cmma(32)));
+        // Not CUDA (or a dtype cuBLAS's candidate does not take): the automatic scalar body,
+        // with the reason.
+        for (traits, body) in [
+            (GPU, Body::Tiled),
+            (TENSOR_CORES, Body::Tiled),
+            (LAVAPIPE, Body::Direct),
+        ] {
+            let (choice, why) = resolve(K::Cublas, traits);
+            assert_eq!(choice, Choice::Kernel(body));
+            assert!(why.is_some_and(|w| w.contains("CUDA device")), "{why:?}");
+        }
     }
 
     #[test]
@@ -1165,6 +1197,7 @@ mod tests {
             CubeGemmKernel::Tiled,
             CubeGemmKernel::Direct,
             CubeGemmKernel::Cmma,
+            CubeGemmKernel::Cublas,
         ] {
             assert_eq!(k.name().parse::<CubeGemmKernel>().ok(), Some(k));
             assert_eq!(CubeGemmKernel::from_code(k.code()), Some(k));
@@ -1258,13 +1291,15 @@ mod tests {
                     _ => panic!("not a Cube tensor"),
                 }
             };
-            let traits = DeviceTraits::of(&client, DType::F16);
+            let traits = DeviceTraits::of(&client, DType::F16, false);
             // The scalar body this device runs (lavapipe crashes on the shared-memory one).
             let scalar_traits = DeviceTraits {
                 cmma_plane: None,
                 ..traits
             };
-            let (scalar_body, _) = resolve(CubeGemmKernel::Auto, scalar_traits);
+            let Choice::Kernel(scalar_body) = resolve(CubeGemmKernel::Auto, scalar_traits).0 else {
+                panic!("the automatic choice is a kernel body");
+            };
             let scalar = run_body(&device, scalar_body, wgrad, transpose).expect("scalar body");
             match traits.cmma_plane {
                 Some(plane) => {
