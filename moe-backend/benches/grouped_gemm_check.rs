@@ -625,10 +625,7 @@ fn main() {
     });
     if opts.kernels.contains(&CubeGemmKernel::Cublas) {
         let info = cublas_library_info();
-        println!(
-            "cublas: {}",
-            info.as_ref().unwrap_or_else(|e| e).as_str()
-        );
+        println!("cublas: {}", info.as_ref().unwrap_or_else(|e| e).as_str());
         report["cublas"] = match info {
             Ok(text) => json!({"available": true, "library": text}),
             Err(why) => json!({"available": false, "reason": why}),

@@ -267,7 +267,8 @@ pub(crate) fn plan(op: &'static str, shape: GroupedShape, sizes: &[usize]) -> Re
             }
         }
     };
-    plan.check().map_err(|detail| BackendError::Shape { op, detail })?;
+    plan.check()
+        .map_err(|detail| BackendError::Shape { op, detail })?;
     Ok(plan)
 }
 
@@ -282,7 +283,10 @@ impl Plan {
             let (ar, ac) = c.a_stored();
             let (br, bc) = c.b_stored();
             let checks = [
-                (c.m >= 1 && c.n >= 1 && c.k >= 1, "m, n, k must be at least 1"),
+                (
+                    c.m >= 1 && c.n >= 1 && c.k >= 1,
+                    "m, n, k must be at least 1",
+                ),
                 (c.lda >= ar.max(1), "lda is below the rows of A as stored"),
                 (c.ldb >= br.max(1), "ldb is below the rows of B as stored"),
                 (c.ldc >= c.m.max(1), "ldc is below m"),

@@ -10,10 +10,10 @@
 
 mod autodiff;
 // The cuBLAS candidate's host planning: built (and tested) everywhere, used with `cuda`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod cublas_plan;
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cublas_plan;
 #[cfg(feature = "cube")]
 pub use cube::{
     CubeGemmKernel, CublasRoute, GEMM_KERNEL_ENV, cube_gemm_kernel, cublas_library_info,

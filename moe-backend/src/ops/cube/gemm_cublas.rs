@@ -79,10 +79,12 @@ fn load() -> std::result::Result<Library, String> {
     // SAFETY: only tries to open the candidate library names (without it, cudarc panics when
     // libcublas is missing).
     if !unsafe { sys::is_culib_present() } {
-        return Err("libcublas could not be loaded (cudarc looks for libcublas.so, \
+        return Err(
+            "libcublas could not be loaded (cudarc looks for libcublas.so, \
                     libcublas.so.12, …, on the library path; benches/gpu/run.sh links the \
                     image's nvidia-cublas wheel as libcublas.so)"
-            .into());
+                .into(),
+        );
     }
     // SAFETY: the library is present (checked above), so `culib` opens it without panicking;
     // looking a symbol up calls nothing.
@@ -278,7 +280,11 @@ fn run(plan: &Plan, a: &CubeTensor, b: &CubeTensor, c: &CubeTensor) -> Outcome<(
     let dt = data_type(c.dtype)
         .ok_or_else(|| unavailable(format!("cuBLAS is not used for {:?}", c.dtype)))?;
     let elem = c.dtype.size();
-    for (what, t, len) in [("A", a, plan.a_len), ("B", b, plan.b_len), ("C", c, plan.c_len)] {
+    for (what, t, len) in [
+        ("A", a, plan.a_len),
+        ("B", b, plan.b_len),
+        ("C", c, plan.c_len),
+    ] {
         if t.dtype != c.dtype || t.meta.shape().num_elements() != len {
             return Err(unavailable(format!(
                 "internal: operand {what} has {} {:?} elements, the plan {len} {:?}",
@@ -457,12 +463,7 @@ fn per_group_calls(
             )
         }
         .result()
-        .map_err(|e| {
-            unavailable(format!(
-                "cublasGemmEx failed for group {}: {e}",
-                call.group
-            ))
-        })?;
+        .map_err(|e| unavailable(format!("cublasGemmEx failed for group {}: {e}", call.group)))?;
     }
     Ok(())
 }

@@ -265,7 +265,9 @@ fn dgrad_of_the_fprop_weights_matches_its_definition() {
     for (g, &n_g) in sizes.iter().enumerate() {
         for _ in 0..n_g {
             for c in 0..k {
-                want[r * k + c] = (0..m).map(|j| dy[r * m + j] * w[g * m * k + j * k + c]).sum();
+                want[r * k + c] = (0..m)
+                    .map(|j| dy[r * m + j] * w[g * m * k + j * k + c])
+                    .sum();
             }
             r += 1;
         }
@@ -292,8 +294,7 @@ fn wgrad_matches_the_reference_and_zeroes_empty_groups() {
             vec![0..pq, 3 * pq..4 * pq, 6 * pq..7 * pq],
             "P {p}, Q {q}"
         );
-        case.holds()
-            .unwrap_or_else(|e| panic!("P {p}, Q {q}: {e}"));
+        case.holds().unwrap_or_else(|e| panic!("P {p}, Q {q}: {e}"));
     }
 }
 
@@ -318,10 +319,18 @@ fn degenerate_groupings_plan_nothing_or_zeros() {
     case.holds().unwrap();
     // No groups.
     assert!(
-        plan("test", GroupedShape::Wgrad { rows: 0, p: 3, q: 3 }, &[])
-            .unwrap()
-            .calls
-            .is_empty()
+        plan(
+            "test",
+            GroupedShape::Wgrad {
+                rows: 0,
+                p: 3,
+                q: 3
+            },
+            &[]
+        )
+        .unwrap()
+        .calls
+        .is_empty()
     );
 }
 
@@ -426,7 +435,10 @@ fn a_wrong_leading_dimension_fails() {
             b: case.b.clone(),
             want: case.want.clone(),
         };
-        assert!(wrong.holds().is_err(), "case {c}: transa flipped went unnoticed");
+        assert!(
+            wrong.holds().is_err(),
+            "case {c}: transa flipped went unnoticed"
+        );
     }
 }
 
