@@ -772,8 +772,10 @@ enum Body {
     Direct,
     /// [`CubeGemmKernel::Cmma`] with planes of this many lanes.
     Cmma(u32),
-    /// The tensor-core kernels with [`gemm_cmma::Emulated`] fragment products (tests).
+    /// The tensor-core kernels with [`gemm_cmma::Emulated`] fragment products (tests; run
+    /// by the Vulkan ones).
     #[cfg(test)]
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     Emulated(u32),
 }
 

@@ -13,8 +13,9 @@
 //!    storage, held for the call (`crate::cuda_mem`);
 //! 4. **one `cublasGemmGroupedBatchedEx`** (cuBLAS ≥ 12.5; problems of equal shape share a
 //!    cuBLAS group; the `A`/`B`/`C` pointer arrays are uploaded through the CubeCL client),
-//!    or, where the library lacks that symbol or answers `CUBLAS_STATUS_NOT_SUPPORTED`, one
-//!    `cublasGemmEx` per non-empty group. Operands BF16 / F16 / F32 (`A`, `B`, `C` in the
+//!    or, where the library lacks that symbol or refuses the call (a
+//!    `CUBLAS_STATUS_NOT_SUPPORTED` is remembered for the process), one `cublasGemmEx` per
+//!    non-empty group. Operands BF16 / F16 / F32 (`A`, `B`, `C` in the
 //!    tensors' dtype), `CUBLAS_COMPUTE_32F` (f32 accumulation, no TF32), `alpha = 1`,
 //!    `beta = 0`;
 //! 5. stream ordering as the NCCL device path's: CubeCL's pending work is finished before
@@ -341,23 +342,31 @@ fn run(plan: &Plan, a: &CubeTensor, b: &CubeTensor, c: &CubeTensor) -> Outcome<(
         .map_err(|e| unavailable(format!("binding GPU {ordinal}: {e}")))?;
     let handle = *device.blas.handle();
     let mut route = CublasRoute::PerGroup;
-    let mut issued = Ok(());
     if let Some((args, [(_, aa), (_, ba), (_, ca)])) = &arrays {
         match grouped_call(handle, args, dt, [aa.ptr, ba.ptr, ca.ptr]) {
             Ok(()) => route = CublasRoute::Grouped,
-            Err(Failure::Unavailable(e)) if e.contains("CUBLAS_STATUS_NOT_SUPPORTED") => {
-                GROUPED_REFUSED.store(true, Ordering::Relaxed);
-                eprintln!(
-                    "warning: cublasGemmGroupedBatchedEx: {e}; the cuBLAS grouped GEMM issues \
-                     one cublasGemmEx per group from now on"
-                );
+            // A refusal (e.g. CUBLAS_STATUS_NOT_SUPPORTED for this device or dtype, or
+            // INVALID_VALUE for operands a grouped kernel cannot take): the per-group calls
+            // compute the same output; a NOT_SUPPORTED refusal is remembered.
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                if e.contains("CUBLAS_STATUS_NOT_SUPPORTED") {
+                    GROUPED_REFUSED.store(true, Ordering::Relaxed);
+                }
+                WARNED.call_once(|| {
+                    eprintln!(
+                        "warning: {e}; the cuBLAS grouped GEMM issues one cublasGemmEx per \
+                         group instead"
+                    )
+                });
             }
-            Err(e) => issued = Err(e),
         }
     }
-    if issued.is_ok() && route == CublasRoute::PerGroup {
-        issued = per_group_calls(handle, plan, dt, [&pa, &pb, &pc], elem);
-    }
+    let issued = if route == CublasRoute::PerGroup {
+        per_group_calls(handle, plan, dt, [&pa, &pb, &pc], elem)
+    } else {
+        Ok(())
+    };
     // Wait for whatever was issued, even after an error: the buffers are released below.
     let waited = device
         .stream
@@ -372,15 +381,17 @@ fn run(plan: &Plan, a: &CubeTensor, b: &CubeTensor, c: &CubeTensor) -> Outcome<(
 }
 
 /// One `cublasGemmGroupedBatchedEx` over the packed plan; `arrays` are the device addresses
-/// of the `A`, `B`, `C` pointer arrays (in `args.problems` order).
+/// of the `A`, `B`, `C` pointer arrays (in `args.problems` order). The error says why cuBLAS
+/// refused.
 fn grouped_call(
     handle: sys::cublasHandle_t,
     args: &GroupedArgs,
     dt: sys::cudaDataType_t,
     arrays: [u64; 3],
-) -> Outcome<()> {
+) -> std::result::Result<(), String> {
     let count = args.groups.len();
-    let ints = |f: &dyn Fn(usize) -> usize| -> Outcome<Vec<c_int>> {
+    let int = |v: usize| c_int::try_from(v).map_err(|_| format!("{v} exceeds cuBLAS's int range"));
+    let ints = |f: &dyn Fn(usize) -> usize| -> std::result::Result<Vec<c_int>, String> {
         (0..count).map(|i| int(f(i))).collect()
     };
     let g = &args.groups;
@@ -423,7 +434,7 @@ fn grouped_call(
         )
     }
     .result()
-    .map_err(|e| unavailable(format!("cublasGemmGroupedBatchedEx failed: {e}")))
+    .map_err(|e| format!("cublasGemmGroupedBatchedEx failed: {e}"))
 }
 
 /// One `cublasGemmEx` per planned call.
