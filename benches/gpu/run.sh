@@ -11,7 +11,9 @@
 # out or crashes is recorded and the next one runs; the summary JSON ($OUT/gpu_run.json) is
 # rewritten after every case and a short table is printed last:
 #   preflight            driver, device, capabilities (nvidia-smi, PyTorch), libcuda/NCCL,
-#                        `ldd` of every carried binary (a missing library fails the case)
+#                        libcublas (the image's nvidia-cublas wheel, linked as libcublas.so for
+#                        cudarc, with `ldd` of it), `ldd` of every carried binary (a missing
+#                        library fails the case)
 #   refuse_no_driver     only where no libcuda is installed (--dry here, when .bench is built):
 #                        every carried binary asked for CUDA ends with the named error
 #   refuse_no_device     `moe train --device cuda` with CUDA_VISIBLE_DEVICES="" ends with the
@@ -23,9 +25,10 @@
 #                        dense matmul per group, ragged and empty groups, NaN-poisoned pool,
 #                        then timed against a dense matmul of equal FLOPs (moe-gpu-gemm-check,
 #                        the grouped_gemm_check bench; --gemm-dtype, default bf16), once per
-#                        kernel candidate (--gemm-kernels, default cmma,tiled: the tensor-core
-#                        body and the scalar shared-memory one); the summary names the
-#                        choice, the fastest kernel that passed every case (MOE_CUBE_GEMM)
+#                        kernel candidate (--gemm-kernels, default cmma,cublas,tiled: CubeCL's
+#                        tensor-core body, cuBLAS's grouped GEMM and the scalar shared-memory
+#                        body); the summary names the choice, the fastest candidate that passed
+#                        every case (MOE_CUBE_GEMM)
 #   torch_ceilings       the image's PyTorch: BF16 dense matmul, copy bandwidth,
 #                        torch._grouped_mm (same routing, same checks), NCCL at world size 1
 #                        (benches/gpu/torch_ceilings.py)
@@ -51,7 +54,7 @@
 # Options: --dry | --out DIR (default $OUT, else ./out) | --budget SECONDS (default 330, for all
 # cases after the preflight) | --gemm-dtype f32|bf16|f16 | --train-args "ARGS" |
 # --only NAME[,NAME...] | --keep (keep the unpacked binaries) | --gemm-kernels LIST (default
-# cmma,tiled)
+# cmma,cublas,tiled)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -60,7 +63,7 @@ dry=0
 out="${OUT:-$root/out}"
 budget=330
 gemm_dtype=bf16
-gemm_kernels=cmma,tiled
+gemm_kernels=cmma,cublas,tiled
 train_args="--bf16"
 only=""
 keep=0
@@ -211,7 +214,7 @@ PY
     else
         echo "no GPU: $gpu_reason"
     fi
-    ldconfig -p 2>/dev/null | grep -E 'libcuda\.so|libnvrtc|libnccl' || echo "ldconfig: no libcuda / libnvrtc / libnccl"
+    ldconfig -p 2>/dev/null | grep -E 'libcuda\.so|libnvrtc|libnccl|libcublas' || echo "ldconfig: no libcuda / libnvrtc / libnccl / libcublas"
 } >"$pre_log" 2>&1
 
 # NCCL from the image's PyTorch wheels: cudarc loads `libnccl.so`, the wheel ships libnccl.so.2.
@@ -225,6 +228,37 @@ if [ -z "$gpu_reason" ]; then
         echo "libnccl.so -> $nccl_so" >>"$pre_log"
     else
         echo "no nvidia.nccl wheel found: the NCCL cases will fail" >>"$pre_log"
+    fi
+fi
+
+# cuBLAS (the grouped GEMM's `cublas` candidate) from the image's PyTorch wheels: cudarc opens
+# `libcublas.so` (or .so.12, .so.11, ...) at run time, the CUDA 13 wheel ships libcublas.so.13
+# next to libcublasLt.so.13, so link it and put the wheel's directory on the library path.
+if [ -z "$gpu_reason" ]; then
+    cublas_so=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+hits = []
+for r in roots:
+    hits += glob.glob(os.path.join(r, "nvidia", "**", "libcublas.so*"), recursive=True)
+print(sorted(hits)[-1] if hits else "")
+PY
+)
+    if [ -z "$cublas_so" ]; then
+        cublas_so=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so/ && !/Lt/ { print $NF; exit }')
+    fi
+    if [ -n "$cublas_so" ] && [ -f "$cublas_so" ]; then
+        mkdir -p "$lib_dir"
+        ln -sf "$cublas_so" "$lib_dir/libcublas.so"
+        export LD_LIBRARY_PATH="$lib_dir:$(dirname "$cublas_so")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "libcublas.so -> $cublas_so" >>"$pre_log"
+        echo "ldd libcublas: $(ldd "$cublas_so" 2>&1 | awk '{print $1, $3}' | tr '\n' ' ')" >>"$pre_log"
+        if ldd "$cublas_so" 2>&1 | grep -q 'not found'; then
+            pre_text+="libcublas needs $(ldd "$cublas_so" 2>&1 | awk '/not found/ {print $1}' | tr '\n' ' ')(the cublas candidate will fall back); "
+        fi
+    else
+        echo "no libcublas (nvidia-cublas wheel or system): the cublas candidate falls back to the scalar kernel" >>"$pre_log"
+        pre_text+="no libcublas (the cublas candidate falls back); "
     fi
 fi
 
@@ -344,7 +378,7 @@ fi
 # --- correctness, then speed: grouped GEMM (Rust) -----------------------------------------
 if ! skip_or grouped_gemm_rust; then
     json="$out/grouped_gemm_rust.json"
-    run_case grouped_gemm_rust 140 "" "$bin_dir/moe-gpu-gemm-check" --device cuda \
+    run_case grouped_gemm_rust 170 "" "$bin_dir/moe-gpu-gemm-check" --device cuda \
         --dtype "$gemm_dtype" --shapes deepseek_v3,qwen3_30b_a3b --kernels "$gemm_kernels" \
         --iters 5 --json "$json"
     text="$(grep -cE ' pass ' "$out/grouped_gemm_rust.log") pass, $(grep -cE ' FAIL | ERROR ' "$out/grouped_gemm_rust.log") fail/error; $(grep -oE '^choice: [^ ]+' "$out/grouped_gemm_rust.log"); $(grep -oE '\[[a-z]+\] .*ratio [0-9.]+' "$out/grouped_gemm_rust.log" | sed -E 's/\] .*ratio /]/' | tr '\n' ' ')"

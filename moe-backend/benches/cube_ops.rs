@@ -11,7 +11,7 @@
 //! [--dtype f32|f16|bf16] [--iters N] [--device vulkan|gl] [--json PATH]`. `--json` also writes
 //! every measured case (shapes, dtype, ms, TFLOP/s or GB/s, the ratios grouped/dense and
 //! permute/copy) as one JSON object to `PATH`. `--quick` uses small shapes (seconds
-//! on Mesa's CPU drivers). `MOE_CUBE_GEMM=tiled|direct|cmma` forces a grouped-GEMM kernel body
+//! on Mesa's CPU drivers). `MOE_CUBE_GEMM=tiled|direct|cmma|cublas` forces a grouped-GEMM kernel body
 //! (default: cmma for BF16/F16 where the device has tensor-core fragments, else tiled, direct on
 //! software Vulkan devices; see `src/ops/cube/gemm.rs`). On lavapipe
 //! the dense baseline (Burn's shared-memory matmul) hits the CubeCL SPIR-V bug described there and

@@ -19,11 +19,14 @@
 //! with one element read back (waits for the device); every grouped op against one dense
 //! matmul of equal FLOPs on the same device (`ratio = grouped TFLOP/s / dense TFLOP/s`).
 //!
-//! Kernels (`--kernels auto,tiled,direct,cmma`, default `auto`): every op runs once per listed
-//! grouped-GEMM kernel of the Cube backend (`ops::set_cube_gemm_kernel`), checked against the
-//! same references; a kernel the device cannot run with the dtype (`cmma` with f32, or without
-//! tensor-core fragments) falls back, and its cases are recorded `"skipped"` with the kernel
-//! that ran. With several kernels timed, the last line names the *choice*: the kernel that passed
+//! Kernels (`--kernels auto,tiled,direct,cmma,cublas`, default `auto`): every op runs once per
+//! listed grouped-GEMM candidate of the Cube backend (`ops::set_cube_gemm_kernel`), checked
+//! against the same references; a candidate the device cannot run with the dtype (`cmma` with
+//! f32, or without tensor-core fragments; `cublas` off CUDA or without libcublas) falls back,
+//! and its cases are recorded `"skipped"` with the kernel that ran. For `cublas` the JSON also
+//! names the library (`"cublas"`: version and whether `cublasGemmGroupedBatchedEx` exists, or
+//! why it cannot load) and each case the route that ran (`"cublas_route"`: `grouped` or
+//! `per_group`). With several kernels timed, the last line names the *choice*: the kernel that passed
 //! every case with the least total time (`"choice"` in the JSON) — what `MOE_CUBE_GEMM` should
 //! be set to on that device.
 //!
@@ -45,8 +48,8 @@ use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use moe_backend::ops::{
-    CubeGemmKernel, GroupSizes, WeightLayout, grouped_matmul, grouped_matmul_wgrad,
-    last_cube_gemm_kernel, set_cube_gemm_kernel,
+    CubeGemmKernel, GroupSizes, WeightLayout, cublas_library_info, grouped_matmul,
+    grouped_matmul_wgrad, last_cube_gemm_kernel, last_cublas_route, set_cube_gemm_kernel,
 };
 use serde_json::{Value, json};
 
@@ -347,6 +350,9 @@ fn record(
         "nan_in_output": nan,
         "flops": case.flops,
     });
+    if ran == CubeGemmKernel::Cublas {
+        v["cublas_route"] = json!(last_cublas_route().map(|r| r.name()));
+    }
     let timing = times.map(|(grouped, dense)| {
         let (tg, td) = (case.flops / grouped / 1e12, case.flops / dense / 1e12);
         v["ms"] = json!(grouped * 1e3);
@@ -444,7 +450,12 @@ fn run_shapes(s: &Shapes, opts: &Options, device: &Device, out: &mut dyn FnMut(V
         let ran = |case: &Case| -> Result<CubeGemmKernel, Value> {
             let ran = last_cube_gemm_kernel().unwrap_or(kernel);
             if kernel != CubeGemmKernel::Auto && ran != kernel {
-                let why = format!("{kernel} cannot run here with {dt:?}; {ran} ran instead");
+                let library = match (kernel, cublas_library_info()) {
+                    (CubeGemmKernel::Cublas, Err(e)) => format!(" ({e})"),
+                    _ => String::new(),
+                };
+                let why =
+                    format!("{kernel} cannot run here with {dt:?}{library}; {ran} ran instead");
                 println!("{:<46} skip  {why}", case.name());
                 return Err(json!({"case": case.name(), "op": case.op,
                     "shapes": case.shapes.name, "kernel": kernel.name(),
@@ -612,6 +623,14 @@ fn main() {
         "iters": opts.iters,
         "cases": [],
     });
+    if opts.kernels.contains(&CubeGemmKernel::Cublas) {
+        let info = cublas_library_info();
+        println!("cublas: {}", info.as_ref().unwrap_or_else(|e| e).as_str());
+        report["cublas"] = match info {
+            Ok(text) => json!({"available": true, "library": text}),
+            Err(why) => json!({"available": false, "reason": why}),
+        };
+    }
     if let Some(path) = &opts.json {
         write_json(path, &report);
     }

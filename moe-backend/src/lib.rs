@@ -50,6 +50,8 @@
 
 pub mod alloc;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_mem;
 pub mod devices;
 pub mod dispatch;
 pub mod error;

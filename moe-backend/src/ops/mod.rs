@@ -9,11 +9,15 @@
 //! `burn::tensor::Tensor`s, validate their arguments and return [`BackendError`] on bad input.
 
 mod autodiff;
+// The cuBLAS candidate's host planning: built (and tested) everywhere, used with `cuda`.
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cublas_plan;
 #[cfg(feature = "cube")]
 pub use cube::{
-    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+    CubeGemmKernel, CublasRoute, GEMM_KERNEL_ENV, cube_gemm_kernel, cublas_library_info,
+    last_cube_gemm_kernel, last_cublas_route, set_cube_gemm_kernel,
 };
 mod flex;
 pub mod kernels;

@@ -13,7 +13,7 @@
 //!    ragged rows, grouped `ncclSend`/`ncclRecv` for all-to-all-v, `ncclBroadcast`) and
 //!    bounds-checked against both buffers;
 //! 4. the output is allocated by the tensor's CubeCL client (`client.empty`), and both device
-//!    pointers come from CubeCL's storage (`client.get_resource::<CudaServer>` →
+//!    pointers come from CubeCL's storage (`crate::cuda_mem`: `client.get_resource::<CudaServer>` →
 //!    `GpuResource::ptr`, held for the call so the allocations stay in place);
 //! 5. **stream ordering:** CubeCL's pending work is finished before NCCL reads
 //!    (`client.sync()`: CubeCL does not expose its stream for an event wait); the calls run in
@@ -56,9 +56,7 @@ use std::time::Instant;
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, TensorData};
 use burn_cubecl::CubeBackend;
-use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl_runtime::runtime::Runtime;
 use cudarc::driver::DevicePtr;
 use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclRedOp_t};
 
@@ -73,10 +71,8 @@ use super::super::p2p::{
 };
 use super::super::{CallSite, Communicator, RecvSpec, ReduceOp, Traffic};
 use super::{GroupGuard, HostStagedNccl, NcclLinks, cuda, nccl};
+use crate::cuda_mem;
 use crate::error::{BackendError, Result};
-
-/// CubeCL's CUDA server: the storage whose resources carry device pointers.
-type CudaServer = <CudaRuntime as Runtime>::Server;
 
 /// NCCL's data type for a planned type.
 fn nccl_data_type(ty: NcclType) -> ncclDataType_t {
@@ -157,21 +153,14 @@ impl NcclComm {
             return Ok(output);
         }
         let resource = |t: &CubeTensor, what: &str| {
-            client
-                .get_resource::<CudaServer>(t.handle.clone())
-                .map_err(|e| {
-                    fail(format!(
-                        "CubeCL gave no device pointer for the {what}: {e:?}"
-                    ))
-                })
+            cuda_mem::device_ptr(&client, &t.handle).map_err(|e| fail(format!("{e} (the {what})")))
         };
         let input_res = resource(&input, "input")?;
         let output_res = resource(&output, "output")?;
-        let (src, dst) = (input_res.resource().ptr, output_res.resource().ptr);
+        let (src, dst) = (input_res.ptr, output_res.ptr);
         // CubeCL's kernels that write the input (or last used the output's memory) finish
         // before NCCL touches either buffer.
-        burn_cubecl::cubecl::future::block_on(client.sync())
-            .map_err(|e| fail(format!("CubeCL's pending work failed: {e:?}")))?;
+        cuda_mem::finish_pending(&client).map_err(&fail)?;
         let peers = plan_peers(&plan, self.members(), self.me());
         let deadline = Instant::now() + self.p2p.timeout();
         let issued = self.p2p.links().with_wire(deadline, |wire| {
@@ -623,9 +612,7 @@ impl DeviceCommunicator for NcclComm {
         }
         let client = like.client.clone();
         let resource = |t: &CubeTensor, what: &str| {
-            client
-                .get_resource::<CudaServer>(t.handle.clone())
-                .map_err(|e| fail(format!("CubeCL gave no device pointer for {what}: {e:?}")))
+            cuda_mem::device_ptr(&client, &t.handle).map_err(|e| fail(format!("{e} (for {what})")))
         };
         let send_res = tensors
             .iter()
@@ -635,12 +622,11 @@ impl DeviceCommunicator for NcclComm {
             .iter()
             .map(|t| resource(t, "a receive"))
             .collect::<Result<Vec<_>>>()?;
-        let src: Vec<u64> = send_res.iter().map(|r| r.resource().ptr).collect();
-        let dst: Vec<u64> = recv_res.iter().map(|r| r.resource().ptr).collect();
+        let src: Vec<u64> = send_res.iter().map(|r| r.ptr).collect();
+        let dst: Vec<u64> = recv_res.iter().map(|r| r.ptr).collect();
         // CubeCL's kernels that wrote the sends (or last used the outputs' memory) finish
         // before NCCL touches them.
-        burn_cubecl::cubecl::future::block_on(client.sync())
-            .map_err(|e| fail(format!("CubeCL's pending work failed: {e:?}")))?;
+        cuda_mem::finish_pending(&client).map_err(&fail)?;
         let mut peers: Vec<usize> = send_plan
             .iter()
             .map(|s| s.0)

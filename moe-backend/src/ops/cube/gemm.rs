@@ -32,6 +32,8 @@ use burn_cubecl::tensor::CubeTensor;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::gemm_cmma;
+#[cfg(feature = "cuda")]
+use super::gemm_cublas;
 use super::launch::{self, empty_like_dtype, float_storage, int_storage};
 use crate::error::BackendError;
 
@@ -483,10 +485,16 @@ pub enum CubeGemmKernel {
     /// Tensor cores (CubeCL `cmma`): BF16 / F16 operands, f32 accumulators. Where the device or
     /// dtype cannot run it, the automatic choice runs instead (with a warning on stderr, once).
     Cmma,
+    /// cuBLAS (feature `cuda`, CUDA devices; BF16 / F16 / F32 operands, f32 accumulation): one
+    /// `cublasGemmGroupedBatchedEx` per op, or one `cublasGemmEx` per group where the library
+    /// lacks it ([`last_cublas_route`]). Reads the group sizes to the host. Where the device,
+    /// dtype or build cannot run it, or libcublas is missing, the automatic choice runs
+    /// instead (with a warning on stderr, once).
+    Cublas,
 }
 
 /// Environment variable that sets the process's initial [`CubeGemmKernel`]:
-/// `auto`, `tiled`, `direct` or `cmma`.
+/// `auto`, `tiled`, `direct`, `cmma` or `cublas`.
 pub const GEMM_KERNEL_ENV: &str = "MOE_CUBE_GEMM";
 
 impl CubeGemmKernel {
@@ -497,6 +505,7 @@ impl CubeGemmKernel {
             Self::Tiled => "tiled",
             Self::Direct => "direct",
             Self::Cmma => "cmma",
+            Self::Cublas => "cublas",
         }
     }
 
@@ -506,6 +515,7 @@ impl CubeGemmKernel {
             Self::Tiled => 1,
             Self::Direct => 2,
             Self::Cmma => 3,
+            Self::Cublas => 4,
         }
     }
 
@@ -515,6 +525,7 @@ impl CubeGemmKernel {
             1 => Some(Self::Tiled),
             2 => Some(Self::Direct),
             3 => Some(Self::Cmma),
+            4 => Some(Self::Cublas),
             _ => None,
         }
     }
@@ -530,13 +541,19 @@ impl std::str::FromStr for CubeGemmKernel {
     type Err = BackendError;
 
     fn from_str(s: &str) -> Result<Self, BackendError> {
-        [Self::Auto, Self::Tiled, Self::Direct, Self::Cmma]
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| BackendError::Config {
-                field: GEMM_KERNEL_ENV,
-                detail: format!("{s:?} is not auto, tiled, direct or cmma"),
-            })
+        [
+            Self::Auto,
+            Self::Tiled,
+            Self::Direct,
+            Self::Cmma,
+            Self::Cublas,
+        ]
+        .into_iter()
+        .find(|k| k.name() == s)
+        .ok_or_else(|| BackendError::Config {
+            field: GEMM_KERNEL_ENV,
+            detail: format!("{s:?} is not auto, tiled, direct, cmma or cublas"),
+        })
     }
 }
 
@@ -582,6 +599,63 @@ pub fn last_cube_gemm_kernel() -> Option<CubeGemmKernel> {
     CubeGemmKernel::from_code(LAST_RUN.load(Ordering::Relaxed))
 }
 
+/// How the cuBLAS candidate issued a grouped GEMM ([`last_cublas_route`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CublasRoute {
+    /// One `cublasGemmGroupedBatchedEx` for the op (cuBLAS ≥ 12.5).
+    Grouped,
+    /// One `cublasGemmEx` per non-empty group (the library lacks or refused the grouped call).
+    PerGroup,
+}
+
+impl CublasRoute {
+    /// `grouped` or `per_group`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Grouped => "grouped",
+            Self::PerGroup => "per_group",
+        }
+    }
+}
+
+/// The route of the most recent cuBLAS grouped GEMM (0: none yet, 1: grouped, 2: per group).
+static CUBLAS_ROUTE: AtomicU8 = AtomicU8::new(0);
+
+/// Records a grouped GEMM that cuBLAS ran by `route`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn record_cublas_route(route: CublasRoute) {
+    let code = match route {
+        CublasRoute::Grouped => 1,
+        CublasRoute::PerGroup => 2,
+    };
+    CUBLAS_ROUTE.store(code, Ordering::Relaxed);
+    LAST_RUN.store(CubeGemmKernel::Cublas.code(), Ordering::Relaxed);
+}
+
+/// How the most recent grouped GEMM that ran on cuBLAS ([`CubeGemmKernel::Cublas`]) was
+/// issued in this process; `None` before the first.
+pub fn last_cublas_route() -> Option<CublasRoute> {
+    match CUBLAS_ROUTE.load(Ordering::Relaxed) {
+        1 => Some(CublasRoute::Grouped),
+        2 => Some(CublasRoute::PerGroup),
+        _ => None,
+    }
+}
+
+/// The cuBLAS library the [`CubeGemmKernel::Cublas`] candidate loads (version, and whether it
+/// has `cublasGemmGroupedBatchedEx`), or why it cannot: no libcublas on the library path, or
+/// a build without the `cuda` feature. Loads the library on first use.
+pub fn cublas_library_info() -> Result<String, String> {
+    #[cfg(feature = "cuda")]
+    {
+        gemm_cublas::library_info()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("this build has no `cuda` feature".into())
+    }
+}
+
 /// What a device offers the kernel choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct DeviceTraits {
@@ -591,10 +665,28 @@ struct DeviceTraits {
     /// The plane size of the tensor-core kernel, where the device has its fragments for the
     /// operands' dtype (f32 accumulators) and a fixed plane size that fits the kernel.
     cmma_plane: Option<u32>,
+    /// cuBLAS can take the operands: a CUDA device in a build with `cuda`, a dtype cuBLAS's
+    /// candidate runs (BF16, F16, F32). Whether libcublas loads is known only when it runs.
+    cublas: bool,
+}
+
+/// Whether `device` is a CUDA device (always false without the `cuda` feature).
+fn is_cuda(device: &burn_cubecl::CubeDevice) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        matches!(device, burn_cubecl::CubeDevice::Cuda(_))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        false
+    }
 }
 
 impl DeviceTraits {
-    fn of(client: &Client, dtype: burn::tensor::DType) -> Self {
+    /// The traits of `client`'s device for operands of `dtype`; `cuda`: the device is a CUDA
+    /// device ([`is_cuda`]).
+    fn of(client: &Client, dtype: burn::tensor::DType, cuda: bool) -> Self {
         let props = client.properties();
         let software_spirv = client.name() == "wgpu<spirv>" && props.identity.physical.is_none();
         let half = matches!(dtype, burn::tensor::DType::BF16 | burn::tensor::DType::F16);
@@ -609,34 +701,63 @@ impl DeviceTraits {
         let (lo, hi) = (props.hardware.plane_size_min, props.hardware.plane_size_max);
         let cmma_plane =
             (half && has_fragments && lo == hi && gemm_cmma::plane_dim_fits(hi)).then_some(hi);
+        let cublas_dtype = matches!(
+            dtype,
+            burn::tensor::DType::BF16 | burn::tensor::DType::F16 | burn::tensor::DType::F32
+        );
         Self {
             software_spirv,
             cmma_plane,
+            cublas: cuda && cublas_dtype,
         }
     }
 }
 
-/// The body that runs for `requested` on a device with `traits`, and a reason when a requested
-/// [`CubeGemmKernel::Cmma`] cannot run there.
-fn resolve(requested: CubeGemmKernel, traits: DeviceTraits) -> (Body, Option<&'static str>) {
-    let scalar = if traits.software_spirv {
+/// What a grouped GEMM runs: a CubeCL kernel body, or cuBLAS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Choice {
+    /// A CubeCL kernel body.
+    Kernel(Body),
+    /// [`CubeGemmKernel::Cublas`] (`gemm_cublas`).
+    Cublas,
+}
+
+/// The automatic body on a device with `traits`: the scalar body it can compile.
+fn automatic(traits: DeviceTraits) -> Body {
+    if traits.software_spirv {
         Body::Direct
     } else {
         Body::Tiled
-    };
-    match (requested, traits.cmma_plane) {
-        (CubeGemmKernel::Tiled, _) => (Body::Tiled, None),
-        (CubeGemmKernel::Direct, _) => (Body::Direct, None),
-        // Tensor cores only on request until a GPU run has checked them (the device script
-        // times `cmma` against `tiled` and names the choice).
-        (CubeGemmKernel::Cmma, Some(plane)) => (Body::Cmma(plane), None),
-        (CubeGemmKernel::Auto, _) => (scalar, None),
-        (CubeGemmKernel::Cmma, None) => (
+    }
+}
+
+/// What runs for `requested` on a device with `traits`, and a reason when a requested
+/// [`CubeGemmKernel::Cmma`] or [`CubeGemmKernel::Cublas`] cannot run there.
+fn resolve(requested: CubeGemmKernel, traits: DeviceTraits) -> (Choice, Option<&'static str>) {
+    let scalar = Choice::Kernel(automatic(traits));
+    match requested {
+        CubeGemmKernel::Tiled => (Choice::Kernel(Body::Tiled), None),
+        CubeGemmKernel::Direct => (Choice::Kernel(Body::Direct), None),
+        // Tensor cores (CubeCL's or cuBLAS's) only on request until a GPU run has checked
+        // them (the device script times the candidates and names the choice).
+        CubeGemmKernel::Auto => (scalar, None),
+        CubeGemmKernel::Cmma => match traits.cmma_plane {
+            Some(plane) => (Choice::Kernel(Body::Cmma(plane)), None),
+            None => (
+                scalar,
+                Some(
+                    "the device has no 16x16x16 tensor-core fragments with f32 accumulators \
+                     for this dtype (or no fixed plane size of 4..=256 lanes); cmma needs BF16 \
+                     or F16 operands",
+                ),
+            ),
+        },
+        CubeGemmKernel::Cublas if traits.cublas => (Choice::Cublas, None),
+        CubeGemmKernel::Cublas => (
             scalar,
             Some(
-                "the device has no 16x16x16 tensor-core fragments with f32 accumulators for \
-                 this dtype (or no fixed plane size of 4..=256 lanes); cmma needs BF16 or F16 \
-                 operands",
+                "cuBLAS needs a CUDA device (a build with the `cuda` feature) and BF16, F16 or \
+                 F32 operands",
             ),
         ),
     }
@@ -651,27 +772,56 @@ enum Body {
     Direct,
     /// [`CubeGemmKernel::Cmma`] with planes of this many lanes.
     Cmma(u32),
-    /// The tensor-core kernels with [`gemm_cmma::Emulated`] fragment products (tests).
+    /// The tensor-core kernels with [`gemm_cmma::Emulated`] fragment products (tests; run
+    /// by the Vulkan ones).
     #[cfg(test)]
+    #[cfg_attr(not(feature = "vulkan"), allow(dead_code))]
     Emulated(u32),
 }
 
-impl Body {
-    /// The body for operands of `dtype` on `client`'s device (warns once per process when a
-    /// requested `cmma` falls back) and records it for [`last_cube_gemm_kernel`].
-    fn choose(client: &Client, dtype: burn::tensor::DType) -> Self {
+impl Choice {
+    /// What runs for operands like `t` (its client, device and dtype); warns once per process
+    /// when a requested `cmma` or `cublas` falls back, and records a kernel body for
+    /// [`last_cube_gemm_kernel`] (cuBLAS records itself when it has run).
+    fn choose(t: &CubeTensor) -> Self {
         static WARNED: std::sync::Once = std::sync::Once::new();
-        let (body, fallback) = resolve(cube_gemm_kernel(), DeviceTraits::of(client, dtype));
-        if let Some(why) = fallback {
+        let requested = cube_gemm_kernel();
+        let traits = DeviceTraits::of(&t.client, t.dtype, is_cuda(&t.device));
+        let (choice, fallback) = resolve(requested, traits);
+        if let (Some(why), Choice::Kernel(body)) = (fallback, choice) {
             WARNED.call_once(|| {
                 eprintln!(
-                    "warning: grouped-GEMM kernel cmma requested on {} with {dtype:?}: {why}; \
-                     running the {} kernel",
-                    client.name(),
+                    "warning: grouped-GEMM kernel {requested} requested on {} with {:?}: \
+                     {why}; running the {} kernel",
+                    t.client.name(),
+                    t.dtype,
                     body.kernel()
                 )
             });
         }
+        if let Choice::Kernel(body) = choice {
+            LAST_RUN.store(body.kernel().code(), Ordering::Relaxed);
+        }
+        choice
+    }
+}
+
+impl Body {
+    /// The automatic body for operands like `t` after cuBLAS could not run (`why`): warns once
+    /// per process and records the body for [`last_cube_gemm_kernel`].
+    #[cfg(feature = "cuda")]
+    fn after_cublas(t: &CubeTensor, why: &str) -> Self {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        let body = automatic(DeviceTraits::of(&t.client, t.dtype, true));
+        WARNED.call_once(|| {
+            eprintln!(
+                "warning: grouped-GEMM kernel cublas could not run on {} with {:?}: {why}; \
+                 running the {} kernel",
+                t.client.name(),
+                t.dtype,
+                body.kernel()
+            )
+        });
         LAST_RUN.store(body.kernel().code(), Ordering::Relaxed);
         body
     }
@@ -719,7 +869,7 @@ pub(crate) fn grouped_matmul(
     grouped_matmul_with(x, weights, sizes, transpose_weights, None)
 }
 
-/// [`grouped_matmul`] running `body` (`None`: the requested kernel, [`Body::choose`]).
+/// [`grouped_matmul`] running `body` (`None`: the requested kernel, [`Choice::choose`]).
 fn grouped_matmul_with(
     x: CubeTensor,
     weights: CubeTensor,
@@ -749,9 +899,8 @@ fn grouped_matmul_with(
         "{op}: {} group sizes for {g} groups",
         sizes.meta.shape()[0]
     );
-    let out = empty_like_dtype(&x, [n, m], x.dtype);
     if n == 0 || m == 0 || g == 0 {
-        return out;
+        return empty_like_dtype(&x, [n, m], x.dtype);
     }
     if k == 0 {
         return burn_cubecl::ops::numeric::zeros_client(
@@ -761,6 +910,21 @@ fn grouped_matmul_with(
             x.dtype,
         );
     }
+    let body = match body.map_or_else(|| Choice::choose(&x), Choice::Kernel) {
+        Choice::Kernel(body) => body,
+        #[cfg(feature = "cuda")]
+        Choice::Cublas => {
+            match gemm_cublas::grouped_matmul(&x, &w, &sizes, transpose_weights, [n, k, m]) {
+                Ok(out) => return out,
+                Err(gemm_cublas::Failure::Input(e)) => panic!("{e}"),
+                Err(gemm_cublas::Failure::Unavailable(why)) => Body::after_cublas(&x, &why),
+            }
+        }
+        // `resolve` picks cuBLAS only for CUDA devices, which need the `cuda` feature.
+        #[cfg(not(feature = "cuda"))]
+        Choice::Cublas => automatic(DeviceTraits::of(&x.client, x.dtype, false)),
+    };
+    let out = empty_like_dtype(&x, [n, m], x.dtype);
     let (offsets, tile_offsets) = group_offsets(&sizes);
     let count = CubeCount::Static(tiles(m, TILE_N, op), tiles(n, TILE_M, op) + g as u32, 1);
     let dtype = float_storage(x.dtype);
@@ -773,7 +937,7 @@ fn grouped_matmul_with(
         launch::u32_arg(m, op),
         launch::u32_arg(g, op),
     );
-    match body.unwrap_or_else(|| Body::choose(&x.client, x.dtype)) {
+    match body {
         Body::Tiled => grouped_gemm_kernel::launch(
             &x.client,
             count,
@@ -853,7 +1017,7 @@ pub(crate) fn grouped_matmul_wgrad(
     grouped_matmul_wgrad_with(lhs, rhs, sizes, None)
 }
 
-/// [`grouped_matmul_wgrad`] running `body` (`None`: the requested kernel, [`Body::choose`]).
+/// [`grouped_matmul_wgrad`] running `body` (`None`: the requested kernel, [`Choice::choose`]).
 fn grouped_matmul_wgrad_with(
     lhs: CubeTensor,
     rhs: CubeTensor,
@@ -876,6 +1040,17 @@ fn grouped_matmul_wgrad_with(
             lhs.dtype,
         );
     }
+    let body = match body.map_or_else(|| Choice::choose(&lhs), Choice::Kernel) {
+        Choice::Kernel(body) => body,
+        #[cfg(feature = "cuda")]
+        Choice::Cublas => match gemm_cublas::grouped_matmul_wgrad(&lhs, &rhs, &sizes, [n, p, q]) {
+            Ok(out) => return out,
+            Err(gemm_cublas::Failure::Input(e)) => panic!("{e}"),
+            Err(gemm_cublas::Failure::Unavailable(why)) => Body::after_cublas(&lhs, &why),
+        },
+        #[cfg(not(feature = "cuda"))]
+        Choice::Cublas => automatic(DeviceTraits::of(&lhs.client, lhs.dtype, false)),
+    };
     let out = empty_like_dtype(&lhs, [g, p, q], lhs.dtype);
     let (offsets, _) = group_offsets(&sizes);
     let dtype = float_storage(lhs.dtype);
@@ -884,7 +1059,7 @@ fn grouped_matmul_wgrad_with(
     let (p_arg, q_arg) = (launch::u32_arg(p, op), launch::u32_arg(q, op));
     let groups = launch::u32_arg(g, op);
     let dim = CubeDim::new_2d(UNITS, UNITS);
-    match body.unwrap_or_else(|| Body::choose(&lhs.client, lhs.dtype)) {
+    match body {
         Body::Tiled => grouped_wgrad_kernel::launch(
             &lhs.client,
             CubeCount::Static(tiles(q, TILE_Q, op), tiles(p, TILE_M, op), groups),
@@ -957,32 +1132,64 @@ mod tests {
     const GPU: DeviceTraits = DeviceTraits {
         software_spirv: false,
         cmma_plane: None,
+        cublas: false,
     };
     const TENSOR_CORES: DeviceTraits = DeviceTraits {
         software_spirv: false,
         cmma_plane: Some(32),
+        cublas: false,
     };
     const LAVAPIPE: DeviceTraits = DeviceTraits {
         software_spirv: true,
         cmma_plane: None,
+        cublas: false,
+    };
+    /// A CUDA GPU with tensor cores, BF16 operands, in a `cuda` build.
+    const CUDA: DeviceTraits = DeviceTraits {
+        software_spirv: false,
+        cmma_plane: Some(32),
+        cublas: true,
     };
 
     #[test]
     fn tensor_cores_run_when_asked_for_where_the_device_has_them() {
         use CubeGemmKernel as K;
+        let kernel = Choice::Kernel;
         // Automatic: the scalar bodies until a GPU run has checked the tensor-core ones.
-        assert_eq!(resolve(K::Auto, TENSOR_CORES), (Body::Tiled, None));
-        assert_eq!(resolve(K::Auto, GPU), (Body::Tiled, None));
-        assert_eq!(resolve(K::Auto, LAVAPIPE), (Body::Direct, None));
-        for traits in [GPU, TENSOR_CORES, LAVAPIPE] {
-            assert_eq!(resolve(K::Tiled, traits), (Body::Tiled, None));
-            assert_eq!(resolve(K::Direct, traits), (Body::Direct, None));
+        assert_eq!(resolve(K::Auto, TENSOR_CORES), (kernel(Body::Tiled), None));
+        assert_eq!(resolve(K::Auto, GPU), (kernel(Body::Tiled), None));
+        assert_eq!(resolve(K::Auto, LAVAPIPE), (kernel(Body::Direct), None));
+        assert_eq!(resolve(K::Auto, CUDA), (kernel(Body::Tiled), None));
+        for traits in [GPU, TENSOR_CORES, LAVAPIPE, CUDA] {
+            assert_eq!(resolve(K::Tiled, traits), (kernel(Body::Tiled), None));
+            assert_eq!(resolve(K::Direct, traits), (kernel(Body::Direct), None));
         }
-        assert_eq!(resolve(K::Cmma, TENSOR_CORES), (Body::Cmma(32), None));
+        assert_eq!(
+            resolve(K::Cmma, TENSOR_CORES),
+            (kernel(Body::Cmma(32)), None)
+        );
         let (body, why) = resolve(K::Cmma, GPU);
-        assert_eq!(body, Body::Tiled);
+        assert_eq!(body, kernel(Body::Tiled));
         assert!(why.is_some_and(|w| w.contains("tensor-core")), "{why:?}");
-        assert_eq!(resolve(K::Cmma, LAVAPIPE).0, Body::Direct);
+        assert_eq!(resolve(K::Cmma, LAVAPIPE).0, kernel(Body::Direct));
+    }
+
+    #[test]
+    fn cublas_runs_when_asked_for_on_cuda_devices_only() {
+        use CubeGemmKernel as K;
+        assert_eq!(resolve(K::Cublas, CUDA), (Choice::Cublas, None));
+        assert_eq!(resolve(K::Cmma, CUDA).0, Choice::Kernel(Body::Cmma(32)));
+        // Not CUDA (or a dtype cuBLAS's candidate does not take): the automatic scalar body,
+        // with the reason.
+        for (traits, body) in [
+            (GPU, Body::Tiled),
+            (TENSOR_CORES, Body::Tiled),
+            (LAVAPIPE, Body::Direct),
+        ] {
+            let (choice, why) = resolve(K::Cublas, traits);
+            assert_eq!(choice, Choice::Kernel(body));
+            assert!(why.is_some_and(|w| w.contains("CUDA device")), "{why:?}");
+        }
     }
 
     #[test]
@@ -992,6 +1199,7 @@ mod tests {
             CubeGemmKernel::Tiled,
             CubeGemmKernel::Direct,
             CubeGemmKernel::Cmma,
+            CubeGemmKernel::Cublas,
         ] {
             assert_eq!(k.name().parse::<CubeGemmKernel>().ok(), Some(k));
             assert_eq!(CubeGemmKernel::from_code(k.code()), Some(k));
@@ -1085,13 +1293,15 @@ mod tests {
                     _ => panic!("not a Cube tensor"),
                 }
             };
-            let traits = DeviceTraits::of(&client, DType::F16);
+            let traits = DeviceTraits::of(&client, DType::F16, false);
             // The scalar body this device runs (lavapipe crashes on the shared-memory one).
             let scalar_traits = DeviceTraits {
                 cmma_plane: None,
                 ..traits
             };
-            let (scalar_body, _) = resolve(CubeGemmKernel::Auto, scalar_traits);
+            let Choice::Kernel(scalar_body) = resolve(CubeGemmKernel::Auto, scalar_traits).0 else {
+                panic!("the automatic choice is a kernel body");
+            };
             let scalar = run_body(&device, scalar_body, wgrad, transpose).expect("scalar body");
             match traits.cmma_plane {
                 Some(plane) => {

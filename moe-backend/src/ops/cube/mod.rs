@@ -7,15 +7,17 @@
 //! | `moe_topk_indices` | one unit per token, k selection passes ([`routing`]) |
 //! | `moe_permute`, `moe_sort_chunks` | row gather ([`rows`]) |
 //! | `moe_unpermute(_weighted)` | device CSR inverse map + per-token f32 sum ([`rows`]) |
-//! | `moe_grouped_matmul(_wgrad)` | grouped GEMM, group offsets on device ([`gemm`]; tensor cores: [`gemm_cmma`]) |
+//! | `moe_grouped_matmul(_wgrad)` | grouped GEMM, group offsets on device ([`gemm`]; tensor cores: [`gemm_cmma`]; cuBLAS: `gemm_cublas`) |
 //! | `moe_swiglu(_backward)` | elementwise + per-row reduction ([`swiglu`]) |
 //!
 //! The grouped GEMM has three bodies ([`CubeGemmKernel`]): tensor cores (`cmma`, BF16 / F16
 //! operands with f32 accumulators, where the device advertises the fragments), scalar tiles
 //! staged through shared memory on other GPUs, and scalar tiles read straight from global memory
 //! on software Vulkan devices such as lavapipe, where CubeCL 0.11.3 cannot compile shared memory
-//! (see [`gemm`]; `MOE_CUBE_GEMM=auto|tiled|direct|cmma` or [`set_cube_gemm_kernel`] overrides
-//! the choice).
+//! (see [`gemm`]); on CUDA a fourth candidate hands the GEMMs to cuBLAS (`cublas`, feature
+//! `cuda`: `cublasGemmGroupedBatchedEx` or per-group `cublasGemmEx`, planned on the host by
+//! `ops/cublas_plan.rs`). `MOE_CUBE_GEMM=auto|tiled|direct|cmma|cublas` or
+//! [`set_cube_gemm_kernel`] overrides the choice.
 //!
 //! Inputs may be any float dtype the runtime supports (f32 everywhere; f16/bf16 where the device
 //! has them); accumulation is f32. Index tensors may be any integer dtype; index outputs are
@@ -24,6 +26,8 @@
 
 mod gemm;
 mod gemm_cmma;
+#[cfg(feature = "cuda")]
+mod gemm_cublas;
 mod launch;
 mod routing;
 mod rows;
@@ -35,7 +39,8 @@ use burn::tensor::TensorData;
 use burn_cubecl::CubeBackend;
 
 pub use gemm::{
-    CubeGemmKernel, GEMM_KERNEL_ENV, cube_gemm_kernel, last_cube_gemm_kernel, set_cube_gemm_kernel,
+    CubeGemmKernel, CublasRoute, GEMM_KERNEL_ENV, cube_gemm_kernel, cublas_library_info,
+    last_cube_gemm_kernel, last_cublas_route, set_cube_gemm_kernel,
 };
 
 use super::MoeOps;
