@@ -547,6 +547,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&sums, &["loss", "aux loss"])? {
             return self.refuse(refused, sum(0), local[0], start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
         let grads = match self.unscale(grads, sum(0), sum(1) / n_micro, local[0], start)? {
             loss_scale::Unscaled::Grads(grads) => grads,
             loss_scale::Unscaled::Skipped(stats) => return Ok(stats),
@@ -555,6 +556,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             Err(e) if e.is_non_finite() => return self.refuse(e, sum(0), local[0], start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         if self.config.update_expert_bias {
             self.update_expert_bias(loads)?;
         }
@@ -760,6 +762,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&sums, &["loss", "aux loss"])? {
             return self.refuse(refused, sum(0), local[0], start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
         let grads = match self.unscale(grads, sum(0), sum(1) / n_micro, local[0], start)? {
             loss_scale::Unscaled::Grads(grads) => grads,
             loss_scale::Unscaled::Skipped(stats) => return Ok(stats),
@@ -768,6 +771,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             Err(e) if e.is_non_finite() => return self.refuse(e, sum(0), local[0], start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         if self.config.update_expert_bias {
             self.update_expert_bias(outcome.loads)?;
         }
@@ -944,6 +948,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&[value], &["objective"])? {
             return self.refuse(refused, value, 1, start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
         let grads = match self.unscale(grads, value, 0.0, 1, start)? {
             loss_scale::Unscaled::Grads(grads) => grads,
             loss_scale::Unscaled::Skipped(mut stats) => {
@@ -956,6 +961,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             Err(e) if e.is_non_finite() => return self.refuse(e, value, 1, start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         stats.loss = value as f32;
         Ok(stats)
     }
@@ -1030,6 +1036,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&[value], &["objective"])? {
             return self.refuse(refused, value, 1, start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
         let grads = match self.unscale(grads, value, 0.0, 1, start)? {
             loss_scale::Unscaled::Grads(grads) => grads,
             loss_scale::Unscaled::Skipped(mut stats) => {
@@ -1042,6 +1049,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             Err(e) if e.is_non_finite() => return self.refuse(e, value, 1, start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         if self.config.update_expert_bias {
             self.update_expert_bias(outcome.loads)?;
         }
