@@ -1305,7 +1305,12 @@ fn grad_scaler_from_json(v: &Value) -> Result<GradScalerState, TrainJobError> {
             )
         })
     };
-    let bad = |name: &str| invalid("resume", format!("`{GRAD_SCALER}.{name}` is malformed: {v}"));
+    let bad = |name: &str| {
+        invalid(
+            "resume",
+            format!("`{GRAD_SCALER}.{name}` is malformed: {v}"),
+        )
+    };
     Ok(GradScalerState {
         scale: field("scale")?.as_f64().ok_or_else(|| bad("scale"))?,
         growth_tracker: field("growth_tracker")?

@@ -45,7 +45,12 @@ fn fp16_trains_backs_off_and_resumes_bit_for_bit() {
     let (mut want, mut growth) = (1048576.0f64, 0);
     let mut overflows = 0;
     for r in &m {
-        assert_eq!(scale(r), want, "step {}: the scale its backward used", r["step"]);
+        assert_eq!(
+            scale(r),
+            want,
+            "step {}: the scale its backward used",
+            r["step"]
+        );
         if overflowed(r) {
             overflows += 1;
             want /= 2.0;
@@ -78,7 +83,10 @@ fn fp16_trains_backs_off_and_resumes_bit_for_bit() {
     let (a, b) = (params(&whole), params(&resumed));
     for (name, w) in &a {
         assert!(
-            b[name].iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()),
+            b[name]
+                .iter()
+                .zip(w)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
             "resumed: {name} differs"
         );
     }

@@ -13,6 +13,10 @@
 //! `moe-backend/tests/cube.rs`), and Burn's own dense matmul and reductions use shared memory,
 //! so a model step cannot run there (the pipeline creation segfaults).
 //!
+//! FP16 mixed precision with loss scaling runs against Flex on a device with F16; on llvmpipe,
+//! which has none, the test checks that the Trainer refuses it by name (docs/gpu.md §Half
+//! precision on Mesa).
+//!
 //! With one rank no collective reaches the transport (counted per group): the step's
 //! collectives stay on the device.
 //!
@@ -257,7 +261,7 @@ fn fp16_training_on_cube_equals_flex_or_is_refused_by_name() {
         let mut out = World::run(1, |ctx| {
             let pg = ctx.process_groups(&layout)?;
             let ad = device.clone().autodiff();
-            let trainer: Result<Trainer, _> =
+            let trainer: Result<Trainer<Qwen3MoeForCausalLM>, _> =
                 Trainer::new(&start, &pg, ctx.world()?, config.clone(), &ad);
             let mut trainer = match trainer {
                 Ok(t) => t,
@@ -276,15 +280,25 @@ fn fp16_training_on_cube_equals_flex_or_is_refused_by_name() {
     if !device.supports_dtype(DType::F16) {
         let e = run(&device).expect_err("refused");
         eprintln!("{device:?}: {e}");
-        assert!(e.contains("precision") && e.contains("fp16") && e.contains("F16"), "{e}");
+        assert!(
+            e.contains("precision") && e.contains("fp16") && e.contains("F16"),
+            "{e}"
+        );
         return;
     }
     let got = run(&device).expect("cube fp16");
     let want = run(&Device::flex()).expect("flex fp16");
     for (step, (a, b)) in got.iter().zip(&want).enumerate() {
-        assert_eq!((a.loss_scale, a.overflow), (b.loss_scale, b.overflow), "step {step}");
+        assert_eq!(
+            (a.loss_scale, a.overflow),
+            (b.loss_scale, b.overflow),
+            "step {step}"
+        );
         let l = rel(a.loss.into(), b.loss.into());
-        eprintln!("fp16 step {step}: loss {} vs {} (flex), rel {l:.2e}", a.loss, b.loss);
+        eprintln!(
+            "fp16 step {step}: loss {} vs {} (flex), rel {l:.2e}",
+            a.loss, b.loss
+        );
         assert!(l <= 1e-2, "step {step}: loss {} vs {}", a.loss, b.loss);
     }
 }

@@ -83,7 +83,13 @@ fn trainer(start: &Qwen3MoeForCausalLM, config: TrainerConfig) -> Trainer<Qwen3M
     let layout = ParallelLayout::parse(1, "").expect("layout");
     let mut out = World::run(1, |ctx| {
         let pg = ctx.process_groups(&layout)?;
-        Ok(Trainer::new(start, &pg, ctx.world()?, config.clone(), &ad()))
+        Ok(Trainer::new(
+            start,
+            &pg,
+            ctx.world()?,
+            config.clone(),
+            &ad(),
+        ))
     });
     out.remove(0).expect("world").expect("trainer")
 }
@@ -131,7 +137,9 @@ fn qwen3_moe_fp16_tracks_f32_over_25_steps() {
         let mut t = trainer(&start, config(precision, dynamic(1024.0)));
         let stats: Vec<StepStats> = (0..STEPS)
             .map(|step| {
-                let s = t.step_micro_batches(&micro_batches(&ids, step)).expect("step");
+                let s = t
+                    .step_micro_batches(&micro_batches(&ids, step))
+                    .expect("step");
                 if precision == Precision::F16 {
                     params_are_rounded_masters(&t);
                 }
@@ -144,12 +152,21 @@ fn qwen3_moe_fp16_tracks_f32_over_25_steps() {
     let (f16_stats, f16_trainer) = run(Precision::F16);
     let mut worst = 0f64;
     for (step, (a, b)) in f16_stats.iter().zip(&f32_stats).enumerate() {
-        assert!(!a.skipped && !a.overflow, "step {step}: overflow at scale {:?}", a.loss_scale);
+        assert!(
+            !a.skipped && !a.overflow,
+            "step {step}: overflow at scale {:?}",
+            a.loss_scale
+        );
         assert_eq!(a.loss_scale, Some(1024.0));
         assert_eq!(b.loss_scale, None);
         let r = (f64::from(a.loss) - f64::from(b.loss)).abs() / f64::from(b.loss);
         worst = worst.max(r);
-        assert!(r <= F16_VS_F32, "step {step}: fp16 {} vs f32 {}", a.loss, b.loss);
+        assert!(
+            r <= F16_VS_F32,
+            "step {step}: fp16 {} vs f32 {}",
+            a.loss,
+            b.loss
+        );
     }
     eprintln!(
         "fp16 vs f32 over {STEPS} steps: worst rel loss diff {worst:.2e}; losses f32 {:?} -> {:?}, fp16 {:?} -> {:?}",
@@ -172,11 +189,17 @@ fn forced_overflow_is_skipped_and_backs_off_after_the_hysteresis() {
     let before = params(&t);
     let masters = t.optimizer().master_values().expect("masters");
     for (step, scale_after) in [(0, 2f64.powi(40)), (1, 2f64.powi(39))] {
-        let s = t.step_micro_batches(&micro_batches(&ids, step)).expect("step");
+        let s = t
+            .step_micro_batches(&micro_batches(&ids, step))
+            .expect("step");
         assert!(s.skipped && s.overflow, "step {step}: {s:?}");
         assert!(s.loss.is_finite() && s.grad_norm.is_nan());
         assert_eq!(s.loss_scale, Some(2f64.powi(40)));
-        assert_eq!(t.grad_scaler().expect("scaler").scale(), scale_after, "step {step}");
+        assert_eq!(
+            t.grad_scaler().expect("scaler").scale(),
+            scale_after,
+            "step {step}"
+        );
         assert_eq!(params(&t), before, "step {step}: parameters changed");
         assert_eq!(t.optimizer().master_values().expect("masters"), masters);
         assert_eq!(t.optimizer().step_count(), 0);
@@ -198,13 +221,18 @@ fn constant_scaler_overflow_goes_to_the_guard() {
         .expect_err("refused");
     assert!(e.is_non_finite(), "{e}");
     let text = e.to_string();
-    assert!(text.contains("loss scaler") && text.contains("constant"), "{text}");
+    assert!(
+        text.contains("loss scaler") && text.contains("constant"),
+        "{text}"
+    );
     // With a skip budget the guard skips it, counted as a non-finite step.
     let mut cfg = config(Precision::F16, constant);
     cfg.skip_nonfinite_steps = 1;
     let mut t = trainer(&start, cfg);
     let before = params(&t);
-    let s = t.step_micro_batches(&micro_batches(&ids, 0)).expect("skipped");
+    let s = t
+        .step_micro_batches(&micro_batches(&ids, 0))
+        .expect("skipped");
     assert!(s.skipped && !s.overflow);
     assert_eq!(s.loss_scale, Some(2f64.powi(40)));
     assert_eq!(t.skipped_steps(), 1);
@@ -221,6 +249,14 @@ fn fp16_with_f16_gradient_reduction_is_refused_by_name() {
         let pg = ctx.process_groups(&layout)?;
         Ok(Trainer::new(&start, &pg, ctx.world()?, cfg.clone(), &ad()).map(|_| ()))
     });
-    let e = out.into_iter().next().expect("rank").expect("world").expect_err("refused");
-    assert!(e.to_string().contains("accumulate_allreduce_grads_in_fp32"), "{e}");
+    let e = out
+        .into_iter()
+        .next()
+        .expect("rank")
+        .expect("world")
+        .expect_err("refused");
+    assert!(
+        e.to_string().contains("accumulate_allreduce_grads_in_fp32"),
+        "{e}"
+    );
 }

@@ -29,8 +29,8 @@ use burn::tensor::{DType, Device, Tensor};
 use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
-    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    GradScaler, GradScalerConfig, MainGradAccumulator, MuonAdamW, MuonConfig, ParamClass,
+    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, GradScaler,
+    GradScalerConfig, LrSchedule, MainGradAccumulator, MuonAdamW, MuonConfig, ParamClass,
     ParamInfo, Precision, WdSchedule, cast_trainable,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};

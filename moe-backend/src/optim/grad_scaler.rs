@@ -136,7 +136,10 @@ impl GradScaler {
                 if min > initial {
                     return Err(config_err(
                         "min_loss_scale",
-                        format!("{} above the initial scale {}", c.min_scale, c.initial_scale),
+                        format!(
+                            "{} above the initial scale {}",
+                            c.min_scale, c.initial_scale
+                        ),
                     ));
                 }
                 if !(c.growth_factor > 1.0 && c.growth_factor.is_finite()) {
@@ -210,8 +213,8 @@ impl GradScaler {
             self.growth_tracker = 0;
             self.hysteresis_tracker -= 1;
             if self.hysteresis_tracker <= 0 {
-                let backed = ((f64::from(self.scale) * c.backoff_factor) as f32)
-                    .max(c.min_scale as f32);
+                let backed =
+                    ((f64::from(self.scale) * c.backoff_factor) as f32).max(c.min_scale as f32);
                 let change = if backed != self.scale {
                     ScaleChange::BackedOff
                 } else {
@@ -451,11 +454,35 @@ mod tests {
                 .to_string()
         };
         let d = DynamicScalerConfig::default();
-        assert!(bad(DynamicScalerConfig { min_scale: 2f64.powi(40), ..d }).contains("min_loss_scale"));
+        assert!(
+            bad(DynamicScalerConfig {
+                min_scale: 2f64.powi(40),
+                ..d
+            })
+            .contains("min_loss_scale")
+        );
         assert!(bad(DynamicScalerConfig { hysteresis: 0, ..d }).contains("hysteresis"));
-        assert!(bad(DynamicScalerConfig { growth_interval: 0, ..d }).contains("loss_scale_window"));
-        assert!(bad(DynamicScalerConfig { backoff_factor: 1.0, ..d }).contains("backoff"));
-        assert!(bad(DynamicScalerConfig { initial_scale: 1e39, ..d }).contains("initial_loss_scale"));
+        assert!(
+            bad(DynamicScalerConfig {
+                growth_interval: 0,
+                ..d
+            })
+            .contains("loss_scale_window")
+        );
+        assert!(
+            bad(DynamicScalerConfig {
+                backoff_factor: 1.0,
+                ..d
+            })
+            .contains("backoff")
+        );
+        assert!(
+            bad(DynamicScalerConfig {
+                initial_scale: 1e39,
+                ..d
+            })
+            .contains("initial_loss_scale")
+        );
         let e = GradScaler::new(GradScalerConfig::Constant(0.0)).unwrap_err();
         assert!(e.to_string().contains("loss_scale"), "{e}");
     }
@@ -472,8 +499,8 @@ mod tests {
             g.register::<2>(wid, t);
             g
         };
-        let (g, found) = unscale_grads(&linear, grads_of(vec![1024.0, -8.0, 0.5, 0.0]), 1.0 / 256.0)
-            .unwrap();
+        let (g, found) =
+            unscale_grads(&linear, grads_of(vec![1024.0, -8.0, 0.5, 0.0]), 1.0 / 256.0).unwrap();
         assert!(!found);
         let g = g.get::<2>(wid).unwrap();
         assert_eq!(g.dtype(), DType::F32);

@@ -20,10 +20,10 @@ mod state;
 mod tests;
 
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
+pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Storage, Fp8Weight};
 pub use grad_scaler::{
     DynamicScalerConfig, GradScaler, GradScalerConfig, GradScalerState, ScaleChange, unscale_grads,
 };
-pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Storage, Fp8Weight};
 pub use muon::{
     DistributedMuon, MatrixAxis, MuonAdamW, MuonConfig, MuonMatrix, MuonScale, MuonSharding,
     default_muon_select,

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use burn_moe::backend::optim::{
-    DynamicScalerConfig, GradScalerConfig, LrDecayStyle, LrSchedule, MuonConfig, Precision, WdIncrStyle, WdSchedule, WsdDecay,
+    DynamicScalerConfig, GradScalerConfig, LrDecayStyle, LrSchedule, MuonConfig, Precision,
+    WdIncrStyle, WdSchedule, WsdDecay,
 };
 use burn_moe::backend::router::AuxLossType;
 use burn_moe::bridge::export::parse_size;
@@ -304,7 +305,12 @@ pub struct Args {
     #[arg(long, requires = "fp16", value_name = "S")]
     pub loss_scale: Option<f64>,
     /// With `--fp16`: the dynamic scaler's first scale (Megatron's `--initial-loss-scale`).
-    #[arg(long, requires = "fp16", default_value_t = 4_294_967_296.0, value_name = "S")]
+    #[arg(
+        long,
+        requires = "fp16",
+        default_value_t = 4_294_967_296.0,
+        value_name = "S"
+    )]
     pub initial_loss_scale: f64,
     /// With `--fp16`: the dynamic scaler never backs off below this (`--min-loss-scale`).
     #[arg(long, requires = "fp16", default_value_t = 1.0, value_name = "S")]
@@ -796,7 +802,11 @@ mod tests {
             cfg.grad_scaler,
             GradScalerConfig::Dynamic(DynamicScalerConfig::default())
         );
-        let args = [&model[..], &["--hysteresis", "1", "--loss-scale-window", "10"]].concat();
+        let args = [
+            &model[..],
+            &["--hysteresis", "1", "--loss-scale-window", "10"],
+        ]
+        .concat();
         let GradScalerConfig::Dynamic(d) = job(&parsed(&args).expect("parse")).trainer.grad_scaler
         else {
             panic!("dynamic expected")
