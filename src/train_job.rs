@@ -1591,6 +1591,33 @@ pub fn run_job(
 mod tests {
     use super::*;
 
+    /// An FP16 step's loss scale is logged (`loss_scale` in the JSON record, Megatron's
+    /// `loss-scale` in TensorBoard); without loss scaling neither appears.
+    #[test]
+    fn loss_scale_is_logged_when_set() {
+        let mut m = StepMetrics {
+            step: 3,
+            loss: 2.5,
+            aux_loss: 1.0,
+            mtp_loss: None,
+            grad_norm: f64::NAN,
+            lr: 1e-3,
+            tokens_per_s: 10.0,
+            skipped_steps: 0,
+            skipped: true,
+            loss_scale: Some(65536.0),
+            eval_loss: None,
+        };
+        assert_eq!(m.to_json()["loss_scale"], json!(65536.0));
+        assert!(m.to_json()["grad_norm"].is_null());
+        let scalars = m.scalars();
+        assert!(scalars.contains(&("loss-scale", 65536.0)), "{scalars:?}");
+        assert!(!scalars.iter().any(|(tag, _)| *tag == "grad-norm"));
+        m.loss_scale = None;
+        assert!(m.to_json().get("loss_scale").is_none());
+        assert!(!m.scalars().iter().any(|(tag, _)| *tag == "loss-scale"));
+    }
+
     #[test]
     fn router_losses_default_to_the_model_config_and_explicit_settings_win() {
         let job = TrainJob::default();
