@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::{Device, Tensor};
 use moe_backend::comm::{Comm, RankCtx, ReduceOp};
 use moe_backend::devices::LocalRanks;
+use moe_backend::optim::GradScalerState;
 use moe_backend::parallel::{GroupFamily, ParallelLayout};
 use moe_backend::router::AuxLossType;
 use moe_bridge::dist::commit::{StalePolicy, remove_stale_temp_dirs};
@@ -309,8 +310,10 @@ pub struct StepMetrics {
     /// Non-finite steps skipped so far in the run (`--skip-nonfinite-steps`), this one
     /// included when it was skipped.
     pub skipped_steps: u64,
-    /// Whether this step was non-finite and skipped (nothing updated).
+    /// Whether this step was skipped (nothing updated): non-finite, or an FP16 overflow.
     pub skipped: bool,
+    /// The FP16 loss scale this step's backward pass used (`None` without loss scaling).
+    pub loss_scale: Option<f64>,
     /// Validation loss (token-weighted mean cross-entropy over the evaluation batches) when
     /// the step evaluated.
     pub eval_loss: Option<f32>,
@@ -330,6 +333,9 @@ impl StepMetrics {
             "tokens_per_s": self.tokens_per_s,
             "skipped_steps": self.skipped_steps,
         });
+        if let (Some(scale), Some(map)) = (self.loss_scale, record.as_object_mut()) {
+            map.insert("loss_scale".into(), json!(scale));
+        }
         if let (Some(eval), Some(map)) = (self.eval_loss, record.as_object_mut()) {
             map.insert("eval_loss".into(), json!(eval));
             map.insert("eval_ppl".into(), json!(f64::from(eval).exp()));
@@ -339,8 +345,8 @@ impl StepMetrics {
 
     /// The scalars a TensorBoard writer records for this step, by tag (Megatron's names where
     /// it has them): `lm loss`, `load_balancing_loss`, `mtp loss`, `grad-norm`,
-    /// `learning-rate`, `tokens-per-sec`, `skipped-iterations`, `lm loss validation`,
-    /// `lm loss validation ppl`; non-finite values are left out.
+    /// `learning-rate`, `tokens-per-sec`, `skipped-iterations`, `loss-scale` (FP16),
+    /// `lm loss validation`, `lm loss validation ppl`; non-finite values are left out.
     pub fn scalars(&self) -> Vec<(&'static str, f64)> {
         let mut out = vec![
             ("lm loss", f64::from(self.loss)),
@@ -352,6 +358,9 @@ impl StepMetrics {
         ];
         if let Some(mtp) = self.mtp_loss {
             out.push(("mtp loss", f64::from(mtp)));
+        }
+        if let Some(scale) = self.loss_scale {
+            out.push(("loss-scale", scale));
         }
         if let Some(eval) = self.eval_loss {
             out.push(("lm loss validation", f64::from(eval)));
@@ -1074,6 +1083,9 @@ fn run_model<F: Family>(
         .and_then(Value::as_u64)
         .unwrap_or(0);
     trainer.set_skipped_steps(skipped);
+    if let Some(saved) = state.extra.get(GRAD_SCALER) {
+        trainer.set_grad_scaler_state(&grad_scaler_from_json(saved)?)?;
+    }
     let mut report = TrainJobReport {
         first_step,
         layout: layout.to_string(),
@@ -1104,7 +1116,15 @@ fn run_model<F: Family>(
             }
             Err(e) => return Err(e.into()),
         };
-        if stats.skipped {
+        if stats.overflow {
+            if ctx.rank() == 0 {
+                tracing::info!(
+                    step = done,
+                    loss_scale = stats.loss_scale.unwrap_or(f64::NAN),
+                    "skipped a step: FP16 gradients overflowed (the loss scaler backs off)"
+                );
+            }
+        } else if stats.skipped {
             skipped += 1;
             if ctx.rank() == 0 {
                 tracing::warn!(
@@ -1155,6 +1175,17 @@ fn run_model<F: Family>(
             meta.config = Some(config_value.clone());
             let mut extra = state.extra.clone();
             extra.insert(SKIPPED_STEPS.into(), json!(skipped));
+            if let Some(scaler) = trainer.grad_scaler() {
+                let st = scaler.state();
+                extra.insert(
+                    GRAD_SCALER.into(),
+                    json!({
+                        "scale": st.scale,
+                        "growth_tracker": st.growth_tracker,
+                        "hysteresis_tracker": st.hysteresis_tracker,
+                    }),
+                );
+            }
             let saved_state = TrainState {
                 step: done as u64,
                 data_position: done as u64,
@@ -1259,6 +1290,37 @@ fn sync_to_rollout<M: ExportHf>(
 
 /// `TrainState::extra` key of the count of skipped non-finite steps.
 const SKIPPED_STEPS: &str = "skipped_steps";
+
+/// `TrainState::extra` key of the FP16 loss scaler's state (Megatron's `grad_scaler`
+/// `state_dict`: `scale`, `growth_tracker`, `hysteresis_tracker`).
+const GRAD_SCALER: &str = "grad_scaler";
+
+/// The loss scaler's state as a checkpoint's `extra` holds it.
+fn grad_scaler_from_json(v: &Value) -> Result<GradScalerState, TrainJobError> {
+    let field = |name: &str| {
+        v.get(name).ok_or_else(|| {
+            invalid(
+                "resume",
+                format!("the checkpoint's `{GRAD_SCALER}` state lacks `{name}`: {v}"),
+            )
+        })
+    };
+    let bad = |name: &str| {
+        invalid(
+            "resume",
+            format!("`{GRAD_SCALER}.{name}` is malformed: {v}"),
+        )
+    };
+    Ok(GradScalerState {
+        scale: field("scale")?.as_f64().ok_or_else(|| bad("scale"))?,
+        growth_tracker: field("growth_tracker")?
+            .as_u64()
+            .ok_or_else(|| bad("growth_tracker"))?,
+        hysteresis_tracker: field("hysteresis_tracker")?
+            .as_i64()
+            .ok_or_else(|| bad("hysteresis_tracker"))?,
+    })
+}
 
 /// `the latest checkpoint is …` of a job's save root, for the non-finite error.
 fn latest_description(save: Option<&Path>) -> String {
@@ -1395,6 +1457,7 @@ fn reduce_metrics(
         tokens_per_s: f64::from(sum(2)),
         skipped_steps: 0,
         skipped: stats.skipped,
+        loss_scale: stats.loss_scale,
         // Each replica's sums are reported by all its ranks alike: the ratio is the mean.
         eval_loss: eval.and_then(|_| (sum(5) > 0.0).then(|| sum(4) / sum(5))),
     };
@@ -1527,6 +1590,33 @@ pub fn run_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An FP16 step's loss scale is logged (`loss_scale` in the JSON record, Megatron's
+    /// `loss-scale` in TensorBoard); without loss scaling neither appears.
+    #[test]
+    fn loss_scale_is_logged_when_set() {
+        let mut m = StepMetrics {
+            step: 3,
+            loss: 2.5,
+            aux_loss: 1.0,
+            mtp_loss: None,
+            grad_norm: f64::NAN,
+            lr: 1e-3,
+            tokens_per_s: 10.0,
+            skipped_steps: 0,
+            skipped: true,
+            loss_scale: Some(65536.0),
+            eval_loss: None,
+        };
+        assert_eq!(m.to_json()["loss_scale"], json!(65536.0));
+        assert!(m.to_json()["grad_norm"].is_null());
+        let scalars = m.scalars();
+        assert!(scalars.contains(&("loss-scale", 65536.0)), "{scalars:?}");
+        assert!(!scalars.iter().any(|(tag, _)| *tag == "grad-norm"));
+        m.loss_scale = None;
+        assert!(m.to_json().get("loss_scale").is_none());
+        assert!(!m.scalars().iter().any(|(tag, _)| *tag == "loss-scale"));
+    }
 
     #[test]
     fn router_losses_default_to_the_model_config_and_explicit_settings_win() {

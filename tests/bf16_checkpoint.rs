@@ -168,6 +168,7 @@ fn run<M: ParallelCausalLm + PlacedModel + Sync>(
             for (i, (g, m)) in got.iter().zip(master).enumerate() {
                 let want = match precision {
                     Precision::Bf16 => bf(*m),
+                    Precision::F16 => burn::tensor::f16::from_f32(*m).to_f32(),
                     Precision::F32 => *m,
                 };
                 assert!(

@@ -287,7 +287,7 @@ impl DistCheckpoint {
 
     /// [`read_box`](Self::read_box) after checking the caller's model: the stored global shape
     /// must equal `global_shape`, and the dtype `dtype` (`None` accepts any). With
-    /// `allow_cast`, BF16 ↔ F32 differences are converted instead of refused.
+    /// `allow_cast`, BF16 / F16 ↔ F32 differences are converted instead of refused.
     pub fn read_box_checked(
         &self,
         fqn: &str,
@@ -309,7 +309,7 @@ impl DistCheckpoint {
             Some(d) if d != entry.dtype => {
                 let castable = matches!(
                     (entry.dtype, d),
-                    (Dtype::BF16, Dtype::F32) | (Dtype::F32, Dtype::BF16)
+                    (Dtype::BF16 | Dtype::F16, Dtype::F32) | (Dtype::F32, Dtype::BF16 | Dtype::F16)
                 );
                 if !(allow_cast && castable) {
                     return Err(BridgeError::DtypeMismatch {

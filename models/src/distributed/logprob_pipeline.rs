@@ -341,7 +341,9 @@ fn missing(microbatch: usize) -> ModelError {
 /// rank's chunks on the pipeline schedule (one chunk and a one-rank schedule without pipeline
 /// parallelism), `hook`'s objective of each micro-batch's log-probs back-propagated times
 /// `scale` on the last stage, the parameter gradients accumulated in `main_grad_dtype` (the
-/// parameters' own dtype when `None`).
+/// parameters' own dtype when `None`). `loss_scale` (FP16; 1 otherwise) multiplies what is
+/// back-propagated, the objective and the routers' attached losses alike (the logged values
+/// stay unscaled).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_logprob_step<S: CausalLmShard>(
     shard: &S,
@@ -350,6 +352,7 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
     tp: usize,
     device: &Device,
     scale: f64,
+    loss_scale: f64,
     main_grad_dtype: Option<DType>,
     hook: &mut LogProbHook<'_>,
 ) -> Result<LogProbOutcome, ModelError> {
@@ -358,11 +361,12 @@ pub(crate) fn run_logprob_step<S: CausalLmShard>(
     let rank = place.map_or(0, |p| p.rank);
     let mode = Mode::Train {
         hook,
-        scale,
+        scale: scale * loss_scale,
         accumulator: MainGradAccumulator::new(main_grad_dtype),
         tokens: 0,
     };
     let mut stage = LogProbStage::new(shard, micro, device, tp, mode);
+    stage.aux_grad_scale *= loss_scale;
     run_pipeline(&schedule, rank, channels, &mut stage)?;
     let loads = stage.loads.into_iter().flatten().collect();
     match stage.mode {

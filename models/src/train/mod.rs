@@ -29,9 +29,9 @@ use burn::tensor::{DType, Device, Tensor};
 use moe_backend::comm::{Comm, GroupComms, ReduceOp};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::optim::{
-    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, LrSchedule,
-    MainGradAccumulator, MuonAdamW, MuonConfig, ParamClass, ParamInfo, Precision, WdSchedule,
-    cast_trainable,
+    DistributedAdamW, DistributedAdamWConfig, Fp8ParamLayout, Fp8PrimaryConfig, GradScaler,
+    GradScalerConfig, LrSchedule, MainGradAccumulator, MuonAdamW, MuonConfig, ParamClass,
+    ParamInfo, Precision, WdSchedule, cast_trainable,
 };
 use moe_backend::parallel::{GroupFamily, ProcessGroups};
 use moe_backend::router::{AuxLossSpec, AuxLossType, RouterLoss, RouterLossKind};
@@ -43,6 +43,7 @@ use crate::param_plan::GradClass;
 use crate::plan::activations::Recompute;
 use crate::rl::logprobs::TokenLogProbs;
 
+mod loss_scale;
 mod pipeline;
 
 pub use crate::batch::{PaddingSide, TrainBatch};
@@ -136,8 +137,13 @@ pub struct TrainerConfig {
     pub precision: Precision,
     /// Under BF16: accumulate the micro-batches' gradients and reduce them over the
     /// data-parallel groups in f32 (Megatron's `accumulate_allreduce_grads_in_fp32`, the
-    /// default), or `false`: in BF16 (half the reduction bytes). No effect in f32.
+    /// default), or `false`: in BF16 (half the reduction bytes). No effect in f32; F16
+    /// needs it (its scaled gradients are unscaled into the f32 main gradients).
     pub accumulate_allreduce_grads_in_fp32: bool,
+    /// Under [`Precision::F16`]: the loss scaler (Megatron's `DynamicGradScaler` with its
+    /// defaults, or a constant `--loss-scale`; see [`moe_backend::optim::grad_scaler`] and
+    /// docs/training-and-rl.md §Mixed precision (FP16 and loss scaling)). Unused otherwise.
+    pub grad_scaler: GradScalerConfig,
 }
 
 impl Default for TrainerConfig {
@@ -169,6 +175,7 @@ impl Default for TrainerConfig {
             skip_nonfinite_steps: 0,
             precision: Precision::F32,
             accumulate_allreduce_grads_in_fp32: true,
+            grad_scaler: GradScalerConfig::default(),
         }
     }
 }
@@ -192,8 +199,15 @@ pub struct StepStats {
     pub tokens_per_second: f64,
     /// Learning rate the step used.
     pub lr: f64,
-    /// The step was non-finite and skipped (`skip_nonfinite_steps`): nothing was updated.
+    /// Nothing was updated: the step was non-finite and skipped (`skip_nonfinite_steps`),
+    /// or (with `overflow`) the loss scaler found non-finite gradients.
     pub skipped: bool,
+    /// The loss scale this step's backward pass used (FP16; `None` without loss scaling).
+    pub loss_scale: Option<f64>,
+    /// The dynamic loss scaler found NaN or infinite gradients on some rank and skipped the
+    /// step (Megatron's overflow skip; not a divergence, not counted by
+    /// `skip_nonfinite_steps`).
+    pub overflow: bool,
 }
 
 /// One rank's training state (Qwen3-MoE unless another [`ParallelCausalLm`] is named).
@@ -222,6 +236,8 @@ pub struct Trainer<M: ParallelCausalLm> {
     world: Comm,
     /// Non-finite steps skipped so far.
     skipped_steps: u64,
+    /// The loss scaler (FP16 only).
+    grad_scaler: Option<GradScaler>,
 }
 
 impl<M: ParallelCausalLm> Trainer<M> {
@@ -335,6 +351,13 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 ));
             }
             if !config.accumulate_allreduce_grads_in_fp32 {
+                if config.precision.needs_loss_scaling() {
+                    return Err(ModelError::unsupported(
+                        "accumulate_allreduce_grads_in_fp32",
+                        "false with FP16 (the scaled F16 gradients are unscaled into f32 main \
+                         gradients, which are accumulated and reduced in f32)",
+                    ));
+                }
                 optimizer.set_grad_reduce_dtype(dtype)?;
             }
             *model.model_mut() = cast_trainable(model.model().clone(), dtype);
@@ -349,6 +372,10 @@ impl<M: ParallelCausalLm> Trainer<M> {
             };
             adamw.exclude_from_norm(&[id])?;
         }
+        let grad_scaler = match config.precision.needs_loss_scaling() {
+            true => Some(GradScaler::new(config.grad_scaler)?),
+            false => None,
+        };
         Ok(Self {
             model,
             optimizer,
@@ -364,6 +391,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             tp: groups.comm(GroupFamily::Tp).size(),
             world: world_comm,
             skipped_steps: 0,
+            grad_scaler,
         })
     }
 
@@ -472,10 +500,15 @@ impl<M: ParallelCausalLm> Trainer<M> {
         let mut logged: Option<Tensor<1>> = None;
         let mut loads: Vec<Option<Vec<f64>>> = Vec::new();
         let n_micro = micro.len() as f64;
+        // The loss scale multiplies the objective and the routers' attached losses alike.
+        let loss_scale = self.loss_scale();
         for (batch, tokens) in micro.iter().zip(&counts) {
-            let out =
-                self.model
-                    .forward_train_batch(batch, &self.device, 1.0 / n_micro, depths > 0)?;
+            let out = self.model.forward_train_batch(
+                batch,
+                &self.device,
+                loss_scale / n_micro,
+                depths > 0,
+            )?;
             let TrainForward {
                 loss,
                 mtp_losses,
@@ -490,6 +523,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                 replicas,
                 depths,
                 mtp_scale,
+                loss_scale,
             };
             let aux = self.logged_aux(&router_losses);
             let (objective, row) = weights.weigh(loss, mtp_losses, aux, &self.device);
@@ -513,10 +547,16 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&sums, &["loss", "aux loss"])? {
             return self.refuse(refused, sum(0), local[0], start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
+        let grads = match self.unscale(grads, sum(0), sum(1) / n_micro, local[0], start)? {
+            loss_scale::Unscaled::Grads(grads) => grads,
+            loss_scale::Unscaled::Skipped(stats) => return Ok(stats),
+        };
         let mut stats = match self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start) {
             Err(e) if e.is_non_finite() => return self.refuse(e, sum(0), local[0], start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         if self.config.update_expert_bias {
             self.update_expert_bias(loads)?;
         }
@@ -562,6 +602,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
                     aux_kind: RouterLossKind::from(self.config.aux_loss_type),
                     device: &self.device,
                     main_grad_dtype: self.main_grad_dtype(),
+                    loss_scale: 1.0,
                 };
                 let outcome =
                     pipeline::run_step(&self.model, &place, &self.channels, self.tp, &inputs)?;
@@ -690,6 +731,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             aux_kind: RouterLossKind::from(self.config.aux_loss_type),
             device: &self.device,
             main_grad_dtype: self.main_grad_dtype(),
+            loss_scale: self.loss_scale(),
         };
         let outcome = pipeline::run_step(&self.model, &place, &self.channels, self.tp, &inputs)?;
         let mut grads = outcome.grads;
@@ -720,10 +762,16 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&sums, &["loss", "aux loss"])? {
             return self.refuse(refused, sum(0), local[0], start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
+        let grads = match self.unscale(grads, sum(0), sum(1) / n_micro, local[0], start)? {
+            loss_scale::Unscaled::Grads(grads) => grads,
+            loss_scale::Unscaled::Skipped(stats) => return Ok(stats),
+        };
         let mut stats = match self.finish_step(grads, sum(0), sum(1) / n_micro, local[0], start) {
             Err(e) if e.is_non_finite() => return self.refuse(e, sum(0), local[0], start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         if self.config.update_expert_bias {
             self.update_expert_bias(outcome.loads)?;
         }
@@ -880,11 +928,17 @@ impl<M: ParallelCausalLm> Trainer<M> {
         moe_backend::recompute::clear_param_grads();
         let mut accumulator = self.grad_accumulator();
         let (mut value_sum, mut tokens) = (0.0f64, 0usize);
-        let aux_grad_scale = 1.0 / micro.len() as f64;
+        let loss_scale = self.loss_scale();
+        let aux_grad_scale = loss_scale / micro.len() as f64;
         for batch in micro {
             let (objective, n) = loss(&self.model, batch, aux_grad_scale)?;
             value_sum += f64::from(scalar(&objective)?);
             tokens += n;
+            let objective = if loss_scale == 1.0 {
+                objective
+            } else {
+                objective.mul_scalar(loss_scale)
+            };
             let grads = GradientsParams::from_grads(objective.backward(), self.model.model());
             accumulator.accumulate(self.model.model(), grads);
             self.accumulate_recomputed(&mut accumulator);
@@ -894,10 +948,20 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&[value], &["objective"])? {
             return self.refuse(refused, value, 1, start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
+        let grads = match self.unscale(grads, value, 0.0, 1, start)? {
+            loss_scale::Unscaled::Grads(grads) => grads,
+            loss_scale::Unscaled::Skipped(mut stats) => {
+                stats.loss = value as f32;
+                stats.tokens = tokens;
+                return Ok(stats);
+            }
+        };
         let mut stats = match self.finish_step(grads, 0.0, 0.0, tokens, start) {
             Err(e) if e.is_non_finite() => return self.refuse(e, value, 1, start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         stats.loss = value as f32;
         Ok(stats)
     }
@@ -952,6 +1016,7 @@ impl<M: ParallelCausalLm> Trainer<M> {
             self.tp,
             &self.device,
             scale,
+            self.loss_scale(),
             self.main_grad_dtype(),
             &mut loss,
         )?;
@@ -971,10 +1036,20 @@ impl<M: ParallelCausalLm> Trainer<M> {
         if let Some(refused) = self.check_losses(&[value], &["objective"])? {
             return self.refuse(refused, value, 1, start);
         }
+        let used_scale = self.grad_scaler.as_ref().map(GradScaler::scale);
+        let grads = match self.unscale(grads, value, 0.0, 1, start)? {
+            loss_scale::Unscaled::Grads(grads) => grads,
+            loss_scale::Unscaled::Skipped(mut stats) => {
+                stats.loss = value as f32;
+                stats.tokens = tokens;
+                return Ok(stats);
+            }
+        };
         let mut stats = match self.finish_step(grads, 0.0, 0.0, tokens, start) {
             Err(e) if e.is_non_finite() => return self.refuse(e, value, 1, start),
             other => other?,
         };
+        stats.loss_scale = used_scale;
         if self.config.update_expert_bias {
             self.update_expert_bias(outcome.loads)?;
         }
@@ -1047,6 +1122,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
             tokens_per_second: tokens as f64 / secs,
             lr: self.lr(),
             skipped: true,
+            loss_scale: self.grad_scaler.as_ref().map(GradScaler::scale),
+            overflow: false,
         })
     }
 
@@ -1082,6 +1159,8 @@ impl<M: ParallelCausalLm> Trainer<M> {
             tokens_per_second: tokens as f64 / secs,
             lr,
             skipped: false,
+            loss_scale: self.grad_scaler.as_ref().map(GradScaler::scale),
+            overflow: false,
         })
     }
 
@@ -1223,6 +1302,8 @@ struct MicroWeights<'a> {
     depths: usize,
     /// `mtp_loss_scaling_factor`.
     mtp_scale: f64,
+    /// The loss scale (FP16; 1 otherwise): the objective is back-propagated times it.
+    loss_scale: f64,
 }
 
 impl MicroWeights<'_> {
@@ -1255,6 +1336,9 @@ impl MicroWeights<'_> {
                 let w = self.tokens[j + 1] as f64 * self.replicas as f64 / self.global[j + 1];
                 objective = objective + l.mul_scalar(w * self.mtp_scale / self.depths as f64);
             }
+        }
+        if self.loss_scale != 1.0 {
+            objective = objective.mul_scalar(self.loss_scale);
         }
         (objective, Tensor::cat(row, 0))
     }

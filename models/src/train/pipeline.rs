@@ -48,6 +48,9 @@ pub(super) struct StepInputs<'a> {
     pub device: &'a Device,
     /// The dtype gradients are accumulated in (`None`: as the backward pass gives them).
     pub main_grad_dtype: Option<burn::tensor::DType>,
+    /// The loss scale (FP16; 1 otherwise): the objective and the routers' attached losses are
+    /// back-propagated times it.
+    pub loss_scale: f64,
 }
 
 /// This rank's chunks as the executor drives them.
@@ -118,7 +121,7 @@ impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
             self.moe_offsets[chunk],
             &inputs.micro[microbatch],
             inputs.device,
-            1.0 / inputs.micro.len() as f64,
+            inputs.loss_scale / inputs.micro.len() as f64,
             inputs.depths > 0,
             input,
         )?;
@@ -149,6 +152,7 @@ impl<S: CausalLmShard> PipelineStage<2> for TrainStage<'_, S> {
                     replicas: inputs.replicas,
                     depths: inputs.depths,
                     mtp_scale: inputs.mtp_scale,
+                    loss_scale: inputs.loss_scale,
                 };
                 let aux = self.chunk_aux(&router_losses);
                 let (objective, row) = weights.weigh(loss, mtp_losses, aux, inputs.device);

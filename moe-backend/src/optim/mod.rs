@@ -9,6 +9,7 @@
 
 mod distributed_adam;
 pub mod fp8_primary;
+pub mod grad_scaler;
 mod host_step;
 pub mod muon;
 mod params;
@@ -20,6 +21,9 @@ mod tests;
 
 pub use distributed_adam::{DistributedAdamW, DistributedAdamWConfig, MomentDtype, StepReport};
 pub use fp8_primary::{Fp8ParamLayout, Fp8PrimaryConfig, Fp8Storage, Fp8Weight};
+pub use grad_scaler::{
+    DynamicScalerConfig, GradScaler, GradScalerConfig, GradScalerState, ScaleChange, unscale_grads,
+};
 pub use muon::{
     DistributedMuon, MatrixAxis, MuonAdamW, MuonConfig, MuonMatrix, MuonScale, MuonSharding,
     default_muon_select,

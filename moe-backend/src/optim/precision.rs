@@ -15,6 +15,10 @@
 //! `expert_bias` in f32. The layers keep their precision-critical parts in f32 whatever the
 //! parameters' dtype: router logits, scores, top-k and aux losses (`moe_router_dtype = fp32`),
 //! RMSNorm statistics, the attention softmax and the cross-entropy.
+//!
+//! [`Precision::F16`] is Megatron's `--fp16`: the same recipe with F16 in place of BF16 (a dtype
+//! choice), plus loss scaling ([`super::grad_scaler`]), since F16's 5 exponent bits let small
+//! gradients underflow.
 
 use std::fmt;
 use std::str::FromStr;
@@ -36,6 +40,9 @@ pub enum Precision {
     /// Megatron's BF16 mixed precision (`--bf16`): BF16 parameters, activations and
     /// gradients, f32 main weights, moments and gradient accumulation.
     Bf16,
+    /// Megatron's FP16 mixed precision (`--fp16`): the BF16 recipe with F16 parameters,
+    /// activations and gradients, plus loss scaling ([`super::grad_scaler`]).
+    F16,
 }
 
 impl Precision {
@@ -44,24 +51,31 @@ impl Precision {
         match self {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::BF16,
+            Precision::F16 => DType::F16,
         }
     }
 
     /// Bytes of one parameter element (and of one gradient element as the backward pass
-    /// produces it): 4 for f32, 2 for BF16.
+    /// produces it): 4 for f32, 2 for BF16 and F16.
     pub fn param_bytes(self) -> usize {
         match self {
             Precision::F32 => 4,
-            Precision::Bf16 => 2,
+            Precision::Bf16 | Precision::F16 => 2,
         }
     }
 
-    /// The name used on the command line and in configs (`fp32`, `bf16`).
+    /// The name used on the command line and in configs (`fp32`, `bf16`, `fp16`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "fp32",
             Precision::Bf16 => "bf16",
+            Precision::F16 => "fp16",
         }
+    }
+
+    /// Whether the recipe scales the loss (FP16: its gradients underflow without it).
+    pub fn needs_loss_scaling(self) -> bool {
+        self == Precision::F16
     }
 }
 
@@ -78,9 +92,10 @@ impl FromStr for Precision {
         match s.to_ascii_lowercase().as_str() {
             "fp32" | "f32" | "float32" => Ok(Precision::F32),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            "fp16" | "f16" | "float16" | "half" => Ok(Precision::F16),
             other => Err(BackendError::Config {
                 field: "precision",
-                detail: format!("`{other}` (expected fp32 or bf16)"),
+                detail: format!("`{other}` (expected fp32, bf16 or fp16)"),
             }),
         }
     }
@@ -300,10 +315,12 @@ mod tests {
 
     #[test]
     fn precision_names_round_trip() {
-        for p in [Precision::F32, Precision::Bf16] {
+        for p in [Precision::F32, Precision::Bf16, Precision::F16] {
             assert_eq!(p.name().parse::<Precision>().unwrap(), p);
         }
         assert!("fp8".parse::<Precision>().is_err());
         assert_eq!(Precision::Bf16.param_dtype(), DType::BF16);
+        assert_eq!(Precision::F16.param_dtype(), DType::F16);
+        assert_eq!(Precision::F16.param_bytes(), 2);
     }
 }

@@ -72,6 +72,10 @@ pub struct Args {
     /// default).
     #[arg(long)]
     pub fp32: bool,
+    /// Plan an FP16 run (`moe train --fp16`): the same bytes as BF16 (2-byte parameters,
+    /// gradients, activations and dispatched tokens; f32 main weights and moments).
+    #[arg(long, conflicts_with = "fp32")]
+    pub fp16: bool,
     /// ZeRO-1 distributed optimizer (`--distributed-optimizer false` replicates it).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub distributed_optimizer: bool,
@@ -117,6 +121,8 @@ fn options(args: &Args) -> anyhow::Result<PlanOptions> {
         },
         precision: if args.fp32 {
             burn_moe::backend::optim::Precision::F32
+        } else if args.fp16 {
+            burn_moe::backend::optim::Precision::F16
         } else {
             burn_moe::backend::optim::Precision::Bf16
         },

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use burn_moe::backend::optim::{
-    LrDecayStyle, LrSchedule, MuonConfig, Precision, WdIncrStyle, WdSchedule, WsdDecay,
+    DynamicScalerConfig, GradScalerConfig, LrDecayStyle, LrSchedule, MuonConfig, Precision,
+    WdIncrStyle, WdSchedule, WsdDecay,
 };
 use burn_moe::backend::router::AuxLossType;
 use burn_moe::bridge::export::parse_size;
@@ -291,8 +292,35 @@ pub struct Args {
     /// weights, Adam moments and gradient accumulation; router, norm statistics, attention
     /// softmax and cross-entropy in f32 (docs/training-and-rl.md §Mixed precision (BF16)).
     /// The default on `--device cuda`; elsewhere f32 is.
-    #[arg(long, conflicts_with = "fp32")]
+    #[arg(long, conflicts_with_all = ["fp32", "fp16"])]
     pub bf16: bool,
+    /// Megatron's FP16 mixed precision: the `--bf16` recipe with F16 parameters, activations
+    /// and gradients, plus loss scaling (dynamic by default: `--initial-loss-scale`,
+    /// `--min-loss-scale`, `--loss-scale-window`, `--hysteresis`; or `--loss-scale S`)
+    /// (docs/training-and-rl.md §Mixed precision (FP16 and loss scaling)).
+    #[arg(long, conflicts_with = "fp32")]
+    pub fp16: bool,
+    /// With `--fp16`: a constant loss scale (Megatron's `--loss-scale`); without it the scale
+    /// is dynamic.
+    #[arg(long, requires = "fp16", value_name = "S")]
+    pub loss_scale: Option<f64>,
+    /// With `--fp16`: the dynamic scaler's first scale (Megatron's `--initial-loss-scale`).
+    #[arg(
+        long,
+        requires = "fp16",
+        default_value_t = 4_294_967_296.0,
+        value_name = "S"
+    )]
+    pub initial_loss_scale: f64,
+    /// With `--fp16`: the dynamic scaler never backs off below this (`--min-loss-scale`).
+    #[arg(long, requires = "fp16", default_value_t = 1.0, value_name = "S")]
+    pub min_loss_scale: f64,
+    /// With `--fp16`: finite steps before the dynamic scale doubles (`--loss-scale-window`).
+    #[arg(long, requires = "fp16", default_value_t = 1000, value_name = "N")]
+    pub loss_scale_window: u64,
+    /// With `--fp16`: overflows tolerated before the dynamic scale halves (`--hysteresis`).
+    #[arg(long, requires = "fp16", default_value_t = 2, value_name = "N")]
+    pub hysteresis: u64,
     /// f32 parameters, activations and gradients (the default except on `--device cuda`).
     #[arg(long)]
     pub fp32: bool,
@@ -433,9 +461,12 @@ pub enum AuxLoss {
     GlobalAux,
 }
 
-/// `--bf16` / `--fp32`, else BF16 on CUDA devices (Megatron's GPU recipe) and f32 elsewhere
-/// (the CPU, and Vulkan devices, which may lack BF16).
+/// `--bf16` / `--fp16` / `--fp32`, else BF16 on CUDA devices (Megatron's GPU recipe) and f32
+/// elsewhere (the CPU, and Vulkan devices, which may lack BF16).
 fn precision(args: &Args) -> Precision {
+    if args.fp16 {
+        return Precision::F16;
+    }
     match (args.bf16, args.fp32, args.device) {
         (true, _, _) => Precision::Bf16,
         (false, true, _) => Precision::F32,
@@ -451,6 +482,16 @@ fn job(args: &Args) -> TrainJob {
         z_loss_coeff: args.z_loss_coeff,
         precision: precision(args),
         accumulate_allreduce_grads_in_fp32: !args.grad_reduce_in_bf16,
+        grad_scaler: match args.loss_scale {
+            Some(scale) => GradScalerConfig::Constant(scale),
+            None => GradScalerConfig::Dynamic(DynamicScalerConfig {
+                initial_scale: args.initial_loss_scale,
+                min_scale: args.min_loss_scale,
+                growth_interval: args.loss_scale_window,
+                hysteresis: args.hysteresis,
+                ..DynamicScalerConfig::default()
+            }),
+        },
         mtp_loss_scaling_factor: args.mtp_loss_scaling_factor,
         muon: (args.optimizer == OptimizerKind::Muon).then(MuonConfig::default),
         update_expert_bias: args.expert_bias_update_rate != 0.0,
@@ -735,5 +776,44 @@ mod tests {
         let both = [&model[..], &["--bf16", "--fp32"]].concat();
         let err = parsed(&both).expect_err("refused").to_string();
         assert!(err.contains("--fp32") && err.contains("--bf16"), "{err}");
+        // `--fp16` on any device; never with `--bf16` or `--fp32`.
+        assert_eq!(p(&[&model[..], &["--fp16"]].concat()), Precision::F16);
+        let cuda_f16 = [&model[..], &["--device", "cuda", "--fp16"]].concat();
+        assert_eq!(p(&cuda_f16), Precision::F16);
+        for other in ["--bf16", "--fp32"] {
+            let both = [&model[..], &["--fp16", other]].concat();
+            let err = parsed(&both).expect_err("refused").to_string();
+            assert!(err.contains("--fp16") && err.contains(other), "{err}");
+        }
+        // The loss-scaling options belong to `--fp16`.
+        let err = parsed(&[&model[..], &["--loss-scale", "1024"]].concat())
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains("--fp16"), "{err}");
+    }
+
+    /// `--fp16` defaults to Megatron's dynamic scaler; `--loss-scale S` is constant.
+    #[test]
+    fn fp16_loss_scaler_settings() {
+        let model = ["--model", "m", "--fp16"];
+        let cfg = job(&parsed(&model).expect("parse")).trainer;
+        assert_eq!(cfg.precision, Precision::F16);
+        assert_eq!(
+            cfg.grad_scaler,
+            GradScalerConfig::Dynamic(DynamicScalerConfig::default())
+        );
+        let args = [
+            &model[..],
+            &["--hysteresis", "1", "--loss-scale-window", "10"],
+        ]
+        .concat();
+        let GradScalerConfig::Dynamic(d) = job(&parsed(&args).expect("parse")).trainer.grad_scaler
+        else {
+            panic!("dynamic expected")
+        };
+        assert_eq!((d.hysteresis, d.growth_interval), (1, 10));
+        let args = [&model[..], &["--loss-scale", "128"]].concat();
+        let cfg = job(&parsed(&args).expect("parse")).trainer;
+        assert_eq!(cfg.grad_scaler, GradScalerConfig::Constant(128.0));
     }
 }
