@@ -3,7 +3,8 @@
 //! micro-batches, clipping, AdamW; cross-entropy only, as the PyTorch reference):
 //!
 //! - for Qwen3-MoE, DeepSeek-V3 and dense Qwen3, the per-step losses of 50 BF16 steps stay
-//!   within 2% of the f32 run's (DeepSeek-V3: 5%, see its test), and both runs match PyTorch
+//!   within 2% of the f32 run's (DeepSeek-V3: at lr 1e-3; 5% at the others' lr 3e-3, where
+//!   PyTorch's own BF16 run leaves its f32 run by 4.3%, see its tests), and both runs match PyTorch
 //!   runs of the same recipe (`tests/fixtures/make_bf16_training_goldens.py`) within
 //!   [`F32_RTOL`] and [`BF16_RTOL`];
 //! - the shard's trainable parameters are BF16 and equal the optimizer's f32 main weights
@@ -30,6 +31,9 @@ const STEPS: usize = 50;
 const MICRO: usize = 2;
 const MBS: usize = 2;
 const S: usize = 32;
+/// The golden runs' learning rate, and the lower one of DeepSeek-V3's second pair of runs.
+const LR: f64 = 3e-3;
+const LOW_LR: f64 = 1e-3;
 
 fn ad() -> Device {
     Device::flex().autodiff()
@@ -77,8 +81,13 @@ fn micro_batch(ids: &[i64], step: usize, m: usize) -> TrainBatch {
 /// decay, clipping at 1.0) with lr 3e-3 and no router aux loss, z-loss, expert-bias update or
 /// MTP loss (the PyTorch reference trains on the cross-entropy alone).
 fn config(precision: Precision) -> TrainerConfig {
+    config_at(precision, LR)
+}
+
+/// [`config`] at learning rate `lr`.
+fn config_at(precision: Precision, lr: f64) -> TrainerConfig {
     TrainerConfig {
-        lr: 3e-3,
+        lr,
         aux_loss_coeff: 0.0,
         z_loss_coeff: 0.0,
         update_expert_bias: false,
@@ -206,11 +215,23 @@ const BF16_MEAN_RTOL: f64 = 0.01;
 /// BF16 against f32: every step within `bf16_vs_f32` (2%, the acceptance bound, where the
 /// PyTorch recipe itself stays within it).
 fn check_model<M: ParallelCausalLm + Sync>(start: &M, name: &str, bf16_vs_f32: f64) {
-    let f32_losses = train(start, (1, ""), config(Precision::F32), STEPS, &no_check);
+    check_model_at(start, name, LR, bf16_vs_f32);
+}
+
+/// [`check_model`] at learning rate `lr` against the goldens `{name}.loss.*` (`name` names the
+/// pair of PyTorch runs at `lr`).
+fn check_model_at<M: ParallelCausalLm + Sync>(start: &M, name: &str, lr: f64, bf16_vs_f32: f64) {
+    let f32_losses = train(
+        start,
+        (1, ""),
+        config_at(Precision::F32, lr),
+        STEPS,
+        &no_check,
+    );
     let bf16_losses = train(
         start,
         (1, ""),
-        config(Precision::Bf16),
+        config_at(Precision::Bf16, lr),
         STEPS,
         &params_are_rounded_masters,
     );
@@ -259,12 +280,21 @@ fn qwen3_moe_bf16_tracks_f32_and_pytorch_over_50_steps() {
     check_model(&qwen3_moe(&ad()), "qwen3_moe", 0.02);
 }
 
-/// DeepSeek-V3's group-limited sigmoid routing amplifies rounding differences most: PyTorch's
-/// own BF16 run leaves its f32 run by up to 4.3% within these 50 steps, so BF16 against f32 is
-/// held to that reference's divergence (5%) rather than 2%.
+/// DeepSeek-V3's group-limited sigmoid routing turns rounding differences into routing flips
+/// whose effect on the loss grows with the step size: at the golden runs' lr 3e-3 PyTorch's own
+/// BF16 run leaves its f32 run by up to 4.3% within these 50 steps (ours: 3.4%), so there
+/// BF16 against f32 is held to that reference's divergence (5%); at lr 1e-3
+/// ([`deepseek_v3_bf16_tracks_f32_within_2_percent_at_lr_1e_3`]) it is held to the 2%.
 #[test]
 fn deepseek_v3_bf16_tracks_f32_and_pytorch_over_50_steps() {
     check_model(&deepseek(&ad()), "deepseek_v3", 0.05);
+}
+
+/// DeepSeek-V3 at lr 1e-3 (a PyTorch pair of runs of its own): BF16 within 2% of f32 at every
+/// one of the 50 steps, and both runs match PyTorch's.
+#[test]
+fn deepseek_v3_bf16_tracks_f32_within_2_percent_at_lr_1e_3() {
+    check_model_at(&deepseek(&ad()), "deepseek_v3.lr0.001", LOW_LR, 0.02);
 }
 
 #[test]
