@@ -11,6 +11,7 @@
 //! RoPE and checks ranges and cross-field rules (`validate`). The public configs serialize back
 //! to `config.json` (transformers 5.23 spelling) through the same structs.
 
+pub(crate) mod check;
 pub(crate) mod de;
 pub(crate) mod layer_types;
 pub(crate) mod rope;
