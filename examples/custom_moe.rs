@@ -194,26 +194,24 @@ impl Planned for ParallelBlockMoe {
 
 // 2. The forward: the model's embedding, blocks (`ParallelBlock::forward_in`), final norm and
 //    head as a `DecoderStack`, and its pipeline stages.
-burn_moe::models::flat_decoder_stack!(ParallelBlockMoe);
+burn_moe::models::flat_decoder_stack!(ParallelBlockMoe, ParallelBlock);
 
 /// 3. The shape the parallel context needs, the (lazy) template loading cuts by the plan into
 ///    a rank's shard or a pipeline stage's part, and where its blocks are.
 impl ShardModel for ParallelBlockMoe {
     type Config = ParallelBlockMoeConfig;
-    type Layer = ParallelBlock;
 
     fn model_config(&self) -> &ParallelBlockMoeConfig {
         &self.config
     }
 
     fn stack_shape(c: &ParallelBlockMoeConfig) -> Result<StackShape, ModelError> {
-        let (layers, hidden) = (c.num_layers, c.hidden_size);
         Ok(StackShape {
             pipeline: PipelineModel {
-                layers,
+                layers: c.num_layers,
                 mtp: 0,
                 tied: false,
-                hidden,
+                hidden: c.hidden_size,
             },
             num_experts: Some(c.num_experts),
             vocab_size: c.vocab_size,
@@ -227,14 +225,6 @@ impl ShardModel for ParallelBlockMoe {
 
     fn select_stage(self, stage: &StageHolding) -> Result<Self, ModelError> {
         Self::select_stage(self, stage)
-    }
-
-    fn layers(&self) -> &LayerStack<ParallelBlock> {
-        &self.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<ParallelBlock> {
-        &mut self.layers
     }
 }
 

@@ -48,14 +48,12 @@ pub struct StackShape {
 
 /// A model whose shard [`Sharded`] runs under any layout: a [`DecoderStack`] (embedding,
 /// layers, final norm, head, optional MTP modules) with a parallel plan ([`Planned`]) whose
-/// decoder layers are [`LayerParts`]. Loading, localizing, FP8, the routers and gathering have
+/// decoder layers ([`DecoderStack::Layer`]) are [`LayerParts`]. Loading, localizing, FP8, the routers and gathering have
 /// defaults read off the layers; a family states its config's shape, its template and its
 /// routing.
 pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug + Sized {
     /// The model's configuration (HF `config.json` of its family).
     type Config: Clone + std::fmt::Debug + Send + Sync + 'static;
-    /// The decoder layers' type (of the main model and the MTP modules alike).
-    type Layer: LayerParts;
 
     /// The configuration the model was built from.
     fn model_config(&self) -> &Self::Config;
@@ -71,12 +69,6 @@ pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug 
     /// The parts of the model a pipeline stage holds (`stage`): its decoder layers (named by
     /// their global index), the embedding, final norm, head and MTP modules only where held.
     fn select_stage(self, stage: &crate::weights::StageHolding) -> Result<Self, ModelError>;
-
-    /// The main model's decoder layers this model holds.
-    fn layers(&self) -> &LayerStack<Self::Layer>;
-
-    /// The main model's decoder layers, mutably.
-    fn layers_mut(&mut self) -> &mut LayerStack<Self::Layer>;
 
     /// The MTP modules' decoder layers this model holds, in depth order (none by default).
     fn mtp_layers(&self) -> Vec<&Self::Layer> {

@@ -302,11 +302,10 @@ impl crate::families::blocks::mtp::MtpBlock for DeepseekV3DecoderLayer {
     }
 }
 
-crate::distributed::decoder_stack!(DeepseekV3ForCausalLM, mtp = mtp);
+crate::distributed::decoder_stack!(DeepseekV3ForCausalLM, DeepseekV3DecoderLayer, mtp = mtp);
 
 impl ShardModel for DeepseekV3ForCausalLM {
     type Config = DeepseekV3Config;
-    type Layer = DeepseekV3DecoderLayer;
 
     fn template(config: &DeepseekV3Config, device: &Device) -> Result<Self, ModelError> {
         config.init(device)
@@ -325,14 +324,6 @@ impl ShardModel for DeepseekV3ForCausalLM {
             config,
             RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?,
         ))
-    }
-
-    fn layers(&self) -> &LayerStack<DeepseekV3DecoderLayer> {
-        &self.model.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<DeepseekV3DecoderLayer> {
-        &mut self.model.layers
     }
 
     fn mtp_layers(&self) -> Vec<&DeepseekV3DecoderLayer> {

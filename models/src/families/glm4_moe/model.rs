@@ -293,11 +293,10 @@ impl Glm4MoeForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(Glm4MoeForCausalLM, mtp = mtp);
+crate::distributed::decoder_stack!(Glm4MoeForCausalLM, Glm4MoeDecoderLayer, mtp = mtp);
 
 impl ShardModel for Glm4MoeForCausalLM {
     type Config = Glm4MoeConfig;
-    type Layer = Glm4MoeDecoderLayer;
 
     fn template(config: &Glm4MoeConfig, device: &Device) -> Result<Self, ModelError> {
         config.init(device)
@@ -316,14 +315,6 @@ impl ShardModel for Glm4MoeForCausalLM {
             config,
             config.rotary_embedding()?,
         ))
-    }
-
-    fn layers(&self) -> &LayerStack<Glm4MoeDecoderLayer> {
-        &self.model.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<Glm4MoeDecoderLayer> {
-        &mut self.model.layers
     }
 
     fn mtp_layers(&self) -> Vec<&Glm4MoeDecoderLayer> {

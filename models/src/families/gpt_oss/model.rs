@@ -249,11 +249,10 @@ impl GptOssForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(GptOssForCausalLM);
+crate::distributed::decoder_stack!(GptOssForCausalLM, GptOssDecoderLayer);
 
 impl ShardModel for GptOssForCausalLM {
     type Config = GptOssConfig;
-    type Layer = GptOssDecoderLayer;
 
     fn template(config: &GptOssConfig, device: &Device) -> Result<Self, ModelError> {
         config.init(device)
@@ -270,14 +269,6 @@ impl ShardModel for GptOssForCausalLM {
     fn stack_shape(config: &GptOssConfig) -> Result<StackShape, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
         Ok(crate::families::stack_shape(config, rope))
-    }
-
-    fn layers(&self) -> &LayerStack<GptOssDecoderLayer> {
-        &self.model.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<GptOssDecoderLayer> {
-        &mut self.model.layers
     }
 
     fn replay_spec(&self) -> Option<ReplaySpec> {

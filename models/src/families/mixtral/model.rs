@@ -234,11 +234,10 @@ impl MixtralForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(MixtralForCausalLM);
+crate::distributed::decoder_stack!(MixtralForCausalLM, MixtralDecoderLayer);
 
 impl ShardModel for MixtralForCausalLM {
     type Config = MixtralConfig;
-    type Layer = MixtralDecoderLayer;
 
     fn template(config: &MixtralConfig, device: &Device) -> Result<Self, ModelError> {
         config.init(device)
@@ -255,14 +254,6 @@ impl ShardModel for MixtralForCausalLM {
     fn stack_shape(config: &MixtralConfig) -> Result<StackShape, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
         Ok(crate::families::stack_shape(config, rope))
-    }
-
-    fn layers(&self) -> &LayerStack<MixtralDecoderLayer> {
-        &self.model.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<MixtralDecoderLayer> {
-        &mut self.model.layers
     }
 
     fn replay_spec(&self) -> Option<ReplaySpec> {

@@ -16,9 +16,7 @@ use crate::causal_lm::CausalLm;
 use crate::distributed::{AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{
-    Attention, AttentionConfig, LayerStack, Mlp, MlpConfig, RmsNorm, RmsNormConfig,
-};
+use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::weights::{WeightLoader, WeightSource};
 
@@ -182,11 +180,10 @@ impl Qwen3ForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(Qwen3ForCausalLM);
+crate::distributed::decoder_stack!(Qwen3ForCausalLM, Qwen3DecoderLayer);
 
 impl ShardModel for Qwen3ForCausalLM {
     type Config = Qwen3Config;
-    type Layer = Qwen3DecoderLayer;
 
     fn template(config: &Qwen3Config, device: &Device) -> Result<Self, ModelError> {
         config.init(device)
@@ -203,14 +200,6 @@ impl ShardModel for Qwen3ForCausalLM {
     fn stack_shape(config: &Qwen3Config) -> Result<crate::distributed::StackShape, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
         Ok(crate::families::stack_shape(config, rope))
-    }
-
-    fn layers(&self) -> &LayerStack<Qwen3DecoderLayer> {
-        &self.model.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<Qwen3DecoderLayer> {
-        &mut self.model.layers
     }
 }
 

@@ -23,9 +23,7 @@ use crate::distributed::{
 };
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{
-    Attention, AttentionConfig, LayerStack, Mlp, MlpConfig, RmsNorm, RmsNormConfig,
-};
+use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
@@ -298,11 +296,10 @@ impl Qwen3MoeForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(Qwen3MoeForCausalLM);
+crate::distributed::decoder_stack!(Qwen3MoeForCausalLM, Qwen3MoeDecoderLayer);
 
 impl ShardModel for Qwen3MoeForCausalLM {
     type Config = Qwen3MoeConfig;
-    type Layer = Qwen3MoeDecoderLayer;
 
     fn template(config: &Qwen3MoeConfig, device: &Device) -> Result<Self, ModelError> {
         config.init(device)
@@ -319,14 +316,6 @@ impl ShardModel for Qwen3MoeForCausalLM {
     fn stack_shape(config: &Qwen3MoeConfig) -> Result<StackShape, ModelError> {
         let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
         Ok(crate::families::stack_shape(config, rope))
-    }
-
-    fn layers(&self) -> &LayerStack<Qwen3MoeDecoderLayer> {
-        &self.model.layers
-    }
-
-    fn layers_mut(&mut self) -> &mut LayerStack<Qwen3MoeDecoderLayer> {
-        &mut self.model.layers
     }
 
     fn replay_spec(&self) -> Option<ReplaySpec> {
