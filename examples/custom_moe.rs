@@ -6,7 +6,7 @@
 //! modules and the crate's building blocks ([`Attention`], [`RmsNorm`], [`MoeLayer`]), written
 //! once against a [`ParallelContext`] (vocab-parallel embedding, sequence-parallel attention,
 //! MoE token dispatch, vocab-parallel head and loss), which is the single-rank model at
-//! `world = 1`. Three impls make it a family the crates run under every layout (TP/SP/CP/PP/
+//! `world = 1`. Four impls make it a family the crates run under every layout (TP/SP/CP/PP/
 //! EP/ETP/DP), exactly as the built-in families ([`burn_moe::models::families`]):
 //!
 //! 1. [`Planned`]: its **parallel plan**, declared with the same row builders as the built-in
@@ -15,7 +15,8 @@
 //! 2. [`DecoderStack`]: its embedding, blocks, final norm and head (one macro line for a
 //!    model with these parts as fields; the block's **forward** is the model's own code);
 //! 3. [`ShardModel`]: its config's shape, its lazily built template and pipeline stages
-//!    (loading, checkpoints and the planner cut them by the plan).
+//!    (loading, checkpoints and the planner cut them by the plan) and its blocks;
+//! 4. [`LayerParts`]: a block's attention and MoE layer (loading, FP8 and the routers read them).
 //!
 //! The one generic sharded model ([`burn_moe::models::distributed::Sharded`]) and the
 //! [`Trainer`] then do the rest. `main` trains it on 4 in-process ranks with attention
@@ -31,12 +32,12 @@ use burn_moe::backend::BackendError;
 use burn_moe::backend::comm::World;
 use burn_moe::backend::layer::{MoeLayer, MoeLayerConfig};
 use burn_moe::backend::parallel::{ParallelLayout, replicate};
-use burn_moe::backend::router::{TopKRouter, TopKRouterConfig};
+use burn_moe::backend::router::TopKRouterConfig;
 use burn_moe::models::ModelError;
 use burn_moe::models::config::RopeParameters;
 use burn_moe::models::distributed::{
-    AttentionInputs, CausalLmShard, ParallelContext, PipelineModel, RouterTrace, ShardModel,
-    StackShape,
+    AttentionInputs, CausalLmShard, LayerParts, ParallelContext, PipelineModel, RouterTrace,
+    ShardModel, StackShape,
 };
 use burn_moe::models::layers::{
     Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig, RotaryEmbedding,
@@ -193,10 +194,10 @@ impl Planned for ParallelBlockMoe {
 
 // 2. The forward: the model's embedding, blocks (`ParallelBlock::forward_in`), final norm and
 //    head as a `DecoderStack`, and its pipeline stages.
-burn_moe::models::flat_decoder_stack!(ParallelBlockMoe);
+burn_moe::models::flat_decoder_stack!(ParallelBlockMoe, ParallelBlock);
 
 /// 3. The shape the parallel context needs, the (lazy) template loading cuts by the plan into
-///    a rank's shard or a pipeline stage's part, and the head counts fixed after the cut.
+///    a rank's shard or a pipeline stage's part, and where its blocks are.
 impl ShardModel for ParallelBlockMoe {
     type Config = ParallelBlockMoeConfig;
 
@@ -205,13 +206,12 @@ impl ShardModel for ParallelBlockMoe {
     }
 
     fn stack_shape(c: &ParallelBlockMoeConfig) -> Result<StackShape, ModelError> {
-        let (layers, hidden) = (c.num_layers, c.hidden_size);
         Ok(StackShape {
             pipeline: PipelineModel {
-                layers,
+                layers: c.num_layers,
                 mtp: 0,
                 tied: false,
-                hidden,
+                hidden: c.hidden_size,
             },
             num_experts: Some(c.num_experts),
             vocab_size: c.vocab_size,
@@ -226,20 +226,27 @@ impl ShardModel for ParallelBlockMoe {
     fn select_stage(self, stage: &StageHolding) -> Result<Self, ModelError> {
         Self::select_stage(self, stage)
     }
+}
 
-    fn localize(mut self) -> Result<Self, ModelError> {
-        for block in self.layers.iter_mut() {
-            block.self_attn = block.self_attn.clone().with_local_heads()?;
-        }
-        Ok(self)
+/// 4. What the generic shard code reads of a block: its attention and its MoE layer (loading
+///    fixes the attention's local heads; the routers, FP8 and gathering follow from these).
+impl LayerParts for ParallelBlock {
+    type Attention = Attention;
+
+    fn attention(&self) -> &Attention {
+        &self.self_attn
     }
 
-    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
-        self.layers.get(layers).map_or(0, <[_]>::len)
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
     }
 
-    fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
-        self.layers.iter_mut().map(|b| &mut b.moe.router).collect()
+    fn moe(&self) -> Option<&MoeLayer> {
+        Some(&self.moe)
+    }
+
+    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        Some(&mut self.moe)
     }
 }
 

@@ -11,6 +11,7 @@
 //! RoPE and checks ranges and cross-field rules (`validate`). The public configs serialize back
 //! to `config.json` (transformers 5.23 spelling) through the same structs.
 
+pub(crate) mod check;
 pub(crate) mod de;
 pub(crate) mod layer_types;
 pub(crate) mod rope;
@@ -51,6 +52,18 @@ pub trait FamilyConfig: Clone + std::fmt::Debug + serde::Serialize + Send + Sync
     fn hidden_size(&self) -> usize;
     /// `(routed experts, experts per token)` of an MoE model, `None` for a dense one.
     fn experts(&self) -> Option<(usize, usize)>;
+    /// Whether decoder layer `layer` has an MoE block (the default: every layer of an MoE
+    /// model, none of a dense one).
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        let _ = layer;
+        self.experts().is_some()
+    }
+    /// Multi-token-prediction modules (stored as layers `N + j`; none by default).
+    fn mtp_layers(&self) -> usize {
+        0
+    }
+    /// Whether the output layer shares the token embedding's weight.
+    fn tie_word_embeddings(&self) -> bool;
     /// Configuration warnings worth showing a user (none by default).
     fn warnings(&self) -> Vec<String> {
         Vec::new()

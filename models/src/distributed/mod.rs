@@ -32,6 +32,7 @@ use crate::causal_lm::IGNORE_INDEX;
 
 mod context_parallel;
 mod gather;
+mod layer_parts;
 pub mod logprob_pipeline;
 pub mod logprobs;
 mod pipeline;
@@ -54,6 +55,7 @@ pub use stack::held;
 pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 
 pub use gather::{gather_full, gather_planned};
+pub use layer_parts::{LayerParts, ShardAttention};
 /// How a canonical tensor is split over the ranks of one pipeline stage (moe-bridge's type).
 pub use moe_bridge::dist::ShardRule;
 pub use shard_model::{ShardModel, Sharded, StackShape};

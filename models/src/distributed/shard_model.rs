@@ -14,6 +14,7 @@ use moe_backend::comm::GroupComms;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::router::TopKRouter;
 
+use super::layer_parts::{LayerParts, ShardAttention, copy_layer_fp8, layer_router, set_layer_fp8};
 use super::pipeline::{ChunkParts, PipelineModel, PipelinePlace};
 use super::replay::ForwardRouting;
 use super::runtime::{RouterTrace, SpRuntime};
@@ -24,10 +25,13 @@ use crate::ModelError;
 use crate::batch::TrainBatch;
 use crate::causal_lm::CausalLm;
 use crate::layers::KvCache;
+use crate::layers::LayerStack;
 use crate::layers::rope::RotaryEmbedding;
 use crate::param_plan::Planned;
 use crate::routing::ReplaySpec;
-use crate::weights::{ModuleWeights, WeightLoader, WeightSource, adopt_param_ids, module_device};
+use crate::weights::{
+    ModuleWeights, ShardSpec, WeightLoader, WeightSource, adopt_param_ids, module_device,
+};
 
 /// What the parallel context of a model needs from its config.
 #[derive(Debug, Clone)]
@@ -43,8 +47,10 @@ pub struct StackShape {
 }
 
 /// A model whose shard [`Sharded`] runs under any layout: a [`DecoderStack`] (embedding,
-/// layers, final norm, head, optional MTP modules) with a parallel plan ([`Planned`]).
-/// Everything else has defaults for a dense model.
+/// layers, final norm, head, optional MTP modules) with a parallel plan ([`Planned`]) whose
+/// decoder layers ([`DecoderStack::Layer`]) are [`LayerParts`]. Loading, localizing, FP8, the routers and gathering have
+/// defaults read off the layers; a family states its config's shape, its template and its
+/// routing.
 pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug + Sized {
     /// The model's configuration (HF `config.json` of its family).
     type Config: Clone + std::fmt::Debug + Send + Sync + 'static;
@@ -64,42 +70,76 @@ pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug 
     /// their global index), the embedding, final norm, head and MTP modules only where held.
     fn select_stage(self, stage: &crate::weights::StageHolding) -> Result<Self, ModelError>;
 
+    /// The MTP modules' decoder layers this model holds, in depth order (none by default).
+    fn mtp_layers(&self) -> Vec<&Self::Layer> {
+        Vec::new()
+    }
+
+    /// The main model's decoder layers and the MTP modules', mutably (a model with MTP
+    /// modules overrides it; the default: the main layers only).
+    fn layers_with_mtp_mut(&mut self) -> (&mut LayerStack<Self::Layer>, Vec<&mut Self::Layer>) {
+        (self.layers_mut(), Vec::new())
+    }
+
+    /// Every decoder layer held, main layers first and then the MTP modules', mutably.
+    fn all_layers_mut(&mut self) -> Vec<&mut Self::Layer> {
+        let (main, mtp) = self.layers_with_mtp_mut();
+        main.iter_mut().chain(mtp).collect()
+    }
+
     /// The model built by `loader`: whole, one rank's shard at local shapes
     /// ([`WeightLoader::sharded`]) or a zero skeleton. The default: the
-    /// [`template`](Self::template) cut to the loader's pipeline stage, every parameter read by
-    /// its plan row ([`crate::param_plan::load_with`]), then [`localize`](Self::localize).
+    /// [`template`](Self::template) cut to the loader's pipeline stage, its attention checked
+    /// against the loader's `tp`, every parameter read by its plan row
+    /// ([`crate::param_plan::load_with`]), then [`localize`](Self::localize).
     fn from_loader(config: &Self::Config, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
         let template = Self::template(config, loader.device())?;
         let template = match &loader.shard().stage {
             Some(stage) => template.select_stage(stage)?,
             None => template,
         };
+        let tp = loader.shard().tp;
+        let main = template.layers().iter();
+        for layer in main.chain(template.mtp_layers()) {
+            layer.attention().check_split(tp)?;
+        }
         let layers = template.main_layers();
-        crate::param_plan::load_with(&template, &Self::parallel_plan(), layers, loader)?.localize()
+        crate::param_plan::load_with(&template, &Self::parallel_plan(), layers, loader)?
+            .localize(loader.shard())
     }
 
-    /// Fixes the fields derived from tensor shapes after loading a shard (e.g.
-    /// [`Attention::with_local_heads`](crate::layers::Attention::with_local_heads)). The
-    /// default: nothing to fix.
-    fn localize(self) -> Result<Self, ModelError> {
+    /// Fixes the fields derived from tensor shapes after loading `shard` (the whole model:
+    /// [`ShardSpec::FULL`]). The default: [`LayerParts::localize`] of every layer.
+    fn localize(mut self, shard: &ShardSpec) -> Result<Self, ModelError> {
+        for layer in self.all_layers_mut() {
+            layer.localize(shard)?;
+        }
         Ok(self)
     }
 
     /// Copies the FP8 settings of `full`'s layers onto this shard's (sharding keeps the whole
-    /// model's compute settings). The default: nothing to copy.
+    /// model's compute settings): attention projections, dense MLPs, routed experts.
     fn copy_fp8_from(&mut self, full: &Self) {
-        let _ = full;
+        let (main, mtp) = self.layers_with_mtp_mut();
+        for (dst, src) in main.select_from_mut(full.layers()) {
+            copy_layer_fp8(dst, src);
+        }
+        for (dst, src) in mtp.into_iter().zip(full.mtp_layers()) {
+            copy_layer_fp8(dst, src);
+        }
     }
 
     /// Number of MoE layers (routers) among the local decoder layers `layers`.
     fn moe_layers_in(&self, layers: Range<usize>) -> usize {
-        let _ = layers;
-        0
+        let held = self.layers().get(layers).unwrap_or_default();
+        held.iter().filter(|layer| layer.moe().is_some()).count()
     }
 
     /// Every router, main layers first and then the MTP modules', in forward order.
     fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
-        Vec::new()
+        (self.all_layers_mut().into_iter())
+            .filter_map(layer_router)
+            .collect()
     }
 
     /// What a routing replayed in this model must match (`None`: no router).
@@ -108,6 +148,8 @@ pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug 
     }
 
     /// The model with its routed experts (with `linears`, its dense linears too) in FP8.
+    /// The default refuses; a family whose layers train in FP8 returns
+    /// [`with_fp8_layers`](Self::with_fp8_layers).
     fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
         let _ = (recipe, linears);
         Err(ModelError::unsupported(
@@ -119,10 +161,33 @@ pub trait ShardModel: DecoderStack + Planned + Module + Clone + std::fmt::Debug 
         ))
     }
 
-    /// The whole model reassembled from gathered shards made a single-rank model again: full
-    /// head counts, routers without the shard's training losses.
-    fn into_single_rank(self) -> Result<Self, ModelError> {
+    /// Every layer's routed experts in FP8 (`Some(recipe)`, docs/fp8.md §Recipes) or back in
+    /// high precision (`None`); with `linears`, the attention projections and dense MLPs too
+    /// (main layers and MTP modules). Routers, shared experts, embeddings, head and norms stay
+    /// in high precision (docs/fp8.md §Selective precision).
+    fn with_fp8_layers(
+        mut self,
+        recipe: Option<Fp8Recipe>,
+        linears: bool,
+    ) -> Result<Self, ModelError> {
+        if let Some(r) = &recipe {
+            r.validate()?;
+        }
+        for layer in self.all_layers_mut() {
+            set_layer_fp8(layer, recipe, linears)?;
+        }
         Ok(self)
+    }
+
+    /// The whole model reassembled from gathered shards made a single-rank model again: full
+    /// head counts (and whatever else [`LayerParts::localize`] derives, for the whole model),
+    /// routers without the shard's training losses.
+    fn into_single_rank(self) -> Result<Self, ModelError> {
+        let mut model = self.localize(&ShardSpec::FULL)?;
+        for router in model.routers_mut() {
+            router.set_losses(Vec::new(), None, 1, 1)?;
+        }
+        Ok(model)
     }
 }
 

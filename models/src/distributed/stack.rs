@@ -160,6 +160,12 @@ pub trait DecoderStack {
     fn final_norm(&self) -> Result<&RmsNorm, ModelError>;
     /// Output projection (this rank's vocabulary columns); `None` when tied.
     fn lm_head(&self) -> Option<&Linear>;
+    /// The decoder layers' type (of the main model and the MTP modules alike).
+    type Layer: super::LayerParts;
+    /// The main model's decoder layers this rank holds.
+    fn layers(&self) -> &crate::layers::LayerStack<Self::Layer>;
+    /// The main model's decoder layers, mutably.
+    fn layers_mut(&mut self) -> &mut crate::layers::LayerStack<Self::Layer>;
     /// Number of decoder layers (of the main model).
     fn num_layers(&self) -> usize;
     /// Decoder layer `i` on this rank's sequence-parallel block `x [B·S/tp, H]` of `batch`
@@ -234,14 +240,15 @@ pub fn held<'a, T>(part: Option<&'a T>, what: &str) -> Result<&'a T, ModelError>
     })
 }
 
-/// [`DecoderStack`] of a built-in causal LM: `model.embed_tokens`, `model.layers` (each with
-/// `forward_in(ctx, x, batch, trace, inputs)`), `model.norm` and an optional `lm_head`.
+/// [`DecoderStack`] of a built-in causal LM: `model.embed_tokens`, `model.layers` (of the given
+/// layer type, each with `forward_in(ctx, x, batch, trace, inputs)`), `model.norm` and an
+/// optional `lm_head`.
 macro_rules! decoder_stack {
-    ($ty:ty) => {
-        $crate::distributed::decoder_stack!($ty, {});
+    ($ty:ty, $layer:ty) => {
+        $crate::distributed::decoder_stack!($ty, $layer, {});
     };
-    ($ty:ty, mtp = $mtp:ident) => {
-        $crate::distributed::decoder_stack!($ty, {
+    ($ty:ty, $layer:ty, mtp = $mtp:ident) => {
+        $crate::distributed::decoder_stack!($ty, $layer, {
             fn mtp_depths(&self) -> usize {
                 self.$mtp.len()
             }
@@ -266,9 +273,19 @@ macro_rules! decoder_stack {
             }
         });
     };
-    ($ty:ty, { $($extra:item)* }) => {
+    ($ty:ty, $layer:ty, { $($extra:item)* }) => {
         impl $crate::distributed::DecoderStack for $ty {
+            type Layer = $layer;
+
             $($extra)*
+
+            fn layers(&self) -> &$crate::layers::LayerStack<$layer> {
+                &self.model.layers
+            }
+
+            fn layers_mut(&mut self) -> &mut $crate::layers::LayerStack<$layer> {
+                &mut self.model.layers
+            }
 
             fn embed_tokens(&self) -> Result<&burn::nn::Embedding, $crate::ModelError> {
                 $crate::distributed::held(self.model.embed_tokens.as_ref(), "the token embedding")
@@ -333,8 +350,18 @@ pub(crate) use decoder_stack;
 /// parts under `model` as HF does). `examples/custom_moe.rs` uses it.
 #[macro_export]
 macro_rules! flat_decoder_stack {
-    ($ty:ty) => {
+    ($ty:ty, $layer:ty) => {
         impl $crate::distributed::DecoderStack for $ty {
+            type Layer = $layer;
+
+            fn layers(&self) -> &$crate::layers::LayerStack<$layer> {
+                &self.layers
+            }
+
+            fn layers_mut(&mut self) -> &mut $crate::layers::LayerStack<$layer> {
+                &mut self.layers
+            }
+
             fn embed_tokens(&self) -> Result<&burn::nn::Embedding, $crate::ModelError> {
                 $crate::distributed::held(self.embed_tokens.as_ref(), "the token embedding")
             }

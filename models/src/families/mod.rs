@@ -39,8 +39,14 @@ use moe_bridge::mapping::{ExpectedTable, ExpertLayout, Rule};
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, LmLosses, ParamCount, causal_lm_loss};
 pub use crate::config::{ConfigSizes, FamilyConfig};
-use crate::distributed::{ParallelContext, RouterTrace, ShardModel};
+use crate::distributed::{
+    ParallelContext, PipelineModel, RouterTrace, ShardModel, StackLogits, StackShape,
+};
+use crate::layers::KvCache;
+use crate::layers::rope::RotaryEmbedding;
+use crate::packing::SequenceLayout;
 use crate::param_plan::hf_names;
+use crate::routing::ReplaySpec;
 
 /// A model family (see the module docs).
 pub trait Family: Send + Sync + 'static {
@@ -199,9 +205,56 @@ pub fn local_logits<M: ShardModel>(
     model: &M,
     input_ids: Tensor<2, Int>,
 ) -> Result<Tensor<3>, ModelError> {
+    Ok(local_run(model, input_ids, None, None, None)?.0.logits)
+}
+
+/// The single-rank forward of the whole model `model`: its parallel forward on the `world = 1`
+/// context ([`local_context`]), after the positions in `cache` or of a packed/padded batch
+/// with `layout`; `replay` forces every MoE layer's experts (per MoE layer, [`crate::replay`]).
+/// Returns the logits with the final-normed hidden rows, and the routers' trace (router
+/// logits, selected experts and their weights, in layer order).
+pub fn local_run<M: ShardModel>(
+    model: &M,
+    input_ids: Tensor<2, Int>,
+    layout: Option<&SequenceLayout>,
+    cache: Option<&mut KvCache>,
+    replay: Option<Vec<Tensor<2, Int>>>,
+) -> Result<(StackLogits, RouterTrace), ModelError> {
     let ctx = local_context::<M>(model.model_config())?;
-    let mut trace = RouterTrace::new(1.0);
-    Ok(ctx.logits(model, input_ids, None, None, &mut trace)?.logits)
+    let mut trace = RouterTrace::recording(1.0, replay);
+    let out = ctx.logits(model, input_ids, layout, cache, &mut trace)?;
+    Ok((out, trace))
+}
+
+/// The routing a replay in a model of family `F` and `config` must match: every MoE layer
+/// ([`FamilyConfig::is_moe_layer`]) and MTP layer (every MTP module's decoder layer routes),
+/// top-k and the routed experts; `None` for a dense family.
+pub fn replay_spec<F: Family>(config: &F::Config) -> Option<ReplaySpec> {
+    let (num_experts, topk) = config.experts()?;
+    let layers = config.num_layers();
+    Some(ReplaySpec {
+        model_type: F::MODEL_TYPE,
+        moe_layers: (0..layers).filter(|&i| config.is_moe_layer(i)).collect(),
+        mtp_layers: (layers..layers + config.mtp_layers()).collect(),
+        topk,
+        num_experts,
+    })
+}
+
+/// What the parallel context needs from a family's `config` whose attention rotates with
+/// `rope`: its layers, MTP depths, tied head, hidden and vocabulary sizes and routed experts.
+pub fn stack_shape<C: FamilyConfig>(config: &C, rope: RotaryEmbedding) -> StackShape {
+    StackShape {
+        pipeline: PipelineModel {
+            layers: config.num_layers(),
+            mtp: config.mtp_layers(),
+            tied: config.tie_word_embeddings(),
+            hidden: config.hidden_size(),
+        },
+        num_experts: config.experts().map(|(e, _)| e),
+        vocab_size: config.vocab_size(),
+        rope,
+    }
 }
 
 /// The parallel context of a model of `config` at `world = 1` (identity collectives, local

@@ -153,3 +153,37 @@ pub enum MoeFeedForward {
     /// MoE block.
     Moe(MoeBlock),
 }
+
+impl MoeFeedForward {
+    /// The MoE block's layer (`None`: a dense MLP).
+    pub fn moe(&self) -> Option<&MoeLayer> {
+        match self {
+            Self::Moe(block) => Some(&block.moe),
+            Self::Dense(_) => None,
+        }
+    }
+
+    /// The MoE block's layer, mutably.
+    pub fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        match self {
+            Self::Moe(block) => Some(&mut block.moe),
+            Self::Dense(_) => None,
+        }
+    }
+
+    /// The dense MLP (`None`: an MoE block).
+    pub fn dense(&self) -> Option<&Mlp> {
+        match self {
+            Self::Dense(mlp) => Some(mlp),
+            Self::Moe(_) => None,
+        }
+    }
+
+    /// The dense MLP, mutably.
+    pub fn dense_mut(&mut self) -> Option<&mut Mlp> {
+        match self {
+            Self::Dense(mlp) => Some(mlp),
+            Self::Moe(_) => None,
+        }
+    }
+}

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::ModelError;
 use crate::config::rope::{self, RopeJson, RopeKeys};
-use crate::config::{RopeParameters, RopeScaling, de};
+use crate::config::{RopeParameters, RopeScaling, check, de};
 
 /// HF `DeepseekV3Config` class defaults (transformers 5.23 `configuration_deepseek_v3.py`).
 mod hf_default {
@@ -261,12 +261,7 @@ impl DeepseekV3Config {
 
     /// Reads and parses a `config.json` file; errors carry the path.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text).map_err(|e| e.in_file(path))
+        check::read_config_file(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses the text of a `config.json` and validates it.
@@ -276,7 +271,7 @@ impl DeepseekV3Config {
 
     /// Checks sizes and cross-field rules; errors name the offending field.
     pub fn validate(&self) -> Result<(), ModelError> {
-        for (field, value) in [
+        check::positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -291,11 +286,7 @@ impl DeepseekV3Config {
             ("qk_rope_head_dim", self.qk_rope_head_dim),
             ("v_head_dim", self.v_head_dim),
             ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if value == 0 {
-                return Err(ModelError::invalid(field, "must be positive, got 0"));
-            }
-        }
+        ])?;
         if self.q_lora_rank == Some(0) {
             return Err(ModelError::invalid(
                 "q_lora_rank",
@@ -306,12 +297,7 @@ impl DeepseekV3Config {
             return Err(ModelError::invalid("qk_rope_head_dim", "must be even"));
         }
         self.moe_block().validate()?;
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(ModelError::invalid(
-                "rms_norm_eps",
-                format!("must be a positive number, got {}", self.rms_norm_eps),
-            ));
-        }
+        check::positive_number("rms_norm_eps", self.rms_norm_eps)?;
         Ok(())
     }
 

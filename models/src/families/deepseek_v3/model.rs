@@ -3,7 +3,7 @@
 //!
 //! `embed_tokens → [input_layernorm → MLA → residual → post_attention_layernorm → MLP or MoE →
 //! residual] × N → norm → lm_head`. Layers `0..first_k_dense_replace` use a dense SwiGLU MLP;
-//! the others the MoE block: moe-backend's [`MoeLayer`](moe_backend::layer::MoeLayer) with a sigmoid router, group-limited
+//! the others the MoE block: moe-backend's [`MoeLayer`] with a sigmoid router, group-limited
 //! top-k (group score = sum of the top 2, `topk_group` groups kept, −inf elsewhere),
 //! `e_score_correction_bias` for the selection only, weights renormalised
 //! (`norm_topk_prob`) and scaled by `routed_scaling_factor`, plus the shared experts.
@@ -14,19 +14,21 @@
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
-use moe_backend::layer::MoeLayerConfig;
+use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 
 use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
-use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::distributed::{
+    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel, StackShape,
+};
 use crate::families::blocks::mtp::MtpModule;
 use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{MlpConfig, RmsNorm, RmsNormConfig};
+use crate::layers::{LayerStack, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
-use crate::param_plan::{Planned, load_with};
+use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
 
 impl DeepseekV3Config {
@@ -205,32 +207,7 @@ impl DeepseekV3ForCausalLM {
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::from_loader(config, &WeightLoader::new(source, device))
-    }
-
-    /// Builds the model (with its MTP modules) from `w`: whole from an unsharded loader, one
-    /// rank's shard at local shapes from a sharded one ([`WeightLoader::sharded`]: MLA heads,
-    /// dense MLPs, embedding and head over TP, this rank's experts and their ETP block; norms,
-    /// latent projections, routers, shared experts and the MTP projections whole), zeros at
-    /// local shapes from a skeleton.
-    pub fn from_loader(
-        config: &DeepseekV3Config,
-        w: &WeightLoader<'_>,
-    ) -> Result<Self, ModelError> {
-        config.validate()?;
-        config.mla_config().check_split(w.shard().tp)?;
-        // The model's structure from its own (lazy: nothing is allocated) initialisation,
-        // every parameter then read by its plan entry (the MTP modules as layers `N + j`).
-        let template = match &w.shard().stage {
-            Some(stage) => config.init(w.device())?.select_stage(stage)?,
-            None => config.init(w.device())?,
-        };
-        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
-        let main = model.model.layers.iter_mut();
-        for layer in main.chain(model.mtp.iter_mut().map(|m| &mut m.block)) {
-            layer.self_attn = layer.self_attn.clone().with_local_heads();
-        }
-        Ok(model)
+        <Self as ShardModel>::from_loader(config, &WeightLoader::new(source, device))
     }
 
     /// The configuration the model was built from.
@@ -267,20 +244,9 @@ impl DeepseekV3ForCausalLM {
         crate::families::blocks::mtp::mtp_logits(self, input_ids, hidden)
     }
 
-    /// The parallel context of this model at `world = 1` (identity collectives, local
-    /// dispatcher): the single-rank forward is the parallel forward on it.
-    pub fn local_context(&self) -> Result<ParallelContext, ModelError> {
-        ParallelContext::local(
-            Some(self.config.n_routed_experts),
-            self.config.vocab_size,
-            self.rope.clone(),
-        )
-    }
-
-    /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on
-    /// [`local_context`](Self::local_context)):
-    /// after the positions in `cache`, or of a packed/padded batch with `layout`; `replay`
-    /// forces every MoE layer's experts (per MoE layer, [`crate::replay`]).
+    /// The single-rank forward ([`crate::families::local_run`]): after the positions in
+    /// `cache`, or of a packed/padded batch with `layout`; `replay` forces every MoE layer's
+    /// experts (per MoE layer, [`crate::replay`]).
     pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
@@ -289,9 +255,7 @@ impl DeepseekV3ForCausalLM {
         layout: Option<&SequenceLayout>,
     ) -> Result<DeepseekV3Output, ModelError> {
         let [b, s] = input_ids.dims();
-        let ctx = self.local_context()?;
-        let mut trace = RouterTrace::recording(1.0, replay);
-        let out = ctx.logits(self, input_ids, layout, cache, &mut trace)?;
+        let (out, trace) = crate::families::local_run(self, input_ids, layout, cache, replay)?;
         let h = out.hidden.dims()[1];
         let routing = (trace.logits.into_iter())
             .zip(trace.selected)
@@ -338,9 +302,9 @@ impl crate::families::blocks::mtp::MtpBlock for DeepseekV3DecoderLayer {
     }
 }
 
-crate::distributed::decoder_stack!(DeepseekV3ForCausalLM, mtp = mtp);
+crate::distributed::decoder_stack!(DeepseekV3ForCausalLM, DeepseekV3DecoderLayer, mtp = mtp);
 
-impl crate::distributed::ShardModel for DeepseekV3ForCausalLM {
+impl ShardModel for DeepseekV3ForCausalLM {
     type Config = DeepseekV3Config;
 
     fn template(config: &DeepseekV3Config, device: &Device) -> Result<Self, ModelError> {
@@ -355,86 +319,57 @@ impl crate::distributed::ShardModel for DeepseekV3ForCausalLM {
         &self.config
     }
 
-    fn stack_shape(
-        config: &DeepseekV3Config,
-    ) -> Result<crate::distributed::StackShape, ModelError> {
-        Ok(crate::distributed::StackShape {
-            pipeline: crate::distributed::PipelineModel {
-                layers: config.num_hidden_layers,
-                mtp: config.num_nextn_predict_layers,
-                tied: config.tie_word_embeddings,
-                hidden: config.hidden_size,
-            },
-            num_experts: Some(config.n_routed_experts),
-            vocab_size: config.vocab_size,
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?,
-        })
+    fn stack_shape(config: &DeepseekV3Config) -> Result<StackShape, ModelError> {
+        Ok(crate::families::stack_shape(
+            config,
+            RotaryEmbedding::new(&config.rope_parameters, config.qk_rope_head_dim)?,
+        ))
     }
 
-    fn from_loader(
-        config: &DeepseekV3Config,
-        loader: &WeightLoader<'_>,
-    ) -> Result<Self, ModelError> {
-        Self::from_loader(config, loader)
+    fn mtp_layers(&self) -> Vec<&DeepseekV3DecoderLayer> {
+        self.mtp.iter().map(|m| &m.block).collect()
     }
 
-    fn copy_fp8_from(&mut self, full: &Self) {
-        let main = self.model.layers.select_from_mut(&full.model.layers);
-        let mtp = (self.mtp.iter_mut().zip(&full.mtp)).map(|(d, s)| (&mut d.block, &s.block));
-        for (dst, src) in main.chain(mtp) {
-            match (&mut dst.mlp, &src.mlp) {
-                (DeepseekV3FeedForward::Dense(d), DeepseekV3FeedForward::Dense(s)) => d.fp8 = s.fp8,
-                (DeepseekV3FeedForward::Moe(d), DeepseekV3FeedForward::Moe(s)) => {
-                    d.moe.experts.fp8 = s.moe.experts.fp8;
-                }
-                _ => {}
-            }
-        }
+    fn layers_with_mtp_mut(
+        &mut self,
+    ) -> (
+        &mut LayerStack<DeepseekV3DecoderLayer>,
+        Vec<&mut DeepseekV3DecoderLayer>,
+    ) {
+        let mtp = self.mtp.iter_mut().map(|m| &mut m.block).collect();
+        (&mut self.model.layers, mtp)
     }
 
-    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
-        (self.model.layers.get(layers).unwrap_or_default().iter())
-            .filter(|l| matches!(l.mlp, DeepseekV3FeedForward::Moe(_)))
-            .count()
+    fn replay_spec(&self) -> Option<ReplaySpec> {
+        crate::families::replay_spec::<DeepseekV3>(&self.config)
+    }
+}
+
+impl LayerParts for DeepseekV3DecoderLayer {
+    type Attention = Mla;
+
+    fn attention(&self) -> &Mla {
+        &self.self_attn
     }
 
-    fn routers_mut(&mut self) -> Vec<&mut moe_backend::router::TopKRouter> {
-        let main = self.model.layers.iter_mut();
-        let mtp = self.mtp.iter_mut().map(|m| &mut m.block);
-        main.chain(mtp)
-            .filter_map(|layer| match &mut layer.mlp {
-                DeepseekV3FeedForward::Moe(block) => Some(&mut block.moe.router),
-                DeepseekV3FeedForward::Dense(_) => None,
-            })
-            .collect()
+    fn attention_mut(&mut self) -> &mut Mla {
+        &mut self.self_attn
     }
 
-    fn replay_spec(&self) -> Option<crate::routing::ReplaySpec> {
-        let c = &self.config;
-        Some(crate::routing::ReplaySpec {
-            model_type: "deepseek_v3",
-            moe_layers: (0..c.num_hidden_layers)
-                .filter(|&i| c.is_moe_layer(i))
-                .collect(),
-            // Every MTP module's decoder layer is an MoE layer.
-            mtp_layers: (0..c.num_nextn_predict_layers)
-                .map(|j| c.num_hidden_layers + j)
-                .collect(),
-            topk: c.num_experts_per_tok,
-            num_experts: c.n_routed_experts,
-        })
+    fn moe(&self) -> Option<&MoeLayer> {
+        self.mlp.moe()
     }
 
-    fn into_single_rank(mut self) -> Result<Self, ModelError> {
-        let heads = self.config.num_attention_heads;
-        let mtp_blocks = self.mtp.iter_mut().map(|m| &mut m.block);
-        for layer in self.model.layers.iter_mut().chain(mtp_blocks) {
-            layer.self_attn.num_heads = heads;
-        }
-        for router in crate::distributed::ShardModel::routers_mut(&mut self) {
-            router.set_losses(Vec::new(), None, 1, 1)?;
-        }
-        Ok(self)
+    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        self.mlp.moe_mut()
+    }
+
+    fn dense_mlp(&self) -> Option<&Mlp> {
+        self.mlp.dense()
+    }
+
+    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
+        self.mlp.dense_mut()
     }
 }
 
@@ -540,6 +475,18 @@ impl crate::config::FamilyConfig for DeepseekV3Config {
 
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.n_routed_experts, self.num_experts_per_tok))
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        Self::is_moe_layer(self, layer)
+    }
+
+    fn mtp_layers(&self) -> usize {
+        self.num_nextn_predict_layers
+    }
+
+    fn tie_word_embeddings(&self) -> bool {
+        self.tie_word_embeddings
     }
 
     fn warnings(&self) -> Vec<String> {

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::ModelError;
 use crate::config::rope::{self, RopeJson, RopeKeys};
-use crate::config::{RopeParameters, de};
+use crate::config::{RopeParameters, check, de};
 use crate::families::blocks::moe::SigmoidGroupMoe;
 
 /// HF `Glm4MoeConfig` class defaults (transformers 5.23).
@@ -241,12 +241,7 @@ impl Glm4MoeConfig {
 
     /// Reads and parses a `config.json` file; errors carry the path.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text).map_err(|e| e.in_file(path))
+        check::read_config_file(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses the text of a `config.json` and validates it.
@@ -256,7 +251,7 @@ impl Glm4MoeConfig {
 
     /// Checks sizes and cross-field rules; errors name the offending field.
     pub fn validate(&self) -> Result<(), ModelError> {
-        for (field, value) in [
+        check::positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -265,18 +260,9 @@ impl Glm4MoeConfig {
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
             ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if value == 0 {
-                return Err(ModelError::invalid(field, "must be positive, got 0"));
-            }
-        }
+        ])?;
         self.moe_block().validate()?;
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(ModelError::invalid(
-                "rms_norm_eps",
-                format!("must be a positive number, got {}", self.rms_norm_eps),
-            ));
-        }
+        check::positive_number("rms_norm_eps", self.rms_norm_eps)?;
         // Head counts and the rotated width (an error naming `partial_rotary_factor`).
         self.attention_config().check_split(1)
     }

@@ -15,19 +15,23 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::fp8::Fp8Recipe;
-use moe_backend::layer::MoeLayerConfig;
+use moe_backend::layer::{MoeLayer, MoeLayerConfig};
 
 use super::config::Glm4MoeConfig;
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
-use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::distributed::{
+    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel, StackShape,
+};
 use crate::families::blocks::moe::{MoeBlock, MoeFeedForward, MoeRouting};
 use crate::families::blocks::mtp::{MtpBlock, MtpModule};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{Attention, AttentionConfig, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::layers::{
+    Attention, AttentionConfig, LayerStack, Mlp, MlpConfig, RmsNorm, RmsNormConfig,
+};
 use crate::packing::SequenceLayout;
-use crate::param_plan::{Planned, load_with};
+use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Glm4MoeConfig {
@@ -157,20 +161,6 @@ impl Glm4MoeDecoderLayer {
         };
         Ok(h + y)
     }
-
-    fn set_fp8(&mut self, recipe: Fp8Recipe, linears: bool) -> Result<(), ModelError> {
-        if linears {
-            self.self_attn.fp8 = Some(recipe);
-        }
-        match &mut self.mlp {
-            MoeFeedForward::Dense(mlp) if linears => mlp.fp8 = Some(recipe),
-            MoeFeedForward::Dense(_) => {}
-            MoeFeedForward::Moe(block) => {
-                block.moe = block.moe.clone().with_fp8_experts(Some(recipe))?;
-            }
-        }
-        Ok(())
-    }
 }
 
 impl MtpBlock for Glm4MoeDecoderLayer {
@@ -239,27 +229,7 @@ impl Glm4MoeForCausalLM {
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::from_loader(config, &WeightLoader::new(source, device))
-    }
-
-    /// Builds the model (with its MTP modules) from `w`: whole from an unsharded loader, one
-    /// rank's shard at local shapes from a sharded one ([`WeightLoader::sharded`]: attention
-    /// heads with their q/k/v biases, dense MLPs, embedding and head over TP, this rank's
-    /// experts and their ETP block; norms, routers, shared experts and the MTP projections
-    /// whole), zeros at local shapes from a skeleton.
-    pub fn from_loader(config: &Glm4MoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        config.validate()?;
-        config.attention_config().check_split(w.shard().tp)?;
-        let template = match &w.shard().stage {
-            Some(stage) => config.init(w.device())?.select_stage(stage)?,
-            None => config.init(w.device())?,
-        };
-        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
-        let main = model.model.layers.iter_mut();
-        for layer in main.chain(model.mtp.iter_mut().map(|m| &mut m.block)) {
-            layer.self_attn = layer.self_attn.clone().with_local_heads()?;
-        }
-        Ok(model)
+        <Self as ShardModel>::from_loader(config, &WeightLoader::new(source, device))
     }
 
     /// The configuration the model was built from.
@@ -304,13 +274,7 @@ impl Glm4MoeForCausalLM {
         layout: Option<&SequenceLayout>,
     ) -> Result<Glm4MoeOutput, ModelError> {
         let [b, s] = input_ids.dims();
-        let ctx = ParallelContext::local(
-            Some(self.config.n_routed_experts),
-            self.config.vocab_size,
-            self.rope.clone(),
-        )?;
-        let mut trace = RouterTrace::recording(1.0, replay);
-        let out = ctx.logits(self, input_ids, layout, cache, &mut trace)?;
+        let (out, trace) = crate::families::local_run(self, input_ids, layout, cache, replay)?;
         let h = out.hidden.dims()[1];
         let routing = (trace.logits.into_iter())
             .zip(trace.selected)
@@ -329,9 +293,9 @@ impl Glm4MoeForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(Glm4MoeForCausalLM, mtp = mtp);
+crate::distributed::decoder_stack!(Glm4MoeForCausalLM, Glm4MoeDecoderLayer, mtp = mtp);
 
-impl crate::distributed::ShardModel for Glm4MoeForCausalLM {
+impl ShardModel for Glm4MoeForCausalLM {
     type Config = Glm4MoeConfig;
 
     fn template(config: &Glm4MoeConfig, device: &Device) -> Result<Self, ModelError> {
@@ -346,101 +310,64 @@ impl crate::distributed::ShardModel for Glm4MoeForCausalLM {
         &self.config
     }
 
-    fn stack_shape(config: &Glm4MoeConfig) -> Result<crate::distributed::StackShape, ModelError> {
-        Ok(crate::distributed::StackShape {
-            pipeline: crate::distributed::PipelineModel {
-                layers: config.num_hidden_layers,
-                mtp: config.num_nextn_predict_layers,
-                tied: config.tie_word_embeddings,
-                hidden: config.hidden_size,
-            },
-            num_experts: Some(config.n_routed_experts),
-            vocab_size: config.vocab_size,
-            rope: config.rotary_embedding()?,
-        })
+    fn stack_shape(config: &Glm4MoeConfig) -> Result<StackShape, ModelError> {
+        Ok(crate::families::stack_shape(
+            config,
+            config.rotary_embedding()?,
+        ))
     }
 
-    fn from_loader(config: &Glm4MoeConfig, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        Self::from_loader(config, loader)
+    fn mtp_layers(&self) -> Vec<&Glm4MoeDecoderLayer> {
+        self.mtp.iter().map(|m| &m.block).collect()
     }
 
-    fn copy_fp8_from(&mut self, full: &Self) {
-        let main = self.model.layers.select_from_mut(&full.model.layers);
-        let mtp = (self.mtp.iter_mut().zip(&full.mtp)).map(|(d, s)| (&mut d.block, &s.block));
-        for (dst, src) in main.chain(mtp) {
-            dst.self_attn.fp8 = src.self_attn.fp8;
-            match (&mut dst.mlp, &src.mlp) {
-                (MoeFeedForward::Dense(d), MoeFeedForward::Dense(s)) => d.fp8 = s.fp8,
-                (MoeFeedForward::Moe(d), MoeFeedForward::Moe(s)) => {
-                    d.moe.experts.fp8 = s.moe.experts.fp8;
-                }
-                _ => {}
-            }
-        }
+    fn layers_with_mtp_mut(
+        &mut self,
+    ) -> (
+        &mut LayerStack<Glm4MoeDecoderLayer>,
+        Vec<&mut Glm4MoeDecoderLayer>,
+    ) {
+        let mtp = self.mtp.iter_mut().map(|m| &mut m.block).collect();
+        (&mut self.model.layers, mtp)
     }
 
-    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
-        (self.model.layers.get(layers).unwrap_or_default().iter())
-            .filter(|l| matches!(l.mlp, MoeFeedForward::Moe(_)))
-            .count()
-    }
-
-    fn routers_mut(&mut self) -> Vec<&mut moe_backend::router::TopKRouter> {
-        let main = self.model.layers.iter_mut();
-        let mtp = self.mtp.iter_mut().map(|m| &mut m.block);
-        main.chain(mtp)
-            .filter_map(|layer| match &mut layer.mlp {
-                MoeFeedForward::Moe(block) => Some(&mut block.moe.router),
-                MoeFeedForward::Dense(_) => None,
-            })
-            .collect()
-    }
-
-    fn replay_spec(&self) -> Option<crate::routing::ReplaySpec> {
-        let c = &self.config;
-        Some(crate::routing::ReplaySpec {
-            model_type: Glm4MoeConfig::MODEL_TYPE,
-            moe_layers: (0..c.num_hidden_layers)
-                .filter(|&i| c.is_moe_layer(i))
-                .collect(),
-            // Every MTP module's decoder layer is an MoE layer.
-            mtp_layers: (0..c.num_nextn_predict_layers)
-                .map(|j| c.num_hidden_layers + j)
-                .collect(),
-            topk: c.num_experts_per_tok,
-            num_experts: c.n_routed_experts,
-        })
+    fn replay_spec(&self) -> Option<ReplaySpec> {
+        crate::families::replay_spec::<Glm4Moe>(&self.config)
     }
 
     /// Routed experts in FP8 and, with `linears`, the attention projections and the dense
     /// MLPs too (main layers and MTP blocks); routers, shared experts, `eh_proj`, embedding,
     /// head and norms stay in high precision.
-    fn with_fp8(mut self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
-        recipe.validate()?;
-        self.model.layers = self.model.layers.try_map(|mut layer| {
-            layer.set_fp8(recipe, linears)?;
-            Ok::<_, ModelError>(layer)
-        })?;
-        for m in &mut self.mtp {
-            m.block.set_fp8(recipe, linears)?;
-        }
-        Ok(self)
+    fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
+        self.with_fp8_layers(Some(recipe), linears)
+    }
+}
+
+impl LayerParts for Glm4MoeDecoderLayer {
+    type Attention = Attention;
+
+    fn attention(&self) -> &Attention {
+        &self.self_attn
     }
 
-    fn into_single_rank(mut self) -> Result<Self, ModelError> {
-        let (heads, kv_heads) = (
-            self.config.num_attention_heads,
-            self.config.num_key_value_heads,
-        );
-        let mtp_blocks = self.mtp.iter_mut().map(|m| &mut m.block);
-        for layer in self.model.layers.iter_mut().chain(mtp_blocks) {
-            layer.self_attn.num_heads = heads;
-            layer.self_attn.num_kv_heads = kv_heads;
-        }
-        for router in crate::distributed::ShardModel::routers_mut(&mut self) {
-            router.set_losses(Vec::new(), None, 1, 1)?;
-        }
-        Ok(self)
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
+    }
+
+    fn moe(&self) -> Option<&MoeLayer> {
+        self.mlp.moe()
+    }
+
+    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        self.mlp.moe_mut()
+    }
+
+    fn dense_mlp(&self) -> Option<&Mlp> {
+        self.mlp.dense()
+    }
+
+    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
+        self.mlp.dense_mut()
     }
 }
 
@@ -485,6 +412,18 @@ impl crate::config::FamilyConfig for Glm4MoeConfig {
 
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.n_routed_experts, self.num_experts_per_tok))
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        Self::is_moe_layer(self, layer)
+    }
+
+    fn mtp_layers(&self) -> usize {
+        self.num_nextn_predict_layers
+    }
+
+    fn tie_word_embeddings(&self) -> bool {
+        self.tie_word_embeddings
     }
 
     fn sizes(&self) -> crate::config::ConfigSizes {

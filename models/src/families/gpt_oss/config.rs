@@ -8,9 +8,9 @@ use serde_json::{Map, Value};
 
 use crate::ModelError;
 use crate::config::RopeParameters;
-use crate::config::de;
 use crate::config::layer_types::{LayerType, layer_windows, parse_layer_types};
 use crate::config::rope::{self, RopeJson, RopeKeys, RopeScaling, YarnParameters};
+use crate::config::{check, de};
 
 /// HF `GptOssConfig` class defaults (transformers 5.23 `configuration_gpt_oss.py`).
 mod hf_default {
@@ -235,12 +235,7 @@ impl GptOssConfig {
 
     /// Reads and parses a `config.json` file; errors carry the path.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text).map_err(|e| e.in_file(path))
+        check::read_config_file(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses the text of a `config.json` and validates it.
@@ -269,23 +264,8 @@ impl GptOssConfig {
             ("num_local_experts", self.num_local_experts),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
-        for (field, value) in positive {
-            if value == 0 {
-                return Err(ModelError::invalid(field, "must be positive, got 0"));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return Err(ModelError::invalid(
-                "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads = {}",
-                    self.num_key_value_heads, self.num_attention_heads
-                ),
-            ));
-        }
+        check::positive(&positive)?;
+        check::kv_heads_divide(self.num_attention_heads, self.num_key_value_heads)?;
         let k = self.num_experts_per_tok;
         if !(1..=self.num_local_experts).contains(&k) {
             return Err(ModelError::invalid(
@@ -313,27 +293,10 @@ impl GptOssConfig {
             ));
         }
         layer_windows(&self.layer_types, self.sliding_window)?;
-        for (field, value) in [
-            ("rms_norm_eps", self.rms_norm_eps),
-            ("swiglu_alpha", self.swiglu_alpha),
-            ("swiglu_limit", self.swiglu_limit),
-        ] {
-            if !(value.is_finite() && value > 0.0) {
-                return Err(ModelError::invalid(
-                    field,
-                    format!("must be a positive number, got {value}"),
-                ));
-            }
-        }
-        if !(self.router_aux_loss_coef.is_finite() && self.router_aux_loss_coef >= 0.0) {
-            return Err(ModelError::invalid(
-                "router_aux_loss_coef",
-                format!(
-                    "must be a non-negative number, got {}",
-                    self.router_aux_loss_coef
-                ),
-            ));
-        }
+        check::positive_number("rms_norm_eps", self.rms_norm_eps)?;
+        check::positive_number("swiglu_alpha", self.swiglu_alpha)?;
+        check::positive_number("swiglu_limit", self.swiglu_limit)?;
+        check::non_negative_number("router_aux_loss_coef", self.router_aux_loss_coef)?;
         Ok(())
     }
 }
@@ -346,15 +309,7 @@ impl TryFrom<GptOssJson> for GptOssConfig {
     fn try_from(mut j: GptOssJson) -> Result<Self, ModelError> {
         de::check_model_type(j.model_type.as_deref(), Self::MODEL_TYPE)?;
         de::check_silu(j.hidden_act.as_deref())?;
-        if j.attention_dropout != 0.0 {
-            return Err(ModelError::invalid(
-                "attention_dropout",
-                format!(
-                    "{} is not supported (only 0: training would not be HF's)",
-                    j.attention_dropout
-                ),
-            ));
-        }
+        check::zero_in_training("attention_dropout", j.attention_dropout)?;
         let num_key_value_heads = j.num_key_value_heads.unwrap_or(j.num_attention_heads);
         let head_dim = match j.head_dim {
             Some(hd) => hd,

@@ -20,20 +20,20 @@ use burn::tensor::{Device, Int, Tensor};
 use moe_backend::experts::ExpertActivation;
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::{ScoreFunction, TopKRouter, TopKRouterConfig};
+use moe_backend::router::{ScoreFunction, TopKRouterConfig};
 
 use super::config::GptOssConfig;
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, LmLosses, causal_lm_loss, hf_load_balancing_loss};
 use crate::distributed::{
-    AttentionInputs, ParallelContext, PipelineModel, RouterTrace, ShardModel, StackShape,
+    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardAttention, ShardModel,
+    StackShape,
 };
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig};
-use crate::param_plan::{Planned, load_with};
 use crate::routing::ReplaySpec;
-use crate::weights::{WeightLoader, WeightSource};
+use crate::weights::{ShardSpec, WeightLoader, WeightSource};
 
 impl GptOssConfig {
     /// The attention block of layer `i`: GQA with q/k/v/o biases (`attention_bias`), learned
@@ -193,53 +193,12 @@ impl GptOssForCausalLM {
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::from_loader(config, &WeightLoader::new(source, device))
-    }
-
-    /// Builds the model from `w`: the whole model from an unsharded loader, one rank's shard
-    /// at local shapes from a sharded one, zeros at local shapes from a skeleton. The routed
-    /// experts' `fc2` bias is added by the first expert-TP rank only (Megatron's row-parallel
-    /// bias: the combine sums the ranks' partial outputs).
-    pub fn from_loader(config: &GptOssConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        config.validate()?;
-        config.attention_config(0).check_split(w.shard().tp)?;
-        let template = match &w.shard().stage {
-            Some(stage) => config.init(w.device())?.select_stage(stage)?,
-            None => config.init(w.device())?,
-        };
-        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
-        let first_etp = w.shard().etp_rank == 0;
-        for layer in &mut model.model.layers {
-            layer.self_attn = layer.self_attn.clone().with_local_heads()?;
-            layer.mlp.experts.adds_fc2_bias = first_etp;
-        }
-        Ok(model)
+        <Self as ShardModel>::from_loader(config, &WeightLoader::new(source, device))
     }
 
     /// The configuration the model was built from.
     pub fn config(&self) -> &GptOssConfig {
         &self.config
-    }
-
-    /// The same model with every layer's routed experts' GEMMs in FP8 (`Some(recipe)`,
-    /// docs/fp8.md §Recipes) or back in high precision (`None`); with `linears`, the
-    /// attention projections too.
-    pub fn with_fp8_recipe(
-        mut self,
-        recipe: Option<Fp8Recipe>,
-        linears: bool,
-    ) -> Result<Self, ModelError> {
-        if let Some(r) = &recipe {
-            r.validate()?;
-        }
-        self.model.layers = self.model.layers.try_map(|mut layer| {
-            layer.mlp = layer.mlp.with_fp8_experts(recipe)?;
-            if linears {
-                layer.self_attn.fp8 = recipe;
-            }
-            Ok::<_, ModelError>(layer)
-        })?;
-        Ok(self)
     }
 
     /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).
@@ -281,9 +240,7 @@ impl GptOssForCausalLM {
         cache: Option<&mut KvCache>,
         replay: Option<Vec<Tensor<2, Int>>>,
     ) -> Result<GptOssOutput, ModelError> {
-        let ctx = crate::families::local_context::<Self>(&self.config)?;
-        let mut trace = RouterTrace::recording(1.0, replay);
-        let out = ctx.logits(self, input_ids, None, cache, &mut trace)?;
+        let (out, trace) = crate::families::local_run(self, input_ids, None, cache, replay)?;
         Ok(GptOssOutput {
             logits: out.logits,
             router_logits: trace.logits,
@@ -292,7 +249,7 @@ impl GptOssForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(GptOssForCausalLM);
+crate::distributed::decoder_stack!(GptOssForCausalLM, GptOssDecoderLayer);
 
 impl ShardModel for GptOssForCausalLM {
     type Config = GptOssConfig;
@@ -310,66 +267,44 @@ impl ShardModel for GptOssForCausalLM {
     }
 
     fn stack_shape(config: &GptOssConfig) -> Result<StackShape, ModelError> {
-        Ok(StackShape {
-            pipeline: PipelineModel {
-                layers: config.num_hidden_layers,
-                mtp: 0,
-                tied: config.tie_word_embeddings,
-                hidden: config.hidden_size,
-            },
-            num_experts: Some(config.num_local_experts),
-            vocab_size: config.vocab_size,
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
-        })
-    }
-
-    fn from_loader(config: &GptOssConfig, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        Self::from_loader(config, loader)
-    }
-
-    fn copy_fp8_from(&mut self, full: &Self) {
-        for (dst, src) in self.model.layers.select_from_mut(&full.model.layers) {
-            dst.self_attn.fp8 = src.self_attn.fp8;
-            dst.mlp.experts.fp8 = src.mlp.experts.fp8;
-        }
-    }
-
-    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
-        self.model.layers.get(layers).unwrap_or_default().len()
-    }
-
-    fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
-        (self.model.layers.iter_mut())
-            .map(|layer| &mut layer.mlp.router)
-            .collect()
+        let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
+        Ok(crate::families::stack_shape(config, rope))
     }
 
     fn replay_spec(&self) -> Option<ReplaySpec> {
-        let c = &self.config;
-        Some(ReplaySpec {
-            model_type: GptOssConfig::MODEL_TYPE,
-            moe_layers: (0..c.num_hidden_layers).collect(),
-            mtp_layers: Vec::new(),
-            topk: c.num_experts_per_tok,
-            num_experts: c.num_local_experts,
-        })
+        crate::families::replay_spec::<GptOss>(&self.config)
     }
 
     fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
-        self.with_fp8_recipe(Some(recipe), linears)
+        self.with_fp8_layers(Some(recipe), linears)
+    }
+}
+
+impl LayerParts for GptOssDecoderLayer {
+    type Attention = Attention;
+
+    fn attention(&self) -> &Attention {
+        &self.self_attn
     }
 
-    fn into_single_rank(mut self) -> Result<Self, ModelError> {
-        let config = self.config.clone();
-        for layer in self.model.layers.iter_mut() {
-            layer.self_attn.num_heads = config.num_attention_heads;
-            layer.self_attn.num_kv_heads = config.num_key_value_heads;
-            layer.mlp.experts.adds_fc2_bias = true;
-        }
-        for router in ShardModel::routers_mut(&mut self) {
-            router.set_losses(Vec::new(), None, 1, 1)?;
-        }
-        Ok(self)
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
+    }
+
+    fn moe(&self) -> Option<&MoeLayer> {
+        Some(&self.mlp)
+    }
+
+    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        Some(&mut self.mlp)
+    }
+
+    /// The local heads; the routed experts' `fc2` bias is added by the first expert-TP rank
+    /// only (Megatron's row-parallel bias: the combine sums the ranks' partial outputs).
+    fn localize(&mut self, shard: &ShardSpec) -> Result<(), ModelError> {
+        self.self_attn.localize_heads()?;
+        self.mlp.experts.adds_fc2_bias = shard.etp_rank == 0;
+        Ok(())
     }
 }
 
@@ -414,6 +349,10 @@ impl crate::config::FamilyConfig for GptOssConfig {
 
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.num_local_experts, self.num_experts_per_tok))
+    }
+
+    fn tie_word_embeddings(&self) -> bool {
+        self.tie_word_embeddings
     }
 
     fn sizes(&self) -> crate::config::ConfigSizes {

@@ -8,8 +8,8 @@ use serde_json::{Map, Value};
 
 use crate::ModelError;
 use crate::config::RopeParameters;
-use crate::config::de;
 use crate::config::rope::{self, RopeJson, RopeKeys};
+use crate::config::{check, de};
 
 /// HF `MixtralConfig` class defaults (transformers 5.23 `configuration_mixtral.py`).
 mod hf_default {
@@ -183,12 +183,7 @@ impl MixtralConfig {
 
     /// Reads and parses a `config.json` file; errors carry the path.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text).map_err(|e| e.in_file(path))
+        check::read_config_file(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses the text of a `config.json` and validates it.
@@ -209,23 +204,8 @@ impl MixtralConfig {
             ("num_local_experts", self.num_local_experts),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
-        for (field, value) in positive {
-            if value == 0 {
-                return Err(ModelError::invalid(field, "must be positive, got 0"));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return Err(ModelError::invalid(
-                "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads = {}",
-                    self.num_key_value_heads, self.num_attention_heads
-                ),
-            ));
-        }
+        check::positive(&positive)?;
+        check::kv_heads_divide(self.num_attention_heads, self.num_key_value_heads)?;
         let k = self.num_experts_per_tok;
         if !(2..=self.num_local_experts).contains(&k) {
             return Err(ModelError::invalid(
@@ -237,21 +217,8 @@ impl MixtralConfig {
                 ),
             ));
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(ModelError::invalid(
-                "rms_norm_eps",
-                format!("must be a positive number, got {}", self.rms_norm_eps),
-            ));
-        }
-        if !(self.router_aux_loss_coef.is_finite() && self.router_aux_loss_coef >= 0.0) {
-            return Err(ModelError::invalid(
-                "router_aux_loss_coef",
-                format!(
-                    "must be a non-negative number, got {}",
-                    self.router_aux_loss_coef
-                ),
-            ));
-        }
+        check::positive_number("rms_norm_eps", self.rms_norm_eps)?;
+        check::non_negative_number("router_aux_loss_coef", self.router_aux_loss_coef)?;
         Ok(())
     }
 }
@@ -276,21 +243,12 @@ impl TryFrom<MixtralJson> for MixtralConfig {
                 ));
             }
         }
-        for (field, value) in [
-            ("router_jitter_noise", j.router_jitter_noise),
-            ("attention_dropout", j.attention_dropout),
-        ] {
-            if value != 0.0 {
-                return Err(ModelError::invalid(
-                    field,
-                    format!("{value} is not supported (only 0: training would not be HF's)"),
-                ));
-            }
-        }
+        check::zero_in_training("router_jitter_noise", j.router_jitter_noise)?;
+        check::zero_in_training("attention_dropout", j.attention_dropout)?;
         let num_key_value_heads = j.num_key_value_heads.unwrap_or(j.num_attention_heads);
         let head_dim = match j.head_dim {
             Some(hd) => hd,
-            None => derived_head_dim(j.hidden_size, j.num_attention_heads)?,
+            None => check::derived_head_dim(j.hidden_size, j.num_attention_heads)?,
         };
         let rope = RopeKeys {
             // `default_theta` when neither spelling gives one.
@@ -360,26 +318,6 @@ impl From<MixtralConfig> for MixtralJson {
             extra: c.extra,
         }
     }
-}
-
-/// `hidden_size / num_attention_heads`, which must divide exactly.
-fn derived_head_dim(hidden_size: usize, heads: usize) -> Result<usize, ModelError> {
-    if heads == 0 {
-        return Err(ModelError::invalid(
-            "num_attention_heads",
-            "must be positive, got 0",
-        ));
-    }
-    if !hidden_size.is_multiple_of(heads) {
-        return Err(ModelError::invalid(
-            "hidden_size",
-            format!(
-                "{hidden_size} is not divisible by num_attention_heads = {heads} \
-                 (and head_dim is absent)"
-            ),
-        ));
-    }
-    Ok(hidden_size / heads)
 }
 
 #[cfg(test)]

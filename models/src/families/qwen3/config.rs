@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use crate::ModelError;
 use crate::config::layer_types::{LayerType, layer_windows, parse_layer_types};
 use crate::config::rope::{self, RopeJson, RopeKeys};
-use crate::config::{RopeParameters, de};
+use crate::config::{RopeParameters, check, de};
 
 /// HF `Qwen3Config` class defaults (transformers 5.23 `configuration_qwen3.py`).
 mod hf_default {
@@ -169,12 +169,7 @@ impl Qwen3Config {
 
     /// Reads and parses a `config.json` file; errors carry the path.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text).map_err(|e| e.in_file(path))
+        check::read_config_file(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses the text of a `config.json` and validates it.
@@ -192,7 +187,7 @@ impl Qwen3Config {
 
     /// Checks sizes and cross-field rules; errors name the offending field.
     pub fn validate(&self) -> Result<(), ModelError> {
-        for (field, value) in [
+        check::positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
@@ -201,29 +196,9 @@ impl Qwen3Config {
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
             ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if value == 0 {
-                return Err(ModelError::invalid(field, "must be positive, got 0"));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return Err(ModelError::invalid(
-                "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads = {}",
-                    self.num_key_value_heads, self.num_attention_heads
-                ),
-            ));
-        }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(ModelError::invalid(
-                "rms_norm_eps",
-                format!("must be a positive number, got {}", self.rms_norm_eps),
-            ));
-        }
+        ])?;
+        check::kv_heads_divide(self.num_attention_heads, self.num_key_value_heads)?;
+        check::positive_number("rms_norm_eps", self.rms_norm_eps)?;
         if self.sliding_window == Some(0) {
             return Err(ModelError::invalid(
                 "sliding_window",

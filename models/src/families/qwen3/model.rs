@@ -13,12 +13,11 @@ use burn::tensor::{Device, Int, Tensor};
 use crate::ModelError;
 use crate::Qwen3Config;
 use crate::causal_lm::CausalLm;
-use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace};
+use crate::distributed::{AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
-use crate::param_plan::{Planned, load_with};
 use crate::weights::{WeightLoader, WeightSource};
 
 impl Qwen3Config {
@@ -141,26 +140,7 @@ impl Qwen3ForCausalLM {
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::from_loader(config, &WeightLoader::new(source, device))
-    }
-
-    /// Builds the model from `w`: whole from an unsharded loader, one rank's shard at local
-    /// shapes from a sharded one ([`WeightLoader::sharded`]: attention heads, MLP widths,
-    /// embedding and head over TP), zeros at local shapes from a skeleton.
-    pub fn from_loader(config: &Qwen3Config, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        config.validate()?;
-        config.attention_config().check_split(w.shard().tp)?;
-        // The model's structure from its own (lazy: nothing is allocated) initialisation,
-        // every parameter then read by its plan entry.
-        let template = match &w.shard().stage {
-            Some(stage) => config.init(w.device())?.select_stage(stage)?,
-            None => config.init(w.device())?,
-        };
-        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
-        for layer in &mut model.model.layers {
-            layer.self_attn = layer.self_attn.clone().with_local_heads()?;
-        }
-        Ok(model)
+        <Self as ShardModel>::from_loader(config, &WeightLoader::new(source, device))
     }
 
     /// The configuration the model was built from.
@@ -184,32 +164,25 @@ impl Qwen3ForCausalLM {
         self.run(input_ids, None, Some(layout))
     }
 
-    /// The parallel context of this model at `world = 1` (identity collectives): the
-    /// single-rank forward is the parallel forward on it.
-    pub fn local_context(&self) -> Result<ParallelContext, ModelError> {
-        ParallelContext::local(None, self.config.vocab_size, self.rope.clone())
-    }
-
-    /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on
-    /// [`local_context`](Self::local_context)),
-    /// after the positions in `cache` or of a packed/padded batch with `layout`.
+    /// The single-rank forward ([`crate::families::local_run`]), after the positions in
+    /// `cache` or of a packed/padded batch with `layout`.
     fn run(
         &self,
         input_ids: Tensor<2, Int>,
         cache: Option<&mut KvCache>,
         layout: Option<&SequenceLayout>,
     ) -> Result<Tensor<3>, ModelError> {
-        let ctx = self.local_context()?;
-        let mut trace = RouterTrace::new(1.0);
-        Ok(ctx
-            .logits(self, input_ids, layout, cache, &mut trace)?
-            .logits)
+        Ok(
+            crate::families::local_run(self, input_ids, layout, cache, None)?
+                .0
+                .logits,
+        )
     }
 }
 
-crate::distributed::decoder_stack!(Qwen3ForCausalLM);
+crate::distributed::decoder_stack!(Qwen3ForCausalLM, Qwen3DecoderLayer);
 
-impl crate::distributed::ShardModel for Qwen3ForCausalLM {
+impl ShardModel for Qwen3ForCausalLM {
     type Config = Qwen3Config;
 
     fn template(config: &Qwen3Config, device: &Device) -> Result<Self, ModelError> {
@@ -225,37 +198,28 @@ impl crate::distributed::ShardModel for Qwen3ForCausalLM {
     }
 
     fn stack_shape(config: &Qwen3Config) -> Result<crate::distributed::StackShape, ModelError> {
-        Ok(crate::distributed::StackShape {
-            pipeline: crate::distributed::PipelineModel {
-                layers: config.num_hidden_layers,
-                mtp: 0,
-                tied: config.tie_word_embeddings,
-                hidden: config.hidden_size,
-            },
-            num_experts: None,
-            vocab_size: config.vocab_size,
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
-        })
+        let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
+        Ok(crate::families::stack_shape(config, rope))
+    }
+}
+
+impl LayerParts for Qwen3DecoderLayer {
+    type Attention = Attention;
+
+    fn attention(&self) -> &Attention {
+        &self.self_attn
     }
 
-    fn from_loader(config: &Qwen3Config, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        Self::from_loader(config, loader)
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
     }
 
-    fn copy_fp8_from(&mut self, full: &Self) {
-        for (dst, src) in self.model.layers.select_from_mut(&full.model.layers) {
-            dst.self_attn.fp8 = src.self_attn.fp8;
-            dst.mlp.fp8 = src.mlp.fp8;
-        }
+    fn dense_mlp(&self) -> Option<&Mlp> {
+        Some(&self.mlp)
     }
 
-    fn into_single_rank(mut self) -> Result<Self, ModelError> {
-        let config = self.config.clone();
-        for layer in self.model.layers.iter_mut() {
-            layer.self_attn.num_heads = config.num_attention_heads;
-            layer.self_attn.num_kv_heads = config.num_key_value_heads;
-        }
-        Ok(self)
+    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
+        Some(&mut self.mlp)
     }
 }
 
@@ -381,6 +345,10 @@ impl crate::config::FamilyConfig for Qwen3Config {
 
     fn experts(&self) -> Option<(usize, usize)> {
         None
+    }
+
+    fn tie_word_embeddings(&self) -> bool {
+        self.tie_word_embeddings
     }
 
     fn sizes(&self) -> crate::config::ConfigSizes {

@@ -8,8 +8,8 @@ use serde_json::{Map, Value};
 
 use crate::ModelError;
 use crate::config::RopeParameters;
-use crate::config::de;
 use crate::config::rope::{self, RopeJson, RopeKeys};
+use crate::config::{check, de};
 
 /// HF `Qwen3MoeConfig` class defaults (transformers 5.23 `configuration_qwen3_moe.py`).
 mod hf_default {
@@ -200,12 +200,7 @@ impl Qwen3MoeConfig {
 
     /// Reads and parses a `config.json` file; errors carry the path.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text).map_err(|e| e.in_file(path))
+        check::read_config_file(path.as_ref(), Self::from_json_str)
     }
 
     /// Parses the text of a `config.json` and validates it.
@@ -228,23 +223,8 @@ impl Qwen3MoeConfig {
             ("decoder_sparse_step", self.decoder_sparse_step),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
-        for (field, value) in positive {
-            if value == 0 {
-                return Err(ModelError::invalid(field, "must be positive, got 0"));
-            }
-        }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
-            return Err(ModelError::invalid(
-                "num_key_value_heads",
-                format!(
-                    "{} does not divide num_attention_heads = {}",
-                    self.num_key_value_heads, self.num_attention_heads
-                ),
-            ));
-        }
+        check::positive(&positive)?;
+        check::kv_heads_divide(self.num_attention_heads, self.num_key_value_heads)?;
         if self.num_experts > 0 {
             if self.moe_intermediate_size == 0 {
                 return Err(ModelError::invalid(
@@ -262,21 +242,8 @@ impl Qwen3MoeConfig {
                 ));
             }
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(ModelError::invalid(
-                "rms_norm_eps",
-                format!("must be a positive number, got {}", self.rms_norm_eps),
-            ));
-        }
-        if !(self.router_aux_loss_coef.is_finite() && self.router_aux_loss_coef >= 0.0) {
-            return Err(ModelError::invalid(
-                "router_aux_loss_coef",
-                format!(
-                    "must be a non-negative number, got {}",
-                    self.router_aux_loss_coef
-                ),
-            ));
-        }
+        check::positive_number("rms_norm_eps", self.rms_norm_eps)?;
+        check::non_negative_number("router_aux_loss_coef", self.router_aux_loss_coef)?;
         Ok(())
     }
 
@@ -318,7 +285,7 @@ impl TryFrom<Qwen3MoeJson> for Qwen3MoeConfig {
         };
         let head_dim = match j.head_dim {
             Some(hd) => hd,
-            None => derived_head_dim(j.hidden_size, j.num_attention_heads)?,
+            None => check::derived_head_dim(j.hidden_size, j.num_attention_heads)?,
         };
         let rope = RopeKeys {
             rope_theta: j.rope_theta,
@@ -395,26 +362,6 @@ impl From<Qwen3MoeConfig> for Qwen3MoeJson {
             extra: c.extra,
         }
     }
-}
-
-/// `hidden_size / num_attention_heads`, which must divide exactly.
-fn derived_head_dim(hidden_size: usize, heads: usize) -> Result<usize, ModelError> {
-    if heads == 0 {
-        return Err(ModelError::invalid(
-            "num_attention_heads",
-            "must be positive, got 0",
-        ));
-    }
-    if !hidden_size.is_multiple_of(heads) {
-        return Err(ModelError::invalid(
-            "hidden_size",
-            format!(
-                "{hidden_size} is not divisible by num_attention_heads = {heads} \
-                 (and head_dim is absent)"
-            ),
-        ));
-    }
-    Ok(hidden_size / heads)
 }
 
 #[cfg(test)]

@@ -13,19 +13,18 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::fp8::Fp8Recipe;
 use moe_backend::layer::{MoeLayer, MoeLayerConfig};
-use moe_backend::router::{ScoreFunction, TopKRouter, TopKRouterConfig};
+use moe_backend::router::{ScoreFunction, TopKRouterConfig};
 
 use crate::ModelError;
 use crate::Qwen3MoeConfig;
 use crate::causal_lm::{CausalLm, hf_load_balancing_loss};
 use crate::distributed::{
-    AttentionInputs, ParallelContext, PipelineModel, RouterTrace, ShardModel, StackShape,
+    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel, StackShape,
 };
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
-use crate::param_plan::{Planned, load_with};
 use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
 
@@ -216,27 +215,7 @@ impl Qwen3MoeForCausalLM {
         source: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::from_loader(config, &WeightLoader::new(source, device))
-    }
-
-    /// Builds the model from `w`: the whole model from an unsharded loader, one rank's shard
-    /// at local shapes from a sharded one ([`WeightLoader::sharded`]: TP slices of attention,
-    /// dense MLPs, embedding and head, this rank's experts and their ETP block), zeros at local
-    /// shapes from a skeleton.
-    pub fn from_loader(config: &Qwen3MoeConfig, w: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        config.validate()?;
-        config.attention_config().check_split(w.shard().tp)?;
-        // The model's structure from its own (lazy: nothing is allocated) initialisation,
-        // every parameter then read by its plan entry.
-        let template = match &w.shard().stage {
-            Some(stage) => config.init(w.device())?.select_stage(stage)?,
-            None => config.init(w.device())?,
-        };
-        let mut model = load_with(&template, &Self::parallel_plan(), template.main_layers(), w)?;
-        for layer in &mut model.model.layers {
-            layer.self_attn = layer.self_attn.clone().with_local_heads()?;
-        }
-        Ok(model)
+        <Self as ShardModel>::from_loader(config, &WeightLoader::new(source, device))
     }
 
     /// The configuration the model was built from.
@@ -249,37 +228,8 @@ impl Qwen3MoeForCausalLM {
     /// (`None`). Attention, dense MLPs, the router, embeddings, the LM head and norms stay in high
     /// precision (docs/fp8.md §Selective precision). A training-time choice, so it is not part of
     /// the HF config.
-    pub fn with_fp8_experts(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
-        self.model.layers = self.model.layers.try_map(|layer| {
-            let mlp = match layer.mlp {
-                Qwen3MoeFeedForward::Sparse(block) => {
-                    Qwen3MoeFeedForward::Sparse(Qwen3MoeSparseMoeBlock {
-                        moe: block.moe.with_fp8_experts(recipe)?,
-                    })
-                }
-                dense => dense,
-            };
-            Ok::<_, ModelError>(Qwen3MoeDecoderLayer { mlp, ..layer })
-        })?;
-        Ok(self)
-    }
-
-    /// The same model with the dense linears — every layer's attention projections
-    /// (`q/k/v/o_proj`) and the dense MLPs of `mlp_only_layers` — in FP8 (`Some(recipe)`,
-    /// docs/fp8.md §Recipes) or back in high precision (`None`). The routed experts keep their own
-    /// setting ([`Self::with_fp8_experts`]); the router, embeddings, LM head, norms and the
-    /// attention core stay in high precision (docs/fp8.md §Selective precision).
-    pub fn with_fp8_linears(mut self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
-        if let Some(r) = &recipe {
-            r.validate()?;
-        }
-        for layer in &mut self.model.layers {
-            layer.self_attn.fp8 = recipe;
-            if let Qwen3MoeFeedForward::Dense(mlp) = &mut layer.mlp {
-                mlp.fp8 = recipe;
-            }
-        }
-        Ok(self)
+    pub fn with_fp8_experts(self, recipe: Option<Fp8Recipe>) -> Result<Self, ModelError> {
+        self.with_fp8_layers(recipe, false)
     }
 
     /// Logits and router logits of `input_ids [B, S]` (positions `0..S`, no cache).
@@ -327,20 +277,9 @@ impl Qwen3MoeForCausalLM {
         })
     }
 
-    /// The parallel context of this model at `world = 1` (identity collectives, local
-    /// dispatcher): the single-rank forward is the parallel forward on it.
-    pub fn local_context(&self) -> Result<ParallelContext, ModelError> {
-        ParallelContext::local(
-            Some(self.config.num_experts),
-            self.config.vocab_size,
-            self.rope.clone(),
-        )
-    }
-
-    /// The single-rank forward ([`DecoderStack`](crate::distributed::DecoderStack) on
-    /// [`local_context`](Self::local_context)):
-    /// after the positions in `cache`, or of a packed/padded batch with `layout`; `replay`
-    /// forces every sparse layer's experts (per sparse layer, [`crate::replay`]).
+    /// The single-rank forward ([`crate::families::local_run`]): after the positions in
+    /// `cache`, or of a packed/padded batch with `layout`; `replay` forces every sparse
+    /// layer's experts (per sparse layer, [`crate::replay`]).
     pub(crate) fn run(
         &self,
         input_ids: Tensor<2, Int>,
@@ -348,9 +287,7 @@ impl Qwen3MoeForCausalLM {
         replay: Option<Vec<Tensor<2, Int>>>,
         layout: Option<&SequenceLayout>,
     ) -> Result<Qwen3MoeOutput, ModelError> {
-        let ctx = self.local_context()?;
-        let mut trace = RouterTrace::recording(1.0, replay);
-        let out = ctx.logits(self, input_ids, layout, cache, &mut trace)?;
+        let (out, trace) = crate::families::local_run(self, input_ids, layout, cache, replay)?;
         Ok(Qwen3MoeOutput {
             logits: out.logits,
             router_logits: trace.logits,
@@ -359,7 +296,7 @@ impl Qwen3MoeForCausalLM {
     }
 }
 
-crate::distributed::decoder_stack!(Qwen3MoeForCausalLM);
+crate::distributed::decoder_stack!(Qwen3MoeForCausalLM, Qwen3MoeDecoderLayer);
 
 impl ShardModel for Qwen3MoeForCausalLM {
     type Config = Qwen3MoeConfig;
@@ -377,82 +314,56 @@ impl ShardModel for Qwen3MoeForCausalLM {
     }
 
     fn stack_shape(config: &Qwen3MoeConfig) -> Result<StackShape, ModelError> {
-        Ok(StackShape {
-            pipeline: PipelineModel {
-                layers: config.num_hidden_layers,
-                mtp: 0,
-                tied: config.tie_word_embeddings,
-                hidden: config.hidden_size,
-            },
-            num_experts: Some(config.num_experts),
-            vocab_size: config.vocab_size,
-            rope: RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?,
-        })
-    }
-
-    fn from_loader(config: &Qwen3MoeConfig, loader: &WeightLoader<'_>) -> Result<Self, ModelError> {
-        Self::from_loader(config, loader)
-    }
-
-    fn copy_fp8_from(&mut self, full: &Self) {
-        for (dst, src) in self.model.layers.select_from_mut(&full.model.layers) {
-            dst.self_attn.fp8 = src.self_attn.fp8;
-            match (&mut dst.mlp, &src.mlp) {
-                (Qwen3MoeFeedForward::Dense(d), Qwen3MoeFeedForward::Dense(s)) => d.fp8 = s.fp8,
-                (Qwen3MoeFeedForward::Sparse(d), Qwen3MoeFeedForward::Sparse(s)) => {
-                    d.moe.experts.fp8 = s.moe.experts.fp8;
-                }
-                _ => {}
-            }
-        }
-    }
-
-    fn moe_layers_in(&self, layers: std::ops::Range<usize>) -> usize {
-        (self.model.layers.get(layers).unwrap_or_default().iter())
-            .filter(|l| matches!(l.mlp, Qwen3MoeFeedForward::Sparse(_)))
-            .count()
-    }
-
-    fn routers_mut(&mut self) -> Vec<&mut TopKRouter> {
-        (self.model.layers.iter_mut())
-            .filter_map(|layer| match &mut layer.mlp {
-                Qwen3MoeFeedForward::Sparse(block) => Some(&mut block.moe.router),
-                Qwen3MoeFeedForward::Dense(_) => None,
-            })
-            .collect()
+        let rope = RotaryEmbedding::new(&config.rope_parameters, config.head_dim)?;
+        Ok(crate::families::stack_shape(config, rope))
     }
 
     fn replay_spec(&self) -> Option<ReplaySpec> {
-        let c = &self.config;
-        Some(ReplaySpec {
-            model_type: crate::Qwen3MoeConfig::MODEL_TYPE,
-            moe_layers: (0..c.num_hidden_layers)
-                .filter(|&i| c.is_moe_layer(i))
-                .collect(),
-            mtp_layers: Vec::new(),
-            topk: c.num_experts_per_tok,
-            num_experts: c.num_experts,
-        })
+        crate::families::replay_spec::<Qwen3Moe>(&self.config)
     }
 
     fn with_fp8(self, recipe: Fp8Recipe, linears: bool) -> Result<Self, ModelError> {
-        let model = self.with_fp8_experts(Some(recipe))?;
-        match linears {
-            true => model.with_fp8_linears(Some(recipe)),
-            false => Ok(model),
+        self.with_fp8_layers(Some(recipe), linears)
+    }
+}
+
+impl LayerParts for Qwen3MoeDecoderLayer {
+    type Attention = Attention;
+
+    fn attention(&self) -> &Attention {
+        &self.self_attn
+    }
+
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
+    }
+
+    fn moe(&self) -> Option<&MoeLayer> {
+        match &self.mlp {
+            Qwen3MoeFeedForward::Sparse(block) => Some(&block.moe),
+            Qwen3MoeFeedForward::Dense(_) => None,
         }
     }
 
-    fn into_single_rank(mut self) -> Result<Self, ModelError> {
-        let config = self.config.clone();
-        for layer in self.model.layers.iter_mut() {
-            layer.self_attn.num_heads = config.num_attention_heads;
-            layer.self_attn.num_kv_heads = config.num_key_value_heads;
+    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        match &mut self.mlp {
+            Qwen3MoeFeedForward::Sparse(block) => Some(&mut block.moe),
+            Qwen3MoeFeedForward::Dense(_) => None,
         }
-        for router in ShardModel::routers_mut(&mut self) {
-            router.set_losses(Vec::new(), None, 1, 1)?;
+    }
+
+    fn dense_mlp(&self) -> Option<&Mlp> {
+        match &self.mlp {
+            Qwen3MoeFeedForward::Dense(mlp) => Some(mlp),
+            Qwen3MoeFeedForward::Sparse(_) => None,
         }
-        Ok(self)
+    }
+
+    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
+        match &mut self.mlp {
+            Qwen3MoeFeedForward::Dense(mlp) => Some(mlp),
+            Qwen3MoeFeedForward::Sparse(_) => None,
+        }
     }
 }
 
@@ -576,6 +487,14 @@ impl crate::config::FamilyConfig for Qwen3MoeConfig {
 
     fn experts(&self) -> Option<(usize, usize)> {
         Some((self.num_experts, self.num_experts_per_tok))
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        Self::is_moe_layer(self, layer)
+    }
+
+    fn tie_word_embeddings(&self) -> bool {
+        self.tie_word_embeddings
     }
 
     fn sizes(&self) -> crate::config::ConfigSizes {
