@@ -12,11 +12,12 @@
 //! 1. [`Planned`]: its **parallel plan**, declared with the same row builders as the built-in
 //!    models ([`rows`]): which parameters are split over TP, EP × ETP or replicated, and how
 //!    each gradient is reduced (and the HF names checkpoints and exports use);
-//! 2. [`DecoderStack`]: its embedding, blocks, final norm and head (one macro line for a
+//! 2. [`DecoderStack`](burn_moe::models::distributed::DecoderStack): its embedding, blocks, final norm and head (one macro line for a
 //!    model with these parts as fields; the block's **forward** is the model's own code);
 //! 3. [`ShardModel`]: its config's shape, its lazily built template and pipeline stages
 //!    (loading, checkpoints and the planner cut them by the plan) and its blocks;
-//! 4. [`LayerParts`]: a block's attention and MoE layer (loading, FP8 and the routers read them).
+//! 4. [`LayerParts`](burn_moe::models::distributed::LayerParts): a block's attention and MoE layer (loading, FP8 and the routers read them;
+//!    one macro line for a block with these parts as fields).
 //!
 //! The one generic sharded model ([`burn_moe::models::distributed::Sharded`]) and the
 //! [`Trainer`] then do the rest. `main` trains it on 4 in-process ranks with attention
@@ -36,8 +37,8 @@ use burn_moe::backend::router::TopKRouterConfig;
 use burn_moe::models::ModelError;
 use burn_moe::models::config::RopeParameters;
 use burn_moe::models::distributed::{
-    AttentionInputs, CausalLmShard, LayerParts, ParallelContext, PipelineModel, RouterTrace,
-    ShardModel, StackShape,
+    AttentionInputs, CausalLmShard, ParallelContext, PipelineModel, RouterTrace, ShardModel,
+    StackShape,
 };
 use burn_moe::models::layers::{
     Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig, RotaryEmbedding,
@@ -228,27 +229,9 @@ impl ShardModel for ParallelBlockMoe {
     }
 }
 
-/// 4. What the generic shard code reads of a block: its attention and its MoE layer (loading
-///    fixes the attention's local heads; the routers, FP8 and gathering follow from these).
-impl LayerParts for ParallelBlock {
-    type Attention = Attention;
-
-    fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
-    }
-
-    fn moe(&self) -> Option<&MoeLayer> {
-        Some(&self.moe)
-    }
-
-    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
-        Some(&mut self.moe)
-    }
-}
+// 4. What the generic shard code reads of a block: its attention and its MoE layer (loading
+//    fixes the attention's local heads; the routers, FP8 and gathering follow from these).
+burn_moe::models::layer_parts!(ParallelBlock, Attention, attention = self_attn, moe = moe);
 
 /// Tokens per sequence.
 pub const SEQ: usize = 16;

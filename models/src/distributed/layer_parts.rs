@@ -120,6 +120,45 @@ pub trait LayerParts: Module {
     }
 }
 
+/// [`LayerParts`] of a decoder layer whose parts are plain fields:
+/// `layer_parts!(Layer, Attention, attention = self_attn, moe = moe)` (an MoE layer) or
+/// `layer_parts!(Layer, Attention, attention = self_attn, mlp = mlp)` (a dense one); a layer
+/// whose feed-forward block is one of several kinds implements the trait itself.
+#[macro_export]
+macro_rules! layer_parts {
+    ($layer:ty, $attention:ty, attention = $attn:ident $(, moe = $moe:ident)? $(, mlp = $mlp:ident)? $(,)?) => {
+        impl $crate::distributed::LayerParts for $layer {
+            type Attention = $attention;
+
+            fn attention(&self) -> &$attention {
+                &self.$attn
+            }
+
+            fn attention_mut(&mut self) -> &mut $attention {
+                &mut self.$attn
+            }
+            $(
+            fn moe(&self) -> Option<&$crate::distributed::MoeLayer> {
+                Some(&self.$moe)
+            }
+
+            fn moe_mut(&mut self) -> Option<&mut $crate::distributed::MoeLayer> {
+                Some(&mut self.$moe)
+            }
+            )?
+            $(
+            fn dense_mlp(&self) -> Option<&$crate::layers::Mlp> {
+                Some(&self.$mlp)
+            }
+
+            fn dense_mlp_mut(&mut self) -> Option<&mut $crate::layers::Mlp> {
+                Some(&mut self.$mlp)
+            }
+            )?
+        }
+    };
+}
+
 /// Copies the FP8 settings of `src` (the whole model's layer) onto `dst` (its shard):
 /// attention projections, dense MLP and routed experts.
 pub(crate) fn copy_layer_fp8<L: LayerParts>(dst: &mut L, src: &L) {

@@ -56,6 +56,9 @@ pub use stack::{AttentionInputs, DecoderStack, SelfAttention, StackLogits};
 
 pub use gather::{gather_full, gather_planned};
 pub use layer_parts::{LayerParts, ShardAttention};
+/// The MoE block [`LayerParts::moe`] returns (moe-backend's, re-exported for
+/// [`layer_parts!`](crate::layer_parts)).
+pub use moe_backend::layer::MoeLayer;
 /// How a canonical tensor is split over the ranks of one pipeline stage (moe-bridge's type).
 pub use moe_bridge::dist::ShardRule;
 pub use shard_model::{ShardModel, Sharded, StackShape};

@@ -19,9 +19,7 @@ use moe_backend::router::{ScoreFunction, TopKRouterConfig};
 use super::config::MixtralConfig;
 use crate::ModelError;
 use crate::causal_lm::{CausalLm, LmLosses, causal_lm_loss, hf_load_balancing_loss};
-use crate::distributed::{
-    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel, StackShape,
-};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace, ShardModel, StackShape};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, LayerStack, RmsNorm, RmsNormConfig};
@@ -265,25 +263,12 @@ impl ShardModel for MixtralForCausalLM {
     }
 }
 
-impl LayerParts for MixtralDecoderLayer {
-    type Attention = Attention;
-
-    fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
-    }
-
-    fn moe(&self) -> Option<&MoeLayer> {
-        Some(&self.block_sparse_moe)
-    }
-
-    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
-        Some(&mut self.block_sparse_moe)
-    }
-}
+crate::layer_parts!(
+    MixtralDecoderLayer,
+    Attention,
+    attention = self_attn,
+    moe = block_sparse_moe
+);
 
 impl CausalLm for MixtralForCausalLM {
     fn vocab_size(&self) -> usize {

@@ -13,7 +13,7 @@ use burn::tensor::{Device, Int, Tensor};
 use crate::ModelError;
 use crate::Qwen3Config;
 use crate::causal_lm::CausalLm;
-use crate::distributed::{AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace, ShardModel};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
 use crate::layers::{Attention, AttentionConfig, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
@@ -203,25 +203,12 @@ impl ShardModel for Qwen3ForCausalLM {
     }
 }
 
-impl LayerParts for Qwen3DecoderLayer {
-    type Attention = Attention;
-
-    fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
-    }
-
-    fn dense_mlp(&self) -> Option<&Mlp> {
-        Some(&self.mlp)
-    }
-
-    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
-        Some(&mut self.mlp)
-    }
-}
+crate::layer_parts!(
+    Qwen3DecoderLayer,
+    Attention,
+    attention = self_attn,
+    mlp = mlp
+);
 
 impl CausalLm for Qwen3ForCausalLM {
     fn vocab_size(&self) -> usize {
