@@ -76,7 +76,10 @@ impl ShardAttention for Mla {
         if self.o_proj.bias.is_some() && tp > 1 {
             return Err(ModelError::layout(
                 "tp",
-                "`o_proj` is row-parallel with a bias, which tp > 1 does not support",
+                format!(
+                    "`{}` is row-parallel with a bias, which tp > 1 does not support",
+                    crate::param_plan::hf_names::O_PROJ
+                ),
             ));
         }
         Ok(())
