@@ -125,10 +125,41 @@ pub trait LayerParts: Module {
 
 /// [`LayerParts`] of a decoder layer whose parts are plain fields:
 /// `layer_parts!(Layer, Attention, attention = self_attn, moe = moe)` (an MoE layer) or
-/// `layer_parts!(Layer, Attention, attention = self_attn, mlp = mlp)` (a dense one); a layer
-/// whose feed-forward block is one of several kinds implements the trait itself.
+/// `layer_parts!(Layer, Attention, attention = self_attn, mlp = mlp)` (a dense one), or
+/// `layer_parts!(Layer, Attention, attention = self_attn, ffn = mlp)` where the field is either
+/// kind and says which through `moe()` / `moe_mut()` / `dense()` / `dense_mut()` (the
+/// DeepSeek-style block of `families::blocks`); other layers implement the trait themselves.
 #[macro_export]
 macro_rules! layer_parts {
+    ($layer:ty, $attention:ty, attention = $attn:ident, ffn = $ffn:ident $(,)?) => {
+        impl $crate::distributed::LayerParts for $layer {
+            type Attention = $attention;
+
+            fn attention(&self) -> &$attention {
+                &self.$attn
+            }
+
+            fn attention_mut(&mut self) -> &mut $attention {
+                &mut self.$attn
+            }
+
+            fn moe(&self) -> Option<&$crate::distributed::MoeLayer> {
+                self.$ffn.moe()
+            }
+
+            fn moe_mut(&mut self) -> Option<&mut $crate::distributed::MoeLayer> {
+                self.$ffn.moe_mut()
+            }
+
+            fn dense_mlp(&self) -> Option<&$crate::layers::Mlp> {
+                self.$ffn.dense()
+            }
+
+            fn dense_mlp_mut(&mut self) -> Option<&mut $crate::layers::Mlp> {
+                self.$ffn.dense_mut()
+            }
+        }
+    };
     ($layer:ty, $attention:ty, attention = $attn:ident $(, moe = $moe:ident)? $(, mlp = $mlp:ident)? $(,)?) => {
         impl $crate::distributed::LayerParts for $layer {
             type Attention = $attention;

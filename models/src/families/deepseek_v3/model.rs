@@ -14,19 +14,17 @@
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
-use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use moe_backend::layer::MoeLayerConfig;
 
 use crate::DeepseekV3Config;
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
-use crate::distributed::{
-    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel, StackShape,
-};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace, ShardModel, StackShape};
 use crate::families::blocks::mtp::MtpModule;
 use crate::layers::kv_cache::KvCache;
 use crate::layers::mla::{Mla, MlaConfig, mla_softmax_scale};
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{LayerStack, Mlp, MlpConfig, RmsNorm, RmsNormConfig};
+use crate::layers::{LayerStack, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
@@ -345,33 +343,12 @@ impl ShardModel for DeepseekV3ForCausalLM {
     }
 }
 
-impl LayerParts for DeepseekV3DecoderLayer {
-    type Attention = Mla;
-
-    fn attention(&self) -> &Mla {
-        &self.self_attn
-    }
-
-    fn attention_mut(&mut self) -> &mut Mla {
-        &mut self.self_attn
-    }
-
-    fn moe(&self) -> Option<&MoeLayer> {
-        self.mlp.moe()
-    }
-
-    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
-        self.mlp.moe_mut()
-    }
-
-    fn dense_mlp(&self) -> Option<&Mlp> {
-        self.mlp.dense()
-    }
-
-    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
-        self.mlp.dense_mut()
-    }
-}
+crate::layer_parts!(
+    DeepseekV3DecoderLayer,
+    Mla,
+    attention = self_attn,
+    ffn = mlp
+);
 
 impl CausalLm for DeepseekV3ForCausalLM {
     fn vocab_size(&self) -> usize {

@@ -15,21 +15,17 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use moe_backend::fp8::Fp8Recipe;
-use moe_backend::layer::{MoeLayer, MoeLayerConfig};
+use moe_backend::layer::MoeLayerConfig;
 
 use super::config::Glm4MoeConfig;
 use crate::ModelError;
 use crate::causal_lm::CausalLm;
-use crate::distributed::{
-    AttentionInputs, LayerParts, ParallelContext, RouterTrace, ShardModel, StackShape,
-};
+use crate::distributed::{AttentionInputs, ParallelContext, RouterTrace, ShardModel, StackShape};
 use crate::families::blocks::moe::{MoeBlock, MoeFeedForward, MoeRouting};
 use crate::families::blocks::mtp::{MtpBlock, MtpModule};
 use crate::layers::kv_cache::KvCache;
 use crate::layers::rope::RotaryEmbedding;
-use crate::layers::{
-    Attention, AttentionConfig, LayerStack, Mlp, MlpConfig, RmsNorm, RmsNormConfig,
-};
+use crate::layers::{Attention, AttentionConfig, LayerStack, MlpConfig, RmsNorm, RmsNormConfig};
 use crate::packing::SequenceLayout;
 use crate::routing::ReplaySpec;
 use crate::weights::{WeightLoader, WeightSource};
@@ -343,33 +339,12 @@ impl ShardModel for Glm4MoeForCausalLM {
     }
 }
 
-impl LayerParts for Glm4MoeDecoderLayer {
-    type Attention = Attention;
-
-    fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
-    }
-
-    fn moe(&self) -> Option<&MoeLayer> {
-        self.mlp.moe()
-    }
-
-    fn moe_mut(&mut self) -> Option<&mut MoeLayer> {
-        self.mlp.moe_mut()
-    }
-
-    fn dense_mlp(&self) -> Option<&Mlp> {
-        self.mlp.dense()
-    }
-
-    fn dense_mlp_mut(&mut self) -> Option<&mut Mlp> {
-        self.mlp.dense_mut()
-    }
-}
+crate::layer_parts!(
+    Glm4MoeDecoderLayer,
+    Attention,
+    attention = self_attn,
+    ffn = mlp
+);
 
 impl CausalLm for Glm4MoeForCausalLM {
     fn vocab_size(&self) -> usize {
