@@ -3,7 +3,7 @@
 //!
 //! `embed_tokens → [input_layernorm → MLA → residual → post_attention_layernorm → MLP or MoE →
 //! residual] × N → norm → lm_head`. Layers `0..first_k_dense_replace` use a dense SwiGLU MLP;
-//! the others the MoE block: moe-backend's [`MoeLayer`] with a sigmoid router, group-limited
+//! the others the MoE block: moe-backend's [`MoeLayer`](moe_backend::layer::MoeLayer) with a sigmoid router, group-limited
 //! top-k (group score = sum of the top 2, `topk_group` groups kept, −inf elsewhere),
 //! `e_score_correction_bias` for the selection only, weights renormalised
 //! (`norm_topk_prob`) and scaled by `routed_scaling_factor`, plus the shared experts.
