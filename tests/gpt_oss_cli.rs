@@ -286,18 +286,24 @@ fn a_trained_mxfp4_checkpoint_exports_the_dequantised_release_and_loads_back() {
     }
     assert_eq!(trained, names.len(), "two steps moved every tensor");
     // The export is a gpt-oss checkpoint again: it loads and runs.
+    logits_run(&hf, "gpt_oss_mxfp4", &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `moe logits` of the exported directory `hf` on the input ids of golden `golden_name` runs
+/// (the export is a gpt-oss checkpoint again: it loads and runs); output under `dir`.
+fn logits_run(hf: &Path, golden_name: &str, dir: &Path) {
     let out = dir.join("logits.safetensors");
-    let golden = golden("gpt_oss_mxfp4");
-    ok(&[
+    let golden = golden(golden_name);
+    let args = [
         "logits",
         "--model",
-        path(&hf),
+        path(hf),
         "--input",
         path(&golden),
         "--out",
-        path(&out),
-    ]);
-    let _ = std::fs::remove_dir_all(&dir);
+    ];
+    ok(&[&args[..], &[path(&out)]].concat());
 }
 
 /// The values of HF tensor `name` of release directory `release` as the model sees them: a
@@ -609,17 +615,7 @@ fn a_trained_checkpoint_exports_mxfp4_as_the_ocp_quantisation_of_its_weights() {
         read_config(&hf)["quantization_config"],
         read_config(&release)["quantization_config"]
     );
-    let out = dir.join("logits.safetensors");
-    let golden = golden("gpt_oss_mxfp4");
-    let args = [
-        "logits",
-        "--model",
-        path(&hf),
-        "--input",
-        path(&golden),
-        "--out",
-    ];
-    ok(&[&args[..], &[path(&out)]].concat());
+    logits_run(&hf, "gpt_oss_mxfp4", &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -654,17 +650,7 @@ fn the_dense_fixture_exports_mxfp4_experts() {
     assert_eq!(packed, 8);
     let config = read_config(&hf);
     assert_eq!(config["quantization_config"]["quant_method"], "mxfp4");
-    let out = dir.join("logits.safetensors");
-    let golden = golden("gpt_oss");
-    let args = [
-        "logits",
-        "--model",
-        path(&hf),
-        "--input",
-        path(&golden),
-        "--out",
-    ];
-    ok(&[&args[..], &[path(&out)]].concat());
+    logits_run(&hf, "gpt_oss", &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -109,10 +109,10 @@ pub trait Family: Send + Sync + 'static {
 
     /// This family's `config.json` for the dense `source` config (of family
     /// [`UPCYCLED_FROM`](Family::UPCYCLED_FROM)) upcycled to `moe`: the dense fields copied, the
-    /// MoE fields set. Called only for a family with `UPCYCLED_FROM`; the default copies `source`.
-    fn upcycled_config(source: &serde_json::Value, moe: UpcycledMoe) -> serde_json::Value {
-        let _ = moe;
-        source.clone()
+    /// MoE fields set. `None` (the default) for a family nothing upcycles into.
+    fn upcycled_config(source: &serde_json::Value, moe: UpcycledMoe) -> Option<serde_json::Value> {
+        let _ = (source, moe);
+        None
     }
 
     /// Logits of `input_ids [B, S]` and the losses HF reports for `labels` (`[B, S]`, −100
@@ -292,11 +292,10 @@ macro_rules! families {
             moe: UpcycledMoe,
         ) -> Option<(&'static str, serde_json::Value)> {
             $(
-                if <$family as Family>::UPCYCLED_FROM == Some(dense_model_type) {
-                    return Some((
-                        <$family as Family>::MODEL_TYPE,
-                        <$family as Family>::upcycled_config(source, moe),
-                    ));
+                if <$family as Family>::UPCYCLED_FROM == Some(dense_model_type)
+                    && let Some(config) = <$family as Family>::upcycled_config(source, moe)
+                {
+                    return Some((<$family as Family>::MODEL_TYPE, config));
                 }
             )+
             None

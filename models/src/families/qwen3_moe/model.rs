@@ -570,7 +570,7 @@ impl crate::family::Family for Qwen3Moe {
     fn upcycled_config(
         source: &serde_json::Value,
         moe: crate::families::UpcycledMoe,
-    ) -> serde_json::Value {
+    ) -> Option<serde_json::Value> {
         use serde_json::json;
         let mut config = source.clone();
         if let serde_json::Value::Object(map) = &mut config {
@@ -589,6 +589,6 @@ impl crate::family::Family for Qwen3Moe {
                 map.insert(key.to_owned(), value);
             }
         }
-        config
+        Some(config)
     }
 }

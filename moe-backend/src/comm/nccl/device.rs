@@ -718,68 +718,49 @@ fn issue_p2p(
         // in this frame, until the stream's work is done or the communicator is aborted
         // (`wait` below); `check_p2p_bounds` proved every length inside its buffer; `raw` is
         // this group's communicator, used under the group's lock only.
-        match *call {
-            P2pCall::SendHeader { peer, send } => {
-                let at = staged_ptr.ok_or_else(missing)? + (send * header) as u64;
-                unsafe {
-                    cudarc::nccl::result::send(
-                        at as *const _,
-                        header,
-                        bytes_type,
-                        peer as i32,
-                        raw,
-                        nccl_stream,
-                    )
-                }
-                .map_err(nccl("ncclSend"))?;
-            }
-            P2pCall::Send { peer, send, bytes } => {
-                unsafe {
-                    cudarc::nccl::result::send(
-                        src[send] as *const _,
-                        bytes,
-                        bytes_type,
-                        peer as i32,
-                        raw,
-                        nccl_stream,
-                    )
-                }
-                .map_err(nccl("ncclSend"))?;
-            }
-            P2pCall::RecvHeader { peer, recv } => {
-                let at = landing_ptr.ok_or_else(missing)? + (recv * header) as u64;
-                unsafe {
-                    cudarc::nccl::result::recv(
-                        at as *mut _,
-                        header,
-                        bytes_type,
-                        peer as i32,
-                        raw,
-                        nccl_stream,
-                    )
-                }
-                .map_err(nccl("ncclRecv"))?;
-            }
-            P2pCall::Recv { peer, recv, bytes } => {
-                unsafe {
-                    cudarc::nccl::result::recv(
-                        dst[recv] as *mut _,
-                        bytes,
-                        bytes_type,
-                        peer as i32,
-                        raw,
-                        nccl_stream,
-                    )
-                }
-                .map_err(nccl("ncclRecv"))?;
-            }
+        // (send?, device address, bytes, peer) of the call, or a local copy.
+        let (is_send, at, bytes, peer) = match *call {
+            P2pCall::SendHeader { peer, send } => (
+                true,
+                staged_ptr.ok_or_else(missing)? + (send * header) as u64,
+                header,
+                peer,
+            ),
+            P2pCall::Send { peer, send, bytes } => (true, src[send], bytes, peer),
+            P2pCall::RecvHeader { peer, recv } => (
+                false,
+                landing_ptr.ok_or_else(missing)? + (recv * header) as u64,
+                header,
+                peer,
+            ),
+            P2pCall::Recv { peer, recv, bytes } => (false, dst[recv], bytes, peer),
             P2pCall::Copy { send, recv, bytes } => {
                 // Stream-ordered with the group's transfers on the same stream.
                 unsafe {
                     cudarc::driver::result::memcpy_dtod_async(dst[recv], src[send], bytes, cu)
                 }
                 .map_err(cuda("a device-to-device copy"))?;
+                continue;
             }
+        };
+        let peer = peer as i32;
+        if is_send {
+            unsafe {
+                cudarc::nccl::result::send(
+                    at as *const _,
+                    bytes,
+                    bytes_type,
+                    peer,
+                    raw,
+                    nccl_stream,
+                )
+            }
+            .map_err(nccl("ncclSend"))?;
+        } else {
+            unsafe {
+                cudarc::nccl::result::recv(at as *mut _, bytes, bytes_type, peer, raw, nccl_stream)
+            }
+            .map_err(nccl("ncclRecv"))?;
         }
     }
     group.end().map_err(nccl("ncclGroupEnd"))?;
